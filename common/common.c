@@ -1,0 +1,120 @@
+/*
+ * common.c - status strings, thread-local error messages, logging and clocks.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "pdm.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+const char *pdm_strerror(int status)
+{
+    switch (status) {
+    case PDM_OK:
+        return "success";
+#define PDM__ERR_CASE(name, code, msg)                                                         \
+    case code:                                                                                 \
+        return msg;
+        PDM_ERRNO_MAP(PDM__ERR_CASE)
+#undef PDM__ERR_CASE
+    default:
+        break;
+    }
+    if (status < 0 && status > -4096) return strerror(-status);
+    return status > 0 ? "in progress" : "unknown error";
+}
+
+static _Thread_local char pdm__err_msg[1024];
+static _Thread_local int pdm__err_status;
+
+int pdm_error_set(int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(pdm__err_msg, sizeof(pdm__err_msg), fmt, ap);
+    va_end(ap);
+    pdm__err_status = status;
+    return status;
+}
+
+const char *pdm_error_last(void)
+{
+    if (pdm__err_msg[0]) return pdm__err_msg;
+    return pdm_strerror(pdm__err_status);
+}
+
+void pdm_error_clear(void)
+{
+    pdm__err_msg[0] = '\0';
+    pdm__err_status = 0;
+}
+
+static int pdm__log_level = -1;
+
+static int pdm__log_level_get(void)
+{
+    if (pdm__log_level < 0) {
+        const char *env = getenv("PDMESH_LOG");
+        int level = PDM_LOG_WARN;
+        if (env) {
+            if (!strcasecmp(env, "error")) level = PDM_LOG_ERROR;
+            else if (!strcasecmp(env, "info")) level = PDM_LOG_INFO;
+            else if (!strcasecmp(env, "debug")) level = PDM_LOG_DEBUG;
+        }
+        pdm__log_level = level;
+    }
+    return pdm__log_level;
+}
+
+void pdm_log_set_level(pdm_log_level_t level) { pdm__log_level = (int)level; }
+
+int pdm_log_enabled(pdm_log_level_t level) { return (int)level <= pdm__log_level_get(); }
+
+void pdm_log(pdm_log_level_t level, const char *fmt, ...)
+{
+    static const char *names[] = {"error", "warn", "info", "debug"};
+    if (!pdm_log_enabled(level)) return;
+    char line[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+    /* One write per line so that lines from several processes do not interleave. */
+    fprintf(stderr, "pdmesh %s: %s\n", names[level], line);
+}
+
+double pdm_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int pdm_parse_long(const char *s, long min, long max, long *out)
+{
+    if (!s || !*s) return PDM_EINVAL;
+    char *end = NULL;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (*end != '\0') return PDM_EINVAL;
+    if (errno == ERANGE || v < min || v > max) return PDM_ERANGE;
+    *out = v;
+    return PDM_OK;
+}
+
+int pdm_parse_double(const char *s, double min, double max, double *out)
+{
+    if (!s || !*s) return PDM_EINVAL;
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (*end != '\0' || isnan(v)) return PDM_EINVAL;
+    if (errno == ERANGE || v < min || v > max) return PDM_ERANGE;
+    *out = v;
+    return PDM_OK;
+}

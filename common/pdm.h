@@ -1,0 +1,92 @@
+/*
+ * pdm.h - the common layer of pdmesh: status codes, error messages, logging, clocks.
+ *
+ * Every function in pdmesh that can fail returns a pdm status: 0 is success, a positive value
+ * means "in progress", a negative value is an error. System errors pass through as -errno.
+ * Besides the code, the place that first detects an error records a human-readable message
+ * (pdm_error_set); callers higher up print pdm_error_last() to the user. The message is
+ * thread-local, so concurrent threads never see each other's messages.
+ */
+#ifndef PDM_H
+#define PDM_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* One list produces the enum and the strings. Codes start far below -4095 so that they can
+ * never collide with a negated errno value. */
+#define PDM_ERRNO_MAP(X)                                                                        \
+    X(INVAL, -5000, "invalid argument")                                                        \
+    X(NOMEM, -5001, "out of memory")                                                           \
+    X(IO, -5002, "input/output error")                                                         \
+    X(FORMAT, -5003, "malformed input")                                                        \
+    X(UNSUPPORTED, -5004, "unsupported")                                                       \
+    X(RANGE, -5005, "value out of range")                                                      \
+    X(NOTFOUND, -5006, "not found")                                                            \
+    X(TIMEOUT, -5007, "timed out")                                                             \
+    X(CANCELED, -5008, "canceled")                                                             \
+    X(OVERFLOW, -5009, "capacity exceeded")                                                    \
+    X(PEER, -5010, "peer failure")                                                             \
+    X(CHECKSUM, -5011, "checksum mismatch")                                                    \
+    X(STATE, -5012, "operation not valid in the current state")
+
+typedef enum {
+    PDM_OK = 0,
+#define PDM__ERR_ENUM(name, code, msg) PDM_E##name = code,
+    PDM_ERRNO_MAP(PDM__ERR_ENUM)
+#undef PDM__ERR_ENUM
+} pdm_status_t;
+
+/* Returns a static string describing `status` (a pdm code or a negated errno). */
+const char *pdm_strerror(int status);
+
+/* Records a formatted message for the calling thread and returns `status` unchanged, so that
+ * error paths read `return pdm_error_set(PDM_EFORMAT, "%s: bad magic", path);`. */
+int pdm_error_set(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* The calling thread's last recorded message, or the strerror of the last status if no
+ * message was recorded. Never NULL. */
+const char *pdm_error_last(void);
+
+/* Clears the calling thread's message. */
+void pdm_error_clear(void);
+
+/* Logging to stderr. The level comes from PDMESH_LOG (error, warn, info, debug); default warn. */
+typedef enum { PDM_LOG_ERROR = 0, PDM_LOG_WARN, PDM_LOG_INFO, PDM_LOG_DEBUG } pdm_log_level_t;
+
+void pdm_log(pdm_log_level_t level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void pdm_log_set_level(pdm_log_level_t level);
+int pdm_log_enabled(pdm_log_level_t level);
+
+#define pdm_log_error(...) pdm_log(PDM_LOG_ERROR, __VA_ARGS__)
+#define pdm_log_warn(...) pdm_log(PDM_LOG_WARN, __VA_ARGS__)
+#define pdm_log_info(...) pdm_log(PDM_LOG_INFO, __VA_ARGS__)
+#define pdm_log_debug(...)                                                                     \
+    do {                                                                                        \
+        if (pdm_log_enabled(PDM_LOG_DEBUG)) pdm_log(PDM_LOG_DEBUG, __VA_ARGS__);                \
+    } while (0)
+
+/* Monotonic time in seconds. */
+double pdm_now(void);
+
+/* Overflow-checked size arithmetic: return 0 and store the result, or -1 on overflow. */
+static inline int pdm_size_mul(size_t a, size_t b, size_t *out)
+{
+    return __builtin_mul_overflow(a, b, out) ? -1 : 0;
+}
+static inline int pdm_size_add(size_t a, size_t b, size_t *out)
+{
+    return __builtin_add_overflow(a, b, out) ? -1 : 0;
+}
+
+/* Parses a whole decimal integer / float string; returns PDM_EINVAL if `s` is not entirely a
+ * number or PDM_ERANGE if it is outside [min, max]. */
+int pdm_parse_long(const char *s, long min, long max, long *out);
+int pdm_parse_double(const char *s, double min, double max, double *out);
+
+#define PDM_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+#define PDM_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define PDM_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+#endif /* PDM_H */

@@ -1,0 +1,22 @@
+/*
+ * ops_internal.h - pieces shared by the CPU kernel variants (not part of the public API).
+ */
+#ifndef PDM_KERNELS_CPU_OPS_INTERNAL_H
+#define PDM_KERNELS_CPU_OPS_INTERNAL_H
+
+#include "../kernels.h"
+
+/* Storage type the activations take for products with weights of `wtype`. */
+pdm_dtype_t pdm_kern__act_type(pdm_dtype_t wtype);
+size_t pdm_kern__act_bytes(pdm_dtype_t wtype, int64_t cols, int n_tok);
+void pdm_kern__quantize_q8_1_row(const float *x, pdm_block_q8_1_t *b, int64_t n);
+void pdm_kern__quantize_q8_0_row(const float *x, pdm_block_q8_0_t *b, int64_t n);
+int pdm_kern__visible_keys(const pdm_kern_attn_t *a, int32_t qpos);
+void pdm_kern__rope_generic(float *x, int n_heads, int head_dim, int32_t pos, float theta);
+void pdm_kern__attn_merge_generic(float *o1, float *lse1, const float *o2, float lse2, int n);
+void pdm_kern__kv_store_generic(pdm_dtype_t type, const float *src, void *dst, int n);
+
+/* Variants compiled with per-ISA flags; their tables are only used after a CPUID check. */
+extern const pdm_kern_ops_t pdm_kern_ops_avx2;
+
+#endif

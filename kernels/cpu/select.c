@@ -1,0 +1,60 @@
+/*
+ * select.c - picks the kernel variant once, from CPUID or PDMESH_KERNELS.
+ */
+#include "ops_internal.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int pdm__has_avx2(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+}
+
+static const pdm_kern_ops_t *pdm__supported[4];
+static const pdm_kern_ops_t *pdm__chosen;
+static pthread_once_t pdm__once = PTHREAD_ONCE_INIT;
+
+static void pdm__select(void)
+{
+    int n = 0;
+    if (pdm__has_avx2()) pdm__supported[n++] = &pdm_kern_ops_avx2;
+    pdm__supported[n++] = &pdm_kern_ops_generic;
+    pdm__supported[n] = NULL;
+    pdm__chosen = pdm__supported[0];
+
+    const char *env = getenv("PDMESH_KERNELS");
+    if (env && *env) {
+        const pdm_kern_ops_t *want = NULL;
+        for (int i = 0; pdm__supported[i]; i++)
+            if (!strcmp(pdm__supported[i]->name, env)) want = pdm__supported[i];
+        if (want) pdm__chosen = want;
+        else
+            fprintf(stderr, "pdmesh warn: PDMESH_KERNELS=%s is not available on this CPU; "
+                            "using %s\n", env, pdm__chosen->name);
+    }
+}
+
+const pdm_kern_ops_t *pdm_kern_ops_get(void)
+{
+    pthread_once(&pdm__once, pdm__select);
+    return pdm__chosen;
+}
+
+const pdm_kern_ops_t *const *pdm_kern_ops_list(void)
+{
+    pthread_once(&pdm__once, pdm__select);
+    return pdm__supported;
+}
+
+const pdm_kern_ops_t *pdm_kern_ops_find(const char *name)
+{
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    for (int i = 0; list[i]; i++)
+        if (!strcmp(list[i]->name, name)) return list[i];
+    return NULL;
+}

@@ -1,0 +1,162 @@
+/*
+ * kernels.h - the one kernel interface of pdmesh.
+ *
+ * Data types (numbered as in GGUF/ggml so that file tensors map directly), their reference
+ * (de)quantization, an ops table implemented by every backend (scalar reference, AVX2,
+ * AVX-512, CUDA), and a persistent thread pool that splits work across cores.
+ *
+ * This layer depends on nothing else of pdmesh. Functions here never allocate in the hot path.
+ */
+#ifndef PDM_KERNELS_H
+#define PDM_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- Data types ------------------------------------------------------------------------- */
+
+/* Values are the GGUF tensor type ids. */
+typedef enum {
+    PDM_DT_F32 = 0,
+    PDM_DT_F16 = 1,
+    PDM_DT_Q4_0 = 2,
+    PDM_DT_Q4_1 = 3,
+    PDM_DT_Q8_0 = 8,
+    PDM_DT_Q8_1 = 9, /* activations only: 8-bit with per-block scale and sum */
+    PDM_DT_BF16 = 30,
+    PDM_DT_COUNT_ = 31
+} pdm_dtype_t;
+
+#define PDM_QK 32 /* elements per block of every block-quantized type */
+
+/* Block layouts (little-endian, packed as in GGUF files). */
+typedef struct {
+    uint16_t d;             /* f16 scale */
+    uint8_t qs[PDM_QK / 2]; /* 4-bit values, x = (q - 8) * d; low nibbles hold elements 0..15 */
+} pdm_block_q4_0_t;
+typedef struct {
+    uint16_t d, m;          /* f16 scale and minimum: x = q * d + m */
+    uint8_t qs[PDM_QK / 2]; /* low nibbles: elements 0..15, high nibbles: 16..31 */
+} pdm_block_q4_1_t;
+typedef struct {
+    uint16_t d;         /* f16 scale: x = q * d */
+    int8_t qs[PDM_QK];
+} pdm_block_q8_0_t;
+typedef struct {
+    float d;            /* scale: x = q * d */
+    float s;            /* d * sum(qs), used by Q4_1 dot products */
+    int8_t qs[PDM_QK];
+} pdm_block_q8_1_t;
+
+/* Returns 1 if `type` is a known type, 0 otherwise. */
+int pdm_dtype_valid(uint32_t type);
+const char *pdm_dtype_name(pdm_dtype_t type);
+/* Elements per block (1 for plain float types) and bytes per block. */
+int pdm_dtype_block_elems(pdm_dtype_t type);
+size_t pdm_dtype_block_bytes(pdm_dtype_t type);
+/* Bytes of a row of `n` elements; 0 if `n` is not a multiple of the block size. */
+size_t pdm_dtype_row_bytes(pdm_dtype_t type, int64_t n);
+
+float pdm_f16_to_f32(uint16_t h);
+uint16_t pdm_f32_to_f16(float f);
+float pdm_bf16_to_f32(uint16_t h);
+uint16_t pdm_f32_to_bf16(float f);
+
+/* Reference dequantization of `n` elements (n a multiple of the block size) into f32. */
+void pdm_dequantize_row(pdm_dtype_t type, const void *src, float *dst, int64_t n);
+/* Reference quantization of `n` f32 elements; supports every type above. */
+void pdm_quantize_row(pdm_dtype_t type, const float *src, void *dst, int64_t n);
+
+/* ---- Thread pool ------------------------------------------------------------------------ */
+
+typedef struct pdm_kern_pool pdm_kern_pool_t;
+
+/* A task body: called once on each of `nth` threads with its index `ith`. */
+typedef void (*pdm_kern_task_cb)(void *arg, int ith, int nth);
+
+/* Creates a pool of `n_threads` (>= 1) threads, the caller's thread counting as thread 0.
+ * Returns NULL if threads cannot be started. */
+pdm_kern_pool_t *pdm_kern_pool_create(int n_threads);
+void pdm_kern_pool_destroy(pdm_kern_pool_t *pool);
+int pdm_kern_pool_size(const pdm_kern_pool_t *pool);
+/* Runs `cb` on every thread of the pool and returns when all have finished. A NULL pool runs
+ * it on the calling thread with nth = 1. Not reentrant. */
+void pdm_kern_pool_run(pdm_kern_pool_t *pool, pdm_kern_task_cb cb, void *arg);
+
+/* Splits [0, n) into `nth` contiguous ranges aligned to `align` items; writes thread ith's. */
+void pdm_kern_split(int64_t n, int ith, int nth, int64_t align, int64_t *begin, int64_t *end);
+
+/* ---- Ops table -------------------------------------------------------------------------- */
+
+/* A weight matrix as stored: `rows` rows of `cols` elements of `type`, row-major, rows
+ * `row_bytes` apart. y = W x means y[r] = sum_c W[r][c] * x[c]. */
+typedef struct {
+    const void *data;
+    pdm_dtype_t type;
+    int64_t rows, cols;
+    size_t row_bytes;
+} pdm_kern_mat_t;
+
+/* Attention of a block of query rows of one head against one KV view of the matching KV
+ * head. Positions are absolute. With `causal`, query row i sees key j iff
+ * k_pos0 + j <= q_pos[i]. Rows that see no key get o = 0 and lse = -INFINITY. */
+typedef struct {
+    const float *q;       /* [n_q][q_stride] floats; head_dim used per row */
+    int64_t q_stride;     /* floats between query rows */
+    const int32_t *q_pos; /* [n_q] absolute positions */
+    int n_q;
+    const void *k, *v;    /* [n_kv][head_dim] of kv_type (F32 or F16), contiguous */
+    pdm_dtype_t kv_type;
+    int32_t k_pos0;       /* absolute position of key 0 */
+    int n_kv;
+    int head_dim;
+    float scale;          /* usually 1/sqrt(head_dim) */
+    int causal;
+    float *o;             /* [n_q][o_stride] out */
+    int64_t o_stride;
+    float *lse;           /* [n_q] out, lse_stride apart */
+    int64_t lse_stride;
+} pdm_kern_attn_t;
+
+typedef struct pdm_kern_ops {
+    const char *name;
+
+    /* Bytes of scratch needed to hold activations x [n_tok][cols] converted for
+     * matmul on weights of `wtype` (0 if x is used as f32 directly). */
+    size_t (*act_bytes)(pdm_dtype_t wtype, int64_t cols, int n_tok);
+    /* Converts rows [t0, t1) of x into the scratch layout for weights of `wtype`. */
+    void (*act_convert)(pdm_dtype_t wtype, const float *x, int64_t cols, int t0, int t1,
+                        void *act);
+    /* y[t][r] = sum_c W[r][c] * x[t][c] for r in [r0, r1), t in [0, n_tok); y rows are
+     * `ldy` floats apart. `act` is the converted x (or x itself when act_bytes is 0). */
+    void (*matmul)(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y, int64_t ldy,
+                   int64_t r0, int64_t r1);
+
+    /* out[i] = x[i] / rms(x) * w[i] */
+    void (*rmsnorm)(float *out, const float *x, const float *w, int n, float eps);
+    /* Rotates adjacent pairs (x[2i], x[2i+1]) of each of `n_heads` heads of `x` by
+     * pos * theta^(-2i/head_dim) (llama.cpp's "normal" RoPE). */
+    void (*rope)(float *x, int n_heads, int head_dim, int32_t pos, float theta);
+    /* out[i] = silu(gate[i]) * up[i] */
+    void (*swiglu)(float *out, const float *gate, const float *up, int n);
+    /* Causal flash attention with online softmax over key tiles; see pdm_kern_attn_t. */
+    void (*attention)(const pdm_kern_attn_t *a);
+    /* Merges a partial result (o2, lse2) into (o1, lse1) in place for one row of `n` floats.
+     * An empty partial (lse = -INFINITY) is a no-op; never produces NaN. */
+    void (*attn_merge)(float *o1, float *lse1, const float *o2, float lse2, int n);
+    /* Converts f32 to the KV storage type (F32 copy or F16). */
+    void (*kv_store)(pdm_dtype_t type, const float *src, void *dst, int n);
+} pdm_kern_ops_t;
+
+/* The scalar reference implementation. */
+extern const pdm_kern_ops_t pdm_kern_ops_generic;
+
+/* The best variant for this CPU, or the one named by PDMESH_KERNELS (generic, avx2, avx512)
+ * if set and supported. Chosen once. */
+const pdm_kern_ops_t *pdm_kern_ops_get(void);
+/* A variant by name if compiled in and supported by this CPU, else NULL. */
+const pdm_kern_ops_t *pdm_kern_ops_find(const char *name);
+/* NULL-terminated list of the variants this CPU supports. */
+const pdm_kern_ops_t *const *pdm_kern_ops_list(void);
+
+#endif /* PDM_KERNELS_H */
