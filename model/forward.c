@@ -1,0 +1,425 @@
+/*
+ * forward.c - the Llama forward pass as per-layer steps over batches of tokens.
+ *
+ * Every step splits its work over the context's thread pool: matrix products by output rows
+ * (several matrices that share an input, Q/K/V or gate/up, in one dispatch), attention by
+ * (head, block of query rows), elementwise ops by token. Scratch comes from buffers sized once
+ * at context creation; the steps themselves never allocate.
+ */
+#include "model.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PDM__ATTN_QBLOCK 16 /* query rows per attention work item */
+
+struct pdm_model_ctx {
+    const pdm_model_t *model;
+    const pdm_kern_ops_t *ops;
+    pdm_kern_pool_t *pool;
+    int max_batch;
+    float *xn;       /* [max_batch][d_model] normalised residual */
+    float *tmp;      /* [max_batch][d_model] projection output */
+    float *gate;     /* [max_batch][n_ff] */
+    float *up;       /* [max_batch][n_ff] */
+    void *act;       /* converted activations for the widest matrix input, max_batch rows */
+    float *partial;  /* [n_threads][PDM__ATTN_QBLOCK][head_dim + 1] attention partials */
+    pdm_act_t batch; /* activations used by pdm_model_prefill */
+};
+
+int pdm_act_alloc(const pdm_model_hparams_t *hp, int n, pdm_act_t *act)
+{
+    memset(act, 0, sizeof(*act));
+    size_t qdim = (size_t)hp->n_heads * hp->head_dim;
+    size_t kvdim = (size_t)hp->n_kv_heads * hp->head_dim;
+    act->pos = malloc((size_t)n * sizeof(int32_t));
+    act->x = malloc((size_t)n * hp->d_model * sizeof(float));
+    act->q = malloc((size_t)n * qdim * sizeof(float));
+    act->k = malloc((size_t)n * kvdim * sizeof(float));
+    act->v = malloc((size_t)n * kvdim * sizeof(float));
+    act->o = malloc((size_t)n * qdim * sizeof(float));
+    act->lse = malloc((size_t)n * hp->n_heads * sizeof(float));
+    if (!act->pos || !act->x || !act->q || !act->k || !act->v || !act->o || !act->lse) {
+        pdm_act_free(act);
+        return pdm_error_set(PDM_ENOMEM, "cannot allocate activations for %d tokens", n);
+    }
+    return PDM_OK;
+}
+
+void pdm_act_free(pdm_act_t *act)
+{
+    if (!act) return;
+    free(act->pos);
+    free(act->x);
+    free(act->q);
+    free(act->k);
+    free(act->v);
+    free(act->o);
+    free(act->lse);
+    memset(act, 0, sizeof(*act));
+}
+
+int pdm_model_ctx_create(const pdm_model_t *model, int n_threads, int max_batch,
+                         pdm_model_ctx_t **out)
+{
+    const pdm_model_hparams_t *hp = &model->hp;
+    if (n_threads < 1 || n_threads > 256 || max_batch < 1 || max_batch > 65536)
+        return pdm_error_set(PDM_EINVAL, "invalid thread count %d or batch size %d", n_threads,
+                             max_batch);
+    pdm_model_ctx_t *ctx = calloc(1, sizeof(*ctx));
+    if (!ctx) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    ctx->model = model;
+    ctx->ops = pdm_kern_ops_get();
+    ctx->max_batch = max_batch;
+    ctx->pool = pdm_kern_pool_create(n_threads);
+    if (!ctx->pool) {
+        free(ctx);
+        return pdm_error_set(PDM_ENOMEM, "cannot start %d threads", n_threads);
+    }
+    size_t b = (size_t)max_batch;
+    size_t widest = PDM_MAX(hp->d_model, PDM_MAX(hp->n_ff, hp->n_heads * hp->head_dim));
+    /* Q8_1 is the largest activation encoding (40 bytes per 32 values); f32 needs none. */
+    size_t act_bytes = pdm_dtype_row_bytes(PDM_DT_Q8_1, (int64_t)((widest + 31) / 32 * 32)) * b;
+    ctx->xn = malloc(b * hp->d_model * sizeof(float));
+    ctx->tmp = malloc(b * hp->d_model * sizeof(float));
+    ctx->gate = malloc(b * hp->n_ff * sizeof(float));
+    ctx->up = malloc(b * hp->n_ff * sizeof(float));
+    ctx->act = malloc(act_bytes);
+    ctx->partial = malloc((size_t)n_threads * PDM__ATTN_QBLOCK * (hp->head_dim + 1) *
+                          sizeof(float));
+    if (!ctx->xn || !ctx->tmp || !ctx->gate || !ctx->up || !ctx->act || !ctx->partial ||
+        pdm_act_alloc(hp, max_batch, &ctx->batch) != PDM_OK) {
+        pdm_model_ctx_destroy(ctx);
+        return pdm_error_set(PDM_ENOMEM, "cannot allocate scratch for batches of %d", max_batch);
+    }
+    *out = ctx;
+    return PDM_OK;
+}
+
+void pdm_model_ctx_destroy(pdm_model_ctx_t *ctx)
+{
+    if (!ctx) return;
+    pdm_kern_pool_destroy(ctx->pool);
+    free(ctx->xn);
+    free(ctx->tmp);
+    free(ctx->gate);
+    free(ctx->up);
+    free(ctx->act);
+    free(ctx->partial);
+    pdm_act_free(&ctx->batch);
+    free(ctx);
+}
+
+int pdm_model_ctx_max_batch(const pdm_model_ctx_t *ctx) { return ctx->max_batch; }
+const pdm_kern_ops_t *pdm_model_ctx_ops(const pdm_model_ctx_t *ctx) { return ctx->ops; }
+
+void pdm_model_ctx_set_ops(pdm_model_ctx_t *ctx, const pdm_kern_ops_t *ops)
+{
+    ctx->ops = ops ? ops : pdm_kern_ops_get();
+}
+
+/* ---- Matrix products --------------------------------------------------------------------- */
+
+/* Up to three matrices with the same input and weight type, computed in one dispatch. */
+typedef struct {
+    const pdm_kern_ops_t *ops;
+    const pdm_kern_mat_t *w[3];
+    float *y[3];
+    int n_w;
+    const float *x;
+    int n;
+    void *act;
+} pdm__mm_task_t;
+
+static void pdm__mm_convert(void *arg, int ith, int nth)
+{
+    pdm__mm_task_t *t = arg;
+    int64_t b, e;
+    pdm_kern_split(t->n, ith, nth, 1, &b, &e);
+    if (b < e) t->ops->act_convert(t->w[0]->type, t->x, t->w[0]->cols, (int)b, (int)e, t->act);
+}
+
+static void pdm__mm_rows(void *arg, int ith, int nth)
+{
+    pdm__mm_task_t *t = arg;
+    int64_t total = 0;
+    for (int i = 0; i < t->n_w; i++) total += t->w[i]->rows;
+    int64_t b, e;
+    pdm_kern_split(total, ith, nth, 16, &b, &e);
+    int64_t base = 0;
+    const void *act = t->act ? t->act : (const void *)t->x;
+    for (int i = 0; i < t->n_w && b < e; i++) {
+        int64_t rows = t->w[i]->rows;
+        int64_t lo = PDM_MAX(b, base) - base, hi = PDM_MIN(e, base + rows) - base;
+        if (lo < hi) t->ops->matmul(t->w[i], act, t->n, t->y[i], rows, lo, hi);
+        base += rows;
+    }
+}
+
+/* y_i[t][:] = W_i x[t] for i < n_w, t < n. All W_i share cols and type. */
+static void pdm__matmul(pdm_model_ctx_t *ctx, const float *x, int n, int n_w,
+                        const pdm_kern_mat_t *w0, float *y0, const pdm_kern_mat_t *w1,
+                        float *y1, const pdm_kern_mat_t *w2, float *y2)
+{
+    pdm__mm_task_t t = {.ops = ctx->ops, .w = {w0, w1, w2}, .y = {y0, y1, y2}, .n_w = n_w,
+                        .x = x, .n = n, .act = NULL};
+    if (ctx->ops->act_bytes(w0->type, w0->cols, n) > 0) {
+        t.act = ctx->act;
+        pdm_kern_pool_run(ctx->pool, pdm__mm_convert, &t);
+    }
+    pdm_kern_pool_run(ctx->pool, pdm__mm_rows, &t);
+}
+
+/* ---- Elementwise steps, parallel over tokens ------------------------------------------- */
+
+typedef struct {
+    pdm_model_ctx_t *ctx;
+    pdm_act_t *act;
+    const float *norm_w;
+    int layer;
+} pdm__tok_task_t;
+
+static void pdm__norm_task(void *arg, int ith, int nth)
+{
+    pdm__tok_task_t *t = arg;
+    const pdm_model_hparams_t *hp = &t->ctx->model->hp;
+    int64_t b, e;
+    pdm_kern_split(t->act->n, ith, nth, 1, &b, &e);
+    for (int64_t i = b; i < e; i++)
+        t->ctx->ops->rmsnorm(t->ctx->xn + i * hp->d_model, t->act->x + i * hp->d_model,
+                             t->norm_w, (int)hp->d_model, hp->rms_eps);
+}
+
+static void pdm__rope_task(void *arg, int ith, int nth)
+{
+    pdm__tok_task_t *t = arg;
+    const pdm_model_hparams_t *hp = &t->ctx->model->hp;
+    int64_t b, e;
+    pdm_kern_split(t->act->n, ith, nth, 1, &b, &e);
+    size_t qdim = (size_t)hp->n_heads * hp->head_dim, kvdim = (size_t)hp->n_kv_heads * hp->head_dim;
+    for (int64_t i = b; i < e; i++) {
+        t->ctx->ops->rope(t->act->q + i * qdim, (int)hp->n_heads, (int)hp->head_dim,
+                          t->act->pos[i], hp->rope_theta);
+        t->ctx->ops->rope(t->act->k + i * kvdim, (int)hp->n_kv_heads, (int)hp->head_dim,
+                          t->act->pos[i], hp->rope_theta);
+    }
+}
+
+/* x += tmp (after the attention output projection) */
+static void pdm__residual_task(void *arg, int ith, int nth)
+{
+    pdm__tok_task_t *t = arg;
+    size_t d = t->ctx->model->hp.d_model;
+    int64_t b, e;
+    pdm_kern_split((int64_t)t->act->n * (int64_t)d, ith, nth, 64, &b, &e);
+    for (int64_t i = b; i < e; i++) t->act->x[i] += t->ctx->tmp[i];
+}
+
+static void pdm__swiglu_task(void *arg, int ith, int nth)
+{
+    pdm__tok_task_t *t = arg;
+    size_t f = t->ctx->model->hp.n_ff;
+    int64_t b, e;
+    pdm_kern_split(t->act->n, ith, nth, 1, &b, &e);
+    for (int64_t i = b; i < e; i++)
+        t->ctx->ops->swiglu(t->ctx->gate + i * f, t->ctx->gate + i * f, t->ctx->up + i * f,
+                            (int)f);
+}
+
+int pdm_model_embed(pdm_model_ctx_t *ctx, const int32_t *tokens, const int32_t *positions,
+                    int n, pdm_act_t *act)
+{
+    const pdm_model_t *m = ctx->model;
+    if (n < 0 || n > ctx->max_batch)
+        return pdm_error_set(PDM_EINVAL, "batch of %d tokens exceeds the context's %d", n,
+                             ctx->max_batch);
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= m->hp.n_vocab)
+            return pdm_error_set(PDM_ERANGE, "token id %d is outside the vocabulary (0..%u)",
+                                 tokens[i], m->hp.n_vocab - 1);
+    for (int i = 0; i < n; i++) {
+        const void *row = (const char *)m->tok_embd.data + (size_t)tokens[i] * m->tok_embd.row_bytes;
+        pdm_dequantize_row(m->tok_embd.type, row, act->x + (size_t)i * m->hp.d_model,
+                           m->hp.d_model);
+        act->pos[i] = positions[i];
+    }
+    act->n = n;
+    return PDM_OK;
+}
+
+void pdm_model_attn_in(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act)
+{
+    const pdm_model_layer_t *L = &ctx->model->layers[layer];
+    pdm__tok_task_t t = {.ctx = ctx, .act = act, .norm_w = L->attn_norm, .layer = layer};
+    pdm_kern_pool_run(ctx->pool, pdm__norm_task, &t);
+    if (L->wq.type == L->wk.type && L->wq.type == L->wv.type) {
+        pdm__matmul(ctx, ctx->xn, act->n, 3, &L->wq, act->q, &L->wk, act->k, &L->wv, act->v);
+    } else {
+        pdm__matmul(ctx, ctx->xn, act->n, 1, &L->wq, act->q, NULL, NULL, NULL, NULL);
+        pdm__matmul(ctx, ctx->xn, act->n, 1, &L->wk, act->k, NULL, NULL, NULL, NULL);
+        pdm__matmul(ctx, ctx->xn, act->n, 1, &L->wv, act->v, NULL, NULL, NULL, NULL);
+    }
+    pdm_kern_pool_run(ctx->pool, pdm__rope_task, &t);
+}
+
+/* ---- Attention ----------------------------------------------------------------------- */
+
+typedef struct {
+    pdm_model_ctx_t *ctx;
+    pdm_act_t *act;
+    const pdm_kv_view_t *views;
+    int n_views;
+} pdm__attn_task_t;
+
+static void pdm__attn_task(void *arg, int ith, int nth)
+{
+    pdm__attn_task_t *t = arg;
+    const pdm_model_hparams_t *hp = &t->ctx->model->hp;
+    const int hd = (int)hp->head_dim, n_heads = (int)hp->n_heads;
+    const int group = (int)(hp->n_heads / hp->n_kv_heads);
+    const int64_t qdim = (int64_t)n_heads * hd;
+    const int n_blocks = (t->act->n + PDM__ATTN_QBLOCK - 1) / PDM__ATTN_QBLOCK;
+    float *part_o = t->ctx->partial + (size_t)ith * PDM__ATTN_QBLOCK * (hd + 1);
+    float *part_lse = part_o + PDM__ATTN_QBLOCK * hd;
+
+    /* Items are (query block, head); interleaving spreads the causal imbalance. */
+    for (int item = ith; item < n_blocks * n_heads; item += nth) {
+        int blk = item / n_heads, h = item % n_heads, kvh = h / group;
+        int i0 = blk * PDM__ATTN_QBLOCK;
+        int nq = PDM_MIN(PDM__ATTN_QBLOCK, t->act->n - i0);
+        pdm_kern_attn_t a = {
+            .q = t->act->q + (size_t)i0 * qdim + (size_t)h * hd,
+            .q_stride = qdim,
+            .q_pos = t->act->pos + i0,
+            .n_q = nq,
+            .head_dim = hd,
+            .scale = 1.0f / sqrtf((float)hd),
+            .causal = 1,
+        };
+        for (int vi = 0; vi < t->n_views; vi++) {
+            const pdm_kv_view_t *view = &t->views[vi];
+            a.k = view->k[kvh];
+            a.v = view->v[kvh];
+            a.kv_type = view->dtype;
+            a.k_pos0 = view->pos0;
+            a.n_kv = view->n_tokens;
+            if (vi == 0) {
+                a.o = t->act->o + (size_t)i0 * qdim + (size_t)h * hd;
+                a.o_stride = qdim;
+                a.lse = t->act->lse + (size_t)i0 * n_heads + h;
+                a.lse_stride = n_heads;
+                t->ctx->ops->attention(&a);
+            } else {
+                a.o = part_o;
+                a.o_stride = hd;
+                a.lse = part_lse;
+                a.lse_stride = 1;
+                t->ctx->ops->attention(&a);
+                for (int r = 0; r < nq; r++)
+                    t->ctx->ops->attn_merge(t->act->o + (size_t)(i0 + r) * qdim + (size_t)h * hd,
+                                            t->act->lse + (size_t)(i0 + r) * n_heads + h,
+                                            part_o + (size_t)r * hd, part_lse[r], hd);
+            }
+        }
+        if (t->n_views == 0) {
+            for (int r = 0; r < nq; r++) {
+                memset(t->act->o + (size_t)(i0 + r) * qdim + (size_t)h * hd, 0,
+                       (size_t)hd * sizeof(float));
+                t->act->lse[(size_t)(i0 + r) * n_heads + h] = -INFINITY;
+            }
+        }
+    }
+}
+
+void pdm_model_attention(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
+                         const pdm_kv_view_t *views, int n_views)
+{
+    (void)layer;
+    pdm__attn_task_t t = {.ctx = ctx, .act = act, .views = views, .n_views = n_views};
+    pdm_kern_pool_run(ctx->pool, pdm__attn_task, &t);
+}
+
+void pdm_model_attn_out_ffn(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act)
+{
+    const pdm_model_layer_t *L = &ctx->model->layers[layer];
+    pdm__tok_task_t t = {.ctx = ctx, .act = act, .norm_w = L->ffn_norm, .layer = layer};
+    pdm__matmul(ctx, act->o, act->n, 1, &L->wo, ctx->tmp, NULL, NULL, NULL, NULL);
+    pdm_kern_pool_run(ctx->pool, pdm__residual_task, &t);
+    pdm_kern_pool_run(ctx->pool, pdm__norm_task, &t);
+    if (L->w_gate.type == L->w_up.type)
+        pdm__matmul(ctx, ctx->xn, act->n, 2, &L->w_gate, ctx->gate, &L->w_up, ctx->up, NULL, NULL);
+    else {
+        pdm__matmul(ctx, ctx->xn, act->n, 1, &L->w_gate, ctx->gate, NULL, NULL, NULL, NULL);
+        pdm__matmul(ctx, ctx->xn, act->n, 1, &L->w_up, ctx->up, NULL, NULL, NULL, NULL);
+    }
+    pdm_kern_pool_run(ctx->pool, pdm__swiglu_task, &t);
+    pdm__matmul(ctx, ctx->gate, act->n, 1, &L->w_down, ctx->tmp, NULL, NULL, NULL, NULL);
+    pdm_kern_pool_run(ctx->pool, pdm__residual_task, &t);
+}
+
+void pdm_model_logits(pdm_model_ctx_t *ctx, const pdm_act_t *act, int row, float *logits)
+{
+    const pdm_model_t *m = ctx->model;
+    ctx->ops->rmsnorm(ctx->xn, act->x + (size_t)row * m->hp.d_model, m->output_norm,
+                      (int)m->hp.d_model, m->hp.rms_eps);
+    pdm__matmul(ctx, ctx->xn, 1, 1, &m->output, logits, NULL, NULL, NULL, NULL);
+}
+
+void pdm_model_kv_store(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int layer,
+                        const pdm_act_t *act, int32_t slot)
+{
+    const uint32_t hd = cache->head_dim, nkv = cache->n_kv_heads;
+    const size_t esz = pdm_dtype_row_bytes(cache->dtype, 1);
+    for (int i = 0; i < act->n; i++) {
+        for (uint32_t h = 0; h < nkv; h++) {
+            size_t off = (size_t)(slot + i) * hd * esz;
+            ctx->ops->kv_store(cache->dtype, act->k + ((size_t)i * nkv + h) * hd,
+                               (char *)pdm_kv_cache_k(cache, layer, h) + off, (int)hd);
+            ctx->ops->kv_store(cache->dtype, act->v + ((size_t)i * nkv + h) * hd,
+                               (char *)pdm_kv_cache_v(cache, layer, h) + off, (int)hd);
+        }
+    }
+}
+
+/* ---- Whole sequences ----------------------------------------------------------------- */
+
+int pdm_model_prefill(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t *tokens, int n,
+                      float *logits)
+{
+    const pdm_model_t *m = ctx->model;
+    if (n < 1) return pdm_error_set(PDM_EINVAL, "prefill of %d tokens", n);
+    if ((int64_t)cache->n_tokens + n > cache->capacity)
+        return pdm_error_set(PDM_EOVERFLOW, "%d tokens do not fit in the KV cache (%d of %d "
+                             "slots used)", n, cache->n_tokens, cache->capacity);
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= m->hp.n_vocab)
+            return pdm_error_set(PDM_ERANGE, "token id %d is outside the vocabulary (0..%u)",
+                                 tokens[i], m->hp.n_vocab - 1);
+
+    pdm_act_t *act = &ctx->batch;
+    int32_t *positions = act->pos; /* filled before embed copies it onto itself */
+    for (int c0 = 0; c0 < n; c0 += ctx->max_batch) {
+        int cn = PDM_MIN(ctx->max_batch, n - c0);
+        int32_t slot = cache->n_tokens + c0;
+        for (int i = 0; i < cn; i++) positions[i] = cache->pos0 + slot + i;
+        int rc = pdm_model_embed(ctx, tokens + c0, positions, cn, act);
+        if (rc) return rc;
+        for (uint32_t l = 0; l < m->hp.n_layers; l++) {
+            pdm_model_attn_in(ctx, (int)l, act);
+            pdm_model_kv_store(ctx, cache, (int)l, act, slot);
+            pdm_kv_view_t view;
+            pdm_kv_cache_view(cache, l, 0, slot + cn, &view);
+            pdm_model_attention(ctx, (int)l, act, &view, 1);
+            pdm_model_attn_out_ffn(ctx, (int)l, act);
+        }
+        if (c0 + cn == n && logits) pdm_model_logits(ctx, act, cn - 1, logits);
+    }
+    cache->n_tokens += n;
+    return PDM_OK;
+}
+
+int pdm_model_decode(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int32_t token, float *logits)
+{
+    return pdm_model_prefill(ctx, cache, &token, 1, logits);
+}

@@ -1,0 +1,223 @@
+/*
+ * model.h - the public header of pdmesh's model layer: GGUF files, tokenizer, weights, the
+ * transformer forward pass as per-layer steps, the KV cache and sampling.
+ *
+ * The forward pass is exposed as steps (ARCHITECTURE.md "The engine"; KV-Runahead §4.3,
+ * Fig. 7) so that the distributed prefill methods only change where the KV comes from:
+ *
+ *     embed(tokens) -> x
+ *     for each layer:
+ *         attn_in(x, positions)          -> q, k, v   (RMSNorm, QKV, RoPE at absolute pos)
+ *         attention(q, kv_views[])       -> o, lse    (causal over absolute positions)
+ *         attn_out_ffn(x, o)             -> x         (output proj, residual, FFN, residual)
+ *     logits(x_last) -> logits
+ *
+ * A batch of activations (pdm_act_t) carries every intermediate tensor of a step, so a caller
+ * can ship k/v or q/o/lse between processes between the steps.
+ */
+#ifndef PDM_MODEL_H
+#define PDM_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../common/pdm.h"
+#include "../kernels/kernels.h"
+#include "gguf.h"
+#include "tokenizer.h"
+
+#define PDM_MAX_KV_HEADS 64
+#define PDM_MAX_HEAD_DIM 256
+
+/* ---- Weights ------------------------------------------------------------------------------ */
+
+typedef struct {
+    uint32_t n_layers;
+    uint32_t d_model;     /* embedding width */
+    uint32_t n_ff;        /* FFN hidden width */
+    uint32_t n_heads;     /* query heads */
+    uint32_t n_kv_heads;  /* key/value heads (GQA: n_heads % n_kv_heads == 0) */
+    uint32_t head_dim;    /* d_model / n_heads */
+    uint32_t n_vocab;
+    uint32_t n_ctx_train; /* llama.context_length */
+    float rope_theta;     /* llama.rope.freq_base */
+    float rms_eps;        /* llama.attention.layer_norm_rms_epsilon */
+} pdm_model_hparams_t;
+
+typedef struct {
+    const float *attn_norm; /* (d_model) */
+    pdm_kern_mat_t wq;      /* (n_heads * head_dim rows, d_model cols) */
+    pdm_kern_mat_t wk;      /* (n_kv_heads * head_dim, d_model) */
+    pdm_kern_mat_t wv;      /* (n_kv_heads * head_dim, d_model) */
+    pdm_kern_mat_t wo;      /* (d_model, n_heads * head_dim) */
+    const float *ffn_norm;  /* (d_model) */
+    pdm_kern_mat_t w_gate;  /* (n_ff, d_model) */
+    pdm_kern_mat_t w_up;    /* (n_ff, d_model) */
+    pdm_kern_mat_t w_down;  /* (d_model, n_ff) */
+} pdm_model_layer_t;
+
+typedef struct pdm_model {
+    pdm_gguf_t *gguf;           /* owns the mapping every weight points into */
+    pdm_model_hparams_t hp;
+    pdm_kern_mat_t tok_embd;    /* (n_vocab, d_model) */
+    pdm_kern_mat_t output;      /* (n_vocab, d_model); tok_embd when tied */
+    const float *output_norm;   /* (d_model) */
+    pdm_model_layer_t *layers;  /* [n_layers] */
+    pdm_tokenizer_t *tokenizer; /* NULL if the file has no tokenizer */
+    float *norms;               /* owned f32 copies of all norm weights */
+} pdm_model_t;
+
+/* Opens a Llama-architecture GGUF file and validates every shape against the hyperparameters.
+ * Weights stay quantized in the mapping. On error *out is untouched and pdm_error_last() names
+ * the file and the problem. */
+int pdm_model_load(const char *path, pdm_model_t **out);
+void pdm_model_free(pdm_model_t *model);
+
+/* The model path from $PDMESH_MODEL, else the default under models/. */
+const char *pdm_model_default_path(void);
+
+/* ---- KV cache ----------------------------------------------------------------------------- */
+
+/* Head-major: for each (layer, kv head) one contiguous [capacity][head_dim] array of K and
+ * one of V, so a head can be offloaded, transferred or quantized on its own. Slot i holds the
+ * token at absolute position pos0 + i. */
+typedef struct {
+    uint32_t n_layers, n_kv_heads, head_dim;
+    int32_t capacity; /* token slots per head */
+    int32_t n_tokens; /* filled slots [0, n_tokens) */
+    int32_t pos0;     /* absolute position of slot 0 */
+    pdm_dtype_t dtype; /* PDM_DT_F32 or PDM_DT_F16 */
+    void **k, **v;    /* [n_layers * n_kv_heads] -> [capacity][head_dim] of dtype */
+    void *storage;
+} pdm_kv_cache_t;
+
+int pdm_kv_cache_create(const pdm_model_hparams_t *hp, int32_t capacity, pdm_dtype_t dtype,
+                        pdm_kv_cache_t **out);
+void pdm_kv_cache_destroy(pdm_kv_cache_t *c);
+void pdm_kv_cache_clear(pdm_kv_cache_t *c);
+size_t pdm_kv_cache_bytes(const pdm_kv_cache_t *c);
+static inline void *pdm_kv_cache_k(const pdm_kv_cache_t *c, uint32_t layer, uint32_t head)
+{
+    return c->k[layer * c->n_kv_heads + head];
+}
+static inline void *pdm_kv_cache_v(const pdm_kv_cache_t *c, uint32_t layer, uint32_t head)
+{
+    return c->v[layer * c->n_kv_heads + head];
+}
+
+/* A window of one layer's KV for every kv head: keys at absolute positions
+ * pos0 .. pos0 + n_tokens - 1. It only points at memory owned elsewhere. */
+typedef struct {
+    const void *k[PDM_MAX_KV_HEADS]; /* [n_tokens][head_dim] of dtype, per kv head */
+    const void *v[PDM_MAX_KV_HEADS];
+    pdm_dtype_t dtype;
+    int32_t pos0;
+    int32_t n_tokens;
+} pdm_kv_view_t;
+
+/* The view of slots [start, start + n) of `layer`. */
+void pdm_kv_cache_view(const pdm_kv_cache_t *c, uint32_t layer, int32_t start, int32_t n,
+                       pdm_kv_view_t *out);
+
+/* ---- Forward pass as steps ---------------------------------------------------------------- */
+
+/* A compute context: thread pool, kernel variant and scratch for batches of up to
+ * `max_batch` tokens. One context is used by one thread at a time. */
+typedef struct pdm_model_ctx pdm_model_ctx_t;
+
+int pdm_model_ctx_create(const pdm_model_t *model, int n_threads, int max_batch,
+                         pdm_model_ctx_t **out);
+void pdm_model_ctx_destroy(pdm_model_ctx_t *ctx);
+int pdm_model_ctx_max_batch(const pdm_model_ctx_t *ctx);
+const pdm_kern_ops_t *pdm_model_ctx_ops(const pdm_model_ctx_t *ctx);
+/* Forces a kernel variant (tests and benchmarks compare them); NULL restores the default. */
+void pdm_model_ctx_set_ops(pdm_model_ctx_t *ctx, const pdm_kern_ops_t *ops);
+
+/* Activations of a batch of n tokens (all row-major, one row per token). */
+typedef struct {
+    int n;         /* tokens */
+    int32_t *pos;  /* [n] absolute positions */
+    float *x;      /* [n][d_model] residual stream */
+    float *q;      /* [n][n_heads * head_dim] queries after RoPE */
+    float *k;      /* [n][n_kv_heads * head_dim] new keys after RoPE */
+    float *v;      /* [n][n_kv_heads * head_dim] new values */
+    float *o;      /* [n][n_heads * head_dim] attention output */
+    float *lse;    /* [n][n_heads] log-sum-exp of each query row's scores */
+} pdm_act_t;
+
+/* Allocates (and frees) activations for up to `n` tokens. */
+int pdm_act_alloc(const pdm_model_hparams_t *hp, int n, pdm_act_t *act);
+void pdm_act_free(pdm_act_t *act);
+
+/* x[i] = embedding of tokens[i]; pos[i] = positions[i]. Tokens must be < n_vocab
+ * (PDM_ERANGE otherwise). act->n becomes n. */
+int pdm_model_embed(pdm_model_ctx_t *ctx, const int32_t *tokens, const int32_t *positions,
+                    int n, pdm_act_t *act);
+/* RMSNorm, Q/K/V projections and RoPE at act->pos: fills q, k, v from x. */
+void pdm_model_attn_in(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act);
+/* Causal attention of act->q against the union of `views` (disjoint position ranges, any
+ * order): fills o and lse. Partial results are merged by log-sum-exp; a row that sees no key
+ * gets o = 0, lse = -inf. */
+void pdm_model_attention(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
+                         const pdm_kv_view_t *views, int n_views);
+/* x += Wo o; x += W_down (silu(W_gate n) * W_up n) with n = RMSNorm(x). */
+void pdm_model_attn_out_ffn(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act);
+/* logits[n_vocab] of row `row` of act->x (final RMSNorm and output projection). */
+void pdm_model_logits(pdm_model_ctx_t *ctx, const pdm_act_t *act, int row, float *logits);
+
+/* Stores act->k / act->v rows [0, act->n) of `layer` into cache slots [slot, slot + n). */
+void pdm_model_kv_store(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int layer,
+                        const pdm_act_t *act, int32_t slot);
+
+/* ---- Whole-sequence helpers built from the steps ------------------------------------------ */
+
+/* Appends `n` tokens at positions cache->pos0 + cache->n_tokens... to the cache, processing
+ * them in chunks of the context's max batch, and writes the last token's logits (may be NULL).
+ * PDM_EOVERFLOW if the cache is too small; the cache is unchanged on error. */
+int pdm_model_prefill(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t *tokens, int n,
+                      float *logits);
+/* One decode step: pdm_model_prefill of a single token. */
+int pdm_model_decode(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int32_t token, float *logits);
+
+/* ---- Sampling ---------------------------------------------------------------------------- */
+
+typedef struct {
+    float temperature;    /* <= 0: greedy */
+    int32_t top_k;        /* <= 0: off */
+    float top_p;          /* 1: off */
+    float min_p;          /* 0: off */
+    float repeat_penalty; /* 1: off */
+    int32_t repeat_last_n; /* tokens of history the penalty looks at */
+    uint64_t seed;
+} pdm_sampler_params_t;
+
+void pdm_sampler_params_default(pdm_sampler_params_t *p);
+/* PDM_EINVAL with a message naming the bad parameter. */
+int pdm_sampler_params_check(const pdm_sampler_params_t *p);
+
+typedef struct pdm_sampler pdm_sampler_t;
+
+int pdm_sampler_create(const pdm_sampler_params_t *p, int32_t n_vocab, pdm_sampler_t **out);
+void pdm_sampler_destroy(pdm_sampler_t *s);
+/* Picks the next token from `logits` (not modified) given the recent history. Greedy picks
+ * the lowest id among equal maxima. Never allocates. */
+int32_t pdm_sampler_sample(pdm_sampler_t *s, const float *logits, const int32_t *history,
+                           int n_history);
+
+/* ---- Random test models ------------------------------------------------------------------- */
+
+typedef struct {
+    uint32_t n_layers, d_model, n_ff, n_heads, n_kv_heads, n_ctx;
+    pdm_dtype_t wtype;   /* type of the matrices: F32, F16, Q8_0, Q4_0, Q4_1 */
+    pdm_dtype_t embtype; /* type of the token embeddings */
+    int tied;            /* output projection shares tok_embd */
+    float rope_theta;
+    uint64_t seed;
+} pdm_testmodel_params_t;
+
+void pdm_testmodel_params_default(pdm_testmodel_params_t *p);
+/* Writes a Llama GGUF with random weights and a byte-level BPE vocabulary (256 byte tokens,
+ * a few hundred merges learnt from a built-in text, ChatML control tokens) to `path`. */
+int pdm_testmodel_write(const char *path, const pdm_testmodel_params_t *p);
+
+#endif /* PDM_MODEL_H */

@@ -1,0 +1,73 @@
+/*
+ * tokenizer.h - byte-level BPE tokenizer read from GGUF metadata. Part of model.h.
+ *
+ * Vocabulary, merges, token types and special ids come from the `tokenizer.ggml.*` keys;
+ * pre-tokenization uses the model's split regex through PCRE2 (UTF + UCP), so tokenization
+ * matches llama.cpp token for token. Detokenization streams: bytes of a UTF-8 character that
+ * spans several tokens are held back until the character is complete.
+ */
+#ifndef PDM_MODEL_TOKENIZER_H
+#define PDM_MODEL_TOKENIZER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gguf.h"
+
+typedef struct pdm_tokenizer pdm_tokenizer_t;
+
+/* Builds a tokenizer from the metadata of `g` (which must outlive it only during this call:
+ * everything needed is copied). Unsupported tokenizer models give PDM_EUNSUPPORTED. */
+int pdm_tokenizer_create(const pdm_gguf_t *g, pdm_tokenizer_t **out);
+void pdm_tokenizer_destroy(pdm_tokenizer_t *t);
+
+int32_t pdm_tokenizer_n_vocab(const pdm_tokenizer_t *t);
+int32_t pdm_tokenizer_bos(const pdm_tokenizer_t *t); /* -1 if none */
+int32_t pdm_tokenizer_eos(const pdm_tokenizer_t *t); /* -1 if none */
+int32_t pdm_tokenizer_pad(const pdm_tokenizer_t *t); /* -1 if none */
+int pdm_tokenizer_add_bos(const pdm_tokenizer_t *t); /* tokenizer.ggml.add_bos_token */
+/* 1 if generation should stop at `id` (EOS or an end-of-generation control token). */
+int pdm_tokenizer_is_eog(const pdm_tokenizer_t *t, int32_t id);
+
+typedef enum {
+    PDM_TOKENIZE_ADD_BOS = 1 << 0, /* prepend BOS if the model asks for it (add_bos_token) */
+    PDM_TOKENIZE_SPECIAL = 1 << 1, /* parse special/control token text like <|im_start|> */
+} pdm_tokenize_flags_t;
+
+/* Tokenizes `len` bytes of `text`. Writes at most `cap` ids to `ids` and the total count
+ * needed to *n_out. Returns PDM_OK, or PDM_EOVERFLOW if cap was too small (then *n_out is
+ * the size needed, so callers can retry). Invalid UTF-8 is tokenized byte-wise, never
+ * rejected. */
+int pdm_tokenizer_encode(const pdm_tokenizer_t *t, const char *text, size_t len, int flags,
+                         int32_t *ids, size_t cap, size_t *n_out);
+
+/* The bytes of token `id` as it appears in text (byte-level decoding applied; control
+ * tokens give their text only when `special` is set, else ""). Returns the length written
+ * (at most cap, not NUL-terminated) or a negative status for an invalid id. */
+int pdm_tokenizer_token_bytes(const pdm_tokenizer_t *t, int32_t id, int special, char *buf,
+                              size_t cap);
+
+/* Streaming detokenizer: feed ids one at a time, get back text that ends on a UTF-8
+ * character boundary; incomplete trailing bytes are kept until completed (or flushed). */
+typedef struct {
+    char pending[8]; /* bytes of an incomplete UTF-8 sequence */
+    int n_pending;
+    int special;     /* render control tokens */
+} pdm_detok_t;
+
+void pdm_detok_init(pdm_detok_t *d, int special);
+/* Appends the completed text of `id` to buf (NUL-terminated, at most cap-1 bytes). Returns
+ * the number of bytes written or a negative status (invalid id, buffer too small). */
+int pdm_detok_feed(pdm_detok_t *d, const pdm_tokenizer_t *t, int32_t id, char *buf, size_t cap);
+/* Emits whatever is pending (an invalid sequence is emitted as U+FFFD). */
+int pdm_detok_flush(pdm_detok_t *d, char *buf, size_t cap);
+
+/* Renders a ChatML conversation ("<|im_start|>role\ncontent<|im_end|>\n" per message, then
+ * "<|im_start|>assistant\n" when add_generation_prompt), as the model's chat template does.
+ * roles/contents are NUL-terminated. Returns a malloc'd NUL-terminated string or NULL. If
+ * the model's template is not ChatML-shaped, returns NULL with PDM_EUNSUPPORTED recorded. */
+char *pdm_tokenizer_chat_render(const pdm_tokenizer_t *t, const char *const *roles,
+                                const char *const *contents, int n_messages,
+                                int add_generation_prompt);
+
+#endif /* PDM_MODEL_TOKENIZER_H */
