@@ -1,0 +1,607 @@
+/*
+ * pdmesh.c - the local command-line tool: generate, tokenize, detokenize, make-test-model.
+ *
+ * stdout carries only what the command produces (generated text, token ids); diagnostics and
+ * statistics go to stderr. Exit status: 0 success, 1 runtime error, 2 usage error.
+ */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/pdm.h"
+#include "model/model.h"
+
+#define PDM__MAX_STOPS 16
+
+static const char *pdm__prog = "pdmesh";
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: pdmesh <command> [options]\n"
+            "\n"
+            "commands:\n"
+            "  generate    --prompt TEXT [--chat] [-n N] [--temp T] [--top-k K] [--top-p P]\n"
+            "              [--min-p P] [--repeat-penalty R] [--seed S] [--stop STR]...\n"
+            "              [--threads N] [--batch N] [--ctx N] [--kv-dtype f16|f32]\n"
+            "              [--stats] [--json]\n"
+            "  tokenize    [--special] TEXT|-      print token ids (- reads stdin)\n"
+            "  detokenize  ID...|-                 print the text of token ids\n"
+            "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
+            "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
+            "\n"
+            "common options:\n"
+            "  --model FILE   GGUF model (default: $PDMESH_MODEL or "
+            "models/SmolLM2-135M-Instruct.Q4_1.gguf)\n");
+}
+
+static int usage_error(const char *fmt, const char *arg)
+{
+    fprintf(stderr, "%s: ", pdm__prog);
+    fprintf(stderr, fmt, arg);
+    fprintf(stderr, "\n(run 'pdmesh --help' for usage)\n");
+    return 2;
+}
+
+static int runtime_error(const char *what)
+{
+    fprintf(stderr, "%s: %s: %s\n", pdm__prog, what, pdm_error_last());
+    return 1;
+}
+
+/* Reads all of stdin into a malloc'd NUL-terminated string. */
+static char *read_stdin(size_t *len_out)
+{
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    if (!buf) return NULL;
+    size_t got;
+    while ((got = fread(buf + len, 1, cap - len - 1, stdin)) > 0) {
+        len += got;
+        if (cap - len - 1 == 0) {
+            char *nb = realloc(buf, cap * 2);
+            if (!nb) {
+                free(buf);
+                return NULL;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+    }
+    buf[len] = '\0';
+    *len_out = len;
+    return buf;
+}
+
+static int load_model(const char *path, pdm_model_t **model)
+{
+    if (pdm_model_load(path, model) != PDM_OK) return runtime_error("cannot load model");
+    if (!(*model)->tokenizer) {
+        pdm_model_free(*model);
+        fprintf(stderr, "%s: %s has no tokenizer\n", pdm__prog, path);
+        return 1;
+    }
+    return 0;
+}
+
+/* Tokenizes text into a malloc'd array. */
+static int tokenize_alloc(const pdm_tokenizer_t *tok, const char *text, size_t len, int flags,
+                          int32_t **ids_out, size_t *n_out)
+{
+    size_t need = 0;
+    int rc = pdm_tokenizer_encode(tok, text, len, flags, NULL, 0, &need);
+    if (rc != PDM_OK && rc != PDM_EOVERFLOW) return rc;
+    int32_t *ids = malloc((need ? need : 1) * sizeof(int32_t));
+    if (!ids) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    if ((rc = pdm_tokenizer_encode(tok, text, len, flags, ids, need, &need)) != PDM_OK) {
+        free(ids);
+        return rc;
+    }
+    *ids_out = ids;
+    *n_out = need;
+    return PDM_OK;
+}
+
+/* ---- generate ----------------------------------------------------------------------- */
+
+typedef struct {
+    const char *model_path;
+    const char *prompt;
+    int chat, stats, json;
+    long n_predict, threads, batch, ctx;
+    pdm_dtype_t kv_dtype;
+    pdm_sampler_params_t sp;
+    const char *stops[PDM__MAX_STOPS];
+    int n_stops;
+} gen_opts_t;
+
+/* Length of the longest suffix of text[0..len) that is a proper prefix of a stop string:
+ * that much text must be held back while streaming. */
+static size_t stop_holdback(const char *text, size_t len, const gen_opts_t *o)
+{
+    size_t hold = 0;
+    for (int s = 0; s < o->n_stops; s++) {
+        size_t sl = strlen(o->stops[s]);
+        for (size_t k = PDM_MIN(sl - 1, len); k > hold; k--)
+            if (!memcmp(text + len - k, o->stops[s], k)) {
+                hold = k;
+                break;
+            }
+    }
+    return hold;
+}
+
+/* Offset of the earliest stop string in text, or -1. */
+static long stop_find(const char *text, const gen_opts_t *o)
+{
+    long best = -1;
+    for (int s = 0; s < o->n_stops; s++) {
+        const char *p = strstr(text, o->stops[s]);
+        if (p && (best < 0 || p - text < best)) best = p - text;
+    }
+    return best;
+}
+
+static int cmd_generate(int argc, char **argv)
+{
+    gen_opts_t o = {.model_path = pdm_model_default_path(), .n_predict = 128, .threads = 0,
+                    .batch = 512, .ctx = 0, .kv_dtype = PDM_DT_F16};
+    pdm_sampler_params_default(&o.sp);
+    o.sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
+    enum { O_TEMP = 256, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_BATCH, O_CTX, O_KV };
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'},     {"prompt", required_argument, 0, 'p'},
+        {"chat", no_argument, 0, 'c'},            {"n-predict", required_argument, 0, 'n'},
+        {"threads", required_argument, 0, 't'},   {"stats", no_argument, 0, 's'},
+        {"json", no_argument, 0, 'j'},            {"temp", required_argument, 0, O_TEMP},
+        {"top-k", required_argument, 0, O_TOPK},  {"top-p", required_argument, 0, O_TOPP},
+        {"min-p", required_argument, 0, O_MINP},  {"repeat-penalty", required_argument, 0, O_REP},
+        {"seed", required_argument, 0, O_SEED},   {"stop", required_argument, 0, O_STOP},
+        {"batch", required_argument, 0, O_BATCH}, {"ctx", required_argument, 0, O_CTX},
+        {"kv-dtype", required_argument, 0, O_KV}, {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    int c;
+    double dv;
+    long lv;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "m:p:cn:t:sjh", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': o.model_path = optarg; break;
+        case 'p': o.prompt = optarg; break;
+        case 'c': o.chat = 1; break;
+        case 's': o.stats = 1; break;
+        case 'j': o.json = 1; break;
+        case 'n':
+            if (pdm_parse_long(optarg, 0, 1 << 20, &o.n_predict))
+                return usage_error("invalid -n '%s' (0..1048576)", optarg);
+            break;
+        case 't':
+            if (pdm_parse_long(optarg, 1, 256, &o.threads))
+                return usage_error("invalid --threads '%s' (1..256)", optarg);
+            break;
+        case O_BATCH:
+            if (pdm_parse_long(optarg, 1, 65536, &o.batch))
+                return usage_error("invalid --batch '%s' (1..65536)", optarg);
+            break;
+        case O_CTX:
+            if (pdm_parse_long(optarg, 1, 1 << 24, &o.ctx))
+                return usage_error("invalid --ctx '%s'", optarg);
+            break;
+        case O_TEMP:
+            if (pdm_parse_double(optarg, 0, 100, &dv))
+                return usage_error("invalid --temp '%s' (0..100)", optarg);
+            o.sp.temperature = (float)dv;
+            break;
+        case O_TOPK:
+            if (pdm_parse_long(optarg, 0, 1 << 30, &lv))
+                return usage_error("invalid --top-k '%s' (>= 0)", optarg);
+            o.sp.top_k = (int32_t)lv;
+            break;
+        case O_TOPP:
+            if (pdm_parse_double(optarg, 1e-9, 1, &dv))
+                return usage_error("invalid --top-p '%s' (0..1]", optarg);
+            o.sp.top_p = (float)dv;
+            break;
+        case O_MINP:
+            if (pdm_parse_double(optarg, 0, 1, &dv))
+                return usage_error("invalid --min-p '%s' (0..1)", optarg);
+            o.sp.min_p = (float)dv;
+            break;
+        case O_REP:
+            if (pdm_parse_double(optarg, 1e-6, 100, &dv))
+                return usage_error("invalid --repeat-penalty '%s' (0..100]", optarg);
+            o.sp.repeat_penalty = (float)dv;
+            break;
+        case O_SEED: {
+            char *end;
+            unsigned long long s = strtoull(optarg, &end, 10);
+            if (!*optarg || *end) return usage_error("invalid --seed '%s'", optarg);
+            o.sp.seed = s;
+            break;
+        }
+        case O_STOP:
+            if (o.n_stops == PDM__MAX_STOPS) return usage_error("too many --stop strings%s", "");
+            if (!*optarg) return usage_error("empty --stop string%s", "");
+            o.stops[o.n_stops++] = optarg;
+            break;
+        case O_KV:
+            if (!strcmp(optarg, "f16")) o.kv_dtype = PDM_DT_F16;
+            else if (!strcmp(optarg, "f32")) o.kv_dtype = PDM_DT_F32;
+            else return usage_error("invalid --kv-dtype '%s' (f16 or f32)", optarg);
+            break;
+        case 'h': usage(stdout); return 0;
+        default: return usage_error("%s", "invalid option");
+        }
+    }
+    if (optind < argc) return usage_error("unexpected argument '%s'", argv[optind]);
+    if (!o.prompt) return usage_error("%s", "generate needs --prompt TEXT");
+    if (o.threads == 0) o.threads = PDM_MAX(1, sysconf(_SC_NPROCESSORS_ONLN));
+
+    int status = 1;
+    pdm_model_t *model = NULL;
+    pdm_model_ctx_t *ctx = NULL;
+    pdm_kv_cache_t *cache = NULL;
+    pdm_sampler_t *sampler = NULL;
+    int32_t *prompt_ids = NULL, *out_ids = NULL;
+    float *logits = NULL;
+    char *rendered = NULL, *text = NULL;
+    size_t n_prompt = 0, text_len = 0, text_cap = 0, emitted = 0;
+    if (load_model(o.model_path, &model)) return 1;
+    const pdm_model_hparams_t *hp = &model->hp;
+
+    const char *prompt_text = o.prompt;
+    int flags = PDM_TOKENIZE_ADD_BOS;
+    if (o.chat) {
+        const char *role = "user";
+        rendered = pdm_tokenizer_chat_render(model->tokenizer, &role, &o.prompt, 1, 1);
+        if (!rendered) {
+            runtime_error("cannot apply the chat template");
+            goto out;
+        }
+        prompt_text = rendered;
+        flags |= PDM_TOKENIZE_SPECIAL;
+    }
+    if (tokenize_alloc(model->tokenizer, prompt_text, strlen(prompt_text), flags, &prompt_ids,
+                       &n_prompt)) {
+        runtime_error("cannot tokenize the prompt");
+        goto out;
+    }
+    if (n_prompt == 0) {
+        fprintf(stderr, "%s: the prompt is empty after tokenization\n", pdm__prog);
+        goto out;
+    }
+    long n_ctx = o.ctx ? o.ctx : (long)hp->n_ctx_train;
+    if ((long)n_prompt >= n_ctx) {
+        fprintf(stderr, "%s: the prompt has %zu tokens, more than the context allows (%ld); "
+                        "shorten it or raise --ctx\n", pdm__prog, n_prompt, n_ctx);
+        goto out;
+    }
+    long capacity = PDM_MIN(n_ctx, (long)n_prompt + o.n_predict);
+    if (pdm_model_ctx_create(model, (int)o.threads, (int)o.batch, &ctx) ||
+        pdm_kv_cache_create(hp, (int32_t)capacity, o.kv_dtype, &cache) ||
+        pdm_sampler_create(&o.sp, (int32_t)hp->n_vocab, &sampler)) {
+        runtime_error("cannot set up generation");
+        goto out;
+    }
+    logits = malloc(hp->n_vocab * sizeof(float));
+    out_ids = malloc((size_t)(o.n_predict + 1) * sizeof(int32_t));
+    int32_t *history = malloc((n_prompt + (size_t)o.n_predict + 1) * sizeof(int32_t));
+    if (!logits || !out_ids || !history) {
+        free(history);
+        fprintf(stderr, "%s: out of memory\n", pdm__prog);
+        goto out;
+    }
+    memcpy(history, prompt_ids, n_prompt * sizeof(int32_t));
+
+    const char *finish = "length";
+    double t0 = pdm_now(), t_first = t0, t_end;
+    if (pdm_model_prefill(ctx, cache, prompt_ids, (int)n_prompt, logits)) {
+        free(history);
+        runtime_error("prefill failed");
+        goto out;
+    }
+    pdm_detok_t detok;
+    pdm_detok_init(&detok, 0);
+    long n_out = 0;
+    int hit_stop_string = 0;
+    char piece[256];
+    for (;;) {
+        if (n_out >= o.n_predict) break;
+        if (cache->n_tokens >= cache->capacity && n_out > 0) {
+            finish = "length";
+            break;
+        }
+        int32_t tok = pdm_sampler_sample(sampler, logits, history, (int)(n_prompt + n_out));
+        if (n_out == 0) t_first = pdm_now();
+        out_ids[n_out++] = tok;
+        history[n_prompt + n_out - 1] = tok;
+        if (pdm_tokenizer_is_eog(model->tokenizer, tok)) {
+            finish = "stop";
+            break;
+        }
+        int pl = pdm_detok_feed(&detok, model->tokenizer, tok, piece, sizeof(piece));
+        if (pl < 0) pl = 0;
+        if (text_len + (size_t)pl + 1 > text_cap) {
+            size_t cap = PDM_MAX(text_cap * 2, text_len + (size_t)pl + 256);
+            char *nt = realloc(text, cap);
+            if (!nt) {
+                free(history);
+                fprintf(stderr, "%s: out of memory\n", pdm__prog);
+                goto out;
+            }
+            text = nt;
+            text_cap = cap;
+        }
+        memcpy(text + text_len, piece, (size_t)pl);
+        text_len += (size_t)pl;
+        text[text_len] = '\0';
+        long stop_at = o.n_stops ? stop_find(text, &o) : -1;
+        if (stop_at >= 0) {
+            hit_stop_string = 1;
+            text_len = (size_t)stop_at;
+            text[text_len] = '\0';
+            finish = "stop";
+            break;
+        }
+        size_t safe = text_len - stop_holdback(text, text_len, &o);
+        if (!o.json && safe > emitted) {
+            fwrite(text + emitted, 1, safe - emitted, stdout);
+            fflush(stdout);
+            emitted = safe;
+        }
+        if (n_out >= o.n_predict || cache->n_tokens >= cache->capacity) break;
+        if (pdm_model_decode(ctx, cache, tok, logits)) {
+            free(history);
+            runtime_error("decode failed");
+            goto out;
+        }
+    }
+    free(history);
+    t_end = pdm_now();
+    if (!hit_stop_string) {
+        /* bytes of an unfinished UTF-8 character at the end become U+FFFD */
+        int fl = pdm_detok_flush(&detok, piece, sizeof(piece));
+        if (fl > 0) {
+            char *nt = realloc(text, text_len + (size_t)fl + 1);
+            if (nt) {
+                text = nt;
+                memcpy(text + text_len, piece, (size_t)fl);
+                text_len += (size_t)fl;
+                text[text_len] = '\0';
+            }
+        }
+    }
+    if (!o.json && text_len > emitted) fwrite(text + emitted, 1, text_len - emitted, stdout);
+
+    double prefill_s = t_first - t0, decode_s = t_end - t_first;
+    double prefill_tps = prefill_s > 0 ? (double)n_prompt / prefill_s : 0.0;
+    double decode_tps = n_out > 1 && decode_s > 0 ? (double)(n_out - 1) / decode_s : 0.0;
+    if (o.json) {
+        cJSON *root = cJSON_CreateObject();
+        cJSON *ids = cJSON_AddArrayToObject(root, "tokens");
+        for (long i = 0; i < n_out; i++) cJSON_AddItemToArray(ids, cJSON_CreateNumber(out_ids[i]));
+        cJSON_AddStringToObject(root, "text", text ? text : "");
+        cJSON_AddStringToObject(root, "finish_reason", finish);
+        cJSON_AddNumberToObject(root, "prompt_tokens", (double)n_prompt);
+        cJSON_AddNumberToObject(root, "completion_tokens", (double)n_out);
+        cJSON_AddNumberToObject(root, "ttft_s", prefill_s);
+        cJSON_AddNumberToObject(root, "prefill_tokens_per_s", prefill_tps);
+        cJSON_AddNumberToObject(root, "decode_tokens_per_s", decode_tps);
+        cJSON_AddStringToObject(root, "kernels", pdm_model_ctx_ops(ctx)->name);
+        cJSON_AddNumberToObject(root, "threads", (double)o.threads);
+        char *js = cJSON_PrintUnformatted(root);
+        if (js) printf("%s\n", js);
+        free(js);
+        cJSON_Delete(root);
+    } else {
+        printf("\n");
+    }
+    fflush(stdout);
+    if (o.stats)
+        fprintf(stderr, "prompt tokens: %zu, generated: %ld (%s)\nTTFT: %.3f s\n"
+                        "prefill: %.1f tokens/s\ndecode: %.1f tokens/s\nkernels: %s, threads: %ld\n",
+                n_prompt, n_out, finish, prefill_s, prefill_tps, decode_tps,
+                pdm_model_ctx_ops(ctx)->name, o.threads);
+    status = 0;
+
+out:
+    free(text);
+    free(logits);
+    free(out_ids);
+    free(prompt_ids);
+    free(rendered);
+    pdm_sampler_destroy(sampler);
+    pdm_kv_cache_destroy(cache);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(model);
+    return status;
+}
+
+/* ---- tokenize / detokenize ------------------------------------------------------------ */
+
+static int cmd_tokenize(int argc, char **argv)
+{
+    const char *model_path = pdm_model_default_path();
+    int special = 0, bos = 0;
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"special", no_argument, 0, 's'},
+                                         {"bos", no_argument, 0, 'b'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "m:sbh", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model_path = optarg; break;
+        case 's': special = 1; break;
+        case 'b': bos = 1; break;
+        case 'h': usage(stdout); return 0;
+        default: return usage_error("%s", "invalid option");
+        }
+    }
+    if (argc - optind != 1) return usage_error("%s", "tokenize needs one TEXT argument (or -)");
+    char *owned = NULL;
+    const char *text = argv[optind];
+    size_t len = strlen(text);
+    if (!strcmp(text, "-")) {
+        if (!(owned = read_stdin(&len))) return runtime_error("cannot read stdin");
+        text = owned;
+    }
+    pdm_model_t *model;
+    if (load_model(model_path, &model)) {
+        free(owned);
+        return 1;
+    }
+    int32_t *ids = NULL;
+    size_t n = 0;
+    int flags = (special ? PDM_TOKENIZE_SPECIAL : 0) | (bos ? PDM_TOKENIZE_ADD_BOS : 0);
+    int status = 0;
+    if (tokenize_alloc(model->tokenizer, text, len, flags, &ids, &n)) {
+        status = runtime_error("cannot tokenize");
+    } else {
+        for (size_t i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
+        printf("\n");
+    }
+    free(ids);
+    free(owned);
+    pdm_model_free(model);
+    return status;
+}
+
+static int cmd_detokenize(int argc, char **argv)
+{
+    const char *model_path = pdm_model_default_path();
+    int special = 0;
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"special", no_argument, 0, 's'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "m:sh", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model_path = optarg; break;
+        case 's': special = 1; break;
+        case 'h': usage(stdout); return 0;
+        default: return usage_error("%s", "invalid option");
+        }
+    }
+    if (optind >= argc) return usage_error("%s", "detokenize needs token ids (or -)");
+    char *owned = NULL;
+    size_t len;
+    if (argc - optind == 1 && !strcmp(argv[optind], "-")) {
+        if (!(owned = read_stdin(&len))) return runtime_error("cannot read stdin");
+    }
+    pdm_model_t *model;
+    if (load_model(model_path, &model)) {
+        free(owned);
+        return 1;
+    }
+    int status = 0;
+    pdm_detok_t d;
+    pdm_detok_init(&d, special);
+    char buf[512];
+    char *save = NULL, *tokstr = owned ? strtok_r(owned, " \t\r\n,", &save) : NULL;
+    for (int i = optind;; i++) {
+        const char *s = owned ? tokstr : (i < argc ? argv[i] : NULL);
+        if (!s) break;
+        long id;
+        if (pdm_parse_long(s, 0, INT32_MAX, &id)) {
+            fprintf(stderr, "%s: '%s' is not a token id\n", pdm__prog, s);
+            status = 2;
+            break;
+        }
+        int n = pdm_detok_feed(&d, model->tokenizer, (int32_t)id, buf, sizeof(buf));
+        if (n < 0) {
+            status = runtime_error("cannot detokenize");
+            break;
+        }
+        fwrite(buf, 1, (size_t)n, stdout);
+        if (owned) tokstr = strtok_r(NULL, " \t\r\n,", &save);
+    }
+    if (status == 0) {
+        int n = pdm_detok_flush(&d, buf, sizeof(buf));
+        if (n > 0) fwrite(buf, 1, (size_t)n, stdout);
+        printf("\n");
+    }
+    free(owned);
+    pdm_model_free(model);
+    return status;
+}
+
+/* ---- make-test-model ------------------------------------------------------------------ */
+
+static int cmd_make_test_model(int argc, char **argv)
+{
+    pdm_testmodel_params_t p;
+    pdm_testmodel_params_default(&p);
+    const char *out = NULL;
+    static const struct option opts[] = {
+        {"out", required_argument, 0, 'o'},      {"layers", required_argument, 0, 'l'},
+        {"d-model", required_argument, 0, 'd'},  {"ffn", required_argument, 0, 'f'},
+        {"heads", required_argument, 0, 'H'},    {"kv-heads", required_argument, 0, 'k'},
+        {"wtype", required_argument, 0, 'w'},    {"seed", required_argument, 0, 's'},
+        {"ctx", required_argument, 0, 'c'},      {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    int c;
+    long v;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "o:l:d:f:H:k:w:s:c:h", opts, NULL)) != -1) {
+        if (c == 'h') {
+            usage(stdout);
+            return 0;
+        }
+        if (c == 'o') {
+            out = optarg;
+            continue;
+        }
+        if (c == 'w') {
+            static const struct {
+                const char *name;
+                pdm_dtype_t type;
+            } types[] = {{"q4_1", PDM_DT_Q4_1}, {"q4_0", PDM_DT_Q4_0}, {"q8_0", PDM_DT_Q8_0},
+                         {"f16", PDM_DT_F16},   {"f32", PDM_DT_F32},   {"bf16", PDM_DT_BF16}};
+            int found = 0;
+            for (size_t i = 0; i < PDM_ARRAY_SIZE(types); i++)
+                if (!strcmp(optarg, types[i].name)) p.wtype = types[i].type, found = 1;
+            if (!found) return usage_error("unknown --wtype '%s'", optarg);
+            continue;
+        }
+        if (c == '?' || pdm_parse_long(optarg, 1, 1 << 20, &v))
+            return usage_error("invalid value '%s'", c == '?' ? "" : optarg);
+        switch (c) {
+        case 'l': p.n_layers = (uint32_t)v; break;
+        case 'd': p.d_model = (uint32_t)v; break;
+        case 'f': p.n_ff = (uint32_t)v; break;
+        case 'H': p.n_heads = (uint32_t)v; break;
+        case 'k': p.n_kv_heads = (uint32_t)v; break;
+        case 's': p.seed = (uint64_t)v; break;
+        case 'c': p.n_ctx = (uint32_t)v; break;
+        }
+    }
+    if (!out) return usage_error("%s", "make-test-model needs --out FILE");
+    if (pdm_testmodel_write(out, &p)) return runtime_error("cannot write the test model");
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
+        usage(stdout);
+        return 0;
+    }
+    if (!strcmp(cmd, "generate")) return cmd_generate(argc - 1, argv + 1);
+    if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 1, argv + 1);
+    if (!strcmp(cmd, "detokenize")) return cmd_detokenize(argc - 1, argv + 1);
+    if (!strcmp(cmd, "make-test-model")) return cmd_make_test_model(argc - 1, argv + 1);
+    return usage_error("unknown command '%s'", cmd);
+}
