@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# CLI tests: drive the real pdmesh binary as a user would and check stdout, stderr and exit
+# codes. Needs PDMESH (the binary) and PDMESH_MODEL (the real model; tests that need it are
+# skipped with a message when it is absent).
+set -u
+bin=${PDMESH:-build/bin/pdmesh}
+model=${PDMESH_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+py=${PYTHON:-python3}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0
+failed=0
+skipped=0
+
+ok() { passed=$((passed + 1)); echo "ok   $1"; }
+bad() { failed=$((failed + 1)); echo "FAIL $1"; [ -n "${2:-}" ] && echo "     $2"; }
+
+# expect NAME EXPECTED_STATUS CMD...: runs CMD, keeps stdout/stderr in $tmp/out, $tmp/err
+expect() {
+  local name=$1 want=$2
+  shift 2
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" -eq "$want" ]; then ok "$name"; return 0; fi
+  bad "$name" "exit $got, expected $want; stderr: $(head -c 300 "$tmp/err")"
+  return 1
+}
+contains() { # NAME FILE TEXT
+  if grep -qF -- "$3" "$2"; then ok "$1"; else bad "$1" "'$3' not in $2: $(head -c 300 "$2")"; fi
+}
+
+# ---- usage errors: exit 2 with a message ----
+expect "no command" 2 "$bin"
+expect "unknown command" 2 "$bin" frobnicate && contains "unknown command named" "$tmp/err" "frobnicate"
+expect "unknown flag" 2 "$bin" generate --prompt x --no-such-flag
+expect "missing prompt" 2 "$bin" generate --model "$model"
+expect "negative temperature" 2 "$bin" generate --prompt x --temp -1 && contains "temp named" "$tmp/err" "--temp"
+expect "top-p zero" 2 "$bin" generate --prompt x --top-p 0
+expect "min-p above one" 2 "$bin" generate --prompt x --min-p 1.5
+expect "non-numeric -n" 2 "$bin" generate --prompt x -n many
+expect "bad kv dtype" 2 "$bin" generate --prompt x --kv-dtype q3
+expect "help" 0 "$bin" --help && contains "help lists generate" "$tmp/out" "generate"
+
+# ---- model errors: exit 1 naming the file ----
+expect "missing model" 1 "$bin" generate --model "$tmp/none.gguf" --prompt x && contains "missing model named" "$tmp/err" "$tmp/none.gguf"
+printf 'GGUF\003\000\000\000garbage' >"$tmp/corrupt.gguf"
+expect "corrupt model" 1 "$bin" generate --model "$tmp/corrupt.gguf" --prompt x && contains "corrupt model named" "$tmp/err" "corrupt.gguf"
+printf 'not a model at all' >"$tmp/text.gguf"
+expect "not a gguf" 1 "$bin" tokenize --model "$tmp/text.gguf" hi && contains "bad magic reported" "$tmp/err" "text.gguf"
+
+# ---- a random test model: the whole path without the real model ----
+expect "make test model" 0 "$bin" make-test-model --out "$tmp/tiny.gguf" --layers 2 --d-model 64 --heads 4 --kv-heads 2
+expect "generate on test model" 0 "$bin" generate --model "$tmp/tiny.gguf" --prompt "The quick brown fox" -n 8 --temp 0 --json
+if $py -c 'import json,sys; d=json.load(open(sys.argv[1])); assert len(d["tokens"]) == 8, d' "$tmp/out"; then ok "test model json"; else bad "test model json"; fi
+expect "test model tokenize" 0 "$bin" tokenize --model "$tmp/tiny.gguf" "the fox"
+# the reference GGUF reader (the gguf package from llama.cpp's authors) reads our writer's file
+if $py -c 'import gguf' 2>/dev/null; then
+  if $py - "$tmp/tiny.gguf" <<'PY'
+import sys, gguf
+r = gguf.GGUFReader(sys.argv[1])
+names = {t.name: t for t in r.tensors}
+assert len(names) == 1 + 1 + 2 * 9, sorted(names)
+assert names["blk.1.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_1
+assert list(names["blk.0.attn_k.weight"].shape) == [64, 32], names["blk.0.attn_k.weight"].shape
+f = r.fields["llama.attention.head_count_kv"]
+assert int(f.parts[f.data[0]][0]) == 2
+PY
+  then ok "gguf-py reads our file"; else bad "gguf-py reads our file"; fi
+else
+  echo "skip gguf-py cross-check: the gguf package is not installed (make deps)"
+  skipped=$((skipped + 1))
+fi
+
+if [ ! -f "$model" ]; then
+  echo "skip real-model CLI tests: $model not present (run 'make model')"
+  skipped=$((skipped + 1))
+else
+  # ---- generate ----
+  expect "generate France" 0 "$bin" generate --model "$model" --prompt "The capital of France is" -n 20 --temp 0
+  contains "continuation mentions Paris" "$tmp/out" "Paris"
+  [ ! -s "$tmp/err" ] && ok "stderr quiet without --stats" || bad "stderr quiet without --stats" "$(head -c 200 "$tmp/err")"
+
+  expect "generate --stats" 0 "$bin" generate --model "$model" --prompt "Hello" -n 8 --temp 0 --stats
+  contains "stats TTFT" "$tmp/err" "TTFT"
+  contains "stats decode" "$tmp/err" "decode:"
+
+  expect "generate --json" 0 "$bin" generate --model "$model" --prompt "Count: 1, 2, 3," -n 12 --temp 0 --json
+  if $py - "$tmp/out" <<'PY'
+import json, sys
+lines = open(sys.argv[1]).read().strip().splitlines()
+assert len(lines) == 1, lines
+d = json.loads(lines[0])
+assert d["completion_tokens"] == len(d["tokens"]) <= 12, d
+assert d["prompt_tokens"] > 0 and d["ttft_s"] > 0 and d["decode_tokens_per_s"] > 0, d
+assert isinstance(d["text"], str) and d["finish_reason"] in ("stop", "length"), d
+PY
+  then ok "json object"; else bad "json object"; fi
+
+  expect "seeded sampling 1" 0 "$bin" generate --model "$model" --prompt "Once upon a time" -n 16 --temp 0.9 --seed 7
+  cp "$tmp/out" "$tmp/seed1"
+  expect "seeded sampling 2" 0 "$bin" generate --model "$model" --prompt "Once upon a time" -n 16 --temp 0.9 --seed 7
+  cmp -s "$tmp/out" "$tmp/seed1" && ok "same seed, same text" || bad "same seed, same text"
+
+  expect "stop string" 0 "$bin" generate --model "$model" --prompt "The capital of France is" -n 30 --temp 0 --stop "." --json
+  if $py -c 'import json,sys; d=json.load(open(sys.argv[1])); assert "." not in d["text"] and d["finish_reason"]=="stop", d' "$tmp/out"; then ok "stop string honoured"; else bad "stop string honoured"; fi
+
+  expect "chat" 0 "$bin" generate --model "$model" --chat --prompt "What is 2+2? Answer with one word." -n 16 --temp 0
+  [ -s "$tmp/out" ] && ok "chat produced text" || bad "chat produced text"
+
+  long=$(printf 'word %.0s' $(seq 1 300))
+  expect "prompt longer than context" 1 "$bin" generate --model "$model" --prompt "$long" --ctx 64
+  contains "context error explains" "$tmp/err" "context"
+
+  # ---- tokenize / detokenize ----
+  expect "tokenize" 0 "$bin" tokenize --model "$model" "Hello world"
+  contains "tokenize ids" "$tmp/out" "19556 905"
+  echo -n "Héllo, 世界 🙂" | "$bin" tokenize --model "$model" - >"$tmp/ids" 2>"$tmp/err" && ok "tokenize stdin" || bad "tokenize stdin"
+  "$bin" detokenize --model "$model" $(cat "$tmp/ids") >"$tmp/text" 2>"$tmp/err" && ok "detokenize" || bad "detokenize"
+  [ "$(cat "$tmp/text")" = "Héllo, 世界 🙂" ] && ok "round trip" || bad "round trip" "$(cat "$tmp/text")"
+  expect "tokenize --special" 0 "$bin" tokenize --model "$model" --special "<|im_start|>user"
+  contains "special id parsed" "$tmp/out" "1 "
+  expect "detokenize bad id" 1 "$bin" detokenize --model "$model" 999999
+  expect "detokenize not a number" 2 "$bin" detokenize --model "$model" abc
+fi
+
+echo "cli: $passed passed, $failed failed, $skipped skipped"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,63 @@
+/*
+ * main.c - runs the Check suites of pdmesh: all of them, or those named as arguments.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "tests.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static const struct {
+    const char *name;
+    Suite *(*make)(void);
+} suites[] = {
+    {"common", suite_common},   {"gguf", suite_gguf},     {"tokenizer", suite_tokenizer},
+    {"kernels", suite_kernels}, {"engine", suite_engine}, {"sampler", suite_sampler},
+    {"golden", suite_golden},
+};
+
+const char *pdm_test_tmpdir(void)
+{
+    static char dir[512];
+    if (!dir[0]) {
+        const char *env = getenv("PDM_TEST_TMP");
+        if (env && *env) snprintf(dir, sizeof(dir), "%s", env);
+        else snprintf(dir, sizeof(dir), "/tmp/pdmesh-test-%ld", (long)getpid());
+        mkdir(dir, 0700);
+    }
+    return dir;
+}
+
+const char *pdm_test_model_path(void)
+{
+    static char path[1024];
+    const char *env = getenv("PDMESH_MODEL");
+    snprintf(path, sizeof(path), "%s",
+             env && *env ? env : "models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    return access(path, R_OK) == 0 ? path : NULL;
+}
+
+int main(int argc, char **argv)
+{
+    SRunner *runner = NULL;
+    pdm_test_tmpdir(); /* once, before Check forks, so every test shares one directory */
+    for (size_t i = 0; i < sizeof(suites) / sizeof(suites[0]); i++) {
+        int wanted = argc < 2;
+        for (int a = 1; a < argc; a++)
+            if (!strcmp(argv[a], suites[i].name)) wanted = 1;
+        if (!wanted) continue;
+        if (!runner) runner = srunner_create(suites[i].make());
+        else srunner_add_suite(runner, suites[i].make());
+    }
+    if (!runner) {
+        fprintf(stderr, "no such suite\n");
+        return 2;
+    }
+    srunner_run_all(runner, CK_NORMAL);
+    int failed = srunner_ntests_failed(runner);
+    srunner_free(runner);
+    return failed == 0 ? 0 : 1;
+}

@@ -1,0 +1,244 @@
+/*
+ * test_golden.c - the engine and tokenizer against llama.cpp on the real model.
+ *
+ * tests/golden/golden.json is produced by tests/golden/make_golden.py (llama.cpp through
+ * llama-cpp-python). Checked here: token ids of every recorded string; the chat template's
+ * rendering; for every prompt, the top-20 logits of the first generated position (tolerance
+ * PDM_GOLDEN_LOGIT_TOL, the largest difference is printed) and the greedy continuation token
+ * for token. Skips with a message when the model is not present.
+ */
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model.h"
+#include "tests.h"
+
+/* Largest allowed |logit difference| against llama.cpp on the top-20 entries. Both quantize
+ * activations to 8 bits and keep KV in f16, but llama.cpp also rounds Q and the softmax
+ * weights to f16 in its attention products, which we do not, and single quantization steps
+ * on outlier channels amplify any such difference (measured: up to ~0.6 between our own
+ * scalar and AVX2 kernels, which differ only in summation order). */
+#define PDM_GOLDEN_LOGIT_TOL 1.0f
+/* Largest gap between our best and llama.cpp's greedy choice where the two may part. */
+#define PDM_GOLDEN_TIE_GAP 0.5f
+
+#ifndef PDM_GOLDEN_PATH
+#define PDM_GOLDEN_PATH "tests/golden/golden.json"
+#endif
+
+static cJSON *load_golden(void)
+{
+    FILE *f = fopen(PDM_GOLDEN_PATH, "rb");
+    ck_assert_msg(f != NULL, "cannot open %s", PDM_GOLDEN_PATH);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    ck_assert_uint_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
+    buf[n] = 0;
+    fclose(f);
+    cJSON *root = cJSON_Parse(buf);
+    free(buf);
+    ck_assert_msg(root != NULL, "%s is not valid JSON", PDM_GOLDEN_PATH);
+    return root;
+}
+
+static pdm_model_t *load_real_model(void)
+{
+    const char *path = pdm_test_model_path();
+    if (!path) {
+        fprintf(stderr, "golden: SKIP, the real model is not present (run 'make model')\n");
+        return NULL;
+    }
+    pdm_model_t *m = NULL;
+    ck_assert_msg(pdm_model_load(path, &m) == PDM_OK, "%s", pdm_error_last());
+    return m;
+}
+
+static int32_t *json_ids(const cJSON *arr, int *n)
+{
+    *n = cJSON_GetArraySize(arr);
+    int32_t *ids = malloc((size_t)(*n ? *n : 1) * sizeof(int32_t));
+    for (int i = 0; i < *n; i++) ids[i] = (int32_t)cJSON_GetArrayItem(arr, i)->valuedouble;
+    return ids;
+}
+
+START_TEST(test_golden_tokenize)
+{
+    pdm_model_t *m = load_real_model();
+    if (!m) return;
+    cJSON *root = load_golden();
+    const cJSON *list = cJSON_GetObjectItem(root, "tokenize");
+    int n_cases = cJSON_GetArraySize(list), failed = 0;
+    ck_assert_int_ge(n_cases, 50);
+    for (int c = 0; c < n_cases; c++) {
+        const cJSON *e = cJSON_GetArrayItem(list, c);
+        const char *text = cJSON_GetObjectItem(e, "text")->valuestring;
+        int special = cJSON_IsTrue(cJSON_GetObjectItem(e, "special"));
+        int n_want;
+        int32_t *want = json_ids(cJSON_GetObjectItem(e, "ids"), &n_want);
+        int32_t got[4096];
+        size_t n_got = 0;
+        int rc = pdm_tokenizer_encode(m->tokenizer, text, strlen(text),
+                                      special ? PDM_TOKENIZE_SPECIAL : 0, got, 4096, &n_got);
+        if (rc != PDM_OK || (int)n_got != n_want ||
+            memcmp(got, want, (size_t)n_want * sizeof(int32_t))) {
+            failed++;
+            fprintf(stderr, "golden tokenize mismatch (special=%d): \"%s\"\n  llama.cpp:", special,
+                    text);
+            for (int i = 0; i < n_want; i++) fprintf(stderr, " %d", want[i]);
+            fprintf(stderr, "\n  pdmesh:   ");
+            for (size_t i = 0; i < n_got; i++) fprintf(stderr, " %d", got[i]);
+            fprintf(stderr, "\n");
+        }
+        free(want);
+    }
+    ck_assert_msg(failed == 0, "%d of %d strings tokenize differently from llama.cpp", failed,
+                  n_cases);
+    /* the same set of end-of-generation tokens */
+    const cJSON *eog = cJSON_GetObjectItem(root, "eog_ids");
+    int n_eog = 0;
+    for (int32_t id = 0; id < (int32_t)m->hp.n_vocab; id++) {
+        int want = 0;
+        for (int i = 0; i < cJSON_GetArraySize(eog); i++)
+            if ((int32_t)cJSON_GetArrayItem(eog, i)->valuedouble == id) want = 1;
+        ck_assert_msg(pdm_tokenizer_is_eog(m->tokenizer, id) == want, "token %d: eog %d, "
+                      "llama.cpp %d", id, pdm_tokenizer_is_eog(m->tokenizer, id), want);
+        n_eog += want;
+    }
+    ck_assert_int_ge(n_eog, 1);
+    cJSON_Delete(root);
+    pdm_model_free(m);
+}
+END_TEST
+
+START_TEST(test_golden_chat_template)
+{
+    pdm_model_t *m = load_real_model();
+    if (!m) return;
+    cJSON *root = load_golden();
+    const cJSON *list = cJSON_GetObjectItem(root, "generate");
+    int checked = 0;
+    for (int c = 0; c < cJSON_GetArraySize(list); c++) {
+        const cJSON *e = cJSON_GetArrayItem(list, c);
+        const cJSON *msgs = cJSON_GetObjectItem(e, "messages");
+        if (!cJSON_IsTrue(cJSON_GetObjectItem(e, "chat")) || !cJSON_IsArray(msgs)) continue;
+        int n = cJSON_GetArraySize(msgs);
+        const char *roles[16], *contents[16];
+        ck_assert_int_le(n, 16);
+        for (int i = 0; i < n; i++) {
+            const cJSON *msg = cJSON_GetArrayItem(msgs, i);
+            roles[i] = cJSON_GetObjectItem(msg, "role")->valuestring;
+            contents[i] = cJSON_GetObjectItem(msg, "content")->valuestring;
+        }
+        char *out = pdm_tokenizer_chat_render(m->tokenizer, roles, contents, n, 1);
+        ck_assert_msg(out != NULL, "%s", pdm_error_last());
+        ck_assert_str_eq(out, cJSON_GetObjectItem(e, "prompt")->valuestring);
+        free(out);
+        checked++;
+    }
+    ck_assert_int_ge(checked, 1);
+    cJSON_Delete(root);
+    pdm_model_free(m);
+}
+END_TEST
+
+START_TEST(test_golden_generate)
+{
+    pdm_model_t *m = load_real_model();
+    if (!m) return;
+    cJSON *root = load_golden();
+    const cJSON *list = cJSON_GetObjectItem(root, "generate");
+    int n_cases = cJSON_GetArraySize(list);
+    ck_assert_int_ge(n_cases, 6);
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 2, 512, &ctx), PDM_OK);
+    float *logits = malloc(m->hp.n_vocab * sizeof(float));
+    float worst = 0.0f;
+    int diverged = 0, total_identical = 0, total_tokens = 0;
+    for (int c = 0; c < n_cases; c++) {
+        const cJSON *e = cJSON_GetArrayItem(list, c);
+        const char *name = cJSON_GetObjectItem(e, "name")->valuestring;
+        int n_prompt, n_greedy;
+        int32_t *prompt = json_ids(cJSON_GetObjectItem(e, "prompt_ids"), &n_prompt);
+        int32_t *greedy = json_ids(cJSON_GetObjectItem(e, "greedy"), &n_greedy);
+        pdm_kv_cache_t *cache;
+        ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n_prompt + n_greedy + 1, PDM_DT_F16, &cache),
+                         PDM_OK);
+        ck_assert_msg(pdm_model_prefill(ctx, cache, prompt, n_prompt, logits) == PDM_OK, "%s",
+                      pdm_error_last());
+
+        const cJSON *top = cJSON_GetObjectItem(e, "top_logits");
+        float case_worst = 0.0f;
+        for (int i = 0; i < cJSON_GetArraySize(top); i++) {
+            const cJSON *pair = cJSON_GetArrayItem(top, i);
+            int id = (int)cJSON_GetArrayItem(pair, 0)->valuedouble;
+            float want = (float)cJSON_GetArrayItem(pair, 1)->valuedouble;
+            case_worst = fmaxf(case_worst, fabsf(logits[id] - want));
+        }
+        worst = fmaxf(worst, case_worst);
+        ck_assert_msg(case_worst <= PDM_GOLDEN_LOGIT_TOL, "%s: top-20 logits differ by %g", name,
+                      case_worst);
+
+        /* Greedy continuation, token for token. Both engines quantize activations to 8 bits,
+         * and this model carries outlier channels, so a last-bit difference in a sum can
+         * move a whole quantization step and shift logits by tenths. Two engines can
+         * therefore only part ways where the top two candidates are nearly tied: if the
+         * sequences diverge, llama.cpp's token must be our runner-up within
+         * PDM_GOLDEN_TIE_GAP of our best, and comparison of that prompt stops there (the
+         * check vLLM applies to its own greedy tests). */
+        int identical = n_greedy;
+        for (int i = 0; i < n_greedy; i++) {
+            int best = 0;
+            for (uint32_t v = 1; v < m->hp.n_vocab; v++)
+                if (logits[v] > logits[best]) best = (int)v;
+            if (best != greedy[i]) {
+                float gap = logits[best] - logits[greedy[i]];
+                int rank = 0;
+                for (uint32_t v = 0; v < m->hp.n_vocab; v++)
+                    if (logits[v] > logits[greedy[i]]) rank++;
+                ck_assert_msg(rank == 1 && gap <= PDM_GOLDEN_TIE_GAP,
+                              "%s: greedy token %d is %d, llama.cpp has %d (its rank here %d, "
+                              "gap %.3f): not a near-tie", name, i, best, greedy[i], rank, gap);
+                fprintf(stderr, "golden %-24s diverges at token %d at a near-tie (gap %.3f)\n",
+                        name, i, gap);
+                identical = i;
+                diverged++;
+                break;
+            }
+            if (i + 1 < n_greedy)
+                ck_assert_int_eq(pdm_model_decode(ctx, cache, best, logits), PDM_OK);
+        }
+        total_identical += identical;
+        total_tokens += n_greedy;
+        fprintf(stderr, "golden %-24s prompt %4d tokens, %2d of %2d greedy tokens equal, max "
+                        "top-20 |logit diff| %.4f\n", name, n_prompt, identical, n_greedy,
+                case_worst);
+        pdm_kv_cache_destroy(cache);
+        free(prompt);
+        free(greedy);
+    }
+    fprintf(stderr, "golden: %d of %d greedy tokens equal; %d prompt(s) part at a near-tie; "
+                    "largest top-20 logit difference %.4f\n", total_identical, total_tokens,
+            diverged, worst);
+    free(logits);
+    pdm_model_ctx_destroy(ctx);
+    cJSON_Delete(root);
+    pdm_model_free(m);
+}
+END_TEST
+
+Suite *suite_golden(void)
+{
+    Suite *s = suite_create("golden");
+    TCase *tc = tcase_create("golden");
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_golden_tokenize);
+    tcase_add_test(tc, test_golden_chat_template);
+    tcase_add_test(tc, test_golden_generate);
+    suite_add_tcase(s, tc);
+    return s;
+}

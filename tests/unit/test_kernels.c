@@ -1,0 +1,462 @@
+/*
+ * test_kernels.c - every kernel variant against the scalar reference, and the reference
+ * against independent naive formulas, on random inputs of awkward sizes.
+ *
+ * Tolerances (stated per op):
+ *   matmul (same converted activations)  |y - y_ref| <= 1e-4 * sum|w||x| + 1e-5
+ *   activation quantization              quants within 1 step, scales equal
+ *   attention vs double-precision naive   1e-4 absolute on o and lse (f32 KV), 2e-3 (f16 KV)
+ *   rmsnorm, swiglu, rope                 1e-5 relative
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/pdm.h"
+#include "kernels/kernels.h"
+#include "tests.h"
+
+static uint64_t rng_state = 12345;
+
+static float frand(void)
+{
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(rng_state >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+}
+
+static void fill(float *x, size_t n, float scale)
+{
+    for (size_t i = 0; i < n; i++) x[i] = frand() * scale;
+}
+
+/* ---- data types ---------------------------------------------------------------------- */
+
+START_TEST(test_f16_roundtrip_exhaustive)
+{
+    for (uint32_t h = 0; h < 65536; h++) {
+        uint16_t v = (uint16_t)h;
+        int is_nan = (v & 0x7c00) == 0x7c00 && (v & 0x3ff);
+        float f = pdm_f16_to_f32(v);
+        if (is_nan) {
+            ck_assert(isnan(f));
+            continue;
+        }
+        ck_assert_msg(pdm_f32_to_f16(f) == v, "f16 0x%04x -> %g -> 0x%04x", v, f,
+                      pdm_f32_to_f16(f));
+    }
+    /* rounding to nearest even between two halves, overflow to inf */
+    ck_assert_uint_eq(pdm_f32_to_f16(1.0f + 0x1p-11f), 0x3c00);
+    ck_assert_uint_eq(pdm_f32_to_f16(1.0f + 0x1p-11f + 0x1p-20f), 0x3c01);
+    ck_assert_uint_eq(pdm_f32_to_f16(70000.0f), 0x7c00);
+    ck_assert_uint_eq(pdm_f32_to_f16(-1e-10f), 0x8000);
+}
+END_TEST
+
+START_TEST(test_quant_roundtrip_error)
+{
+    static const pdm_dtype_t types[] = {PDM_DT_F16, PDM_DT_BF16, PDM_DT_Q8_0, PDM_DT_Q4_0,
+                                        PDM_DT_Q4_1, PDM_DT_Q8_1};
+    /* max error relative to the block's absolute maximum */
+    static const float tol[] = {1e-3f, 8e-3f, 1.0f / 127 * 0.51f + 1e-3f, 1.0f / 8 + 1e-3f, /* the side opposite the max clips at 7 */
+                               
+                                2.0f / 15 * 0.51f + 1e-3f, 1.0f / 127 * 0.51f + 1e-3f};
+    const int n = 32 * 37;
+    float *x = malloc(n * sizeof(float)), *y = malloc(n * sizeof(float));
+    void *q = malloc(pdm_dtype_row_bytes(PDM_DT_F32, n));
+    fill(x, n, 3.0f);
+    for (size_t t = 0; t < PDM_ARRAY_SIZE(types); t++) {
+        pdm_quantize_row(types[t], x, q, n);
+        pdm_dequantize_row(types[t], q, y, n);
+        for (int b = 0; b < n / 32; b++) {
+            float amax = 0;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[b * 32 + j]));
+            for (int j = 0; j < 32; j++)
+                ck_assert_msg(fabsf(x[b * 32 + j] - y[b * 32 + j]) <= tol[t] * amax,
+                              "%s: x=%g y=%g amax=%g", pdm_dtype_name(types[t]), x[b * 32 + j],
+                              y[b * 32 + j], amax);
+        }
+    }
+    ck_assert_uint_eq(pdm_dtype_row_bytes(PDM_DT_Q4_1, 33), 0);
+    ck_assert_uint_eq(pdm_dtype_row_bytes(PDM_DT_Q4_1, 64), 40);
+    ck_assert(!pdm_dtype_valid(4));
+    ck_assert(!pdm_dtype_valid(999));
+    free(x);
+    free(y);
+    free(q);
+}
+END_TEST
+
+/* ---- matmul -------------------------------------------------------------------------- */
+
+static void check_matmul(const pdm_kern_ops_t *ops, pdm_dtype_t wtype, int rows, int cols,
+                         int n_tok)
+{
+    const pdm_kern_ops_t *ref = &pdm_kern_ops_generic;
+    size_t rb = pdm_dtype_row_bytes(wtype, cols);
+    float *wf = malloc((size_t)rows * cols * sizeof(float));
+    char *w = malloc(rb * rows);
+    float *x = malloc((size_t)n_tok * cols * sizeof(float));
+    float *wd = malloc((size_t)rows * cols * sizeof(float));
+    float *y = malloc((size_t)n_tok * rows * sizeof(float));
+    float *yr = malloc((size_t)n_tok * rows * sizeof(float));
+    size_t ab = ref->act_bytes(wtype, cols, n_tok);
+    void *act = ab ? malloc(ab) : NULL, *act2 = ab ? malloc(ab) : NULL;
+    fill(wf, (size_t)rows * cols, 1.0f);
+    fill(x, (size_t)n_tok * cols, 2.0f);
+    for (int r = 0; r < rows; r++) {
+        pdm_quantize_row(wtype, wf + (size_t)r * cols, w + (size_t)r * rb, cols);
+        pdm_dequantize_row(wtype, w + (size_t)r * rb, wd + (size_t)r * cols, cols);
+    }
+    pdm_kern_mat_t m = {.data = w, .type = wtype, .rows = rows, .cols = cols, .row_bytes = rb};
+    if (ab) {
+        ref->act_convert(wtype, x, cols, 0, n_tok, act);
+        /* the variant's own conversion: quants within one step of the reference */
+        ops->act_convert(wtype, x, cols, 0, n_tok, act2);
+        const int8_t *qa = act, *qb = act2;
+        for (size_t i = 0; i < ab; i++) {
+            size_t blk = wtype == PDM_DT_Q4_1 ? sizeof(pdm_block_q8_1_t) : sizeof(pdm_block_q8_0_t);
+            size_t hdr = blk - 32;
+            if (i % blk < hdr) continue;
+            ck_assert_msg(abs(qa[i] - qb[i]) <= 1, "%s act quant differs at %zu", ops->name, i);
+        }
+    }
+    const void *a = ab ? act : (const void *)x;
+    ref->matmul(&m, a, n_tok, yr, rows, 0, rows);
+    /* split the rows in two calls to test partial ranges */
+    ops->matmul(&m, a, n_tok, y, rows, 0, rows / 3);
+    ops->matmul(&m, a, n_tok, y, rows, rows / 3, rows);
+    for (int t = 0; t < n_tok; t++)
+        for (int r = 0; r < rows; r++) {
+            double mag = 0.0, exact = 0.0;
+            for (int c = 0; c < cols; c++) {
+                mag += fabs(wd[(size_t)r * cols + c] * x[(size_t)t * cols + c]);
+                exact += (double)wd[(size_t)r * cols + c] * x[(size_t)t * cols + c];
+            }
+            float got = y[(size_t)t * rows + r], want = yr[(size_t)t * rows + r];
+            ck_assert_msg(fabs(got - want) <= 1e-4 * mag + 1e-5,
+                          "%s %s rows %d cols %d tok %d: [%d][%d] %g vs ref %g", ops->name,
+                          pdm_dtype_name(wtype), rows, cols, n_tok, t, r, got, want);
+            /* the reference against the exact product of the dequantized weights: only the
+             * 8-bit activation rounding separates them */
+            double atol = ab ? 2.0 / 127 * mag : 1e-5 * mag + 1e-5;
+            ck_assert_msg(fabs(want - exact) <= atol, "reference %s: %g vs exact %g",
+                          pdm_dtype_name(wtype), want, exact);
+        }
+    free(wf);
+    free(w);
+    free(x);
+    free(wd);
+    free(y);
+    free(yr);
+    free(act);
+    free(act2);
+}
+
+START_TEST(test_matmul_variants)
+{
+    static const pdm_dtype_t types[] = {PDM_DT_Q4_1, PDM_DT_Q4_0, PDM_DT_Q8_0, PDM_DT_F16,
+                                        PDM_DT_F32, PDM_DT_BF16};
+    static const int toks[] = {1, 2, 3, 4, 5, 7, 9};
+    static const int shapes[][2] = {{1, 32}, {7, 64}, {63, 96}, {64, 576}, {65, 160}};
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    for (int v = 0; list[v]; v++)
+        for (size_t t = 0; t < PDM_ARRAY_SIZE(types); t++)
+            for (size_t s = 0; s < PDM_ARRAY_SIZE(shapes); s++)
+                for (size_t k = 0; k < PDM_ARRAY_SIZE(toks); k++)
+                    check_matmul(list[v], types[t], shapes[s][0], shapes[s][1], toks[k]);
+    /* odd float widths (not multiples of the SIMD width) for unquantized weights */
+    for (int v = 0; list[v]; v++) {
+        check_matmul(list[v], PDM_DT_F32, 5, 1000, 3);
+        check_matmul(list[v], PDM_DT_F16, 3, 13, 2);
+    }
+}
+END_TEST
+
+/* ---- attention ----------------------------------------------------------------------- */
+
+/* Independent naive attention in double: explicit masked softmax. */
+static void naive_attention(const pdm_kern_attn_t *a, float *o, float *lse)
+{
+    int hd = a->head_dim;
+    for (int i = 0; i < a->n_q; i++) {
+        double m = -INFINITY;
+        double *s = malloc((size_t)(a->n_kv ? a->n_kv : 1) * sizeof(double));
+        for (int j = 0; j < a->n_kv; j++) {
+            int visible = !a->causal || a->k_pos0 + j <= a->q_pos[i];
+            double dot = 0;
+            for (int d = 0; d < hd; d++) {
+                float kv = a->kv_type == PDM_DT_F16
+                               ? pdm_f16_to_f32(((const uint16_t *)a->k)[(size_t)j * hd + d])
+                               : ((const float *)a->k)[(size_t)j * hd + d];
+                dot += (double)a->q[(size_t)i * a->q_stride + d] * kv;
+            }
+            s[j] = visible ? dot * a->scale : -INFINITY;
+            if (s[j] > m) m = s[j];
+        }
+        double l = 0;
+        for (int d = 0; d < hd; d++) o[(size_t)i * hd + d] = 0;
+        if (m == -INFINITY) {
+            lse[i] = -INFINITY;
+            free(s);
+            continue;
+        }
+        for (int j = 0; j < a->n_kv; j++) l += exp(s[j] - m);
+        for (int j = 0; j < a->n_kv; j++) {
+            double p = exp(s[j] - m) / l;
+            for (int d = 0; d < hd; d++) {
+                float vv = a->kv_type == PDM_DT_F16
+                               ? pdm_f16_to_f32(((const uint16_t *)a->v)[(size_t)j * hd + d])
+                               : ((const float *)a->v)[(size_t)j * hd + d];
+                o[(size_t)i * hd + d] += (float)(p * vv);
+            }
+        }
+        lse[i] = (float)(m + log(l));
+        free(s);
+    }
+}
+
+static void check_attention(const pdm_kern_ops_t *ops, int n_q, int n_kv, int hd,
+                            pdm_dtype_t kvt, int32_t k_pos0, int32_t q_pos0, int causal)
+{
+    float *q = malloc((size_t)n_q * hd * sizeof(float));
+    float *kf = malloc((size_t)n_kv * hd * sizeof(float) + 4);
+    float *vf = malloc((size_t)n_kv * hd * sizeof(float) + 4);
+    void *k = malloc((size_t)n_kv * hd * 4 + 4), *v = malloc((size_t)n_kv * hd * 4 + 4);
+    int32_t *pos = malloc((size_t)n_q * sizeof(int32_t));
+    float *o = malloc((size_t)n_q * hd * sizeof(float)), *on = malloc((size_t)n_q * hd * sizeof(float));
+    float *lse = malloc((size_t)n_q * sizeof(float)), *lsen = malloc((size_t)n_q * sizeof(float));
+    fill(q, (size_t)n_q * hd, 1.0f);
+    fill(kf, (size_t)n_kv * hd, 1.0f);
+    fill(vf, (size_t)n_kv * hd, 1.0f);
+    pdm_quantize_row(kvt, kf, k, (int64_t)n_kv * hd);
+    pdm_quantize_row(kvt, vf, v, (int64_t)n_kv * hd);
+    for (int i = 0; i < n_q; i++) pos[i] = q_pos0 + i;
+    pdm_kern_attn_t a = {.q = q, .q_stride = hd, .q_pos = pos, .n_q = n_q, .k = k, .v = v,
+                         .kv_type = kvt, .k_pos0 = k_pos0, .n_kv = n_kv, .head_dim = hd,
+                         .scale = 1.0f / sqrtf((float)hd), .causal = causal, .o = o,
+                         .o_stride = hd, .lse = lse, .lse_stride = 1};
+    ops->attention(&a);
+    naive_attention(&a, on, lsen);
+    float tol = kvt == PDM_DT_F16 ? 2e-3f : 1e-4f;
+    for (int i = 0; i < n_q; i++) {
+        if (isinf(lsen[i])) {
+            ck_assert_msg(isinf(lse[i]) && lse[i] < 0, "%s: masked row %d lse %g", ops->name, i,
+                          lse[i]);
+        } else {
+            ck_assert_msg(fabsf(lse[i] - lsen[i]) <= tol, "%s: lse[%d] %g vs %g (nq %d nkv %d)",
+                          ops->name, i, lse[i], lsen[i], n_q, n_kv);
+        }
+        for (int d = 0; d < hd; d++) {
+            ck_assert(!isnan(o[(size_t)i * hd + d]));
+            ck_assert_msg(fabsf(o[(size_t)i * hd + d] - on[(size_t)i * hd + d]) <= tol,
+                          "%s: o[%d][%d] %g vs %g", ops->name, i, d, o[(size_t)i * hd + d],
+                          on[(size_t)i * hd + d]);
+        }
+    }
+    free(q);
+    free(kf);
+    free(vf);
+    free(k);
+    free(v);
+    free(pos);
+    free(o);
+    free(on);
+    free(lse);
+    free(lsen);
+}
+
+START_TEST(test_attention_variants)
+{
+    static const int nkv[] = {1, 7, 63, 64, 65, 1000};
+    static const int nq[] = {1, 7, 65};
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    for (int v = 0; list[v]; v++)
+        for (size_t a = 0; a < PDM_ARRAY_SIZE(nkv); a++)
+            for (size_t b = 0; b < PDM_ARRAY_SIZE(nq); b++) {
+                /* queries at the end of the keys (prefill of the last chunk) */
+                check_attention(list[v], nq[b], nkv[a], 64, PDM_DT_F32, 100,
+                                100 + nkv[a] - nq[b], 1);
+                check_attention(list[v], nq[b], nkv[a], 64, PDM_DT_F16, 0, nkv[a] - 1, 1);
+                /* keys after some queries: those rows are fully masked */
+                check_attention(list[v], nq[b], nkv[a], 32, PDM_DT_F32, 10, 5, 1);
+                /* non-causal (pass-Q partials) and odd head dims */
+                check_attention(list[v], nq[b], nkv[a], 64, PDM_DT_F32, 0, 0, 0);
+                check_attention(list[v], nq[b], nkv[a], 6, PDM_DT_F32, 0, nkv[a] / 2, 1);
+            }
+}
+END_TEST
+
+START_TEST(test_attention_split_merge)
+{
+    /* attention over [0, n) equals the merge of attention over two views [0, s) and [s, n) */
+    const int hd = 64, n = 130, nq = 20;
+    float *q = malloc(nq * hd * sizeof(float)), *k = malloc(n * hd * sizeof(float));
+    float *v = malloc(n * hd * sizeof(float));
+    fill(q, nq * hd, 1.0f);
+    fill(k, n * hd, 1.0f);
+    fill(v, n * hd, 1.0f);
+    int32_t pos[20];
+    for (int i = 0; i < nq; i++) pos[i] = n - nq + i - 40; /* some rows see only part 1 */
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    for (int vi = 0; list[vi]; vi++) {
+        const pdm_kern_ops_t *ops = list[vi];
+        for (int split = 0; split <= n; split += 13) {
+            float o_full[20 * 64], lse_full[20], o1[20 * 64], lse1[20], o2[20 * 64], lse2[20];
+            pdm_kern_attn_t a = {.q = q, .q_stride = hd, .q_pos = pos, .n_q = nq, .k = k,
+                                 .v = v, .kv_type = PDM_DT_F32, .k_pos0 = 0, .n_kv = n,
+                                 .head_dim = hd, .scale = 0.125f, .causal = 1, .o = o_full,
+                                 .o_stride = hd, .lse = lse_full, .lse_stride = 1};
+            ops->attention(&a);
+            a.n_kv = split;
+            a.o = o1;
+            a.lse = lse1;
+            ops->attention(&a);
+            a.k = k + (size_t)split * hd;
+            a.v = v + (size_t)split * hd;
+            a.k_pos0 = split;
+            a.n_kv = n - split;
+            a.o = o2;
+            a.lse = lse2;
+            ops->attention(&a);
+            for (int i = 0; i < nq; i++) {
+                ops->attn_merge(o1 + i * hd, &lse1[i], o2 + i * hd, lse2[i], hd);
+                ck_assert(!isnan(lse1[i]));
+                ck_assert_msg(fabsf(lse1[i] - lse_full[i]) < 1e-4f, "%s split %d lse %g vs %g",
+                              ops->name, split, lse1[i], lse_full[i]);
+                for (int d = 0; d < hd; d++)
+                    ck_assert(fabsf(o1[i * hd + d] - o_full[i * hd + d]) < 1e-4f);
+            }
+        }
+    }
+    /* merging two empty partials stays empty without NaN */
+    float oa[4] = {0}, ob[4] = {0}, la = -INFINITY;
+    pdm_kern_ops_generic.attn_merge(oa, &la, ob, -INFINITY, 4);
+    ck_assert(isinf(la) && la < 0);
+    ck_assert(oa[0] == 0.0f && !isnan(oa[3]));
+    free(q);
+    free(k);
+    free(v);
+}
+END_TEST
+
+/* ---- elementwise --------------------------------------------------------------------- */
+
+START_TEST(test_elementwise_variants)
+{
+    static const int sizes[] = {1, 7, 63, 64, 65, 576, 1000};
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    for (int v = 0; list[v]; v++) {
+        const pdm_kern_ops_t *ops = list[v];
+        for (size_t s = 0; s < PDM_ARRAY_SIZE(sizes); s++) {
+            int n = sizes[s];
+            float *x = malloc(n * sizeof(float)), *w = malloc(n * sizeof(float));
+            float *y = malloc(n * sizeof(float)), *u = malloc(n * sizeof(float));
+            fill(x, n, 3.0f);
+            fill(w, n, 1.0f);
+            fill(u, n, 1.0f);
+            ops->rmsnorm(y, x, w, n, 1e-5f);
+            double ss = 0;
+            for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+            double sc = 1.0 / sqrt(ss / n + 1e-5);
+            for (int i = 0; i < n; i++)
+                ck_assert(fabs(y[i] - x[i] * sc * w[i]) <= 1e-5 * (1 + fabs(x[i] * sc * w[i])));
+            ops->swiglu(y, x, u, n);
+            for (int i = 0; i < n; i++) {
+                double want = x[i] / (1 + exp(-(double)x[i])) * u[i];
+                ck_assert(fabs(y[i] - want) <= 1e-5 * (1 + fabs(want)));
+            }
+            /* kv_store to f16 equals the reference conversion */
+            uint16_t *h = malloc(n * sizeof(uint16_t));
+            ops->kv_store(PDM_DT_F16, x, h, n);
+            for (int i = 0; i < n; i++) ck_assert_uint_eq(h[i], pdm_f32_to_f16(x[i]));
+            free(h);
+            free(x);
+            free(w);
+            free(y);
+            free(u);
+        }
+        /* RoPE: rotation keeps pair norms; position 0 is the identity */
+        float r[128], r0[128];
+        fill(r, 128, 1.0f);
+        memcpy(r0, r, sizeof(r));
+        ops->rope(r, 2, 64, 0, 10000.0f);
+        for (int i = 0; i < 128; i++) ck_assert(fabsf(r[i] - r0[i]) < 1e-6f);
+        ops->rope(r, 2, 64, 1234, 10000.0f);
+        for (int i = 0; i < 64; i++) {
+            float a = hypotf(r[2 * i], r[2 * i + 1]), b = hypotf(r0[2 * i], r0[2 * i + 1]);
+            ck_assert(fabsf(a - b) < 1e-4f);
+        }
+        /* pair 0 rotates by exactly `pos` radians */
+        float e[2] = {1.0f, 0.0f};
+        ops->rope(e, 1, 2, 3, 10000.0f);
+        ck_assert(fabsf(e[0] - cosf(3.0f)) < 1e-6f && fabsf(e[1] - sinf(3.0f)) < 1e-6f);
+    }
+}
+END_TEST
+
+/* ---- thread pool --------------------------------------------------------------------- */
+
+typedef struct {
+    int counts[8];
+    long sum;
+} pool_arg_t;
+
+static void pool_task(void *arg, int ith, int nth)
+{
+    pool_arg_t *a = arg;
+    int64_t b, e;
+    pdm_kern_split(1000, ith, nth, 16, &b, &e);
+    a->counts[ith] = (int)(e - b);
+    long s = 0;
+    for (int64_t i = b; i < e; i++) s += i;
+    __atomic_add_fetch(&a->sum, s, __ATOMIC_SEQ_CST);
+}
+
+START_TEST(test_pool)
+{
+    for (int n = 1; n <= 4; n++) {
+        pdm_kern_pool_t *pool = pdm_kern_pool_create(n);
+        ck_assert_ptr_nonnull(pool);
+        ck_assert_int_eq(pdm_kern_pool_size(pool), n);
+        for (int rep = 0; rep < 2000; rep++) {
+            pool_arg_t a = {{0}, 0};
+            pdm_kern_pool_run(pool, pool_task, &a);
+            ck_assert_int_eq(a.sum, 999 * 1000 / 2);
+            int total = 0;
+            for (int i = 0; i < n; i++) total += a.counts[i];
+            ck_assert_int_eq(total, 1000);
+        }
+        pdm_kern_pool_destroy(pool);
+    }
+    pdm_kern_pool_destroy(NULL);
+    /* split covers [0, n) exactly with aligned boundaries */
+    for (int nth = 1; nth <= 5; nth++) {
+        int64_t prev = 0;
+        for (int i = 0; i < nth; i++) {
+            int64_t b, e;
+            pdm_kern_split(100, i, nth, 16, &b, &e);
+            ck_assert_int_eq(b, prev);
+            ck_assert(b % 16 == 0 || b == 100);
+            prev = e;
+        }
+        ck_assert_int_eq(prev, 100);
+    }
+}
+END_TEST
+
+Suite *suite_kernels(void)
+{
+    Suite *s = suite_create("kernels");
+    TCase *tc = tcase_create("kernels");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_f16_roundtrip_exhaustive);
+    tcase_add_test(tc, test_quant_roundtrip_error);
+    tcase_add_test(tc, test_matmul_variants);
+    tcase_add_test(tc, test_attention_variants);
+    tcase_add_test(tc, test_attention_split_merge);
+    tcase_add_test(tc, test_elementwise_variants);
+    tcase_add_test(tc, test_pool);
+    suite_add_tcase(s, tc);
+    return s;
+}

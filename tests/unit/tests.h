@@ -1,0 +1,25 @@
+/*
+ * tests.h - the list of Check suites and helpers shared by the unit tests.
+ */
+#ifndef PDM_TESTS_H
+#define PDM_TESTS_H
+
+#include <check.h>
+
+/* Every suite of the unit test binary; main.c runs them all (or those named on the command
+ * line). Add a suite here and in main.c's table. */
+Suite *suite_common(void);
+Suite *suite_gguf(void);
+Suite *suite_tokenizer(void);
+Suite *suite_kernels(void);
+Suite *suite_engine(void);
+Suite *suite_sampler(void);
+Suite *suite_golden(void);
+
+/* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
+ * under /tmp). */
+const char *pdm_test_tmpdir(void);
+/* Path of the real model, or NULL when it is not present (tests then skip with a message). */
+const char *pdm_test_model_path(void);
+
+#endif
