@@ -85,6 +85,16 @@ static inline int pdm_size_add(size_t a, size_t b, size_t *out)
 int pdm_parse_long(const char *s, long min, long max, long *out);
 int pdm_parse_double(const char *s, double min, double max, double *out);
 
+/* SplitMix64 (Steele, Lea, Flood 2014): advances *state and returns 64 well-mixed bits.
+ * Used to seed generators and to make reproducible test data. */
+static inline uint64_t pdm_splitmix64(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
 #define PDM_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 #define PDM_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define PDM_MAX(a, b) ((a) > (b) ? (a) : (b))

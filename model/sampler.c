@@ -49,14 +49,6 @@ int pdm_sampler_params_check(const pdm_sampler_params_t *p)
     return PDM_OK;
 }
 
-static uint64_t pdm__splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static inline uint64_t pdm__rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
 /* xoshiro256** (Blackman & Vigna), uniform in [0, 1) with 53 bits. */
@@ -87,7 +79,7 @@ int pdm_sampler_create(const pdm_sampler_params_t *p, int32_t n_vocab, pdm_sampl
     s->p = *p;
     s->n_vocab = n_vocab;
     uint64_t seed = p->seed;
-    for (int i = 0; i < 4; i++) s->rng[i] = pdm__splitmix64(&seed);
+    for (int i = 0; i < 4; i++) s->rng[i] = pdm_splitmix64(&seed);
     *out = s;
     return PDM_OK;
 }

@@ -25,18 +25,10 @@ void pdm_testmodel_params_default(pdm_testmodel_params_t *p)
     p->seed = 1;
 }
 
-static uint64_t pdm__rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 /* Uniform in [-1, 1). */
 static float pdm__rng_sym(uint64_t *s)
 {
-    return (float)((double)(pdm__rng_next(s) >> 11) * 0x1.0p-52 - 1.0);
+    return (float)((double)(pdm_splitmix64(s) >> 11) * 0x1.0p-52 - 1.0);
 }
 
 /* GPT-2's reversible map from bytes to printable code points, UTF-8 encoded into out. */

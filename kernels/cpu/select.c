@@ -3,16 +3,25 @@
  */
 #include "ops_internal.h"
 
+#include <cpuid.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+/* F16C is CPUID leaf 1, ECX bit 29; read directly because clang 14's
+ * __builtin_cpu_supports does not know the name. */
+static int pdm__has_f16c(void)
+{
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+    return (ecx >> 29) & 1;
+}
+
 static int pdm__has_avx2(void)
 {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && pdm__has_f16c();
 }
 
 static const pdm_kern_ops_t *pdm__supported[4];
