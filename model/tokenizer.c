@@ -341,25 +341,13 @@ static int pdm_tok__get_id(const pdm_gguf_t *g, const char *key, int32_t n_vocab
     const pdm_gguf_kv_t *kv = pdm_gguf_find(g, key);
     *out = -1;
     if (!kv) return PDM_OK;
+    /* some converters write -1 for "none"; every other value goes through the checked getter */
+    if ((kv->type == PDM_GGUF_INT8 || kv->type == PDM_GGUF_INT16 || kv->type == PDM_GGUF_INT32 ||
+         kv->type == PDM_GGUF_INT64) && kv->v.i64 < 0)
+        return PDM_OK;
     uint64_t v;
-    switch (kv->type) {
-    case PDM_GGUF_UINT8:
-    case PDM_GGUF_UINT16:
-    case PDM_GGUF_UINT32:
-    case PDM_GGUF_UINT64:
-        v = kv->v.u64;
-        break;
-    case PDM_GGUF_INT8:
-    case PDM_GGUF_INT16:
-    case PDM_GGUF_INT32:
-    case PDM_GGUF_INT64:
-        if (kv->v.i64 < 0) return PDM_OK; /* some converters write -1 for "none" */
-        v = (uint64_t)kv->v.i64;
-        break;
-    default:
-        return pdm_error_set(PDM_EFORMAT, "%s: metadata '%s' is not an integer",
-                             pdm_gguf_path(g), key);
-    }
+    int status = pdm_gguf_get_u64(g, key, &v);
+    if (status) return status;
     if (v >= (uint64_t)n_vocab) {
         return pdm_error_set(PDM_ERANGE, "%s: metadata '%s' = %llu is outside the vocabulary "
                              "of %d tokens", pdm_gguf_path(g), key, (unsigned long long)v,
