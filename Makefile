@@ -21,7 +21,7 @@ WARN := -Wall -Wextra -Wstrict-prototypes -Wshadow -Wpointer-arith -Wno-unused-p
 CFLAGS_BASE := -std=c17 -D_GNU_SOURCE $(WARN) -g -fno-omit-frame-pointer -pthread -MMD -MP -I.
 CFLAGS ?= $(OPT)
 ALL_CFLAGS := $(CFLAGS_BASE) $(CFLAGS) $(EXTRA_CFLAGS)
-LDLIBS := -lpcre2-8 -lcjson -lxxhash -lm -pthread
+LDLIBS := -lucp -lucs -lpcre2-8 -lcjson -lxxhash -lm -pthread
 
 # Per-ISA kernel files get their own target flags; the rest of the build stays baseline x86-64
 # so the binary runs on any x86-64 and picks the variant at start-up.
@@ -32,17 +32,21 @@ KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c 
                kernels/cpu/ops_avx2.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
              model/forward.c model/kv_cache.c model/sampler.c model/testmodel.c
-LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC)
-CLI_SRC := cli/pdmesh.c
+KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c
+PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
+LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC)
+CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c
+PREFILLD_SRC := prefill_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
-            tests/unit/test_sampler.c tests/unit/test_golden.c
+            tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c
 
 LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
+PREFILLD_OBJ := $(PREFILLD_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
 LIB := $(BUILD)/libpdmesh-core.a
-BINS := $(BUILD)/bin/pdmesh
+BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format
@@ -65,6 +69,10 @@ $(BUILD)/bin/pdmesh: $(CLI_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
+$(BUILD)/bin/pdmesh-prefill: $(PREFILLD_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
 $(TEST_BIN): $(TEST_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) $$(pkg-config --libs check)
@@ -79,8 +87,9 @@ $(MODEL_FILE):
 
 # The unit and golden suites run in one Check binary (fork mode, a timeout per test case);
 # the CLI tests drive the real binary.
-unit: $(TEST_BIN)
-	CK_DEFAULT_TIMEOUT=120 PDMESH_MODEL=$(MODEL_FILE) $(TEST_BIN)
+unit: $(TEST_BIN) $(BINS)
+	CK_DEFAULT_TIMEOUT=120 PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=$(BUILD)/bin/pdmesh-prefill \
+	  $(TEST_BIN)
 
 cli-test: $(BINS)
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/cli/run.sh
@@ -92,7 +101,8 @@ asan:
 	$(MAKE) --no-print-directory BUILD=build-asan CC=clang OPT="-O1" \
 	  EXTRA_CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined" all
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 CK_DEFAULT_TIMEOUT=600 \
-	  PDMESH_MODEL=$(MODEL_FILE) build-asan/bin/pdm-tests
+	  PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=build-asan/bin/pdmesh-prefill \
+	  UCX_HANDLE_ERRORS=none build-asan/bin/pdm-tests
 
 demo: deps model all
 	$(BUILD)/bin/pdmesh generate --model $(MODEL_FILE) --chat --stats -n 64 \
@@ -112,4 +122,4 @@ clean:
 distclean: clean
 	rm -rf models
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(PREFILLD_OBJ:.o=.d) $(TEST_OBJ:.o=.d)

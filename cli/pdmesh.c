@@ -13,11 +13,12 @@
 #include <unistd.h>
 
 #include "common/pdm.h"
+#include "cli/cli.h"
 #include "model/model.h"
 
 #define PDM__MAX_STOPS 16
 
-static const char *pdm__prog = "pdmesh";
+const char *cli_prog = "pdmesh";
 
 static void usage(FILE *f)
 {
@@ -31,6 +32,12 @@ static void usage(FILE *f)
             "              [--stats] [--json]\n"
             "  tokenize    [--special] TEXT|-      print token ids (- reads stdin)\n"
             "  detokenize  ID...|-                 print the text of token ids\n"
+            "  prefill-run --ranks R --method M (--prompt TEXT|--prompt-file F|--random N)\n"
+            "              [--chat] [--length N] [--cached P] [--partition a,b,..]\n"
+            "              [--table FILE] [--calibration FILE] [--threads N] [--pin] [--ctx N]\n"
+            "              [--kv-dtype f16|f32] [--timeout S] [--kv-out FILE]\n"
+            "              [--logits-out FILE] [--repeat N] [--json]\n"
+            "              methods: single tsp kvr-e kvr-s kvr-p cp-kv cp-q auto\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
             "\n"
@@ -39,22 +46,22 @@ static void usage(FILE *f)
             "models/SmolLM2-135M-Instruct.Q4_1.gguf)\n");
 }
 
-static int usage_error(const char *fmt, const char *arg)
+int cli_usage_error(const char *fmt, const char *arg)
 {
-    fprintf(stderr, "%s: ", pdm__prog);
+    fprintf(stderr, "%s: ", cli_prog);
     fprintf(stderr, fmt, arg);
     fprintf(stderr, "\n(run 'pdmesh --help' for usage)\n");
     return 2;
 }
 
-static int runtime_error(const char *what)
+int cli_runtime_error(const char *what)
 {
-    fprintf(stderr, "%s: %s: %s\n", pdm__prog, what, pdm_error_last());
+    fprintf(stderr, "%s: %s: %s\n", cli_prog, what, pdm_error_last());
     return 1;
 }
 
 /* Reads all of stdin into a malloc'd NUL-terminated string. */
-static char *read_stdin(size_t *len_out)
+char *cli_read_stdin(size_t *len_out)
 {
     size_t cap = 4096, len = 0;
     char *buf = malloc(cap);
@@ -77,19 +84,19 @@ static char *read_stdin(size_t *len_out)
     return buf;
 }
 
-static int load_model(const char *path, pdm_model_t **model)
+int cli_load_model(const char *path, pdm_model_t **model)
 {
-    if (pdm_model_load(path, model) != PDM_OK) return runtime_error("cannot load model");
+    if (pdm_model_load(path, model) != PDM_OK) return cli_runtime_error("cannot load model");
     if (!(*model)->tokenizer) {
         pdm_model_free(*model);
-        fprintf(stderr, "%s: %s has no tokenizer\n", pdm__prog, path);
+        fprintf(stderr, "%s: %s has no tokenizer\n", cli_prog, path);
         return 1;
     }
     return 0;
 }
 
 /* Tokenizes text into a malloc'd array. */
-static int tokenize_alloc(const pdm_tokenizer_t *tok, const char *text, size_t len, int flags,
+int cli_tokenize_alloc(const pdm_tokenizer_t *tok, const char *text, size_t len, int flags,
                           int32_t **ids_out, size_t *n_out)
 {
     size_t need = 0;
@@ -177,68 +184,68 @@ static int cmd_generate(int argc, char **argv)
         case 'j': o.json = 1; break;
         case 'n':
             if (pdm_parse_long(optarg, 0, 1 << 20, &o.n_predict))
-                return usage_error("invalid -n '%s' (0..1048576)", optarg);
+                return cli_usage_error("invalid -n '%s' (0..1048576)", optarg);
             break;
         case 't':
             if (pdm_parse_long(optarg, 1, 256, &o.threads))
-                return usage_error("invalid --threads '%s' (1..256)", optarg);
+                return cli_usage_error("invalid --threads '%s' (1..256)", optarg);
             break;
         case O_BATCH:
             if (pdm_parse_long(optarg, 1, 65536, &o.batch))
-                return usage_error("invalid --batch '%s' (1..65536)", optarg);
+                return cli_usage_error("invalid --batch '%s' (1..65536)", optarg);
             break;
         case O_CTX:
             if (pdm_parse_long(optarg, 1, 1 << 24, &o.ctx))
-                return usage_error("invalid --ctx '%s'", optarg);
+                return cli_usage_error("invalid --ctx '%s'", optarg);
             break;
         case O_TEMP:
             if (pdm_parse_double(optarg, 0, 100, &dv))
-                return usage_error("invalid --temp '%s' (0..100)", optarg);
+                return cli_usage_error("invalid --temp '%s' (0..100)", optarg);
             o.sp.temperature = (float)dv;
             break;
         case O_TOPK:
             if (pdm_parse_long(optarg, 0, 1 << 30, &lv))
-                return usage_error("invalid --top-k '%s' (>= 0)", optarg);
+                return cli_usage_error("invalid --top-k '%s' (>= 0)", optarg);
             o.sp.top_k = (int32_t)lv;
             break;
         case O_TOPP:
             if (pdm_parse_double(optarg, 1e-9, 1, &dv))
-                return usage_error("invalid --top-p '%s' (0..1]", optarg);
+                return cli_usage_error("invalid --top-p '%s' (0..1]", optarg);
             o.sp.top_p = (float)dv;
             break;
         case O_MINP:
             if (pdm_parse_double(optarg, 0, 1, &dv))
-                return usage_error("invalid --min-p '%s' (0..1)", optarg);
+                return cli_usage_error("invalid --min-p '%s' (0..1)", optarg);
             o.sp.min_p = (float)dv;
             break;
         case O_REP:
             if (pdm_parse_double(optarg, 1e-6, 100, &dv))
-                return usage_error("invalid --repeat-penalty '%s' (0..100]", optarg);
+                return cli_usage_error("invalid --repeat-penalty '%s' (0..100]", optarg);
             o.sp.repeat_penalty = (float)dv;
             break;
         case O_SEED: {
             char *end;
             unsigned long long s = strtoull(optarg, &end, 10);
-            if (!*optarg || *end) return usage_error("invalid --seed '%s'", optarg);
+            if (!*optarg || *end) return cli_usage_error("invalid --seed '%s'", optarg);
             o.sp.seed = s;
             break;
         }
         case O_STOP:
-            if (o.n_stops == PDM__MAX_STOPS) return usage_error("too many --stop strings%s", "");
-            if (!*optarg) return usage_error("empty --stop string%s", "");
+            if (o.n_stops == PDM__MAX_STOPS) return cli_usage_error("too many --stop strings%s", "");
+            if (!*optarg) return cli_usage_error("empty --stop string%s", "");
             o.stops[o.n_stops++] = optarg;
             break;
         case O_KV:
             if (!strcmp(optarg, "f16")) o.kv_dtype = PDM_DT_F16;
             else if (!strcmp(optarg, "f32")) o.kv_dtype = PDM_DT_F32;
-            else return usage_error("invalid --kv-dtype '%s' (f16 or f32)", optarg);
+            else return cli_usage_error("invalid --kv-dtype '%s' (f16 or f32)", optarg);
             break;
         case 'h': usage(stdout); return 0;
-        default: return usage_error("%s", "invalid option");
+        default: return cli_usage_error("%s", "invalid option");
         }
     }
-    if (optind < argc) return usage_error("unexpected argument '%s'", argv[optind]);
-    if (!o.prompt) return usage_error("%s", "generate needs --prompt TEXT");
+    if (optind < argc) return cli_usage_error("unexpected argument '%s'", argv[optind]);
+    if (!o.prompt) return cli_usage_error("%s", "generate needs --prompt TEXT");
     if (o.threads == 0) o.threads = PDM_MAX(1, sysconf(_SC_NPROCESSORS_ONLN));
 
     int status = 1;
@@ -250,7 +257,7 @@ static int cmd_generate(int argc, char **argv)
     float *logits = NULL;
     char *rendered = NULL, *text = NULL;
     size_t n_prompt = 0, text_len = 0, text_cap = 0, emitted = 0;
-    if (load_model(o.model_path, &model)) return 1;
+    if (cli_load_model(o.model_path, &model)) return 1;
     const pdm_model_hparams_t *hp = &model->hp;
 
     const char *prompt_text = o.prompt;
@@ -259,32 +266,32 @@ static int cmd_generate(int argc, char **argv)
         const char *role = "user";
         rendered = pdm_tokenizer_chat_render(model->tokenizer, &role, &o.prompt, 1, 1);
         if (!rendered) {
-            runtime_error("cannot apply the chat template");
+            cli_runtime_error("cannot apply the chat template");
             goto out;
         }
         prompt_text = rendered;
         flags |= PDM_TOKENIZE_SPECIAL;
     }
-    if (tokenize_alloc(model->tokenizer, prompt_text, strlen(prompt_text), flags, &prompt_ids,
+    if (cli_tokenize_alloc(model->tokenizer, prompt_text, strlen(prompt_text), flags, &prompt_ids,
                        &n_prompt)) {
-        runtime_error("cannot tokenize the prompt");
+        cli_runtime_error("cannot tokenize the prompt");
         goto out;
     }
     if (n_prompt == 0) {
-        fprintf(stderr, "%s: the prompt is empty after tokenization\n", pdm__prog);
+        fprintf(stderr, "%s: the prompt is empty after tokenization\n", cli_prog);
         goto out;
     }
     long n_ctx = o.ctx ? o.ctx : (long)hp->n_ctx_train;
     if ((long)n_prompt >= n_ctx) {
         fprintf(stderr, "%s: the prompt has %zu tokens, more than the context allows (%ld); "
-                        "shorten it or raise --ctx\n", pdm__prog, n_prompt, n_ctx);
+                        "shorten it or raise --ctx\n", cli_prog, n_prompt, n_ctx);
         goto out;
     }
     long capacity = PDM_MIN(n_ctx, (long)n_prompt + o.n_predict);
     if (pdm_model_ctx_create(model, (int)o.threads, (int)o.batch, &ctx) ||
         pdm_kv_cache_create(hp, (int32_t)capacity, o.kv_dtype, &cache) ||
         pdm_sampler_create(&o.sp, (int32_t)hp->n_vocab, &sampler)) {
-        runtime_error("cannot set up generation");
+        cli_runtime_error("cannot set up generation");
         goto out;
     }
     logits = malloc(hp->n_vocab * sizeof(float));
@@ -292,7 +299,7 @@ static int cmd_generate(int argc, char **argv)
     int32_t *history = malloc((n_prompt + (size_t)o.n_predict + 1) * sizeof(int32_t));
     if (!logits || !out_ids || !history) {
         free(history);
-        fprintf(stderr, "%s: out of memory\n", pdm__prog);
+        fprintf(stderr, "%s: out of memory\n", cli_prog);
         goto out;
     }
     memcpy(history, prompt_ids, n_prompt * sizeof(int32_t));
@@ -301,7 +308,7 @@ static int cmd_generate(int argc, char **argv)
     double t0 = pdm_now(), t_first = t0, t_end;
     if (pdm_model_prefill(ctx, cache, prompt_ids, (int)n_prompt, logits)) {
         free(history);
-        runtime_error("prefill failed");
+        cli_runtime_error("prefill failed");
         goto out;
     }
     pdm_detok_t detok;
@@ -330,7 +337,7 @@ static int cmd_generate(int argc, char **argv)
             char *nt = realloc(text, cap);
             if (!nt) {
                 free(history);
-                fprintf(stderr, "%s: out of memory\n", pdm__prog);
+                fprintf(stderr, "%s: out of memory\n", cli_prog);
                 goto out;
             }
             text = nt;
@@ -356,7 +363,7 @@ static int cmd_generate(int argc, char **argv)
         if (n_out >= o.n_predict || cache->n_tokens >= cache->capacity) break;
         if (pdm_model_decode(ctx, cache, tok, logits)) {
             free(history);
-            runtime_error("decode failed");
+            cli_runtime_error("decode failed");
             goto out;
         }
     }
@@ -440,19 +447,19 @@ static int cmd_tokenize(int argc, char **argv)
         case 's': special = 1; break;
         case 'b': bos = 1; break;
         case 'h': usage(stdout); return 0;
-        default: return usage_error("%s", "invalid option");
+        default: return cli_usage_error("%s", "invalid option");
         }
     }
-    if (argc - optind != 1) return usage_error("%s", "tokenize needs one TEXT argument (or -)");
+    if (argc - optind != 1) return cli_usage_error("%s", "tokenize needs one TEXT argument (or -)");
     char *owned = NULL;
     const char *text = argv[optind];
     size_t len = strlen(text);
     if (!strcmp(text, "-")) {
-        if (!(owned = read_stdin(&len))) return runtime_error("cannot read stdin");
+        if (!(owned = cli_read_stdin(&len))) return cli_runtime_error("cannot read stdin");
         text = owned;
     }
     pdm_model_t *model;
-    if (load_model(model_path, &model)) {
+    if (cli_load_model(model_path, &model)) {
         free(owned);
         return 1;
     }
@@ -460,8 +467,8 @@ static int cmd_tokenize(int argc, char **argv)
     size_t n = 0;
     int flags = (special ? PDM_TOKENIZE_SPECIAL : 0) | (bos ? PDM_TOKENIZE_ADD_BOS : 0);
     int status = 0;
-    if (tokenize_alloc(model->tokenizer, text, len, flags, &ids, &n)) {
-        status = runtime_error("cannot tokenize");
+    if (cli_tokenize_alloc(model->tokenizer, text, len, flags, &ids, &n)) {
+        status = cli_runtime_error("cannot tokenize");
     } else {
         for (size_t i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
         printf("\n");
@@ -487,17 +494,17 @@ static int cmd_detokenize(int argc, char **argv)
         case 'm': model_path = optarg; break;
         case 's': special = 1; break;
         case 'h': usage(stdout); return 0;
-        default: return usage_error("%s", "invalid option");
+        default: return cli_usage_error("%s", "invalid option");
         }
     }
-    if (optind >= argc) return usage_error("%s", "detokenize needs token ids (or -)");
+    if (optind >= argc) return cli_usage_error("%s", "detokenize needs token ids (or -)");
     char *owned = NULL;
     size_t len;
     if (argc - optind == 1 && !strcmp(argv[optind], "-")) {
-        if (!(owned = read_stdin(&len))) return runtime_error("cannot read stdin");
+        if (!(owned = cli_read_stdin(&len))) return cli_runtime_error("cannot read stdin");
     }
     pdm_model_t *model;
-    if (load_model(model_path, &model)) {
+    if (cli_load_model(model_path, &model)) {
         free(owned);
         return 1;
     }
@@ -511,13 +518,13 @@ static int cmd_detokenize(int argc, char **argv)
         if (!s) break;
         long id;
         if (pdm_parse_long(s, 0, INT32_MAX, &id)) {
-            fprintf(stderr, "%s: '%s' is not a token id\n", pdm__prog, s);
+            fprintf(stderr, "%s: '%s' is not a token id\n", cli_prog, s);
             status = 2;
             break;
         }
         int n = pdm_detok_feed(&d, model->tokenizer, (int32_t)id, buf, sizeof(buf));
         if (n < 0) {
-            status = runtime_error("cannot detokenize");
+            status = cli_runtime_error("cannot detokenize");
             break;
         }
         fwrite(buf, 1, (size_t)n, stdout);
@@ -568,11 +575,11 @@ static int cmd_make_test_model(int argc, char **argv)
             int found = 0;
             for (size_t i = 0; i < PDM_ARRAY_SIZE(types); i++)
                 if (!strcmp(optarg, types[i].name)) p.wtype = types[i].type, found = 1;
-            if (!found) return usage_error("unknown --wtype '%s'", optarg);
+            if (!found) return cli_usage_error("unknown --wtype '%s'", optarg);
             continue;
         }
         if (c == '?' || pdm_parse_long(optarg, 1, 1 << 20, &v))
-            return usage_error("invalid value '%s'", c == '?' ? "" : optarg);
+            return cli_usage_error("invalid value '%s'", c == '?' ? "" : optarg);
         switch (c) {
         case 'l': p.n_layers = (uint32_t)v; break;
         case 'd': p.d_model = (uint32_t)v; break;
@@ -583,8 +590,8 @@ static int cmd_make_test_model(int argc, char **argv)
         case 'c': p.n_ctx = (uint32_t)v; break;
         }
     }
-    if (!out) return usage_error("%s", "make-test-model needs --out FILE");
-    if (pdm_testmodel_write(out, &p)) return runtime_error("cannot write the test model");
+    if (!out) return cli_usage_error("%s", "make-test-model needs --out FILE");
+    if (pdm_testmodel_write(out, &p)) return cli_runtime_error("cannot write the test model");
     return 0;
 }
 
@@ -603,5 +610,6 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 1, argv + 1);
     if (!strcmp(cmd, "detokenize")) return cmd_detokenize(argc - 1, argv + 1);
     if (!strcmp(cmd, "make-test-model")) return cmd_make_test_model(argc - 1, argv + 1);
-    return usage_error("unknown command '%s'", cmd);
+    if (!strcmp(cmd, "prefill-run")) return cmd_prefill_run(argc - 1, argv + 1);
+    return cli_usage_error("unknown command '%s'", cmd);
 }

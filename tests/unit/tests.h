@@ -15,6 +15,7 @@ Suite *suite_kernels(void);
 Suite *suite_engine(void);
 Suite *suite_sampler(void);
 Suite *suite_golden(void);
+Suite *suite_prefill(void);
 
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
  * under /tmp). */

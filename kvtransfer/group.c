@@ -1,0 +1,128 @@
+/*
+ * group.c - the communication patterns of a prefill group on top of pdm_kvt_t.
+ *
+ * All patterns post every receive before any send (so that no message waits in the
+ * transport's unexpected queue longer than needed) and wait with the group's deadline.
+ */
+#include "kvtransfer/kvtransfer.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "common/pdm.h"
+
+double pdm_kvt_group_deadline(const pdm_kvt_group_t *g)
+{
+    return pdm_now() + g->timeout;
+}
+
+int pdm_kvt_group_init(pdm_kvt_group_t *g, pdm_kvt_t *kvt, int rank, int size,
+                       const void *const *addrs, const size_t *lens, double timeout)
+{
+    if (size < 1 || size > PDM_KVT_MAX_RANKS || rank < 0 || rank >= size)
+        return pdm_error_set(PDM_EINVAL, "group: rank %d of %d is invalid (at most %d ranks)",
+                             rank, size, PDM_KVT_MAX_RANKS);
+    if (!(timeout > 0)) return pdm_error_set(PDM_EINVAL, "group: timeout must be positive");
+    memset(g, 0, sizeof(*g));
+    g->kvt = kvt;
+    g->rank = rank;
+    g->size = size;
+    g->timeout = timeout;
+    for (int r = 0; r < size; r++) {
+        g->peer[r] = -1;
+        if (r == rank) continue;
+        int st = pdm_kvt_connect(kvt, addrs[r], lens[r], &g->peer[r]);
+        if (st) return pdm_error_set(st, "group: rank %d: %s", r, pdm_error_last());
+    }
+    return pdm_kvt_group_barrier(g, 0);
+}
+
+void pdm_kvt_group_fini(pdm_kvt_group_t *g)
+{
+    (void)g; /* endpoints belong to the kvt and are closed by pdm_kvt_destroy */
+}
+
+static int pdm__check_rank(const pdm_kvt_group_t *g, int r)
+{
+    if (r < 0 || r >= g->size || r == g->rank)
+        return pdm_error_set(PDM_EINVAL, "group: no peer rank %d (we are %d of %d)", r, g->rank,
+                             g->size);
+    return PDM_OK;
+}
+
+int pdm_kvt_group_send(pdm_kvt_group_t *g, int dst, pdm_kvt_kind_t kind, int layer, int step,
+                       const pdm_kvt_iov_t *iov, int n_iov, pdm_kvt_req_t *req)
+{
+    int st = pdm__check_rank(g, dst);
+    if (st) return st;
+    return pdm_kvt_isend(g->kvt, g->peer[dst], pdm_kvt_tag(kind, g->rank, g->task, layer, step),
+                         iov, n_iov, req);
+}
+
+int pdm_kvt_group_recv(pdm_kvt_group_t *g, int src, pdm_kvt_kind_t kind, int layer, int step,
+                       const pdm_kvt_iov_t *iov, int n_iov, pdm_kvt_req_t *req)
+{
+    int st = pdm__check_rank(g, src);
+    if (st) return st;
+    return pdm_kvt_irecv(g->kvt, g->peer[src], pdm_kvt_tag(kind, src, g->task, layer, step), iov,
+                         n_iov, req);
+}
+
+/* Posts receives of recv[j] from every j != rank, then sends send[j] to every j; waits. */
+static int pdm__exchange(pdm_kvt_group_t *g, pdm_kvt_kind_t kind, int layer, int step,
+                         const pdm_kvt_msg_t *send, int send_same, const pdm_kvt_msg_t *recv)
+{
+    pdm_kvt_req_t reqs[2 * PDM_KVT_MAX_RANKS];
+    int n = 0, st = PDM_OK;
+    double deadline = pdm_kvt_group_deadline(g);
+    for (int j = 0; j < g->size && !st; j++) {
+        if (j == g->rank) continue;
+        st = pdm_kvt_group_recv(g, j, kind, layer, step, recv[j].iov, recv[j].n_iov, &reqs[n]);
+        if (!st) n++;
+    }
+    for (int j = 0; j < g->size && !st; j++) {
+        if (j == g->rank) continue;
+        const pdm_kvt_msg_t *m = send_same ? &send[0] : &send[j];
+        st = pdm_kvt_group_send(g, j, kind, layer, step, m->iov, m->n_iov, &reqs[n]);
+        if (!st) n++;
+    }
+    if (st) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s", pdm_error_last());
+        pdm_kvt_wait_all(g->kvt, reqs, n, pdm_now()); /* release what was posted */
+        return pdm_error_set(st, "%s", msg);
+    }
+    return pdm_kvt_wait_all(g->kvt, reqs, n, deadline);
+}
+
+int pdm_kvt_group_barrier(pdm_kvt_group_t *g, int step)
+{
+    if (g->size == 1) return PDM_OK;
+    uint32_t out = (uint32_t)g->rank, in[PDM_KVT_MAX_RANKS];
+    pdm_kvt_msg_t send = {.iov = {{&out, sizeof(out)}}, .n_iov = 1};
+    pdm_kvt_msg_t recv[PDM_KVT_MAX_RANKS];
+    for (int j = 0; j < g->size; j++) {
+        recv[j].iov[0] = (pdm_kvt_iov_t){&in[j], sizeof(in[j])};
+        recv[j].n_iov = 1;
+    }
+    int st = pdm__exchange(g, PDM_KVT_KIND_BARRIER, 0, step, &send, 1, recv);
+    if (st) return st;
+    for (int j = 0; j < g->size; j++)
+        if (j != g->rank && in[j] != (uint32_t)j)
+            return pdm_error_set(PDM_EPEER, "group: barrier message from rank %d claims rank %u",
+                                 j, in[j]);
+    return PDM_OK;
+}
+
+int pdm_kvt_group_allgather(pdm_kvt_group_t *g, int layer, const pdm_kvt_msg_t *parts)
+{
+    if (g->size == 1) return PDM_OK;
+    return pdm__exchange(g, PDM_KVT_KIND_GATHER, layer, 0, &parts[g->rank], 1, parts);
+}
+
+int pdm_kvt_group_alltoall(pdm_kvt_group_t *g, int layer, const pdm_kvt_msg_t *send,
+                           const pdm_kvt_msg_t *recv)
+{
+    if (g->size == 1) return PDM_OK;
+    return pdm__exchange(g, PDM_KVT_KIND_A2A, layer, 0, send, 0, recv);
+}

@@ -1,0 +1,398 @@
+/*
+ * launch.c - starts a prefill group of pdmesh-prefill processes on this machine and drives
+ * it over the ranks' stdin/stdout (the line protocol described in prefill_node/main.c).
+ *
+ * Every read has a deadline (poll on the rank's pipe); a rank that dies closes its pipe and
+ * fails the operation at once; stopping sends "quit", waits a grace period, then SIGKILLs.
+ */
+#include "prefill_node/prefill.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/pdm.h"
+
+extern char **environ;
+
+typedef struct {
+    pid_t pid;
+    int in_fd;  /* we write commands */
+    int out_fd; /* we read events */
+    char *buf;  /* unread bytes from out_fd */
+    size_t len, cap;
+} pdm__proc_t;
+
+struct pdm_launch {
+    pdm_launch_params_t p;
+    pdm__proc_t proc[PDM_KVT_MAX_RANKS];
+    int n;
+    uint32_t next_task;
+    char transports[128];
+};
+
+void pdm_launch_params_default(pdm_launch_params_t *p)
+{
+    memset(p, 0, sizeof(*p));
+    p->bin = "build/bin/pdmesh-prefill";
+    p->model = pdm_model_default_path();
+    p->ranks = 2;
+    p->threads = 1;
+    p->ctx_tokens = 8192;
+    p->kv_dtype = "f16";
+    p->timeout = 120;
+}
+
+int pdm_launch_pid(const pdm_launch_t *l, int rank)
+{
+    return rank >= 0 && rank < l->n ? (int)l->proc[rank].pid : -1;
+}
+
+const char *pdm_launch_transports(const pdm_launch_t *l)
+{
+    return l->transports;
+}
+
+static int pdm__spawn(const pdm_launch_params_t *p, int rank, pdm__proc_t *pr)
+{
+    int in[2], out[2];
+    if (pipe2(in, O_CLOEXEC)) return pdm_error_set(-errno, "pipe: %s", strerror(errno));
+    if (pipe2(out, O_CLOEXEC)) {
+        close(in[0]);
+        close(in[1]);
+        return pdm_error_set(-errno, "pipe: %s", strerror(errno));
+    }
+    char threads[16], cpu[16], ctx[16], timeout[32];
+    snprintf(threads, sizeof(threads), "%d", p->threads);
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    snprintf(cpu, sizeof(cpu), "%ld", (long)rank % (ncpu > 0 ? ncpu : 1));
+    snprintf(ctx, sizeof(ctx), "%d", p->ctx_tokens);
+    snprintf(timeout, sizeof(timeout), "%g", p->timeout);
+    char *argv[16];
+    int a = 0;
+    argv[a++] = (char *)p->bin;
+    argv[a++] = "--model";
+    argv[a++] = (char *)p->model;
+    argv[a++] = "--threads";
+    argv[a++] = threads;
+    argv[a++] = "--ctx";
+    argv[a++] = ctx;
+    argv[a++] = "--kv-dtype";
+    argv[a++] = (char *)p->kv_dtype;
+    argv[a++] = "--timeout";
+    argv[a++] = timeout;
+    if (p->pin) {
+        argv[a++] = "--cpu";
+        argv[a++] = cpu;
+    }
+    argv[a] = NULL;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    int err = posix_spawn(&pr->pid, p->bin, &fa, NULL, argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(in[0]);
+    close(out[1]);
+    if (err) {
+        close(in[1]);
+        close(out[0]);
+        return pdm_error_set(-err, "cannot start %s: %s", p->bin, strerror(err));
+    }
+    pr->in_fd = in[1];
+    pr->out_fd = out[0];
+    return PDM_OK;
+}
+
+/* Reads one line from a rank before the deadline; *line is malloc'd. */
+static int pdm__read_line(pdm__proc_t *pr, int rank, double deadline, char **line)
+{
+    for (;;) {
+        char *nl = pr->len ? memchr(pr->buf, '\n', pr->len) : NULL;
+        if (nl) {
+            size_t n = (size_t)(nl - pr->buf);
+            char *s = malloc(n + 1);
+            if (!s) return pdm_error_set(PDM_ENOMEM, "out of memory");
+            memcpy(s, pr->buf, n);
+            s[n] = 0;
+            memmove(pr->buf, nl + 1, pr->len - n - 1);
+            pr->len -= n + 1;
+            *line = s;
+            return PDM_OK;
+        }
+        double left = deadline - pdm_now();
+        if (left <= 0) return pdm_error_set(PDM_ETIMEOUT, "rank %d did not answer in time", rank);
+        struct pollfd pfd = {.fd = pr->out_fd, .events = POLLIN};
+        int pr_st = poll(&pfd, 1, (int)(left * 1000) + 1);
+        if (pr_st < 0 && errno != EINTR) return pdm_error_set(-errno, "poll: %s", strerror(errno));
+        if (pr_st <= 0) continue;
+        if (pr->cap - pr->len < 65536) {
+            size_t cap = pr->cap ? pr->cap * 2 : 1 << 16;
+            if (cap > (256u << 20))
+                return pdm_error_set(PDM_EOVERFLOW, "rank %d sent a line over 256 MiB", rank);
+            char *b = realloc(pr->buf, cap);
+            if (!b) return pdm_error_set(PDM_ENOMEM, "out of memory");
+            pr->buf = b;
+            pr->cap = cap;
+        }
+        ssize_t got = read(pr->out_fd, pr->buf + pr->len, pr->cap - pr->len);
+        if (got == 0) return pdm_error_set(PDM_EPEER, "rank %d exited", rank);
+        if (got < 0 && errno != EINTR && errno != EAGAIN)
+            return pdm_error_set(-errno, "rank %d: %s", rank, strerror(errno));
+        if (got > 0) pr->len += (size_t)got;
+    }
+}
+
+/* Reads the next event of a rank as JSON and checks its name and "ok". */
+static int pdm__read_event(pdm__proc_t *pr, int rank, const char *event, double deadline,
+                           cJSON **out)
+{
+    char *line = NULL;
+    int st = pdm__read_line(pr, rank, deadline, &line);
+    if (st) return st;
+    cJSON *o = cJSON_Parse(line);
+    free(line);
+    const cJSON *ev = o ? cJSON_GetObjectItem(o, "event") : NULL;
+    if (!cJSON_IsString(ev)) {
+        cJSON_Delete(o);
+        return pdm_error_set(PDM_EFORMAT, "rank %d sent a malformed line", rank);
+    }
+    const cJSON *ok = cJSON_GetObjectItem(o, "ok"), *err = cJSON_GetObjectItem(o, "error");
+    if (cJSON_IsFalse(ok) || strcmp(ev->valuestring, event)) {
+        st = pdm_error_set(PDM_EPEER, "rank %d: %s", rank,
+                           cJSON_IsString(err) ? err->valuestring : "unexpected answer");
+        cJSON_Delete(o);
+        return st;
+    }
+    *out = o;
+    return PDM_OK;
+}
+
+/* A number field of a rank's event, 0 when missing (a rank's lines are checked, not
+ * trusted). */
+static double pdm__num(const cJSON *o, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItem(o, key);
+    return cJSON_IsNumber(v) ? v->valuedouble : 0;
+}
+
+static int pdm__write_all(pdm__proc_t *pr, int rank, const char *s)
+{
+    size_t len = strlen(s), off = 0;
+    while (off < len) {
+        ssize_t w = write(pr->in_fd, s + off, len - off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return pdm_error_set(PDM_EPEER, "rank %d does not take commands", rank);
+        off += (size_t)w;
+    }
+    return PDM_OK;
+}
+
+static int pdm__send_json(pdm__proc_t *pr, int rank, cJSON *o)
+{
+    char *s = cJSON_PrintUnformatted(o);
+    if (!s) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    size_t n = strlen(s);
+    char *line = malloc(n + 2);
+    int st = PDM_ENOMEM;
+    if (line) {
+        memcpy(line, s, n);
+        line[n] = '\n';
+        line[n + 1] = 0;
+        st = pdm__write_all(pr, rank, line);
+    }
+    free(line);
+    free(s);
+    return st;
+}
+
+void pdm_launch_stop(pdm_launch_t *l)
+{
+    if (!l) return;
+    for (int i = 0; i < l->n; i++) {
+        pdm__write_all(&l->proc[i], i, "{\"cmd\":\"quit\"}\n");
+        close(l->proc[i].in_fd);
+    }
+    double until = pdm_now() + 5.0;
+    for (int i = 0; i < l->n; i++) {
+        int status;
+        while (waitpid(l->proc[i].pid, &status, WNOHANG) == 0) {
+            if (pdm_now() > until) {
+                kill(l->proc[i].pid, SIGKILL);
+                waitpid(l->proc[i].pid, &status, 0);
+                break;
+            }
+            usleep(2000);
+        }
+        close(l->proc[i].out_fd);
+        free(l->proc[i].buf);
+    }
+    free(l);
+}
+
+int pdm_launch_start(const pdm_launch_params_t *p, pdm_launch_t **out)
+{
+    if (p->ranks < 1 || p->ranks > PDM_KVT_MAX_RANKS)
+        return pdm_error_set(PDM_EINVAL, "--ranks must be 1..%d", PDM_KVT_MAX_RANKS);
+    signal(SIGPIPE, SIG_IGN); /* a dead rank must not kill us through its pipe */
+    pdm_launch_t *l = calloc(1, sizeof(*l));
+    if (!l) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    l->p = *p;
+    l->next_task = 1;
+    int st = PDM_OK;
+    for (int i = 0; i < p->ranks && !st; i++) {
+        st = pdm__spawn(p, i, &l->proc[i]);
+        if (!st) l->n++;
+    }
+    double deadline = pdm_now() + p->timeout;
+    cJSON *addrs = cJSON_CreateArray();
+    for (int i = 0; i < l->n && !st; i++) {
+        cJSON *hello;
+        st = pdm__read_event(&l->proc[i], i, "hello", deadline, &hello);
+        if (st) break;
+        const cJSON *a = cJSON_GetObjectItem(hello, "address");
+        if (!cJSON_IsString(a))
+            st = pdm_error_set(PDM_EFORMAT, "rank %d sent no address", i);
+        else
+            cJSON_AddItemToArray(addrs, cJSON_CreateString(a->valuestring));
+        cJSON_Delete(hello);
+    }
+    for (int i = 0; i < l->n && !st; i++) {
+        cJSON *cmd = cJSON_CreateObject();
+        cJSON_AddStringToObject(cmd, "cmd", "group");
+        cJSON_AddNumberToObject(cmd, "rank", i);
+        cJSON_AddNumberToObject(cmd, "size", l->n);
+        cJSON_AddItemReferenceToObject(cmd, "addrs", addrs);
+        st = pdm__send_json(&l->proc[i], i, cmd);
+        cJSON_Delete(cmd);
+    }
+    for (int i = 0; i < l->n && !st; i++) {
+        cJSON *ready;
+        st = pdm__read_event(&l->proc[i], i, "ready", deadline, &ready);
+        if (st) break;
+        const cJSON *tl = cJSON_GetObjectItem(ready, "transports");
+        if (i == 0 && cJSON_IsString(tl))
+            snprintf(l->transports, sizeof(l->transports), "%s", tl->valuestring);
+        cJSON_Delete(ready);
+    }
+    cJSON_Delete(addrs);
+    if (st) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s", pdm_error_last());
+        pdm_launch_stop(l);
+        return pdm_error_set(st, "starting the prefill group: %s", msg);
+    }
+    *out = l;
+    return PDM_OK;
+}
+
+int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char *kv_out,
+                    const char *logits_out, pdm_launch_result_t *res)
+{
+    memset(res, 0, sizeof(*res));
+    res->owner = -1;
+    res->first_token = -1;
+    if (kv_out) unlink(kv_out); /* the ranks create it afresh */
+    cJSON *cmd = cJSON_CreateObject();
+    cJSON_AddStringToObject(cmd, "cmd", "task");
+    cJSON_AddNumberToObject(cmd, "id", task->id ? task->id : l->next_task);
+    l->next_task = (task->id ? task->id : l->next_task) + 1;
+    cJSON_AddStringToObject(cmd, "method", pdm_prefill_method_name(task->method));
+    cJSON_AddNumberToObject(cmd, "start", task->start);
+    cJSON_AddItemToObject(cmd, "tokens", cJSON_CreateIntArray(task->tokens, task->n_tokens));
+    if (task->chunks)
+        cJSON_AddItemToObject(cmd, "chunks", cJSON_CreateIntArray(task->chunks, l->n));
+    if (kv_out) cJSON_AddStringToObject(cmd, "kv_out", kv_out);
+    if (logits_out) cJSON_AddStringToObject(cmd, "logits_out", logits_out);
+    cJSON_AddNumberToObject(cmd, "top", 16);
+    double t0 = pdm_now(), deadline = t0 + l->p.timeout;
+    int st = PDM_OK;
+    for (int i = 0; i < l->n && !st; i++) st = pdm__send_json(&l->proc[i], i, cmd);
+    cJSON_Delete(cmd);
+    if (st) return st;
+
+    /* Collect results as they come (any order), so the owner's arrival time is its own. */
+    int done[PDM_KVT_MAX_RANKS] = {0}, remaining = l->n, first_err = PDM_OK;
+    char err_msg[512] = "";
+    while (remaining > 0) {
+        struct pollfd pfd[PDM_KVT_MAX_RANKS];
+        int idx[PDM_KVT_MAX_RANKS], np = 0;
+        for (int i = 0; i < l->n; i++)
+            if (!done[i]) {
+                /* A complete line may already be buffered. */
+                if (l->proc[i].len && memchr(l->proc[i].buf, '\n', l->proc[i].len)) {
+                    np = 0;
+                    idx[np] = i;
+                    pfd[np++] = (struct pollfd){.fd = -1};
+                    break;
+                }
+                idx[np] = i;
+                pfd[np++] = (struct pollfd){.fd = l->proc[i].out_fd, .events = POLLIN};
+            }
+        double left = deadline - pdm_now();
+        if (left <= 0) {
+            st = pdm_error_set(PDM_ETIMEOUT, "prefill task: ranks did not finish in %.0f s",
+                               l->p.timeout);
+            break;
+        }
+        if (!(np == 1 && pfd[0].fd == -1) && poll(pfd, (nfds_t)np, (int)(left * 1000) + 1) <= 0)
+            continue;
+        for (int k = 0; k < np; k++) {
+            if (pfd[k].fd != -1 && !pfd[k].revents) continue;
+            int i = idx[k];
+            cJSON *o = NULL;
+            int rst = pdm__read_event(&l->proc[i], i, "result", deadline, &o);
+            double now = pdm_now();
+            done[i] = 1;
+            remaining--;
+            if (rst) {
+                if (!first_err) {
+                    first_err = rst;
+                    snprintf(err_msg, sizeof(err_msg), "%s", pdm_error_last());
+                }
+                continue;
+            }
+            res->rank[i].n_local = (int)pdm__num(o, "n_local");
+            res->rank[i].t_total = pdm__num(o, "t_total");
+            res->rank[i].t_compute = pdm__num(o, "t_compute");
+            res->rank[i].t_wait = pdm__num(o, "t_wait");
+            res->rank[i].bytes_sent = pdm__num(o, "bytes_sent");
+            res->rank[i].bytes_received = pdm__num(o, "bytes_received");
+            if (cJSON_IsTrue(cJSON_GetObjectItem(o, "owner"))) {
+                res->owner = i;
+                res->ttft = now - t0;
+                res->first_token = (int)pdm__num(o, "first_token");
+                const cJSON *top = cJSON_GetObjectItem(o, "top"), *e;
+                cJSON_ArrayForEach(e, top)
+                {
+                    if (res->n_top == 16) break;
+                    const cJSON *id = cJSON_GetArrayItem(e, 0), *lg = cJSON_GetArrayItem(e, 1);
+                    if (!cJSON_IsNumber(id) || !cJSON_IsNumber(lg)) break;
+                    res->top_ids[res->n_top] = id->valueint;
+                    res->top_logits[res->n_top] = (float)lg->valuedouble;
+                    res->n_top++;
+                }
+            }
+            cJSON_Delete(o);
+        }
+    }
+    if (!st && !first_err && kv_out) {
+        for (int i = 0; i < l->n && !st; i++) {
+            cJSON *o;
+            st = pdm__read_event(&l->proc[i], i, "dumped", deadline, &o);
+            if (!st) cJSON_Delete(o);
+        }
+    }
+    if (first_err) return pdm_error_set(first_err, "%s", err_msg);
+    if (!st && res->owner < 0)
+        st = pdm_error_set(PDM_EPEER, "prefill task: no rank reported the first token");
+    return st;
+}

@@ -1,0 +1,372 @@
+/*
+ * pdmesh-prefill - one rank of a prefill group.
+ *
+ * Until the router speaks to it (control plane), a rank is driven over its standard input and
+ * output by a launcher (pdmesh prefill-run, the tests, the benchmarks), one JSON object per
+ * line (prefill_node/launch.c is the other side):
+ *
+ *   rank -> {"event":"hello","address":"<hex UCX worker address>","pid":N}
+ *   <- {"cmd":"group","rank":r,"size":R,"addrs":["<hex>",...]}
+ *   rank -> {"event":"ready"}                      (connected, barrier passed)
+ *   <- {"cmd":"task","id":n,"method":"kvr-e","start":P,"tokens":[...],"chunks":[...],
+ *       "kv_out":"FILE","logits_out":"FILE","top":K}
+ *   rank -> {"event":"result","ok":true,...}      (or "ok":false,"error":"...")
+ *   rank -> {"event":"dumped","ok":true}          (only with kv_out)
+ *   <- {"cmd":"quit"}
+ *
+ * Diagnostics go to stderr. End of input ends the process (its launcher is gone).
+ */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/pdm.h"
+#include "prefill_node/prefill.h"
+
+#define PDM__MAX_LINE (64u << 20)
+
+static void emit(cJSON *obj)
+{
+    char *s = cJSON_PrintUnformatted(obj);
+    if (s) {
+        fprintf(stdout, "%s\n", s);
+        fflush(stdout);
+    }
+    free(s);
+    cJSON_Delete(obj);
+}
+
+static void emit_error(const char *event, const char *msg)
+{
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "event", event);
+    cJSON_AddBoolToObject(o, "ok", 0);
+    cJSON_AddStringToObject(o, "error", msg);
+    emit(o);
+}
+
+static char *hex_encode(const void *data, size_t len)
+{
+    static const char digits[] = "0123456789abcdef";
+    char *s = malloc(2 * len + 1);
+    if (!s) return NULL;
+    for (size_t i = 0; i < len; i++) {
+        s[2 * i] = digits[((const uint8_t *)data)[i] >> 4];
+        s[2 * i + 1] = digits[((const uint8_t *)data)[i] & 15];
+    }
+    s[2 * len] = 0;
+    return s;
+}
+
+static int hex_decode(const char *s, uint8_t **out, size_t *len)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n % 2) return PDM_EFORMAT;
+    uint8_t *b = malloc(n / 2);
+    if (!b) return PDM_ENOMEM;
+    for (size_t i = 0; i < n / 2; i++) {
+        int v = 0;
+        for (int k = 0; k < 2; k++) {
+            char c = s[2 * i + k];
+            int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+            if (d < 0) {
+                free(b);
+                return PDM_EFORMAT;
+            }
+            v = v * 16 + d;
+        }
+        b[i] = (uint8_t)v;
+    }
+    *out = b;
+    *len = n / 2;
+    return PDM_OK;
+}
+
+/* Reads an int array field; PDM_EFORMAT if it is not an array of integers in [min, max]. */
+static int json_ints(const cJSON *arr, long min, long max, int32_t **out, int *n)
+{
+    if (!cJSON_IsArray(arr)) return PDM_EFORMAT;
+    int count = cJSON_GetArraySize(arr);
+    int32_t *v = malloc(sizeof(int32_t) * (size_t)(count ? count : 1));
+    if (!v) return PDM_ENOMEM;
+    int i = 0;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, arr)
+    {
+        if (!cJSON_IsNumber(e) || e->valuedouble != (double)(long)e->valuedouble ||
+            e->valuedouble < (double)min || e->valuedouble > (double)max) {
+            free(v);
+            return PDM_EFORMAT;
+        }
+        v[i++] = (int32_t)e->valuedouble;
+    }
+    *out = v;
+    *n = count;
+    return PDM_OK;
+}
+
+static int handle_group(const cJSON *cmd, pdm_kvt_t *kvt, pdm_kvt_group_t *g, double timeout)
+{
+    const cJSON *rank = cJSON_GetObjectItem(cmd, "rank"), *size = cJSON_GetObjectItem(cmd, "size");
+    const cJSON *addrs = cJSON_GetObjectItem(cmd, "addrs");
+    if (!cJSON_IsNumber(rank) || !cJSON_IsNumber(size) || !cJSON_IsArray(addrs) ||
+        cJSON_GetArraySize(addrs) != size->valueint || size->valueint < 1 ||
+        size->valueint > PDM_KVT_MAX_RANKS)
+        return pdm_error_set(PDM_EFORMAT, "group command: bad rank, size or addresses");
+    int R = size->valueint, st = PDM_OK;
+    uint8_t *bufs[PDM_KVT_MAX_RANKS] = {0};
+    size_t lens[PDM_KVT_MAX_RANKS] = {0};
+    for (int i = 0; i < R && !st; i++) {
+        const cJSON *a = cJSON_GetArrayItem(addrs, i);
+        if (!cJSON_IsString(a) || hex_decode(a->valuestring, &bufs[i], &lens[i]))
+            st = pdm_error_set(PDM_EFORMAT, "group command: address %d is not hex", i);
+    }
+    if (!st)
+        st = pdm_kvt_group_init(g, kvt, rank->valueint, R, (const void *const *)bufs, lens,
+                                timeout);
+    for (int i = 0; i < R; i++) free(bufs[i]);
+    return st;
+}
+
+static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_model_t *model,
+                        pdm_kvt_group_t *g)
+{
+    pdm_prefill_task_t task = {0};
+    int32_t *tokens = NULL, *chunks = NULL;
+    int n_tokens = 0, n_chunks = 0, st;
+    const cJSON *id = cJSON_GetObjectItem(cmd, "id"), *method = cJSON_GetObjectItem(cmd, "method");
+    const cJSON *start = cJSON_GetObjectItem(cmd, "start"), *top = cJSON_GetObjectItem(cmd, "top");
+    const cJSON *kv_out = cJSON_GetObjectItem(cmd, "kv_out");
+    const cJSON *logits_out = cJSON_GetObjectItem(cmd, "logits_out");
+    if (!cJSON_IsNumber(id) || !cJSON_IsString(method) || !cJSON_IsNumber(start) ||
+        json_ints(cJSON_GetObjectItem(cmd, "tokens"), 0, INT32_MAX, &tokens, &n_tokens)) {
+        emit_error("result", "task command: missing or malformed id, method, start or tokens");
+        return;
+    }
+    const cJSON *cj = cJSON_GetObjectItem(cmd, "chunks");
+    if (cj && !cJSON_IsNull(cj)) {
+        if (json_ints(cj, 0, INT32_MAX, &chunks, &n_chunks) || n_chunks != g->size) {
+            emit_error("result", "task command: chunks must hold one size per rank");
+            free(tokens);
+            free(chunks);
+            return;
+        }
+    }
+    st = pdm_prefill_method_parse(method->valuestring, &task.method);
+    task.id = (uint32_t)id->valuedouble;
+    task.start = (int32_t)start->valuedouble;
+    task.tokens = tokens;
+    task.n_tokens = n_tokens;
+    task.chunks = chunks;
+    pdm_prefill_result_t res;
+    if (!st) st = pdm_prefill_rank_run(rank, &task, &res);
+    if (st) {
+        emit_error("result", pdm_error_last());
+        free(tokens);
+        free(chunks);
+        return;
+    }
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "event", "result");
+    cJSON_AddBoolToObject(o, "ok", 1);
+    cJSON_AddNumberToObject(o, "rank", g->rank);
+    cJSON_AddBoolToObject(o, "owner", res.owner);
+    cJSON_AddNumberToObject(o, "n_local", res.n_local);
+    cJSON_AddNumberToObject(o, "t_total", res.t_total);
+    cJSON_AddNumberToObject(o, "t_compute", res.t_compute);
+    cJSON_AddNumberToObject(o, "t_wait", res.t_wait);
+    cJSON_AddNumberToObject(o, "bytes_sent", (double)res.bytes_sent);
+    cJSON_AddNumberToObject(o, "bytes_received", (double)res.bytes_received);
+    int logits_st = PDM_OK;
+    if (res.owner) {
+        cJSON_AddNumberToObject(o, "first_token", res.first_token);
+        int k = cJSON_IsNumber(top) ? PDM_MAX(0, PDM_MIN(top->valueint, 100)) : 10;
+        cJSON *arr = cJSON_AddArrayToObject(o, "top");
+        char *taken = calloc(model->hp.n_vocab, 1);
+        for (int i = 0; i < k && taken; i++) {
+            int32_t best = -1;
+            for (uint32_t v = 0; v < model->hp.n_vocab; v++)
+                if (!taken[v] && (best < 0 || res.logits[v] > res.logits[best])) best = (int32_t)v;
+            taken[best] = 1;
+            cJSON *pair = cJSON_CreateArray();
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber(best));
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber(res.logits[best]));
+            cJSON_AddItemToArray(arr, pair);
+        }
+        free(taken);
+        if (cJSON_IsString(logits_out)) {
+            FILE *f = fopen(logits_out->valuestring, "wb");
+            if (!f || fwrite(res.logits, sizeof(float), model->hp.n_vocab, f) !=
+                          model->hp.n_vocab)
+                logits_st = pdm_error_set(PDM_EIO, "%s: cannot write logits",
+                                          logits_out->valuestring);
+            if (f && fclose(f)) logits_st = PDM_EIO;
+        }
+    }
+    if (logits_st) {
+        cJSON_Delete(o);
+        emit_error("result", pdm_error_last());
+    } else {
+        emit(o);
+    }
+    if (cJSON_IsString(kv_out)) {
+        st = pdm_prefill_rank_dump_kv(rank, kv_out->valuestring);
+        if (st) {
+            emit_error("dumped", pdm_error_last());
+        } else {
+            cJSON *d = cJSON_CreateObject();
+            cJSON_AddStringToObject(d, "event", "dumped");
+            cJSON_AddBoolToObject(d, "ok", 1);
+            emit(d);
+        }
+    }
+    free(tokens);
+    free(chunks);
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: pdmesh-prefill [--model FILE] [--threads N] [--cpu N] [--ctx N]\n"
+               "                      [--kv-dtype f16|f32] [--timeout SECONDS]\n"
+               "One rank of a prefill group, driven by JSON lines on stdin/stdout\n"
+               "(see pdmesh prefill-run).\n");
+}
+
+int main(int argc, char **argv)
+{
+    const char *model_path = pdm_model_default_path();
+    pdm_prefill_rank_params_t rp;
+    pdm_prefill_rank_params_default(&rp);
+    long cpu = -1;
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'}, {"threads", required_argument, 0, 't'},
+        {"cpu", required_argument, 0, 'c'},   {"ctx", required_argument, 0, 'x'},
+        {"kv-dtype", required_argument, 0, 'k'}, {"timeout", required_argument, 0, 'o'},
+        {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
+    int c;
+    long v;
+    double d;
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model_path = optarg; break;
+        case 't':
+            if (pdm_parse_long(optarg, 1, 256, &v)) goto bad;
+            rp.threads = (int)v;
+            break;
+        case 'c':
+            if (pdm_parse_long(optarg, 0, CPU_SETSIZE - 1, &cpu)) goto bad;
+            break;
+        case 'x':
+            if (pdm_parse_long(optarg, 1, 1 << 22, &v)) goto bad;
+            rp.ctx_tokens = (int)v;
+            break;
+        case 'k':
+            if (!strcmp(optarg, "f16"))
+                rp.kv_dtype = PDM_DT_F16;
+            else if (!strcmp(optarg, "f32"))
+                rp.kv_dtype = PDM_DT_F32;
+            else
+                goto bad;
+            break;
+        case 'o':
+            if (pdm_parse_double(optarg, 0.001, 86400, &d)) goto bad;
+            rp.timeout = d;
+            break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (optind != argc) {
+    bad:
+        fprintf(stderr, "pdmesh-prefill: invalid option value\n");
+        usage(stderr);
+        return 2;
+    }
+    if (cpu >= 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET((int)cpu, &set);
+        if (sched_setaffinity(0, sizeof(set), &set))
+            fprintf(stderr, "pdmesh-prefill: cannot pin to cpu %ld (continuing)\n", cpu);
+    }
+
+    pdm_model_t *model = NULL;
+    pdm_kvt_t *kvt = NULL;
+    pdm_kvt_group_t group;
+    pdm_prefill_rank_t *rank = NULL;
+    int grouped = 0, status = 1;
+    if (pdm_model_load(model_path, &model)) {
+        emit_error("hello", pdm_error_last());
+        goto out;
+    }
+    if (pdm_kvt_create(NULL, &kvt)) {
+        emit_error("hello", pdm_error_last());
+        goto out;
+    }
+    const void *addr;
+    size_t alen;
+    pdm_kvt_address(kvt, &addr, &alen);
+    char *hex = hex_encode(addr, alen);
+    cJSON *hello = cJSON_CreateObject();
+    cJSON_AddStringToObject(hello, "event", "hello");
+    cJSON_AddStringToObject(hello, "address", hex ? hex : "");
+    cJSON_AddNumberToObject(hello, "pid", (double)getpid());
+    emit(hello);
+    free(hex);
+
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t n;
+    while ((n = getline(&line, &cap, stdin)) > 0) {
+        if ((size_t)n > PDM__MAX_LINE) {
+            emit_error("error", "command line too long");
+            continue;
+        }
+        cJSON *cmd = cJSON_ParseWithLength(line, (size_t)n);
+        const cJSON *name = cmd ? cJSON_GetObjectItem(cmd, "cmd") : NULL;
+        if (!cJSON_IsString(name)) {
+            emit_error("error", "malformed command (expected a JSON object with \"cmd\")");
+        } else if (!strcmp(name->valuestring, "quit")) {
+            cJSON_Delete(cmd);
+            status = 0;
+            break;
+        } else if (!strcmp(name->valuestring, "group")) {
+            if (grouped) {
+                emit_error("ready", "already in a group");
+            } else if (handle_group(cmd, kvt, &group, rp.timeout) ||
+                       pdm_prefill_rank_create(model, &group, &rp, &rank)) {
+                emit_error("ready", pdm_error_last());
+            } else {
+                grouped = 1;
+                cJSON *o = cJSON_CreateObject();
+                cJSON_AddStringToObject(o, "event", "ready");
+                cJSON_AddBoolToObject(o, "ok", 1);
+                char tl[128];
+                pdm_kvt_peer_transports(kvt, group.peer[(group.rank + 1) % group.size], tl,
+                                        sizeof(tl));
+                cJSON_AddStringToObject(o, "transports", tl);
+                emit(o);
+            }
+        } else if (!strcmp(name->valuestring, "task")) {
+            if (!grouped)
+                emit_error("result", "task before group");
+            else
+                handle_task(cmd, rank, model, &group);
+        } else {
+            emit_error("error", "unknown command");
+        }
+        cJSON_Delete(cmd);
+    }
+    if (n <= 0) status = 0; /* launcher closed our input: a normal end */
+    free(line);
+out:
+    pdm_prefill_rank_destroy(rank);
+    if (grouped) pdm_kvt_group_fini(&group);
+    pdm_kvt_destroy(kvt);
+    pdm_model_free(model);
+    return status;
+}

@@ -1,0 +1,358 @@
+/*
+ * policy.c - how a prefill is split: KVR partition tables (KV-Runahead §4.2), calibration
+ * of compute and bandwidth, and the pass-KV / pass-Q choice (context parallelism §3.4).
+ */
+#include "prefill_node/prefill.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/pdm.h"
+
+/* Reads a whole small JSON file. */
+static int pdm__json_load(const char *path, cJSON **out)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return pdm_error_set(-errno, "%s: %s", path, strerror(errno));
+    char *buf = malloc(1 << 20);
+    size_t n = buf ? fread(buf, 1, (1 << 20) - 1, f) : 0;
+    int big = !feof(f);
+    fclose(f);
+    if (!buf) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    if (big) {
+        free(buf);
+        return pdm_error_set(PDM_EFORMAT, "%s: larger than 1 MiB", path);
+    }
+    buf[n] = 0;
+    cJSON *o = cJSON_Parse(buf);
+    free(buf);
+    if (!o) return pdm_error_set(PDM_EFORMAT, "%s: not valid JSON", path);
+    *out = o;
+    return PDM_OK;
+}
+
+static int pdm__json_save(const char *path, cJSON *o)
+{
+    char *s = cJSON_Print(o);
+    cJSON_Delete(o);
+    if (!s) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    FILE *f = fopen(path, "wb");
+    int st = PDM_OK;
+    if (!f || fputs(s, f) < 0 || fputc('\n', f) < 0)
+        st = pdm_error_set(PDM_EIO, "%s: cannot write", path);
+    if (f && fclose(f) && !st) st = pdm_error_set(PDM_EIO, "%s: cannot write", path);
+    free(s);
+    return st;
+}
+
+/* ---- Partition tables ------------------------------------------------------------------ */
+
+int pdm_partition_table_put(pdm_partition_table_t *t, int length, const int *chunks, double ttft,
+                            double ttft_cp)
+{
+    if (length < 1 || t->ranks < 1 || t->ranks > PDM_KVT_MAX_RANKS)
+        return pdm_error_set(PDM_EINVAL, "partition table: bad entry");
+    int i = 0;
+    while (i < t->n_entries && t->entries[i].length < length) i++;
+    if (i == t->n_entries || t->entries[i].length != length) {
+        if (t->n_entries == (int)PDM_ARRAY_SIZE(t->entries))
+            return pdm_error_set(PDM_EOVERFLOW, "partition table: more than %zu lengths",
+                                 PDM_ARRAY_SIZE(t->entries));
+        memmove(&t->entries[i + 1], &t->entries[i],
+                sizeof(t->entries[0]) * (size_t)(t->n_entries - i));
+        t->n_entries++;
+    }
+    t->entries[i].length = length;
+    t->entries[i].ttft = ttft;
+    t->entries[i].ttft_cp = ttft_cp;
+    for (int r = 0; r < t->ranks; r++) t->entries[i].frac[r] = (double)chunks[r] / length;
+    return PDM_OK;
+}
+
+/* Rounds fractions of n to chunk sizes >= 1 that sum to n (largest remainders). */
+static int pdm__fracs_to_chunks(const double *frac, int ranks, int n, int *chunks)
+{
+    if (n < ranks)
+        return pdm_error_set(PDM_EINVAL, "a prompt of %d tokens cannot be split over %d ranks",
+                             n, ranks);
+    double rem[PDM_KVT_MAX_RANKS];
+    int sum = 0;
+    for (int r = 0; r < ranks; r++) {
+        double x = frac[r] * n;
+        chunks[r] = PDM_MAX(1, (int)floor(x));
+        rem[r] = x - floor(x);
+        sum += chunks[r];
+    }
+    while (sum < n) { /* give the missing tokens to the largest remainders */
+        int best = 0;
+        for (int r = 1; r < ranks; r++)
+            if (rem[r] > rem[best]) best = r;
+        chunks[best]++;
+        rem[best] = -1;
+        sum++;
+        if (rem[best] == -1) {
+            int any = 0;
+            for (int r = 0; r < ranks; r++) any |= rem[r] >= 0;
+            if (!any)
+                for (int r = 0; r < ranks; r++) rem[r] = 0;
+        }
+    }
+    while (sum > n) { /* minimum-1 rounding overshot: take from the largest chunks */
+        int best = 0;
+        for (int r = 1; r < ranks; r++)
+            if (chunks[r] > chunks[best]) best = r;
+        chunks[best]--;
+        sum--;
+    }
+    return PDM_OK;
+}
+
+int pdm_partition_table_lookup(const pdm_partition_table_t *t, int length, int exact,
+                               int *chunks)
+{
+    if (t->n_entries == 0)
+        return pdm_error_set(PDM_ENOTFOUND, "the partition table is empty (run pdmesh "
+                             "partition-search)");
+    int hi = 0;
+    while (hi < t->n_entries && t->entries[hi].length < length) hi++;
+    if (hi < t->n_entries && t->entries[hi].length == length)
+        return pdm__fracs_to_chunks(t->entries[hi].frac, t->ranks, length, chunks);
+    if (exact)
+        return pdm_error_set(PDM_ENOTFOUND, "no searched partition for %d tokens (kvr-s needs "
+                             "one: run pdmesh partition-search, or use kvr-p)", length);
+    /* §4.2: interpolate the two nearest known entries (clamped at the ends). */
+    double frac[PDM_KVT_MAX_RANKS];
+    if (hi == 0 || hi == t->n_entries) {
+        const int e = hi == 0 ? 0 : t->n_entries - 1;
+        memcpy(frac, t->entries[e].frac, sizeof(frac));
+    } else {
+        const double a = t->entries[hi - 1].length, b = t->entries[hi].length;
+        const double w = (length - a) / (b - a);
+        for (int r = 0; r < t->ranks; r++)
+            frac[r] = (1 - w) * t->entries[hi - 1].frac[r] + w * t->entries[hi].frac[r];
+    }
+    return pdm__fracs_to_chunks(frac, t->ranks, length, chunks);
+}
+
+int pdm_partition_table_load(const char *path, pdm_partition_table_t *t)
+{
+    cJSON *o;
+    int st = pdm__json_load(path, &o);
+    if (st) return st;
+    memset(t, 0, sizeof(*t));
+    const cJSON *ranks = cJSON_GetObjectItem(o, "ranks"), *entries = cJSON_GetObjectItem(o, "entries");
+    if (!cJSON_IsNumber(ranks) || ranks->valueint < 1 || ranks->valueint > PDM_KVT_MAX_RANKS ||
+        !cJSON_IsArray(entries)) {
+        cJSON_Delete(o);
+        return pdm_error_set(PDM_EFORMAT, "%s: a partition table needs \"ranks\" and "
+                             "\"entries\"", path);
+    }
+    t->ranks = ranks->valueint;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, entries)
+    {
+        const cJSON *len = cJSON_GetObjectItem(e, "length"), *ch = cJSON_GetObjectItem(e, "chunks");
+        const cJSON *ttft = cJSON_GetObjectItem(e, "ttft");
+        const cJSON *ttft_cp = cJSON_GetObjectItem(e, "ttft_cp_kv");
+        int chunks[PDM_KVT_MAX_RANKS], n = 0, bad = !cJSON_IsNumber(len) || !cJSON_IsArray(ch) ||
+                                                   cJSON_GetArraySize(ch) != t->ranks;
+        long sum = 0;
+        const cJSON *c;
+        if (!bad) cJSON_ArrayForEach(c, ch)
+            {
+                if (!cJSON_IsNumber(c) || c->valueint < 1) bad = 1;
+                else sum += (chunks[n++] = c->valueint);
+            }
+        if (bad || sum != len->valueint) {
+            cJSON_Delete(o);
+            return pdm_error_set(PDM_EFORMAT, "%s: entry %d is malformed (chunks must be %d "
+                                 "positive sizes summing to length)", path, t->n_entries,
+                                 t->ranks);
+        }
+        st = pdm_partition_table_put(t, len->valueint, chunks,
+                                     cJSON_IsNumber(ttft) ? ttft->valuedouble : 0,
+                                     cJSON_IsNumber(ttft_cp) ? ttft_cp->valuedouble : 0);
+        if (st) break;
+    }
+    cJSON_Delete(o);
+    return st;
+}
+
+int pdm_partition_table_save(const char *path, const pdm_partition_table_t *t)
+{
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "ranks", t->ranks);
+    cJSON *arr = cJSON_AddArrayToObject(o, "entries");
+    for (int i = 0; i < t->n_entries; i++) {
+        int chunks[PDM_KVT_MAX_RANKS];
+        pdm__fracs_to_chunks(t->entries[i].frac, t->ranks, t->entries[i].length, chunks);
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddNumberToObject(e, "length", t->entries[i].length);
+        cJSON_AddItemToObject(e, "chunks", cJSON_CreateIntArray(chunks, t->ranks));
+        cJSON_AddNumberToObject(e, "ttft", t->entries[i].ttft);
+        if (t->entries[i].ttft_cp > 0)
+            cJSON_AddNumberToObject(e, "ttft_cp_kv", t->entries[i].ttft_cp);
+        cJSON_AddItemToArray(arr, e);
+    }
+    return pdm__json_save(path, o);
+}
+
+void pdm_partition_table_ttft(const pdm_partition_table_t *t, int length, double *kvr,
+                              double *cp)
+{
+    *kvr = *cp = 0;
+    if (t->n_entries == 0) return;
+    int hi = 0;
+    while (hi < t->n_entries && t->entries[hi].length < length) hi++;
+    if (hi == t->n_entries || hi == 0 || t->entries[hi].length == length) {
+        /* Outside the table: scale the nearest entry by the quadratic attention term. */
+        const int e = hi == t->n_entries ? hi - 1 : hi;
+        const double s = (double)length * length /
+                         ((double)t->entries[e].length * t->entries[e].length);
+        *kvr = t->entries[e].ttft * (t->entries[e].length == length ? 1 : s);
+        *cp = t->entries[e].ttft_cp * (t->entries[e].length == length ? 1 : s);
+        return;
+    }
+    const double a = t->entries[hi - 1].length, b = t->entries[hi].length;
+    const double w = (length - a) / (b - a);
+    *kvr = (1 - w) * t->entries[hi - 1].ttft + w * t->entries[hi].ttft;
+    if (t->entries[hi - 1].ttft_cp > 0 && t->entries[hi].ttft_cp > 0)
+        *cp = (1 - w) * t->entries[hi - 1].ttft_cp + w * t->entries[hi].ttft_cp;
+}
+
+/* ---- Calibration ------------------------------------------------------------------------ */
+
+int pdm_calibration_load(const char *path, pdm_calibration_t *c)
+{
+    cJSON *o;
+    int st = pdm__json_load(path, &o);
+    if (st) return st;
+    const cJSON *f = cJSON_GetObjectItem(o, "flops"), *bw = cJSON_GetObjectItem(o, "bandwidth");
+    const cJSON *lat = cJSON_GetObjectItem(o, "latency");
+    memset(c, 0, sizeof(*c));
+    if (!cJSON_IsNumber(f) || !cJSON_IsNumber(bw) || !(f->valuedouble > 0) ||
+        !(bw->valuedouble > 0)) {
+        cJSON_Delete(o);
+        return pdm_error_set(PDM_EFORMAT, "%s: calibration needs positive \"flops\" and "
+                             "\"bandwidth\" (run pdmesh calibrate)", path);
+    }
+    c->flops = f->valuedouble;
+    c->bandwidth = bw->valuedouble;
+    c->latency = cJSON_IsNumber(lat) ? lat->valuedouble : 0;
+    cJSON_Delete(o);
+    return PDM_OK;
+}
+
+int pdm_calibration_save(const char *path, const pdm_calibration_t *c)
+{
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "flops", c->flops);
+    cJSON_AddNumberToObject(o, "bandwidth", c->bandwidth);
+    cJSON_AddNumberToObject(o, "latency", c->latency);
+    return pdm__json_save(path, o);
+}
+
+/* ---- pass-KV or pass-Q (context parallelism §3.4, Alg. 1 and 5) ------------------------ */
+
+pdm_prefill_method_t pdm_prefill_choose_cp(const pdm_model_hparams_t *hp,
+                                           const pdm_calibration_t *c, int n, int32_t T,
+                                           int32_t P, char *why, size_t why_size)
+{
+    const double NH = hp->n_heads, NKV = hp->n_kv_heads, D = hp->head_dim;
+    const double miss = (double)T / ((double)T + P);
+    /* Eq. 1: Q is the smaller message iff T/(T+P) <= 2 NKV/NH; above it pass-KV always wins. */
+    if (miss >= 2 * NKV / NH || n <= 1) {
+        snprintf(why, why_size, "miss rate %.3f >= 2*NKV/NH = %.3f: pass-KV", miss,
+                 2 * NKV / NH);
+        return PDM_PREFILL_CP_KV;
+    }
+    /* Per ring step and layer: attention compute of T/N queries against (T+P)/N keys, and
+     * the messages each variant moves (our wire formats: KV in f16, Q and partial outputs in
+     * f32). */
+    const double q_rows = (double)T / n, kv_rows = ((double)T + P) / n;
+    const double t_step = 4.0 * D * NH * q_rows * kv_rows / c->flops;
+    const double kv_msg = kv_rows * NKV * D * 2 * 2, q_msg = q_rows * (NH * D * 4 + 4);
+    const double t_kv = c->latency + kv_msg / c->bandwidth, t_q = c->latency + q_msg / c->bandwidth;
+    /* Eq. 2: pass-KV's SendRecv hides under compute when T >= N C NKV e / (2 NH BW). */
+    if (t_kv <= t_step) {
+        snprintf(why, why_size, "pass-KV messages (%.2g s) hide under compute (%.2g s)", t_kv,
+                 t_step);
+        return PDM_PREFILL_CP_KV;
+    }
+    /* Alg. 5: pass-Q also pays an All2All of partial outputs (T/N rows of NH x (D+1) floats
+     * to each of N-1 ranks) that nothing hides. */
+    const double a2a = (n - 1) * (c->latency + q_rows * NH * (D + 1) * 4 / c->bandwidth);
+    const double exposed_kv = (n - 1) * (t_kv - t_step);
+    const double exposed_q = (n - 1) * PDM_MAX(0.0, t_q - t_step) + a2a;
+    snprintf(why, why_size, "miss rate %.3f; exposed communication per layer: pass-KV %.2g s, "
+             "pass-Q %.2g s (All2All %.2g s)", miss, exposed_kv, exposed_q, a2a);
+    return exposed_q < exposed_kv ? PDM_PREFILL_CP_Q : PDM_PREFILL_CP_KV;
+}
+
+int pdm_prefill_resolve(pdm_prefill_method_t method, const pdm_model_hparams_t *hp, int ranks,
+                        int32_t T, int32_t P, const int *explicit_chunks,
+                        const pdm_partition_table_t *table, const pdm_calibration_t *calib,
+                        pdm_prefill_method_t *out, int *chunks, int *has_chunks, char *why,
+                        size_t why_size)
+{
+    *has_chunks = 0;
+    snprintf(why, why_size, "requested");
+    if (table && table->n_entries && table->ranks != ranks)
+        return pdm_error_set(PDM_EINVAL, "the partition table is for %d ranks, the group has %d",
+                             table->ranks, ranks);
+    if (method == PDM_PREFILL_AUTO) {
+        if (ranks == 1) {
+            method = PDM_PREFILL_SINGLE;
+            snprintf(why, why_size, "one rank");
+        } else if (P > 0) {
+            if (calib) {
+                method = pdm_prefill_choose_cp(hp, calib, ranks, T, P, why, why_size);
+            } else { /* without calibration only the message-size rule (Eq. 1) applies */
+                double miss = (double)T / ((double)T + P);
+                double limit = 2.0 * hp->n_kv_heads / hp->n_heads;
+                method = miss >= limit ? PDM_PREFILL_CP_KV : PDM_PREFILL_CP_Q;
+                snprintf(why, why_size, "no calibration: miss rate %.3f vs 2*NKV/NH = %.3f", miss,
+                         limit);
+            }
+        } else {
+            double kvr = 0, cp = 0;
+            if (table) pdm_partition_table_ttft(table, T, &kvr, &cp);
+            if (kvr > 0 && (cp == 0 || kvr <= cp)) {
+                method = PDM_PREFILL_KVR_P;
+                snprintf(why, why_size, "partition table: KVR %.3g s vs cp-kv %.3g s", kvr, cp);
+            } else {
+                method = PDM_PREFILL_CP_KV;
+                snprintf(why, why_size, kvr > 0 ? "partition table: cp-kv %.3g s vs KVR %.3g s"
+                                                : "no partition table: cp-kv (balanced without a "
+                                                  "search)", cp, kvr);
+            }
+        }
+    }
+    if (pdm_prefill_method_is_kvr(method)) {
+        int st = PDM_OK;
+        if (T < ranks)
+            return pdm_error_set(PDM_EINVAL, "'%s' needs at least one token per rank (%d tokens, "
+                                 "%d ranks)", pdm_prefill_method_name(method), T, ranks);
+        if (explicit_chunks) {
+            memcpy(chunks, explicit_chunks, sizeof(int) * (size_t)ranks);
+        } else if (method == PDM_PREFILL_KVR_E) {
+            pdm_prefill_split_even(T, ranks, chunks);
+        } else if (!table) {
+            return pdm_error_set(PDM_EINVAL, "'%s' needs a partition table (--table, from "
+                                 "pdmesh partition-search)%s", pdm_prefill_method_name(method),
+                                 method == PDM_PREFILL_KVR_S ? " or --partition" : "");
+        } else {
+            st = pdm_partition_table_lookup(table, T, method == PDM_PREFILL_KVR_S, chunks);
+        }
+        if (st) return st;
+        *has_chunks = 1;
+    } else if (explicit_chunks) {
+        return pdm_error_set(PDM_EINVAL, "--partition applies to kvr-* methods only");
+    }
+    *out = method;
+    return PDM_OK;
+}
