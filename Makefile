@@ -6,6 +6,7 @@
 #   make test     deps + model + build + every test (= make check)
 #   make asan     the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make demo     deps + model + build, then generate with the default model
+#   make bench-prefill  TTFT of every prefill method (docs/perf/prefill.md)
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
 #
 # Variables: OPT (optimisation flags), BUILD (output directory), CC.
@@ -49,7 +50,8 @@ LIB := $(BUILD)/libpdmesh-core.a
 BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit golden-test asan demo golden clean distclean format
+.PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
+        bench-prefill
 
 all: $(BINS) $(TEST_BIN)
 
@@ -103,6 +105,11 @@ asan:
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 CK_DEFAULT_TIMEOUT=600 \
 	  PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=build-asan/bin/pdmesh-prefill \
 	  UCX_HANDLE_ERRORS=none build-asan/bin/pdm-tests
+
+# Prefill methods on groups of real processes (docs/perf/prefill.*). BENCH_QUICK=1 for 1K/2K.
+bench-prefill: deps model all
+	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
+	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/prefill/run.py
 
 demo: deps model all
 	$(BUILD)/bin/pdmesh generate --model $(MODEL_FILE) --chat --stats -n 64 \

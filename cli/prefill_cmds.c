@@ -438,3 +438,191 @@ out_model:
     pdm_model_free(model);
     return rc;
 }
+
+/* ---- partition-search ------------------------------------------------------------------- */
+
+typedef struct {
+    pdm_launch_t *l;
+    const int32_t *ids;
+    int n, ranks, reps, evaluations;
+} search_ctx_t;
+
+/* Median TTFT of KVR with the given chunk sizes (+inf if the run fails). */
+static double measure_kvr(search_ctx_t *s, const int *chunks)
+{
+    pdm_launch_result_t res = {0};
+    double ttfts[64];
+    s->evaluations++;
+    if (run_measured(s->l, PDM_PREFILL_KVR_S, s->ids, s->n, 0, chunks, s->reps, NULL, NULL,
+                     &res, ttfts)) {
+        fprintf(stderr, "%s: partition-search: %s\n", cli_prog, pdm_error_last());
+        return INFINITY;
+    }
+    return res.ttft;
+}
+
+/* Chunk sizes from chain boundaries 0 < b[0] < ... < b[R-2] < n. */
+static int boundaries_to_chunks(const int *b, int ranks, int n, int *chunks)
+{
+    int prev = 0;
+    for (int i = 0; i < ranks - 1; i++) {
+        if (b[i] <= prev || b[i] >= n) return -1;
+        chunks[i] = b[i] - prev;
+        prev = b[i];
+    }
+    chunks[ranks - 1] = n - prev;
+    return chunks[ranks - 1] >= 1 ? 0 : -1;
+}
+
+/* KV-Runahead §4.2: for two ranks a search on the single boundary, narrowing towards the
+ * side where TTFT decreases (Fig. 6a); for more ranks a hierarchical grid search over all
+ * boundaries with 5 (R <= 3) or 3 points per dimension, zooming in around the best point with
+ * half the stride at every level (Fig. 6b-d). Returns the best TTFT, chunks in `best`. */
+static double search_partition(search_ctx_t *s, int min_stride, int *best)
+{
+    const int R = s->ranks, n = s->n;
+    int b[PDM_KVT_MAX_RANKS], chunks[PDM_KVT_MAX_RANKS];
+    pdm_prefill_split_even(n, R, chunks);
+    for (int i = 0, acc = 0; i < R - 1; i++) b[i] = (acc += chunks[i]);
+    memcpy(best, chunks, sizeof(int) * (size_t)R);
+    double best_t = measure_kvr(s, chunks);
+    if (R == 1) return best_t;
+    if (R == 2) {
+        int lo = 1, hi = n - 1;
+        while (hi - lo > min_stride) {
+            int mid = lo + (hi - lo) / 2, step = PDM_MAX(1, min_stride / 2);
+            int c1[2] = {mid, n - mid}, c2[2] = {mid + step, n - mid - step};
+            if (c2[1] < 1) break;
+            double t1 = measure_kvr(s, c1), t2 = measure_kvr(s, c2);
+            if (t1 < best_t) best_t = t1, memcpy(best, c1, sizeof(c1));
+            if (t2 < best_t) best_t = t2, memcpy(best, c2, sizeof(c2));
+            if (t2 < t1)
+                lo = mid; /* TTFT still falls as rank 0 takes more */
+            else
+                hi = mid + step;
+        }
+        return best_t;
+    }
+    const int points = R <= 3 ? 5 : 3, half = points / 2;
+    int stride = PDM_MAX(min_stride, n / (2 * R));
+    int center[PDM_KVT_MAX_RANKS];
+    memcpy(center, b, sizeof(int) * (size_t)(R - 1));
+    for (;;) {
+        int total = 1;
+        for (int d = 0; d < R - 1; d++) total *= points;
+        int level_best[PDM_KVT_MAX_RANKS];
+        memcpy(level_best, center, sizeof(int) * (size_t)(R - 1));
+        for (int g = 0; g < total; g++) {
+            int code = g, cand[PDM_KVT_MAX_RANKS];
+            for (int d = 0; d < R - 1; d++) {
+                cand[d] = center[d] + (code % points - half) * stride;
+                code /= points;
+            }
+            if (boundaries_to_chunks(cand, R, n, chunks)) continue;
+            double t = measure_kvr(s, chunks);
+            if (t < best_t) {
+                best_t = t;
+                memcpy(best, chunks, sizeof(int) * (size_t)R);
+                memcpy(level_best, cand, sizeof(int) * (size_t)(R - 1));
+            }
+        }
+        memcpy(center, level_best, sizeof(int) * (size_t)(R - 1));
+        if (stride <= min_stride) break;
+        stride = PDM_MAX(min_stride, stride / 2);
+    }
+    return best_t;
+}
+
+int cmd_partition_search(int argc, char **argv)
+{
+    group_opts_t o;
+    group_opts_init(&o);
+    const char *out_path = "partition-table.json", *lengths_arg = NULL;
+    long reps = 3, min_stride = 32;
+    int json = 0;
+    static const struct option opts[] = {GROUP_LONG_OPTS,
+                                         {"lengths", required_argument, 0, O_LENGTHS},
+                                         {"out", required_argument, 0, O_OUT},
+                                         {"reps", required_argument, 0, O_REPS},
+                                         {"min-stride", required_argument, 0, O_STRIDE},
+                                         {0, 0, 0, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        int g = group_opt(&o, c, optarg, &json);
+        if (g < 0) return cli_usage_error("invalid value '%s'", optarg);
+        if (g) continue;
+        switch (c) {
+        case O_LENGTHS: lengths_arg = optarg; break;
+        case O_OUT: out_path = optarg; break;
+        case O_REPS:
+            if (pdm_parse_long(optarg, 1, 64, &reps)) return cli_usage_error("bad --reps '%s'", optarg);
+            break;
+        case O_STRIDE:
+            if (pdm_parse_long(optarg, 1, 1 << 20, &min_stride))
+                return cli_usage_error("bad --min-stride '%s'", optarg);
+            break;
+        default: return cli_usage_error("%s", "unknown option (see pdmesh --help)");
+        }
+    }
+    int lengths[64], n_lengths;
+    if (!lengths_arg || parse_int_list(lengths_arg, lengths, 64, &n_lengths))
+        return cli_usage_error("%s", "partition-search needs --lengths N,N,... (positive)");
+    pdm_model_t *model = NULL;
+    int rc = cli_load_model(o.lp.model, &model);
+    if (rc) return rc;
+    int max_len = 0;
+    for (int i = 0; i < n_lengths; i++) max_len = PDM_MAX(max_len, lengths[i]);
+    if (o.lp.ctx_tokens < max_len) o.lp.ctx_tokens = max_len;
+    pdm_partition_table_t table = {.ranks = o.lp.ranks};
+    if (access(out_path, R_OK) == 0 && pdm_partition_table_load(out_path, &table) == 0 &&
+        table.ranks != o.lp.ranks) {
+        fprintf(stderr, "%s: %s is a table for %d ranks\n", cli_prog, out_path, table.ranks);
+        pdm_model_free(model);
+        return 1;
+    }
+    pdm_launch_t *l;
+    if (pdm_launch_start(&o.lp, &l)) {
+        pdm_model_free(model);
+        return cli_runtime_error("prefill group");
+    }
+    rc = 0;
+    for (int i = 0; i < n_lengths && !rc; i++) {
+        int n = lengths[i];
+        int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
+        uint64_t seed = o.seed + (uint64_t)n;
+        for (int k = 0; ids && k < n; k++) ids[k] = (int32_t)(pdm_splitmix64(&seed) % model->hp.n_vocab);
+        search_ctx_t s = {.l = l, .ids = ids, .n = n, .ranks = o.lp.ranks, .reps = (int)reps};
+        int best[PDM_KVT_MAX_RANKS];
+        double t0 = pdm_now();
+        double best_t = ids && n >= o.lp.ranks ? search_partition(&s, (int)min_stride, best) : INFINITY;
+        /* cp-kv at the same length, for auto's KVR-versus-CP choice. */
+        double cp_t = 0, ttfts[64];
+        pdm_launch_result_t res = {0};
+        if (isfinite(best_t) && o.lp.ranks > 1 &&
+            run_measured(l, PDM_PREFILL_CP_KV, ids, n, 0, NULL, (int)reps, NULL, NULL, &res,
+                         ttfts) == 0)
+            cp_t = res.ttft;
+        free(ids);
+        if (!isfinite(best_t)) {
+            fprintf(stderr, "%s: no partition of %d tokens over %d ranks ran\n", cli_prog, n,
+                    o.lp.ranks);
+            rc = 1;
+            break;
+        }
+        pdm_partition_table_put(&table, n, best, best_t, cp_t);
+        if (pdm_partition_table_save(out_path, &table)) {
+            rc = cli_runtime_error("partition table");
+            break;
+        }
+        printf("length %d: partition", n);
+        for (int r = 0; r < o.lp.ranks; r++) printf(" %d", best[r]);
+        printf("  ttft %.4f s  (cp-kv %.4f s)  %d runs in %.1f s\n", best_t, cp_t,
+               s.evaluations, pdm_now() - t0);
+        fflush(stdout);
+    }
+    pdm_launch_stop(l);
+    pdm_model_free(model);
+    if (!rc) printf("wrote %s\n", out_path);
+    return rc;
+}
