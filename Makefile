@@ -40,7 +40,8 @@ CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c
 PREFILLD_SRC := prefill_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
-            tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c
+            tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
+            tests/unit/test_kvtransfer.c
 
 LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)

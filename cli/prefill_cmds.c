@@ -626,3 +626,102 @@ int cmd_partition_search(int argc, char **argv)
     if (!rc) printf("wrote %s\n", out_path);
     return rc;
 }
+
+/* ---- calibrate --------------------------------------------------------------------------- */
+
+/* FLOPs of a prefill of n tokens: 2 per multiply-add of every projection for every token, and
+ * causal attention (QK^T and PV: 4 * head_dim per query-key pair and head, n(n+1)/2 pairs). */
+static double prefill_flops(const pdm_model_hparams_t *hp, double n)
+{
+    const double d = hp->d_model, hd = hp->head_dim, nh = hp->n_heads, nkv = hp->n_kv_heads;
+    const double per_layer = d * nh * hd * 2 + d * nkv * hd * 2 + 3 * d * hp->n_ff;
+    return hp->n_layers * (2 * per_layer * n + 4 * hd * nh * n * (n + 1) / 2);
+}
+
+int cmd_calibrate(int argc, char **argv)
+{
+    group_opts_t o;
+    group_opts_init(&o);
+    const char *out_path = "calibration.json";
+    long length = 1024, reps = 3;
+    int json = 0;
+    static const struct option opts[] = {GROUP_LONG_OPTS,
+                                         {"out", required_argument, 0, O_OUT},
+                                         {"reps", required_argument, 0, O_REPS},
+                                         {0, 0, 0, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        int g = group_opt(&o, c, optarg, &json);
+        if (g < 0) return cli_usage_error("invalid value '%s'", optarg);
+        if (g) continue;
+        if (c == O_OUT)
+            out_path = optarg;
+        else if (c == O_REPS) {
+            if (pdm_parse_long(optarg, 1, 64, &reps)) return cli_usage_error("bad --reps '%s'", optarg);
+        } else
+            return cli_usage_error("%s", "unknown option (see pdmesh --help)");
+    }
+    if (o.length) length = o.length;
+    pdm_model_t *model = NULL;
+    int rc = cli_load_model(o.lp.model, &model);
+    if (rc) return rc;
+    if (o.lp.ctx_tokens < length) o.lp.ctx_tokens = (int)length;
+    pdm_calibration_t cal = {0};
+    char transports[128] = "";
+    /* Compute: the single-rank prefill of `length` random tokens. */
+    o.lp.ranks = 1;
+    pdm_launch_t *l;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)length);
+    uint64_t seed = o.seed;
+    for (long i = 0; ids && i < length; i++)
+        ids[i] = (int32_t)(pdm_splitmix64(&seed) % model->hp.n_vocab);
+    double ttfts[64];
+    pdm_launch_result_t res = {0};
+    if (!ids || pdm_launch_start(&o.lp, &l)) {
+        rc = cli_runtime_error("calibrate");
+        goto out;
+    }
+    if (run_measured(l, PDM_PREFILL_SINGLE, ids, (int32_t)length, 0, NULL, (int)reps, NULL, NULL,
+                     &res, ttfts)) {
+        pdm_launch_stop(l);
+        rc = cli_runtime_error("calibrate: compute");
+        goto out;
+    }
+    pdm_launch_stop(l);
+    cal.flops = prefill_flops(&model->hp, (double)length) / res.ttft;
+    /* Link: round trips of 8 bytes (latency) and 4 MiB (bandwidth) between two ranks. */
+    o.lp.ranks = 2;
+    double small = 0, large = 0;
+    const size_t big = 4u << 20;
+    if (pdm_launch_start(&o.lp, &l)) {
+        rc = cli_runtime_error("calibrate");
+        goto out;
+    }
+    snprintf(transports, sizeof(transports), "%s", pdm_launch_transports(l));
+    if (pdm_launch_pingpong(l, 8, 2000, &small) || pdm_launch_pingpong(l, big, 30, &large)) {
+        pdm_launch_stop(l);
+        rc = cli_runtime_error("calibrate: link");
+        goto out;
+    }
+    pdm_launch_stop(l);
+    cal.latency = small / 2;
+    cal.bandwidth = (double)big / PDM_MAX(large / 2 - cal.latency, 1e-9);
+    if (pdm_calibration_save(out_path, &cal)) {
+        rc = cli_runtime_error("calibration");
+        goto out;
+    }
+    if (json)
+        printf("{\"flops\":%g,\"bandwidth\":%g,\"latency\":%g,\"transports\":\"%s\","
+               "\"length\":%ld,\"ttft\":%g}\n", cal.flops, cal.bandwidth, cal.latency, transports,
+               length, res.ttft);
+    else
+        printf("compute: %.2f GFLOP/s (prefill of %ld tokens in %.3f s)\n"
+               "link (%s): latency %.1f us, bandwidth %.2f GB/s\nwrote %s\n",
+               cal.flops / 1e9, length, res.ttft, transports[0] ? transports : "-",
+               cal.latency * 1e6, cal.bandwidth / 1e9, out_path);
+out:
+    free(ids);
+    pdm_model_free(model);
+    return rc;
+}

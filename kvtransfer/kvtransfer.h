@@ -106,7 +106,8 @@ typedef enum {
     PDM_KVT_KIND_GATHER = 3, /* TSP all-gather */
     PDM_KVT_KIND_RING = 4,   /* ring shift */
     PDM_KVT_KIND_A2A = 5,    /* all-to-all */
-    PDM_KVT_KIND_RESULT = 6
+    PDM_KVT_KIND_RESULT = 6,
+    PDM_KVT_KIND_PING = 7    /* calibration ping-pong */
 } pdm_kvt_kind_t;
 
 static inline uint64_t pdm_kvt_tag(pdm_kvt_kind_t kind, int src_rank, uint32_t task, int layer,

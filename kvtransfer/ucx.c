@@ -15,12 +15,12 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <ucp/api/ucp.h>
 
 #include "common/pdm.h"
@@ -267,6 +267,12 @@ int pdm_kvt_create(const pdm_kvt_params_t *params, pdm_kvt_t **out)
     pthread_mutexattr_destroy(&ma);
     pthread_cond_init(&kvt->cond, NULL);
 
+    /* Peer error handling drops the shared-memory transports unless they are told to handle
+     * errors themselves (PITFALLS.md, UCX): without this, ranks on one host talk over TCP
+     * loopback. An explicit setting in the environment wins. */
+    const char *tls = getenv("UCX_TLS");
+    if (!tls || strstr(tls, "all") || strstr(tls, "shm") || strstr(tls, "posix"))
+        setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
     ucp_config_t *config;
     ucs_status_t st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK) {
@@ -530,18 +536,6 @@ int pdm_kvt_irecv(pdm_kvt_t *kvt, int peer, uint64_t tag, const pdm_kvt_iov_t *i
     return pdm__post(kvt, 0, peer, tag, iov, n_iov, req);
 }
 
-static void pdm__abstime(double deadline, struct timespec *ts)
-{
-    /* The condition variable uses CLOCK_REALTIME; convert the monotonic deadline. */
-    double left = deadline - pdm_now();
-    if (left < 0) left = 0;
-    if (left > 0.05) left = 0.05; /* wake up regularly when nobody drives progress */
-    clock_gettime(CLOCK_REALTIME, ts);
-    long ns = ts->tv_nsec + (long)(left * 1e9);
-    ts->tv_sec += ns / 1000000000L;
-    ts->tv_nsec = ns % 1000000000L;
-}
-
 int pdm_kvt_wait(pdm_kvt_t *kvt, pdm_kvt_req_t req, double deadline, size_t *bytes)
 {
     int idx = req & 0xffff, gen = (req >> 16) & 0x7fff;
@@ -569,15 +563,13 @@ int pdm_kvt_wait(pdm_kvt_t *kvt, pdm_kvt_req_t req, double deadline, size_t *byt
             }
             if (now >= grace_end) break;
         }
-        if (!kvt->use_thread) {
-            pthread_mutex_unlock(&kvt->lock);
-            pdm_kvt_progress(kvt);
-            pthread_mutex_lock(&kvt->lock);
-            if (s->state != SLOT_PENDING) break;
-        }
-        struct timespec ts;
-        pdm__abstime(grace_end ? grace_end : deadline, &ts);
-        pthread_cond_timedwait(&kvt->cond, &kvt->lock, &ts);
+        /* The waiter has nothing else to do: it polls the worker itself, as MPI and NCCL
+         * do, instead of sleeping until the progress thread is woken through the event fd
+         * (that costs a millisecond per message once both threads consume events). It
+         * yields the core between polls because ranks may share cores. */
+        pthread_mutex_unlock(&kvt->lock);
+        if (!pdm_kvt_progress(kvt)) sched_yield();
+        pthread_mutex_lock(&kvt->lock);
     }
     int status;
     const char *what = s->is_send ? "send to" : "receive from";

@@ -396,3 +396,24 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
         st = pdm_error_set(PDM_EPEER, "prefill task: no rank reported the first token");
     return st;
 }
+
+int pdm_launch_pingpong(pdm_launch_t *l, size_t bytes, int iters, double *seconds)
+{
+    if (l->n < 2) return pdm_error_set(PDM_EINVAL, "pingpong needs two ranks");
+    cJSON *cmd = cJSON_CreateObject();
+    cJSON_AddStringToObject(cmd, "cmd", "pingpong");
+    cJSON_AddNumberToObject(cmd, "bytes", (double)bytes);
+    cJSON_AddNumberToObject(cmd, "iters", iters);
+    int st = PDM_OK;
+    for (int i = 0; i < l->n && !st; i++) st = pdm__send_json(&l->proc[i], i, cmd);
+    cJSON_Delete(cmd);
+    double deadline = pdm_now() + l->p.timeout;
+    for (int i = 0; i < l->n && !st; i++) {
+        cJSON *o;
+        st = pdm__read_event(&l->proc[i], i, "pingpong", deadline, &o);
+        if (st) break;
+        if (i == 0) *seconds = pdm__num(o, "seconds");
+        cJSON_Delete(o);
+    }
+    return st;
+}

@@ -12,6 +12,8 @@
  *       "kv_out":"FILE","logits_out":"FILE","top":K}
  *   rank -> {"event":"result","ok":true,...}      (or "ok":false,"error":"...")
  *   rank -> {"event":"dumped","ok":true}          (only with kv_out)
+ *   <- {"cmd":"pingpong","bytes":N,"iters":K}   (ranks 0 and 1: round trips of N bytes)
+ *   rank -> {"event":"pingpong","ok":true,"seconds":S}  (S per round trip, from rank 0)
  *   <- {"cmd":"quit"}
  *
  * Diagnostics go to stderr. End of input ends the process (its launcher is gone).
@@ -29,12 +31,16 @@
 
 #define PDM__MAX_LINE (64u << 20)
 
+/* The protocol stream: the original stdout. File descriptor 1 itself is pointed at stderr so
+ * that anything a library prints (UCX warnings go to stdout) cannot corrupt the protocol. */
+static FILE *proto;
+
 static void emit(cJSON *obj)
 {
     char *s = cJSON_PrintUnformatted(obj);
     if (s) {
-        fprintf(stdout, "%s\n", s);
-        fflush(stdout);
+        fprintf(proto, "%s\n", s);
+        fflush(proto);
     }
     free(s);
     cJSON_Delete(obj);
@@ -228,6 +234,60 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
     free(chunks);
 }
 
+/* Ranks 0 and 1 bounce a message of `bytes` back and forth `iters` times (after one warm-up
+ * round); rank 0 reports the mean round-trip time. Other ranks only answer. */
+static void handle_pingpong(const cJSON *cmd, pdm_kvt_group_t *g)
+{
+    const cJSON *b = cJSON_GetObjectItem(cmd, "bytes"), *it = cJSON_GetObjectItem(cmd, "iters");
+    if (!cJSON_IsNumber(b) || !cJSON_IsNumber(it) || b->valuedouble < 1 ||
+        b->valuedouble > (1 << 30) || it->valueint < 1 || it->valueint > 60000 || g->size < 2) {
+        emit_error("pingpong", "pingpong needs bytes in [1, 1 GiB], iters in [1, 60000] and "
+                               "two ranks");
+        return;
+    }
+    size_t bytes = (size_t)b->valuedouble;
+    int iters = it->valueint, st = PDM_OK;
+    double seconds = 0;
+    char *buf = malloc(bytes);
+    if (!buf) {
+        emit_error("pingpong", "out of memory");
+        return;
+    }
+    memset(buf, 1, bytes);
+    if (g->rank <= 1) {
+        const int other = 1 - g->rank;
+        pdm_kvt_iov_t iov = {buf, bytes};
+        double t0 = 0;
+        for (int i = 0; i <= iters && !st; i++) {
+            if (i == 1) t0 = pdm_now();
+            pdm_kvt_req_t r;
+            double deadline = pdm_kvt_group_deadline(g);
+            if (g->rank == 0) {
+                st = pdm_kvt_group_send(g, other, PDM_KVT_KIND_PING, 0, i, &iov, 1, &r);
+                if (!st) st = pdm_kvt_wait(g->kvt, r, deadline, NULL);
+                if (!st) st = pdm_kvt_group_recv(g, other, PDM_KVT_KIND_PING, 1, i, &iov, 1, &r);
+                if (!st) st = pdm_kvt_wait(g->kvt, r, deadline, NULL);
+            } else {
+                st = pdm_kvt_group_recv(g, other, PDM_KVT_KIND_PING, 0, i, &iov, 1, &r);
+                if (!st) st = pdm_kvt_wait(g->kvt, r, deadline, NULL);
+                if (!st) st = pdm_kvt_group_send(g, other, PDM_KVT_KIND_PING, 1, i, &iov, 1, &r);
+                if (!st) st = pdm_kvt_wait(g->kvt, r, deadline, NULL);
+            }
+        }
+        seconds = (pdm_now() - t0) / iters;
+    }
+    free(buf);
+    if (st) {
+        emit_error("pingpong", pdm_error_last());
+        return;
+    }
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "event", "pingpong");
+    cJSON_AddBoolToObject(o, "ok", 1);
+    cJSON_AddNumberToObject(o, "seconds", seconds);
+    emit(o);
+}
+
 static void usage(FILE *f)
 {
     fprintf(f, "usage: pdmesh-prefill [--model FILE] [--threads N] [--cpu N] [--ctx N]\n"
@@ -285,6 +345,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdmesh-prefill: invalid option value\n");
         usage(stderr);
         return 2;
+    }
+    int proto_fd = dup(1);
+    if (proto_fd < 0 || !(proto = fdopen(proto_fd, "w")) || dup2(2, 1) < 0) {
+        fprintf(stderr, "pdmesh-prefill: cannot set up the protocol stream\n");
+        return 1;
     }
     if (cpu >= 0) {
         cpu_set_t set;
@@ -351,6 +416,11 @@ int main(int argc, char **argv)
                 cJSON_AddStringToObject(o, "transports", tl);
                 emit(o);
             }
+        } else if (!strcmp(name->valuestring, "pingpong")) {
+            if (!grouped)
+                emit_error("pingpong", "pingpong before group");
+            else
+                handle_pingpong(cmd, &group);
         } else if (!strcmp(name->valuestring, "task")) {
             if (!grouped)
                 emit_error("result", "task before group");
@@ -368,5 +438,6 @@ out:
     if (grouped) pdm_kvt_group_fini(&group);
     pdm_kvt_destroy(kvt);
     pdm_model_free(model);
+    fclose(proto);
     return status;
 }

@@ -218,4 +218,7 @@ typedef struct {
 int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char *kv_out,
                     const char *logits_out, pdm_launch_result_t *res);
 
+/* Mean round-trip time of a `bytes`-byte message between ranks 0 and 1 (calibration). */
+int pdm_launch_pingpong(pdm_launch_t *l, size_t bytes, int iters, double *seconds);
+
 #endif /* PDM_PREFILL_H */

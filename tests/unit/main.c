@@ -16,7 +16,7 @@ static const struct {
 } suites[] = {
     {"common", suite_common},   {"gguf", suite_gguf},     {"tokenizer", suite_tokenizer},
     {"kernels", suite_kernels}, {"engine", suite_engine}, {"sampler", suite_sampler},
-    {"golden", suite_golden},   {"prefill", suite_prefill},
+    {"golden", suite_golden},   {"kvtransfer", suite_kvtransfer}, {"prefill", suite_prefill},
 };
 
 const char *pdm_test_tmpdir(void)

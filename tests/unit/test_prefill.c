@@ -254,6 +254,13 @@ START_TEST(test_group_r1) { run_group_case(1); }
 END_TEST
 START_TEST(test_group_r2) { run_group_case(2); }
 END_TEST
+/* The same over TCP (what ranks on different hosts use; same-host ranks use shared memory). */
+START_TEST(test_group_r2_tcp)
+{
+    setenv("UCX_TLS", "tcp", 1); /* this test's process only (Check forks per test) */
+    run_group_case(2);
+}
+END_TEST
 START_TEST(test_group_r3) { run_group_case(3); }
 END_TEST
 START_TEST(test_group_r4) { run_group_case(4); }
@@ -452,6 +459,7 @@ Suite *suite_prefill(void)
     tcase_add_test(tc, test_choose_cp);
     tcase_add_test(tc, test_group_r1);
     tcase_add_test(tc, test_group_r2);
+    tcase_add_test(tc, test_group_r2_tcp);
     tcase_add_test(tc, test_group_r3);
     tcase_add_test(tc, test_group_r4);
     tcase_add_test(tc, test_group_r8);

@@ -16,6 +16,7 @@ Suite *suite_engine(void);
 Suite *suite_sampler(void);
 Suite *suite_golden(void);
 Suite *suite_prefill(void);
+Suite *suite_kvtransfer(void);
 
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
  * under /tmp). */

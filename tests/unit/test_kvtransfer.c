@@ -1,0 +1,235 @@
+/*
+ * test_kvtransfer.c - the UCX transport and group patterns, with several endpoints in one
+ * process (each with its own worker and progress thread; UCX picks shared memory or loopback
+ * between them exactly as between processes). Multi-process behaviour is covered by the
+ * prefill suite.
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/pdm.h"
+#include "kvtransfer/kvtransfer.h"
+#include "tests.h"
+
+typedef struct {
+    pdm_kvt_t *a, *b;
+    int a_to_b, b_to_a; /* peer ids */
+} pair_t;
+
+static void pair_open(pair_t *p, int max_requests)
+{
+    pdm_kvt_params_t prm;
+    pdm_kvt_params_default(&prm);
+    prm.max_requests = max_requests;
+    ck_assert_int_eq(pdm_kvt_create(&prm, &p->a), 0);
+    ck_assert_int_eq(pdm_kvt_create(&prm, &p->b), 0);
+    const void *addr;
+    size_t len;
+    pdm_kvt_address(p->b, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(p->a, addr, len, &p->a_to_b), 0);
+    pdm_kvt_address(p->a, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(p->b, addr, len, &p->b_to_a), 0);
+}
+
+static void pair_close(pair_t *p)
+{
+    pdm_kvt_destroy(p->a);
+    pdm_kvt_destroy(p->b);
+}
+
+START_TEST(test_kvt_scatter_gather)
+{
+    pair_t p;
+    pair_open(&p, 64);
+    char s1[5] = "hello", s2[1] = {','}, s3[7] = " world!";
+    char d1[3], d2[20];
+    memset(d2, 0, sizeof(d2));
+    pdm_kvt_iov_t out[3] = {{s1, 5}, {s2, 1}, {s3, 7}}, in[2] = {{d1, 3}, {d2, 20}};
+    pdm_kvt_req_t rr, sr;
+    ck_assert_int_eq(pdm_kvt_irecv(p.b, p.b_to_a, 42, in, 2, &rr), 0);
+    ck_assert_int_eq(pdm_kvt_isend(p.a, p.a_to_b, 42, out, 3, &sr), 0);
+    size_t got = 0;
+    ck_assert_int_eq(pdm_kvt_wait(p.b, rr, pdm_now() + 10, &got), 0);
+    ck_assert_int_eq(pdm_kvt_wait(p.a, sr, pdm_now() + 10, NULL), 0);
+    ck_assert_uint_eq(got, 13);
+    ck_assert(memcmp(d1, "hel", 3) == 0);
+    ck_assert_str_eq(d2, "lo, world!");
+    pdm_kvt_stats_t st;
+    pdm_kvt_stats(p.b, &st);
+    ck_assert_uint_eq(st.bytes_received, 13);
+    /* A handle is released by its wait: waiting again is an error, not a hang. */
+    ck_assert_int_eq(pdm_kvt_wait(p.b, rr, pdm_now() + 1, NULL), PDM_EINVAL);
+    pair_close(&p);
+}
+END_TEST
+
+START_TEST(test_kvt_tags_match_out_of_order)
+{
+    pair_t p;
+    pair_open(&p, 64);
+    int va = 1, vb = 2, ra = 0, rb = 0;
+    pdm_kvt_iov_t ia = {&ra, sizeof(ra)}, ib = {&rb, sizeof(rb)};
+    pdm_kvt_iov_t oa = {&va, sizeof(va)}, ob = {&vb, sizeof(vb)};
+    pdm_kvt_req_t r[4];
+    ck_assert_int_eq(pdm_kvt_irecv(p.b, p.b_to_a, pdm_kvt_tag(PDM_KVT_KIND_RING, 0, 1, 3, 2), &ib,
+                                   1, &r[0]), 0);
+    ck_assert_int_eq(pdm_kvt_isend(p.a, p.a_to_b, pdm_kvt_tag(PDM_KVT_KIND_RING, 0, 1, 3, 1), &oa,
+                                   1, &r[1]), 0);
+    ck_assert_int_eq(pdm_kvt_isend(p.a, p.a_to_b, pdm_kvt_tag(PDM_KVT_KIND_RING, 0, 1, 3, 2), &ob,
+                                   1, &r[2]), 0);
+    ck_assert_int_eq(pdm_kvt_irecv(p.b, p.b_to_a, pdm_kvt_tag(PDM_KVT_KIND_RING, 0, 1, 3, 1), &ia,
+                                   1, &r[3]), 0);
+    ck_assert_int_eq(pdm_kvt_wait_all(p.a, &r[1], 2, pdm_now() + 10), 0);
+    ck_assert_int_eq(pdm_kvt_wait(p.b, r[0], pdm_now() + 10, NULL), 0);
+    ck_assert_int_eq(pdm_kvt_wait(p.b, r[3], pdm_now() + 10, NULL), 0);
+    ck_assert_int_eq(ra, 1);
+    ck_assert_int_eq(rb, 2);
+    pair_close(&p);
+}
+END_TEST
+
+START_TEST(test_kvt_timeout_fails_peer)
+{
+    pair_t p;
+    pair_open(&p, 64);
+    int x;
+    pdm_kvt_iov_t in = {&x, sizeof(x)};
+    pdm_kvt_req_t r;
+    ck_assert_int_eq(pdm_kvt_irecv(p.b, p.b_to_a, 7, &in, 1, &r), 0);
+    double t0 = pdm_now();
+    ck_assert_int_eq(pdm_kvt_wait(p.b, r, t0 + 0.2, NULL), PDM_ETIMEOUT);
+    double took = pdm_now() - t0;
+    ck_assert_msg(took >= 0.19 && took < 3.0, "wait took %.3f s", took);
+    ck_assert(strstr(pdm_error_last(), "timed out") != NULL);
+    /* The peer is given up: new operations on it fail at once. */
+    ck_assert_int_eq(pdm_kvt_peer_alive(p.b, p.b_to_a), 0);
+    ck_assert_int_eq(pdm_kvt_irecv(p.b, p.b_to_a, 8, &in, 1, &r), PDM_EPEER);
+    pair_close(&p);
+}
+END_TEST
+
+START_TEST(test_kvt_message_too_long)
+{
+    pair_t p;
+    pair_open(&p, 64);
+    char big[64] = {0}, small[16];
+    pdm_kvt_iov_t out = {big, sizeof(big)}, in = {small, sizeof(small)};
+    pdm_kvt_req_t rr, sr;
+    ck_assert_int_eq(pdm_kvt_irecv(p.b, p.b_to_a, 9, &in, 1, &rr), 0);
+    ck_assert_int_eq(pdm_kvt_isend(p.a, p.a_to_b, 9, &out, 1, &sr), 0);
+    ck_assert_int_eq(pdm_kvt_wait(p.b, rr, pdm_now() + 10, NULL), PDM_EOVERFLOW);
+    pdm_kvt_wait(p.a, sr, pdm_now() + 10, NULL);
+    pair_close(&p);
+}
+END_TEST
+
+START_TEST(test_kvt_bounded)
+{
+    pair_t p;
+    pair_open(&p, 4);
+    int x[5];
+    pdm_kvt_req_t r[5];
+    for (int i = 0; i < 4; i++) {
+        pdm_kvt_iov_t in = {&x[i], sizeof(int)};
+        ck_assert_int_eq(pdm_kvt_irecv(p.b, p.b_to_a, 100 + (uint64_t)i, &in, 1, &r[i]), 0);
+    }
+    pdm_kvt_iov_t in = {&x[4], sizeof(int)};
+    ck_assert_int_eq(pdm_kvt_irecv(p.b, p.b_to_a, 200, &in, 1, &r[4]), PDM_EOVERFLOW);
+    ck_assert_int_eq(pdm_kvt_irecv(p.b, p.b_to_a, 200, &in, PDM_KVT_MAX_IOV + 1, &r[4]),
+                     PDM_EINVAL);
+    ck_assert_int_eq(pdm_kvt_irecv(p.b, 99, 200, &in, 1, &r[4]), PDM_EINVAL);
+    /* Destroying with receives still posted cancels them (ASan checks for leaks). */
+    pair_close(&p);
+}
+END_TEST
+
+/* Three ranks in threads: barrier, all-gather with uneven parts, all-to-all. */
+typedef struct {
+    pdm_kvt_t *kvt[3];
+    const void *addr[3];
+    size_t len[3];
+    int ok[3];
+} trio_t;
+
+typedef struct {
+    trio_t *t;
+    int rank;
+} trio_arg_t;
+
+static void *trio_main(void *p)
+{
+    trio_arg_t *a = p;
+    trio_t *t = a->t;
+    pdm_kvt_group_t g;
+    if (pdm_kvt_group_init(&g, t->kvt[a->rank], a->rank, 3, t->addr, t->len, 10)) return NULL;
+    /* Rank j contributes j+1 ints of value 10*j + i. */
+    int data[3][3] = {{0}};
+    pdm_kvt_msg_t parts[3];
+    for (int j = 0; j < 3; j++) {
+        if (j == a->rank)
+            for (int i = 0; i <= j; i++) data[j][i] = 10 * j + i;
+        parts[j].iov[0] = (pdm_kvt_iov_t){data[j], sizeof(int) * (size_t)(j + 1)};
+        parts[j].n_iov = 1;
+    }
+    if (pdm_kvt_group_allgather(&g, 5, parts)) return NULL;
+    for (int j = 0; j < 3; j++)
+        for (int i = 0; i <= j; i++)
+            if (data[j][i] != 10 * j + i) return NULL;
+    int send[3], recv[3] = {-1, -1, -1};
+    pdm_kvt_msg_t sm[3], rm[3];
+    for (int j = 0; j < 3; j++) {
+        send[j] = 100 * a->rank + j;
+        sm[j] = (pdm_kvt_msg_t){.iov = {{&send[j], sizeof(int)}}, .n_iov = 1};
+        rm[j] = (pdm_kvt_msg_t){.iov = {{&recv[j], sizeof(int)}}, .n_iov = 1};
+    }
+    if (pdm_kvt_group_alltoall(&g, 6, sm, rm)) return NULL;
+    for (int j = 0; j < 3; j++)
+        if (j != a->rank && recv[j] != 100 * j + a->rank) return NULL;
+    if (pdm_kvt_group_barrier(&g, 7)) return NULL;
+    pdm_kvt_group_fini(&g);
+    t->ok[a->rank] = 1;
+    return NULL;
+}
+
+START_TEST(test_kvt_group_patterns)
+{
+    trio_t t = {0};
+    for (int i = 0; i < 3; i++) {
+        ck_assert_int_eq(pdm_kvt_create(NULL, &t.kvt[i]), 0);
+        pdm_kvt_address(t.kvt[i], &t.addr[i], &t.len[i]);
+    }
+    pthread_t th[3];
+    trio_arg_t args[3];
+    for (int i = 0; i < 3; i++) {
+        args[i] = (trio_arg_t){&t, i};
+        pthread_create(&th[i], NULL, trio_main, &args[i]);
+    }
+    for (int i = 0; i < 3; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 3; i++) {
+        ck_assert_msg(t.ok[i], "rank %d failed: %s", i, pdm_error_last());
+        pdm_kvt_destroy(t.kvt[i]);
+    }
+}
+END_TEST
+
+static void setup_env(void)
+{
+    setenv("UCX_HANDLE_ERRORS", "none", 0);
+}
+
+Suite *suite_kvtransfer(void)
+{
+    Suite *s = suite_create("kvtransfer");
+    TCase *tc = tcase_create("ucx");
+    tcase_add_unchecked_fixture(tc, setup_env, NULL);
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, test_kvt_scatter_gather);
+    tcase_add_test(tc, test_kvt_tags_match_out_of_order);
+    tcase_add_test(tc, test_kvt_timeout_fails_peer);
+    tcase_add_test(tc, test_kvt_message_too_long);
+    tcase_add_test(tc, test_kvt_bounded);
+    tcase_add_test(tc, test_kvt_group_patterns);
+    suite_add_tcase(s, tc);
+    return s;
+}
