@@ -107,10 +107,13 @@ asan:
 	  PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=build-asan/bin/pdmesh-prefill \
 	  UCX_HANDLE_ERRORS=none build-asan/bin/pdm-tests
 
-# Prefill methods on groups of real processes (docs/perf/prefill.*). BENCH_QUICK=1 for 1K/2K.
+# Prefill methods on groups of real processes (docs/perf/prefill*.{json,md,png}), then over a
+# shaped link between network namespaces. BENCH_QUICK=1 for a short run (see the scripts).
 bench-prefill: deps model all
 	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
+	@command -v iperf3 >/dev/null || apt-get install -y -q iperf3 >/dev/null || true
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/prefill/run.py
+	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/prefill/shaped.py
 
 demo: deps model all
 	$(BUILD)/bin/pdmesh generate --model $(MODEL_FILE) --chat --stats -n 64 \

@@ -49,6 +49,7 @@ void pdm_launch_params_default(pdm_launch_params_t *p)
     p->ctx_tokens = 8192;
     p->kv_dtype = "f16";
     p->timeout = 120;
+    p->wrap = getenv("PDMESH_RANK_WRAP");
 }
 
 int pdm_launch_pid(const pdm_launch_t *l, int rank)
@@ -76,8 +77,28 @@ static int pdm__spawn(const pdm_launch_params_t *p, int rank, pdm__proc_t *pr)
     snprintf(cpu, sizeof(cpu), "%ld", (long)rank % (ncpu > 0 ? ncpu : 1));
     snprintf(ctx, sizeof(ctx), "%d", p->ctx_tokens);
     snprintf(timeout, sizeof(timeout), "%g", p->timeout);
-    char *argv[16];
+    /* An optional wrapper in front (network namespaces in benchmarks): words split at
+     * spaces, "%d" replaced by the rank. */
+    char wrap_buf[512], *argv[64];
     int a = 0;
+    if (p->wrap && *p->wrap) {
+        char expanded[512];
+        size_t o = 0;
+        for (const char *c = p->wrap; *c && o + 12 < sizeof(expanded); c++) {
+            if (c[0] == '%' && c[1] == 'd') {
+                o += (size_t)snprintf(expanded + o, sizeof(expanded) - o, "%d", rank);
+                c++;
+            } else {
+                expanded[o++] = *c;
+            }
+        }
+        expanded[o] = 0;
+        snprintf(wrap_buf, sizeof(wrap_buf), "%s", expanded);
+        char *save = NULL;
+        for (char *w = strtok_r(wrap_buf, " ", &save); w && a < 40; w = strtok_r(NULL, " ", &save))
+            argv[a++] = w;
+    }
+    const char *exe = a ? argv[0] : p->bin;
     argv[a++] = (char *)p->bin;
     argv[a++] = "--model";
     argv[a++] = (char *)p->model;
@@ -98,7 +119,8 @@ static int pdm__spawn(const pdm_launch_params_t *p, int rank, pdm__proc_t *pr)
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, in[0], 0);
     posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-    int err = posix_spawn(&pr->pid, p->bin, &fa, NULL, argv, environ);
+    int err = a && exe[0] != '/' ? posix_spawnp(&pr->pid, exe, &fa, NULL, argv, environ)
+                                 : posix_spawn(&pr->pid, exe, &fa, NULL, argv, environ);
     posix_spawn_file_actions_destroy(&fa);
     close(in[0]);
     close(out[1]);

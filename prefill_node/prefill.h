@@ -182,6 +182,9 @@ typedef struct {
     int ctx_tokens;
     const char *kv_dtype; /* "f16" or "f32" */
     double timeout;       /* seconds for start-up and for each task */
+    const char *wrap;     /* command prefix per rank, "%d" = rank, e.g. "ip netns exec ns%d
+                           * env UCX_TLS=tcp UCX_NET_DEVICES=veth%d"; NULL: none (default:
+                           * $PDMESH_RANK_WRAP) */
 } pdm_launch_params_t;
 
 void pdm_launch_params_default(pdm_launch_params_t *p);

@@ -65,7 +65,9 @@ def main():
     t0 = time.time()
     s = subprocess.run([PDMESH, "partition-search", "--model", MODEL, "--ranks", "2", "--pin",
                         "--lengths", ",".join(map(str, LENGTHS)), "--out", table,
-                        "--reps", str(REPS), "--min-stride", str(max(16, LENGTHS[0] // 32)),
+                        # One run per candidate and a stride of n/16: the search costs about ten
+                        # prefills per length (the table's final TTFTs come from the runs below).
+                        "--reps", "1", "--min-stride", str(max(16, min(LENGTHS) // 16)),
                         "--ctx", str(max(LENGTHS) + 64)],
                        capture_output=True, text=True, timeout=7200)
     sys.stderr.write(s.stdout + s.stderr)
