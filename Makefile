@@ -52,7 +52,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
-        bench-prefill
+        bench-prefill cuda-kvtransfer
 
 all: $(BINS) $(TEST_BIN)
 
@@ -106,6 +106,17 @@ asan:
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 CK_DEFAULT_TIMEOUT=600 \
 	  PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=build-asan/bin/pdmesh-prefill \
 	  UCX_HANDLE_ERRORS=none build-asan/bin/pdm-tests
+
+# CUDA builds: the NCCL group transport, compiled and linked against the CUDA toolkit, and its
+# smoke test (skips with a message when no GPU is present).
+CUDA_HOME ?= /usr/local/cuda
+cuda-kvtransfer: $(LIB)
+	@mkdir -p $(BUILD)/cuda
+	$(CC) $(ALL_CFLAGS) -I$(CUDA_HOME)/include -c kvtransfer/nccl.c -o $(BUILD)/cuda/nccl.o
+	$(CC) $(ALL_CFLAGS) -I$(CUDA_HOME)/include tests/cuda/nccl_smoke.c $(BUILD)/cuda/nccl.o \
+	  $(LIB) -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcudart $(LDLIBS) \
+	  -o $(BUILD)/bin/nccl-smoke
+	$(BUILD)/bin/nccl-smoke
 
 # Prefill methods on groups of real processes (docs/perf/prefill*.{json,md,png}), then over a
 # shaped link between network namespaces. BENCH_QUICK=1 for a short run (see the scripts).

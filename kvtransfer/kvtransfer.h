@@ -156,4 +156,33 @@ int pdm_kvt_group_alltoall(pdm_kvt_group_t *g, int layer, const pdm_kvt_msg_t *s
 /* Deadline of a collective started now. */
 double pdm_kvt_group_deadline(const pdm_kvt_group_t *g);
 
+/* ---- NCCL (CUDA builds) ----------------------------------------------------------------- *
+ * The same group patterns over NCCL for KV in GPU memory (kvtransfer/nccl.c, built by
+ * `make cuda`). NCCL matches sends and receives by order per pair of ranks, not by tag; the
+ * prefill methods post in the same order on every rank. The unique id comes from rank 0 and
+ * travels through the control plane. */
+#define PDM_KVT_NCCL_ID_BYTES 128
+
+typedef struct pdm_kvt_nccl pdm_kvt_nccl_t;
+typedef void *pdm_kvt_nccl_req_t;
+
+typedef struct {
+    int peer;     /* rank */
+    int is_send;
+    void *buf;    /* device memory */
+    size_t bytes;
+} pdm_kvt_nccl_op_t;
+
+int pdm_kvt_nccl_unique_id(uint8_t id[PDM_KVT_NCCL_ID_BYTES]);
+/* Joins the group on CUDA device `device`; PDM_EUNSUPPORTED without a device. */
+int pdm_kvt_nccl_create(const uint8_t id[PDM_KVT_NCCL_ID_BYTES], int rank, int size, int device,
+                        double timeout, pdm_kvt_nccl_t **out);
+void pdm_kvt_nccl_destroy(pdm_kvt_nccl_t *c);
+/* Posts the operations as one NCCL group on the communicator's stream. */
+int pdm_kvt_nccl_post(pdm_kvt_nccl_t *c, const pdm_kvt_nccl_op_t *ops, int n_ops,
+                      pdm_kvt_nccl_req_t *req);
+/* Waits for a posted group until `deadline`; on timeout or peer error the communicator is
+ * aborted (PDM_ETIMEOUT / PDM_EPEER) and must be re-created. Releases `req`. */
+int pdm_kvt_nccl_wait(pdm_kvt_nccl_t *c, pdm_kvt_nccl_req_t req, double deadline);
+
 #endif /* PDM_KVTRANSFER_H */
