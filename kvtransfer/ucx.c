@@ -150,7 +150,15 @@ static void pdm__ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
             kvt->peers[p].close_pending = 1;
             kvt->peers[p].reason = status;
             kvt->stats.failures++;
-            pdm_log_warn("kvtransfer: peer %d failed: %s", p, ucs_status_string(status));
+            /* A peer that leaves while nothing is in flight to it is a normal shutdown. */
+            int busy = 0;
+            for (int i = 0; i < kvt->n_slots; i++)
+                busy += kvt->slots[i].peer == p && kvt->slots[i].state == SLOT_PENDING;
+            if (busy)
+                pdm_log_warn("kvtransfer: peer %d failed with %d operations in flight: %s", p,
+                             busy, ucs_status_string(status));
+            else
+                pdm_log_debug("kvtransfer: peer %d gone: %s", p, ucs_status_string(status));
         }
     }
     pthread_cond_broadcast(&kvt->cond);

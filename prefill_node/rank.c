@@ -25,6 +25,14 @@ typedef struct {
     int32_t start, len;
 } pdm__range_t;
 
+typedef struct {
+    pdm__range_t ranges[PDM_KVT_MAX_RANKS][PDM__MAX_RANGES]; /* each rank's KV block */
+    int n_ranges[PDM_KVT_MAX_RANKS];
+    size_t bytes[PDM_KVT_MAX_RANKS];
+    int n_new[PDM_KVT_MAX_RANKS]; /* new tokens (queries) of each rank */
+    size_t max_bytes;
+} pdm__cp_layout_t;
+
 struct pdm_prefill_rank {
     const pdm_model_t *model;
     pdm_kvt_group_t *g;
@@ -43,6 +51,10 @@ struct pdm_prefill_rank {
     int8_t *owner;                    /* [ctx_tokens] rank that computed each position */
     int32_t held[PDM_KVT_MAX_RANKS];  /* each rank holds all KV of positions [0, held) */
     int last_owner;                   /* rank that computed the last token so far */
+
+    /* Message descriptors of the collectives and the CP layout (large: on the heap). */
+    pdm_kvt_msg_t *send_msgs, *recv_msgs; /* [PDM_KVT_MAX_RANKS] */
+    pdm__cp_layout_t *layout;
 
     /* Per-task scratch (grown as needed, never shrunk). */
     void *scratch;
@@ -100,7 +112,10 @@ int pdm_prefill_rank_create(const pdm_model_t *model, pdm_kvt_group_t *group,
     if (st) goto err;
     r->owner = calloc((size_t)p->ctx_tokens, 1);
     r->logits = malloc(sizeof(float) * model->hp.n_vocab);
-    if (!r->owner || !r->logits) {
+    r->send_msgs = calloc(PDM_KVT_MAX_RANKS, sizeof(pdm_kvt_msg_t));
+    r->recv_msgs = calloc(PDM_KVT_MAX_RANKS, sizeof(pdm_kvt_msg_t));
+    r->layout = calloc(1, sizeof(pdm__cp_layout_t));
+    if (!r->owner || !r->logits || !r->send_msgs || !r->recv_msgs || !r->layout) {
         st = pdm_error_set(PDM_ENOMEM, "prefill rank: out of memory");
         goto err;
     }
@@ -119,6 +134,9 @@ void pdm_prefill_rank_destroy(pdm_prefill_rank_t *r)
     pdm_act_free(&r->act);
     free(r->owner);
     free(r->logits);
+    free(r->send_msgs);
+    free(r->recv_msgs);
+    free(r->layout);
     free(r->scratch);
     free(r);
 }
@@ -329,7 +347,7 @@ static int pdm__run_tsp(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t, cons
     int st = pdm__ensure_ctx(r, chunks[me]);
     if (!st) PDM__COMPUTE(r, st = pdm__embed_local(r, t, &mine, 1, chunks[me]));
     if (st) return st;
-    static pdm_kvt_msg_t parts[PDM_KVT_MAX_RANKS]; /* large: keep off the stack */
+    pdm_kvt_msg_t *parts = r->send_msgs;
     for (int l = 0; l < (int)r->hp->n_layers; l++) {
         PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act);
                      pdm__store_local(r, l, &mine, 1));
@@ -414,13 +432,6 @@ static int pdm__run_kvr(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t, cons
 
 /* ---- Context parallelism: ring pass-KV and pass-Q (CP paper §3.5) ------------------------ */
 
-typedef struct {
-    pdm__range_t ranges[PDM_KVT_MAX_RANKS][PDM__MAX_RANGES]; /* each rank's KV block */
-    int n_ranges[PDM_KVT_MAX_RANKS];
-    size_t bytes[PDM_KVT_MAX_RANKS];
-    int n_new[PDM_KVT_MAX_RANKS]; /* new tokens (queries) of each rank */
-    size_t max_bytes;
-} pdm__cp_layout_t;
 
 /* Every rank's block: the positions it owns among [0, start + T), cached and new. */
 static int pdm__cp_layout(const pdm_prefill_rank_t *r, int32_t end, pdm__cp_layout_t *L)
@@ -539,7 +550,7 @@ static int pdm__run_cp_q(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
 
     int st = PDM_OK;
     pdm_kv_view_t views[PDM__MAX_RANGES];
-    static pdm_kvt_msg_t a2a_send[PDM_KVT_MAX_RANKS], a2a_recv[PDM_KVT_MAX_RANKS];
+    pdm_kvt_msg_t *a2a_send = r->send_msgs, *a2a_recv = r->recv_msgs;
     for (int l = 0; l < (int)r->hp->n_layers && !st; l++) {
         if (n_local) PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act);
                                   pdm__store_local(r, l, mine, n_mine));
@@ -644,8 +655,8 @@ static int pdm__run_cp(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
     const int me = r->g->rank;
     const int32_t end = t->start + t->n_tokens;
     pdm__cp_assign(r, t->start, t->n_tokens);
-    static pdm__cp_layout_t L; /* large: keep off the stack (one rank per process) */
-    int st = pdm__cp_layout(r, end, &L);
+    pdm__cp_layout_t *L = r->layout;
+    int st = pdm__cp_layout(r, end, L);
     if (st) return st;
     pdm__range_t mine[PDM__MAX_RANGES];
     int n_mine = pdm__owned_ranges(r, me, t->start, end, mine, PDM__MAX_RANGES);
@@ -654,15 +665,15 @@ static int pdm__run_cp(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
     for (int j = 0; j < r->g->size; j++) {
         pdm__range_t tmp[PDM__MAX_RANGES];
         int n = pdm__owned_ranges(r, j, t->start, end, tmp, PDM__MAX_RANGES);
-        for (int i = 0; i < n; i++) L.n_new[j] += tmp[i].len;
+        for (int i = 0; i < n; i++) L->n_new[j] += tmp[i].len;
     }
     st = pdm__ensure_ctx(r, n_local);
     if (!st && n_local) PDM__COMPUTE(r, st = pdm__embed_local(r, t, mine, n_mine, n_local));
     if (st) return st;
     if (t->method == PDM_PREFILL_CP_KV)
-        st = pdm__run_cp_kv(r, t, mine, n_mine, n_local, &L);
+        st = pdm__run_cp_kv(r, t, mine, n_mine, n_local, L);
     else
-        st = pdm__run_cp_q(r, t, mine, n_mine, n_local, &L);
+        st = pdm__run_cp_q(r, t, mine, n_mine, n_local, L);
     if (st) return st;
     if (r->owner[end - 1] == me)
         PDM__COMPUTE(r, pdm_model_logits(r->ctx, &r->act, n_local - 1, r->logits));
