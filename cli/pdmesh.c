@@ -36,7 +36,7 @@ static void usage(FILE *f)
             "              [--chat] [--length N] [--cached P] [--partition a,b,..]\n"
             "              [--table FILE] [--calibration FILE] [--threads N] [--pin] [--ctx N]\n"
             "              [--kv-dtype f16|f32] [--timeout S] [--kv-out FILE]\n"
-            "              [--logits-out FILE] [--repeat N] [--json]\n"
+            "              [--logits-out FILE] [--repeat N] [--plan] [--json]\n"
             "              methods: single tsp kvr-e kvr-s kvr-p cp-kv cp-q auto\n"
             "  partition-search --ranks R --lengths N,N,.. [--out FILE] [--reps N]\n"
             "              [--min-stride N] [--threads N] [--pin]   KVR-S lookup table\n"

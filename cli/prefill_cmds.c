@@ -30,7 +30,8 @@ typedef struct {
 enum {
     O_RANKS = 1000, O_METHOD, O_PROMPT, O_PROMPT_FILE, O_CHAT, O_LENGTH, O_RANDOM, O_SEED,
     O_PARTITION, O_CACHED, O_TABLE, O_CALIB, O_THREADS, O_PIN, O_CTX, O_KV_DTYPE, O_TIMEOUT,
-    O_KV_OUT, O_LOGITS_OUT, O_REPEAT, O_JSON, O_MODEL, O_LENGTHS, O_OUT, O_REPS, O_STRIDE
+    O_KV_OUT, O_LOGITS_OUT, O_REPEAT, O_JSON, O_MODEL, O_LENGTHS, O_OUT, O_REPS, O_STRIDE,
+    O_PLAN
 };
 
 #define GROUP_LONG_OPTS                                                                        \
@@ -278,7 +279,7 @@ int cmd_prefill_run(int argc, char **argv)
     const char *method_name = "kvr-e", *partition = NULL, *table_path = NULL, *calib_path = NULL;
     const char *kv_out = NULL, *logits_out = NULL;
     long cached = 0, repeat = 1;
-    int json = 0;
+    int json = 0, plan_only = 0;
     static const struct option opts[] = {
         GROUP_LONG_OPTS,
         {"method", required_argument, 0, O_METHOD},
@@ -289,6 +290,7 @@ int cmd_prefill_run(int argc, char **argv)
         {"kv-out", required_argument, 0, O_KV_OUT},
         {"logits-out", required_argument, 0, O_LOGITS_OUT},
         {"repeat", required_argument, 0, O_REPEAT},
+        {"plan", no_argument, 0, O_PLAN},
         {0, 0, 0, 0}};
     int c;
     optind = 1;
@@ -307,6 +309,7 @@ int cmd_prefill_run(int argc, char **argv)
         case O_CALIB: calib_path = optarg; break;
         case O_KV_OUT: kv_out = optarg; break;
         case O_LOGITS_OUT: logits_out = optarg; break;
+        case O_PLAN: plan_only = 1; break;
         case O_REPEAT:
             if (pdm_parse_long(optarg, 1, 64, &repeat))
                 return cli_usage_error("invalid --repeat '%s' (1..64)", optarg);
@@ -359,6 +362,23 @@ int cmd_prefill_run(int argc, char **argv)
                             calib_path ? &calib : NULL, &resolved, chunks, &has_chunks, why,
                             sizeof(why))) {
         cli_runtime_error("cannot plan the prefill");
+        goto out_ids;
+    }
+    if (plan_only) { /* what would run, without starting the group */
+        if (json) {
+            printf("{\"method\":\"%s\",\"requested_method\":\"%s\",\"prompt_tokens\":%zu,"
+                   "\"cached_tokens\":%ld,\"why\":\"%s\"", pdm_prefill_method_name(resolved),
+                   pdm_prefill_method_name(method), n, cached, why);
+            if (has_chunks) {
+                printf(",\"partition\":[");
+                for (int i = 0; i < o.lp.ranks; i++) printf("%s%d", i ? "," : "", chunks[i]);
+                printf("]");
+            }
+            printf("}\n");
+        } else {
+            printf("%s on %d ranks (%s)\n", pdm_prefill_method_name(resolved), o.lp.ranks, why);
+        }
+        rc = 0;
         goto out_ids;
     }
     pdm_launch_t *l;

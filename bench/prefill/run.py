@@ -61,6 +61,15 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     table = os.path.join(OUT, "partition-table-r2.json")
     results = {"machine": machine(), "reps": REPS, "lengths": LENGTHS, "ttft": {}, "runs": []}
+    # Calibration (achieved compute, link latency and bandwidth) for auto's pass-KV/pass-Q rule.
+    calib = os.path.join(OUT, "calibration.json")
+    c = subprocess.run([PDMESH, "calibrate", "--model", MODEL, "--pin", "--json", "--out", calib,
+                        "--length", "1024"], capture_output=True, text=True, timeout=3600)
+    if c.returncode == 0:
+        results["calibration"] = json.loads(c.stdout.strip().splitlines()[-1])
+    else:
+        sys.stderr.write("calibrate failed: %s\n" % c.stderr)
+        calib = None
     # KVR-S needs searched partitions: search them first (same run, same machine state).
     t0 = time.time()
     s = subprocess.run([PDMESH, "partition-search", "--model", MODEL, "--ranks", "2", "--pin",
@@ -92,6 +101,13 @@ def main():
         T = max(4, int(total * miss))
         P = total - T
         row = {"miss": T / total, "T": T, "P": P}
+        if calib:  # what auto would choose (Alg. 1/5 with the calibration), without running
+            plan = subprocess.run([PDMESH, "prefill-run", "--model", MODEL, "--ranks", "2",
+                                   "--method", "auto", "--random", str(total), "--cached", str(P),
+                                   "--calibration", calib, "--plan", "--json"],
+                                  capture_output=True, text=True)
+            if plan.returncode == 0:
+                row["auto"] = json.loads(plan.stdout)["method"]
         for m in ["cp-kv", "cp-q"]:
             r = run(["--ranks", "2", "--method", m, "--random", str(total), "--cached", str(P)])
             row[m] = r and r["ttft"]
@@ -133,12 +149,18 @@ def write_markdown(res):
     lines += ["", "pass-KV versus pass-Q on 2 ranks at T+P = %d (partial prefill of T new "
               "tokens after P cached). Eq. 1 threshold 2*NKV/NH = %.3f." % (
                   c["total"], c["eq1_threshold"]), "",
-              "| miss rate T/(T+P) | T | P | pass-KV | pass-Q | faster |", "|---|---|---|---|---|---|"]
+              "| miss rate T/(T+P) | T | P | pass-KV | pass-Q | faster | auto's choice |",
+              "|---|---|---|---|---|---|---|"]
     for row in c["rows"]:
         kv, q = row.get("cp-kv"), row.get("cp-q")
         faster = "-" if not (kv and q) else ("pass-KV" if kv <= q else "pass-Q")
-        lines.append("| %.4f | %d | %d | %s | %s | %s |" % (row["miss"], row["T"], row["P"],
-                                                           fmt(kv), fmt(q), faster))
+        lines.append("| %.4f | %d | %d | %s | %s | %s | %s |" % (
+            row["miss"], row["T"], row["P"], fmt(kv), fmt(q), faster, row.get("auto", "-")))
+    cal = res.get("calibration")
+    if cal:
+        lines += ["", "Calibration (`pdmesh calibrate`): %.2f GFLOP/s per rank, link %s: latency "
+                  "%.1f us, bandwidth %.2f GB/s." % (cal["flops"] / 1e9, cal["transports"],
+                                                     cal["latency"] * 1e6, cal["bandwidth"] / 1e9)]
     with open(os.path.join(OUT, "prefill.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
