@@ -30,13 +30,16 @@ QUICK = os.environ.get("BENCH_QUICK") == "1"
 LENGTHS = [int(x) for x in os.environ.get(
     "BENCH_LENGTHS", "1024,2048" if QUICK else "1024,2048,4096,8192").split(",")]
 REPS = int(os.environ.get("BENCH_REPS", "1" if QUICK else "3"))
-OUT = os.path.join(ROOT, "docs/perf")
+OUT = os.environ.get("BENCH_OUT", os.path.join(ROOT, "docs/perf"))
+# T+P of the pass-KV / pass-Q sweep.
+CROSS_TOTAL = int(os.environ.get("BENCH_CROSS_TOTAL", str(LENGTHS[-1] if QUICK else 4096)))
+CTX = max(max(LENGTHS), CROSS_TOTAL) + 64
 N_HEADS, N_KV_HEADS = 9, 3  # SmolLM2-135M; only used for the Eq. 1 threshold
 
 
 def run(args):
     cmd = [PDMESH, "prefill-run", "--model", MODEL, "--pin", "--json", "--threads", "1",
-           "--repeat", str(REPS), "--ctx", str(max(LENGTHS) + 64)] + args
+           "--repeat", str(REPS), "--ctx", str(CTX)] + args
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if p.returncode != 0:
         sys.stderr.write("failed: %s\n%s" % (" ".join(cmd), p.stderr))
@@ -77,7 +80,7 @@ def main():
                         # One run per candidate and a stride of n/16: the search costs about ten
                         # prefills per length (the table's final TTFTs come from the runs below).
                         "--reps", "1", "--min-stride", str(max(16, min(LENGTHS) // 16)),
-                        "--ctx", str(max(LENGTHS) + 64)],
+                        "--ctx", str(CTX)],
                        capture_output=True, text=True, timeout=7200)
     sys.stderr.write(s.stdout + s.stderr)
     results["partition_search_seconds"] = time.time() - t0
@@ -95,7 +98,7 @@ def main():
         results["ttft"][str(n)] = row
         sys.stderr.write("%d tokens: %s\n" % (n, json.dumps(row)))
     # pass-KV vs pass-Q at fixed T+P.
-    total = LENGTHS[-1] if QUICK else 4096
+    total = CROSS_TOTAL
     cross = []
     for miss in [1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125]:
         T = max(4, int(total * miss))

@@ -30,7 +30,7 @@ METHODS = ["tsp", "kvr-e", "cp-kv", "cp-q"]
 NS = ["pdmbench0", "pdmbench1"]
 DEV = ["pdmv0", "pdmv1"]
 ADDR = ["10.231.7.1", "10.231.7.2"]
-OUT = os.path.join(ROOT, "docs/perf")
+OUT = os.environ.get("BENCH_OUT", os.path.join(ROOT, "docs/perf"))
 
 
 def sh(cmd, check=True):
