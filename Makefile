@@ -33,7 +33,7 @@ KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c 
                kernels/cpu/ops_avx2.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
              model/forward.c model/kv_cache.c model/sampler.c model/testmodel.c
-KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c
+KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC)
 CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c

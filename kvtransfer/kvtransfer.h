@@ -156,6 +156,117 @@ int pdm_kvt_group_alltoall(pdm_kvt_group_t *g, int layer, const pdm_kvt_msg_t *s
 /* Deadline of a collective started now. */
 double pdm_kvt_group_deadline(const pdm_kvt_group_t *g);
 
+/* ---- KV streaming: prefill ranks -> decode node ---------------------------------------- *
+ * A request's KV travels as blocks: one (layer, kv head, token range) per message, its K rows
+ * then its V rows, behind a 64-byte header. The decode node posts a tagged receive for every
+ * block it expects, scattering the header into its own table and the rows straight into
+ * their final place in its KV cache (no intermediate copy). A block is accepted only if its
+ * header names the right request, attempt, layer, head, range, dtype and row size and the
+ * xxh64 of its rows matches; the request is accepted only when every (layer, head, token) is
+ * covered exactly once. Blocks of another attempt carry another tag, so they can never land in
+ * this attempt's memory; they are drained and counted as stale. */
+
+#define PDM_KVT_BLOCK_MAGIC 0x31564b50u /* "PKV1" */
+
+typedef struct {
+    uint32_t magic;
+    uint16_t version;  /* 1 */
+    uint16_t dtype;    /* pdm dtype id of the rows */
+    uint64_t request_id;
+    uint32_t attempt;
+    uint32_t layer;
+    uint32_t head;
+    int32_t token_start; /* first token (position within the request's KV) */
+    int32_t n_tokens;
+    uint32_t row_bytes;  /* bytes of one token's K (or V) row of one head */
+    float scale;         /* quantization scale of int8 KV; 1 otherwise */
+    uint32_t chunk;      /* index of the token range in the request's plan */
+    uint64_t checksum;   /* XXH64 of the K rows then the V rows, seed = request_id */
+    uint8_t reserved[8];
+} pdm_kvt_block_header_t;
+
+/* Tag of a block: kind 8 | request 20 | attempt 8 | layer 12 | head 8 | chunk 8 bits. */
+#define PDM_KVT_KIND_STREAM 8
+static inline uint64_t pdm_kvt_stream_tag(uint64_t request_id, uint32_t attempt, uint32_t layer,
+                                          uint32_t head, uint32_t chunk)
+{
+    return ((uint64_t)PDM_KVT_KIND_STREAM << 56) | ((request_id & 0xfffff) << 36) |
+           ((uint64_t)(attempt & 0xff) << 28) | ((uint64_t)(layer & 0xfff) << 16) |
+           ((uint64_t)(head & 0xff) << 8) | (chunk & 0xff);
+}
+/* Mask selecting a request's blocks of one attempt / of any attempt. */
+#define PDM_KVT_STREAM_MASK_ATTEMPT 0xfffffffff0000000ull
+#define PDM_KVT_STREAM_MASK_REQUEST 0xfffffff000000000ull
+
+/* XXH64 of a block's rows (what the header's checksum holds). */
+uint64_t pdm_kvt_block_checksum(uint64_t request_id, const void *k, const void *v, size_t bytes);
+
+/* A block the decode node expects (the plan: which rank sends which token range). */
+typedef struct {
+    int peer;          /* kvt peer of the sending rank */
+    uint32_t layer, head, chunk;
+    int32_t token_start, n_tokens;
+} pdm_kvt_stream_block_t;
+
+typedef struct {
+    uint64_t request_id;
+    uint32_t attempt;
+    uint32_t n_layers, n_kv_heads;
+    uint16_t dtype;
+    size_t row_bytes;
+    int32_t n_tokens;                /* the request's tokens: all must be covered once */
+    void *const *k, *const *v;       /* [n_layers * n_kv_heads] destination of token 0's row */
+    const pdm_kvt_stream_block_t *blocks;
+    int n_blocks;
+} pdm_kvt_stream_rx_params_t;
+
+typedef struct pdm_kvt_stream_rx pdm_kvt_stream_rx_t;
+
+typedef struct {
+    uint64_t bytes;      /* payload bytes accepted */
+    int blocks;          /* blocks accepted */
+    int stale;           /* messages of other attempts drained */
+    int duplicates;      /* extra messages of this attempt drained */
+    double seconds;      /* from start to the last block */
+} pdm_kvt_stream_stats_t;
+
+/* Checks that the blocks cover every (layer, head, token) exactly once and fit the
+ * destinations, then posts a receive for each. PDM_EINVAL names the first gap or overlap. */
+int pdm_kvt_stream_rx_start(pdm_kvt_t *kvt, const pdm_kvt_stream_rx_params_t *p,
+                            pdm_kvt_stream_rx_t **out);
+/* Waits for every block until `deadline` and verifies each one (PDM_ECHECKSUM, PDM_EFORMAT
+ * with a message naming the block and the sender; PDM_ETIMEOUT naming what is missing). */
+int pdm_kvt_stream_rx_wait(pdm_kvt_stream_rx_t *rx, double deadline);
+/* Drains messages addressed to this request that were not consumed: stale attempts and
+ * duplicates (counted in the stats); returns the number of duplicates of this attempt. */
+int pdm_kvt_stream_rx_drain(pdm_kvt_stream_rx_t *rx);
+void pdm_kvt_stream_rx_stats(const pdm_kvt_stream_rx_t *rx, pdm_kvt_stream_stats_t *out);
+/* Cancels every receive still posted, waits until the transport lets go of the destination
+ * memory, drains leftovers and frees everything. NULL is fine. */
+void pdm_kvt_stream_rx_destroy(pdm_kvt_stream_rx_t *rx);
+
+/* Sender side: at most `max_in_flight` blocks outstanding (flow control: a slow receiver
+ * blocks the sender instead of making it buffer); rows are sent from where they are. */
+typedef struct pdm_kvt_stream_tx pdm_kvt_stream_tx_t;
+int pdm_kvt_stream_tx_create(pdm_kvt_t *kvt, int peer, uint64_t request_id, uint32_t attempt,
+                             int max_in_flight, double timeout, pdm_kvt_stream_tx_t **out);
+/* Sends one block. The rows must stay unchanged until tx_finish returns. */
+int pdm_kvt_stream_tx_send(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint32_t head, uint32_t chunk,
+                           int32_t token_start, int32_t n_tokens, uint16_t dtype, float scale,
+                           const void *k_rows, const void *v_rows, size_t row_bytes);
+/* Waits for every block sent (until `deadline`). */
+int pdm_kvt_stream_tx_finish(pdm_kvt_stream_tx_t *tx, double deadline);
+/* Bytes handed to the transport so far. */
+uint64_t pdm_kvt_stream_tx_bytes(const pdm_kvt_stream_tx_t *tx);
+void pdm_kvt_stream_tx_destroy(pdm_kvt_stream_tx_t *tx);
+
+/* Receives and discards every unexpected message matching (tag, mask) that has arrived;
+ * `cb` (may be NULL) sees each one first. Returns how many were drained. */
+typedef void (*pdm_kvt_drain_cb)(void *arg, uint64_t tag, const void *data, size_t len);
+int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb cb, void *arg);
+/* Cancels a posted receive and waits (bounded) until the transport has released it. */
+void pdm_kvt_cancel(pdm_kvt_t *kvt, pdm_kvt_req_t req);
+
 /* ---- NCCL (CUDA builds) ----------------------------------------------------------------- *
  * The same group patterns over NCCL for KV in GPU memory (kvtransfer/nccl.c, built by
  * `make cuda`). NCCL matches sends and receives by order per pair of ranks, not by tag; the

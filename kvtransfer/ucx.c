@@ -665,3 +665,66 @@ void pdm_kvt_peer_transports(pdm_kvt_t *kvt, int peer, char *buf, size_t size)
     }
     free(text);
 }
+
+void pdm_kvt_cancel(pdm_kvt_t *kvt, pdm_kvt_req_t req)
+{
+    int idx = req & 0xffff, gen = (req >> 16) & 0x7fff;
+    if (req < 0 || idx >= kvt->n_slots) return;
+    pdm__slot_t *s = &kvt->slots[idx];
+    pthread_mutex_lock(&kvt->lock);
+    if (s->gen != gen || s->state == SLOT_FREE || s->state == SLOT_ORPHAN) {
+        pthread_mutex_unlock(&kvt->lock);
+        return;
+    }
+    if (s->state == SLOT_PENDING && s->ucx_alive && s->ureq && !s->is_send)
+        ucp_request_cancel(kvt->worker, s->ureq); /* may complete it inline (recursive lock) */
+    double until = pdm_now() + PDM__KVT_GRACE;
+    while (s->state == SLOT_PENDING && pdm_now() < until) {
+        pthread_mutex_unlock(&kvt->lock);
+        if (!pdm_kvt_progress(kvt)) sched_yield();
+        pthread_mutex_lock(&kvt->lock);
+    }
+    if (s->state == SLOT_PENDING && s->ucx_alive)
+        s->state = SLOT_ORPHAN; /* UCX still owns it; freed at its callback */
+    else
+        s->state = SLOT_FREE;
+    pthread_mutex_unlock(&kvt->lock);
+}
+
+int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb cb, void *arg)
+{
+    int n = 0;
+    pdm_kvt_progress(kvt);
+    for (int guard = 0; guard < 65536; guard++) {
+        ucp_tag_recv_info_t info;
+        ucp_tag_message_h msg = ucp_tag_probe_nb(kvt->worker, tag, mask, 1, &info);
+        if (!msg) break;
+        /* Removed from the unexpected queue: it must be received, whatever its size. */
+        void *buf = malloc(info.length ? info.length : 1);
+        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE,
+                                   .datatype = ucp_dt_make_contig(1)};
+        int ok = 0;
+        if (buf) {
+            void *r = ucp_tag_msg_recv_nbx(kvt->worker, buf, info.length, msg, &prm);
+            if (UCS_PTR_IS_PTR(r)) {
+                double until = pdm_now() + PDM__KVT_GRACE;
+                while (ucp_request_check_status(r) == UCS_INPROGRESS && pdm_now() < until)
+                    ucp_worker_progress(kvt->worker);
+                ok = ucp_request_check_status(r) == UCS_OK;
+                if (ucp_request_check_status(r) == UCS_INPROGRESS) {
+                    ucp_request_cancel(kvt->worker, r);
+                    ucp_request_free(r);
+                    buf = NULL; /* UCX may still write it: leak rather than corrupt */
+                } else {
+                    ucp_request_free(r);
+                }
+            } else {
+                ok = !UCS_PTR_IS_ERR(r);
+            }
+        }
+        if (ok && cb) cb(arg, info.sender_tag, buf, info.length);
+        free(buf);
+        n++;
+    }
+    return n;
+}

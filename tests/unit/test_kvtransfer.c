@@ -213,6 +213,178 @@ START_TEST(test_kvt_group_patterns)
 }
 END_TEST
 
+/* ---- KV streaming ------------------------------------------------------------------------ */
+
+enum { S_LAYERS = 2, S_HEADS = 2, S_TOKENS = 10, S_ROW = 8 };
+
+typedef struct {
+    pair_t p;
+    uint8_t src_k[S_LAYERS * S_HEADS][S_TOKENS * S_ROW], src_v[S_LAYERS * S_HEADS][S_TOKENS * S_ROW];
+    uint8_t dst_k[S_LAYERS * S_HEADS][S_TOKENS * S_ROW], dst_v[S_LAYERS * S_HEADS][S_TOKENS * S_ROW];
+    void *k[S_LAYERS * S_HEADS], *v[S_LAYERS * S_HEADS];
+    pdm_kvt_stream_block_t plan[S_LAYERS * S_HEADS * 2];
+    pdm_kvt_stream_rx_params_t rx;
+} stream_fix_t;
+
+/* Two endpoints, source rows with a pattern, and a plan of two chunks (tokens 0-5, 6-9) per
+ * (layer, head), all sent by a. */
+static void stream_setup(stream_fix_t *f, uint32_t attempt)
+{
+    memset(f, 0, sizeof(*f));
+    pair_open(&f->p, 256);
+    int n = 0;
+    for (int hi = 0; hi < S_LAYERS * S_HEADS; hi++) {
+        for (int i = 0; i < S_TOKENS * S_ROW; i++) {
+            f->src_k[hi][i] = (uint8_t)(hi * 31 + i);
+            f->src_v[hi][i] = (uint8_t)(hi * 17 + i * 3 + 1);
+        }
+        f->k[hi] = f->dst_k[hi];
+        f->v[hi] = f->dst_v[hi];
+        for (int c = 0; c < 2; c++)
+            f->plan[n++] = (pdm_kvt_stream_block_t){.peer = f->p.b_to_a,
+                                                    .layer = (uint32_t)(hi / S_HEADS),
+                                                    .head = (uint32_t)(hi % S_HEADS),
+                                                    .chunk = (uint32_t)c,
+                                                    .token_start = c ? 6 : 0,
+                                                    .n_tokens = c ? 4 : 6};
+    }
+    f->rx = (pdm_kvt_stream_rx_params_t){.request_id = 77, .attempt = attempt,
+                                         .n_layers = S_LAYERS, .n_kv_heads = S_HEADS,
+                                         .dtype = 1, .row_bytes = S_ROW, .n_tokens = S_TOKENS,
+                                         .k = f->k, .v = f->v, .blocks = f->plan, .n_blocks = n};
+}
+
+/* Sends every planned block except `skip` (-1: none) from attempt `attempt`. */
+static void stream_send(stream_fix_t *f, uint32_t attempt, int skip, int max_in_flight)
+{
+    pdm_kvt_stream_tx_t *tx;
+    ck_assert_int_eq(pdm_kvt_stream_tx_create(f->p.a, f->p.a_to_b, 77, attempt, max_in_flight, 5,
+                                              &tx), 0);
+    for (int b = 0; b < f->rx.n_blocks; b++) {
+        if (b == skip) continue;
+        const pdm_kvt_stream_block_t *blk = &f->plan[b];
+        int hi = (int)(blk->layer * S_HEADS + blk->head);
+        ck_assert_int_eq(pdm_kvt_stream_tx_send(tx, blk->layer, blk->head, blk->chunk,
+                                                blk->token_start, blk->n_tokens, 1, 1.0f,
+                                                f->src_k[hi] + blk->token_start * S_ROW,
+                                                f->src_v[hi] + blk->token_start * S_ROW, S_ROW),
+                         0);
+    }
+    ck_assert_int_eq(pdm_kvt_stream_tx_finish(tx, pdm_now() + 5), 0);
+    pdm_kvt_stream_tx_destroy(tx);
+}
+
+START_TEST(test_stream_lands_in_place)
+{
+    stream_fix_t f;
+    stream_setup(&f, 1);
+    pdm_kvt_stream_rx_t *rx;
+    ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0);
+    stream_send(&f, 1, -1, 3); /* 8 blocks through a window of 3 */
+    ck_assert_msg(pdm_kvt_stream_rx_wait(rx, pdm_now() + 5) == 0, "%s", pdm_error_last());
+    ck_assert(memcmp(f.src_k, f.dst_k, sizeof(f.src_k)) == 0);
+    ck_assert(memcmp(f.src_v, f.dst_v, sizeof(f.src_v)) == 0);
+    pdm_kvt_stream_stats_t st;
+    pdm_kvt_stream_rx_stats(rx, &st);
+    ck_assert_int_eq(st.blocks, 8);
+    ck_assert_uint_eq(st.bytes, 2 * sizeof(f.src_k));
+    ck_assert_int_eq(pdm_kvt_stream_rx_drain(rx), 0);
+    pdm_kvt_stream_rx_destroy(rx);
+    pair_close(&f.p);
+}
+END_TEST
+
+START_TEST(test_stream_plan_checked)
+{
+    stream_fix_t f;
+    stream_setup(&f, 1);
+    pdm_kvt_stream_rx_t *rx;
+    f.plan[1].token_start = 5; /* overlaps token 5 */
+    ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), PDM_EINVAL);
+    ck_assert(strstr(pdm_error_last(), "planned twice") != NULL);
+    f.plan[1].token_start = 7; /* token 6 missing */
+    f.plan[1].n_tokens = 3;
+    ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), PDM_EINVAL);
+    ck_assert(strstr(pdm_error_last(), "has no block") != NULL);
+    pair_close(&f.p);
+}
+END_TEST
+
+START_TEST(test_stream_corrupt_block)
+{
+    stream_fix_t f;
+    stream_setup(&f, 1);
+    pdm_kvt_stream_rx_t *rx;
+    ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0);
+    /* Block 3 travels with a bit flipped after its checksum was computed. */
+    pdm_kvt_block_header_t h = {.magic = PDM_KVT_BLOCK_MAGIC, .version = 1, .dtype = 1,
+                                .request_id = 77, .attempt = 1, .layer = 1, .head = 0,
+                                .chunk = 1, .token_start = 6, .n_tokens = 4, .row_bytes = S_ROW,
+                                .scale = 1};
+    uint8_t k[4 * S_ROW], v[4 * S_ROW];
+    memcpy(k, f.src_k[2] + 6 * S_ROW, sizeof(k));
+    memcpy(v, f.src_v[2] + 6 * S_ROW, sizeof(v));
+    h.checksum = pdm_kvt_block_checksum(77, k, v, sizeof(k));
+    v[5] ^= 0x10;
+    pdm_kvt_iov_t iov[3] = {{&h, sizeof(h)}, {k, sizeof(k)}, {v, sizeof(v)}};
+    pdm_kvt_req_t r;
+    ck_assert_int_eq(pdm_kvt_isend(f.p.a, f.p.a_to_b, pdm_kvt_stream_tag(77, 1, 1, 0, 1), iov, 3,
+                                   &r), 0);
+    ck_assert_int_eq(pdm_kvt_wait(f.p.a, r, pdm_now() + 5, NULL), 0);
+    stream_send(&f, 1, 5, 4); /* the rest, correct (plan index 5 = layer 1, head 0, chunk 1) */
+    ck_assert_int_eq(pdm_kvt_stream_rx_wait(rx, pdm_now() + 5), PDM_ECHECKSUM);
+    ck_assert_msg(strstr(pdm_error_last(), "layer 1 head 0 tokens 6+4") != NULL, "%s",
+                  pdm_error_last());
+    pdm_kvt_stream_rx_destroy(rx);
+    pair_close(&f.p);
+}
+END_TEST
+
+START_TEST(test_stream_missing_block)
+{
+    stream_fix_t f;
+    stream_setup(&f, 1);
+    pdm_kvt_stream_rx_t *rx;
+    ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0);
+    stream_send(&f, 1, 6, 4);
+    double t0 = pdm_now();
+    ck_assert_int_eq(pdm_kvt_stream_rx_wait(rx, t0 + 0.3), PDM_ETIMEOUT);
+    ck_assert(pdm_now() - t0 < 4);
+    ck_assert_msg(strstr(pdm_error_last(), "6 of 8 blocks arrived") != NULL, "%s",
+                  pdm_error_last());
+    pdm_kvt_stream_rx_destroy(rx); /* cancels the receive still posted */
+    pair_close(&f.p);
+}
+END_TEST
+
+START_TEST(test_stream_duplicate_and_stale)
+{
+    stream_fix_t f;
+    stream_setup(&f, 2);
+    pdm_kvt_stream_rx_t *rx;
+    ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0);
+    /* A late block of attempt 1 with different contents arrives first: it must not land. */
+    uint8_t junk[6 * S_ROW];
+    memset(junk, 0xee, sizeof(junk));
+    pdm_kvt_stream_tx_t *old;
+    ck_assert_int_eq(pdm_kvt_stream_tx_create(f.p.a, f.p.a_to_b, 77, 1, 4, 5, &old), 0);
+    ck_assert_int_eq(pdm_kvt_stream_tx_send(old, 0, 0, 0, 0, 6, 1, 1.0f, junk, junk, S_ROW), 0);
+    ck_assert_int_eq(pdm_kvt_stream_tx_finish(old, pdm_now() + 5), 0);
+    pdm_kvt_stream_tx_destroy(old);
+    stream_send(&f, 2, -1, 4);
+    stream_send(&f, 2, -1, 4); /* everything a second time: duplicates */
+    ck_assert_msg(pdm_kvt_stream_rx_wait(rx, pdm_now() + 5) == 0, "%s", pdm_error_last());
+    ck_assert(memcmp(f.src_k, f.dst_k, sizeof(f.src_k)) == 0);
+    ck_assert_int_eq(pdm_kvt_stream_rx_drain(rx), 8);
+    pdm_kvt_stream_stats_t st;
+    pdm_kvt_stream_rx_stats(rx, &st);
+    ck_assert_int_eq(st.stale, 1);
+    ck_assert_int_eq(st.duplicates, 8);
+    pdm_kvt_stream_rx_destroy(rx);
+    pair_close(&f.p);
+}
+END_TEST
+
 static void setup_env(void)
 {
     setenv("UCX_HANDLE_ERRORS", "none", 0);
@@ -230,6 +402,11 @@ Suite *suite_kvtransfer(void)
     tcase_add_test(tc, test_kvt_message_too_long);
     tcase_add_test(tc, test_kvt_bounded);
     tcase_add_test(tc, test_kvt_group_patterns);
+    tcase_add_test(tc, test_stream_lands_in_place);
+    tcase_add_test(tc, test_stream_plan_checked);
+    tcase_add_test(tc, test_stream_corrupt_block);
+    tcase_add_test(tc, test_stream_missing_block);
+    tcase_add_test(tc, test_stream_duplicate_and_stale);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -1,0 +1,338 @@
+/*
+ * stream.c - KV blocks from prefill ranks into a decode node's KV cache (see kvtransfer.h).
+ *
+ * Receiver: one posted tagged receive per expected block, scattering [header | K rows | V
+ * rows] into (header table, final K location, final V location). The tag includes the
+ * attempt, so a late block of an aborted attempt cannot match a receive of the current one
+ * and never touches its memory (PITFALLS.md: stale peers, pages reused while a writer is in
+ * flight). Each block is verified when it completes; coverage is checked on the plan before
+ * anything is posted.
+ */
+#include "kvtransfer/kvtransfer.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH64_state_t on the stack: no allocation per block */
+#include <xxhash.h>
+
+#include "common/pdm.h"
+
+uint64_t pdm_kvt_block_checksum(uint64_t request_id, const void *k, const void *v, size_t bytes)
+{
+    XXH64_state_t st;
+    XXH64_reset(&st, request_id);
+    XXH64_update(&st, k, bytes);
+    XXH64_update(&st, v, bytes);
+    return XXH64_digest(&st);
+}
+
+/* ---- Receiver ----------------------------------------------------------------------------- */
+
+struct pdm_kvt_stream_rx {
+    pdm_kvt_t *kvt;
+    pdm_kvt_stream_rx_params_t p;
+    pdm_kvt_stream_block_t *blocks;   /* [n_blocks] copy of the plan */
+    pdm_kvt_block_header_t *headers;  /* [n_blocks] landed headers */
+    pdm_kvt_req_t *reqs;              /* [n_blocks] posted receives (NONE once done) */
+    int done;                         /* blocks verified */
+    pdm_kvt_stream_stats_t stats;
+    double t0;
+};
+
+/* Checks that the plan covers every (layer, head, token) exactly once. */
+static int pdm__plan_check(const pdm_kvt_stream_rx_params_t *p)
+{
+    if (p->n_layers == 0 || p->n_kv_heads == 0 || p->row_bytes == 0 || p->n_tokens < 1 ||
+        p->n_blocks < 1 || !p->k || !p->v)
+        return pdm_error_set(PDM_EINVAL, "stream: empty plan or destinations");
+    const size_t cells = (size_t)p->n_layers * p->n_kv_heads * (size_t)p->n_tokens;
+    uint8_t *seen = calloc(cells, 1);
+    if (!seen) return pdm_error_set(PDM_ENOMEM, "stream: out of memory");
+    int st = PDM_OK;
+    for (int b = 0; b < p->n_blocks && !st; b++) {
+        const pdm_kvt_stream_block_t *blk = &p->blocks[b];
+        if (blk->layer >= p->n_layers || blk->head >= p->n_kv_heads || blk->token_start < 0 ||
+            blk->n_tokens < 1 || blk->token_start > p->n_tokens - blk->n_tokens ||
+            blk->chunk > 0xff) {
+            st = pdm_error_set(PDM_EINVAL, "stream: block %d (layer %u head %u tokens %d+%d) is "
+                               "outside the request", b, blk->layer, blk->head, blk->token_start,
+                               blk->n_tokens);
+            break;
+        }
+        for (int32_t t = 0; t < blk->n_tokens; t++) {
+            size_t c = ((size_t)blk->layer * p->n_kv_heads + blk->head) * (size_t)p->n_tokens +
+                       (size_t)(blk->token_start + t);
+            if (seen[c]++) {
+                st = pdm_error_set(PDM_EINVAL, "stream: token %d of layer %u head %u is planned "
+                                   "twice", blk->token_start + t, blk->layer, blk->head);
+                break;
+            }
+        }
+    }
+    for (size_t c = 0; c < cells && !st; c++)
+        if (!seen[c])
+            st = pdm_error_set(PDM_EINVAL, "stream: token %zu of layer %zu head %zu has no "
+                               "block", c % (size_t)p->n_tokens,
+                               c / ((size_t)p->n_tokens * p->n_kv_heads),
+                               c / (size_t)p->n_tokens % p->n_kv_heads);
+    free(seen);
+    return st;
+}
+
+void pdm_kvt_stream_rx_destroy(pdm_kvt_stream_rx_t *rx)
+{
+    if (!rx) return;
+    for (int b = 0; b < rx->p.n_blocks; b++)
+        if (rx->reqs && rx->reqs[b] != PDM_KVT_REQ_NONE) pdm_kvt_cancel(rx->kvt, rx->reqs[b]);
+    if (rx->reqs) pdm_kvt_stream_rx_drain(rx);
+    free(rx->blocks);
+    free(rx->headers);
+    free(rx->reqs);
+    free(rx);
+}
+
+int pdm_kvt_stream_rx_start(pdm_kvt_t *kvt, const pdm_kvt_stream_rx_params_t *p,
+                            pdm_kvt_stream_rx_t **out)
+{
+    int st = pdm__plan_check(p);
+    if (st) return st;
+    pdm_kvt_stream_rx_t *rx = calloc(1, sizeof(*rx));
+    if (!rx) return pdm_error_set(PDM_ENOMEM, "stream: out of memory");
+    rx->kvt = kvt;
+    rx->p = *p;
+    rx->t0 = pdm_now();
+    rx->blocks = malloc(sizeof(*rx->blocks) * (size_t)p->n_blocks);
+    rx->headers = calloc((size_t)p->n_blocks, sizeof(*rx->headers));
+    rx->reqs = malloc(sizeof(*rx->reqs) * (size_t)p->n_blocks);
+    if (!rx->blocks || !rx->headers || !rx->reqs) {
+        pdm_kvt_stream_rx_destroy(rx);
+        return pdm_error_set(PDM_ENOMEM, "stream: out of memory");
+    }
+    memcpy(rx->blocks, p->blocks, sizeof(*rx->blocks) * (size_t)p->n_blocks);
+    rx->p.blocks = rx->blocks;
+    for (int b = 0; b < p->n_blocks; b++) rx->reqs[b] = PDM_KVT_REQ_NONE;
+    for (int b = 0; b < p->n_blocks && !st; b++) {
+        const pdm_kvt_stream_block_t *blk = &rx->blocks[b];
+        size_t hi = (size_t)blk->layer * p->n_kv_heads + blk->head;
+        size_t off = (size_t)blk->token_start * p->row_bytes, len = (size_t)blk->n_tokens * p->row_bytes;
+        pdm_kvt_iov_t iov[3] = {{&rx->headers[b], sizeof(pdm_kvt_block_header_t)},
+                                {(char *)p->k[hi] + off, len},
+                                {(char *)p->v[hi] + off, len}};
+        st = pdm_kvt_irecv(kvt, blk->peer,
+                           pdm_kvt_stream_tag(p->request_id, p->attempt, blk->layer, blk->head,
+                                              blk->chunk),
+                           iov, 3, &rx->reqs[b]);
+    }
+    if (st) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s", pdm_error_last());
+        pdm_kvt_stream_rx_destroy(rx);
+        return pdm_error_set(st, "stream: request %llu: %s", (unsigned long long)p->request_id,
+                             msg);
+    }
+    *out = rx;
+    return PDM_OK;
+}
+
+/* Verifies a landed block against the plan and its checksum. */
+static int pdm__verify(pdm_kvt_stream_rx_t *rx, int b, size_t bytes)
+{
+    const pdm_kvt_stream_block_t *blk = &rx->blocks[b];
+    const pdm_kvt_block_header_t *h = &rx->headers[b];
+    const pdm_kvt_stream_rx_params_t *p = &rx->p;
+    const size_t len = (size_t)blk->n_tokens * p->row_bytes;
+    if (bytes != sizeof(*h) + 2 * len || h->magic != PDM_KVT_BLOCK_MAGIC || h->version != 1 ||
+        h->request_id != p->request_id || h->attempt != p->attempt || h->layer != blk->layer ||
+        h->head != blk->head || h->chunk != blk->chunk || h->token_start != blk->token_start ||
+        h->n_tokens != blk->n_tokens || h->row_bytes != p->row_bytes || h->dtype != p->dtype)
+        return pdm_error_set(PDM_EFORMAT, "stream: request %llu: block layer %u head %u tokens "
+                             "%d+%d from peer %d does not match the plan (%zu bytes; header says "
+                             "request %llu attempt %u layer %u head %u tokens %d+%d dtype %u)",
+                             (unsigned long long)p->request_id, blk->layer, blk->head,
+                             blk->token_start, blk->n_tokens, blk->peer, bytes,
+                             (unsigned long long)h->request_id, h->attempt, h->layer, h->head,
+                             h->token_start, h->n_tokens, h->dtype);
+    size_t hi = (size_t)blk->layer * p->n_kv_heads + blk->head;
+    size_t off = (size_t)blk->token_start * p->row_bytes;
+    uint64_t sum = pdm_kvt_block_checksum(p->request_id, (const char *)p->k[hi] + off,
+                                          (const char *)p->v[hi] + off, len);
+    if (sum != h->checksum)
+        return pdm_error_set(PDM_ECHECKSUM, "stream: request %llu: block layer %u head %u tokens "
+                             "%d+%d from peer %d is corrupt (xxh64 %016llx, header %016llx)",
+                             (unsigned long long)p->request_id, blk->layer, blk->head,
+                             blk->token_start, blk->n_tokens, blk->peer,
+                             (unsigned long long)sum, (unsigned long long)h->checksum);
+    rx->stats.bytes += 2 * len;
+    rx->stats.blocks++;
+    return PDM_OK;
+}
+
+int pdm_kvt_stream_rx_wait(pdm_kvt_stream_rx_t *rx, double deadline)
+{
+    for (int b = 0; b < rx->p.n_blocks; b++) {
+        if (rx->reqs[b] == PDM_KVT_REQ_NONE) continue;
+        size_t bytes = 0;
+        int st = pdm_kvt_wait(rx->kvt, rx->reqs[b], deadline, &bytes);
+        rx->reqs[b] = PDM_KVT_REQ_NONE;
+        if (st) {
+            const pdm_kvt_stream_block_t *blk = &rx->blocks[b];
+            char msg[512];
+            snprintf(msg, sizeof(msg), "%s", pdm_error_last());
+            return pdm_error_set(st, "stream: request %llu: block layer %u head %u tokens %d+%d "
+                                 "from peer %d (%d of %d blocks arrived): %s",
+                                 (unsigned long long)rx->p.request_id, blk->layer, blk->head,
+                                 blk->token_start, blk->n_tokens, blk->peer, rx->done,
+                                 rx->p.n_blocks, msg);
+        }
+        if ((st = pdm__verify(rx, b, bytes))) return st;
+        rx->done++;
+    }
+    rx->stats.seconds = pdm_now() - rx->t0;
+    return PDM_OK;
+}
+
+typedef struct {
+    pdm_kvt_stream_rx_t *rx;
+    int duplicates;
+} pdm__drain_ctx_t;
+
+static void pdm__drain_one(void *arg, uint64_t tag, const void *data, size_t len)
+{
+    pdm__drain_ctx_t *d = arg;
+    const uint64_t mine = pdm_kvt_stream_tag(d->rx->p.request_id, d->rx->p.attempt, 0, 0, 0);
+    if ((tag & PDM_KVT_STREAM_MASK_ATTEMPT) == (mine & PDM_KVT_STREAM_MASK_ATTEMPT)) {
+        d->duplicates++;
+        pdm_log_warn("stream: request %llu: dropped a duplicate block (%zu bytes)",
+                     (unsigned long long)d->rx->p.request_id, len);
+    } else {
+        d->rx->stats.stale++;
+        pdm_log_info("stream: request %llu: dropped a block of attempt %u (current %u)",
+                     (unsigned long long)d->rx->p.request_id, (unsigned)((tag >> 28) & 0xff),
+                     d->rx->p.attempt & 0xff);
+    }
+}
+
+int pdm_kvt_stream_rx_drain(pdm_kvt_stream_rx_t *rx)
+{
+    pdm__drain_ctx_t d = {.rx = rx};
+    pdm_kvt_drain(rx->kvt, pdm_kvt_stream_tag(rx->p.request_id, 0, 0, 0, 0),
+                  PDM_KVT_STREAM_MASK_REQUEST, pdm__drain_one, &d);
+    rx->stats.duplicates += d.duplicates;
+    return d.duplicates;
+}
+
+void pdm_kvt_stream_rx_stats(const pdm_kvt_stream_rx_t *rx, pdm_kvt_stream_stats_t *out)
+{
+    *out = rx->stats;
+}
+
+/* ---- Sender ------------------------------------------------------------------------------- */
+
+struct pdm_kvt_stream_tx {
+    pdm_kvt_t *kvt;
+    int peer;
+    uint64_t request_id;
+    uint32_t attempt;
+    double timeout;
+    int max_in_flight, head, count; /* ring of in-flight sends */
+    pdm_kvt_req_t *reqs;
+    pdm_kvt_block_header_t *headers; /* header of each in-flight send (must outlive it) */
+    uint64_t bytes;
+};
+
+int pdm_kvt_stream_tx_create(pdm_kvt_t *kvt, int peer, uint64_t request_id, uint32_t attempt,
+                             int max_in_flight, double timeout, pdm_kvt_stream_tx_t **out)
+{
+    if (max_in_flight < 1 || max_in_flight > 4096 || !(timeout > 0))
+        return pdm_error_set(PDM_EINVAL, "stream: max_in_flight must be 1..4096 and timeout "
+                             "positive");
+    pdm_kvt_stream_tx_t *tx = calloc(1, sizeof(*tx));
+    if (!tx) return pdm_error_set(PDM_ENOMEM, "stream: out of memory");
+    tx->kvt = kvt;
+    tx->peer = peer;
+    tx->request_id = request_id;
+    tx->attempt = attempt;
+    tx->timeout = timeout;
+    tx->max_in_flight = max_in_flight;
+    tx->reqs = malloc(sizeof(*tx->reqs) * (size_t)max_in_flight);
+    tx->headers = calloc((size_t)max_in_flight, sizeof(*tx->headers));
+    if (!tx->reqs || !tx->headers) {
+        pdm_kvt_stream_tx_destroy(tx);
+        return pdm_error_set(PDM_ENOMEM, "stream: out of memory");
+    }
+    *out = tx;
+    return PDM_OK;
+}
+
+/* Waits for the oldest in-flight send. */
+static int pdm__tx_retire(pdm_kvt_stream_tx_t *tx, double deadline)
+{
+    int st = pdm_kvt_wait(tx->kvt, tx->reqs[tx->head], deadline, NULL);
+    tx->head = (tx->head + 1) % tx->max_in_flight;
+    tx->count--;
+    return st;
+}
+
+int pdm_kvt_stream_tx_send(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint32_t head, uint32_t chunk,
+                           int32_t token_start, int32_t n_tokens, uint16_t dtype, float scale,
+                           const void *k_rows, const void *v_rows, size_t row_bytes)
+{
+    if (n_tokens < 1 || token_start < 0 || row_bytes == 0 || row_bytes > UINT32_MAX)
+        return pdm_error_set(PDM_EINVAL, "stream: empty or malformed block");
+    /* Flow control: never more than max_in_flight blocks outstanding. */
+    if (tx->count == tx->max_in_flight) {
+        int st = pdm__tx_retire(tx, pdm_now() + tx->timeout);
+        if (st) return st;
+    }
+    int slot = (tx->head + tx->count) % tx->max_in_flight;
+    const size_t len = (size_t)n_tokens * row_bytes;
+    pdm_kvt_block_header_t *h = &tx->headers[slot];
+    *h = (pdm_kvt_block_header_t){
+        .magic = PDM_KVT_BLOCK_MAGIC,
+        .version = 1,
+        .dtype = dtype,
+        .request_id = tx->request_id,
+        .attempt = tx->attempt,
+        .layer = layer,
+        .head = head,
+        .token_start = token_start,
+        .n_tokens = n_tokens,
+        .row_bytes = (uint32_t)row_bytes,
+        .scale = scale,
+        .chunk = chunk,
+        .checksum = pdm_kvt_block_checksum(tx->request_id, k_rows, v_rows, len),
+    };
+    pdm_kvt_iov_t iov[3] = {{h, sizeof(*h)}, {(void *)k_rows, len}, {(void *)v_rows, len}};
+    int st = pdm_kvt_isend(tx->kvt, tx->peer,
+                           pdm_kvt_stream_tag(tx->request_id, tx->attempt, layer, head, chunk),
+                           iov, 3, &tx->reqs[slot]);
+    if (st) return st;
+    tx->count++;
+    tx->bytes += 2 * len;
+    return PDM_OK;
+}
+
+int pdm_kvt_stream_tx_finish(pdm_kvt_stream_tx_t *tx, double deadline)
+{
+    int first = PDM_OK;
+    while (tx->count > 0) {
+        int st = pdm__tx_retire(tx, first ? pdm_now() : deadline);
+        if (st && !first) first = st;
+    }
+    return first;
+}
+
+uint64_t pdm_kvt_stream_tx_bytes(const pdm_kvt_stream_tx_t *tx)
+{
+    return tx->bytes;
+}
+
+void pdm_kvt_stream_tx_destroy(pdm_kvt_stream_tx_t *tx)
+{
+    if (!tx) return;
+    if (tx->reqs) pdm_kvt_stream_tx_finish(tx, pdm_now() + 1.0);
+    free(tx->reqs);
+    free(tx->headers);
+    free(tx);
+}
