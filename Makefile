@@ -7,6 +7,7 @@
 #   make asan     the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make demo     deps + model + build, then generate with the default model
 #   make bench-prefill  TTFT of every prefill method (docs/perf/prefill.md)
+#   make bench-sim      predicted TTFT up to 64 ranks / 1M tokens (docs/perf/sim.md)
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
 #
 # Variables: OPT (optimisation flags), BUILD (output directory), CC.
@@ -52,7 +53,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
-        bench-prefill cuda-kvtransfer
+        bench-prefill cuda-kvtransfer sim-test bench-sim
 
 all: $(BINS) $(TEST_BIN)
 
@@ -98,7 +99,16 @@ cli-test: $(BINS)
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/cli/run.sh
 
 test check: deps model all
-	$(MAKE) --no-print-directory unit cli-test
+	$(MAKE) --no-print-directory unit cli-test sim-test
+
+# The prefill cost-model simulator's invariants (bench/sim; standard-library Python).
+sim-test:
+	python3 bench/sim/sim.py --self-test
+
+# Predicted TTFT of every prefill method up to 64 ranks and 1M tokens (docs/perf/sim.*),
+# calibrated by docs/perf/calibration.json and checked against docs/perf/prefill.json.
+bench-sim:
+	python3 bench/sim/sim.py
 
 asan:
 	$(MAKE) --no-print-directory BUILD=build-asan CC=clang OPT="-O1" \
