@@ -111,6 +111,11 @@ void pdm_model_ctx_destroy(pdm_model_ctx_t *ctx)
     free(ctx);
 }
 
+const pdm_model_t *pdm_model_ctx_model(const pdm_model_ctx_t *ctx)
+{
+    return ctx->model;
+}
+
 int pdm_model_ctx_max_batch(const pdm_model_ctx_t *ctx) { return ctx->max_batch; }
 const pdm_kern_ops_t *pdm_model_ctx_ops(const pdm_model_ctx_t *ctx) { return ctx->ops; }
 

@@ -129,6 +129,7 @@ int pdm_model_ctx_create(const pdm_model_t *model, int n_threads, int max_batch,
                          pdm_model_ctx_t **out);
 void pdm_model_ctx_destroy(pdm_model_ctx_t *ctx);
 int pdm_model_ctx_max_batch(const pdm_model_ctx_t *ctx);
+const pdm_model_t *pdm_model_ctx_model(const pdm_model_ctx_t *ctx);
 const pdm_kern_ops_t *pdm_model_ctx_ops(const pdm_model_ctx_t *ctx);
 /* Forces a kernel variant (tests and benchmarks compare them); NULL restores the default. */
 void pdm_model_ctx_set_ops(pdm_model_ctx_t *ctx, const pdm_kern_ops_t *ops);

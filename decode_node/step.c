@@ -1,0 +1,53 @@
+/*
+ * step.c - one continuous-batching decode step over the engine's per-layer steps.
+ */
+#include "decode_node/decode.h"
+
+#include "common/pdm.h"
+
+int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs, int n)
+{
+    if (n < 1) return PDM_OK;
+    if (n > pdm_model_ctx_max_batch(ctx))
+        return pdm_error_set(PDM_EINVAL, "decode: %d sequences exceed the batch of %d", n,
+                             pdm_model_ctx_max_batch(ctx));
+    int32_t tokens[n], positions[n];
+    for (int i = 0; i < n; i++) {
+        const pdm_kv_cache_t *c = seqs[i].cache;
+        if (c->n_tokens >= c->capacity)
+            return pdm_error_set(PDM_EOVERFLOW, "decode: sequence %d's KV cache is full (%d "
+                                 "tokens)", i, c->capacity);
+        tokens[i] = seqs[i].token;
+        positions[i] = c->pos0 + c->n_tokens;
+    }
+    int st = pdm_model_embed(ctx, tokens, positions, n, act);
+    if (st) return st;
+    const pdm_model_hparams_t *hp = &pdm_model_ctx_model(ctx)->hp;
+    const size_t qdim = (size_t)hp->n_heads * hp->head_dim;
+    const size_t kvdim = (size_t)hp->n_kv_heads * hp->head_dim;
+    for (int l = 0; l < (int)hp->n_layers; l++) {
+        pdm_model_attn_in(ctx, l, act); /* batched: one matrix product for all sequences */
+        for (int i = 0; i < n; i++) {
+            /* Row i of the batch, seen as a batch of one against its own cache. */
+            pdm_kv_cache_t *c = seqs[i].cache;
+            pdm_act_t row = *act;
+            row.n = 1;
+            row.pos = act->pos + i;
+            row.q = act->q + (size_t)i * qdim;
+            row.k = act->k + (size_t)i * kvdim;
+            row.v = act->v + (size_t)i * kvdim;
+            row.o = act->o + (size_t)i * qdim;
+            row.lse = act->lse + (size_t)i * hp->n_heads;
+            pdm_model_kv_store(ctx, c, l, &row, c->n_tokens);
+            pdm_kv_view_t view;
+            pdm_kv_cache_view(c, (uint32_t)l, 0, c->n_tokens + 1, &view);
+            pdm_model_attention(ctx, l, &row, &view, 1);
+        }
+        pdm_model_attn_out_ffn(ctx, l, act); /* batched */
+    }
+    for (int i = 0; i < n; i++) {
+        pdm_model_logits(ctx, act, i, seqs[i].logits);
+        seqs[i].cache->n_tokens++;
+    }
+    return PDM_OK;
+}

@@ -1,0 +1,129 @@
+/*
+ * test_decode.c - the decode node's batched step equals decoding each sequence alone, with
+ * sequences of different lengths joining and leaving the batch.
+ *
+ * Tolerance: logits within 1e-4 * max(1, |logit|max). The batched step computes each row with
+ * the same kernels as a batch of one; with f32 weights no activation quantization is involved.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/pdm.h"
+#include "decode_node/decode.h"
+#include "tests.h"
+
+static pdm_model_t *tiny_model(pdm_dtype_t wtype)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/decode-model-%d.gguf", pdm_test_tmpdir(), (int)wtype);
+    pdm_testmodel_params_t p;
+    pdm_testmodel_params_default(&p);
+    p.n_layers = 2;
+    p.d_model = 64;
+    p.n_heads = 4;
+    p.n_kv_heads = 2;
+    p.n_ff = 96;
+    p.wtype = wtype;
+    p.embtype = PDM_DT_F32;
+    p.seed = 3;
+    ck_assert_int_eq(pdm_testmodel_write(path, &p), 0);
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    return m;
+}
+
+static int32_t argmax(const float *x, uint32_t n)
+{
+    int32_t b = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = (int32_t)i;
+    return b;
+}
+
+static void run_batched_vs_alone(pdm_dtype_t wtype, double tol)
+{
+    pdm_model_t *m = tiny_model(wtype);
+    const uint32_t V = m->hp.n_vocab;
+    enum { NSEQ = 4, STEPS = 12 };
+    const int prompt_len[NSEQ] = {1, 7, 20, 13};
+    const int join_at[NSEQ] = {0, 0, 3, 5};   /* step at which a sequence joins */
+    const int leave_at[NSEQ] = {12, 6, 12, 9}; /* step at which it leaves */
+    pdm_model_ctx_t *ctx_b, *ctx_a;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 2, NSEQ, &ctx_b), 0);
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 32, &ctx_a), 0);
+    pdm_act_t act;
+    ck_assert_int_eq(pdm_act_alloc(&m->hp, NSEQ, &act), 0);
+    pdm_kv_cache_t *cb[NSEQ], *ca[NSEQ];
+    float *lb[NSEQ], *la[NSEQ];
+    int32_t next_b[NSEQ], next_a[NSEQ];
+    uint64_t seed = 11;
+    for (int s = 0; s < NSEQ; s++) {
+        int32_t ids[32];
+        for (int i = 0; i < prompt_len[s]; i++) ids[i] = (int32_t)(pdm_splitmix64(&seed) % V);
+        ck_assert_int_eq(pdm_kv_cache_create(&m->hp, 64, PDM_DT_F32, &cb[s]), 0);
+        ck_assert_int_eq(pdm_kv_cache_create(&m->hp, 64, PDM_DT_F32, &ca[s]), 0);
+        lb[s] = malloc(sizeof(float) * V);
+        la[s] = malloc(sizeof(float) * V);
+        ck_assert_int_eq(pdm_model_prefill(ctx_a, cb[s], ids, prompt_len[s], lb[s]), 0);
+        ck_assert_int_eq(pdm_model_prefill(ctx_a, ca[s], ids, prompt_len[s], la[s]), 0);
+        next_b[s] = argmax(lb[s], V);
+        next_a[s] = argmax(la[s], V);
+    }
+    for (int step = 0; step < STEPS; step++) {
+        pdm_decode_seq_t batch[NSEQ];
+        int n = 0, who[NSEQ];
+        for (int s = 0; s < NSEQ; s++)
+            if (step >= join_at[s] && step < leave_at[s]) {
+                batch[n] = (pdm_decode_seq_t){cb[s], next_b[s], lb[s]};
+                who[n++] = s;
+            }
+        ck_assert_int_eq(pdm_decode_step(ctx_b, &act, batch, n), 0);
+        for (int k = 0; k < n; k++) {
+            int s = who[k];
+            ck_assert_int_eq(pdm_model_decode(ctx_a, ca[s], next_a[s], la[s]), 0);
+            double maxv = 1, diff = 0;
+            for (uint32_t i = 0; i < V; i++) {
+                maxv = fmax(maxv, fabs(la[s][i]));
+                diff = fmax(diff, fabs(la[s][i] - lb[s][i]));
+            }
+            ck_assert_msg(diff <= tol * maxv, "step %d seq %d: logits differ by %g", step, s,
+                          diff);
+            next_b[s] = argmax(lb[s], V);
+            next_a[s] = argmax(la[s], V);
+            ck_assert_int_eq(next_a[s], next_b[s]);
+            ck_assert_int_eq(ca[s]->n_tokens, cb[s]->n_tokens);
+        }
+    }
+    /* A full cache is refused without changing anything. */
+    cb[0]->n_tokens = cb[0]->capacity;
+    pdm_decode_seq_t full = {cb[0], 1, lb[0]};
+    ck_assert_int_eq(pdm_decode_step(ctx_b, &act, &full, 1), PDM_EOVERFLOW);
+    ck_assert_int_eq(cb[0]->n_tokens, cb[0]->capacity);
+    for (int s = 0; s < NSEQ; s++) {
+        pdm_kv_cache_destroy(cb[s]);
+        pdm_kv_cache_destroy(ca[s]);
+        free(lb[s]);
+        free(la[s]);
+    }
+    pdm_act_free(&act);
+    pdm_model_ctx_destroy(ctx_b);
+    pdm_model_ctx_destroy(ctx_a);
+    pdm_model_free(m);
+}
+
+START_TEST(test_decode_batched_f32) { run_batched_vs_alone(PDM_DT_F32, 1e-4); }
+END_TEST
+START_TEST(test_decode_batched_q8) { run_batched_vs_alone(PDM_DT_Q8_0, 1e-4); }
+END_TEST
+
+Suite *suite_decode(void)
+{
+    Suite *s = suite_create("decode");
+    TCase *tc = tcase_create("step");
+    tcase_add_test(tc, test_decode_batched_f32);
+    tcase_add_test(tc, test_decode_batched_q8);
+    suite_add_tcase(s, tc);
+    return s;
+}
