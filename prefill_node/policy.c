@@ -49,6 +49,35 @@ static int pdm__json_save(const char *path, cJSON *o)
     return st;
 }
 
+/* ---- Who computes what ---------------------------------------------------------------- */
+
+int pdm_prefill_plan_ranges(pdm_prefill_method_t m, int ranks, int32_t start, int32_t n,
+                            const int *chunks, int head, pdm_prefill_range_t *out)
+{
+    int count = 0;
+    int32_t p = start;
+    if (m == PDM_PREFILL_SINGLE) {
+        out[0] = (pdm_prefill_range_t){start, n, 0, 0};
+        return 1;
+    }
+    if (m == PDM_PREFILL_TSP || pdm_prefill_method_is_kvr(m)) {
+        for (int c = 0; c < ranks; c++) {
+            int rank = m == PDM_PREFILL_TSP ? c : (head + c) % ranks;
+            out[count++] = (pdm_prefill_range_t){p, chunks[c], rank, c};
+            p += chunks[c];
+        }
+        return count;
+    }
+    /* cp-kv, cp-q: 2N chunks, rank i holds i and 2N-1-i (load balance of causal work). */
+    int cp[PDM_PREFILL_MAX_RANGES];
+    pdm_prefill_split_even(n, 2 * ranks, cp);
+    for (int c = 0; c < 2 * ranks; c++) {
+        out[count++] = (pdm_prefill_range_t){p, cp[c], c < ranks ? c : 2 * ranks - 1 - c, c};
+        p += cp[c];
+    }
+    return count;
+}
+
 /* ---- Partition tables ------------------------------------------------------------------ */
 
 int pdm_partition_table_put(pdm_partition_table_t *t, int length, const int *chunks, double ttft,

@@ -52,6 +52,22 @@ static inline int pdm_prefill_method_is_kvr(pdm_prefill_method_t m)
  * chunk, which holds the last token, is never empty when n >= 1). */
 void pdm_prefill_split_even(int n, int r, int *chunks);
 
+/* Who computes which new tokens of a task. */
+typedef struct {
+    int32_t start, len; /* absolute positions [start, start + len); len may be 0 */
+    int rank;
+    int chunk;          /* index of the range in the task (part of streamed blocks' tags) */
+} pdm_prefill_range_t;
+
+#define PDM_PREFILL_MAX_RANGES (2 * PDM_KVT_MAX_RANKS)
+
+/* The ranges of [start, start + n) in position order: single: one range on rank 0; tsp:
+ * `chunks[r]` on rank r; kvr-*: `chunks[c]` in chain order on rank (head + c) mod R; cp-*:
+ * 2N even chunks, chunk c on rank c < N ? c : 2N-1-c (context parallelism §3.5.1). Returns the
+ * number of ranges (empty ones included). */
+int pdm_prefill_plan_ranges(pdm_prefill_method_t m, int ranks, int32_t start, int32_t n,
+                            const int *chunks, int head, pdm_prefill_range_t *out);
+
 /* A KVR partition lookup table (§4.2): for each known prompt length the searched chunk sizes
  * as fractions of the length. Stored as JSON by pdmesh partition-search. */
 typedef struct {

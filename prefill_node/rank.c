@@ -636,25 +636,10 @@ static int pdm__run_cp_q(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     return st;
 }
 
-/* 2N load-balanced chunks of the T new tokens: rank i gets chunks i and 2N-1-i (§3.5.1). */
-static void pdm__cp_assign(pdm_prefill_rank_t *r, int32_t start, int32_t T)
-{
-    const int N = r->g->size;
-    int chunks[2 * PDM_KVT_MAX_RANKS];
-    pdm_prefill_split_even(T, 2 * N, chunks);
-    int32_t p = start;
-    for (int c = 0; c < 2 * N; c++) {
-        int rank = c < N ? c : 2 * N - 1 - c;
-        memset(r->owner + p, rank, (size_t)chunks[c]);
-        p += chunks[c];
-    }
-}
-
 static int pdm__run_cp(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
 {
     const int me = r->g->rank;
     const int32_t end = t->start + t->n_tokens;
-    pdm__cp_assign(r, t->start, t->n_tokens);
     pdm__cp_layout_t *L = r->layout;
     int st = pdm__cp_layout(r, end, L);
     if (st) return st;
@@ -774,46 +759,35 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     r->t_wait = r->t_compute = 0;
     double t0 = pdm_now();
     const int32_t end = t->start + t->n_tokens;
-    int owner_rank = 0, n_local = 0;
+    /* Who computes what (the same function tells the decode node where blocks come from). */
+    pdm_prefill_range_t ranges[PDM_PREFILL_MAX_RANGES];
+    int n_ranges = pdm_prefill_plan_ranges(t->method, R, t->start, t->n_tokens, chunks, head,
+                                           ranges);
+    int n_local = 0;
+    for (int i = 0; i < n_ranges; i++) {
+        memset(r->owner + ranges[i].start, ranges[i].rank, (size_t)ranges[i].len);
+        if (ranges[i].rank == me) n_local += ranges[i].len;
+    }
+    const int owner_rank = r->owner[end - 1];
 
     switch (t->method) {
     case PDM_PREFILL_SINGLE:
         st = pdm__run_single(r, t);
-        memset(r->owner + t->start, 0, (size_t)t->n_tokens);
-        n_local = t->n_tokens;
         r->held[0] = end;
         break;
-    case PDM_PREFILL_TSP: {
-        int32_t p = t->start;
-        for (int i = 0; i < R; i++) {
-            memset(r->owner + p, i, (size_t)chunks[i]);
-            p += chunks[i];
-        }
+    case PDM_PREFILL_TSP:
         st = pdm__run_tsp(r, t, chunks);
-        owner_rank = R - 1;
-        n_local = chunks[me];
         for (int i = 0; i < R; i++) r->held[i] = end; /* everyone gathered everything */
         break;
-    }
     case PDM_PREFILL_KVR_E:
     case PDM_PREFILL_KVR_S:
-    case PDM_PREFILL_KVR_P: {
-        int32_t p = t->start;
-        for (int c = 0; c < R; c++) {
-            int rank = (head + c) % R;
-            memset(r->owner + p, rank, (size_t)chunks[c]);
-            p += chunks[c];
-            r->held[rank] = p; /* [0, its end) once the chain has passed */
-            if (rank == me) n_local = chunks[c];
-        }
+    case PDM_PREFILL_KVR_P:
+        for (int i = 0; i < n_ranges; i++) /* [0, its end) once the chain has passed */
+            r->held[ranges[i].rank] = ranges[i].start + ranges[i].len;
         st = pdm__run_kvr(r, t, chunks, head);
-        owner_rank = (head + R - 1) % R;
         break;
-    }
     default: /* cp-kv, cp-q */
         st = pdm__run_cp(r, t);
-        owner_rank = r->owner[end - 1];
-        for (int32_t p = t->start; p < end; p++) n_local += r->owner[p] == me;
         for (int i = 0; i < R; i++) r->held[i] = 0; /* shares are scattered */
         break;
     }
