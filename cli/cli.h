@@ -26,5 +26,6 @@ int cli_tokenize_alloc(const pdm_tokenizer_t *tok, const char *text, size_t len,
 int cmd_prefill_run(int argc, char **argv);
 int cmd_partition_search(int argc, char **argv);
 int cmd_calibrate(int argc, char **argv);
+int cmd_disagg_run(int argc, char **argv);
 
 #endif /* PDM_CLI_H */

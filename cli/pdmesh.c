@@ -41,6 +41,9 @@ static void usage(FILE *f)
             "  partition-search --ranks R --lengths N,N,.. [--out FILE] [--reps N]\n"
             "              [--min-stride N] [--threads N] [--pin]   KVR-S lookup table\n"
             "  calibrate   [--length N] [--out FILE] [--pin]  achieved compute and link speed\n"
+            "  disagg-run  --prefill-ranks R --method M (--prompt TEXT|--prompt-file F)...\n"
+            "              [-n N] [--temp T] [--stop S] [--chat] [--decode-batch N] [--json]\n"
+            "              prefill group -> KV stream -> decode node, end to end\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
             "\n"
@@ -616,5 +619,6 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "prefill-run")) return cmd_prefill_run(argc - 1, argv + 1);
     if (!strcmp(cmd, "partition-search")) return cmd_partition_search(argc - 1, argv + 1);
     if (!strcmp(cmd, "calibrate")) return cmd_calibrate(argc - 1, argv + 1);
+    if (!strcmp(cmd, "disagg-run")) return cmd_disagg_run(argc - 1, argv + 1);
     return cli_usage_error("unknown command '%s'", cmd);
 }

@@ -745,3 +745,207 @@ out:
     pdm_model_free(model);
     return rc;
 }
+
+/* ---- disagg-run --------------------------------------------------------------------------- */
+
+int cmd_disagg_run(int argc, char **argv)
+{
+    group_opts_t o;
+    group_opts_init(&o);
+    const char *method_name = "kvr-e", *partition = NULL, *prompts[64], *files[64], *stops[8];
+    int n_prompts = 0, n_files = 0, n_stops = 0, json = 0;
+    long n_new = 64, decode_batch = 16, decode_threads = 1;
+    pdm_sampler_params_t sp;
+    pdm_sampler_params_default(&sp);
+    sp.temperature = 0; /* greedy unless asked */
+    enum { D_N = 2000, D_TEMP, D_SEED, D_STOP, D_DBATCH, D_DTHREADS, D_TOPK, D_TOPP };
+    static const struct option opts[] = {
+        {"prefill-ranks", required_argument, 0, O_RANKS},
+        {"method", required_argument, 0, O_METHOD},
+        {"partition", required_argument, 0, O_PARTITION},
+        {"prompt", required_argument, 0, O_PROMPT},
+        {"prompt-file", required_argument, 0, O_PROMPT_FILE},
+        {"chat", no_argument, 0, O_CHAT},
+        {"n-predict", required_argument, 0, D_N},
+        {"temp", required_argument, 0, D_TEMP},
+        {"top-k", required_argument, 0, D_TOPK},
+        {"top-p", required_argument, 0, D_TOPP},
+        {"seed", required_argument, 0, D_SEED},
+        {"stop", required_argument, 0, D_STOP},
+        {"decode-batch", required_argument, 0, D_DBATCH},
+        {"decode-threads", required_argument, 0, D_DTHREADS},
+        {"threads", required_argument, 0, O_THREADS},
+        {"pin", no_argument, 0, O_PIN},
+        {"ctx", required_argument, 0, O_CTX},
+        {"kv-dtype", required_argument, 0, O_KV_DTYPE},
+        {"timeout", required_argument, 0, O_TIMEOUT},
+        {"model", required_argument, 0, O_MODEL},
+        {"json", no_argument, 0, O_JSON},
+        {0, 0, 0, 0}};
+    int c;
+    long v;
+    double d;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "n:", opts, NULL)) != -1) {
+        if (c == O_PROMPT) {
+            if (n_prompts == 64) return cli_usage_error("%s", "at most 64 prompts");
+            prompts[n_prompts++] = optarg;
+            continue;
+        }
+        if (c == O_PROMPT_FILE) {
+            if (n_files == 64) return cli_usage_error("%s", "at most 64 prompt files");
+            files[n_files++] = optarg;
+            continue;
+        }
+        int g = group_opt(&o, c, optarg, &json);
+        if (g < 0) return cli_usage_error("invalid value '%s'", optarg);
+        if (g) continue;
+        switch (c) {
+        case O_METHOD: method_name = optarg; break;
+        case O_PARTITION: partition = optarg; break;
+        case 'n':
+        case D_N:
+            if (pdm_parse_long(optarg, 1, 1 << 20, &n_new)) return cli_usage_error("bad -n '%s'", optarg);
+            break;
+        case D_TEMP:
+            if (pdm_parse_double(optarg, 0, 100, &d)) return cli_usage_error("bad --temp '%s'", optarg);
+            sp.temperature = (float)d;
+            break;
+        case D_TOPK:
+            if (pdm_parse_long(optarg, 0, 1 << 20, &v)) return cli_usage_error("bad --top-k '%s'", optarg);
+            sp.top_k = (int32_t)v;
+            break;
+        case D_TOPP:
+            if (pdm_parse_double(optarg, 0, 1, &d)) return cli_usage_error("bad --top-p '%s'", optarg);
+            sp.top_p = (float)d;
+            break;
+        case D_SEED:
+            if (pdm_parse_long(optarg, 0, LONG_MAX, &v)) return cli_usage_error("bad --seed '%s'", optarg);
+            sp.seed = (uint64_t)v;
+            break;
+        case D_STOP:
+            if (n_stops == 8) return cli_usage_error("%s", "at most 8 stop strings");
+            stops[n_stops++] = optarg;
+            break;
+        case D_DBATCH:
+            if (pdm_parse_long(optarg, 1, 1024, &decode_batch)) return cli_usage_error("bad --decode-batch '%s'", optarg);
+            break;
+        case D_DTHREADS:
+            if (pdm_parse_long(optarg, 1, 256, &decode_threads)) return cli_usage_error("bad --decode-threads '%s'", optarg);
+            break;
+        default: return cli_usage_error("%s", "unknown option (see pdmesh --help)");
+        }
+    }
+    if (optind != argc) return cli_usage_error("unexpected argument '%s'", argv[optind]);
+    if (n_prompts + n_files == 0 && !o.random)
+        return cli_usage_error("%s", "give --prompt TEXT or --prompt-file FILE (repeatable)");
+    pdm_prefill_method_t method;
+    if (pdm_prefill_method_parse(method_name, &method)) return cli_usage_error("%s", pdm_error_last());
+    if (method == PDM_PREFILL_AUTO || method == PDM_PREFILL_KVR_P)
+        return cli_usage_error("%s", "disagg-run takes single, tsp, kvr-e, kvr-s (--partition), "
+                                     "cp-kv or cp-q");
+    int explicit_chunks[PDM_KVT_MAX_RANKS], n_explicit = 0;
+    if (partition && (parse_int_list(partition, explicit_chunks, PDM_KVT_MAX_RANKS, &n_explicit) ||
+                      n_explicit != o.lp.ranks))
+        return cli_usage_error("--partition needs one positive size per rank: '%s'", partition);
+
+    pdm_model_t *model = NULL;
+    int rc = cli_load_model(o.lp.model, &model);
+    if (rc) return rc;
+    const int n_req = n_prompts + n_files + (o.random ? 1 : 0);
+    int32_t *ids[130] = {0};
+    size_t lens[130] = {0};
+    pdm_launch_request_t reqs[130];
+    pdm_launch_response_t out[130];
+    memset(out, 0, sizeof(out));
+    rc = 1;
+    for (int i = 0; i < n_req; i++) {
+        group_opts_t one = o;
+        one.prompt = i < n_prompts ? prompts[i] : NULL;
+        one.prompt_file = i >= n_prompts && i < n_prompts + n_files ? files[i - n_prompts] : NULL;
+        if (!one.prompt && !one.prompt_file) one.random = o.random;
+        else one.random = 0;
+        if ((rc = prompt_tokens(&one, model, &ids[i], &lens[i]))) goto out;
+        rc = 1;
+        if ((long)lens[i] + n_new > (long)model->hp.n_ctx_train || (long)lens[i] > o.lp.ctx_tokens) {
+            fprintf(stderr, "%s: prompt %d has %zu tokens: too long for --ctx %d / the model's "
+                            "context\n", cli_prog, i, lens[i], o.lp.ctx_tokens);
+            goto out;
+        }
+        int chunks[PDM_KVT_MAX_RANKS], has_chunks = 0;
+        char why[256];
+        pdm_prefill_method_t resolved;
+        if (pdm_prefill_resolve(method, &model->hp, o.lp.ranks, (int32_t)lens[i], 0,
+                                partition ? explicit_chunks : NULL, NULL, NULL, &resolved, chunks,
+                                &has_chunks, why, sizeof(why))) {
+            cli_runtime_error("cannot plan the prefill");
+            goto out;
+        }
+        reqs[i] = (pdm_launch_request_t){.tokens = ids[i], .n_tokens = (int32_t)lens[i],
+                                         .method = resolved, .chunks = NULL, .max_new = (int32_t)n_new,
+                                         .sp = sp, .stops = stops, .n_stops = n_stops};
+        if (has_chunks) {
+            int *copy = malloc(sizeof(int) * (size_t)o.lp.ranks);
+            if (!copy) goto out;
+            memcpy(copy, chunks, sizeof(int) * (size_t)o.lp.ranks);
+            reqs[i].chunks = copy;
+        }
+    }
+    char decode_bin[PATH_MAX];
+    snprintf(decode_bin, sizeof(decode_bin), "%.*s/pdmesh-decode",
+             (int)(strrchr(o.bin, '/') ? strrchr(o.bin, '/') - o.bin : 1),
+             strrchr(o.bin, '/') ? o.bin : ".");
+    const char *env = getenv("PDMESH_DECODE_BIN");
+    o.lp.decode_bin = env && *env ? env : decode_bin;
+    o.lp.decode_batch = (int)decode_batch;
+    o.lp.decode_threads = (int)decode_threads;
+    pdm_launch_t *l;
+    if (pdm_launch_start(&o.lp, &l)) {
+        cli_runtime_error("mesh");
+        goto out;
+    }
+    int st = pdm_launch_generate(l, reqs, n_req, out);
+    const char *transports = pdm_launch_transports(l);
+    int failed = 0;
+    for (int i = 0; i < n_req; i++) {
+        if (!out[i].ok) {
+            fprintf(stderr, "%s: prompt %d: %s\n", cli_prog, i, out[i].error);
+            failed++;
+            continue;
+        }
+        if (json) {
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddNumberToObject(j, "prompt", i);
+            cJSON_AddStringToObject(j, "method", pdm_prefill_method_name(reqs[i].method));
+            cJSON_AddNumberToObject(j, "prefill_ranks", o.lp.ranks);
+            cJSON_AddNumberToObject(j, "prompt_tokens", reqs[i].n_tokens);
+            cJSON_AddItemToObject(j, "token_ids", cJSON_CreateIntArray(out[i].tokens, out[i].n_tokens));
+            cJSON_AddStringToObject(j, "text", out[i].text);
+            cJSON_AddStringToObject(j, "finish", out[i].finish);
+            cJSON_AddNumberToObject(j, "ttft", out[i].ttft);
+            cJSON_AddNumberToObject(j, "time_per_output_token", out[i].step_seconds);
+            cJSON_AddNumberToObject(j, "total", out[i].total);
+            cJSON_AddNumberToObject(j, "kv_bytes", out[i].kv_bytes);
+            cJSON_AddNumberToObject(j, "kv_seconds", out[i].kv_seconds);
+            cJSON_AddStringToObject(j, "transports", transports);
+            char *s = cJSON_PrintUnformatted(j);
+            printf("%s\n", s);
+            free(s);
+            cJSON_Delete(j);
+        } else {
+            printf("%s\n", out[i].text);
+        }
+        fflush(stdout);
+    }
+    pdm_launch_stop(l);
+    rc = st || failed ? 1 : 0;
+    if (st) fprintf(stderr, "%s: mesh: %s\n", cli_prog, pdm_error_last());
+out:
+    for (int i = 0; i < n_req; i++) {
+        free(ids[i]);
+        if (i < n_req && reqs[i].chunks) free((void *)reqs[i].chunks);
+        pdm_launch_response_free(&out[i]);
+    }
+    pdm_model_free(model);
+    return rc;
+}

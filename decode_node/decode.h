@@ -28,4 +28,84 @@ typedef struct {
  * nothing changed) if a cache is full. Equal to pdm_model_decode of each sequence alone. */
 int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs, int n);
 
+/* ---- The node --------------------------------------------------------------------------- */
+
+typedef struct {
+    int threads;            /* compute threads */
+    int max_batch;          /* sequences per decode step */
+    int max_sequences;      /* reserved + running, a bound on the node's queue */
+    int64_t kv_budget;      /* KV token slots over all sequences (capacity check) */
+    pdm_dtype_t kv_dtype;   /* F16 or F32: must match the prefill ranks' */
+    double kv_timeout;      /* seconds a reservation waits for its KV after start */
+} pdm_decode_params_t;
+
+void pdm_decode_params_default(pdm_decode_params_t *p);
+
+typedef struct pdm_decode_node pdm_decode_node_t;
+
+int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
+                           const pdm_decode_params_t *p, pdm_decode_node_t **out);
+/* Releases every sequence (cancelling receives) and frees the node. NULL is fine. */
+void pdm_decode_node_destroy(pdm_decode_node_t *node);
+
+/* Where a range of the prompt's tokens comes from. */
+typedef struct {
+    int32_t start, len;
+    int peer;  /* kvt peer of the prefill rank that computed it */
+    int chunk; /* its index in the prefill task (part of the blocks' tags) */
+} pdm_decode_range_t;
+
+typedef struct {
+    uint64_t id;
+    uint32_t attempt;
+    int32_t n_prompt, max_new;
+    const pdm_decode_range_t *ranges; /* cover [0, n_prompt) */
+    int n_ranges;
+} pdm_decode_reserve_t;
+
+/* Reserves KV for n_prompt + max_new tokens and posts the receives of every block of the
+ * plan (layer x kv head x range) into the new cache. PDM_EOVERFLOW "node full" when the KV
+ * budget or the sequence bound would be exceeded; PDM_EINVAL for a bad plan or a duplicate id. */
+int pdm_decode_node_reserve(pdm_decode_node_t *node, const pdm_decode_reserve_t *r);
+
+typedef struct {
+    uint64_t id;
+    int32_t first_token;        /* sampled by the prefill rank that owns the last token */
+    pdm_sampler_params_t sp;
+    const char *const *stops;   /* stop strings (copied) */
+    int n_stops;
+    double deadline;            /* pdm_now() seconds; 0: none */
+} pdm_decode_start_t;
+
+/* Starts generation once the KV has arrived (checked by run_once). */
+int pdm_decode_node_start(pdm_decode_node_t *node, const pdm_decode_start_t *s);
+/* Ends a sequence now (its DONE event says "cancelled"); PDM_ENOTFOUND if unknown. */
+int pdm_decode_node_cancel(pdm_decode_node_t *node, uint64_t id);
+
+typedef enum { PDM_DECODE_EV_TOKEN = 1, PDM_DECODE_EV_DONE, PDM_DECODE_EV_ERROR } pdm_decode_ev_type_t;
+
+typedef struct {
+    pdm_decode_ev_type_t type;
+    uint64_t id;
+    int32_t token;          /* TOKEN: the generated token */
+    int index;              /* TOKEN: its index among the generated tokens (first token = 0) */
+    const char *finish;     /* DONE: "eos", "length", "stop", "deadline", "cancelled" */
+    const int32_t *tokens;  /* DONE: every generated token, first token included */
+    int n_tokens;
+    const char *text;       /* DONE: their text (cut at a stop string) */
+    double kv_seconds;      /* DONE: from start to the KV verified */
+    double step_seconds;    /* DONE: mean seconds per decode step of this sequence */
+    uint64_t kv_bytes;      /* DONE: KV bytes received */
+    const char *error;      /* ERROR: what went wrong (the sequence is released) */
+} pdm_decode_event_t;
+
+typedef void (*pdm_decode_event_cb)(void *arg, const pdm_decode_event_t *ev);
+
+/* One scheduling round: checks KV arrivals and deadlines, then one batched decode step over
+ * up to max_batch running sequences. Events go to `cb` as they happen. Returns the number of
+ * sequences still held (reserved, waiting for KV or running). */
+int pdm_decode_node_run_once(pdm_decode_node_t *node, pdm_decode_event_cb cb, void *arg);
+/* Number of sequences running a decode step (0 means run_once would only poll). */
+int pdm_decode_node_running(const pdm_decode_node_t *node);
+
 #endif /* PDM_DECODE_H */

@@ -74,6 +74,9 @@ int pdm_kvt_irecv(pdm_kvt_t *kvt, int peer, uint64_t tag, const pdm_kvt_iov_t *i
  * peer is declared failed (PDM_ETIMEOUT). Never blocks past the deadline by more than a
  * short grace period for the transport to let go of the buffers. */
 int pdm_kvt_wait(pdm_kvt_t *kvt, pdm_kvt_req_t req, double deadline, size_t *bytes);
+/* Non-blocking: 1 and the handle released if the operation completed successfully (*bytes
+ * set), 0 while it runs, a negative status (handle released) if it failed. */
+int pdm_kvt_test(pdm_kvt_t *kvt, pdm_kvt_req_t req, size_t *bytes);
 /* Waits for all `n` handles (PDM_KVT_REQ_NONE entries are skipped) and releases every one
  * of them, also on error; returns the first error. */
 int pdm_kvt_wait_all(pdm_kvt_t *kvt, pdm_kvt_req_t *reqs, int n, double deadline);
@@ -237,6 +240,9 @@ int pdm_kvt_stream_rx_start(pdm_kvt_t *kvt, const pdm_kvt_stream_rx_params_t *p,
 /* Waits for every block until `deadline` and verifies each one (PDM_ECHECKSUM, PDM_EFORMAT
  * with a message naming the block and the sender; PDM_ETIMEOUT naming what is missing). */
 int pdm_kvt_stream_rx_wait(pdm_kvt_stream_rx_t *rx, double deadline);
+/* Non-blocking progress of a receiving request: 1 when every block arrived and verified, 0
+ * while some are missing, a negative status (as rx_wait) on the first bad block. */
+int pdm_kvt_stream_rx_poll(pdm_kvt_stream_rx_t *rx);
 /* Drains messages addressed to this request that were not consumed: stale attempts and
  * duplicates (counted in the stats); returns the number of duplicates of this attempt. */
 int pdm_kvt_stream_rx_drain(pdm_kvt_stream_rx_t *rx);

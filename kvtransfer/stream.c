@@ -192,6 +192,30 @@ int pdm_kvt_stream_rx_wait(pdm_kvt_stream_rx_t *rx, double deadline)
     return PDM_OK;
 }
 
+int pdm_kvt_stream_rx_poll(pdm_kvt_stream_rx_t *rx)
+{
+    for (int b = 0; b < rx->p.n_blocks; b++) {
+        if (rx->reqs[b] == PDM_KVT_REQ_NONE) continue;
+        size_t bytes = 0;
+        int st = pdm_kvt_test(rx->kvt, rx->reqs[b], &bytes);
+        if (st == 0) return 0;
+        rx->reqs[b] = PDM_KVT_REQ_NONE;
+        if (st < 0) {
+            const pdm_kvt_stream_block_t *blk = &rx->blocks[b];
+            char msg[512];
+            snprintf(msg, sizeof(msg), "%s", pdm_error_last());
+            return pdm_error_set(st, "stream: request %llu: block layer %u head %u tokens %d+%d "
+                                 "from peer %d: %s", (unsigned long long)rx->p.request_id,
+                                 blk->layer, blk->head, blk->token_start, blk->n_tokens,
+                                 blk->peer, msg);
+        }
+        if ((st = pdm__verify(rx, b, bytes))) return st;
+        rx->done++;
+    }
+    rx->stats.seconds = pdm_now() - rx->t0;
+    return 1;
+}
+
 typedef struct {
     pdm_kvt_stream_rx_t *rx;
     int duplicates;

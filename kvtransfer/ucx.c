@@ -728,3 +728,28 @@ int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb 
     }
     return n;
 }
+
+int pdm_kvt_test(pdm_kvt_t *kvt, pdm_kvt_req_t req, size_t *bytes)
+{
+    int idx = req & 0xffff, gen = (req >> 16) & 0x7fff;
+    if (req < 0 || idx >= kvt->n_slots)
+        return pdm_error_set(PDM_EINVAL, "kvtransfer: bad request handle %d", req);
+    pdm__slot_t *s = &kvt->slots[idx];
+    pthread_mutex_lock(&kvt->lock);
+    if (s->gen != gen || s->state == SLOT_FREE || s->state == SLOT_ORPHAN) {
+        pthread_mutex_unlock(&kvt->lock);
+        return pdm_error_set(PDM_EINVAL, "kvtransfer: stale request handle %d", req);
+    }
+    int pending = s->state == SLOT_PENDING && kvt->peers[s->peer].alive;
+    pthread_mutex_unlock(&kvt->lock);
+    if (pending) {
+        if (!kvt->use_thread) pdm_kvt_progress(kvt);
+        pthread_mutex_lock(&kvt->lock);
+        pending = s->state == SLOT_PENDING && kvt->peers[s->peer].alive;
+        pthread_mutex_unlock(&kvt->lock);
+        if (pending) return 0;
+    }
+    /* Done, or its peer failed: let pdm_kvt_wait release it and report. */
+    int st = pdm_kvt_wait(kvt, req, pdm_now() + PDM__KVT_GRACE, bytes);
+    return st ? st : 1;
+}

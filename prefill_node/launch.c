@@ -10,6 +10,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -33,11 +34,19 @@ typedef struct {
 
 struct pdm_launch {
     pdm_launch_params_t p;
-    pdm__proc_t proc[PDM_KVT_MAX_RANKS];
-    int n;
+    pdm__proc_t proc[PDM_KVT_MAX_RANKS + 1]; /* ranks, then the decode node if any */
+    int n;                                   /* ranks */
+    int n_procs;                             /* processes started */
+    int has_decode;
+    uint64_t next_request;
     uint32_t next_task;
     char transports[128];
 };
+
+int pdm_launch_decode_pid(const pdm_launch_t *l)
+{
+    return l->has_decode ? (int)l->proc[l->n].pid : -1;
+}
 
 void pdm_launch_params_default(pdm_launch_params_t *p)
 {
@@ -62,7 +71,18 @@ const char *pdm_launch_transports(const pdm_launch_t *l)
     return l->transports;
 }
 
-static int pdm__spawn(const pdm_launch_params_t *p, int rank, pdm__proc_t *pr)
+/* "rank N" or "the decode node" (index -1) for messages. */
+static const char *pdm__who(int rank, char *buf, size_t size)
+{
+    if (rank < 0)
+        snprintf(buf, size, "the decode node");
+    else
+        snprintf(buf, size, "rank %d", rank);
+    return buf;
+}
+
+/* Starts argv[0] (searched in PATH if it has no '/') with pipes on its stdin and stdout. */
+static int pdm__spawn_argv(char *const *argv, pdm__proc_t *pr)
 {
     int in[2], out[2];
     if (pipe2(in, O_CLOEXEC)) return pdm_error_set(-errno, "pipe: %s", strerror(errno));
@@ -71,6 +91,26 @@ static int pdm__spawn(const pdm_launch_params_t *p, int rank, pdm__proc_t *pr)
         close(in[1]);
         return pdm_error_set(-errno, "pipe: %s", strerror(errno));
     }
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    int err = posix_spawnp(&pr->pid, argv[0], &fa, NULL, argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(in[0]);
+    close(out[1]);
+    if (err) {
+        close(in[1]);
+        close(out[0]);
+        return pdm_error_set(-err, "cannot start %s: %s", argv[0], strerror(err));
+    }
+    pr->in_fd = in[1];
+    pr->out_fd = out[0];
+    return PDM_OK;
+}
+
+static int pdm__spawn(const pdm_launch_params_t *p, int rank, pdm__proc_t *pr)
+{
     char threads[16], cpu[16], ctx[16], timeout[32];
     snprintf(threads, sizeof(threads), "%d", p->threads);
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
@@ -98,7 +138,6 @@ static int pdm__spawn(const pdm_launch_params_t *p, int rank, pdm__proc_t *pr)
         for (char *w = strtok_r(wrap_buf, " ", &save); w && a < 40; w = strtok_r(NULL, " ", &save))
             argv[a++] = w;
     }
-    const char *exe = a ? argv[0] : p->bin;
     argv[a++] = (char *)p->bin;
     argv[a++] = "--model";
     argv[a++] = (char *)p->model;
@@ -115,23 +154,19 @@ static int pdm__spawn(const pdm_launch_params_t *p, int rank, pdm__proc_t *pr)
         argv[a++] = cpu;
     }
     argv[a] = NULL;
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-    int err = a && exe[0] != '/' ? posix_spawnp(&pr->pid, exe, &fa, NULL, argv, environ)
-                                 : posix_spawn(&pr->pid, exe, &fa, NULL, argv, environ);
-    posix_spawn_file_actions_destroy(&fa);
-    close(in[0]);
-    close(out[1]);
-    if (err) {
-        close(in[1]);
-        close(out[0]);
-        return pdm_error_set(-err, "cannot start %s: %s", p->bin, strerror(err));
-    }
-    pr->in_fd = in[1];
-    pr->out_fd = out[0];
-    return PDM_OK;
+    return pdm__spawn_argv(argv, pr);
+}
+
+static int pdm__spawn_decode(const pdm_launch_params_t *p, pdm__proc_t *pr)
+{
+    char threads[16], batch[16], budget[32];
+    snprintf(threads, sizeof(threads), "%d", p->decode_threads > 0 ? p->decode_threads : 1);
+    snprintf(batch, sizeof(batch), "%d", p->decode_batch > 0 ? p->decode_batch : 16);
+    snprintf(budget, sizeof(budget), "%ld", p->decode_kv_budget > 0 ? p->decode_kv_budget : 1L << 18);
+    char *argv[] = {(char *)p->decode_bin, "--model", (char *)p->model, "--threads", threads,
+                    "--batch", batch, "--kv-budget", budget, "--kv-dtype", (char *)p->kv_dtype,
+                    NULL};
+    return pdm__spawn_argv(argv, pr);
 }
 
 /* Reads one line from a rank before the deadline; *line is malloc'd. */
@@ -151,7 +186,10 @@ static int pdm__read_line(pdm__proc_t *pr, int rank, double deadline, char **lin
             return PDM_OK;
         }
         double left = deadline - pdm_now();
-        if (left <= 0) return pdm_error_set(PDM_ETIMEOUT, "rank %d did not answer in time", rank);
+        char who[32];
+        if (left <= 0)
+            return pdm_error_set(PDM_ETIMEOUT, "%s did not answer in time",
+                                 pdm__who(rank, who, sizeof(who)));
         struct pollfd pfd = {.fd = pr->out_fd, .events = POLLIN};
         int pr_st = poll(&pfd, 1, (int)(left * 1000) + 1);
         if (pr_st < 0 && errno != EINTR) return pdm_error_set(-errno, "poll: %s", strerror(errno));
@@ -159,16 +197,18 @@ static int pdm__read_line(pdm__proc_t *pr, int rank, double deadline, char **lin
         if (pr->cap - pr->len < 65536) {
             size_t cap = pr->cap ? pr->cap * 2 : 1 << 16;
             if (cap > (256u << 20))
-                return pdm_error_set(PDM_EOVERFLOW, "rank %d sent a line over 256 MiB", rank);
+                return pdm_error_set(PDM_EOVERFLOW, "%s sent a line over 256 MiB",
+                                     pdm__who(rank, who, sizeof(who)));
             char *b = realloc(pr->buf, cap);
             if (!b) return pdm_error_set(PDM_ENOMEM, "out of memory");
             pr->buf = b;
             pr->cap = cap;
         }
         ssize_t got = read(pr->out_fd, pr->buf + pr->len, pr->cap - pr->len);
-        if (got == 0) return pdm_error_set(PDM_EPEER, "rank %d exited", rank);
+        if (got == 0) return pdm_error_set(PDM_EPEER, "%s exited", pdm__who(rank, who, sizeof(who)));
         if (got < 0 && errno != EINTR && errno != EAGAIN)
-            return pdm_error_set(-errno, "rank %d: %s", rank, strerror(errno));
+            return pdm_error_set(-errno, "%s: %s", pdm__who(rank, who, sizeof(who)),
+                                 strerror(errno));
         if (got > 0) pr->len += (size_t)got;
     }
 }
@@ -183,13 +223,15 @@ static int pdm__read_event(pdm__proc_t *pr, int rank, const char *event, double 
     cJSON *o = cJSON_Parse(line);
     free(line);
     const cJSON *ev = o ? cJSON_GetObjectItem(o, "event") : NULL;
+    char who[32];
+    pdm__who(rank, who, sizeof(who));
     if (!cJSON_IsString(ev)) {
         cJSON_Delete(o);
-        return pdm_error_set(PDM_EFORMAT, "rank %d sent a malformed line", rank);
+        return pdm_error_set(PDM_EFORMAT, "%s sent a malformed line", who);
     }
     const cJSON *ok = cJSON_GetObjectItem(o, "ok"), *err = cJSON_GetObjectItem(o, "error");
     if (cJSON_IsFalse(ok) || strcmp(ev->valuestring, event)) {
-        st = pdm_error_set(PDM_EPEER, "rank %d: %s", rank,
+        st = pdm_error_set(PDM_EPEER, "%s: %s", who,
                            cJSON_IsString(err) ? err->valuestring : "unexpected answer");
         cJSON_Delete(o);
         return st;
@@ -212,7 +254,10 @@ static int pdm__write_all(pdm__proc_t *pr, int rank, const char *s)
     while (off < len) {
         ssize_t w = write(pr->in_fd, s + off, len - off);
         if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return pdm_error_set(PDM_EPEER, "rank %d does not take commands", rank);
+        char who[32];
+        if (w <= 0)
+            return pdm_error_set(PDM_EPEER, "%s does not take commands",
+                                 pdm__who(rank, who, sizeof(who)));
         off += (size_t)w;
     }
     return PDM_OK;
@@ -239,12 +284,12 @@ static int pdm__send_json(pdm__proc_t *pr, int rank, cJSON *o)
 void pdm_launch_stop(pdm_launch_t *l)
 {
     if (!l) return;
-    for (int i = 0; i < l->n; i++) {
+    for (int i = 0; i < l->n_procs; i++) {
         pdm__write_all(&l->proc[i], i, "{\"cmd\":\"quit\"}\n");
         close(l->proc[i].in_fd);
     }
     double until = pdm_now() + 5.0;
-    for (int i = 0; i < l->n; i++) {
+    for (int i = 0; i < l->n_procs; i++) {
         int status;
         while (waitpid(l->proc[i].pid, &status, WNOHANG) == 0) {
             if (pdm_now() > until) {
@@ -272,9 +317,24 @@ int pdm_launch_start(const pdm_launch_params_t *p, pdm_launch_t **out)
     int st = PDM_OK;
     for (int i = 0; i < p->ranks && !st; i++) {
         st = pdm__spawn(p, i, &l->proc[i]);
-        if (!st) l->n++;
+        if (!st) l->n_procs = ++l->n;
     }
     double deadline = pdm_now() + p->timeout;
+    char *decode_addr = NULL;
+    if (!st && p->decode_bin) {
+        st = pdm__spawn_decode(p, &l->proc[l->n]);
+        if (!st) {
+            l->n_procs++;
+            l->has_decode = 1;
+            cJSON *hello;
+            st = pdm__read_event(&l->proc[l->n], -1, "hello", deadline, &hello);
+            const cJSON *a = st ? NULL : cJSON_GetObjectItem(hello, "address");
+            if (!st && !cJSON_IsString(a))
+                st = pdm_error_set(PDM_EFORMAT, "the decode node sent no address");
+            if (!st) decode_addr = strdup(a->valuestring);
+            if (!st) cJSON_Delete(hello);
+        }
+    }
     cJSON *addrs = cJSON_CreateArray();
     for (int i = 0; i < l->n && !st; i++) {
         cJSON *hello;
@@ -293,6 +353,7 @@ int pdm_launch_start(const pdm_launch_params_t *p, pdm_launch_t **out)
         cJSON_AddNumberToObject(cmd, "rank", i);
         cJSON_AddNumberToObject(cmd, "size", l->n);
         cJSON_AddItemReferenceToObject(cmd, "addrs", addrs);
+        if (decode_addr) cJSON_AddStringToObject(cmd, "decode_addr", decode_addr);
         st = pdm__send_json(&l->proc[i], i, cmd);
         cJSON_Delete(cmd);
     }
@@ -305,6 +366,17 @@ int pdm_launch_start(const pdm_launch_params_t *p, pdm_launch_t **out)
             snprintf(l->transports, sizeof(l->transports), "%s", tl->valuestring);
         cJSON_Delete(ready);
     }
+    if (!st && l->has_decode) { /* the decode node connects to every rank */
+        cJSON *cmd = cJSON_CreateObject();
+        cJSON_AddStringToObject(cmd, "cmd", "connect");
+        cJSON_AddItemReferenceToObject(cmd, "addrs", addrs);
+        st = pdm__send_json(&l->proc[l->n], -1, cmd);
+        cJSON_Delete(cmd);
+        cJSON *ok;
+        if (!st) st = pdm__read_event(&l->proc[l->n], -1, "connected", deadline, &ok);
+        if (!st) cJSON_Delete(ok);
+    }
+    free(decode_addr);
     cJSON_Delete(addrs);
     if (st) {
         char msg[512];
@@ -332,6 +404,12 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
     cJSON_AddItemToObject(cmd, "tokens", cJSON_CreateIntArray(task->tokens, task->n_tokens));
     if (task->chunks)
         cJSON_AddItemToObject(cmd, "chunks", cJSON_CreateIntArray(task->chunks, l->n));
+    if (task->stream) {
+        cJSON *so = cJSON_AddObjectToObject(cmd, "stream");
+        cJSON_AddNumberToObject(so, "request", (double)task->stream->request_id);
+        cJSON_AddNumberToObject(so, "attempt", task->stream->attempt);
+        cJSON_AddNumberToObject(so, "window", task->stream->max_in_flight);
+    }
     if (kv_out) cJSON_AddStringToObject(cmd, "kv_out", kv_out);
     if (logits_out) cJSON_AddStringToObject(cmd, "logits_out", logits_out);
     cJSON_AddNumberToObject(cmd, "top", 16);
@@ -438,4 +516,180 @@ int pdm_launch_pingpong(pdm_launch_t *l, size_t bytes, int iters, double *second
         cJSON_Delete(o);
     }
     return st;
+}
+
+/* ---- Disaggregated runs ------------------------------------------------------------------- */
+
+void pdm_launch_response_free(pdm_launch_response_t *r)
+{
+    free(r->tokens);
+    free(r->text);
+    memset(r, 0, sizeof(*r));
+}
+
+typedef struct {
+    pdm_launch_t *l;
+    const pdm_launch_request_t *reqs;
+    pdm_launch_response_t *out;
+    int n;
+    uint64_t first_id;
+    int *state;     /* 0 not started, 1 generating, 2 finished */
+    double *t0;     /* dispatch time of each request */
+} pdm__gen_t;
+
+/* Reads one event of the decode node and applies it; *event receives its name (static). */
+static int pdm__decode_event(pdm__gen_t *g, double deadline, char *name, size_t name_size,
+                             uint64_t *id_out)
+{
+    pdm_launch_t *l = g->l;
+    char *line = NULL;
+    int st = pdm__read_line(&l->proc[l->n], -1, deadline, &line);
+    if (st) return st;
+    cJSON *o = cJSON_Parse(line);
+    free(line);
+    const cJSON *ev = o ? cJSON_GetObjectItem(o, "event") : NULL;
+    if (!cJSON_IsString(ev)) {
+        cJSON_Delete(o);
+        return pdm_error_set(PDM_EFORMAT, "the decode node sent a malformed line");
+    }
+    snprintf(name, name_size, "%s", ev->valuestring);
+    double idd = pdm__num(o, "id");
+    *id_out = (uint64_t)idd;
+    int i = idd >= (double)g->first_id ? (int)((uint64_t)idd - g->first_id) : -1;
+    pdm_launch_response_t *r = i >= 0 && i < g->n ? &g->out[i] : NULL;
+    const cJSON *err = cJSON_GetObjectItem(o, "error");
+    if (r && !strcmp(name, "done")) {
+        const cJSON *toks = cJSON_GetObjectItem(o, "tokens"), *t;
+        int k = cJSON_GetArraySize(toks);
+        r->tokens = malloc(sizeof(int32_t) * (size_t)(k ? k : 1));
+        r->n_tokens = 0;
+        cJSON_ArrayForEach(t, toks)
+        {
+            if (r->tokens && cJSON_IsNumber(t)) r->tokens[r->n_tokens++] = t->valueint;
+        }
+        const cJSON *text = cJSON_GetObjectItem(o, "text"), *fin = cJSON_GetObjectItem(o, "finish");
+        r->text = strdup(cJSON_IsString(text) ? text->valuestring : "");
+        snprintf(r->finish, sizeof(r->finish), "%s", cJSON_IsString(fin) ? fin->valuestring : "?");
+        r->total = pdm_now() - g->t0[i];
+        r->step_seconds = pdm__num(o, "step_seconds");
+        r->kv_seconds = pdm__num(o, "kv_seconds");
+        r->kv_bytes = pdm__num(o, "kv_bytes");
+        r->ok = 1;
+        g->state[i] = 2;
+    } else if (r && !strcmp(name, "error") && g->state[i] != 2) {
+        snprintf(r->error, sizeof(r->error), "decode node: %s",
+                 cJSON_IsString(err) ? err->valuestring : "failed");
+        r->ok = 0;
+        g->state[i] = 2;
+    } else if (!strcmp(name, "reserved") && cJSON_IsFalse(cJSON_GetObjectItem(o, "ok")) && r) {
+        snprintf(r->error, sizeof(r->error), "decode node: %s",
+                 cJSON_IsString(err) ? err->valuestring : "reservation refused");
+        r->ok = 0;
+        g->state[i] = 2;
+    }
+    cJSON_Delete(o);
+    return PDM_OK;
+}
+
+int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n,
+                        pdm_launch_response_t *out)
+{
+    if (!l->has_decode) return pdm_error_set(PDM_ESTATE, "the mesh has no decode node");
+    int state[n > 0 ? n : 1];
+    double t0[n > 0 ? n : 1];
+    memset(state, 0, sizeof(state));
+    memset(out, 0, sizeof(*out) * (size_t)n);
+    pdm__gen_t g = {.l = l, .reqs = reqs, .out = out, .n = n, .first_id = l->next_request + 1,
+                    .state = state, .t0 = t0};
+    l->next_request += (uint64_t)n;
+    double deadline = pdm_now();
+    for (int i = 0; i < n; i++)
+        deadline += reqs[i].timeout > 0 ? reqs[i].timeout : l->p.timeout;
+    int mesh_st = PDM_OK;
+    char name[32];
+    uint64_t ev_id;
+    for (int i = 0; i < n && !mesh_st; i++) {
+        const pdm_launch_request_t *q = &reqs[i];
+        const uint64_t id = g.first_id + (uint64_t)i;
+        /* Who computes which tokens: the decode node posts its receives accordingly. */
+        int chunks[PDM_KVT_MAX_RANKS];
+        if (q->chunks)
+            memcpy(chunks, q->chunks, sizeof(int) * (size_t)l->n);
+        else
+            pdm_prefill_split_even(q->n_tokens, l->n, chunks);
+        pdm_prefill_range_t ranges[PDM_PREFILL_MAX_RANGES];
+        int nr = pdm_prefill_plan_ranges(q->method, l->n, 0, q->n_tokens, chunks, 0, ranges);
+        cJSON *cmd = cJSON_CreateObject();
+        cJSON_AddStringToObject(cmd, "cmd", "reserve");
+        cJSON_AddNumberToObject(cmd, "id", (double)id);
+        cJSON_AddNumberToObject(cmd, "attempt", 0);
+        cJSON_AddNumberToObject(cmd, "n_prompt", q->n_tokens);
+        cJSON_AddNumberToObject(cmd, "max_new", q->max_new);
+        cJSON *arr = cJSON_AddArrayToObject(cmd, "ranges");
+        for (int k = 0; k < nr; k++) {
+            int v[4] = {ranges[k].start, ranges[k].len, ranges[k].rank, ranges[k].chunk};
+            cJSON_AddItemToArray(arr, cJSON_CreateIntArray(v, 4));
+        }
+        mesh_st = pdm__send_json(&l->proc[l->n], -1, cmd);
+        cJSON_Delete(cmd);
+        /* Wait for this reservation's answer; other requests' events are applied meanwhile. */
+        while (!mesh_st) {
+            mesh_st = pdm__decode_event(&g, deadline, name, sizeof(name), &ev_id);
+            if (!mesh_st && !strcmp(name, "reserved") && ev_id == id) break;
+        }
+        if (mesh_st || state[i] == 2) continue; /* refused: out[i] says why */
+        pdm_prefill_stream_t stream = {.peer = 0, .request_id = id, .attempt = 0,
+                                       .max_in_flight = 64};
+        pdm_prefill_task_t task = {.method = q->method, .tokens = q->tokens,
+                                   .n_tokens = q->n_tokens, .chunks = q->chunks,
+                                   .stream = &stream};
+        pdm_launch_result_t res;
+        t0[i] = pdm_now();
+        int st = pdm_launch_task(l, &task, NULL, NULL, &res);
+        if (st) {
+            snprintf(out[i].error, sizeof(out[i].error), "prefill: %s", pdm_error_last());
+            state[i] = 2;
+            cmd = cJSON_CreateObject(); /* release the reservation at once */
+            cJSON_AddStringToObject(cmd, "cmd", "cancel");
+            cJSON_AddNumberToObject(cmd, "id", (double)id);
+            mesh_st = pdm__send_json(&l->proc[l->n], -1, cmd);
+            cJSON_Delete(cmd);
+            continue;
+        }
+        out[i].ttft = res.ttft;
+        for (int r = 0; r < l->n; r++)
+            out[i].prefill_wait = fmax(out[i].prefill_wait, res.rank[r].t_wait);
+        cmd = cJSON_CreateObject();
+        cJSON_AddStringToObject(cmd, "cmd", "start");
+        cJSON_AddNumberToObject(cmd, "id", (double)id);
+        cJSON_AddNumberToObject(cmd, "first_token", res.first_token);
+        cJSON_AddNumberToObject(cmd, "temp", q->sp.temperature);
+        cJSON_AddNumberToObject(cmd, "top_k", q->sp.top_k);
+        cJSON_AddNumberToObject(cmd, "top_p", q->sp.top_p);
+        cJSON_AddNumberToObject(cmd, "min_p", q->sp.min_p);
+        cJSON_AddNumberToObject(cmd, "repeat_penalty", q->sp.repeat_penalty);
+        cJSON_AddNumberToObject(cmd, "seed", (double)q->sp.seed);
+        if (q->timeout > 0) cJSON_AddNumberToObject(cmd, "timeout", q->timeout);
+        cJSON *stops = cJSON_AddArrayToObject(cmd, "stop");
+        for (int k = 0; k < q->n_stops; k++)
+            cJSON_AddItemToArray(stops, cJSON_CreateString(q->stops[k]));
+        mesh_st = pdm__send_json(&l->proc[l->n], -1, cmd);
+        cJSON_Delete(cmd);
+        state[i] = 1;
+    }
+    /* Collect until every request has ended. */
+    for (;;) {
+        int open_ = 0;
+        for (int i = 0; i < n; i++) open_ += state[i] == 1;
+        if (!open_ || mesh_st) break;
+        mesh_st = pdm__decode_event(&g, deadline, name, sizeof(name), &ev_id);
+    }
+    if (mesh_st) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s", pdm_error_last());
+        for (int i = 0; i < n; i++)
+            if (state[i] != 2) snprintf(out[i].error, sizeof(out[i].error), "%s", msg);
+        return pdm_error_set(mesh_st, "%s", msg);
+    }
+    return PDM_OK;
 }

@@ -115,6 +115,9 @@ static int json_ints(const cJSON *arr, long min, long max, int32_t **out, int *n
     return PDM_OK;
 }
 
+/* The kvt peer of the decode node this rank streams to (-1: none). */
+static int decode_peer = -1;
+
 static int handle_group(const cJSON *cmd, pdm_kvt_t *kvt, pdm_kvt_group_t *g, double timeout)
 {
     const cJSON *rank = cJSON_GetObjectItem(cmd, "rank"), *size = cJSON_GetObjectItem(cmd, "size");
@@ -135,6 +138,15 @@ static int handle_group(const cJSON *cmd, pdm_kvt_t *kvt, pdm_kvt_group_t *g, do
         st = pdm_kvt_group_init(g, kvt, rank->valueint, R, (const void *const *)bufs, lens,
                                 timeout);
     for (int i = 0; i < R; i++) free(bufs[i]);
+    const cJSON *dec = cJSON_GetObjectItem(cmd, "decode_addr");
+    if (!st && cJSON_IsString(dec)) {
+        uint8_t *a;
+        size_t alen;
+        if (hex_decode(dec->valuestring, &a, &alen))
+            return pdm_error_set(PDM_EFORMAT, "group command: decode_addr is not hex");
+        st = pdm_kvt_connect(kvt, a, alen, &decode_peer);
+        free(a);
+    }
     return st;
 }
 
@@ -163,6 +175,25 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
         }
     }
     st = pdm_prefill_method_parse(method->valuestring, &task.method);
+    const cJSON *stream = cJSON_GetObjectItem(cmd, "stream");
+    pdm_prefill_stream_t target;
+    if (!st && stream && !cJSON_IsNull(stream)) {
+        const cJSON *rq = cJSON_GetObjectItem(stream, "request");
+        const cJSON *at = cJSON_GetObjectItem(stream, "attempt");
+        const cJSON *win = cJSON_GetObjectItem(stream, "window");
+        if (decode_peer < 0)
+            st = pdm_error_set(PDM_ESTATE, "task streams to a decode node but the group has none");
+        else if (!cJSON_IsNumber(rq) || !cJSON_IsNumber(at) || rq->valuedouble < 0 ||
+                 at->valuedouble < 0 || at->valuedouble > 255)
+            st = pdm_error_set(PDM_EFORMAT, "task command: malformed stream target");
+        else {
+            target = (pdm_prefill_stream_t){
+                .peer = decode_peer, .request_id = (uint64_t)rq->valuedouble,
+                .attempt = (uint32_t)at->valuedouble,
+                .max_in_flight = cJSON_IsNumber(win) ? PDM_MAX(1, PDM_MIN(win->valueint, 4096)) : 64};
+            task.stream = &target;
+        }
+    }
     task.id = (uint32_t)id->valuedouble;
     task.start = (int32_t)start->valuedouble;
     task.tokens = tokens;
@@ -187,6 +218,7 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
     cJSON_AddNumberToObject(o, "t_wait", res.t_wait);
     cJSON_AddNumberToObject(o, "bytes_sent", (double)res.bytes_sent);
     cJSON_AddNumberToObject(o, "bytes_received", (double)res.bytes_received);
+    cJSON_AddNumberToObject(o, "bytes_streamed", (double)res.bytes_streamed);
     int logits_st = PDM_OK;
     if (res.owner) {
         cJSON_AddNumberToObject(o, "first_token", res.first_token);

@@ -114,6 +114,15 @@ int pdm_prefill_rank_create(const pdm_model_t *model, pdm_kvt_group_t *group,
                             const pdm_prefill_rank_params_t *p, pdm_prefill_rank_t **out);
 void pdm_prefill_rank_destroy(pdm_prefill_rank_t *r);
 
+/* Streaming of the KV a rank computes to a decode node, layer by layer as it becomes final
+ * (kvtransfer.h, "KV streaming"). */
+typedef struct {
+    int peer;             /* kvt peer of the decode node */
+    uint64_t request_id;
+    uint32_t attempt;
+    int max_in_flight;    /* blocks outstanding per rank (flow control) */
+} pdm_prefill_stream_t;
+
 /* One prefill task, identical on every rank of the group. */
 typedef struct {
     uint32_t id;                 /* task id (part of every tag; distinct per task) */
@@ -123,6 +132,8 @@ typedef struct {
     int32_t n_tokens;
     const int32_t *chunks;       /* KVR only: [size] chunk sizes in chain order (sum n_tokens);
                                   * NULL for an even split */
+    const pdm_prefill_stream_t *stream; /* NULL: the KV stays on the group; else every rank
+                                         * streams the KV of its tokens (full prefills only) */
 } pdm_prefill_task_t;
 
 typedef struct {
@@ -134,6 +145,7 @@ typedef struct {
     double t_compute;      /* seconds in model steps */
     double t_wait;         /* seconds blocked on communication */
     uint64_t bytes_sent, bytes_received;
+    uint64_t bytes_streamed; /* KV sent to the decode node */
 } pdm_prefill_result_t;
 
 /* Runs the task. Validation errors (method cannot run this task on this group, lengths too
@@ -201,6 +213,10 @@ typedef struct {
     const char *wrap;     /* command prefix per rank, "%d" = rank, e.g. "ip netns exec ns%d
                            * env UCX_TLS=tcp UCX_NET_DEVICES=veth%d"; NULL: none (default:
                            * $PDMESH_RANK_WRAP) */
+    const char *decode_bin; /* path of pdmesh-decode: also start a decode node the ranks
+                             * stream to; NULL: none */
+    int decode_threads, decode_batch;
+    long decode_kv_budget; /* KV token slots of the decode node */
 } pdm_launch_params_t;
 
 void pdm_launch_params_default(pdm_launch_params_t *p);
@@ -236,6 +252,46 @@ typedef struct {
  * that reports an error, dies or misses the timeout fails the task with its message. */
 int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char *kv_out,
                     const char *logits_out, pdm_launch_result_t *res);
+
+/* ---- Disaggregated runs: prefill group -> KV stream -> decode node ----------------------- */
+
+typedef struct {
+    const int32_t *tokens;
+    int32_t n_tokens;
+    pdm_prefill_method_t method; /* resolved (not AUTO) */
+    const int *chunks;           /* KVR chunk sizes or NULL */
+    int32_t max_new;             /* tokens to generate, the first token included */
+    pdm_sampler_params_t sp;
+    const char *const *stops;
+    int n_stops;
+    double timeout;              /* seconds for the whole request; 0: the launcher's */
+} pdm_launch_request_t;
+
+typedef struct {
+    int ok;
+    char error[512];
+    int32_t *tokens; /* malloc'd: generated tokens (first token included) */
+    int n_tokens;
+    char *text;      /* malloc'd */
+    char finish[16];
+    double ttft;         /* dispatch of the prefill task -> first token */
+    double total;        /* dispatch -> last token */
+    double step_seconds; /* mean seconds per decode step */
+    double kv_seconds;   /* decode node: start -> KV verified */
+    double kv_bytes;     /* KV bytes the decode node received */
+    double prefill_wait; /* max over ranks of time blocked in communication (streaming too) */
+} pdm_launch_response_t;
+
+/* Runs `n` requests end to end: for each, the decode node reserves KV and posts its receives,
+ * the prefill group computes the prompt and streams its KV, the decode node continues from
+ * the first token. The group prefills one request at a time; the decode node batches all
+ * requests that have their KV. Fills out[i] (free with pdm_launch_response_free). Returns an
+ * error only when the mesh itself failed; per-request failures are in out[i]. */
+int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n,
+                        pdm_launch_response_t *out);
+void pdm_launch_response_free(pdm_launch_response_t *r);
+/* Process id of the decode node (-1 if none). */
+int pdm_launch_decode_pid(const pdm_launch_t *l);
 
 /* Mean round-trip time of a `bytes`-byte message between ranks 0 and 1 (calibration). */
 int pdm_launch_pingpong(pdm_launch_t *l, size_t bytes, int iters, double *seconds);

@@ -62,6 +62,11 @@ struct pdm_prefill_rank {
 
     /* Statistics of the running task. */
     double t_wait, t_compute;
+
+    /* Streaming of the running task (NULL: none) and this rank's ranges of it. */
+    pdm_kvt_stream_tx_t *tx;
+    pdm_prefill_range_t mine[PDM_PREFILL_MAX_RANGES];
+    int n_mine;
 };
 
 void pdm_prefill_rank_params_default(pdm_prefill_rank_params_t *p)
@@ -324,6 +329,29 @@ static void pdm__attend(pdm_prefill_rank_t *r, int layer, pdm_act_t *act,
         (r)->t_compute += pdm_now() - t0_;                                                      \
     } while (0)
 
+/* Streams this rank's rows of `layer` (final once stored) to the decode node: one block per
+ * (range, kv head), straight from the cache. */
+static int pdm__stream_layer(pdm_prefill_rank_t *r, int layer)
+{
+    if (!r->tx) return PDM_OK;
+    const size_t row = pdm__row_bytes(r);
+    double t0 = pdm_now();
+    int st = PDM_OK;
+    for (int i = 0; i < r->n_mine && !st; i++) {
+        const pdm_prefill_range_t *g = &r->mine[i];
+        if (g->len == 0) continue;
+        for (uint32_t h = 0; h < r->hp->n_kv_heads && !st; h++)
+            st = pdm_kvt_stream_tx_send(
+                r->tx, (uint32_t)layer, h, (uint32_t)g->chunk, g->start, g->len,
+                (uint16_t)r->cache->dtype, 1.0f,
+                (const char *)pdm_kv_cache_k(r->cache, (uint32_t)layer, h) + (size_t)g->start * row,
+                (const char *)pdm_kv_cache_v(r->cache, (uint32_t)layer, h) + (size_t)g->start * row,
+                row);
+    }
+    r->t_wait += pdm_now() - t0; /* only blocks when the window is full */
+    return st;
+}
+
 /* ---- single ----------------------------------------------------------------------------- */
 
 static int pdm__run_single(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
@@ -332,6 +360,9 @@ static int pdm__run_single(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
     if (st) return st;
     r->cache->n_tokens = t->start;
     PDM__COMPUTE(r, st = pdm_model_prefill(r->ctx, r->cache, t->tokens, t->n_tokens, r->logits));
+    /* The engine's chunked prefill finishes all layers of a chunk before the next: the KV is
+     * final only at the end, so a single rank streams after it (no overlap). */
+    for (int l = 0; l < (int)r->hp->n_layers && !st; l++) st = pdm__stream_layer(r, l);
     return st;
 }
 
@@ -351,6 +382,7 @@ static int pdm__run_tsp(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t, cons
     for (int l = 0; l < (int)r->hp->n_layers; l++) {
         PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act);
                      pdm__store_local(r, l, &mine, 1));
+        if ((st = pdm__stream_layer(r, l))) return st;
         for (int j = 0; j < R; j++) {
             parts[j].n_iov = 0;
             st = pdm__iov_cache_rows(r, l, begin[j], chunks[j], &parts[j]);
@@ -406,6 +438,7 @@ static int pdm__run_kvr(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t, cons
         }
         PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act);
                      pdm__store_local(r, l, &mine, 1));
+        if ((st = pdm__stream_layer(r, l))) break;
         if (recv != PDM_KVT_REQ_NONE && (st = pdm__wait(r, &recv, 1))) break;
         /* (b) Forward the concatenated cache [0, my_end) at once and without waiting
          * (second blue box); the rows are final, so the send can run during attention. */
@@ -470,6 +503,7 @@ static int pdm__run_cp_kv(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     for (int l = 0; l < (int)r->hp->n_layers && !st; l++) {
         if (n_local) PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act);
                                   pdm__store_local(r, l, mine, n_mine));
+        if ((st = pdm__stream_layer(r, l))) break;
         pdm_kvt_req_t send = PDM_KVT_REQ_NONE, recv = PDM_KVT_REQ_NONE;
         /* Step 0: post the receive of the next block, send ours (gathered straight from the
          * cache), and attend to our own KV meanwhile. */
@@ -554,6 +588,7 @@ static int pdm__run_cp_q(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     for (int l = 0; l < (int)r->hp->n_layers && !st; l++) {
         if (n_local) PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act);
                                   pdm__store_local(r, l, mine, n_mine));
+        if ((st = pdm__stream_layer(r, l))) break;
         for (int i = 0; i < L->n_ranges[me]; i++)
             pdm_kv_cache_view(r->cache, (uint32_t)l, L->ranges[me][i].start,
                               L->ranges[me][i].len, &views[i]);
@@ -683,6 +718,11 @@ static int pdm__validate(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *
     if ((int64_t)t->start + t->n_tokens > r->p.ctx_tokens)
         return pdm_error_set(PDM_EOVERFLOW, "prefill: %d + %d tokens exceed the KV capacity of "
                              "%d (--ctx)", t->start, t->n_tokens, r->p.ctx_tokens);
+    if (t->stream && t->start != 0)
+        return pdm_error_set(PDM_EUNSUPPORTED, "prefill: streaming a partial prefill to a decode "
+                             "node is not supported yet (start must be 0)");
+    if (t->stream && (t->stream->max_in_flight < 1 || t->stream->peer < 0))
+        return pdm_error_set(PDM_EINVAL, "prefill: bad stream target");
     for (int32_t i = 0; i < t->n_tokens; i++)
         if (t->tokens[i] < 0 || (uint32_t)t->tokens[i] >= r->hp->n_vocab)
             return pdm_error_set(PDM_ERANGE, "prefill: token %d at index %d is outside the "
@@ -769,6 +809,15 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
         if (ranges[i].rank == me) n_local += ranges[i].len;
     }
     const int owner_rank = r->owner[end - 1];
+    r->n_mine = 0;
+    for (int i = 0; i < n_ranges; i++)
+        if (ranges[i].rank == me) r->mine[r->n_mine++] = ranges[i];
+    if (t->stream) {
+        st = pdm_kvt_stream_tx_create(r->g->kvt, t->stream->peer, t->stream->request_id,
+                                      t->stream->attempt, t->stream->max_in_flight,
+                                      r->p.timeout, &r->tx);
+        if (st) return st;
+    }
 
     switch (t->method) {
     case PDM_PREFILL_SINGLE:
@@ -791,6 +840,17 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
         for (int i = 0; i < R; i++) r->held[i] = 0; /* shares are scattered */
         break;
     }
+    uint64_t streamed = 0;
+    if (r->tx) {
+        if (!st) {
+            double tw = pdm_now();
+            st = pdm_kvt_stream_tx_finish(r->tx, pdm_now() + r->p.timeout);
+            r->t_wait += pdm_now() - tw;
+        }
+        streamed = pdm_kvt_stream_tx_bytes(r->tx);
+        pdm_kvt_stream_tx_destroy(r->tx);
+        r->tx = NULL;
+    }
     if (st) {
         /* The group's KV is incomplete now: the conversation cannot continue. */
         r->seq_len = 0;
@@ -810,6 +870,7 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     res->t_wait = r->t_wait;
     res->bytes_sent = s1.bytes_sent - s0.bytes_sent;
     res->bytes_received = s1.bytes_received - s0.bytes_received;
+    res->bytes_streamed = streamed;
     if (res->owner) {
         res->logits = r->logits;
         int32_t best = 0;

@@ -1,0 +1,371 @@
+/*
+ * node.c - the decode node's sequences: reservation, KV arrival, continuous batching,
+ * sampling and stop conditions.
+ *
+ * A sequence goes RESERVED (KV slots taken, receives posted) -> STARTED (first token known,
+ * waiting for its KV) -> RUNNING (in the batch) -> released. Every state has a way out: the
+ * KV deadline, the request deadline, cancel, errors; releasing cancels outstanding receives
+ * before the cache is freed, so no transfer can write into freed memory.
+ */
+#include "decode_node/decode.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/pdm.h"
+
+enum { SEQ_FREE = 0, SEQ_RESERVED, SEQ_STARTED, SEQ_RUNNING };
+
+#define PDM__MAX_STOPS 8
+#define PDM__TEXT_CAP (1 << 16)
+
+typedef struct {
+    int state;
+    uint64_t id;
+    uint32_t attempt;
+    int32_t n_prompt, max_new;
+    pdm_kv_cache_t *cache;
+    pdm_kvt_stream_rx_t *rx;
+    int kv_done;
+    pdm_sampler_t *sampler;
+    int32_t next;      /* input token of the next step */
+    int32_t *tokens;   /* [max_new] generated (first token included) */
+    int n_tokens;
+    float *logits;     /* [n_vocab] */
+    char *stops[PDM__MAX_STOPS];
+    int n_stops;
+    char *text;        /* [PDM__TEXT_CAP] generated text so far */
+    size_t text_len;
+    pdm_detok_t detok;
+    double deadline, t_start, kv_seconds, step_total;
+    int steps;
+    uint64_t kv_bytes;
+} pdm__seq_t;
+
+struct pdm_decode_node {
+    const pdm_model_t *model;
+    pdm_kvt_t *kvt;
+    pdm_decode_params_t p;
+    pdm_model_ctx_t *ctx;
+    pdm_act_t act;
+    pdm__seq_t *seqs; /* [max_sequences] */
+    int64_t kv_used;  /* token slots reserved */
+    int rr;           /* round-robin start of the next batch */
+};
+
+void pdm_decode_params_default(pdm_decode_params_t *p)
+{
+    p->threads = 1;
+    p->max_batch = 16;
+    p->max_sequences = 64;
+    p->kv_budget = 1 << 18;
+    p->kv_dtype = PDM_DT_F16;
+    p->kv_timeout = 30;
+}
+
+int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
+                           const pdm_decode_params_t *p, pdm_decode_node_t **out)
+{
+    if (p->threads < 1 || p->max_batch < 1 || p->max_sequences < 1 || p->kv_budget < 1 ||
+        (p->kv_dtype != PDM_DT_F16 && p->kv_dtype != PDM_DT_F32) || !(p->kv_timeout > 0))
+        return pdm_error_set(PDM_EINVAL, "decode node: bad parameters");
+    pdm_decode_node_t *n = calloc(1, sizeof(*n));
+    if (!n) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    n->model = model;
+    n->kvt = kvt;
+    n->p = *p;
+    int st = pdm_model_ctx_create(model, p->threads, p->max_batch, &n->ctx);
+    if (!st) st = pdm_act_alloc(&model->hp, p->max_batch, &n->act);
+    if (!st && !(n->seqs = calloc((size_t)p->max_sequences, sizeof(pdm__seq_t))))
+        st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    if (st) {
+        pdm_decode_node_destroy(n);
+        return st;
+    }
+    *out = n;
+    return PDM_OK;
+}
+
+static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
+{
+    pdm_kvt_stream_rx_destroy(s->rx); /* cancels receives before the cache goes away */
+    if (s->cache) n->kv_used -= s->cache->capacity;
+    pdm_kv_cache_destroy(s->cache);
+    pdm_sampler_destroy(s->sampler);
+    free(s->tokens);
+    free(s->logits);
+    free(s->text);
+    for (int i = 0; i < s->n_stops; i++) free(s->stops[i]);
+    memset(s, 0, sizeof(*s));
+}
+
+void pdm_decode_node_destroy(pdm_decode_node_t *n)
+{
+    if (!n) return;
+    for (int i = 0; n->seqs && i < n->p.max_sequences; i++)
+        if (n->seqs[i].state != SEQ_FREE) pdm__seq_release(n, &n->seqs[i]);
+    free(n->seqs);
+    pdm_act_free(&n->act);
+    pdm_model_ctx_destroy(n->ctx);
+    free(n);
+}
+
+static pdm__seq_t *pdm__find(pdm_decode_node_t *n, uint64_t id)
+{
+    for (int i = 0; i < n->p.max_sequences; i++)
+        if (n->seqs[i].state != SEQ_FREE && n->seqs[i].id == id) return &n->seqs[i];
+    return NULL;
+}
+
+int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
+{
+    const pdm_model_hparams_t *hp = &n->model->hp;
+    if (r->n_prompt < 1 || r->max_new < 1 || r->n_ranges < 1 ||
+        (int64_t)r->n_prompt + r->max_new > (int64_t)hp->n_ctx_train)
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d prompt + %d new tokens "
+                             "(the model's context is %u)", (unsigned long long)r->id,
+                             r->n_prompt, r->max_new, hp->n_ctx_train);
+    if (pdm__find(n, r->id))
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu is already held",
+                             (unsigned long long)r->id);
+    const int64_t need = (int64_t)r->n_prompt + r->max_new;
+    if (n->kv_used + need > n->p.kv_budget)
+        return pdm_error_set(PDM_EOVERFLOW, "decode node full: request %llu needs %lld KV slots, "
+                             "%lld of %lld are free", (unsigned long long)r->id, (long long)need,
+                             (long long)(n->p.kv_budget - n->kv_used), (long long)n->p.kv_budget);
+    pdm__seq_t *s = NULL;
+    for (int i = 0; i < n->p.max_sequences && !s; i++)
+        if (n->seqs[i].state == SEQ_FREE) s = &n->seqs[i];
+    if (!s)
+        return pdm_error_set(PDM_EOVERFLOW, "decode node full: %d sequences held",
+                             n->p.max_sequences);
+    /* The plan: one block per (layer, kv head, range). */
+    const size_t n_blocks = (size_t)hp->n_layers * hp->n_kv_heads * (size_t)r->n_ranges;
+    pdm_kvt_stream_block_t *blocks = malloc(sizeof(*blocks) * n_blocks);
+    if (!blocks) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    size_t nb = 0;
+    for (uint32_t l = 0; l < hp->n_layers; l++)
+        for (uint32_t h = 0; h < hp->n_kv_heads; h++)
+            for (int i = 0; i < r->n_ranges; i++) {
+                if (r->ranges[i].len == 0) continue;
+                blocks[nb++] = (pdm_kvt_stream_block_t){
+                    .peer = r->ranges[i].peer, .layer = l, .head = h,
+                    .chunk = (uint32_t)r->ranges[i].chunk, .token_start = r->ranges[i].start,
+                    .n_tokens = r->ranges[i].len};
+            }
+    int st = pdm_kv_cache_create(hp, (int32_t)need, n->p.kv_dtype, &s->cache);
+    s->logits = malloc(sizeof(float) * hp->n_vocab);
+    s->tokens = malloc(sizeof(int32_t) * (size_t)r->max_new);
+    s->text = malloc(PDM__TEXT_CAP);
+    if (!st && (!s->logits || !s->tokens || !s->text))
+        st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    if (!st) {
+        n->kv_used += s->cache->capacity;
+        pdm_kvt_stream_rx_params_t rp = {
+            .request_id = r->id, .attempt = r->attempt, .n_layers = hp->n_layers,
+            .n_kv_heads = hp->n_kv_heads, .dtype = (uint16_t)n->p.kv_dtype,
+            .row_bytes = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim),
+            .n_tokens = r->n_prompt, .k = s->cache->k, .v = s->cache->v, .blocks = blocks,
+            .n_blocks = (int)nb};
+        st = pdm_kvt_stream_rx_start(n->kvt, &rp, &s->rx);
+    }
+    free(blocks);
+    if (st) {
+        pdm__seq_release(n, s);
+        return st;
+    }
+    s->state = SEQ_RESERVED;
+    s->id = r->id;
+    s->attempt = r->attempt;
+    s->n_prompt = r->n_prompt;
+    s->max_new = r->max_new;
+    s->t_start = pdm_now();
+    return PDM_OK;
+}
+
+int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
+{
+    pdm__seq_t *s = pdm__find(n, st_->id);
+    if (!s) return pdm_error_set(PDM_ENOTFOUND, "decode node: no reservation for request %llu",
+                                 (unsigned long long)st_->id);
+    if (s->state != SEQ_RESERVED)
+        return pdm_error_set(PDM_ESTATE, "decode node: request %llu already started",
+                             (unsigned long long)st_->id);
+    if (st_->first_token < 0 || (uint32_t)st_->first_token >= n->model->hp.n_vocab)
+        return pdm_error_set(PDM_ERANGE, "decode node: first token %d is outside the vocabulary",
+                             st_->first_token);
+    if (st_->n_stops < 0 || st_->n_stops > PDM__MAX_STOPS)
+        return pdm_error_set(PDM_EINVAL, "decode node: at most %d stop strings", PDM__MAX_STOPS);
+    int st = pdm_sampler_params_check(&st_->sp);
+    if (!st) st = pdm_sampler_create(&st_->sp, (int32_t)n->model->hp.n_vocab, &s->sampler);
+    if (st) return st;
+    for (int i = 0; i < st_->n_stops; i++) {
+        if (!st_->stops[i] || !st_->stops[i][0]) continue;
+        if (!(s->stops[s->n_stops] = strdup(st_->stops[i])))
+            return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+        s->n_stops++;
+    }
+    pdm_detok_init(&s->detok, 0);
+    s->deadline = st_->deadline;
+    s->next = st_->first_token;
+    s->state = SEQ_STARTED;
+    s->t_start = pdm_now();
+    return PDM_OK;
+}
+
+/* Appends a generated token (text included) and decides whether the sequence ends; returns
+ * the finish reason or NULL. */
+static const char *pdm__append(pdm_decode_node_t *n, pdm__seq_t *s, int32_t tok)
+{
+    s->tokens[s->n_tokens++] = tok;
+    if (pdm_tokenizer_is_eog(n->model->tokenizer, tok)) return "eos";
+    char piece[256];
+    int w = pdm_detok_feed(&s->detok, n->model->tokenizer, tok, piece, sizeof(piece));
+    if (w > 0 && s->text_len + (size_t)w < PDM__TEXT_CAP) {
+        memcpy(s->text + s->text_len, piece, (size_t)w);
+        s->text_len += (size_t)w;
+        s->text[s->text_len] = 0;
+    }
+    for (int i = 0; i < s->n_stops; i++) {
+        char *hit = strstr(s->text, s->stops[i]);
+        if (hit) {
+            s->text_len = (size_t)(hit - s->text);
+            s->text[s->text_len] = 0;
+            return "stop";
+        }
+    }
+    if (s->n_tokens >= s->max_new) return "length";
+    return NULL;
+}
+
+static void pdm__finish(pdm_decode_node_t *n, pdm__seq_t *s, const char *why,
+                        pdm_decode_event_cb cb, void *arg)
+{
+    if (!s->text) s->text_len = 0;
+    else s->text[s->text_len] = 0;
+    pdm_decode_event_t ev = {
+        .type = PDM_DECODE_EV_DONE, .id = s->id, .finish = why, .tokens = s->tokens,
+        .n_tokens = s->n_tokens, .text = s->text ? s->text : "", .kv_seconds = s->kv_seconds,
+        .step_seconds = s->steps ? s->step_total / s->steps : 0, .kv_bytes = s->kv_bytes};
+    cb(arg, &ev);
+    pdm__seq_release(n, s);
+}
+
+static void pdm__fail(pdm_decode_node_t *n, pdm__seq_t *s, const char *msg,
+                      pdm_decode_event_cb cb, void *arg)
+{
+    pdm_decode_event_t ev = {.type = PDM_DECODE_EV_ERROR, .id = s->id, .error = msg};
+    cb(arg, &ev);
+    pdm__seq_release(n, s);
+}
+
+int pdm_decode_node_cancel(pdm_decode_node_t *n, uint64_t id)
+{
+    pdm__seq_t *s = pdm__find(n, id);
+    if (!s) return pdm_error_set(PDM_ENOTFOUND, "decode node: no request %llu",
+                                 (unsigned long long)id);
+    s->deadline = -1; /* finished as "cancelled" by the next round */
+    return PDM_OK;
+}
+
+int pdm_decode_node_running(const pdm_decode_node_t *n)
+{
+    int k = 0;
+    for (int i = 0; i < n->p.max_sequences; i++) k += n->seqs[i].state == SEQ_RUNNING;
+    return k;
+}
+
+int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void *arg)
+{
+    const double now = pdm_now();
+    /* Arrivals, cancellations and deadlines. */
+    for (int i = 0; i < n->p.max_sequences; i++) {
+        pdm__seq_t *s = &n->seqs[i];
+        if (s->state == SEQ_FREE) continue;
+        if (s->deadline < 0) {
+            pdm__finish(n, s, "cancelled", cb, arg);
+            continue;
+        }
+        if (s->deadline > 0 && now > s->deadline) {
+            pdm__finish(n, s, "deadline", cb, arg);
+            continue;
+        }
+        if (s->state == SEQ_RESERVED && now - s->t_start > n->p.kv_timeout) {
+            char msg[256];
+            snprintf(msg, sizeof(msg), "request %llu: reserved but not started within %.0f s",
+                     (unsigned long long)s->id, n->p.kv_timeout);
+            pdm__fail(n, s, msg, cb, arg);
+            continue;
+        }
+        if (s->state == SEQ_STARTED && !s->kv_done) {
+            int st = pdm_kvt_stream_rx_poll(s->rx);
+            if (st < 0) {
+                pdm__fail(n, s, pdm_error_last(), cb, arg);
+                continue;
+            }
+            if (st == 0) {
+                if (now - s->t_start > n->p.kv_timeout) {
+                    char msg[256];
+                    snprintf(msg, sizeof(msg), "request %llu: KV did not arrive within %.0f s",
+                             (unsigned long long)s->id, n->p.kv_timeout);
+                    pdm__fail(n, s, msg, cb, arg);
+                }
+                continue;
+            }
+            pdm_kvt_stream_stats_t ss;
+            pdm_kvt_stream_rx_stats(s->rx, &ss);
+            s->kv_bytes = ss.bytes;
+            s->kv_done = 1;
+            s->kv_seconds = pdm_now() - s->t_start;
+            pdm_kvt_stream_rx_destroy(s->rx); /* every receive completed: drains leftovers */
+            s->rx = NULL;
+            s->cache->n_tokens = s->n_prompt;
+            /* The first token (from the prefill side) is the first generated token. */
+            pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id,
+                                     .token = s->next, .index = 0};
+            cb(arg, &ev);
+            const char *why = pdm__append(n, s, s->next);
+            if (why) {
+                pdm__finish(n, s, why, cb, arg);
+                continue;
+            }
+            s->state = SEQ_RUNNING;
+        }
+    }
+    /* One batched step over up to max_batch running sequences (round robin when more). */
+    pdm_decode_seq_t batch[n->p.max_batch];
+    pdm__seq_t *who[n->p.max_batch];
+    int nb = 0;
+    for (int k = 0; k < n->p.max_sequences && nb < n->p.max_batch; k++) {
+        pdm__seq_t *s = &n->seqs[(n->rr + k) % n->p.max_sequences];
+        if (s->state != SEQ_RUNNING) continue;
+        batch[nb] = (pdm_decode_seq_t){s->cache, s->next, s->logits};
+        who[nb++] = s;
+    }
+    n->rr = (n->rr + 1) % n->p.max_sequences;
+    if (nb) {
+        double t0 = pdm_now();
+        int st = pdm_decode_step(n->ctx, &n->act, batch, nb);
+        double dt = pdm_now() - t0;
+        for (int k = 0; k < nb; k++) {
+            pdm__seq_t *s = who[k];
+            if (st) {
+                pdm__fail(n, s, pdm_error_last(), cb, arg);
+                continue;
+            }
+            s->step_total += dt;
+            s->steps++;
+            int32_t tok = pdm_sampler_sample(s->sampler, s->logits, s->tokens, s->n_tokens);
+            s->next = tok;
+            pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id, .token = tok,
+                                     .index = s->n_tokens};
+            cb(arg, &ev);
+            const char *why = pdm__append(n, s, tok);
+            if (why) pdm__finish(n, s, why, cb, arg);
+        }
+    }
+    int held = 0;
+    for (int i = 0; i < n->p.max_sequences; i++) held += n->seqs[i].state != SEQ_FREE;
+    return held;
+}
