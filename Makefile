@@ -44,7 +44,8 @@ DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
             tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
-            tests/unit/test_kvtransfer.c tests/unit/test_decode.c
+            tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
+            tests/unit/test_disagg.c
 
 LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
@@ -100,7 +101,7 @@ $(MODEL_FILE):
 # the CLI tests drive the real binary.
 unit: $(TEST_BIN) $(BINS)
 	CK_DEFAULT_TIMEOUT=120 PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=$(BUILD)/bin/pdmesh-prefill \
-	  $(TEST_BIN)
+	  PDMESH_DECODE_BIN=$(BUILD)/bin/pdmesh-decode $(TEST_BIN)
 
 cli-test: $(BINS)
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/cli/run.sh
@@ -122,6 +123,7 @@ asan:
 	  EXTRA_CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined" all
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 CK_DEFAULT_TIMEOUT=600 \
 	  PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=build-asan/bin/pdmesh-prefill \
+	  PDMESH_DECODE_BIN=build-asan/bin/pdmesh-decode \
 	  UCX_HANDLE_ERRORS=none build-asan/bin/pdm-tests
 
 # CUDA builds: the NCCL group transport, compiled and linked against the CUDA toolkit, and its

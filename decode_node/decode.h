@@ -107,5 +107,8 @@ typedef void (*pdm_decode_event_cb)(void *arg, const pdm_decode_event_t *ev);
 int pdm_decode_node_run_once(pdm_decode_node_t *node, pdm_decode_event_cb cb, void *arg);
 /* Number of sequences running a decode step (0 means run_once would only poll). */
 int pdm_decode_node_running(const pdm_decode_node_t *node);
+/* Sequences held in any state and KV token slots reserved (0 and 0 when idle: tests check
+ * that failures leave nothing behind). */
+void pdm_decode_node_usage(const pdm_decode_node_t *node, int *held, int64_t *kv_slots);
 
 #endif /* PDM_DECODE_H */

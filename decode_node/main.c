@@ -17,6 +17,7 @@
  *            "tokens":[...],"text":"...","kv_seconds":..,"step_seconds":..,"kv_bytes":..}
  *        or {"event":"error","id":N,"error":"..."}
  *   <- {"cmd":"cancel","id":N}   <- {"cmd":"quit"}
+ *   <- {"cmd":"stats"}  node -> {"event":"stats","held":N,"kv_slots":K,"running":R}
  *
  * The node keeps stepping its batch while it reads commands (poll without blocking when
  * sequences run). Diagnostics go to stderr; fd 1 points at stderr too, the protocol has its
@@ -199,6 +200,17 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
             cJSON_AddStringToObject(o, "error", id < 0 ? "start needs an id" : pdm_error_last());
             emit(o);
         }
+    } else if (!strcmp(name, "stats")) {
+        int held;
+        int64_t slots;
+        pdm_decode_node_usage(node, &held, &slots);
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "event", "stats");
+        cJSON_AddBoolToObject(o, "ok", 1);
+        cJSON_AddNumberToObject(o, "held", held);
+        cJSON_AddNumberToObject(o, "kv_slots", (double)slots);
+        cJSON_AddNumberToObject(o, "running", pdm_decode_node_running(node));
+        emit(o);
     } else if (!strcmp(name, "cancel")) {
         if (id < 0 || pdm_decode_node_cancel(node, (uint64_t)id))
             reply("error", id, 0, "cancel: unknown request");

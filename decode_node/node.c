@@ -269,6 +269,14 @@ int pdm_decode_node_cancel(pdm_decode_node_t *n, uint64_t id)
     return PDM_OK;
 }
 
+void pdm_decode_node_usage(const pdm_decode_node_t *n, int *held, int64_t *kv_slots)
+{
+    int k = 0;
+    for (int i = 0; i < n->p.max_sequences; i++) k += n->seqs[i].state != SEQ_FREE;
+    *held = k;
+    *kv_slots = n->kv_used;
+}
+
 int pdm_decode_node_running(const pdm_decode_node_t *n)
 {
     int k = 0;

@@ -693,3 +693,27 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
     }
     return PDM_OK;
 }
+
+int pdm_launch_decode_usage(pdm_launch_t *l, int *held, long *kv_slots)
+{
+    if (!l->has_decode) return pdm_error_set(PDM_ESTATE, "the mesh has no decode node");
+    int st = pdm__write_all(&l->proc[l->n], -1, "{\"cmd\":\"stats\"}\n");
+    double deadline = pdm_now() + l->p.timeout;
+    /* Events of finished requests may still be queued before the answer: skip them. */
+    while (!st) {
+        char *line = NULL;
+        st = pdm__read_line(&l->proc[l->n], -1, deadline, &line);
+        if (st) break;
+        cJSON *o = cJSON_Parse(line);
+        free(line);
+        const cJSON *ev = o ? cJSON_GetObjectItem(o, "event") : NULL;
+        if (cJSON_IsString(ev) && !strcmp(ev->valuestring, "stats")) {
+            *held = (int)pdm__num(o, "held");
+            *kv_slots = (long)pdm__num(o, "kv_slots");
+            cJSON_Delete(o);
+            return PDM_OK;
+        }
+        cJSON_Delete(o);
+    }
+    return st;
+}

@@ -290,6 +290,8 @@ typedef struct {
 int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n,
                         pdm_launch_response_t *out);
 void pdm_launch_response_free(pdm_launch_response_t *r);
+/* The decode node's sequences held and KV slots reserved (after all events were read). */
+int pdm_launch_decode_usage(pdm_launch_t *l, int *held, long *kv_slots);
 /* Process id of the decode node (-1 if none). */
 int pdm_launch_decode_pid(const pdm_launch_t *l);
 

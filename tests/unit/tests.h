@@ -18,6 +18,7 @@ Suite *suite_golden(void);
 Suite *suite_prefill(void);
 Suite *suite_kvtransfer(void);
 Suite *suite_decode(void);
+Suite *suite_disagg(void);
 
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
  * under /tmp). */

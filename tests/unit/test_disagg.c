@@ -1,0 +1,348 @@
+/*
+ * test_disagg.c - end to end: a prefill group of pdmesh-prefill processes streams KV into a
+ * pdmesh-decode process, which generates; greedy output must equal the single-process
+ * engine's for several concurrent requests, for every prefill method. And failures: a full
+ * decode node, a dead prefill rank (before and during streaming), a dead decode node; each
+ * reported as an error, none hanging, none leaving KV reserved on the decode node.
+ */
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/pdm.h"
+#include "prefill_node/prefill.h"
+#include "tests.h"
+
+static char model_path[600];
+
+static void make_model(void)
+{
+    snprintf(model_path, sizeof(model_path), "%s/disagg-model.gguf", pdm_test_tmpdir());
+    if (access(model_path, R_OK) == 0) return;
+    pdm_testmodel_params_t p;
+    pdm_testmodel_params_default(&p);
+    p.n_layers = 3;
+    p.d_model = 96;
+    p.n_heads = 6;
+    p.n_kv_heads = 2;
+    p.n_ff = 160;
+    p.n_ctx = 1024;
+    p.wtype = PDM_DT_F32;
+    p.embtype = PDM_DT_F32;
+    p.seed = 21;
+    if (pdm_testmodel_write(model_path, &p)) abort();
+}
+
+static const char *bin(const char *env, const char *def)
+{
+    const char *v = getenv(env);
+    return v && *v ? v : def;
+}
+
+static pdm_launch_t *start_mesh(const char *model, int ranks, const char *kv_dtype, long budget,
+                                double timeout)
+{
+    pdm_launch_params_t lp;
+    pdm_launch_params_default(&lp);
+    lp.bin = bin("PDMESH_PREFILL_BIN", "build/bin/pdmesh-prefill");
+    lp.decode_bin = bin("PDMESH_DECODE_BIN", "build/bin/pdmesh-decode");
+    lp.model = model;
+    lp.ranks = ranks;
+    lp.ctx_tokens = 1024;
+    lp.kv_dtype = kv_dtype;
+    lp.timeout = timeout;
+    lp.decode_batch = 8;
+    lp.decode_kv_budget = budget;
+    pdm_launch_t *l = NULL;
+    ck_assert_msg(pdm_launch_start(&lp, &l) == 0, "mesh: %s", pdm_error_last());
+    return l;
+}
+
+/* Greedy continuation by the single-process engine: max_new tokens or up to an EOG token. */
+static int engine_greedy(const char *path, pdm_dtype_t kv, const int32_t *ids, int n,
+                         int max_new, int32_t *out)
+{
+    pdm_model_t *m;
+    pdm_model_ctx_t *ctx;
+    pdm_kv_cache_t *cache;
+    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 64, &ctx), 0);
+    ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n + max_new, kv, &cache), 0);
+    float *logits = malloc(sizeof(float) * m->hp.n_vocab);
+    ck_assert_int_eq(pdm_model_prefill(ctx, cache, ids, n, logits), 0);
+    int k = 0;
+    for (;;) {
+        int32_t best = 0;
+        for (uint32_t i = 1; i < m->hp.n_vocab; i++)
+            if (logits[i] > logits[best]) best = (int32_t)i;
+        out[k++] = best;
+        if (k == max_new || pdm_tokenizer_is_eog(m->tokenizer, best)) break;
+        ck_assert_int_eq(pdm_model_decode(ctx, cache, best, logits), 0);
+    }
+    free(logits);
+    pdm_kv_cache_destroy(cache);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+    return k;
+}
+
+static void random_ids(int32_t *ids, int n, uint32_t vocab, uint64_t seed)
+{
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)(3 + pdm_splitmix64(&seed) % (vocab - 3));
+}
+
+static void assert_idle(pdm_launch_t *l)
+{
+    int held = -1;
+    long slots = -1;
+    ck_assert_msg(pdm_launch_decode_usage(l, &held, &slots) == 0, "%s", pdm_error_last());
+    ck_assert_msg(held == 0 && slots == 0, "decode node still holds %d sequences, %ld KV slots",
+                  held, slots);
+}
+
+/* Three concurrent requests per method, R ranks, against the engine. */
+static void run_methods(int R)
+{
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(model_path, &m), 0);
+    const uint32_t vocab = m->hp.n_vocab;
+    pdm_model_free(m);
+    pdm_launch_t *l = start_mesh(model_path, R, "f32", 1 << 16, 60);
+    const int lens[3] = {9, 23, 40}, max_new = 10;
+    int32_t ids[3][64], want[3][16];
+    int n_want[3];
+    for (int i = 0; i < 3; i++) {
+        random_ids(ids[i], lens[i], vocab, 500 + (uint64_t)(R * 10 + i));
+        n_want[i] = engine_greedy(model_path, PDM_DT_F32, ids[i], lens[i], max_new, want[i]);
+    }
+    for (int mi = 0; mi < PDM_PREFILL_AUTO; mi++) {
+        pdm_prefill_method_t meth = (pdm_prefill_method_t)mi;
+        if (meth == PDM_PREFILL_KVR_P || (meth == PDM_PREFILL_SINGLE) != (R == 1)) continue;
+        int chunks[3][PDM_KVT_MAX_RANKS];
+        pdm_launch_request_t reqs[3];
+        for (int i = 0; i < 3; i++) {
+            reqs[i] = (pdm_launch_request_t){.tokens = ids[i], .n_tokens = lens[i],
+                                             .method = meth, .max_new = max_new};
+            pdm_sampler_params_default(&reqs[i].sp);
+            reqs[i].sp.temperature = 0;
+            if (pdm_prefill_method_is_kvr(meth) || meth == PDM_PREFILL_TSP) {
+                uint64_t s = 77 + (uint64_t)i; /* uneven for kvr-s, even otherwise */
+                for (int r = 0; r < R; r++) chunks[i][r] = 1;
+                for (int left = lens[i] - R; left > 0; left--)
+                    chunks[i][meth == PDM_PREFILL_KVR_S ? (int)(pdm_splitmix64(&s) % (uint64_t)R) : left % R]++;
+                if (meth != PDM_PREFILL_TSP) reqs[i].chunks = chunks[i];
+            }
+        }
+        pdm_launch_response_t out[3];
+        ck_assert_msg(pdm_launch_generate(l, reqs, 3, out) == 0, "%s: %s",
+                      pdm_prefill_method_name(meth), pdm_error_last());
+        for (int i = 0; i < 3; i++) {
+            ck_assert_msg(out[i].ok, "R=%d %s prompt %d: %s", R, pdm_prefill_method_name(meth), i,
+                          out[i].error);
+            ck_assert_msg(out[i].n_tokens == n_want[i], "R=%d %s prompt %d: %d tokens, engine %d",
+                          R, pdm_prefill_method_name(meth), i, out[i].n_tokens, n_want[i]);
+            for (int k = 0; k < n_want[i]; k++)
+                ck_assert_msg(out[i].tokens[k] == want[i][k], "R=%d %s prompt %d token %d: %d, "
+                              "engine %d", R, pdm_prefill_method_name(meth), i, k,
+                              out[i].tokens[k], want[i][k]);
+            ck_assert(out[i].kv_bytes > 0);
+            pdm_launch_response_free(&out[i]);
+        }
+    }
+    assert_idle(l);
+    pdm_launch_stop(l);
+}
+
+START_TEST(test_disagg_r1) { run_methods(1); }
+END_TEST
+START_TEST(test_disagg_r2) { run_methods(2); }
+END_TEST
+START_TEST(test_disagg_r3) { run_methods(3); }
+END_TEST
+
+/* The real model (f16 KV): tsp and kvr-e give the engine's KV exactly, so greedy text must be
+ * identical; cp-kv's merged attention differs in the last bits (see test_prefill.c), checked
+ * on its first tokens. */
+START_TEST(test_disagg_real_model)
+{
+    const char *path = pdm_test_model_path();
+    if (!path) {
+        fprintf(stderr, "disagg: real model not present, skipping\n");
+        return;
+    }
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    const char *texts[2] = {"The three primary colors are", "def fibonacci(n):"};
+    int32_t ids[2][64], want[2][24];
+    size_t n[2];
+    int n_want[2];
+    for (int i = 0; i < 2; i++)
+        ck_assert_int_eq(pdm_tokenizer_encode(m->tokenizer, texts[i], strlen(texts[i]),
+                                              PDM_TOKENIZE_ADD_BOS, ids[i], 64, &n[i]), 0);
+    pdm_model_free(m);
+    for (int i = 0; i < 2; i++)
+        n_want[i] = engine_greedy(path, PDM_DT_F16, ids[i], (int)n[i], 16, want[i]);
+    pdm_launch_t *l = start_mesh(path, 2, "f16", 1 << 16, 120);
+    const pdm_prefill_method_t ms[] = {PDM_PREFILL_TSP, PDM_PREFILL_KVR_E, PDM_PREFILL_CP_KV};
+    for (size_t mi = 0; mi < PDM_ARRAY_SIZE(ms); mi++) {
+        pdm_launch_request_t reqs[2];
+        for (int i = 0; i < 2; i++) {
+            reqs[i] = (pdm_launch_request_t){.tokens = ids[i], .n_tokens = (int32_t)n[i],
+                                             .method = ms[mi], .max_new = 16};
+            pdm_sampler_params_default(&reqs[i].sp);
+            reqs[i].sp.temperature = 0;
+        }
+        pdm_launch_response_t out[2];
+        ck_assert_msg(pdm_launch_generate(l, reqs, 2, out) == 0, "%s", pdm_error_last());
+        for (int i = 0; i < 2; i++) {
+            ck_assert_msg(out[i].ok, "%s: %s", pdm_prefill_method_name(ms[mi]), out[i].error);
+            int must = ms[mi] == PDM_PREFILL_CP_KV ? 4 : n_want[i];
+            ck_assert_int_ge(out[i].n_tokens, must);
+            for (int k = 0; k < must; k++)
+                ck_assert_msg(out[i].tokens[k] == want[i][k], "%s prompt %d token %d: %d, "
+                              "engine %d", pdm_prefill_method_name(ms[mi]), i, k,
+                              out[i].tokens[k], want[i][k]);
+            pdm_launch_response_free(&out[i]);
+        }
+    }
+    assert_idle(l);
+    pdm_launch_stop(l);
+}
+END_TEST
+
+/* A decode node without room refuses with "full"; the other requests still run. */
+START_TEST(test_disagg_node_full)
+{
+    pdm_launch_t *l = start_mesh(model_path, 2, "f32", 60, 30);
+    int32_t a[30], b[40];
+    random_ids(a, 30, 256, 1);
+    random_ids(b, 40, 256, 2);
+    pdm_launch_request_t reqs[2] = {{.tokens = a, .n_tokens = 30, .method = PDM_PREFILL_CP_KV,
+                                     .max_new = 8},
+                                    {.tokens = b, .n_tokens = 40, .method = PDM_PREFILL_CP_KV,
+                                     .max_new = 8}};
+    for (int i = 0; i < 2; i++) {
+        pdm_sampler_params_default(&reqs[i].sp);
+        reqs[i].sp.temperature = 0;
+    }
+    pdm_launch_response_t out[2];
+    ck_assert_int_eq(pdm_launch_generate(l, reqs, 2, out), 0);
+    ck_assert_msg(out[0].ok, "%s", out[0].error);
+    ck_assert(!out[1].ok);
+    ck_assert_msg(strstr(out[1].error, "full") != NULL, "%s", out[1].error);
+    pdm_launch_response_free(&out[0]);
+    pdm_launch_response_free(&out[1]);
+    assert_idle(l);
+    pdm_launch_stop(l);
+}
+END_TEST
+
+/* A prefill rank that died: the request fails with an error and its reservation is
+ * released on the decode node. */
+START_TEST(test_disagg_dead_prefill_rank)
+{
+    pdm_launch_t *l = start_mesh(model_path, 2, "f32", 1 << 16, 5);
+    kill(pdm_launch_pid(l, 1), SIGKILL);
+    int32_t a[30];
+    random_ids(a, 30, 256, 3);
+    pdm_launch_request_t req = {.tokens = a, .n_tokens = 30, .method = PDM_PREFILL_KVR_E,
+                                .max_new = 8};
+    pdm_sampler_params_default(&req.sp);
+    pdm_launch_response_t out;
+    double t0 = pdm_now();
+    pdm_launch_generate(l, &req, 1, &out);
+    ck_assert(!out.ok);
+    ck_assert_msg(strstr(out.error, "prefill") != NULL, "%s", out.error);
+    ck_assert(pdm_now() - t0 < 20);
+    pdm_launch_response_free(&out);
+    usleep(200000);
+    assert_idle(l);
+    pdm_launch_stop(l);
+}
+END_TEST
+
+typedef struct {
+    pid_t pid;
+    int delay_ms;
+} killer_t;
+
+static void *killer_main(void *p)
+{
+    killer_t *k = p;
+    usleep((useconds_t)k->delay_ms * 1000);
+    kill(k->pid, SIGKILL);
+    return NULL;
+}
+
+/* A prefill rank killed while it computes and streams a long prompt: the decode node sees
+ * the peer fail (or its KV deadline) and reports an error; nothing stays reserved. */
+START_TEST(test_disagg_rank_killed_mid_stream)
+{
+    pdm_launch_t *l = start_mesh(model_path, 2, "f32", 1 << 16, 5);
+    static int32_t a[900];
+    random_ids(a, 900, 256, 4);
+    pdm_launch_request_t req = {.tokens = a, .n_tokens = 900, .method = PDM_PREFILL_CP_KV,
+                                .max_new = 4};
+    pdm_sampler_params_default(&req.sp);
+    killer_t k = {pdm_launch_pid(l, 0), 30};
+    pthread_t th;
+    pthread_create(&th, NULL, killer_main, &k);
+    pdm_launch_response_t out;
+    double t0 = pdm_now();
+    pdm_launch_generate(l, &req, 1, &out);
+    pthread_join(th, NULL);
+    ck_assert_msg(!out.ok, "the request survived its rank's death");
+    ck_assert(pdm_now() - t0 < 30);
+    pdm_launch_response_free(&out);
+    usleep(200000);
+    assert_idle(l);
+    pdm_launch_stop(l);
+}
+END_TEST
+
+/* The decode node killed: the run ends with an error instead of hanging. */
+START_TEST(test_disagg_dead_decode_node)
+{
+    pdm_launch_t *l = start_mesh(model_path, 2, "f32", 1 << 16, 5);
+    kill(pdm_launch_decode_pid(l), SIGKILL);
+    int32_t a[30];
+    random_ids(a, 30, 256, 5);
+    pdm_launch_request_t req = {.tokens = a, .n_tokens = 30, .method = PDM_PREFILL_CP_Q,
+                                .max_new = 8};
+    pdm_sampler_params_default(&req.sp);
+    pdm_launch_response_t out;
+    double t0 = pdm_now();
+    ck_assert_int_ne(pdm_launch_generate(l, &req, 1, &out), 0);
+    ck_assert(!out.ok);
+    ck_assert(pdm_now() - t0 < 20);
+    pdm_launch_response_free(&out);
+    pdm_launch_stop(l);
+}
+END_TEST
+
+static void setup(void)
+{
+    make_model();
+    setenv("UCX_HANDLE_ERRORS", "none", 0);
+}
+
+Suite *suite_disagg(void)
+{
+    Suite *s = suite_create("disagg");
+    TCase *tc = tcase_create("end-to-end");
+    tcase_add_unchecked_fixture(tc, setup, NULL);
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_disagg_r1);
+    tcase_add_test(tc, test_disagg_r2);
+    tcase_add_test(tc, test_disagg_r3);
+    tcase_add_test(tc, test_disagg_real_model);
+    tcase_add_test(tc, test_disagg_node_full);
+    tcase_add_test(tc, test_disagg_dead_prefill_rank);
+    tcase_add_test(tc, test_disagg_rank_killed_mid_stream);
+    tcase_add_test(tc, test_disagg_dead_decode_node);
+    suite_add_tcase(s, tc);
+    return s;
+}
