@@ -240,6 +240,44 @@ static int pdm__read_event(pdm__proc_t *pr, int rank, const char *event, double 
     return PDM_OK;
 }
 
+static double pdm__num(const cJSON *o, const char *key);
+
+/* Reads the next event of a rank for task `id`, skipping late answers to earlier tasks that
+ * the launcher gave up on (they carry another id). */
+static int pdm__read_task_event(pdm__proc_t *pr, int rank, const char *event, uint32_t id,
+                                double deadline, cJSON **out)
+{
+    for (;;) {
+        char *line = NULL;
+        int st = pdm__read_line(pr, rank, deadline, &line);
+        if (st) return st;
+        cJSON *o = cJSON_Parse(line);
+        free(line);
+        const cJSON *tid = o ? cJSON_GetObjectItem(o, "id") : NULL;
+        if (cJSON_IsNumber(tid) && (uint32_t)tid->valuedouble != id) {
+            cJSON_Delete(o); /* a stale answer */
+            continue;
+        }
+        const cJSON *ev = o ? cJSON_GetObjectItem(o, "event") : NULL;
+        const cJSON *ok = o ? cJSON_GetObjectItem(o, "ok") : NULL;
+        const cJSON *err = o ? cJSON_GetObjectItem(o, "error") : NULL;
+        char who[32];
+        pdm__who(rank, who, sizeof(who));
+        if (!cJSON_IsString(ev)) {
+            cJSON_Delete(o);
+            return pdm_error_set(PDM_EFORMAT, "%s sent a malformed line", who);
+        }
+        if (cJSON_IsFalse(ok) || strcmp(ev->valuestring, event)) {
+            st = pdm_error_set(PDM_EPEER, "%s: %s", who,
+                               cJSON_IsString(err) ? err->valuestring : "unexpected answer");
+            cJSON_Delete(o);
+            return st;
+        }
+        *out = o;
+        return PDM_OK;
+    }
+}
+
 /* A number field of a rank's event, 0 when missing (a rank's lines are checked, not
  * trusted). */
 static double pdm__num(const cJSON *o, const char *key)
@@ -397,8 +435,9 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
     if (kv_out) unlink(kv_out); /* the ranks create it afresh */
     cJSON *cmd = cJSON_CreateObject();
     cJSON_AddStringToObject(cmd, "cmd", "task");
-    cJSON_AddNumberToObject(cmd, "id", task->id ? task->id : l->next_task);
-    l->next_task = (task->id ? task->id : l->next_task) + 1;
+    const uint32_t task_id = task->id ? task->id : l->next_task;
+    cJSON_AddNumberToObject(cmd, "id", task_id);
+    l->next_task = task_id + 1;
     cJSON_AddStringToObject(cmd, "method", pdm_prefill_method_name(task->method));
     cJSON_AddNumberToObject(cmd, "start", task->start);
     cJSON_AddItemToObject(cmd, "tokens", cJSON_CreateIntArray(task->tokens, task->n_tokens));
@@ -449,7 +488,7 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
             if (pfd[k].fd != -1 && !pfd[k].revents) continue;
             int i = idx[k];
             cJSON *o = NULL;
-            int rst = pdm__read_event(&l->proc[i], i, "result", deadline, &o);
+            int rst = pdm__read_task_event(&l->proc[i], i, "result", task_id, deadline, &o);
             double now = pdm_now();
             done[i] = 1;
             remaining--;
@@ -487,7 +526,7 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
     if (!st && !first_err && kv_out) {
         for (int i = 0; i < l->n && !st; i++) {
             cJSON *o;
-            st = pdm__read_event(&l->proc[i], i, "dumped", deadline, &o);
+            st = pdm__read_task_event(&l->proc[i], i, "dumped", task_id, deadline, &o);
             if (!st) cJSON_Delete(o);
         }
     }

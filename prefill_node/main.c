@@ -46,10 +46,15 @@ static void emit(cJSON *obj)
     cJSON_Delete(obj);
 }
 
+/* Id of the task being answered (results carry it so that a launcher that gave up on a
+ * task can tell its late answers from the next task's); -1 outside tasks. */
+static double current_task = -1;
+
 static void emit_error(const char *event, const char *msg)
 {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "event", event);
+    if (current_task >= 0) cJSON_AddNumberToObject(o, "id", current_task);
     cJSON_AddBoolToObject(o, "ok", 0);
     cJSON_AddStringToObject(o, "error", msg);
     emit(o);
@@ -209,6 +214,7 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
     }
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "event", "result");
+    cJSON_AddNumberToObject(o, "id", current_task);
     cJSON_AddBoolToObject(o, "ok", 1);
     cJSON_AddNumberToObject(o, "rank", g->rank);
     cJSON_AddBoolToObject(o, "owner", res.owner);
@@ -258,6 +264,7 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
         } else {
             cJSON *d = cJSON_CreateObject();
             cJSON_AddStringToObject(d, "event", "dumped");
+            cJSON_AddNumberToObject(d, "id", current_task);
             cJSON_AddBoolToObject(d, "ok", 1);
             emit(d);
         }
@@ -454,10 +461,13 @@ int main(int argc, char **argv)
             else
                 handle_pingpong(cmd, &group);
         } else if (!strcmp(name->valuestring, "task")) {
+            const cJSON *tid = cJSON_GetObjectItem(cmd, "id");
+            current_task = cJSON_IsNumber(tid) ? tid->valuedouble : -1;
             if (!grouped)
                 emit_error("result", "task before group");
             else
                 handle_task(cmd, rank, model, &group);
+            current_task = -1;
         } else {
             emit_error("error", "unknown command");
         }

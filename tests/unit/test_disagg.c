@@ -323,6 +323,33 @@ START_TEST(test_disagg_dead_decode_node)
 }
 END_TEST
 
+/* The decode node killed while the ranks stream: the run fails quickly, and the prefill group
+ * still serves tasks that do not stream. */
+START_TEST(test_disagg_decode_killed_mid_stream)
+{
+    pdm_launch_t *l = start_mesh(model_path, 2, "f32", 1 << 16, 5);
+    static int32_t a[900];
+    random_ids(a, 900, 256, 6);
+    pdm_launch_request_t req = {.tokens = a, .n_tokens = 900, .method = PDM_PREFILL_KVR_E,
+                                .max_new = 4};
+    pdm_sampler_params_default(&req.sp);
+    killer_t k = {pdm_launch_decode_pid(l), 30};
+    pthread_t th;
+    pthread_create(&th, NULL, killer_main, &k);
+    pdm_launch_response_t out;
+    double t0 = pdm_now();
+    pdm_launch_generate(l, &req, 1, &out);
+    pthread_join(th, NULL);
+    ck_assert(!out.ok);
+    ck_assert(pdm_now() - t0 < 30);
+    pdm_launch_response_free(&out);
+    pdm_prefill_task_t t = {.method = PDM_PREFILL_CP_KV, .tokens = a, .n_tokens = 50};
+    pdm_launch_result_t res;
+    ck_assert_msg(pdm_launch_task(l, &t, NULL, NULL, &res) == 0, "%s", pdm_error_last());
+    pdm_launch_stop(l);
+}
+END_TEST
+
 static void setup(void)
 {
     make_model();
@@ -343,6 +370,7 @@ Suite *suite_disagg(void)
     tcase_add_test(tc, test_disagg_dead_prefill_rank);
     tcase_add_test(tc, test_disagg_rank_killed_mid_stream);
     tcase_add_test(tc, test_disagg_dead_decode_node);
+    tcase_add_test(tc, test_disagg_decode_killed_mid_stream);
     suite_add_tcase(s, tc);
     return s;
 }
