@@ -118,3 +118,43 @@ int pdm_parse_double(const char *s, double min, double max, double *out)
     *out = v;
     return PDM_OK;
 }
+
+char *pdm_hex_encode(const void *data, size_t len)
+{
+    static const char digits[] = "0123456789abcdef";
+    char *s = malloc(2 * len + 1);
+    if (!s) return NULL;
+    for (size_t i = 0; i < len; i++) {
+        s[2 * i] = digits[((const uint8_t *)data)[i] >> 4];
+        s[2 * i + 1] = digits[((const uint8_t *)data)[i] & 15];
+    }
+    s[2 * len] = 0;
+    return s;
+}
+
+static int pdm__hex_digit(char c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+int pdm_hex_decode(const char *s, uint8_t **out, size_t *len)
+{
+    size_t n = s ? strlen(s) : 0;
+    if (n == 0 || n % 2) return PDM_EFORMAT;
+    uint8_t *b = malloc(n / 2);
+    if (!b) return PDM_ENOMEM;
+    for (size_t i = 0; i < n / 2; i++) {
+        int hi = pdm__hex_digit(s[2 * i]), lo = pdm__hex_digit(s[2 * i + 1]);
+        if (hi < 0 || lo < 0) {
+            free(b);
+            return PDM_EFORMAT;
+        }
+        b[i] = (uint8_t)(hi << 4 | lo);
+    }
+    *out = b;
+    *len = n / 2;
+    return PDM_OK;
+}

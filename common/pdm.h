@@ -95,6 +95,12 @@ static inline uint64_t pdm_splitmix64(uint64_t *state)
     return z ^ (z >> 31);
 }
 
+/* Lower-case hex of `len` bytes, malloc'd and NUL-terminated (NULL if out of memory). */
+char *pdm_hex_encode(const void *data, size_t len);
+/* Decodes lower- or upper-case hex into a malloc'd buffer; PDM_EFORMAT if `s` is empty, of odd
+ * length or not hex, PDM_ENOMEM. Writes the outputs only on success. */
+int pdm_hex_decode(const char *s, uint8_t **out, size_t *len);
+
 #define PDM_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 #define PDM_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define PDM_MAX(a, b) ((a) > (b) ? (a) : (b))

@@ -92,27 +92,6 @@ static void on_event(void *arg, const pdm_decode_event_t *ev)
     emit(o);
 }
 
-static int hex_decode(const char *s, uint8_t **out, size_t *len)
-{
-    size_t n = strlen(s);
-    if (n == 0 || n % 2) return PDM_EFORMAT;
-    uint8_t *b = malloc(n / 2);
-    if (!b) return PDM_ENOMEM;
-    for (size_t i = 0; i < n; i++) {
-        char c = s[i];
-        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-        if (d < 0) {
-            free(b);
-            return PDM_EFORMAT;
-        }
-        if (i % 2 == 0) b[i / 2] = (uint8_t)(d << 4);
-        else b[i / 2] |= (uint8_t)d;
-    }
-    *out = b;
-    *len = n / 2;
-    return PDM_OK;
-}
-
 static double num(const cJSON *o, const char *key, double def)
 {
     const cJSON *v = cJSON_GetObjectItem(o, key);
@@ -133,7 +112,7 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
         {
             uint8_t *b;
             size_t len;
-            if (!cJSON_IsString(a) || hex_decode(a->valuestring, &b, &len)) {
+            if (!cJSON_IsString(a) || pdm_hex_decode(a->valuestring, &b, &len)) {
                 reply("connected", -1, 0, "an address is not hex");
                 return;
             }
@@ -274,9 +253,7 @@ int main(int argc, char **argv)
     const void *addr;
     size_t alen;
     pdm_kvt_address(kvt, &addr, &alen);
-    char *hex = malloc(2 * alen + 1);
-    for (size_t i = 0; hex && i < alen; i++)
-        snprintf(hex + 2 * i, 3, "%02x", ((const uint8_t *)addr)[i]);
+    char *hex = pdm_hex_encode(addr, alen);
     cJSON *hello = cJSON_CreateObject();
     cJSON_AddStringToObject(hello, "event", "hello");
     cJSON_AddStringToObject(hello, "address", hex ? hex : "");

@@ -60,43 +60,6 @@ static void emit_error(const char *event, const char *msg)
     emit(o);
 }
 
-static char *hex_encode(const void *data, size_t len)
-{
-    static const char digits[] = "0123456789abcdef";
-    char *s = malloc(2 * len + 1);
-    if (!s) return NULL;
-    for (size_t i = 0; i < len; i++) {
-        s[2 * i] = digits[((const uint8_t *)data)[i] >> 4];
-        s[2 * i + 1] = digits[((const uint8_t *)data)[i] & 15];
-    }
-    s[2 * len] = 0;
-    return s;
-}
-
-static int hex_decode(const char *s, uint8_t **out, size_t *len)
-{
-    size_t n = strlen(s);
-    if (n == 0 || n % 2) return PDM_EFORMAT;
-    uint8_t *b = malloc(n / 2);
-    if (!b) return PDM_ENOMEM;
-    for (size_t i = 0; i < n / 2; i++) {
-        int v = 0;
-        for (int k = 0; k < 2; k++) {
-            char c = s[2 * i + k];
-            int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-            if (d < 0) {
-                free(b);
-                return PDM_EFORMAT;
-            }
-            v = v * 16 + d;
-        }
-        b[i] = (uint8_t)v;
-    }
-    *out = b;
-    *len = n / 2;
-    return PDM_OK;
-}
-
 /* Reads an int array field; PDM_EFORMAT if it is not an array of integers in [min, max]. */
 static int json_ints(const cJSON *arr, long min, long max, int32_t **out, int *n)
 {
@@ -136,7 +99,7 @@ static int handle_group(const cJSON *cmd, pdm_kvt_t *kvt, pdm_kvt_group_t *g, do
     size_t lens[PDM_KVT_MAX_RANKS] = {0};
     for (int i = 0; i < R && !st; i++) {
         const cJSON *a = cJSON_GetArrayItem(addrs, i);
-        if (!cJSON_IsString(a) || hex_decode(a->valuestring, &bufs[i], &lens[i]))
+        if (!cJSON_IsString(a) || pdm_hex_decode(a->valuestring, &bufs[i], &lens[i]))
             st = pdm_error_set(PDM_EFORMAT, "group command: address %d is not hex", i);
     }
     if (!st)
@@ -147,7 +110,7 @@ static int handle_group(const cJSON *cmd, pdm_kvt_t *kvt, pdm_kvt_group_t *g, do
     if (!st && cJSON_IsString(dec)) {
         uint8_t *a;
         size_t alen;
-        if (hex_decode(dec->valuestring, &a, &alen))
+        if (pdm_hex_decode(dec->valuestring, &a, &alen))
             return pdm_error_set(PDM_EFORMAT, "group command: decode_addr is not hex");
         st = pdm_kvt_connect(kvt, a, alen, &decode_peer);
         free(a);
@@ -414,7 +377,7 @@ int main(int argc, char **argv)
     const void *addr;
     size_t alen;
     pdm_kvt_address(kvt, &addr, &alen);
-    char *hex = hex_encode(addr, alen);
+    char *hex = pdm_hex_encode(addr, alen);
     cJSON *hello = cJSON_CreateObject();
     cJSON_AddStringToObject(hello, "event", "hello");
     cJSON_AddStringToObject(hello, "address", hex ? hex : "");

@@ -2,6 +2,7 @@
  * test_common.c - status strings, thread-local error messages, number parsing.
  */
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/pdm.h"
@@ -40,12 +41,34 @@ START_TEST(test_parse)
 }
 END_TEST
 
+START_TEST(test_hex_roundtrip)
+{
+    const uint8_t data[5] = {0x00, 0x7f, 0x80, 0xab, 0xff};
+    char *h = pdm_hex_encode(data, sizeof(data));
+    ck_assert_str_eq(h, "007f80abff");
+    uint8_t *back;
+    size_t len;
+    ck_assert_int_eq(pdm_hex_decode(h, &back, &len), PDM_OK);
+    ck_assert_uint_eq(len, 5);
+    ck_assert(memcmp(back, data, 5) == 0);
+    free(back);
+    free(h);
+    ck_assert_int_eq(pdm_hex_decode("ABcd", &back, &len), PDM_OK);
+    ck_assert_uint_eq(back[0], 0xab);
+    free(back);
+    ck_assert_int_eq(pdm_hex_decode("", &back, &len), PDM_EFORMAT);
+    ck_assert_int_eq(pdm_hex_decode("abc", &back, &len), PDM_EFORMAT);
+    ck_assert_int_eq(pdm_hex_decode("zz", &back, &len), PDM_EFORMAT);
+}
+END_TEST
+
 Suite *suite_common(void)
 {
     Suite *s = suite_create("common");
     TCase *tc = tcase_create("common");
     tcase_add_test(tc, test_errors);
     tcase_add_test(tc, test_parse);
+    tcase_add_test(tc, test_hex_roundtrip);
     suite_add_tcase(s, tc);
     return s;
 }
