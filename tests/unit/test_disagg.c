@@ -213,7 +213,8 @@ START_TEST(test_disagg_real_model)
 }
 END_TEST
 
-/* A decode node without room refuses with "full"; the other requests still run. */
+/* A decode node without room refuses with "full"; the other requests still run. (Request 1
+ * alone exceeds the budget, so the outcome does not depend on request 0 finishing first.) */
 START_TEST(test_disagg_node_full)
 {
     pdm_launch_t *l = start_mesh(model_path, 2, "f32", 60, 30);
@@ -223,7 +224,7 @@ START_TEST(test_disagg_node_full)
     pdm_launch_request_t reqs[2] = {{.tokens = a, .n_tokens = 30, .method = PDM_PREFILL_CP_KV,
                                      .max_new = 8},
                                     {.tokens = b, .n_tokens = 40, .method = PDM_PREFILL_CP_KV,
-                                     .max_new = 8}};
+                                     .max_new = 30}};
     for (int i = 0; i < 2; i++) {
         pdm_sampler_params_default(&reqs[i].sp);
         reqs[i].sp.temperature = 0;
