@@ -189,6 +189,17 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
         cJSON_AddNumberToObject(o, "held", held);
         cJSON_AddNumberToObject(o, "kv_slots", (double)slots);
         cJSON_AddNumberToObject(o, "running", pdm_decode_node_running(node));
+        /* KV received from each prefill rank so far (transfer statistics for metrics). */
+        cJSON *peers = cJSON_AddArrayToObject(o, "ranks");
+        for (int r = 0; r < n_ranks; r++) {
+            pdm_kvt_stats_t ps;
+            if (pdm_kvt_peer_stats(kvt, rank_peer[r], &ps)) continue;
+            cJSON *e = cJSON_CreateObject();
+            cJSON_AddNumberToObject(e, "rank", r);
+            cJSON_AddNumberToObject(e, "bytes_received", (double)ps.bytes_received);
+            cJSON_AddNumberToObject(e, "messages", (double)ps.receives);
+            cJSON_AddItemToArray(peers, e);
+        }
         emit(o);
     } else if (!strcmp(name, "cancel")) {
         if (id < 0 || pdm_decode_node_cancel(node, (uint64_t)id))

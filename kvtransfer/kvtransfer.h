@@ -94,6 +94,8 @@ typedef struct {
     uint64_t failures;
 } pdm_kvt_stats_t;
 void pdm_kvt_stats(pdm_kvt_t *kvt, pdm_kvt_stats_t *out);
+/* The same counters for the traffic with one peer. */
+int pdm_kvt_peer_stats(pdm_kvt_t *kvt, int peer, pdm_kvt_stats_t *out);
 /* A one-line description of the transports UCX chose towards `peer` (for logs and
  * benchmarks); empty if unknown. */
 void pdm_kvt_peer_transports(pdm_kvt_t *kvt, int peer, char *buf, size_t size);

@@ -47,6 +47,7 @@ typedef struct pdm__slot {
 
 typedef struct {
     ucp_ep_h ep;
+    pdm_kvt_stats_t stats; /* traffic with this peer */
     int alive;
     int close_pending; /* failed: the progress thread must close ep */
     ucs_status_t reason;
@@ -107,12 +108,17 @@ static void pdm__slot_complete(pdm_kvt_t *kvt, pdm__slot_t *s, ucs_status_t st, 
     s->length = length;
     s->state = SLOT_DONE;
     if (st == UCS_OK) {
+        pdm_kvt_stats_t *ps = &kvt->peers[s->peer].stats;
         if (s->is_send) {
             kvt->stats.bytes_sent += length;
             kvt->stats.sends++;
+            ps->bytes_sent += length;
+            ps->sends++;
         } else {
             kvt->stats.bytes_received += length;
             kvt->stats.receives++;
+            ps->bytes_received += length;
+            ps->receives++;
         }
     }
     pthread_cond_broadcast(&kvt->cond);
@@ -630,6 +636,15 @@ void pdm_kvt_stats(pdm_kvt_t *kvt, pdm_kvt_stats_t *out)
     pthread_mutex_lock(&kvt->lock);
     *out = kvt->stats;
     pthread_mutex_unlock(&kvt->lock);
+}
+
+int pdm_kvt_peer_stats(pdm_kvt_t *kvt, int peer, pdm_kvt_stats_t *out)
+{
+    pthread_mutex_lock(&kvt->lock);
+    int ok = peer >= 0 && peer < kvt->n_peers;
+    if (ok) *out = kvt->peers[peer].stats;
+    pthread_mutex_unlock(&kvt->lock);
+    return ok ? PDM_OK : pdm_error_set(PDM_EINVAL, "kvtransfer: no peer %d", peer);
 }
 
 void pdm_kvt_peer_transports(pdm_kvt_t *kvt, int peer, char *buf, size_t size)

@@ -58,6 +58,10 @@ START_TEST(test_kvt_scatter_gather)
     pdm_kvt_stats_t st;
     pdm_kvt_stats(p.b, &st);
     ck_assert_uint_eq(st.bytes_received, 13);
+    pdm_kvt_stats_t ps;
+    ck_assert_int_eq(pdm_kvt_peer_stats(p.a, p.a_to_b, &ps), 0);
+    ck_assert_uint_eq(ps.bytes_sent, 13);
+    ck_assert_uint_eq(ps.sends, 1);
     /* A handle is released by its wait: waiting again is an error, not a hang. */
     ck_assert_int_eq(pdm_kvt_wait(p.b, rr, pdm_now() + 1, NULL), PDM_EINVAL);
     pair_close(&p);
