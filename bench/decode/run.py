@@ -190,7 +190,7 @@ def plot(res):
     if not series:
         os.unlink(data)
         return
-    script = ("set terminal pngcairo size 900,500; set output '%s';"
+    script = ("set terminal pngcairo noenhanced size 900,500; set output '%s';"
               "set logscale xy 2; set xlabel 'sequences per step (B)'; set ylabel 'tokens/s';"
               "set key left top; set title 'Batched decode, SmolLM2-135M Q4_1';"
               % os.path.join(OUT, "decode.png"))

@@ -246,8 +246,9 @@ def plot(res):
                         f.write("%d %g\n" % (p["message_bytes"], (p[key] or float("nan")) / 1e9))
                 f.write("\n\n")
                 series.append("%s %s" % (tls, name))
-    script = ("set terminal pngcairo size 900,500; set output '%s';"
-              "set logscale x 2; set xlabel 'message bytes'; set ylabel 'GB/s';"
+    script = ("set terminal pngcairo noenhanced size 900,500; set output '%s';"
+              "set logscale x 2; set format x '%%.0b %%BB'; set xlabel 'message bytes';"
+              "set ylabel 'GB/s';"
               "set key left top; set title 'KV streaming vs ucx_perftest (tag_bw)';"
               % os.path.join(OUT, "transfer.png"))
     script += "plot " + ", ".join("'%s' index %d using 1:2 with linespoints title '%s'" % (
