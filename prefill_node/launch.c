@@ -319,28 +319,48 @@ static int pdm__send_json(pdm__proc_t *pr, int rank, cJSON *o)
     return st;
 }
 
-void pdm_launch_stop(pdm_launch_t *l)
+int pdm_launch_finish(pdm_launch_t *l)
 {
-    if (!l) return;
+    if (!l) return PDM_OK;
     for (int i = 0; i < l->n_procs; i++) {
-        pdm__write_all(&l->proc[i], i, "{\"cmd\":\"quit\"}\n");
+        pdm__write_all(&l->proc[i], i < l->n ? i : -1, "{\"cmd\":\"quit\"}\n");
         close(l->proc[i].in_fd);
     }
     double until = pdm_now() + 5.0;
+    int bad = 0;
+    char msg[256] = "";
     for (int i = 0; i < l->n_procs; i++) {
-        int status;
+        int status = 0, killed = 0;
         while (waitpid(l->proc[i].pid, &status, WNOHANG) == 0) {
             if (pdm_now() > until) {
                 kill(l->proc[i].pid, SIGKILL);
                 waitpid(l->proc[i].pid, &status, 0);
+                killed = 1;
                 break;
             }
             usleep(2000);
+        }
+        /* A clean quit is exit status 0; anything else (a crash, LeakSanitizer's exit code,
+         * a process that had to be killed) is reported. */
+        if (killed || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+            char who[32];
+            if (!bad)
+                snprintf(msg, sizeof(msg), "%s %s", pdm__who(i < l->n ? i : -1, who, sizeof(who)),
+                         killed ? "did not quit" : WIFSIGNALED(status) ? "was killed by a signal"
+                                                                     : "exited with an error");
+            bad++;
         }
         close(l->proc[i].out_fd);
         free(l->proc[i].buf);
     }
     free(l);
+    if (bad) return pdm_error_set(PDM_EPEER, "%d process(es) did not end cleanly: %s", bad, msg);
+    return PDM_OK;
+}
+
+void pdm_launch_stop(pdm_launch_t *l)
+{
+    pdm_launch_finish(l);
 }
 
 int pdm_launch_start(const pdm_launch_params_t *p, pdm_launch_t **out)

@@ -228,6 +228,9 @@ typedef struct pdm_launch pdm_launch_t;
 int pdm_launch_start(const pdm_launch_params_t *p, pdm_launch_t **out);
 /* Stops the ranks (quit, then SIGKILL after a grace period) and reaps them. */
 void pdm_launch_stop(pdm_launch_t *l);
+/* The same, and PDM_EPEER unless every process exited with status 0 after "quit" (a crash,
+ * a sanitizer's error exit such as LeakSanitizer's, or a process that had to be killed). */
+int pdm_launch_finish(pdm_launch_t *l);
 /* Process id of a rank (tests kill ranks to check failure handling). */
 int pdm_launch_pid(const pdm_launch_t *l, int rank);
 /* Transports UCX chose between rank 0 and rank 1, as reported by rank 0. */

@@ -153,7 +153,7 @@ static void run_methods(int R)
         }
     }
     assert_idle(l);
-    pdm_launch_stop(l);
+    ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
 }
 
 START_TEST(test_disagg_r1) { run_methods(1); }
@@ -209,7 +209,7 @@ START_TEST(test_disagg_real_model)
         }
     }
     assert_idle(l);
-    pdm_launch_stop(l);
+    ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
 }
 END_TEST
 
@@ -237,7 +237,7 @@ START_TEST(test_disagg_node_full)
     pdm_launch_response_free(&out[0]);
     pdm_launch_response_free(&out[1]);
     assert_idle(l);
-    pdm_launch_stop(l);
+    ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
 }
 END_TEST
 

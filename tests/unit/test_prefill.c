@@ -247,7 +247,7 @@ static void run_group_case(int R)
         }
         reference_free(&ref);
     }
-    pdm_launch_stop(l);
+    ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
 }
 
 START_TEST(test_group_r1) { run_group_case(1); }
@@ -305,7 +305,7 @@ START_TEST(test_group_state_errors)
     /* Still usable, and the cp conversation continued correctly after the refusals. */
     k.start = 20;
     ck_assert_msg(pdm_launch_task(l, &k, NULL, NULL, &res) == 0, "%s", pdm_error_last());
-    pdm_launch_stop(l);
+    ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
 }
 END_TEST
 
@@ -382,7 +382,7 @@ START_TEST(test_group_real_model)
     }
     check_task(l, &hp, PDM_PREFILL_CP_Q, ids, (int)n, 12, NULL, &ref, 0.5, 0.05,
                "real model partial cp-q");
-    pdm_launch_stop(l);
+    ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
     reference_free(&ref);
 }
 END_TEST
