@@ -20,7 +20,9 @@
 typedef struct {
     pdm_kv_cache_t *cache; /* the sequence's KV; the token goes to slot cache->n_tokens */
     int32_t token;         /* input token of this step */
-    float *logits;         /* out: [n_vocab] next-token logits */
+    float *logits;         /* out: [n_vocab] next-token logits; when the n outputs are
+                            * consecutive rows of one [n][n_vocab] array they are computed in
+                            * one matrix product */
 } pdm_decode_seq_t;
 
 /* Runs one decode step for `n` sequences (n <= the context's max batch; `act` holds at least

@@ -32,7 +32,6 @@ typedef struct {
     int32_t next;      /* input token of the next step */
     int32_t *tokens;   /* [max_new] generated (first token included) */
     int n_tokens;
-    float *logits;     /* [n_vocab] */
     char *stops[PDM__MAX_STOPS];
     int n_stops;
     char *text;        /* [PDM__TEXT_CAP] generated text so far */
@@ -50,6 +49,7 @@ struct pdm_decode_node {
     pdm_model_ctx_t *ctx;
     pdm_act_t act;
     pdm__seq_t *seqs; /* [max_sequences] */
+    float *logits;    /* [max_batch][n_vocab] outputs of one step */
     int64_t kv_used;  /* token slots reserved */
     int rr;           /* round-robin start of the next batch */
 };
@@ -79,6 +79,8 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
     if (!st) st = pdm_act_alloc(&model->hp, p->max_batch, &n->act);
     if (!st && !(n->seqs = calloc((size_t)p->max_sequences, sizeof(pdm__seq_t))))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    if (!st && !(n->logits = malloc(sizeof(float) * (size_t)p->max_batch * model->hp.n_vocab)))
+        st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (st) {
         pdm_decode_node_destroy(n);
         return st;
@@ -94,7 +96,6 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
     pdm_kv_cache_destroy(s->cache);
     pdm_sampler_destroy(s->sampler);
     free(s->tokens);
-    free(s->logits);
     free(s->text);
     for (int i = 0; i < s->n_stops; i++) free(s->stops[i]);
     memset(s, 0, sizeof(*s));
@@ -106,6 +107,7 @@ void pdm_decode_node_destroy(pdm_decode_node_t *n)
     for (int i = 0; n->seqs && i < n->p.max_sequences; i++)
         if (n->seqs[i].state != SEQ_FREE) pdm__seq_release(n, &n->seqs[i]);
     free(n->seqs);
+    free(n->logits);
     pdm_act_free(&n->act);
     pdm_model_ctx_destroy(n->ctx);
     free(n);
@@ -155,10 +157,9 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
                     .n_tokens = r->ranges[i].len};
             }
     int st = pdm_kv_cache_create(hp, (int32_t)need, n->p.kv_dtype, &s->cache);
-    s->logits = malloc(sizeof(float) * hp->n_vocab);
     s->tokens = malloc(sizeof(int32_t) * (size_t)r->max_new);
     s->text = malloc(PDM__TEXT_CAP);
-    if (!st && (!s->logits || !s->tokens || !s->text))
+    if (!st && (!s->tokens || !s->text))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (!st) {
         n->kv_used += s->cache->capacity;
@@ -348,7 +349,8 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
     for (int k = 0; k < n->p.max_sequences && nb < n->p.max_batch; k++) {
         pdm__seq_t *s = &n->seqs[(n->rr + k) % n->p.max_sequences];
         if (s->state != SEQ_RUNNING) continue;
-        batch[nb] = (pdm_decode_seq_t){s->cache, s->next, s->logits};
+        batch[nb] = (pdm_decode_seq_t){s->cache, s->next,
+                                       n->logits + (size_t)nb * n->model->hp.n_vocab};
         who[nb++] = s;
     }
     n->rr = (n->rr + 1) % n->p.max_sequences;
@@ -364,7 +366,7 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
             }
             s->step_total += dt;
             s->steps++;
-            int32_t tok = pdm_sampler_sample(s->sampler, s->logits, s->tokens, s->n_tokens);
+            int32_t tok = pdm_sampler_sample(s->sampler, batch[k].logits, s->tokens, s->n_tokens);
             s->next = tok;
             pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id, .token = tok,
                                      .index = s->n_tokens};

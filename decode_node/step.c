@@ -45,8 +45,15 @@ int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs
         }
         pdm_model_attn_out_ffn(ctx, l, act); /* batched */
     }
+    /* Logits in one product when the outputs are rows of one array (the decode node's
+     * layout), else row by row. */
+    int contiguous = 1;
+    for (int i = 1; i < n; i++)
+        contiguous &= seqs[i].logits == seqs[0].logits + (size_t)i * hp->n_vocab;
+    if (contiguous)
+        pdm_model_logits_batch(ctx, act, n, seqs[0].logits);
     for (int i = 0; i < n; i++) {
-        pdm_model_logits(ctx, act, i, seqs[i].logits);
+        if (!contiguous) pdm_model_logits(ctx, act, i, seqs[i].logits);
         seqs[i].cache->n_tokens++;
     }
     return PDM_OK;

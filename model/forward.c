@@ -371,6 +371,16 @@ void pdm_model_logits(pdm_model_ctx_t *ctx, const pdm_act_t *act, int row, float
     pdm__matmul(ctx, ctx->xn, 1, 1, &m->output, logits, NULL, NULL, NULL, NULL);
 }
 
+void pdm_model_logits_batch(pdm_model_ctx_t *ctx, const pdm_act_t *act, int n, float *logits)
+{
+    const pdm_model_t *m = ctx->model;
+    const size_t d = m->hp.d_model;
+    for (int i = 0; i < n; i++)
+        ctx->ops->rmsnorm(ctx->xn + (size_t)i * d, act->x + (size_t)i * d, m->output_norm,
+                          (int)d, m->hp.rms_eps);
+    pdm__matmul(ctx, ctx->xn, n, 1, &m->output, logits, NULL, NULL, NULL, NULL);
+}
+
 void pdm_model_kv_store(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int layer,
                         const pdm_act_t *act, int32_t slot)
 {

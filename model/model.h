@@ -166,6 +166,9 @@ void pdm_model_attn_out_ffn(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act);
 /* logits[n_vocab] of row `row` of act->x (final RMSNorm and output projection). */
 void pdm_model_logits(pdm_model_ctx_t *ctx, const pdm_act_t *act, int row, float *logits);
 
+/* logits[i][n_vocab] of rows [0, n) of act->x in one matrix product (n <= max batch): the
+ * output projection is the largest matrix of a small model, so decode batches share it. */
+void pdm_model_logits_batch(pdm_model_ctx_t *ctx, const pdm_act_t *act, int n, float *logits);
 /* Stores act->k / act->v rows [0, act->n) of `layer` into cache slots [slot, slot + n). */
 void pdm_model_kv_store(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int layer,
                         const pdm_act_t *act, int32_t slot);

@@ -42,7 +42,7 @@ static int32_t argmax(const float *x, uint32_t n)
     return b;
 }
 
-static void run_batched_vs_alone(pdm_dtype_t wtype, double tol)
+static void run_batched_vs_alone(pdm_dtype_t wtype, double tol, int contiguous)
 {
     pdm_model_t *m = tiny_model(wtype);
     const uint32_t V = m->hp.n_vocab;
@@ -71,17 +71,20 @@ static void run_batched_vs_alone(pdm_dtype_t wtype, double tol)
         next_b[s] = argmax(lb[s], V);
         next_a[s] = argmax(la[s], V);
     }
+    float *rows = malloc(sizeof(float) * V * NSEQ); /* one [n][V] array of outputs */
     for (int step = 0; step < STEPS; step++) {
         pdm_decode_seq_t batch[NSEQ];
         int n = 0, who[NSEQ];
         for (int s = 0; s < NSEQ; s++)
             if (step >= join_at[s] && step < leave_at[s]) {
-                batch[n] = (pdm_decode_seq_t){cb[s], next_b[s], lb[s]};
+                batch[n] = (pdm_decode_seq_t){cb[s], next_b[s],
+                                              contiguous ? rows + (size_t)n * V : lb[s]};
                 who[n++] = s;
             }
         ck_assert_int_eq(pdm_decode_step(ctx_b, &act, batch, n), 0);
         for (int k = 0; k < n; k++) {
             int s = who[k];
+            if (contiguous) memcpy(lb[s], batch[k].logits, sizeof(float) * V);
             ck_assert_int_eq(pdm_model_decode(ctx_a, ca[s], next_a[s], la[s]), 0);
             double maxv = 1, diff = 0;
             for (uint32_t i = 0; i < V; i++) {
@@ -101,6 +104,7 @@ static void run_batched_vs_alone(pdm_dtype_t wtype, double tol)
     pdm_decode_seq_t full = {cb[0], 1, lb[0]};
     ck_assert_int_eq(pdm_decode_step(ctx_b, &act, &full, 1), PDM_EOVERFLOW);
     ck_assert_int_eq(cb[0]->n_tokens, cb[0]->capacity);
+    free(rows);
     for (int s = 0; s < NSEQ; s++) {
         pdm_kv_cache_destroy(cb[s]);
         pdm_kv_cache_destroy(ca[s]);
@@ -113,9 +117,12 @@ static void run_batched_vs_alone(pdm_dtype_t wtype, double tol)
     pdm_model_free(m);
 }
 
-START_TEST(test_decode_batched_f32) { run_batched_vs_alone(PDM_DT_F32, 1e-4); }
+START_TEST(test_decode_batched_f32) { run_batched_vs_alone(PDM_DT_F32, 1e-4, 0); }
 END_TEST
-START_TEST(test_decode_batched_q8) { run_batched_vs_alone(PDM_DT_Q8_0, 1e-4); }
+START_TEST(test_decode_batched_q8) { run_batched_vs_alone(PDM_DT_Q8_0, 1e-4, 0); }
+END_TEST
+/* Outputs as rows of one array: the logits of all sequences in one matrix product. */
+START_TEST(test_decode_batched_logits) { run_batched_vs_alone(PDM_DT_Q8_0, 1e-4, 1); }
 END_TEST
 
 Suite *suite_decode(void)
@@ -124,6 +131,7 @@ Suite *suite_decode(void)
     TCase *tc = tcase_create("step");
     tcase_add_test(tc, test_decode_batched_f32);
     tcase_add_test(tc, test_decode_batched_q8);
+    tcase_add_test(tc, test_decode_batched_logits);
     suite_add_tcase(s, tc);
     return s;
 }
