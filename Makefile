@@ -8,6 +8,8 @@
 #   make demo     deps + model + build, then generate with the default model
 #   make bench-prefill  TTFT of every prefill method (docs/perf/prefill.md)
 #   make bench-sim      predicted TTFT up to 64 ranks / 1M tokens (docs/perf/sim.md)
+#   make bench-transfer KV streaming vs ucx_perftest (docs/perf/transfer.md)
+#   make bench-decode   batched decode vs llama.cpp (docs/perf/decode.md)
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
 #
 # Variables: OPT (optimisation flags), BUILD (output directory), CC.
@@ -57,7 +59,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
-        bench-prefill cuda-kvtransfer sim-test bench-sim
+        bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode
 
 all: $(BINS) $(TEST_BIN)
 
@@ -125,6 +127,20 @@ asan:
 	  PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=build-asan/bin/pdmesh-prefill \
 	  PDMESH_DECODE_BIN=build-asan/bin/pdmesh-decode \
 	  UCX_HANDLE_ERRORS=none build-asan/bin/pdm-tests
+
+include bench/transfer/build.mk bench/decode/build.mk
+
+# KV streaming throughput against ucx_perftest (docs/perf/transfer.*). BENCH_QUICK=1: short run.
+bench-transfer: deps $(BUILD)/bin/stream_bench
+	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
+	STREAM_BENCH=$(BUILD)/bin/stream_bench $(PYTHON) bench/transfer/run.py
+
+# Batched decode throughput beside llama.cpp (docs/perf/decode.*). BENCH_QUICK=1: short run.
+bench-decode: deps model $(BUILD)/bin/decode_bench
+	@tools/deps.sh $(VENV) --golden
+	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
+	DECODE_BENCH=$(BUILD)/bin/decode_bench PDMESH_MODEL=$(MODEL_FILE) \
+	  LLAMA_PYTHON=$(VENV)/bin/python $(PYTHON) bench/decode/run.py
 
 # CUDA builds: the NCCL group transport, compiled and linked against the CUDA toolkit, and its
 # smoke test (skips with a message when no GPU is present).
