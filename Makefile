@@ -131,9 +131,10 @@ asan:
 include bench/transfer/build.mk bench/decode/build.mk
 
 # KV streaming throughput against ucx_perftest (docs/perf/transfer.*). BENCH_QUICK=1: short run.
-bench-transfer: deps $(BUILD)/bin/stream_bench
+bench-transfer: deps model all $(BUILD)/bin/stream_bench
 	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
 	STREAM_BENCH=$(BUILD)/bin/stream_bench $(PYTHON) bench/transfer/run.py
+	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/transfer/ttft.py
 
 # Batched decode throughput beside llama.cpp (docs/perf/decode.*). BENCH_QUICK=1: short run.
 bench-decode: deps model $(BUILD)/bin/decode_bench

@@ -41,7 +41,7 @@ static void usage(FILE *f)
             "  partition-search --ranks R --lengths N,N,.. [--out FILE] [--reps N]\n"
             "              [--min-stride N] [--threads N] [--pin]   KVR-S lookup table\n"
             "  calibrate   [--length N] [--out FILE] [--pin]  achieved compute and link speed\n"
-            "  disagg-run  --prefill-ranks R --method M (--prompt TEXT|--prompt-file F)...\n"
+            "  disagg-run  --prefill-ranks R --method M (--prompt TEXT|--prompt-file F|--random N)...\n"
             "              [-n N] [--temp T] [--stop S] [--chat] [--decode-batch N] [--json]\n"
             "              prefill group -> KV stream -> decode node, end to end\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"

@@ -766,6 +766,8 @@ int cmd_disagg_run(int argc, char **argv)
         {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-file", required_argument, 0, O_PROMPT_FILE},
         {"chat", no_argument, 0, O_CHAT},
+        {"random", required_argument, 0, O_RANDOM},
+        {"length", required_argument, 0, O_LENGTH},
         {"n-predict", required_argument, 0, D_N},
         {"temp", required_argument, 0, D_TEMP},
         {"top-k", required_argument, 0, D_TOPK},
