@@ -30,6 +30,35 @@ typedef struct {
  * nothing changed) if a cache is full. Equal to pdm_model_decode of each sequence alone. */
 int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs, int n);
 
+/* ---- Static-window KV (Qualcomm's KV manager for static-shape engines) ------------------ *
+ * For engines whose graphs take a fixed-size past K/V of S-1 tokens per head: each head's K
+ * and V live in a buffer reserved as r x (S-1) rows (r = 2 by default, down to 1.5). The past
+ * window is always the S-1 rows ending at `end` (left-padded while fewer tokens exist), so
+ * appending is writing row `end`, and sliding past S tokens is advancing `end`: no copy until
+ * the reserve is exhausted, then one copy moves the window back to the front. Generation
+ * beyond S attends to the last S-1 tokens plus the current one. */
+typedef struct {
+    pdm_kv_cache_t *cache; /* capacity = reserve rows per head; slot i holds position
+                            * pos_next - (end - i) */
+    int32_t window;        /* S - 1: past tokens an input sees */
+    int32_t reserve;       /* rows per head, ceil(r * (S - 1)) */
+    int32_t end;           /* next row to write; the window is [end - window, end) */
+    int32_t n_valid;       /* past tokens in the window (<= window) */
+    int32_t pos_next;      /* absolute position of the next token */
+    uint64_t copies;       /* window moves */
+    uint64_t bytes_moved;  /* bytes those moves copied (all layers, heads, K and V) */
+} pdm_kvwin_t;
+
+/* A window for sequences of at most S tokens in view (S >= 2), reserve factor r in [1.5, 8]
+ * (anything else is PDM_EINVAL). */
+int pdm_kvwin_create(const pdm_model_hparams_t *hp, int32_t S, double r, pdm_dtype_t dtype,
+                     pdm_kvwin_t **out);
+void pdm_kvwin_destroy(pdm_kvwin_t *w);
+/* Appends n tokens (one decode step with n = 1 slides the window; a batch must fit without
+ * sliding: n_valid + n <= S - 1) through the engine's steps; logits of the last token. */
+int pdm_kvwin_forward(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_kvwin_t *w,
+                      const int32_t *tokens, int n, float *logits);
+
 /* ---- The node --------------------------------------------------------------------------- */
 
 typedef struct {

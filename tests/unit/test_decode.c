@@ -125,6 +125,105 @@ END_TEST
 START_TEST(test_decode_batched_logits) { run_batched_vs_alone(PDM_DT_Q8_0, 1e-4, 1); }
 END_TEST
 
+/* Naive sliding-window reference: every token in one big cache; token at position p attends
+ * to positions [max(0, p - window), p]. */
+static void naive_window_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_kv_cache_t *c,
+                              int32_t window, const int32_t *tokens, int n, float *logits)
+{
+    int32_t pos[64];
+    for (int i = 0; i < n; i++) pos[i] = c->n_tokens + i;
+    ck_assert_int_eq(pdm_model_embed(ctx, tokens, pos, n, act), 0);
+    const int32_t first = PDM_MAX(0, c->n_tokens + n - 1 - window);
+    ck_assert(n == 1 || first == 0); /* batches only before the window fills */
+    for (int l = 0; l < (int)c->n_layers; l++) {
+        pdm_model_attn_in(ctx, l, act);
+        pdm_model_kv_store(ctx, c, l, act, c->n_tokens);
+        pdm_kv_view_t view;
+        pdm_kv_cache_view(c, (uint32_t)l, first, c->n_tokens + n - first, &view);
+        pdm_model_attention(ctx, l, act, &view, 1);
+        pdm_model_attn_out_ffn(ctx, l, act);
+    }
+    pdm_model_logits(ctx, act, n - 1, logits);
+    c->n_tokens += n;
+}
+
+/* Generation far beyond S through the static window equals the naive sliding window; copies
+ * happen once every reserve - (S - 1) tokens. */
+static void run_window(double r)
+{
+    pdm_model_t *m = tiny_model(PDM_DT_F32);
+    const uint32_t V = m->hp.n_vocab;
+    const int32_t S = 16, prompt = 10, gen = 70;
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
+    pdm_act_t act;
+    ck_assert_int_eq(pdm_act_alloc(&m->hp, 16, &act), 0);
+    pdm_kvwin_t *w;
+    ck_assert_int_eq(pdm_kvwin_create(&m->hp, S, r, PDM_DT_F32, &w), 0);
+    pdm_kv_cache_t *ref;
+    ck_assert_int_eq(pdm_kv_cache_create(&m->hp, prompt + gen + 1, PDM_DT_F32, &ref), 0);
+    float *lw = malloc(sizeof(float) * V), *lr = malloc(sizeof(float) * V);
+    int32_t ids[16];
+    uint64_t seed = 9;
+    for (int i = 0; i < prompt; i++) ids[i] = (int32_t)(pdm_splitmix64(&seed) % V);
+    ck_assert_int_eq(pdm_kvwin_forward(ctx, &act, w, ids, prompt, lw), 0);
+    naive_window_step(ctx, &act, ref, S - 1, ids, prompt, lr);
+    /* Simulated copy count: the window end advances by one per token; a copy when full. */
+    int32_t end = S - 1;
+    uint64_t expect_copies = 0;
+    if (end + prompt > w->reserve) end = PDM_MIN(S - 1, w->reserve - prompt); /* nothing valid */
+    end += prompt;
+    for (int t = 0; t < gen; t++) {
+        for (uint32_t i = 0; i < V; i++)
+            ck_assert_msg(fabsf(lw[i] - lr[i]) <= 1e-5f * fmaxf(1, fabsf(lr[i])),
+                          "r=%.1f token %d: logit %u %g vs %g", r, t, i, lw[i], lr[i]);
+        int32_t next = argmax(lw, V);
+        ck_assert_int_eq(next, argmax(lr, V));
+        if (end + 1 > w->reserve) {
+            expect_copies++;
+            end = S - 1;
+        }
+        end++;
+        ck_assert_int_eq(pdm_kvwin_forward(ctx, &act, w, &next, 1, lw), 0);
+        naive_window_step(ctx, &act, ref, S - 1, &next, 1, lr);
+    }
+    ck_assert_uint_eq(w->copies, expect_copies);
+    ck_assert_int_eq(w->n_valid, S - 1);
+    /* Copies per generated token: 1 / (reserve - (S - 1)) in the steady state. */
+    const double per_token = (double)w->copies / gen;
+    const double model = 1.0 / (w->reserve - (S - 1));
+    ck_assert_msg(fabs(per_token - model) < 0.05, "r=%.1f: %.3f copies per token, model %.3f", r,
+                  per_token, model);
+    if (getenv("PDM_TEST_VERBOSE"))
+        fprintf(stderr, "static window S=%d r=%.1f: reserve %d rows, %llu copies in %d tokens "
+                "(%.3f per token), %.0f bytes moved per generated token\n", S, r, w->reserve,
+                (unsigned long long)w->copies, gen, per_token, (double)w->bytes_moved / gen);
+    /* A batch that would slide inside itself is refused. */
+    ck_assert_int_eq(pdm_kvwin_forward(ctx, &act, w, ids, 2, lw), PDM_EINVAL);
+    free(lw);
+    free(lr);
+    pdm_kv_cache_destroy(ref);
+    pdm_kvwin_destroy(w);
+    pdm_act_free(&act);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+
+START_TEST(test_window_r2) { run_window(2.0); }
+END_TEST
+START_TEST(test_window_r15) { run_window(1.5); }
+END_TEST
+
+START_TEST(test_window_bad_params)
+{
+    pdm_model_t *m = tiny_model(PDM_DT_F32);
+    pdm_kvwin_t *w;
+    ck_assert_int_eq(pdm_kvwin_create(&m->hp, 1, 2.0, PDM_DT_F32, &w), PDM_EINVAL);
+    ck_assert_int_eq(pdm_kvwin_create(&m->hp, 16, 1.2, PDM_DT_F32, &w), PDM_EINVAL);
+    pdm_model_free(m);
+}
+END_TEST
+
 Suite *suite_decode(void)
 {
     Suite *s = suite_create("decode");
@@ -132,6 +231,9 @@ Suite *suite_decode(void)
     tcase_add_test(tc, test_decode_batched_f32);
     tcase_add_test(tc, test_decode_batched_q8);
     tcase_add_test(tc, test_decode_batched_logits);
+    tcase_add_test(tc, test_window_r2);
+    tcase_add_test(tc, test_window_r15);
+    tcase_add_test(tc, test_window_bad_params);
     suite_add_tcase(s, tc);
     return s;
 }

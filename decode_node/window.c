@@ -1,0 +1,100 @@
+/*
+ * window.c - the static-window KV manager (Qualcomm AI Research, "KV cache implementation
+ * for inference on HTP": reserve 2(S-1) rows per K/V so that append is a write and sliding is
+ * pointer arithmetic; with a smaller reserve, e.g. 1.5(S-1), one copy every
+ * reserve - (S-1) tokens).
+ */
+#include "decode_node/decode.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/pdm.h"
+
+int pdm_kvwin_create(const pdm_model_hparams_t *hp, int32_t S, double r, pdm_dtype_t dtype,
+                     pdm_kvwin_t **out)
+{
+    if (S < 2 || !(r >= 1.5 && r <= 8) || (dtype != PDM_DT_F16 && dtype != PDM_DT_F32))
+        return pdm_error_set(PDM_EINVAL, "static window: S must be >= 2 and r in [1.5, 8]");
+    pdm_kvwin_t *w = calloc(1, sizeof(*w));
+    if (!w) return pdm_error_set(PDM_ENOMEM, "static window: out of memory");
+    w->window = S - 1;
+    w->reserve = (int32_t)ceil(r * (S - 1));
+    if (w->reserve < w->window + 1) w->reserve = w->window + 1;
+    int st = pdm_kv_cache_create(hp, w->reserve, dtype, &w->cache);
+    if (st) {
+        free(w);
+        return st;
+    }
+    /* Left padding: the (empty) window is rows [0, S-1), the first token goes to row S-1. */
+    w->end = w->window;
+    *out = w;
+    return PDM_OK;
+}
+
+void pdm_kvwin_destroy(pdm_kvwin_t *w)
+{
+    if (!w) return;
+    pdm_kv_cache_destroy(w->cache);
+    free(w);
+}
+
+/* Makes room for n rows at `end`: when the reserve is exhausted, moves the valid rows back
+ * towards the front (the one copy the design allows), ending at S-1 (or lower for a prompt
+ * batch that would not fit after it). Callers guarantee n_valid + n <= reserve. */
+static void pdm__kvwin_room(pdm_kvwin_t *w, int n)
+{
+    if (w->end + n <= w->reserve) return;
+    const int32_t new_end = PDM_MIN(w->window, w->reserve - n);
+    if (w->n_valid > 0) {
+        pdm_kv_cache_t *c = w->cache;
+        const size_t row = pdm_dtype_row_bytes(c->dtype, c->head_dim);
+        const size_t from = (size_t)(w->end - w->n_valid) * row;
+        const size_t to = (size_t)(new_end - w->n_valid) * row;
+        const size_t bytes = (size_t)w->n_valid * row;
+        for (uint32_t l = 0; l < c->n_layers; l++)
+            for (uint32_t h = 0; h < c->n_kv_heads; h++) {
+                char *k = pdm_kv_cache_k(c, l, h), *v = pdm_kv_cache_v(c, l, h);
+                memmove(k + to, k + from, bytes);
+                memmove(v + to, v + from, bytes);
+            }
+        w->copies++;
+        w->bytes_moved += (uint64_t)bytes * 2 * c->n_layers * c->n_kv_heads;
+    }
+    w->end = new_end;
+}
+
+int pdm_kvwin_forward(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_kvwin_t *w,
+                      const int32_t *tokens, int n, float *logits)
+{
+    if (n < 1 || n > pdm_model_ctx_max_batch(ctx))
+        return pdm_error_set(PDM_EINVAL, "static window: %d tokens in one step", n);
+    if (n > 1 && w->n_valid + n > w->window)
+        return pdm_error_set(PDM_EINVAL, "static window: a batch of %d tokens after %d must fit "
+                             "the window of %d without sliding", n, w->n_valid, w->window);
+    pdm__kvwin_room(w, n);
+    int32_t pos[n];
+    for (int i = 0; i < n; i++) pos[i] = w->pos_next + i;
+    int st = pdm_model_embed(ctx, tokens, pos, n, act);
+    if (st) return st;
+    pdm_kv_cache_t *c = w->cache;
+    /* Slot i holds position pos_next - (end - i). */
+    c->pos0 = w->pos_next - w->end;
+    /* What the new tokens see: the last n_valid past rows, then themselves (causal). For a
+     * single token with a full window that is the last S-1 tokens plus itself. */
+    const int32_t first = w->end - w->n_valid;
+    for (int l = 0; l < (int)c->n_layers; l++) {
+        pdm_model_attn_in(ctx, l, act);
+        pdm_model_kv_store(ctx, c, l, act, w->end);
+        pdm_kv_view_t view;
+        pdm_kv_cache_view(c, (uint32_t)l, first, w->n_valid + n, &view);
+        pdm_model_attention(ctx, l, act, &view, 1);
+        pdm_model_attn_out_ffn(ctx, l, act);
+    }
+    if (logits) pdm_model_logits(ctx, act, n - 1, logits);
+    w->end += n;
+    w->pos_next += n;
+    w->n_valid = PDM_MIN(w->n_valid + n, w->window);
+    return PDM_OK;
+}
