@@ -123,5 +123,41 @@ PY
   expect "detokenize not a number" 2 "$bin" detokenize --model "$model" abc
 fi
 
+
+# ---- the daemons and group commands on the test model (real processes, UCX) ----
+dir=$(dirname "$bin")
+prefilld="$dir/pdmesh-prefill"
+decoded="$dir/pdmesh-decode"
+if [ -x "$prefilld" ] && [ -x "$decoded" ]; then
+  expect "prefill-run kvr-e" 0 "$bin" prefill-run --model "$tmp/tiny.gguf" --ranks 2 --method kvr-e --random 40 --json
+  if $py -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["method"]=="kvr-e" and d["prompt_tokens"]==40 and len(d["per_rank"])==2 and d["ttft"]>0, d' "$tmp/out"; then ok "prefill-run json"; else bad "prefill-run json"; fi
+  expect "prefill-run plan" 0 "$bin" prefill-run --model "$tmp/tiny.gguf" --ranks 2 --method auto --random 300 --cached 290 --plan
+  contains "plan names pass-Q rule" "$tmp/out" "cp-"
+  expect "prefill-run too short for tsp" 1 "$bin" prefill-run --model "$tmp/tiny.gguf" --ranks 3 --method tsp --random 2
+  contains "tsp refusal explained" "$tmp/err" "at least one token per rank"
+  expect "prefill-run bad method" 2 "$bin" prefill-run --model "$tmp/tiny.gguf" --ranks 2 --method ring --random 8
+  expect "prefill-run bad partition" 2 "$bin" prefill-run --model "$tmp/tiny.gguf" --ranks 2 --method kvr-s --partition 3 --random 8
+  expect "kvr-p without table" 1 "$bin" prefill-run --model "$tmp/tiny.gguf" --ranks 2 --method kvr-p --random 8
+  contains "kvr-p needs a table" "$tmp/err" "partition table"
+  expect "disagg-run" 0 "$bin" disagg-run --model "$tmp/tiny.gguf" --prefill-ranks 2 --method cp-kv --prompt "the fox" --prompt "a dog" -n 6 --json
+  if $py -c '
+import json,sys
+rows=[json.loads(l) for l in open(sys.argv[1])]
+assert len(rows)==2 and all(len(r["token_ids"])>=1 and r["kv_bytes"]>0 for r in rows), rows' "$tmp/out"; then ok "disagg-run json"; else bad "disagg-run json"; fi
+  # malformed control input: clear errors, no crash, clean exit at end of input
+  printf 'not json\n{"cmd":"nope"}\n{"cmd":"task"}\n{"cmd":"group","rank":5,"size":2,"addrs":["zz","00"]}\n' |
+    "$prefilld" --model "$tmp/tiny.gguf" >"$tmp/out" 2>"$tmp/err"
+  st=$?
+  if [ $st -eq 0 ] && [ "$(grep -c '"ok":false' "$tmp/out")" -eq 4 ]; then ok "prefill daemon rejects garbage"; else bad "prefill daemon rejects garbage" "exit $st: $(head -c 400 "$tmp/out")"; fi
+  printf '[1,2]\n{"cmd":"reserve","id":1}\n{"cmd":"start","id":9,"first_token":1}\n{"cmd":"reserve","id":2,"n_prompt":5,"max_new":5,"ranges":[[0,5,3,0]]}\n{"cmd":"stats"}\n' |
+    "$decoded" --model "$tmp/tiny.gguf" >"$tmp/out" 2>"$tmp/err"
+  st=$?
+  if [ $st -eq 0 ] && grep -q '"held":0' "$tmp/out" && [ "$(grep -c '"ok":false\|"event":"error"' "$tmp/out")" -ge 4 ]; then ok "decode daemon rejects garbage"; else bad "decode daemon rejects garbage" "exit $st: $(head -c 400 "$tmp/out")"; fi
+  expect "prefill daemon bad option" 2 "$prefilld" --threads 0
+  expect "decode daemon bad option" 2 "$decoded" --kv-dtype q3
+else
+  skipped=$((skipped + 1)); echo "skip daemons (binaries not next to $bin)"
+fi
+
 echo "cli: $passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]
