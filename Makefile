@@ -26,10 +26,11 @@ LDLIBS := -lpcre2-8 -lcjson -lxxhash -lm -pthread
 # Per-ISA kernel files get their own target flags; the rest of the build stays baseline x86-64
 # so the binary runs on any x86-64 and picks the variant at start-up.
 AVX2_FLAGS := -mavx2 -mfma -mf16c
+AVX512_FLAGS := $(AVX2_FLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
 
 COMMON_SRC := common/common.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
-               kernels/cpu/ops_avx2.c kernels/cpu/select.c
+               kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
              model/forward.c model/kv_cache.c model/sampler.c model/testmodel.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC)
@@ -41,13 +42,16 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
 LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
+BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c
+BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
+BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline
 LIB := $(BUILD)/libpdmesh-core.a
 BINS := $(BUILD)/bin/pdmesh
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format
 
-all: $(BINS) $(TEST_BIN)
+all: $(BINS) $(TEST_BIN) $(BENCH_BINS)
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -57,6 +61,10 @@ $(BUILD)/obj/kernels/cpu/ops_avx2.o: kernels/cpu/ops_avx2.c
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $(AVX2_FLAGS) -c $< -o $@
 
+$(BUILD)/obj/kernels/cpu/ops_avx512.o: kernels/cpu/ops_avx512.c
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $(AVX512_FLAGS) -c $< -o $@
+
 $(LIB): $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
@@ -64,6 +72,14 @@ $(LIB): $(LIB_OBJ)
 $(BUILD)/bin/pdmesh: $(CLI_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/bin/pdm-engine-bench: $(BUILD)/obj/bench/engine/pdm_engine_bench.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/bin/pdm-roofline: $(BUILD)/obj/bench/roofline/roofline.o
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ -pthread
 
 $(TEST_BIN): $(TEST_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
@@ -112,4 +128,4 @@ clean:
 distclean: clean
 	rm -rf models
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d)
