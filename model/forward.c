@@ -25,6 +25,9 @@ struct pdm_model_ctx {
     float *up;       /* [max_batch][n_ff] */
     void *act;       /* converted activations for the widest matrix input, max_batch rows */
     float *partial;  /* [n_threads][PDM__ATTN_QBLOCK][head_dim + 1] attention partials */
+    float *split;    /* decode: [n_kv_heads][n_threads][group][head_dim + 1] partials of the
+                      * KV ranges, merged after the parallel step */
+    int n_threads;
     pdm_act_t batch; /* activations used by pdm_model_prefill */
 };
 
@@ -88,7 +91,10 @@ int pdm_model_ctx_create(const pdm_model_t *model, int n_threads, int max_batch,
     ctx->act = malloc(act_bytes);
     ctx->partial = malloc((size_t)n_threads * PDM__ATTN_QBLOCK * (hp->head_dim + 1) *
                           sizeof(float));
+    ctx->n_threads = n_threads;
+    ctx->split = malloc((size_t)hp->n_heads * n_threads * (hp->head_dim + 1) * sizeof(float));
     if (!ctx->xn || !ctx->tmp || !ctx->gate || !ctx->up || !ctx->act || !ctx->partial ||
+        !ctx->split ||
         pdm_act_alloc(hp, max_batch, &ctx->batch) != PDM_OK) {
         pdm_model_ctx_destroy(ctx);
         return pdm_error_set(PDM_ENOMEM, "cannot allocate scratch for batches of %d", max_batch);
@@ -107,6 +113,7 @@ void pdm_model_ctx_destroy(pdm_model_ctx_t *ctx)
     free(ctx->up);
     free(ctx->act);
     free(ctx->partial);
+    free(ctx->split);
     pdm_act_free(&ctx->batch);
     free(ctx);
 }
@@ -332,11 +339,83 @@ static void pdm__attn_task(void *arg, int ith, int nth)
     }
 }
 
+/* Decode (one token): work items are (kv head, range of keys). The group's query heads of
+ * the token are one block of rows (heads are contiguous in a token's q row, so the stride is
+ * head_dim), which reads each KV head once instead of once per query head; the keys of each
+ * view are split into n_threads ranges so both cores work however few KV heads there are.
+ * Each item leaves (o, lse) of its range in ctx->split; pdm__attn_split_merge combines them.
+ * Splitting along the KV axis and merging by log-sum-exp is exact (flash-decoding). */
+static void pdm__attn_split_task(void *arg, int ith, int nth)
+{
+    pdm__attn_task_t *t = arg;
+    const pdm_model_hparams_t *hp = &t->ctx->model->hp;
+    const int hd = (int)hp->head_dim, n_kv_heads = (int)hp->n_kv_heads;
+    const int group = (int)(hp->n_heads / hp->n_kv_heads), n_split = t->ctx->n_threads;
+    int32_t pos[PDM__ATTN_QBLOCK];
+    float tmp_o[PDM__ATTN_QBLOCK * PDM_MAX_HEAD_DIM], tmp_lse[PDM__ATTN_QBLOCK];
+    for (int g = 0; g < group; g++) pos[g] = t->act->pos[0];
+    for (int item = ith; item < n_kv_heads * n_split; item += nth) {
+        int kvh = item / n_split, sp = item % n_split;
+        float *part = t->ctx->split + ((size_t)kvh * n_split + sp) * group * (hd + 1);
+        float *part_lse = part + (size_t)group * hd;
+        pdm_kern_attn_t a = {.q = t->act->q + (size_t)kvh * group * hd, .q_stride = hd,
+                             .q_pos = pos, .n_q = group, .head_dim = hd,
+                             .scale = 1.0f / sqrtf((float)hd), .causal = 1};
+        for (int g = 0; g < group; g++) part_lse[g] = -INFINITY;
+        memset(part, 0, (size_t)group * hd * sizeof(float));
+        for (int vi = 0; vi < t->n_views; vi++) {
+            const pdm_kv_view_t *view = &t->views[vi];
+            int64_t b, e;
+            pdm_kern_split(view->n_tokens, sp, n_split, 32, &b, &e);
+            if (b >= e) continue;
+            size_t off = (size_t)b * hd * pdm_dtype_row_bytes(view->dtype, 1);
+            a.k = (const char *)view->k[kvh] + off;
+            a.v = (const char *)view->v[kvh] + off;
+            a.kv_type = view->dtype;
+            a.k_pos0 = view->pos0 + (int32_t)b;
+            a.n_kv = (int)(e - b);
+            a.o = tmp_o;
+            a.o_stride = hd;
+            a.lse = tmp_lse;
+            a.lse_stride = 1;
+            t->ctx->ops->attention(&a);
+            for (int g = 0; g < group; g++)
+                t->ctx->ops->attn_merge(part + (size_t)g * hd, &part_lse[g],
+                                        tmp_o + (size_t)g * hd, tmp_lse[g], hd);
+        }
+    }
+}
+
+static void pdm__attn_split_merge(pdm_model_ctx_t *ctx, pdm_act_t *act)
+{
+    const pdm_model_hparams_t *hp = &ctx->model->hp;
+    const int hd = (int)hp->head_dim, group = (int)(hp->n_heads / hp->n_kv_heads);
+    const int n_split = ctx->n_threads;
+    for (uint32_t kvh = 0; kvh < hp->n_kv_heads; kvh++)
+        for (int g = 0; g < group; g++) {
+            int h = (int)kvh * group + g;
+            float *o = act->o + (size_t)h * hd, *lse = act->lse + h;
+            memset(o, 0, (size_t)hd * sizeof(float));
+            *lse = -INFINITY;
+            for (int sp = 0; sp < n_split; sp++) {
+                const float *part = ctx->split + ((size_t)kvh * n_split + sp) * group * (hd + 1);
+                ctx->ops->attn_merge(o, lse, part + (size_t)g * hd, part[(size_t)group * hd + g],
+                                     hd);
+            }
+        }
+}
+
 void pdm_model_attention(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
                          const pdm_kv_view_t *views, int n_views)
 {
     (void)layer;
+    const pdm_model_hparams_t *hp = &ctx->model->hp;
     pdm__attn_task_t t = {.ctx = ctx, .act = act, .views = views, .n_views = n_views};
+    if (act->n == 1 && hp->n_heads / hp->n_kv_heads <= PDM__ATTN_QBLOCK) {
+        pdm_kern_pool_run(ctx->pool, pdm__attn_split_task, &t);
+        pdm__attn_split_merge(ctx, act);
+        return;
+    }
     pdm_kern_pool_run(ctx->pool, pdm__attn_task, &t);
 }
 
