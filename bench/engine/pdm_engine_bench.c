@@ -116,6 +116,19 @@ int main(int argc, char **argv)
         dc[r] = decode ? decode / (t2 - t1) : 0.0;
         pdm_kv_cache_destroy(cache);
     }
+    /* Model sizes for the roofline: multiply-adds per token in the layer matrices and the
+     * bytes a decode step must read (layer matrices + output matrix). */
+    double layer_params = 0.0, weight_bytes = 0.0;
+    for (uint32_t l = 0; l < m->hp.n_layers; l++) {
+        const pdm_kern_mat_t *mats[] = {&m->layers[l].wq, &m->layers[l].wk, &m->layers[l].wv,
+                                        &m->layers[l].wo, &m->layers[l].w_gate,
+                                        &m->layers[l].w_up, &m->layers[l].w_down};
+        for (int k = 0; k < 7; k++) {
+            layer_params += (double)mats[k]->rows * (double)mats[k]->cols;
+            weight_bytes += (double)mats[k]->rows * (double)mats[k]->row_bytes;
+        }
+    }
+    weight_bytes += (double)m->output.rows * (double)m->output.row_bytes;
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     printf("{\"engine\": \"pdmesh\", \"kernels\": \"%s\", \"threads\": %d, \"prompt\": %d, "
@@ -125,8 +138,12 @@ int main(int argc, char **argv)
     printf(", ");
     print_samples("decode_samples", dc, reps);
     double pm = median(pf, reps), dm = decode ? median(dc, reps) : 0.0;
-    printf(", \"prefill_tok_s\": %.3f, \"decode_tok_s\": %.3f, \"peak_rss_mb\": %.1f}\n", pm, dm,
-           (double)ru.ru_maxrss / 1024.0);
+    printf(", \"prefill_tok_s\": %.3f, \"decode_tok_s\": %.3f, \"peak_rss_mb\": %.1f, "
+           "\"layer_params\": %.0f, \"output_params\": %.0f, \"weight_bytes\": %.0f, "
+           "\"n_layers\": %u, \"n_heads\": %u, \"n_kv_heads\": %u, \"head_dim\": %u}\n",
+           pm, dm, (double)ru.ru_maxrss / 1024.0, layer_params,
+           (double)m->output.rows * (double)m->output.cols, weight_bytes, m->hp.n_layers,
+           m->hp.n_heads, m->hp.n_kv_heads, m->hp.head_dim);
     free(tokens);
     free(logits);
     free(pf);
