@@ -79,3 +79,14 @@ const pdm_kern_ops_t *pdm_kern_ops_find(const char *name)
         if (!strcmp(list[i]->name, name)) return list[i];
     return NULL;
 }
+
+#ifndef PDM_WITH_CUDA
+/* CPU-only builds: the CUDA variant lives in kernels/cuda and is linked by `make cuda`. */
+const pdm_kern_ops_t *pdm_kern_ops_cuda(char *why, size_t why_len)
+{
+    if (why && why_len) snprintf(why, why_len, "not built with CUDA (make cuda builds it)");
+    return NULL;
+}
+
+void pdm_kern_cuda_release(void) {}
+#endif

@@ -9,6 +9,8 @@
  *                                         sizes 1, 7, 63, 64, 65, 1000 keys, fully masked rows,
  *                                         GQA ratios 1, 3, 8 (the SIMD exp: < 2e-7 relative)
  *   rmsnorm, swiglu, rope                 1e-5 relative
+ * The CUDA variant runs the same checks when the build has CUDA and a device is present, and
+ * prints why it is skipped otherwise.
  */
 #include <math.h>
 #include <stdio.h>
@@ -453,6 +455,64 @@ START_TEST(test_elementwise_variants)
 }
 END_TEST
 
+/* ---- CUDA ---------------------------------------------------------------------------- */
+
+/* The CUDA variant against the reference with the same checks and tolerances as the CPU
+ * variants; skipped with a message when the build has no CUDA or there is no device. */
+START_TEST(test_cuda_variant)
+{
+    char why[256] = "";
+    const pdm_kern_ops_t *ops = pdm_kern_ops_cuda(why, sizeof(why));
+    if (!ops) {
+        fprintf(stderr, "kernels: SKIP cuda variant: %s\n", why);
+        return;
+    }
+    static const pdm_dtype_t types[] = {PDM_DT_Q4_1, PDM_DT_Q4_0, PDM_DT_Q8_0, PDM_DT_F16,
+                                        PDM_DT_F32, PDM_DT_BF16};
+    static const int shapes[][2] = {{1, 32}, {7, 64}, {63, 96}, {64, 576}, {65, 160}};
+    for (size_t t = 0; t < PDM_ARRAY_SIZE(types); t++)
+        for (size_t sh = 0; sh < PDM_ARRAY_SIZE(shapes); sh++)
+            for (int n_tok = 1; n_tok <= 9; n_tok += 4)
+                check_matmul(ops, types[t], shapes[sh][0], shapes[sh][1], n_tok);
+    static const int nkv[] = {1, 7, 63, 64, 65, 1000};
+    for (size_t a = 0; a < PDM_ARRAY_SIZE(nkv); a++) {
+        check_attention(ops, 7, nkv[a], 64, PDM_DT_F32, 100, 100 + nkv[a] - 7, 1);
+        check_attention(ops, 7, nkv[a], 64, PDM_DT_F16, 0, nkv[a] - 1, 1);
+        check_attention(ops, 7, nkv[a], 32, PDM_DT_F32, 10, 5, 1);
+        check_attention(ops, 7, nkv[a], 64, PDM_DT_F32, 0, 0, 0);
+    }
+    static const int sizes[] = {1, 7, 63, 64, 65, 576, 1000};
+    for (size_t k = 0; k < PDM_ARRAY_SIZE(sizes); k++) {
+        int n = sizes[k];
+        float *x = malloc(n * sizeof(float)), *w = malloc(n * sizeof(float));
+        float *y = malloc(n * sizeof(float)), *yr = malloc(n * sizeof(float));
+        uint16_t *h = malloc(n * sizeof(uint16_t));
+        fill(x, n, 3.0f);
+        fill(w, n, 1.0f);
+        ops->rmsnorm(y, x, w, n, 1e-5f);
+        pdm_kern_ops_generic.rmsnorm(yr, x, w, n, 1e-5f);
+        for (int i = 0; i < n; i++) ck_assert(fabsf(y[i] - yr[i]) <= 1e-5f * (1 + fabsf(yr[i])));
+        ops->swiglu(y, x, w, n);
+        pdm_kern_ops_generic.swiglu(yr, x, w, n);
+        for (int i = 0; i < n; i++) ck_assert(fabsf(y[i] - yr[i]) <= 1e-5f * (1 + fabsf(yr[i])));
+        ops->kv_store(PDM_DT_F16, x, h, n);
+        for (int i = 0; i < n; i++) ck_assert_uint_eq(h[i], pdm_f32_to_f16(x[i]));
+        free(x);
+        free(w);
+        free(y);
+        free(yr);
+        free(h);
+    }
+    float r[128], rr[128];
+    fill(r, 128, 1.0f);
+    memcpy(rr, r, sizeof(r));
+    ops->rope(r, 2, 64, 1234, 10000.0f);
+    pdm_kern_ops_generic.rope(rr, 2, 64, 1234, 10000.0f);
+    for (int i = 0; i < 128; i++) ck_assert(fabsf(r[i] - rr[i]) < 1e-5f);
+    pdm_kern_cuda_release();
+}
+END_TEST
+
 /* ---- thread pool --------------------------------------------------------------------- */
 
 typedef struct {
@@ -515,6 +575,7 @@ Suite *suite_kernels(void)
     tcase_add_test(tc, test_attention_gqa);
     tcase_add_test(tc, test_attention_split_merge);
     tcase_add_test(tc, test_elementwise_variants);
+    tcase_add_test(tc, test_cuda_variant);
     tcase_add_test(tc, test_pool);
     suite_add_tcase(s, tc);
     return s;
