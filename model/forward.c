@@ -9,6 +9,7 @@
 #include "model.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,8 +26,8 @@ struct pdm_model_ctx {
     float *up;       /* [max_batch][n_ff] */
     void *act;       /* converted activations for the widest matrix input, max_batch rows */
     float *partial;  /* [n_threads][PDM__ATTN_QBLOCK][head_dim + 1] attention partials */
-    float *split;    /* decode: [n_kv_heads][n_threads][group][head_dim + 1] partials of the
-                      * KV ranges, merged after the parallel step */
+    float *split;    /* decode: [n_kv_heads][2 * n_threads][group][head_dim + 1] partials of
+                      * the KV ranges, merged after the parallel step */
     int n_threads;
     pdm_act_t batch; /* activations used by pdm_model_prefill */
 };
@@ -92,7 +93,7 @@ int pdm_model_ctx_create(const pdm_model_t *model, int n_threads, int max_batch,
     ctx->partial = malloc((size_t)n_threads * PDM__ATTN_QBLOCK * (hp->head_dim + 1) *
                           sizeof(float));
     ctx->n_threads = n_threads;
-    ctx->split = malloc((size_t)hp->n_heads * n_threads * (hp->head_dim + 1) * sizeof(float));
+    ctx->split = malloc((size_t)hp->n_heads * 2 * n_threads * (hp->head_dim + 1) * sizeof(float));
     if (!ctx->xn || !ctx->tmp || !ctx->gate || !ctx->up || !ctx->act || !ctx->partial ||
         !ctx->split ||
         pdm_act_alloc(hp, max_batch, &ctx->batch) != PDM_OK) {
@@ -137,7 +138,12 @@ typedef struct {
     const float *x;
     int n;
     void *act;
+    atomic_llong next; /* next unclaimed chunk of output rows */
 } pdm__mm_task_t;
+
+/* Output rows per claimed chunk: small enough that a thread slowed down by another process
+ * on its core leaves the rest to the others, large enough to amortise the atomic. */
+#define PDM__MM_CHUNK 32
 
 static void pdm__mm_convert(void *arg, int ith, int nth)
 {
@@ -147,20 +153,27 @@ static void pdm__mm_convert(void *arg, int ith, int nth)
     if (b < e) t->ops->act_convert(t->w[0]->type, t->x, t->w[0]->cols, (int)b, (int)e, t->act);
 }
 
+/* Threads claim chunks of PDM__MM_CHUNK output rows (of the concatenated matrices) from an
+ * atomic counter, so the split follows each thread's actual speed. Each row's result does not
+ * depend on which thread computes it. */
 static void pdm__mm_rows(void *arg, int ith, int nth)
 {
+    (void)ith;
+    (void)nth;
     pdm__mm_task_t *t = arg;
     int64_t total = 0;
     for (int i = 0; i < t->n_w; i++) total += t->w[i]->rows;
-    int64_t b, e;
-    pdm_kern_split(total, ith, nth, 16, &b, &e);
-    int64_t base = 0;
     const void *act = t->act ? t->act : (const void *)t->x;
-    for (int i = 0; i < t->n_w && b < e; i++) {
-        int64_t rows = t->w[i]->rows;
-        int64_t lo = PDM_MAX(b, base) - base, hi = PDM_MIN(e, base + rows) - base;
-        if (lo < hi) t->ops->matmul(t->w[i], act, t->n, t->y[i], rows, lo, hi);
-        base += rows;
+    for (;;) {
+        int64_t b = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed) * PDM__MM_CHUNK;
+        if (b >= total) break;
+        int64_t e = PDM_MIN(total, b + PDM__MM_CHUNK), base = 0;
+        for (int i = 0; i < t->n_w && b < e; i++) {
+            int64_t rows = t->w[i]->rows;
+            int64_t lo = PDM_MAX(b, base) - base, hi = PDM_MIN(e, base + rows) - base;
+            if (lo < hi) t->ops->matmul(t->w[i], act, t->n, t->y[i], rows, lo, hi);
+            base += rows;
+        }
     }
 }
 
@@ -171,6 +184,7 @@ static void pdm__matmul(pdm_model_ctx_t *ctx, const float *x, int n, int n_w,
 {
     pdm__mm_task_t t = {.ops = ctx->ops, .w = {w0, w1, w2}, .y = {y0, y1, y2}, .n_w = n_w,
                         .x = x, .n = n, .act = NULL};
+    atomic_init(&t.next, 0);
     if (ctx->ops->act_bytes(w0->type, w0->cols, n) > 0) {
         t.act = ctx->act;
         pdm_kern_pool_run(ctx->pool, pdm__mm_convert, &t);
@@ -277,6 +291,7 @@ typedef struct {
     pdm_act_t *act;
     const pdm_kv_view_t *views;
     int n_views;
+    atomic_int next; /* next unclaimed work item */
 } pdm__attn_task_t;
 
 static void pdm__attn_task(void *arg, int ith, int nth)
@@ -290,9 +305,13 @@ static void pdm__attn_task(void *arg, int ith, int nth)
     float *part_o = t->ctx->partial + (size_t)ith * PDM__ATTN_QBLOCK * (hd + 1);
     float *part_lse = part_o + PDM__ATTN_QBLOCK * hd;
 
-    /* Items are (query block, head); interleaving spreads the causal imbalance. */
-    for (int item = ith; item < n_blocks * n_heads; item += nth) {
-        int blk = item / n_heads, h = item % n_heads, kvh = h / group;
+    /* Items are (query block, head), claimed from an atomic counter, last (most keys) block
+     * first so the cheap ones fill in at the end. */
+    (void)nth;
+    for (;;) {
+        int item = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
+        if (item >= n_blocks * n_heads) break;
+        int blk = n_blocks - 1 - item / n_heads, h = item % n_heads, kvh = h / group;
         int i0 = blk * PDM__ATTN_QBLOCK;
         int nq = PDM_MIN(PDM__ATTN_QBLOCK, t->act->n - i0);
         pdm_kern_attn_t a = {
@@ -344,17 +363,23 @@ static void pdm__attn_task(void *arg, int ith, int nth)
  * head_dim), which reads each KV head once instead of once per query head; the keys of each
  * view are split into n_threads ranges so both cores work however few KV heads there are.
  * Each item leaves (o, lse) of its range in ctx->split; pdm__attn_split_merge combines them.
+ * Twice as many ranges as threads, claimed dynamically, so a thread slowed by another process
+ * on its core does not hold the step back.
  * Splitting along the KV axis and merging by log-sum-exp is exact (flash-decoding). */
 static void pdm__attn_split_task(void *arg, int ith, int nth)
 {
     pdm__attn_task_t *t = arg;
     const pdm_model_hparams_t *hp = &t->ctx->model->hp;
     const int hd = (int)hp->head_dim, n_kv_heads = (int)hp->n_kv_heads;
-    const int group = (int)(hp->n_heads / hp->n_kv_heads), n_split = t->ctx->n_threads;
+    const int group = (int)(hp->n_heads / hp->n_kv_heads), n_split = 2 * t->ctx->n_threads;
     int32_t pos[PDM__ATTN_QBLOCK];
     float tmp_o[PDM__ATTN_QBLOCK * PDM_MAX_HEAD_DIM], tmp_lse[PDM__ATTN_QBLOCK];
     for (int g = 0; g < group; g++) pos[g] = t->act->pos[0];
-    for (int item = ith; item < n_kv_heads * n_split; item += nth) {
+    (void)ith;
+    (void)nth;
+    for (;;) {
+        int item = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
+        if (item >= n_kv_heads * n_split) break;
         int kvh = item / n_split, sp = item % n_split;
         float *part = t->ctx->split + ((size_t)kvh * n_split + sp) * group * (hd + 1);
         float *part_lse = part + (size_t)group * hd;
@@ -390,7 +415,7 @@ static void pdm__attn_split_merge(pdm_model_ctx_t *ctx, pdm_act_t *act)
 {
     const pdm_model_hparams_t *hp = &ctx->model->hp;
     const int hd = (int)hp->head_dim, group = (int)(hp->n_heads / hp->n_kv_heads);
-    const int n_split = ctx->n_threads;
+    const int n_split = 2 * ctx->n_threads;
     for (uint32_t kvh = 0; kvh < hp->n_kv_heads; kvh++)
         for (int g = 0; g < group; g++) {
             int h = (int)kvh * group + g;
@@ -411,6 +436,7 @@ void pdm_model_attention(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
     (void)layer;
     const pdm_model_hparams_t *hp = &ctx->model->hp;
     pdm__attn_task_t t = {.ctx = ctx, .act = act, .views = views, .n_views = n_views};
+    atomic_init(&t.next, 0);
     if (act->n == 1 && hp->n_heads / hp->n_kv_heads <= PDM__ATTN_QBLOCK) {
         pdm_kern_pool_run(ctx->pool, pdm__attn_split_task, &t);
         pdm__attn_split_merge(ctx, act);
