@@ -151,12 +151,19 @@ typedef struct pdm_kern_ops {
 /* The scalar reference implementation. */
 extern const pdm_kern_ops_t pdm_kern_ops_generic;
 
-/* The best variant for this CPU, or the one named by PDMESH_KERNELS (generic, avx2, avx512)
- * if set and supported. Chosen once. */
+/* The best variant for this CPU (avx512, then avx2, then generic), or the one named by
+ * PDMESH_KERNELS if set and supported. Chosen once. */
 const pdm_kern_ops_t *pdm_kern_ops_get(void);
 /* A variant by name if compiled in and supported by this CPU, else NULL. */
 const pdm_kern_ops_t *pdm_kern_ops_find(const char *name);
 /* NULL-terminated list of the variants this CPU supports. */
 const pdm_kern_ops_t *const *pdm_kern_ops_list(void);
+
+/* The CUDA variant (kernels/cuda, built by `make cuda` only): the same ops on host pointers,
+ * the backend copying to and from the device (weights are uploaded once and cached). Returns
+ * NULL when no device is present or the build has no CUDA, with the reason in `why`. */
+const pdm_kern_ops_t *pdm_kern_ops_cuda(char *why, size_t why_len);
+/* Frees the CUDA backend's device memory (weight cache, scratch); a no-op without CUDA. */
+void pdm_kern_cuda_release(void);
 
 #endif /* PDM_KERNELS_H */

@@ -9,6 +9,7 @@
 #include "model.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +26,9 @@ struct pdm_model_ctx {
     float *up;       /* [max_batch][n_ff] */
     void *act;       /* converted activations for the widest matrix input, max_batch rows */
     float *partial;  /* [n_threads][PDM__ATTN_QBLOCK][head_dim + 1] attention partials */
+    float *split;    /* decode: [n_kv_heads][2 * n_threads][group][head_dim + 1] partials of
+                      * the KV ranges, merged after the parallel step */
+    int n_threads;
     pdm_act_t batch; /* activations used by pdm_model_prefill */
 };
 
@@ -88,7 +92,10 @@ int pdm_model_ctx_create(const pdm_model_t *model, int n_threads, int max_batch,
     ctx->act = malloc(act_bytes);
     ctx->partial = malloc((size_t)n_threads * PDM__ATTN_QBLOCK * (hp->head_dim + 1) *
                           sizeof(float));
+    ctx->n_threads = n_threads;
+    ctx->split = malloc((size_t)hp->n_heads * 2 * n_threads * (hp->head_dim + 1) * sizeof(float));
     if (!ctx->xn || !ctx->tmp || !ctx->gate || !ctx->up || !ctx->act || !ctx->partial ||
+        !ctx->split ||
         pdm_act_alloc(hp, max_batch, &ctx->batch) != PDM_OK) {
         pdm_model_ctx_destroy(ctx);
         return pdm_error_set(PDM_ENOMEM, "cannot allocate scratch for batches of %d", max_batch);
@@ -107,6 +114,7 @@ void pdm_model_ctx_destroy(pdm_model_ctx_t *ctx)
     free(ctx->up);
     free(ctx->act);
     free(ctx->partial);
+    free(ctx->split);
     pdm_act_free(&ctx->batch);
     free(ctx);
 }
@@ -135,7 +143,12 @@ typedef struct {
     const float *x;
     int n;
     void *act;
+    atomic_llong next; /* next unclaimed chunk of output rows */
 } pdm__mm_task_t;
+
+/* Output rows per claimed chunk: small enough that a thread slowed down by another process
+ * on its core leaves the rest to the others, large enough to amortise the atomic. */
+#define PDM__MM_CHUNK 32
 
 static void pdm__mm_convert(void *arg, int ith, int nth)
 {
@@ -145,20 +158,27 @@ static void pdm__mm_convert(void *arg, int ith, int nth)
     if (b < e) t->ops->act_convert(t->w[0]->type, t->x, t->w[0]->cols, (int)b, (int)e, t->act);
 }
 
+/* Threads claim chunks of PDM__MM_CHUNK output rows (of the concatenated matrices) from an
+ * atomic counter, so the split follows each thread's actual speed. Each row's result does not
+ * depend on which thread computes it. */
 static void pdm__mm_rows(void *arg, int ith, int nth)
 {
+    (void)ith;
+    (void)nth;
     pdm__mm_task_t *t = arg;
     int64_t total = 0;
     for (int i = 0; i < t->n_w; i++) total += t->w[i]->rows;
-    int64_t b, e;
-    pdm_kern_split(total, ith, nth, 16, &b, &e);
-    int64_t base = 0;
     const void *act = t->act ? t->act : (const void *)t->x;
-    for (int i = 0; i < t->n_w && b < e; i++) {
-        int64_t rows = t->w[i]->rows;
-        int64_t lo = PDM_MAX(b, base) - base, hi = PDM_MIN(e, base + rows) - base;
-        if (lo < hi) t->ops->matmul(t->w[i], act, t->n, t->y[i], rows, lo, hi);
-        base += rows;
+    for (;;) {
+        int64_t b = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed) * PDM__MM_CHUNK;
+        if (b >= total) break;
+        int64_t e = PDM_MIN(total, b + PDM__MM_CHUNK), base = 0;
+        for (int i = 0; i < t->n_w && b < e; i++) {
+            int64_t rows = t->w[i]->rows;
+            int64_t lo = PDM_MAX(b, base) - base, hi = PDM_MIN(e, base + rows) - base;
+            if (lo < hi) t->ops->matmul(t->w[i], act, t->n, t->y[i], rows, lo, hi);
+            base += rows;
+        }
     }
 }
 
@@ -169,6 +189,7 @@ static void pdm__matmul(pdm_model_ctx_t *ctx, const float *x, int n, int n_w,
 {
     pdm__mm_task_t t = {.ops = ctx->ops, .w = {w0, w1, w2}, .y = {y0, y1, y2}, .n_w = n_w,
                         .x = x, .n = n, .act = NULL};
+    atomic_init(&t.next, 0);
     if (ctx->ops->act_bytes(w0->type, w0->cols, n) > 0) {
         t.act = ctx->act;
         pdm_kern_pool_run(ctx->pool, pdm__mm_convert, &t);
@@ -275,6 +296,7 @@ typedef struct {
     pdm_act_t *act;
     const pdm_kv_view_t *views;
     int n_views;
+    atomic_int next; /* next unclaimed work item */
 } pdm__attn_task_t;
 
 static void pdm__attn_task(void *arg, int ith, int nth)
@@ -288,9 +310,13 @@ static void pdm__attn_task(void *arg, int ith, int nth)
     float *part_o = t->ctx->partial + (size_t)ith * PDM__ATTN_QBLOCK * (hd + 1);
     float *part_lse = part_o + PDM__ATTN_QBLOCK * hd;
 
-    /* Items are (query block, head); interleaving spreads the causal imbalance. */
-    for (int item = ith; item < n_blocks * n_heads; item += nth) {
-        int blk = item / n_heads, h = item % n_heads, kvh = h / group;
+    /* Items are (query block, head), claimed from an atomic counter, last (most keys) block
+     * first so the cheap ones fill in at the end. */
+    (void)nth;
+    for (;;) {
+        int item = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
+        if (item >= n_blocks * n_heads) break;
+        int blk = n_blocks - 1 - item / n_heads, h = item % n_heads, kvh = h / group;
         int i0 = blk * PDM__ATTN_QBLOCK;
         int nq = PDM_MIN(PDM__ATTN_QBLOCK, t->act->n - i0);
         pdm_kern_attn_t a = {
@@ -337,11 +363,90 @@ static void pdm__attn_task(void *arg, int ith, int nth)
     }
 }
 
+/* Decode (one token): work items are (kv head, range of keys). The group's query heads of
+ * the token are one block of rows (heads are contiguous in a token's q row, so the stride is
+ * head_dim), which reads each KV head once instead of once per query head; the keys of each
+ * view are split into n_threads ranges so both cores work however few KV heads there are.
+ * Each item leaves (o, lse) of its range in ctx->split; pdm__attn_split_merge combines them.
+ * Twice as many ranges as threads, claimed dynamically, so a thread slowed by another process
+ * on its core does not hold the step back.
+ * Splitting along the KV axis and merging by log-sum-exp is exact (flash-decoding). */
+static void pdm__attn_split_task(void *arg, int ith, int nth)
+{
+    pdm__attn_task_t *t = arg;
+    const pdm_model_hparams_t *hp = &t->ctx->model->hp;
+    const int hd = (int)hp->head_dim, n_kv_heads = (int)hp->n_kv_heads;
+    const int group = (int)(hp->n_heads / hp->n_kv_heads), n_split = 2 * t->ctx->n_threads;
+    int32_t pos[PDM__ATTN_QBLOCK];
+    float tmp_o[PDM__ATTN_QBLOCK * PDM_MAX_HEAD_DIM], tmp_lse[PDM__ATTN_QBLOCK];
+    for (int g = 0; g < group; g++) pos[g] = t->act->pos[0];
+    (void)ith;
+    (void)nth;
+    for (;;) {
+        int item = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
+        if (item >= n_kv_heads * n_split) break;
+        int kvh = item / n_split, sp = item % n_split;
+        float *part = t->ctx->split + ((size_t)kvh * n_split + sp) * group * (hd + 1);
+        float *part_lse = part + (size_t)group * hd;
+        pdm_kern_attn_t a = {.q = t->act->q + (size_t)kvh * group * hd, .q_stride = hd,
+                             .q_pos = pos, .n_q = group, .head_dim = hd,
+                             .scale = 1.0f / sqrtf((float)hd), .causal = 1};
+        for (int g = 0; g < group; g++) part_lse[g] = -INFINITY;
+        memset(part, 0, (size_t)group * hd * sizeof(float));
+        for (int vi = 0; vi < t->n_views; vi++) {
+            const pdm_kv_view_t *view = &t->views[vi];
+            int64_t b, e;
+            pdm_kern_split(view->n_tokens, sp, n_split, 32, &b, &e);
+            if (b >= e) continue;
+            size_t off = (size_t)b * hd * pdm_dtype_row_bytes(view->dtype, 1);
+            a.k = (const char *)view->k[kvh] + off;
+            a.v = (const char *)view->v[kvh] + off;
+            a.kv_type = view->dtype;
+            a.k_pos0 = view->pos0 + (int32_t)b;
+            a.n_kv = (int)(e - b);
+            a.o = tmp_o;
+            a.o_stride = hd;
+            a.lse = tmp_lse;
+            a.lse_stride = 1;
+            t->ctx->ops->attention(&a);
+            for (int g = 0; g < group; g++)
+                t->ctx->ops->attn_merge(part + (size_t)g * hd, &part_lse[g],
+                                        tmp_o + (size_t)g * hd, tmp_lse[g], hd);
+        }
+    }
+}
+
+static void pdm__attn_split_merge(pdm_model_ctx_t *ctx, pdm_act_t *act)
+{
+    const pdm_model_hparams_t *hp = &ctx->model->hp;
+    const int hd = (int)hp->head_dim, group = (int)(hp->n_heads / hp->n_kv_heads);
+    const int n_split = 2 * ctx->n_threads;
+    for (uint32_t kvh = 0; kvh < hp->n_kv_heads; kvh++)
+        for (int g = 0; g < group; g++) {
+            int h = (int)kvh * group + g;
+            float *o = act->o + (size_t)h * hd, *lse = act->lse + h;
+            memset(o, 0, (size_t)hd * sizeof(float));
+            *lse = -INFINITY;
+            for (int sp = 0; sp < n_split; sp++) {
+                const float *part = ctx->split + ((size_t)kvh * n_split + sp) * group * (hd + 1);
+                ctx->ops->attn_merge(o, lse, part + (size_t)g * hd, part[(size_t)group * hd + g],
+                                     hd);
+            }
+        }
+}
+
 void pdm_model_attention(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
                          const pdm_kv_view_t *views, int n_views)
 {
     (void)layer;
+    const pdm_model_hparams_t *hp = &ctx->model->hp;
     pdm__attn_task_t t = {.ctx = ctx, .act = act, .views = views, .n_views = n_views};
+    atomic_init(&t.next, 0);
+    if (act->n == 1 && hp->n_heads / hp->n_kv_heads <= PDM__ATTN_QBLOCK) {
+        pdm_kern_pool_run(ctx->pool, pdm__attn_split_task, &t);
+        pdm__attn_split_merge(ctx, act);
+        return;
+    }
     pdm_kern_pool_run(ctx->pool, pdm__attn_task, &t);
 }
 

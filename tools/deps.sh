@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what pdmesh needs to build and test, skipping what is already present.
-#   tools/deps.sh VENV_DIR [--golden]
+#   tools/deps.sh VENV_DIR [--golden|--bench]
 # Debian packages through apt-get (as root, or with sudo when available); Python tools into
 # a virtual environment at VENV_DIR. --golden also installs llama-cpp-python (builds
 # llama.cpp from source, several minutes), needed only to regenerate tests/golden/golden.json.
+# --bench is --golden plus gnuplot for the engine benchmark's plot.
 set -euo pipefail
 
 venv=${1:?usage: tools/deps.sh VENV_DIR [--golden]}
@@ -16,6 +17,7 @@ packages=(
   libuv1-dev libhttp-parser-dev
   python3 python3-venv python3-pip
 )
+if [ "$golden" = "--bench" ]; then packages+=(gnuplot-nox); fi
 
 missing=()
 for p in "${packages[@]}"; do
@@ -38,7 +40,9 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 want_py=(numpy gguf)
-if [ "$golden" = "--golden" ]; then want_py+=(llama-cpp-python jinja2); fi
+if [ "$golden" = "--golden" ] || [ "$golden" = "--bench" ]; then
+  want_py+=(llama-cpp-python jinja2)
+fi
 need_py=()
 for m in "${want_py[@]}"; do
   mod=${m//-/_}

@@ -18,5 +18,6 @@ void pdm_kern__kv_store_generic(pdm_dtype_t type, const float *src, void *dst, i
 
 /* Variants compiled with per-ISA flags; their tables are only used after a CPUID check. */
 extern const pdm_kern_ops_t pdm_kern_ops_avx2;
+extern const pdm_kern_ops_t pdm_kern_ops_avx512;
 
 #endif

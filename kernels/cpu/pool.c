@@ -2,16 +2,23 @@
  * pool.c - a persistent thread pool: threads are created once and woken per task.
  *
  * A decode step dispatches a few hundred small tasks, so waking must be cheap: workers spin
- * on a generation counter for a short while before sleeping on a condition variable, and the
- * caller spins on the pending count the same way. The caller's thread is worker 0.
+ * on a generation counter for a short while (yielding the core after the first microseconds)
+ * before sleeping on a condition variable, and the caller spins on the pending count the same
+ * way. The caller's thread is worker 0.
  */
 #include "../kernels.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 
-#define PDM__SPIN_ITERS 20000
+/* Waiting: PDM__SPIN_PAUSES pause instructions (the uncontended case: the next task or the
+ * last worker is microseconds away), then sched_yield() up to PDM__SPIN_ITERS in all (when
+ * other processes share the cores, a spinning thread must not hold the core that the thread it
+ * waits for needs), then sleep on the condition variable. */
+#define PDM__SPIN_PAUSES 2000
+#define PDM__SPIN_ITERS 6000
 
 struct pdm_kern_pool {
     int n_threads;
@@ -32,8 +39,12 @@ typedef struct {
     int ith;
 } pdm__worker_arg_t;
 
-static inline void pdm__cpu_relax(void)
+static inline void pdm__cpu_relax(int spins)
 {
+    if (spins > PDM__SPIN_PAUSES) {
+        sched_yield();
+        return;
+    }
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
@@ -53,7 +64,7 @@ static void *pdm__worker(void *p)
         while (atomic_load_explicit(&pool->generation, memory_order_acquire) == seen &&
                !atomic_load(&pool->stop)) {
             if (++spins < PDM__SPIN_ITERS) {
-                pdm__cpu_relax();
+                pdm__cpu_relax(spins);
                 continue;
             }
             pthread_mutex_lock(&pool->mutex);
@@ -153,7 +164,7 @@ void pdm_kern_pool_run(pdm_kern_pool_t *pool, pdm_kern_task_cb cb, void *arg)
     int spins = 0;
     while (atomic_load_explicit(&pool->pending, memory_order_acquire) > 0) {
         if (++spins < PDM__SPIN_ITERS) {
-            pdm__cpu_relax();
+            pdm__cpu_relax(spins);
             continue;
         }
         pthread_mutex_lock(&pool->mutex);

@@ -24,6 +24,17 @@ static int pdm__has_avx2(void)
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && pdm__has_f16c();
 }
 
+/* Every feature ops_avx512.c is compiled for (AVX512_FLAGS in the Makefile). Zen 4/5 and
+ * Intel since Ice Lake have them all; BF16 is left out of the check because the kernels do
+ * not use BF16 instructions (the flag only lets the compiler know they exist). */
+static int pdm__has_avx512(void)
+{
+    __builtin_cpu_init();
+    return pdm__has_avx2() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+}
+
 static const pdm_kern_ops_t *pdm__supported[4];
 static const pdm_kern_ops_t *pdm__chosen;
 static pthread_once_t pdm__once = PTHREAD_ONCE_INIT;
@@ -31,6 +42,7 @@ static pthread_once_t pdm__once = PTHREAD_ONCE_INIT;
 static void pdm__select(void)
 {
     int n = 0;
+    if (pdm__has_avx512()) pdm__supported[n++] = &pdm_kern_ops_avx512;
     if (pdm__has_avx2()) pdm__supported[n++] = &pdm_kern_ops_avx2;
     pdm__supported[n++] = &pdm_kern_ops_generic;
     pdm__supported[n] = NULL;
@@ -67,3 +79,14 @@ const pdm_kern_ops_t *pdm_kern_ops_find(const char *name)
         if (!strcmp(list[i]->name, name)) return list[i];
     return NULL;
 }
+
+#ifndef PDM_WITH_CUDA
+/* CPU-only builds: the CUDA variant lives in kernels/cuda and is linked by `make cuda`. */
+const pdm_kern_ops_t *pdm_kern_ops_cuda(char *why, size_t why_len)
+{
+    if (why && why_len) snprintf(why, why_len, "not built with CUDA (make cuda builds it)");
+    return NULL;
+}
+
+void pdm_kern_cuda_release(void) {}
+#endif

@@ -5,8 +5,12 @@
  * Tolerances (stated per op):
  *   matmul (same converted activations)  |y - y_ref| <= 1e-4 * sum|w||x| + 1e-5
  *   activation quantization              quants within 1 step, scales equal
- *   attention vs double-precision naive   1e-4 absolute on o and lse (f32 KV), 2e-3 (f16 KV)
+ *   attention vs double-precision naive   1e-4 absolute on o and lse (f32 KV), 2e-3 (f16 KV);
+ *                                         sizes 1, 7, 63, 64, 65, 1000 keys, fully masked rows,
+ *                                         GQA ratios 1, 3, 8 (the SIMD exp: < 2e-7 relative)
  *   rmsnorm, swiglu, rope                 1e-5 relative
+ * The CUDA variant runs the same checks when the build has CUDA and a device is present, and
+ * prints why it is skipped otherwise.
  */
 #include <math.h>
 #include <stdio.h>
@@ -157,8 +161,8 @@ START_TEST(test_matmul_variants)
 {
     static const pdm_dtype_t types[] = {PDM_DT_Q4_1, PDM_DT_Q4_0, PDM_DT_Q8_0, PDM_DT_F16,
                                         PDM_DT_F32, PDM_DT_BF16};
-    static const int toks[] = {1, 2, 3, 4, 5, 7, 9};
-    static const int shapes[][2] = {{1, 32}, {7, 64}, {63, 96}, {64, 576}, {65, 160}};
+    static const int toks[] = {1, 2, 3, 4, 5, 7, 9, 12};
+    static const int shapes[][2] = {{1, 32}, {7, 64}, {63, 96}, {64, 576}, {65, 160}, {1000, 64}};
     const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
     for (int v = 0; list[v]; v++)
         for (size_t t = 0; t < PDM_ARRAY_SIZE(types); t++)
@@ -287,6 +291,62 @@ START_TEST(test_attention_variants)
 }
 END_TEST
 
+/* GQA as the engine lays it out: query rows of n_heads heads interleaved per token
+ * ([n_q][n_heads * hd]), `group` query heads per KV head; every head's result against the
+ * naive attention over its KV head. Ratios 1, 3 (this model) and 8. */
+START_TEST(test_attention_gqa)
+{
+    static const int groups[] = {1, 3, 8};
+    const int hd = 64, n_kv_heads = 2, n_q = 19, n_kv = 77;
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    for (size_t g = 0; g < PDM_ARRAY_SIZE(groups); g++) {
+        const int n_heads = groups[g] * n_kv_heads, qdim = n_heads * hd;
+        float *q = malloc((size_t)n_q * qdim * sizeof(float));
+        float *o = malloc((size_t)n_q * qdim * sizeof(float)), *lse = malloc(n_q * n_heads * 4);
+        float *on = malloc((size_t)n_q * hd * sizeof(float)), *lsen = malloc(n_q * 4);
+        float *qh = malloc((size_t)n_q * hd * sizeof(float));
+        float *k = malloc((size_t)n_kv_heads * n_kv * hd * 4), *v = malloc((size_t)n_kv_heads * n_kv * hd * 4);
+        int32_t pos[19];
+        fill(q, (size_t)n_q * qdim, 1.0f);
+        fill(k, (size_t)n_kv_heads * n_kv * hd, 1.0f);
+        fill(v, (size_t)n_kv_heads * n_kv * hd, 1.0f);
+        for (int i = 0; i < n_q; i++) pos[i] = n_kv - n_q + i - 3; /* the first rows see less */
+        for (int vi = 0; list[vi]; vi++)
+            for (int h = 0; h < n_heads; h++) {
+                int kvh = h / groups[g];
+                pdm_kern_attn_t a = {.q = q + (size_t)h * hd, .q_stride = qdim, .q_pos = pos,
+                                     .n_q = n_q, .k = k + (size_t)kvh * n_kv * hd,
+                                     .v = v + (size_t)kvh * n_kv * hd, .kv_type = PDM_DT_F32,
+                                     .k_pos0 = 0, .n_kv = n_kv, .head_dim = hd, .scale = 0.125f,
+                                     .causal = 1, .o = o + (size_t)h * hd, .o_stride = qdim,
+                                     .lse = lse + h, .lse_stride = n_heads};
+                list[vi]->attention(&a);
+                for (int i = 0; i < n_q; i++)
+                    memcpy(qh + (size_t)i * hd, q + (size_t)i * qdim + (size_t)h * hd, hd * 4);
+                pdm_kern_attn_t an = a;
+                an.q = qh;
+                an.q_stride = hd;
+                naive_attention(&an, on, lsen);
+                for (int i = 0; i < n_q; i++) {
+                    ck_assert_msg(fabsf(lse[i * n_heads + h] - lsen[i]) <= 1e-4f,
+                                  "%s gqa %d head %d row %d lse %g vs %g", list[vi]->name,
+                                  groups[g], h, i, lse[i * n_heads + h], lsen[i]);
+                    for (int d = 0; d < hd; d++)
+                        ck_assert(fabsf(o[(size_t)i * qdim + h * hd + d] - on[i * hd + d]) <= 1e-4f);
+                }
+            }
+        free(q);
+        free(o);
+        free(lse);
+        free(on);
+        free(lsen);
+        free(qh);
+        free(k);
+        free(v);
+    }
+}
+END_TEST
+
 START_TEST(test_attention_split_merge)
 {
     /* attention over [0, n) equals the merge of attention over two views [0, s) and [s, n) */
@@ -395,6 +455,64 @@ START_TEST(test_elementwise_variants)
 }
 END_TEST
 
+/* ---- CUDA ---------------------------------------------------------------------------- */
+
+/* The CUDA variant against the reference with the same checks and tolerances as the CPU
+ * variants; skipped with a message when the build has no CUDA or there is no device. */
+START_TEST(test_cuda_variant)
+{
+    char why[256] = "";
+    const pdm_kern_ops_t *ops = pdm_kern_ops_cuda(why, sizeof(why));
+    if (!ops) {
+        fprintf(stderr, "kernels: SKIP cuda variant: %s\n", why);
+        return;
+    }
+    static const pdm_dtype_t types[] = {PDM_DT_Q4_1, PDM_DT_Q4_0, PDM_DT_Q8_0, PDM_DT_F16,
+                                        PDM_DT_F32, PDM_DT_BF16};
+    static const int shapes[][2] = {{1, 32}, {7, 64}, {63, 96}, {64, 576}, {65, 160}};
+    for (size_t t = 0; t < PDM_ARRAY_SIZE(types); t++)
+        for (size_t sh = 0; sh < PDM_ARRAY_SIZE(shapes); sh++)
+            for (int n_tok = 1; n_tok <= 9; n_tok += 4)
+                check_matmul(ops, types[t], shapes[sh][0], shapes[sh][1], n_tok);
+    static const int nkv[] = {1, 7, 63, 64, 65, 1000};
+    for (size_t a = 0; a < PDM_ARRAY_SIZE(nkv); a++) {
+        check_attention(ops, 7, nkv[a], 64, PDM_DT_F32, 100, 100 + nkv[a] - 7, 1);
+        check_attention(ops, 7, nkv[a], 64, PDM_DT_F16, 0, nkv[a] - 1, 1);
+        check_attention(ops, 7, nkv[a], 32, PDM_DT_F32, 10, 5, 1);
+        check_attention(ops, 7, nkv[a], 64, PDM_DT_F32, 0, 0, 0);
+    }
+    static const int sizes[] = {1, 7, 63, 64, 65, 576, 1000};
+    for (size_t k = 0; k < PDM_ARRAY_SIZE(sizes); k++) {
+        int n = sizes[k];
+        float *x = malloc(n * sizeof(float)), *w = malloc(n * sizeof(float));
+        float *y = malloc(n * sizeof(float)), *yr = malloc(n * sizeof(float));
+        uint16_t *h = malloc(n * sizeof(uint16_t));
+        fill(x, n, 3.0f);
+        fill(w, n, 1.0f);
+        ops->rmsnorm(y, x, w, n, 1e-5f);
+        pdm_kern_ops_generic.rmsnorm(yr, x, w, n, 1e-5f);
+        for (int i = 0; i < n; i++) ck_assert(fabsf(y[i] - yr[i]) <= 1e-5f * (1 + fabsf(yr[i])));
+        ops->swiglu(y, x, w, n);
+        pdm_kern_ops_generic.swiglu(yr, x, w, n);
+        for (int i = 0; i < n; i++) ck_assert(fabsf(y[i] - yr[i]) <= 1e-5f * (1 + fabsf(yr[i])));
+        ops->kv_store(PDM_DT_F16, x, h, n);
+        for (int i = 0; i < n; i++) ck_assert_uint_eq(h[i], pdm_f32_to_f16(x[i]));
+        free(x);
+        free(w);
+        free(y);
+        free(yr);
+        free(h);
+    }
+    float r[128], rr[128];
+    fill(r, 128, 1.0f);
+    memcpy(rr, r, sizeof(r));
+    ops->rope(r, 2, 64, 1234, 10000.0f);
+    pdm_kern_ops_generic.rope(rr, 2, 64, 1234, 10000.0f);
+    for (int i = 0; i < 128; i++) ck_assert(fabsf(r[i] - rr[i]) < 1e-5f);
+    pdm_kern_cuda_release();
+}
+END_TEST
+
 /* ---- thread pool --------------------------------------------------------------------- */
 
 typedef struct {
@@ -454,8 +572,10 @@ Suite *suite_kernels(void)
     tcase_add_test(tc, test_quant_roundtrip_error);
     tcase_add_test(tc, test_matmul_variants);
     tcase_add_test(tc, test_attention_variants);
+    tcase_add_test(tc, test_attention_gqa);
     tcase_add_test(tc, test_attention_split_merge);
     tcase_add_test(tc, test_elementwise_variants);
+    tcase_add_test(tc, test_cuda_variant);
     tcase_add_test(tc, test_pool);
     suite_add_tcase(s, tc);
     return s;
