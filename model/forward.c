@@ -134,6 +134,15 @@ void pdm_model_ctx_set_ops(pdm_model_ctx_t *ctx, const pdm_kern_ops_t *ops)
 
 /* ---- Matrix products --------------------------------------------------------------------- */
 
+/* Runs a per-token step on the pool, or inline on the calling thread for a single token:
+ * there the work (a norm, a rotation, a few hundred additions) is smaller than waking the
+ * other threads and waiting for them, and a decode step has a dozen such steps per layer. */
+static void pdm__run_tokens(pdm_model_ctx_t *ctx, int n_tokens, pdm_kern_task_cb cb, void *arg)
+{
+    if (n_tokens <= 1) cb(arg, 0, 1);
+    else pdm_kern_pool_run(ctx->pool, cb, arg);
+}
+
 /* Up to three matrices with the same input and weight type, computed in one dispatch. */
 typedef struct {
     const pdm_kern_ops_t *ops;
@@ -192,7 +201,7 @@ static void pdm__matmul(pdm_model_ctx_t *ctx, const float *x, int n, int n_w,
     atomic_init(&t.next, 0);
     if (ctx->ops->act_bytes(w0->type, w0->cols, n) > 0) {
         t.act = ctx->act;
-        pdm_kern_pool_run(ctx->pool, pdm__mm_convert, &t);
+        pdm__run_tokens(ctx, n, pdm__mm_convert, &t);
     }
     pdm_kern_pool_run(ctx->pool, pdm__mm_rows, &t);
 }
@@ -278,7 +287,7 @@ void pdm_model_attn_in(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act)
 {
     const pdm_model_layer_t *L = &ctx->model->layers[layer];
     pdm__tok_task_t t = {.ctx = ctx, .act = act, .norm_w = L->attn_norm, .layer = layer};
-    pdm_kern_pool_run(ctx->pool, pdm__norm_task, &t);
+    pdm__run_tokens(ctx, act->n, pdm__norm_task, &t);
     if (L->wq.type == L->wk.type && L->wq.type == L->wv.type) {
         pdm__matmul(ctx, ctx->xn, act->n, 3, &L->wq, act->q, &L->wk, act->k, &L->wv, act->v);
     } else {
@@ -286,7 +295,7 @@ void pdm_model_attn_in(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act)
         pdm__matmul(ctx, ctx->xn, act->n, 1, &L->wk, act->k, NULL, NULL, NULL, NULL);
         pdm__matmul(ctx, ctx->xn, act->n, 1, &L->wv, act->v, NULL, NULL, NULL, NULL);
     }
-    pdm_kern_pool_run(ctx->pool, pdm__rope_task, &t);
+    pdm__run_tokens(ctx, act->n, pdm__rope_task, &t);
 }
 
 /* ---- Attention ----------------------------------------------------------------------- */
@@ -455,17 +464,17 @@ void pdm_model_attn_out_ffn(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act)
     const pdm_model_layer_t *L = &ctx->model->layers[layer];
     pdm__tok_task_t t = {.ctx = ctx, .act = act, .norm_w = L->ffn_norm, .layer = layer};
     pdm__matmul(ctx, act->o, act->n, 1, &L->wo, ctx->tmp, NULL, NULL, NULL, NULL);
-    pdm_kern_pool_run(ctx->pool, pdm__residual_task, &t);
-    pdm_kern_pool_run(ctx->pool, pdm__norm_task, &t);
+    pdm__run_tokens(ctx, act->n, pdm__residual_task, &t);
+    pdm__run_tokens(ctx, act->n, pdm__norm_task, &t);
     if (L->w_gate.type == L->w_up.type)
         pdm__matmul(ctx, ctx->xn, act->n, 2, &L->w_gate, ctx->gate, &L->w_up, ctx->up, NULL, NULL);
     else {
         pdm__matmul(ctx, ctx->xn, act->n, 1, &L->w_gate, ctx->gate, NULL, NULL, NULL, NULL);
         pdm__matmul(ctx, ctx->xn, act->n, 1, &L->w_up, ctx->up, NULL, NULL, NULL, NULL);
     }
-    pdm_kern_pool_run(ctx->pool, pdm__swiglu_task, &t);
+    pdm__run_tokens(ctx, act->n, pdm__swiglu_task, &t);
     pdm__matmul(ctx, ctx->gate, act->n, 1, &L->w_down, ctx->tmp, NULL, NULL, NULL, NULL);
-    pdm_kern_pool_run(ctx->pool, pdm__residual_task, &t);
+    pdm__run_tokens(ctx, act->n, pdm__residual_task, &t);
 }
 
 void pdm_model_logits(pdm_model_ctx_t *ctx, const pdm_act_t *act, int row, float *logits)

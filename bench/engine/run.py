@@ -195,15 +195,19 @@ def write_markdown(res, path):
 def write_plot(res, out):
     """engine.png: prefill and decode tok/s per prompt/context, both engines, 1 and 2 threads."""
     dat = os.path.join(out, "engine.dat")
-    with open(dat, "w") as f:
-        f.write("# threads prompt pdm_prefill llama_prefill pdm_decode llama_decode\n")
+    ddat = os.path.join(out, "engine_decode.dat")
+    with open(dat, "w") as f, open(ddat, "w") as g:
+        f.write("# threads prompt pdm_prefill llama_prefill\n")
+        g.write("# threads context pdm_decode llama_decode\n")
         for e in res["runs"]:
             f.write(f"{e['threads']} {e['prompt']} {e['pdmesh']['prefill_tok_s']:.2f} "
-                    f"{e['llama.cpp']['prefill_tok_s']:.2f} "
-                    f"{e['pdmesh']['decode_tok_s'] if e['decode'] else 'NaN'} "
-                    f"{e['llama.cpp']['decode_tok_s'] if e['decode'] else 'NaN'}\n")
+                    f"{e['llama.cpp']['prefill_tok_s']:.2f}\n")
+            if e["decode"]:
+                g.write(f"{e['threads']} {e['prompt']} {e['pdmesh']['decode_tok_s']:.2f} "
+                        f"{e['llama.cpp']['decode_tok_s']:.2f}\n")
     gp = f"""
-set terminal pngcairo size 1100,450 font ',10'
+set terminal pngcairo size 1100,450 font ',10' noenhanced
+set datafile missing '?'
 set output '{os.path.join(out, 'engine.png')}'
 set multiplot layout 1,2 title 'pdmesh vs llama.cpp, SmolLM2-135M Q4_1 ({res['machine']['cpu']}, {res['machine']['date_utc']})'
 set logscale x 2
@@ -215,8 +219,8 @@ plot '{dat}' u ($1==1?$2:1/0):3 w lp lw 2 t 'pdmesh 1t', '' u ($1==1?$2:1/0):4 w
      '' u ($1==2?$2:1/0):3 w lp lw 2 t 'pdmesh 2t', '' u ($1==2?$2:1/0):4 w lp lw 2 t 'llama.cpp 2t'
 set xlabel 'context tokens'
 set ylabel 'decode tokens/s'
-plot '{dat}' u ($1==1?$2:1/0):5 w lp lw 2 t 'pdmesh 1t', '' u ($1==1?$2:1/0):6 w lp lw 2 t 'llama.cpp 1t', \\
-     '' u ($1==2?$2:1/0):5 w lp lw 2 t 'pdmesh 2t', '' u ($1==2?$2:1/0):6 w lp lw 2 t 'llama.cpp 2t'
+plot '{ddat}' u ($1==1?$2:1/0):3 w lp lw 2 t 'pdmesh 1t', '' u ($1==1?$2:1/0):4 w lp lw 2 t 'llama.cpp 1t', \\
+     '' u ($1==2?$2:1/0):3 w lp lw 2 t 'pdmesh 2t', '' u ($1==2?$2:1/0):4 w lp lw 2 t 'llama.cpp 2t'
 unset multiplot
 """
     r = subprocess.run(["gnuplot"], input=gp, text=True, capture_output=True)
