@@ -37,20 +37,9 @@
 
 #define MAX_LINE (16u << 20)
 
-static FILE *proto;
 static int rank_peer[PDM_KVT_MAX_RANKS];
 static int n_ranks;
 
-static void emit(cJSON *o)
-{
-    char *s = cJSON_PrintUnformatted(o);
-    if (s) {
-        fprintf(proto, "%s\n", s);
-        fflush(proto);
-    }
-    free(s);
-    cJSON_Delete(o);
-}
 
 static void reply(const char *event, double id, int ok, const char *error)
 {
@@ -59,7 +48,7 @@ static void reply(const char *event, double id, int ok, const char *error)
     if (id >= 0) cJSON_AddNumberToObject(o, "id", id);
     cJSON_AddBoolToObject(o, "ok", ok);
     if (error) cJSON_AddStringToObject(o, "error", error);
-    emit(o);
+    pdm_ctl_emit(o);
 }
 
 static void on_event(void *arg, const pdm_decode_event_t *ev)
@@ -89,7 +78,7 @@ static void on_event(void *arg, const pdm_decode_event_t *ev)
         cJSON_AddStringToObject(o, "error", ev->error ? ev->error : "failed");
         break;
     }
-    emit(o);
+    pdm_ctl_emit(o);
 }
 
 static double num(const cJSON *o, const char *key, double def)
@@ -177,7 +166,7 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
             cJSON_AddStringToObject(o, "event", "error");
             cJSON_AddNumberToObject(o, "id", id);
             cJSON_AddStringToObject(o, "error", id < 0 ? "start needs an id" : pdm_error_last());
-            emit(o);
+            pdm_ctl_emit(o);
         }
     } else if (!strcmp(name, "stats")) {
         int held;
@@ -200,7 +189,7 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
             cJSON_AddNumberToObject(e, "messages", (double)ps.receives);
             cJSON_AddItemToArray(peers, e);
         }
-        emit(o);
+        pdm_ctl_emit(o);
     } else if (!strcmp(name, "cancel")) {
         if (id < 0 || pdm_decode_node_cancel(node, (uint64_t)id))
             reply("error", id, 0, "cancel: unknown request");
@@ -249,8 +238,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdmesh-decode: invalid option value\n");
         return 2;
     }
-    int proto_fd = dup(1);
-    if (proto_fd < 0 || !(proto = fdopen(proto_fd, "w")) || dup2(2, 1) < 0) return 1;
+    if (pdm_ctl_open()) {
+        fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
+        return 1;
+    }
 
     pdm_model_t *model = NULL;
     pdm_kvt_t *kvt = NULL;
@@ -264,13 +255,7 @@ int main(int argc, char **argv)
     const void *addr;
     size_t alen;
     pdm_kvt_address(kvt, &addr, &alen);
-    char *hex = pdm_hex_encode(addr, alen);
-    cJSON *hello = cJSON_CreateObject();
-    cJSON_AddStringToObject(hello, "event", "hello");
-    cJSON_AddStringToObject(hello, "address", hex ? hex : "");
-    cJSON_AddNumberToObject(hello, "pid", (double)getpid());
-    emit(hello);
-    free(hex);
+    pdm_ctl_hello(addr, alen);
 
     char *buf = malloc(MAX_LINE + 1);
     size_t len = 0;
@@ -315,6 +300,6 @@ out:
     pdm_decode_node_destroy(node);
     pdm_kvt_destroy(kvt);
     pdm_model_free(model);
-    fclose(proto);
+    pdm_ctl_close();
     return status;
 }

@@ -562,7 +562,9 @@ int pdm_kvt_irecv(pdm_kvt_t *kvt, int peer, uint64_t tag, const pdm_kvt_iov_t *i
     return pdm__post(kvt, 0, peer, tag, iov, n_iov, req);
 }
 
-int pdm_kvt_wait(pdm_kvt_t *kvt, pdm_kvt_req_t req, double deadline, size_t *bytes)
+/* The slot of a live handle, returned with kvt->lock held; PDM_EINVAL (lock not held) for a
+ * malformed handle or one already released. */
+static int pdm__slot_lock(pdm_kvt_t *kvt, pdm_kvt_req_t req, pdm__slot_t **out)
 {
     int idx = req & 0xffff, gen = (req >> 16) & 0x7fff;
     if (req < 0 || idx >= kvt->n_slots)
@@ -573,6 +575,14 @@ int pdm_kvt_wait(pdm_kvt_t *kvt, pdm_kvt_req_t req, double deadline, size_t *byt
         pthread_mutex_unlock(&kvt->lock);
         return pdm_error_set(PDM_EINVAL, "kvtransfer: stale request handle %d", req);
     }
+    *out = s;
+    return PDM_OK;
+}
+
+int pdm_kvt_wait(pdm_kvt_t *kvt, pdm_kvt_req_t req, double deadline, size_t *bytes)
+{
+    pdm__slot_t *s;
+    if (pdm__slot_lock(kvt, req, &s)) return PDM_EINVAL;
     int timed_out = 0;
     double grace_end = 0;
     atomic_fetch_add(&kvt->n_waiters, 1);
@@ -760,15 +770,8 @@ int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb 
 
 int pdm_kvt_test(pdm_kvt_t *kvt, pdm_kvt_req_t req, size_t *bytes)
 {
-    int idx = req & 0xffff, gen = (req >> 16) & 0x7fff;
-    if (req < 0 || idx >= kvt->n_slots)
-        return pdm_error_set(PDM_EINVAL, "kvtransfer: bad request handle %d", req);
-    pdm__slot_t *s = &kvt->slots[idx];
-    pthread_mutex_lock(&kvt->lock);
-    if (s->gen != gen || s->state == SLOT_FREE || s->state == SLOT_ORPHAN) {
-        pthread_mutex_unlock(&kvt->lock);
-        return pdm_error_set(PDM_EINVAL, "kvtransfer: stale request handle %d", req);
-    }
+    pdm__slot_t *s;
+    if (pdm__slot_lock(kvt, req, &s)) return PDM_EINVAL;
     int pending = s->state == SLOT_PENDING && kvt->peers[s->peer].alive;
     pthread_mutex_unlock(&kvt->lock);
     if (pending) {

@@ -213,38 +213,14 @@ static int pdm__read_line(pdm__proc_t *pr, int rank, double deadline, char **lin
     }
 }
 
-/* Reads the next event of a rank as JSON and checks its name and "ok". */
-static int pdm__read_event(pdm__proc_t *pr, int rank, const char *event, double deadline,
-                           cJSON **out)
-{
-    char *line = NULL;
-    int st = pdm__read_line(pr, rank, deadline, &line);
-    if (st) return st;
-    cJSON *o = cJSON_Parse(line);
-    free(line);
-    const cJSON *ev = o ? cJSON_GetObjectItem(o, "event") : NULL;
-    char who[32];
-    pdm__who(rank, who, sizeof(who));
-    if (!cJSON_IsString(ev)) {
-        cJSON_Delete(o);
-        return pdm_error_set(PDM_EFORMAT, "%s sent a malformed line", who);
-    }
-    const cJSON *ok = cJSON_GetObjectItem(o, "ok"), *err = cJSON_GetObjectItem(o, "error");
-    if (cJSON_IsFalse(ok) || strcmp(ev->valuestring, event)) {
-        st = pdm_error_set(PDM_EPEER, "%s: %s", who,
-                           cJSON_IsString(err) ? err->valuestring : "unexpected answer");
-        cJSON_Delete(o);
-        return st;
-    }
-    *out = o;
-    return PDM_OK;
-}
-
 static double pdm__num(const cJSON *o, const char *key);
 
-/* Reads the next event of a rank for task `id`, skipping late answers to earlier tasks that
- * the launcher gave up on (they carry another id). */
-static int pdm__read_task_event(pdm__proc_t *pr, int rank, const char *event, uint32_t id,
+#define PDM__ANY_TASK UINT64_MAX
+
+/* Reads the next event of a rank as JSON and checks its name and "ok". With a task `id`
+ * (not PDM__ANY_TASK), late answers to earlier tasks that the launcher gave up on (they
+ * carry another id) are skipped. */
+static int pdm__read_task_event(pdm__proc_t *pr, int rank, const char *event, uint64_t id,
                                 double deadline, cJSON **out)
 {
     for (;;) {
@@ -254,7 +230,7 @@ static int pdm__read_task_event(pdm__proc_t *pr, int rank, const char *event, ui
         cJSON *o = cJSON_Parse(line);
         free(line);
         const cJSON *tid = o ? cJSON_GetObjectItem(o, "id") : NULL;
-        if (cJSON_IsNumber(tid) && (uint32_t)tid->valuedouble != id) {
+        if (id != PDM__ANY_TASK && cJSON_IsNumber(tid) && (uint64_t)tid->valuedouble != id) {
             cJSON_Delete(o); /* a stale answer */
             continue;
         }
@@ -276,6 +252,12 @@ static int pdm__read_task_event(pdm__proc_t *pr, int rank, const char *event, ui
         *out = o;
         return PDM_OK;
     }
+}
+
+static int pdm__read_event(pdm__proc_t *pr, int rank, const char *event, double deadline,
+                           cJSON **out)
+{
+    return pdm__read_task_event(pr, rank, event, PDM__ANY_TASK, deadline, out);
 }
 
 /* A number field of a rank's event, 0 when missing (a rank's lines are checked, not

@@ -31,20 +31,7 @@
 
 #define PDM__MAX_LINE (64u << 20)
 
-/* The protocol stream: the original stdout. File descriptor 1 itself is pointed at stderr so
- * that anything a library prints (UCX warnings go to stdout) cannot corrupt the protocol. */
-static FILE *proto;
 
-static void emit(cJSON *obj)
-{
-    char *s = cJSON_PrintUnformatted(obj);
-    if (s) {
-        fprintf(proto, "%s\n", s);
-        fflush(proto);
-    }
-    free(s);
-    cJSON_Delete(obj);
-}
 
 /* Id of the task being answered (results carry it so that a launcher that gave up on a
  * task can tell its late answers from the next task's); -1 outside tasks. */
@@ -57,7 +44,7 @@ static void emit_error(const char *event, const char *msg)
     if (current_task >= 0) cJSON_AddNumberToObject(o, "id", current_task);
     cJSON_AddBoolToObject(o, "ok", 0);
     cJSON_AddStringToObject(o, "error", msg);
-    emit(o);
+    pdm_ctl_emit(o);
 }
 
 /* Reads an int array field; PDM_EFORMAT if it is not an array of integers in [min, max]. */
@@ -218,7 +205,7 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
         cJSON_Delete(o);
         emit_error("result", pdm_error_last());
     } else {
-        emit(o);
+        pdm_ctl_emit(o);
     }
     if (cJSON_IsString(kv_out)) {
         st = pdm_prefill_rank_dump_kv(rank, kv_out->valuestring);
@@ -229,7 +216,7 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
             cJSON_AddStringToObject(d, "event", "dumped");
             cJSON_AddNumberToObject(d, "id", current_task);
             cJSON_AddBoolToObject(d, "ok", 1);
-            emit(d);
+            pdm_ctl_emit(d);
         }
     }
     free(tokens);
@@ -287,7 +274,7 @@ static void handle_pingpong(const cJSON *cmd, pdm_kvt_group_t *g)
     cJSON_AddStringToObject(o, "event", "pingpong");
     cJSON_AddBoolToObject(o, "ok", 1);
     cJSON_AddNumberToObject(o, "seconds", seconds);
-    emit(o);
+    pdm_ctl_emit(o);
 }
 
 static void usage(FILE *f)
@@ -348,9 +335,8 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    int proto_fd = dup(1);
-    if (proto_fd < 0 || !(proto = fdopen(proto_fd, "w")) || dup2(2, 1) < 0) {
-        fprintf(stderr, "pdmesh-prefill: cannot set up the protocol stream\n");
+    if (pdm_ctl_open()) {
+        fprintf(stderr, "pdmesh-prefill: %s\n", pdm_error_last());
         return 1;
     }
     if (cpu >= 0) {
@@ -377,13 +363,7 @@ int main(int argc, char **argv)
     const void *addr;
     size_t alen;
     pdm_kvt_address(kvt, &addr, &alen);
-    char *hex = pdm_hex_encode(addr, alen);
-    cJSON *hello = cJSON_CreateObject();
-    cJSON_AddStringToObject(hello, "event", "hello");
-    cJSON_AddStringToObject(hello, "address", hex ? hex : "");
-    cJSON_AddNumberToObject(hello, "pid", (double)getpid());
-    emit(hello);
-    free(hex);
+    pdm_ctl_hello(addr, alen);
 
     char *line = NULL;
     size_t cap = 0;
@@ -416,7 +396,7 @@ int main(int argc, char **argv)
                 pdm_kvt_peer_transports(kvt, group.peer[(group.rank + 1) % group.size], tl,
                                         sizeof(tl));
                 cJSON_AddStringToObject(o, "transports", tl);
-                emit(o);
+                pdm_ctl_emit(o);
             }
         } else if (!strcmp(name->valuestring, "pingpong")) {
             if (!grouped)
@@ -443,6 +423,6 @@ out:
     if (grouped) pdm_kvt_group_fini(&group);
     pdm_kvt_destroy(kvt);
     pdm_model_free(model);
-    fclose(proto);
+    pdm_ctl_close();
     return status;
 }
