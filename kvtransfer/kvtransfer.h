@@ -272,8 +272,10 @@ void pdm_kvt_stream_tx_destroy(pdm_kvt_stream_tx_t *tx);
  * `cb` (may be NULL) sees each one first. Returns how many were drained. */
 typedef void (*pdm_kvt_drain_cb)(void *arg, uint64_t tag, const void *data, size_t len);
 int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb cb, void *arg);
-/* Cancels a posted receive and waits (bounded) until the transport has released it. */
-void pdm_kvt_cancel(pdm_kvt_t *kvt, pdm_kvt_req_t req);
+/* Cancels posted receives (PDM_KVT_REQ_NONE entries are skipped) and waits, one bounded
+ * grace period for all, until the transport has released them; every handle is released and
+ * set to PDM_KVT_REQ_NONE. */
+void pdm_kvt_cancel(pdm_kvt_t *kvt, pdm_kvt_req_t *reqs, int n);
 
 /* ---- NCCL (CUDA builds) ----------------------------------------------------------------- *
  * The same group patterns over NCCL for KV in GPU memory (kvtransfer/nccl.c, built by

@@ -83,8 +83,7 @@ static int pdm__plan_check(const pdm_kvt_stream_rx_params_t *p)
 void pdm_kvt_stream_rx_destroy(pdm_kvt_stream_rx_t *rx)
 {
     if (!rx) return;
-    for (int b = 0; b < rx->p.n_blocks; b++)
-        if (rx->reqs && rx->reqs[b] != PDM_KVT_REQ_NONE) pdm_kvt_cancel(rx->kvt, rx->reqs[b]);
+    if (rx->reqs) pdm_kvt_cancel(rx->kvt, rx->reqs, rx->p.n_blocks);
     if (rx->reqs) pdm_kvt_stream_rx_drain(rx);
     free(rx->blocks);
     free(rx->headers);

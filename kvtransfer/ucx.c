@@ -705,28 +705,44 @@ void pdm_kvt_peer_transports(pdm_kvt_t *kvt, int peer, char *buf, size_t size)
     free(text);
 }
 
-void pdm_kvt_cancel(pdm_kvt_t *kvt, pdm_kvt_req_t req)
+void pdm_kvt_cancel(pdm_kvt_t *kvt, pdm_kvt_req_t *reqs, int n)
 {
-    int idx = req & 0xffff, gen = (req >> 16) & 0x7fff;
-    if (req < 0 || idx >= kvt->n_slots) return;
-    pdm__slot_t *s = &kvt->slots[idx];
+    /* Cancel every receive first, then wait once: a receive already matched by a message in
+     * flight cannot be cancelled and completes when its data is in, so waiting for each in
+     * turn could add one grace period per request. */
     pthread_mutex_lock(&kvt->lock);
-    if (s->gen != gen || s->state == SLOT_FREE || s->state == SLOT_ORPHAN) {
-        pthread_mutex_unlock(&kvt->lock);
-        return;
+    for (int i = 0; i < n; i++) {
+        pdm__slot_t *s;
+        if (reqs[i] == PDM_KVT_REQ_NONE) continue;
+        if (pdm__slot_lock(kvt, reqs[i], &s)) { /* released already */
+            reqs[i] = PDM_KVT_REQ_NONE;
+            continue;
+        }
+        if (s->state == SLOT_PENDING && s->ucx_alive && s->ureq && !s->is_send)
+            ucp_request_cancel(kvt->worker, s->ureq); /* may complete inline (recursive lock) */
+        pthread_mutex_unlock(&kvt->lock); /* taken by pdm__slot_lock */
     }
-    if (s->state == SLOT_PENDING && s->ucx_alive && s->ureq && !s->is_send)
-        ucp_request_cancel(kvt->worker, s->ureq); /* may complete it inline (recursive lock) */
     double until = pdm_now() + PDM__KVT_GRACE;
-    while (s->state == SLOT_PENDING && pdm_now() < until) {
+    for (;;) {
+        int pending = 0;
+        for (int i = 0; i < n; i++)
+            if (reqs[i] != PDM_KVT_REQ_NONE &&
+                kvt->slots[reqs[i] & 0xffff].state == SLOT_PENDING)
+                pending++;
+        if (!pending || pdm_now() >= until) break;
         pthread_mutex_unlock(&kvt->lock);
         if (!pdm_kvt_progress(kvt)) sched_yield();
         pthread_mutex_lock(&kvt->lock);
     }
-    if (s->state == SLOT_PENDING && s->ucx_alive)
-        s->state = SLOT_ORPHAN; /* UCX still owns it; freed at its callback */
-    else
-        s->state = SLOT_FREE;
+    for (int i = 0; i < n; i++) {
+        if (reqs[i] == PDM_KVT_REQ_NONE) continue;
+        pdm__slot_t *s = &kvt->slots[reqs[i] & 0xffff];
+        if (s->state == SLOT_PENDING && s->ucx_alive)
+            s->state = SLOT_ORPHAN; /* UCX still owns it; freed at its callback */
+        else
+            s->state = SLOT_FREE;
+        reqs[i] = PDM_KVT_REQ_NONE;
+    }
     pthread_mutex_unlock(&kvt->lock);
 }
 

@@ -278,26 +278,32 @@ static void *killer_main(void *p)
     return NULL;
 }
 
-/* A prefill rank killed while it computes and streams a long prompt: the decode node sees
- * the peer fail (or its KV deadline) and reports an error; nothing stays reserved. */
-START_TEST(test_disagg_rank_killed_mid_stream)
+/* Runs a 900-token request and kills `victim` 30 ms into it: the request must fail, quickly. */
+static void run_killed_mid_stream(pdm_launch_t *l, int victim, pdm_prefill_method_t method,
+                                  uint64_t seed)
 {
-    pdm_launch_t *l = start_mesh(model_path, 2, "f32", 1 << 16, 5);
     static int32_t a[900];
-    random_ids(a, 900, 256, 4);
-    pdm_launch_request_t req = {.tokens = a, .n_tokens = 900, .method = PDM_PREFILL_CP_KV,
-                                .max_new = 4};
+    random_ids(a, 900, 256, seed);
+    pdm_launch_request_t req = {.tokens = a, .n_tokens = 900, .method = method, .max_new = 4};
     pdm_sampler_params_default(&req.sp);
-    killer_t k = {pdm_launch_pid(l, 0), 30};
+    killer_t k = {victim, 30};
     pthread_t th;
     pthread_create(&th, NULL, killer_main, &k);
     pdm_launch_response_t out;
     double t0 = pdm_now();
     pdm_launch_generate(l, &req, 1, &out);
     pthread_join(th, NULL);
-    ck_assert_msg(!out.ok, "the request survived its rank's death");
+    ck_assert_msg(!out.ok, "the request survived the death of pid %d", victim);
     ck_assert(pdm_now() - t0 < 30);
     pdm_launch_response_free(&out);
+}
+
+/* A prefill rank killed while it computes and streams a long prompt: the decode node sees
+ * the peer fail (or its KV deadline) and reports an error; nothing stays reserved. */
+START_TEST(test_disagg_rank_killed_mid_stream)
+{
+    pdm_launch_t *l = start_mesh(model_path, 2, "f32", 1 << 16, 5);
+    run_killed_mid_stream(l, pdm_launch_pid(l, 0), PDM_PREFILL_CP_KV, 4);
     usleep(200000);
     assert_idle(l);
     pdm_launch_stop(l);
@@ -329,21 +335,9 @@ END_TEST
 START_TEST(test_disagg_decode_killed_mid_stream)
 {
     pdm_launch_t *l = start_mesh(model_path, 2, "f32", 1 << 16, 5);
-    static int32_t a[900];
-    random_ids(a, 900, 256, 6);
-    pdm_launch_request_t req = {.tokens = a, .n_tokens = 900, .method = PDM_PREFILL_KVR_E,
-                                .max_new = 4};
-    pdm_sampler_params_default(&req.sp);
-    killer_t k = {pdm_launch_decode_pid(l), 30};
-    pthread_t th;
-    pthread_create(&th, NULL, killer_main, &k);
-    pdm_launch_response_t out;
-    double t0 = pdm_now();
-    pdm_launch_generate(l, &req, 1, &out);
-    pthread_join(th, NULL);
-    ck_assert(!out.ok);
-    ck_assert(pdm_now() - t0 < 30);
-    pdm_launch_response_free(&out);
+    run_killed_mid_stream(l, pdm_launch_decode_pid(l), PDM_PREFILL_KVR_E, 6);
+    int32_t a[50];
+    random_ids(a, 50, 256, 7);
     pdm_prefill_task_t t = {.method = PDM_PREFILL_CP_KV, .tokens = a, .n_tokens = 50};
     pdm_launch_result_t res;
     ck_assert_msg(pdm_launch_task(l, &t, NULL, NULL, &res) == 0, "%s", pdm_error_last());
