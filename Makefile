@@ -25,17 +25,19 @@ MODEL_FILE := models/SmolLM2-135M-Instruct.Q4_1.gguf
 VENV := $(BUILD)/venv
 
 WARN := -Wall -Wextra -Wstrict-prototypes -Wshadow -Wpointer-arith -Wno-unused-parameter -Werror
-CFLAGS_BASE := -std=c17 -D_GNU_SOURCE $(WARN) -g -fno-omit-frame-pointer -pthread -MMD -MP -I.
+CFLAGS_BASE := -std=c17 -D_GNU_SOURCE $(WARN) -g -fno-omit-frame-pointer -pthread -MMD -MP -I. \
+               -I$(BUILD)/gen
 CFLAGS ?= $(OPT)
 ALL_CFLAGS := $(CFLAGS_BASE) $(CFLAGS) $(EXTRA_CFLAGS)
-LDLIBS := -lucp -lucs -lpcre2-8 -lcjson -lxxhash -lm -pthread $(EXTRA_LDLIBS)
+LDLIBS := -lucp -lucs -lzmq -lprotobuf-c -lcrypto -lpcre2-8 -lcjson -lxxhash -lm -pthread \
+          $(EXTRA_LDLIBS)
 
 # Per-ISA kernel files get their own target flags; the rest of the build stays baseline x86-64
 # so the binary runs on any x86-64 and picks the variant at start-up.
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := $(AVX2_FLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
 
-COMMON_SRC := common/common.c
+COMMON_SRC := common/common.c common/wire.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
@@ -62,7 +64,11 @@ NVCC_FLAGS := -std=c++17 -O2 -I. -DPDM_WITH_CUDA $(CUDA_ARCH) \
 CUDA_SRC := kernels/cuda/ops_cuda.cu
 CUDA_OBJ :=
 
-LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o) $(CUDA_OBJ)
+# proto/pdmesh.proto -> $(BUILD)/gen/proto/pdmesh.pb-c.{c,h} (protoc-c; never committed).
+PROTO_C := $(BUILD)/gen/proto/pdmesh.pb-c.c
+PROTO_H := $(BUILD)/gen/proto/pdmesh.pb-c.h
+PROTO_OBJ := $(BUILD)/obj/gen/proto/pdmesh.pb-c.o
+LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o) $(PROTO_OBJ) $(CUDA_OBJ)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 PREFILLD_OBJ := $(PREFILLD_SRC:%.c=$(BUILD)/obj/%.o)
 DECODED_OBJ := $(DECODED_SRC:%.c=$(BUILD)/obj/%.o)
@@ -80,7 +86,15 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS)
 
-$(BUILD)/obj/%.o: %.c
+$(BUILD)/obj/%.o: %.c | $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+$(PROTO_C) $(PROTO_H) &: proto/pdmesh.proto
+	@mkdir -p $(dir $(PROTO_C))
+	protoc-c --c_out=$(dir $(PROTO_C)) -Iproto $<
+
+$(PROTO_OBJ): $(PROTO_C) $(PROTO_H)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
 

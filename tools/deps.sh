@@ -14,7 +14,7 @@ packages=(
   build-essential pkg-config clang libclang-rt-14-dev
   check libpcre2-dev libcjson-dev libxxhash-dev
   libucx-dev ucx-utils libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
-  libuv1-dev libhttp-parser-dev
+  libuv1-dev libhttp-parser-dev libssl-dev libyaml-dev
   python3 python3-venv python3-pip
 )
 if [ "$golden" = "--bench" ]; then packages+=(gnuplot-nox); fi

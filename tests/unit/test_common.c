@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common/pdm.h"
+#include "common/wire.h"
 #include "tests.h"
 
 START_TEST(test_errors)
@@ -62,6 +63,95 @@ START_TEST(test_hex_roundtrip)
 }
 END_TEST
 
+START_TEST(test_wire)
+{
+    int32_t toks[3] = {1, 2, 3};
+    Pdmesh__GenerateRequest req = PDMESH__GENERATE_REQUEST__INIT;
+    req.request_id = 42;
+    req.prompt = "hello";
+    req.n_prompt_tokens = 3;
+    req.prompt_tokens = toks;
+    uint8_t *buf;
+    size_t len;
+    ck_assert_int_eq(pdm_wire_pack(PDMESH__MSG_TYPE__MSG_GENERATE_REQUEST, &req.base, &buf, &len),
+                     PDM_OK);
+    /* A message packed under another type's name is refused. */
+    uint8_t *b2;
+    size_t l2;
+    ck_assert_int_eq(pdm_wire_pack(PDMESH__MSG_TYPE__MSG_REGISTER, &req.base, &b2, &l2), PDM_EINVAL);
+    pdm_wire_msg_t *m;
+    ck_assert_int_eq(pdm_wire_unpack(buf, len, PDM_WIRE_MAX_FRAME, 0, &m), PDM_OK);
+    ck_assert_int_eq(pdm_wire_type(m), PDMESH__MSG_TYPE__MSG_GENERATE_REQUEST);
+    const Pdmesh__GenerateRequest *r = (const Pdmesh__GenerateRequest *)pdm_wire_message(m);
+    ck_assert_uint_eq(r->request_id, 42);
+    ck_assert_str_eq(r->prompt, "hello");
+    ck_assert_uint_eq(r->n_prompt_tokens, 3);
+    ck_assert_int_eq(r->prompt_tokens[2], 3);
+    pdm_wire_msg_free(m);
+    /* Over the cap, short, bad magic, bad version, unknown type, truncated protobuf. */
+    ck_assert_int_eq(pdm_wire_unpack(buf, len, len - 1, 0, &m), PDM_EOVERFLOW);
+    ck_assert_int_eq(pdm_wire_unpack(buf, 5, PDM_WIRE_MAX_FRAME, 0, &m), PDM_EFORMAT);
+    uint8_t *bad = malloc(len);
+    memcpy(bad, buf, len);
+    bad[0] = 'X';
+    ck_assert_int_eq(pdm_wire_unpack(bad, len, PDM_WIRE_MAX_FRAME, 0, &m), PDM_EFORMAT);
+    memcpy(bad, buf, len);
+    bad[2] = 9;
+    ck_assert_int_eq(pdm_wire_unpack(bad, len, PDM_WIRE_MAX_FRAME, 0, &m), PDM_EFORMAT);
+    memcpy(bad, buf, len);
+    bad[5] = 250;
+    ck_assert_int_eq(pdm_wire_unpack(bad, len, PDM_WIRE_MAX_FRAME, 0, &m), PDM_EUNSUPPORTED);
+    ck_assert_int_eq(pdm_wire_unpack(buf, len - 2, PDM_WIRE_MAX_FRAME, 0, &m), PDM_EFORMAT);
+    /* A tiny allocation budget refuses the message instead of allocating it. */
+    ck_assert_int_eq(pdm_wire_unpack(buf, len, PDM_WIRE_MAX_FRAME, 16, &m), PDM_EFORMAT);
+    /* Random bytes after a valid header: an error or a message, never a crash. */
+    uint64_t st = 7;
+    for (int it = 0; it < 2000; it++) {
+        size_t n = PDM_WIRE_HDR + (size_t)(pdm_splitmix64(&st) % 64);
+        uint8_t *f = malloc(n);
+        memcpy(f, buf, PDM_WIRE_HDR);
+        for (size_t i = PDM_WIRE_HDR; i < n; i++) f[i] = (uint8_t)pdm_splitmix64(&st);
+        if (pdm_wire_unpack(f, n, PDM_WIRE_MAX_FRAME, 0, &m) == PDM_OK) pdm_wire_msg_free(m);
+        free(f);
+    }
+    free(bad);
+    free(buf);
+}
+END_TEST
+
+START_TEST(test_auth)
+{
+    const char *secret = "0123456789abcdef-cluster";
+    uint8_t proof[32];
+    pdm_auth_proof(secret, strlen(secret), "decode-0", 99, 1700000000000ull, proof);
+    ck_assert(pdm_auth_verify(secret, strlen(secret), "decode-0", 99, 1700000000000ull, proof, 32));
+    ck_assert(!pdm_auth_verify("wrong-secret-wrong", 18, "decode-0", 99, 1700000000000ull, proof, 32));
+    ck_assert(!pdm_auth_verify(secret, strlen(secret), "decode-1", 99, 1700000000000ull, proof, 32));
+    ck_assert(!pdm_auth_verify(secret, strlen(secret), "decode-0", 98, 1700000000000ull, proof, 32));
+    ck_assert(!pdm_auth_verify(secret, strlen(secret), "decode-0", 99, 1700000000001ull, proof, 32));
+    ck_assert(!pdm_auth_verify(secret, strlen(secret), "decode-0", 99, 1700000000000ull, proof, 31));
+    /* SHA-256 of "abc" (FIPS 180-2 example). */
+    uint8_t h[32];
+    pdm_sha256("abc", 3, h);
+    char *hex = pdm_hex_encode(h, 32);
+    ck_assert_str_eq(hex, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    free(hex);
+    /* Secrets come from the environment or a file, and must not be short. */
+    uint8_t *s;
+    size_t n;
+    unsetenv("PDMESH_SECRET_FILE");
+    setenv("PDMESH_SECRET", "short", 1);
+    ck_assert_int_eq(pdm_auth_load_secret(NULL, &s, &n), PDM_EINVAL);
+    setenv("PDMESH_SECRET", "a-long-enough-secret\n", 1);
+    ck_assert_int_eq(pdm_auth_load_secret(NULL, &s, &n), PDM_OK);
+    ck_assert_uint_eq(n, 20);
+    free(s);
+    unsetenv("PDMESH_SECRET");
+    ck_assert_int_eq(pdm_auth_load_secret(NULL, &s, &n), PDM_ENOTFOUND);
+    ck_assert_int_eq(pdm_auth_load_secret("/nonexistent/secret", &s, &n), PDM_EIO);
+}
+END_TEST
+
 Suite *suite_common(void)
 {
     Suite *s = suite_create("common");
@@ -69,6 +159,8 @@ Suite *suite_common(void)
     tcase_add_test(tc, test_errors);
     tcase_add_test(tc, test_parse);
     tcase_add_test(tc, test_hex_roundtrip);
+    tcase_add_test(tc, test_wire);
+    tcase_add_test(tc, test_auth);
     suite_add_tcase(s, tc);
     return s;
 }
