@@ -1,0 +1,70 @@
+/*
+ * pdmesh-router: the core's interface to its front ends.
+ *
+ * The router core (registry, scheduling, request lifecycle; router/core.c and friends) accepts
+ * generation requests from two front ends: the ZeroMQ client socket (router/main.c) and the
+ * OpenAI-compatible HTTP server (router/http.c). Both call pdm_router_submit with a sink; the
+ * core reports the request's progress through the sink, from the router's libuv loop thread
+ * (the only thread that touches router state).
+ *
+ * Sink contract:
+ *  - on_tokens is called zero or more times, in order, with consecutive token indexes;
+ *  - then exactly one of on_result / on_error ends the request; after it the core never
+ *    touches the sink again and the front end may free ctx;
+ *  - a front end whose client went away calls pdm_router_cancel(id); the request then ends
+ *    with on_error(ERR_CANCELLED) (still exactly once).
+ */
+#ifndef PDM_ROUTER_H
+#define PDM_ROUTER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "proto/pdmesh.pb-c.h"
+
+typedef struct pdm_router pdm_router_t;
+
+typedef struct {
+    void *ctx;
+    /* Tokens [index, index + n) of the completion, with the text they complete (UTF-8 safe;
+     * stop strings already cut). */
+    void (*on_tokens)(void *ctx, uint32_t index, const int32_t *tokens, size_t n,
+                      const char *text);
+    /* Final success. res->text is the whole completion; res->usage is filled. */
+    void (*on_result)(void *ctx, const Pdmesh__GenerateResult *res);
+    /* Final failure: code is a Pdmesh__ErrorCode, message a clear sentence. */
+    void (*on_error)(void *ctx, int code, const char *message);
+} pdm_router_sink_t;
+
+/* Submits a request. `client` identifies the caller for per-client limits (ZeroMQ identity in
+ * hex, or "http:<peer address>"). On acceptance returns PDM_OK and the router's request id in
+ * *id (the sink will be called later, never from inside this call). On refusal (invalid
+ * arguments, limits, overloaded, not ready) returns an error status, sets *code to the
+ * Pdmesh__ErrorCode and pdm_error_last() to the message; the sink is never called. */
+int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const char *client,
+                      const pdm_router_sink_t *sink, uint64_t *id, int *code);
+
+/* Cancels a request by router id: PDM_ENOTFOUND if it already ended. */
+int pdm_router_cancel(pdm_router_t *r, uint64_t id);
+
+/* The loop everything runs on. */
+uv_loop_t *pdm_router_loop(pdm_router_t *r);
+
+/* Model served (the name shown by /v1/models, e.g. "SmolLM2-135M-Instruct.Q4_1"). */
+const char *pdm_router_model_name(const pdm_router_t *r);
+
+/* 1 when the router can serve a request now: at least one live decode node (prefill by a
+ * group, or locally by the decode node under conditional disaggregation). */
+int pdm_router_ready(const pdm_router_t *r);
+
+/* Limits the front ends enforce before submitting (0 = unlimited). */
+typedef struct {
+    size_t max_body_bytes;      /* HTTP request body */
+    uint32_t max_prompt_tokens;
+    uint32_t max_tokens;
+    uint32_t max_beams;
+} pdm_router_limits_t;
+const pdm_router_limits_t *pdm_router_limits(const pdm_router_t *r);
+
+#endif
