@@ -67,4 +67,14 @@ typedef struct {
 } pdm_router_limits_t;
 const pdm_router_limits_t *pdm_router_limits(const pdm_router_t *r);
 
+/* The router's metrics registry (router/metrics.h); the HTTP front end renders it. */
+struct pdm_metrics;
+struct pdm_metrics *pdm_router_metrics(pdm_router_t *r);
+
+/* Renders a chat conversation with the served model's template (ChatML for SmolLM2) into
+ * prompt tokens: the core does this for GenerateRequest.messages; exposed for front ends that
+ * need the token count up front. *out is malloc'ed. */
+int pdm_router_render_chat(pdm_router_t *r, const Pdmesh__ChatMessage *const *msgs, size_t n,
+                           int32_t **out, size_t *n_out);
+
 #endif
