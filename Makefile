@@ -42,7 +42,8 @@ KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c 
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
              model/forward.c model/kv_cache.c model/sampler.c model/testmodel.c
-KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c
+KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/checksum.c \
+           kvtransfer/checksum_avx2.c
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
@@ -103,6 +104,10 @@ $(BUILD)/obj/%.o: %.cu
 	$(NVCC) $(NVCC_FLAGS) -c $< -o $@
 
 $(BUILD)/obj/kernels/cpu/ops_avx2.o: kernels/cpu/ops_avx2.c
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $(AVX2_FLAGS) -c $< -o $@
+
+$(BUILD)/obj/kvtransfer/checksum_avx2.o: kvtransfer/checksum_avx2.c
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $(AVX2_FLAGS) -c $< -o $@
 

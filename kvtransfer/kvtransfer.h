@@ -36,7 +36,7 @@ typedef struct {
 #define PDM_KVT_MAX_IOV 128 /* pieces per message */
 
 typedef struct {
-    int max_requests;    /* bound on operations in flight (default 1024) */
+    int max_requests;    /* bound on operations in flight (default 16384) */
     int progress_thread; /* 1 (default): a thread drives progress; 0: the caller does */
 } pdm_kvt_params_t;
 
@@ -162,12 +162,12 @@ int pdm_kvt_group_alltoall(pdm_kvt_group_t *g, int layer, const pdm_kvt_msg_t *s
 double pdm_kvt_group_deadline(const pdm_kvt_group_t *g);
 
 /* ---- KV streaming: prefill ranks -> decode node ---------------------------------------- *
- * A request's KV travels as blocks: one (layer, kv head, token range) per message, its K rows
- * then its V rows, behind a 64-byte header. The decode node posts a tagged receive for every
- * block it expects, scattering the header into its own table and the rows straight into
- * their final place in its KV cache (no intermediate copy). A block is accepted only if its
- * header names the right request, attempt, layer, head, range, dtype and row size and the
- * xxh64 of its rows matches; the request is accepted only when every (layer, head, token) is
+ * A request's KV travels as blocks: one (layer, kv head, token range) each, sent as a 64-byte
+ * header, its K rows and its V rows (three contiguous messages under one block tag). The
+ * decode node posts tagged receives for every block it expects: the header into its own
+ * table and the rows straight into their final place in its KV cache (no intermediate copy).
+ * A block is accepted only if its header names the right request, attempt, layer, head, range, dtype and row size and the
+ * XXH3-64 of its rows matches; the request is accepted only when every (layer, head, token) is
  * covered exactly once. Blocks of another attempt carry another tag, so they can never land in
  * this attempt's memory; they are drained and counted as stale. */
 
@@ -186,25 +186,37 @@ typedef struct {
     uint32_t row_bytes;  /* bytes of one token's K (or V) row of one head */
     float scale;         /* quantization scale of int8 KV; 1 otherwise */
     uint32_t chunk;      /* index of the token range in the request's plan */
-    uint64_t checksum;   /* XXH64 of the K rows then the V rows, seed = request_id */
+    uint64_t checksum;   /* XXH3-64 of the K rows then the V rows, seed = request_id */
     uint8_t reserved[8];
 } pdm_kvt_block_header_t;
 
-/* Tag of a block: kind 8 | request 20 | attempt 8 | layer 12 | head 8 | chunk 8 bits. */
+/* Tag of a block's piece: kind 8 | request 20 | attempt 8 | layer 10 | piece 2 | head 8 |
+ * chunk 8 bits. A block travels as three contiguous messages (header, K rows, V rows): UCX
+ * 1.13 has no zero-copy rendezvous for non-contiguous (iov) messages and would copy every
+ * byte through bounce buffers (openucx/ucx#1180); contiguous pieces go zero-copy. */
 #define PDM_KVT_KIND_STREAM 8
+enum { PDM_KVT_PIECE_HEADER = 0, PDM_KVT_PIECE_K = 1, PDM_KVT_PIECE_V = 2, PDM_KVT_PIECES = 3 };
+#define PDM_KVT_STREAM_MAX_LAYERS 1024
 static inline uint64_t pdm_kvt_stream_tag(uint64_t request_id, uint32_t attempt, uint32_t layer,
                                           uint32_t head, uint32_t chunk)
 {
     return ((uint64_t)PDM_KVT_KIND_STREAM << 56) | ((request_id & 0xfffff) << 36) |
-           ((uint64_t)(attempt & 0xff) << 28) | ((uint64_t)(layer & 0xfff) << 16) |
+           ((uint64_t)(attempt & 0xff) << 28) | ((uint64_t)(layer & 0x3ff) << 18) |
            ((uint64_t)(head & 0xff) << 8) | (chunk & 0xff);
+}
+static inline uint64_t pdm_kvt_stream_piece_tag(uint64_t block_tag, int piece)
+{
+    return block_tag | ((uint64_t)(piece & 3) << 16);
 }
 /* Mask selecting a request's blocks of one attempt / of any attempt. */
 #define PDM_KVT_STREAM_MASK_ATTEMPT 0xfffffffff0000000ull
 #define PDM_KVT_STREAM_MASK_REQUEST 0xfffffff000000000ull
 
-/* XXH64 of a block's rows (what the header's checksum holds). */
+/* XXH3-64 (seed = request id) of a block's K rows then V rows: what the header's checksum
+ * holds. Uses the AVX2 build when the CPU has it; _generic is the baseline build (same value). */
 uint64_t pdm_kvt_block_checksum(uint64_t request_id, const void *k, const void *v, size_t bytes);
+uint64_t pdm_kvt_block_checksum_generic(uint64_t request_id, const void *k, const void *v,
+                                        size_t bytes);
 
 /* A block the decode node expects (the plan: which rank sends which token range). */
 typedef struct {

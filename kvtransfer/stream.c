@@ -1,8 +1,9 @@
 /*
  * stream.c - KV blocks from prefill ranks into a decode node's KV cache (see kvtransfer.h).
  *
- * Receiver: one posted tagged receive per expected block, scattering [header | K rows | V
- * rows] into (header table, final K location, final V location). The tag includes the
+ * Receiver: three posted tagged receives per expected block: its header into the header
+ * table, its K rows and its V rows straight into their final locations (each piece is a
+ * contiguous message, so UCX moves the rows zero-copy; see kvtransfer.h). The tag includes the
  * attempt, so a late block of an aborted attempt cannot match a receive of the current one
  * and never touches its memory (PITFALLS.md: stale peers, pages reused while a writer is in
  * flight). Each block is verified when it completes; coverage is checked on the plan before
@@ -13,19 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#define XXH_STATIC_LINKING_ONLY /* XXH64_state_t on the stack: no allocation per block */
-#include <xxhash.h>
-
 #include "common/pdm.h"
-
-uint64_t pdm_kvt_block_checksum(uint64_t request_id, const void *k, const void *v, size_t bytes)
-{
-    XXH64_state_t st;
-    XXH64_reset(&st, request_id);
-    XXH64_update(&st, k, bytes);
-    XXH64_update(&st, v, bytes);
-    return XXH64_digest(&st);
-}
 
 /* ---- Receiver ----------------------------------------------------------------------------- */
 
@@ -34,7 +23,8 @@ struct pdm_kvt_stream_rx {
     pdm_kvt_stream_rx_params_t p;
     pdm_kvt_stream_block_t *blocks;   /* [n_blocks] copy of the plan */
     pdm_kvt_block_header_t *headers;  /* [n_blocks] landed headers */
-    pdm_kvt_req_t *reqs;              /* [n_blocks] posted receives (NONE once done) */
+    pdm_kvt_req_t *reqs;              /* [n_blocks * PIECES] posted receives (NONE once done) */
+    size_t *lens;                     /* [n_blocks * PIECES] bytes received per piece */
     int done;                         /* blocks verified */
     pdm_kvt_stream_stats_t stats;
     double t0;
@@ -46,6 +36,9 @@ static int pdm__plan_check(const pdm_kvt_stream_rx_params_t *p)
     if (p->n_layers == 0 || p->n_kv_heads == 0 || p->row_bytes == 0 || p->n_tokens < 1 ||
         p->n_blocks < 1 || !p->k || !p->v)
         return pdm_error_set(PDM_EINVAL, "stream: empty plan or destinations");
+    if (p->n_layers > PDM_KVT_STREAM_MAX_LAYERS)
+        return pdm_error_set(PDM_EINVAL, "stream: %u layers (at most %d)", p->n_layers,
+                             PDM_KVT_STREAM_MAX_LAYERS);
     const size_t cells = (size_t)p->n_layers * p->n_kv_heads * (size_t)p->n_tokens;
     uint8_t *seen = calloc(cells, 1);
     if (!seen) return pdm_error_set(PDM_ENOMEM, "stream: out of memory");
@@ -83,11 +76,12 @@ static int pdm__plan_check(const pdm_kvt_stream_rx_params_t *p)
 void pdm_kvt_stream_rx_destroy(pdm_kvt_stream_rx_t *rx)
 {
     if (!rx) return;
-    if (rx->reqs) pdm_kvt_cancel(rx->kvt, rx->reqs, rx->p.n_blocks);
+    if (rx->reqs) pdm_kvt_cancel(rx->kvt, rx->reqs, rx->p.n_blocks * PDM_KVT_PIECES);
     if (rx->reqs) pdm_kvt_stream_rx_drain(rx);
     free(rx->blocks);
     free(rx->headers);
     free(rx->reqs);
+    free(rx->lens);
     free(rx);
 }
 
@@ -103,25 +97,29 @@ int pdm_kvt_stream_rx_start(pdm_kvt_t *kvt, const pdm_kvt_stream_rx_params_t *p,
     rx->t0 = pdm_now();
     rx->blocks = malloc(sizeof(*rx->blocks) * (size_t)p->n_blocks);
     rx->headers = calloc((size_t)p->n_blocks, sizeof(*rx->headers));
-    rx->reqs = malloc(sizeof(*rx->reqs) * (size_t)p->n_blocks);
-    if (!rx->blocks || !rx->headers || !rx->reqs) {
+    const size_t n_pieces = (size_t)p->n_blocks * PDM_KVT_PIECES;
+    rx->reqs = malloc(sizeof(*rx->reqs) * n_pieces);
+    rx->lens = calloc(n_pieces, sizeof(*rx->lens));
+    if (!rx->blocks || !rx->headers || !rx->reqs || !rx->lens) {
         pdm_kvt_stream_rx_destroy(rx);
         return pdm_error_set(PDM_ENOMEM, "stream: out of memory");
     }
     memcpy(rx->blocks, p->blocks, sizeof(*rx->blocks) * (size_t)p->n_blocks);
     rx->p.blocks = rx->blocks;
-    for (int b = 0; b < p->n_blocks; b++) rx->reqs[b] = PDM_KVT_REQ_NONE;
+    for (size_t i = 0; i < n_pieces; i++) rx->reqs[i] = PDM_KVT_REQ_NONE;
     for (int b = 0; b < p->n_blocks && !st; b++) {
         const pdm_kvt_stream_block_t *blk = &rx->blocks[b];
         size_t hi = (size_t)blk->layer * p->n_kv_heads + blk->head;
         size_t off = (size_t)blk->token_start * p->row_bytes, len = (size_t)blk->n_tokens * p->row_bytes;
-        pdm_kvt_iov_t iov[3] = {{&rx->headers[b], sizeof(pdm_kvt_block_header_t)},
-                                {(char *)p->k[hi] + off, len},
-                                {(char *)p->v[hi] + off, len}};
-        st = pdm_kvt_irecv(kvt, blk->peer,
-                           pdm_kvt_stream_tag(p->request_id, p->attempt, blk->layer, blk->head,
-                                              blk->chunk),
-                           iov, 3, &rx->reqs[b]);
+        const pdm_kvt_iov_t piece[PDM_KVT_PIECES] = {
+            [PDM_KVT_PIECE_HEADER] = {&rx->headers[b], sizeof(pdm_kvt_block_header_t)},
+            [PDM_KVT_PIECE_K] = {(char *)p->k[hi] + off, len},
+            [PDM_KVT_PIECE_V] = {(char *)p->v[hi] + off, len}};
+        const uint64_t tag = pdm_kvt_stream_tag(p->request_id, p->attempt, blk->layer, blk->head,
+                                                blk->chunk);
+        for (int i = 0; i < PDM_KVT_PIECES && !st; i++)
+            st = pdm_kvt_irecv(kvt, blk->peer, pdm_kvt_stream_piece_tag(tag, i), &piece[i], 1,
+                               &rx->reqs[(size_t)b * PDM_KVT_PIECES + (size_t)i]);
     }
     if (st) {
         char msg[512];
@@ -135,13 +133,16 @@ int pdm_kvt_stream_rx_start(pdm_kvt_t *kvt, const pdm_kvt_stream_rx_params_t *p,
 }
 
 /* Verifies a landed block against the plan and its checksum. */
-static int pdm__verify(pdm_kvt_stream_rx_t *rx, int b, size_t bytes)
+static int pdm__verify(pdm_kvt_stream_rx_t *rx, int b)
 {
     const pdm_kvt_stream_block_t *blk = &rx->blocks[b];
     const pdm_kvt_block_header_t *h = &rx->headers[b];
     const pdm_kvt_stream_rx_params_t *p = &rx->p;
     const size_t len = (size_t)blk->n_tokens * p->row_bytes;
-    if (bytes != sizeof(*h) + 2 * len || h->magic != PDM_KVT_BLOCK_MAGIC || h->version != 1 ||
+    const size_t *got = &rx->lens[(size_t)b * PDM_KVT_PIECES];
+    const size_t bytes = got[0] + got[1] + got[2];
+    if (got[PDM_KVT_PIECE_HEADER] != sizeof(*h) || got[PDM_KVT_PIECE_K] != len ||
+        got[PDM_KVT_PIECE_V] != len || h->magic != PDM_KVT_BLOCK_MAGIC || h->version != 1 ||
         h->request_id != p->request_id || h->attempt != p->attempt || h->layer != blk->layer ||
         h->head != blk->head || h->chunk != blk->chunk || h->token_start != blk->token_start ||
         h->n_tokens != blk->n_tokens || h->row_bytes != p->row_bytes || h->dtype != p->dtype)
@@ -158,7 +159,7 @@ static int pdm__verify(pdm_kvt_stream_rx_t *rx, int b, size_t bytes)
                                           (const char *)p->v[hi] + off, len);
     if (sum != h->checksum)
         return pdm_error_set(PDM_ECHECKSUM, "stream: request %llu: block layer %u head %u tokens "
-                             "%d+%d from peer %d is corrupt (xxh64 %016llx, header %016llx)",
+                             "%d+%d from peer %d is corrupt (XXH3-64 %016llx, header %016llx)",
                              (unsigned long long)p->request_id, blk->layer, blk->head,
                              blk->token_start, blk->n_tokens, blk->peer,
                              (unsigned long long)sum, (unsigned long long)h->checksum);
@@ -167,14 +168,24 @@ static int pdm__verify(pdm_kvt_stream_rx_t *rx, int b, size_t bytes)
     return PDM_OK;
 }
 
-int pdm_kvt_stream_rx_wait(pdm_kvt_stream_rx_t *rx, double deadline)
+/* Completes the pieces of block b still posted: waits until `deadline`, or only tests when
+ * deadline < 0. Returns 1 when the block is complete, 0 when a piece is still in flight
+ * (testing only), or an error status naming the block. */
+static int pdm__block_complete(pdm_kvt_stream_rx_t *rx, int b, double deadline)
 {
-    for (int b = 0; b < rx->p.n_blocks; b++) {
-        if (rx->reqs[b] == PDM_KVT_REQ_NONE) continue;
+    for (int i = 0; i < PDM_KVT_PIECES; i++) {
+        pdm_kvt_req_t *r = &rx->reqs[(size_t)b * PDM_KVT_PIECES + (size_t)i];
+        if (*r == PDM_KVT_REQ_NONE) continue;
         size_t bytes = 0;
-        int st = pdm_kvt_wait(rx->kvt, rx->reqs[b], deadline, &bytes);
-        rx->reqs[b] = PDM_KVT_REQ_NONE;
-        if (st) {
+        int st;
+        if (deadline < 0) {
+            st = pdm_kvt_test(rx->kvt, *r, &bytes); /* 1 done, 0 in flight, < 0 failed */
+            if (st == 0) return 0;
+        } else {
+            st = pdm_kvt_wait(rx->kvt, *r, deadline, &bytes);
+        }
+        *r = PDM_KVT_REQ_NONE;
+        if (st < 0) {
             const pdm_kvt_stream_block_t *blk = &rx->blocks[b];
             char msg[512];
             snprintf(msg, sizeof(msg), "%s", pdm_error_last());
@@ -184,35 +195,36 @@ int pdm_kvt_stream_rx_wait(pdm_kvt_stream_rx_t *rx, double deadline)
                                  blk->token_start, blk->n_tokens, blk->peer, rx->done,
                                  rx->p.n_blocks, msg);
         }
-        if ((st = pdm__verify(rx, b, bytes))) return st;
-        rx->done++;
+        rx->lens[(size_t)b * PDM_KVT_PIECES + (size_t)i] = bytes;
     }
-    rx->stats.seconds = pdm_now() - rx->t0;
-    return PDM_OK;
+    return 1;
 }
 
-int pdm_kvt_stream_rx_poll(pdm_kvt_stream_rx_t *rx)
+/* Completes and verifies blocks in order; deadline < 0: without blocking. */
+static int pdm__rx_progress(pdm_kvt_stream_rx_t *rx, double deadline)
 {
     for (int b = 0; b < rx->p.n_blocks; b++) {
-        if (rx->reqs[b] == PDM_KVT_REQ_NONE) continue;
-        size_t bytes = 0;
-        int st = pdm_kvt_test(rx->kvt, rx->reqs[b], &bytes);
-        if (st == 0) return 0;
-        rx->reqs[b] = PDM_KVT_REQ_NONE;
-        if (st < 0) {
-            const pdm_kvt_stream_block_t *blk = &rx->blocks[b];
-            char msg[512];
-            snprintf(msg, sizeof(msg), "%s", pdm_error_last());
-            return pdm_error_set(st, "stream: request %llu: block layer %u head %u tokens %d+%d "
-                                 "from peer %d: %s", (unsigned long long)rx->p.request_id,
-                                 blk->layer, blk->head, blk->token_start, blk->n_tokens,
-                                 blk->peer, msg);
-        }
-        if ((st = pdm__verify(rx, b, bytes))) return st;
+        const pdm_kvt_req_t *r = &rx->reqs[(size_t)b * PDM_KVT_PIECES];
+        if (r[0] == PDM_KVT_REQ_NONE && r[1] == PDM_KVT_REQ_NONE && r[2] == PDM_KVT_REQ_NONE)
+            continue; /* verified earlier */
+        int st = pdm__block_complete(rx, b, deadline);
+        if (st <= 0) return st;
+        if ((st = pdm__verify(rx, b))) return st;
         rx->done++;
     }
     rx->stats.seconds = pdm_now() - rx->t0;
     return 1;
+}
+
+int pdm_kvt_stream_rx_wait(pdm_kvt_stream_rx_t *rx, double deadline)
+{
+    int st = pdm__rx_progress(rx, deadline < 0 ? 0 : deadline);
+    return st < 0 ? st : PDM_OK;
+}
+
+int pdm_kvt_stream_rx_poll(pdm_kvt_stream_rx_t *rx)
+{
+    return pdm__rx_progress(rx, -1);
 }
 
 typedef struct {
@@ -223,11 +235,13 @@ typedef struct {
 static void pdm__drain_one(void *arg, uint64_t tag, const void *data, size_t len)
 {
     pdm__drain_ctx_t *d = arg;
+    /* A block is three messages; count it once, by its header. */
+    if (((tag >> 16) & 3) != PDM_KVT_PIECE_HEADER) return;
     const uint64_t mine = pdm_kvt_stream_tag(d->rx->p.request_id, d->rx->p.attempt, 0, 0, 0);
     if ((tag & PDM_KVT_STREAM_MASK_ATTEMPT) == (mine & PDM_KVT_STREAM_MASK_ATTEMPT)) {
         d->duplicates++;
-        pdm_log_warn("stream: request %llu: dropped a duplicate block (%zu bytes)",
-                     (unsigned long long)d->rx->p.request_id, len);
+        pdm_log_warn("stream: request %llu: dropped a duplicate block",
+                     (unsigned long long)d->rx->p.request_id);
     } else {
         d->rx->stats.stale++;
         pdm_log_info("stream: request %llu: dropped a block of attempt %u (current %u)",
@@ -258,8 +272,8 @@ struct pdm_kvt_stream_tx {
     uint64_t request_id;
     uint32_t attempt;
     double timeout;
-    int max_in_flight, head, count; /* ring of in-flight sends */
-    pdm_kvt_req_t *reqs;
+    int max_in_flight, head, count; /* ring of in-flight blocks */
+    pdm_kvt_req_t *reqs;             /* [max_in_flight * PIECES] */
     pdm_kvt_block_header_t *headers; /* header of each in-flight send (must outlive it) */
     uint64_t bytes;
 };
@@ -278,7 +292,7 @@ int pdm_kvt_stream_tx_create(pdm_kvt_t *kvt, int peer, uint64_t request_id, uint
     tx->attempt = attempt;
     tx->timeout = timeout;
     tx->max_in_flight = max_in_flight;
-    tx->reqs = malloc(sizeof(*tx->reqs) * (size_t)max_in_flight);
+    tx->reqs = malloc(sizeof(*tx->reqs) * (size_t)max_in_flight * PDM_KVT_PIECES);
     tx->headers = calloc((size_t)max_in_flight, sizeof(*tx->headers));
     if (!tx->reqs || !tx->headers) {
         pdm_kvt_stream_tx_destroy(tx);
@@ -288,10 +302,16 @@ int pdm_kvt_stream_tx_create(pdm_kvt_t *kvt, int peer, uint64_t request_id, uint
     return PDM_OK;
 }
 
-/* Waits for the oldest in-flight send. */
+/* Waits for the oldest in-flight block's pieces. */
 static int pdm__tx_retire(pdm_kvt_stream_tx_t *tx, double deadline)
 {
-    int st = pdm_kvt_wait(tx->kvt, tx->reqs[tx->head], deadline, NULL);
+    int st = PDM_OK;
+    for (int i = 0; i < PDM_KVT_PIECES; i++) {
+        pdm_kvt_req_t r = tx->reqs[(size_t)tx->head * PDM_KVT_PIECES + (size_t)i];
+        if (r == PDM_KVT_REQ_NONE) continue;
+        int s2 = pdm_kvt_wait(tx->kvt, r, st ? pdm_now() : deadline, NULL);
+        if (s2 && !st) st = s2;
+    }
     tx->head = (tx->head + 1) % tx->max_in_flight;
     tx->count--;
     return st;
@@ -301,7 +321,8 @@ int pdm_kvt_stream_tx_send(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint32_t hea
                            int32_t token_start, int32_t n_tokens, uint16_t dtype, float scale,
                            const void *k_rows, const void *v_rows, size_t row_bytes)
 {
-    if (n_tokens < 1 || token_start < 0 || row_bytes == 0 || row_bytes > UINT32_MAX)
+    if (n_tokens < 1 || token_start < 0 || row_bytes == 0 || row_bytes > UINT32_MAX ||
+        layer >= PDM_KVT_STREAM_MAX_LAYERS)
         return pdm_error_set(PDM_EINVAL, "stream: empty or malformed block");
     /* Flow control: never more than max_in_flight blocks outstanding. */
     if (tx->count == tx->max_in_flight) {
@@ -326,11 +347,21 @@ int pdm_kvt_stream_tx_send(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint32_t hea
         .chunk = chunk,
         .checksum = pdm_kvt_block_checksum(tx->request_id, k_rows, v_rows, len),
     };
-    pdm_kvt_iov_t iov[3] = {{h, sizeof(*h)}, {(void *)k_rows, len}, {(void *)v_rows, len}};
-    int st = pdm_kvt_isend(tx->kvt, tx->peer,
-                           pdm_kvt_stream_tag(tx->request_id, tx->attempt, layer, head, chunk),
-                           iov, 3, &tx->reqs[slot]);
-    if (st) return st;
+    const pdm_kvt_iov_t piece[PDM_KVT_PIECES] = {[PDM_KVT_PIECE_HEADER] = {h, sizeof(*h)},
+                                                 [PDM_KVT_PIECE_K] = {(void *)k_rows, len},
+                                                 [PDM_KVT_PIECE_V] = {(void *)v_rows, len}};
+    const uint64_t tag = pdm_kvt_stream_tag(tx->request_id, tx->attempt, layer, head, chunk);
+    pdm_kvt_req_t *reqs = &tx->reqs[(size_t)slot * PDM_KVT_PIECES];
+    int st = PDM_OK;
+    for (int i = 0; i < PDM_KVT_PIECES; i++) reqs[i] = PDM_KVT_REQ_NONE;
+    for (int i = 0; i < PDM_KVT_PIECES && !st; i++)
+        st = pdm_kvt_isend(tx->kvt, tx->peer, pdm_kvt_stream_piece_tag(tag, i), &piece[i], 1,
+                           &reqs[i]);
+    if (st) {
+        /* Pieces already posted stay tracked: retire them with the block. */
+        if (reqs[0] != PDM_KVT_REQ_NONE) tx->count++;
+        return st;
+    }
     tx->count++;
     tx->bytes += 2 * len;
     return PDM_OK;

@@ -41,8 +41,10 @@ typedef struct pdm__slot {
     size_t length;     /* bytes moved once done */
     void *ureq;        /* UCX request while it is alive */
     int ucx_alive;     /* UCX may still call back */
-    ucp_dt_iov_t iov[PDM_KVT_MAX_IOV];
-    size_t total;      /* bytes of the iov */
+    ucp_dt_iov_t one;  /* a single piece (sent as a contiguous buffer) */
+    ucp_dt_iov_t *iov; /* pieces of a multi-piece message (heap; UCX reads it until the
+                          operation completes, so it is freed only when the slot is reused) */
+    size_t total;      /* bytes of the message */
 } pdm__slot_t;
 
 typedef struct {
@@ -64,6 +66,7 @@ struct pdm_kvt {
     pthread_cond_t cond;  /* signalled on every completion */
     pdm__slot_t *slots;
     int n_slots;
+    int slot_hint;   /* where the next free-slot scan starts */
     pdm__peer_t peers[PDM__KVT_MAX_PEERS];
     int n_peers;
     pdm_kvt_stats_t stats;
@@ -76,7 +79,7 @@ struct pdm_kvt {
 
 void pdm_kvt_params_default(pdm_kvt_params_t *p)
 {
-    p->max_requests = 1024;
+    p->max_requests = 16384;
     const char *env = getenv("PDMESH_KVT_PROGRESS_THREAD");
     p->progress_thread = env && !strcmp(env, "0") ? 0 : 1;
 }
@@ -396,6 +399,7 @@ void pdm_kvt_destroy(pdm_kvt_t *kvt)
     ucp_cleanup(kvt->context);
     pthread_cond_destroy(&kvt->cond);
     pthread_mutex_destroy(&kvt->lock);
+    for (int i = 0; kvt->slots && i < kvt->n_slots; i++) free(kvt->slots[i].iov);
     free(kvt->slots);
     free(kvt);
 }
@@ -466,8 +470,14 @@ void pdm_kvt_peer_fail(pdm_kvt_t *kvt, int peer, const char *why)
 /* Takes a free slot (lock held); -1 if the table is full. */
 static int pdm__slot_take(pdm_kvt_t *kvt)
 {
-    for (int i = 0; i < kvt->n_slots; i++)
-        if (kvt->slots[i].state == SLOT_FREE && !kvt->slots[i].ucx_alive) return i;
+    /* Scan from after the last slot taken: amortised O(1) while the table is not full. */
+    for (int k = 0; k < kvt->n_slots; k++) {
+        int i = (kvt->slot_hint + k) % kvt->n_slots;
+        if (kvt->slots[i].state == SLOT_FREE && !kvt->slots[i].ucx_alive) {
+            kvt->slot_hint = (i + 1) % kvt->n_slots;
+            return i;
+        }
+    }
     return -1;
 }
 
@@ -493,6 +503,12 @@ static int pdm__post(pdm_kvt_t *kvt, int is_send, int peer, uint64_t tag,
                              kvt->n_slots);
     }
     pdm__slot_t *s = &kvt->slots[idx];
+    free(s->iov); /* UCX is done with the previous user's pieces (ucx_alive was 0) */
+    s->iov = NULL;
+    if (n_iov > 1 && !(s->iov = malloc(sizeof(*s->iov) * (size_t)n_iov))) {
+        pthread_mutex_unlock(&kvt->lock);
+        return pdm_error_set(PDM_ENOMEM, "kvtransfer: out of memory");
+    }
     s->state = SLOT_PENDING;
     s->gen = (s->gen + 1) & 0x7fff;
     s->is_send = is_send;
@@ -503,31 +519,38 @@ static int pdm__post(pdm_kvt_t *kvt, int is_send, int peer, uint64_t tag,
     s->ureq = NULL;
     s->ucx_alive = 1;
     s->total = 0;
+    ucp_dt_iov_t *pieces = n_iov > 1 ? s->iov : &s->one;
+    s->one = (ucp_dt_iov_t){NULL, 0};
     for (int i = 0; i < n_iov; i++) {
-        s->iov[i].buffer = iov[i].base;
-        s->iov[i].length = iov[i].len;
+        pieces[i].buffer = iov[i].base;
+        pieces[i].length = iov[i].len;
         s->total += iov[i].len;
     }
     ucp_ep_h ep = kvt->peers[peer].ep;
     pthread_mutex_unlock(&kvt->lock);
 
+    /* One piece goes as a contiguous buffer: only contiguous messages get UCX's zero-copy
+     * rendezvous (1.13 copies iov messages through bounce buffers, openucx/ucx#1180). */
+    const int contig = n_iov <= 1;
+    void *buf = contig ? s->one.buffer : (void *)s->iov;
+    size_t count = contig ? s->one.length : (size_t)n_iov;
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         UCP_OP_ATTR_FIELD_DATATYPE,
         .user_data = s,
-        .datatype = ucp_dt_make_iov(),
+        .datatype = contig ? ucp_dt_make_contig(1) : ucp_dt_make_iov(),
     };
     ucp_tag_recv_info_t info = {0};
     void *r;
     if (is_send) {
         prm.cb.send = pdm__send_cb;
-        r = ucp_tag_send_nbx(ep, s->iov, (size_t)n_iov, tag, &prm);
+        r = ucp_tag_send_nbx(ep, buf, count, tag, &prm);
     } else {
         /* Always complete through the callback, which reports the received length. */
         prm.cb.recv = pdm__recv_cb;
         prm.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
         prm.recv_info.tag_info = &info;
-        r = ucp_tag_recv_nbx(kvt->worker, s->iov, (size_t)n_iov, tag, UINT64_MAX, &prm);
+        r = ucp_tag_recv_nbx(kvt->worker, buf, count, tag, UINT64_MAX, &prm);
     }
     pthread_mutex_lock(&kvt->lock);
     if (UCS_PTR_IS_ERR(r)) {

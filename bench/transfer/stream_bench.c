@@ -9,7 +9,7 @@
  *
  * Modes:
  *   stream  pdm_kvt_stream_rx_start/rx_wait on the receiver, pdm_kvt_stream_tx_send/finish
- *           on the sender: 64-byte headers, xxh64 of every block on both sides, plan checks.
+ *           on the sender: 64-byte headers, XXH3-64 of every block on both sides, plan checks.
  *   raw     the same blocks as plain pdm_kvt_isend/irecv of [K rows | V rows] (no header,
  *           no checksum), the same window of sends in flight: the transport alone.
  *
@@ -18,7 +18,7 @@
  * completion (rx_wait success / wait_all). The receiver posts everything before it tells the
  * sender to go (a small tagged message), so posting is not timed.
  *
- * Prints one JSON object per mode on stdout, then one for xxh64 alone ("mode":"xxh64":
+ * Prints one JSON object per mode on stdout, then one for the checksum alone ("mode":"xxh64":
  * the checksum's single-thread throughput over the same payload, no transport).
  */
 #include <errno.h>
@@ -202,7 +202,9 @@ static void chunk_range(const opts_t *o, int c, int32_t *start, int32_t *n)
 }
 
 #define TAG_GO(rep) pdm_kvt_tag(PDM_KVT_KIND_PING, 0, 0xbe, 0, (rep))
-#define TAG_RAW(rep, l, h, c) pdm_kvt_stream_tag(0x80000u + (uint32_t)(rep), 0, (l), (h), (c))
+#define TAG_RAW(rep, l, h, c, piece)                                                            \
+    pdm_kvt_stream_piece_tag(pdm_kvt_stream_tag(0x80000u + (uint32_t)(rep), 0, (l), (h), (c)),  \
+                             (piece))
 
 /* ---- Sender ---------------------------------------------------------------------------- */
 
@@ -239,15 +241,16 @@ static int sender_rep(const opts_t *o, pdm_kvt_t *kvt, int peer, const kv_t *kv,
         pdm_kvt_stream_tx_destroy(tx);
         return st ? -1 : 0;
     }
-    /* Raw: the same window of sends in flight, retired oldest first. */
-    pdm_kvt_req_t *ring = malloc(sizeof(*ring) * (size_t)o->window);
+    /* Raw: K and V of each block as two contiguous messages, the same window of blocks in
+     * flight, retired oldest first. */
+    pdm_kvt_req_t *ring = malloc(sizeof(*ring) * 2 * (size_t)o->window);
     if (!ring) return -1;
     int head = 0, count = 0, st = 0;
     for (int l = 0; l < o->layers && !st; l++)
         for (int h = 0; h < o->heads && !st; h++)
             for (int c = 0; c < o->chunks && !st; c++) {
                 if (count == o->window) {
-                    st = pdm_kvt_wait(kvt, ring[head], deadline, NULL);
+                    st = pdm_kvt_wait_all(kvt, &ring[2 * head], 2, deadline);
                     head = (head + 1) % o->window;
                     count--;
                     if (st) break;
@@ -256,14 +259,16 @@ static int sender_rep(const opts_t *o, pdm_kvt_t *kvt, int peer, const kv_t *kv,
                 chunk_range(o, c, &s, &n);
                 size_t i = (size_t)l * (size_t)o->heads + (size_t)h;
                 size_t off = (size_t)s * kv->row_bytes, len = (size_t)n * kv->row_bytes;
-                pdm_kvt_iov_t iov[2] = {{(char *)kv->k[i] + off, len},
-                                        {(char *)kv->v[i] + off, len}};
-                st = pdm_kvt_isend(kvt, peer, TAG_RAW(rep, l, h, c), iov, 2,
-                                   &ring[(head + count) % o->window]);
+                pdm_kvt_iov_t k = {(char *)kv->k[i] + off, len}, v = {(char *)kv->v[i] + off, len};
+                pdm_kvt_req_t *r = &ring[2 * ((head + count) % o->window)];
+                st = pdm_kvt_isend(kvt, peer, TAG_RAW(rep, l, h, c, PDM_KVT_PIECE_K), &k, 1, &r[0]);
+                if (!st)
+                    st = pdm_kvt_isend(kvt, peer, TAG_RAW(rep, l, h, c, PDM_KVT_PIECE_V), &v, 1,
+                                       &r[1]);
                 if (!st) count++;
             }
     while (count > 0) {
-        int s2 = pdm_kvt_wait(kvt, ring[head], deadline, NULL);
+        int s2 = pdm_kvt_wait_all(kvt, &ring[2 * head], 2, deadline);
         if (s2 && !st) st = s2;
         head = (head + 1) % o->window;
         count--;
@@ -279,7 +284,7 @@ static int receiver_rep(const opts_t *o, pdm_kvt_t *kvt, int peer, const kv_t *k
 {
     const int n_blocks = o->layers * o->heads * o->chunks;
     pdm_kvt_stream_block_t *blocks = malloc(sizeof(*blocks) * (size_t)n_blocks);
-    pdm_kvt_req_t *reqs = malloc(sizeof(*reqs) * (size_t)n_blocks);
+    pdm_kvt_req_t *reqs = malloc(sizeof(*reqs) * 2 * (size_t)n_blocks);
     if (!blocks || !reqs) return -1;
     int b = 0, st = 0;
     for (int l = 0; l < o->layers; l++)
@@ -313,10 +318,14 @@ static int receiver_rep(const opts_t *o, pdm_kvt_t *kvt, int peer, const kv_t *k
             size_t i = (size_t)blk->layer * (size_t)o->heads + blk->head;
             size_t off = (size_t)blk->token_start * kv->row_bytes;
             size_t len = (size_t)blk->n_tokens * kv->row_bytes;
-            pdm_kvt_iov_t iov[2] = {{(char *)kv->k[i] + off, len},
-                                    {(char *)kv->v[i] + off, len}};
-            st = pdm_kvt_irecv(kvt, peer, TAG_RAW(rep, blk->layer, blk->head, blk->chunk), iov, 2,
-                               &reqs[b]);
+            pdm_kvt_iov_t k = {(char *)kv->k[i] + off, len}, v = {(char *)kv->v[i] + off, len};
+            st = pdm_kvt_irecv(kvt, peer,
+                               TAG_RAW(rep, blk->layer, blk->head, blk->chunk, PDM_KVT_PIECE_K),
+                               &k, 1, &reqs[2 * b]);
+            if (!st)
+                st = pdm_kvt_irecv(kvt, peer,
+                                   TAG_RAW(rep, blk->layer, blk->head, blk->chunk, PDM_KVT_PIECE_V),
+                                   &v, 1, &reqs[2 * b + 1]);
         }
     }
     if (st) {
@@ -336,7 +345,7 @@ static int receiver_rep(const opts_t *o, pdm_kvt_t *kvt, int peer, const kv_t *k
         *payload = ss.bytes;
         pdm_kvt_stream_rx_destroy(rx);
     } else {
-        st = pdm_kvt_wait_all(kvt, reqs, n_blocks, deadline);
+        st = pdm_kvt_wait_all(kvt, reqs, 2 * n_blocks, deadline);
         *t_end = pdm_now();
         *payload = (uint64_t)o->tokens * kv->row_bytes * 2 * (uint64_t)(o->layers * o->heads);
     }
@@ -449,8 +458,8 @@ int main(int argc, char **argv)
         fflush(stdout);
     }
     if (!rc) {
-        /* The protocol's checksum alone: xxh64 over the whole payload (as the sender computes it
-         * once and the receiver once more), best of 3, one thread. */
+        /* The protocol's checksum alone (XXH3-64) over the whole payload (as the sender
+         * computes it once and the receiver once more), best of 3, one thread. */
         double best = 1e30;
         uint64_t sink = 0;
         for (int r = 0; r < 3; r++) {
