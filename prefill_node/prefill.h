@@ -218,6 +218,8 @@ typedef struct {
                              * stream to; NULL: none */
     int decode_threads, decode_batch;
     long decode_kv_budget; /* KV token slots of the decode node */
+    const char *decode_kv_dtype; /* the decode node's --kv-dtype; NULL: kv_dtype (tests set
+                                  * another to check that mismatched blocks are rejected) */
 } pdm_launch_params_t;
 
 void pdm_launch_params_default(pdm_launch_params_t *p);
