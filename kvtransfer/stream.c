@@ -229,13 +229,15 @@ int pdm_kvt_stream_rx_wait(pdm_kvt_stream_rx_t *rx, double deadline)
             char msg[512];
             snprintf(msg, sizeof(msg), "%s", pdm_error_last());
             return pdm_error_set(st, "stream: request %llu: block layer %u head %u tokens %d+%d "
-                                 "from peer %d (%d of %d blocks arrived): %s%s%s",
+                                 "from peer %d (%d of %d blocks arrived): %s%s%s%s",
                                  (unsigned long long)rx->p.request_id, blk->layer, blk->head,
                                  blk->token_start, blk->n_tokens, blk->peer, rx->done,
                                  rx->p.n_blocks, msg,
                                  st == PDM_EOVERFLOW ? "; block rejected: larger than planned "
                                  "for KV dtype " : "",
-                                 st == PDM_EOVERFLOW ? pdm__dtype_name(rx->p.dtype) : "");
+                                 st == PDM_EOVERFLOW ? pdm__dtype_name(rx->p.dtype) : "",
+                                 st == PDM_EOVERFLOW ? " (is the sender's --kv-dtype another?)"
+                                                     : "");
         }
         if ((st = pdm__verify(rx, b, bytes))) return st;
         rx->done++;
@@ -257,12 +259,14 @@ int pdm_kvt_stream_rx_poll(pdm_kvt_stream_rx_t *rx)
             char msg[512];
             snprintf(msg, sizeof(msg), "%s", pdm_error_last());
             return pdm_error_set(st, "stream: request %llu: block layer %u head %u tokens %d+%d "
-                                 "from peer %d: %s%s%s", (unsigned long long)rx->p.request_id,
+                                 "from peer %d: %s%s%s%s", (unsigned long long)rx->p.request_id,
                                  blk->layer, blk->head, blk->token_start, blk->n_tokens,
                                  blk->peer, msg,
                                  st == PDM_EOVERFLOW ? "; block rejected: larger than planned "
                                  "for KV dtype " : "",
-                                 st == PDM_EOVERFLOW ? pdm__dtype_name(rx->p.dtype) : "");
+                                 st == PDM_EOVERFLOW ? pdm__dtype_name(rx->p.dtype) : "",
+                                 st == PDM_EOVERFLOW ? " (is the sender's --kv-dtype another?)"
+                                                     : "");
         }
         if ((st = pdm__verify(rx, b, bytes))) return st;
         rx->done++;

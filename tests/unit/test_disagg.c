@@ -192,20 +192,29 @@ START_TEST(test_disagg_dtype_mismatch)
     ck_assert_int_eq(pdm_model_load(model_path, &m), 0);
     const uint32_t vocab = m->hp.n_vocab;
     pdm_model_free(m);
-    decode_kv_dtype = "q8"; /* this test's process only (Check forks per test) */
-    pdm_launch_t *l = start_mesh(model_path, 1, "f16", 1 << 16, 20);
-    int32_t ids[12];
-    random_ids(ids, 12, vocab, 3);
-    pdm_launch_request_t req = {.tokens = ids, .n_tokens = 12, .method = PDM_PREFILL_SINGLE,
-                                .max_new = 4};
-    pdm_sampler_params_default(&req.sp);
-    pdm_launch_response_t out;
-    pdm_launch_generate(l, &req, 1, &out);
-    ck_assert_msg(!out.ok, "a mismatched KV dtype must fail the request");
-    ck_assert_msg(strstr(out.error, "q8") && strstr(out.error, "f16"), "%s", out.error);
-    pdm_launch_response_free(&out);
-    assert_idle(l);
-    pdm_launch_stop(l);
+    /* {ranks, decode node}: a larger block than planned fails in the transport (the header
+     * never lands); a smaller one lands and its header names the dtype */
+    const char *pairs[2][2] = {{"f16", "q8"}, {"q8", "f16"}};
+    for (int p = 0; p < 2; p++) {
+        decode_kv_dtype = pairs[p][1]; /* this test's process only (Check forks per test) */
+        pdm_launch_t *l = start_mesh(model_path, 1, pairs[p][0], 1 << 16, 20);
+        int32_t ids[12];
+        random_ids(ids, 12, vocab, 3);
+        pdm_launch_request_t req = {.tokens = ids, .n_tokens = 12,
+                                    .method = PDM_PREFILL_SINGLE, .max_new = 4};
+        pdm_sampler_params_default(&req.sp);
+        pdm_launch_response_t out;
+        pdm_launch_generate(l, &req, 1, &out);
+        ck_assert_msg(!out.ok, "a mismatched KV dtype must fail the request");
+        ck_assert_msg(strstr(out.error, "block rejected") &&
+                          strstr(out.error, pairs[p][1]) &&
+                          (p == 0 ? strstr(out.error, "kv-dtype") != NULL
+                                  : strstr(out.error, pairs[p][0]) != NULL),
+                      "%s", out.error);
+        pdm_launch_response_free(&out);
+        assert_idle(l);
+        pdm_launch_stop(l);
+    }
 }
 END_TEST
 
