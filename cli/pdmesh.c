@@ -28,21 +28,22 @@ static void usage(FILE *f)
             "commands:\n"
             "  generate    --prompt TEXT [--chat] [-n N] [--temp T] [--top-k K] [--top-p P]\n"
             "              [--min-p P] [--repeat-penalty R] [--seed S] [--stop STR]...\n"
-            "              [--threads N] [--batch N] [--ctx N] [--kv-dtype f16|f32]\n"
+            "              [--threads N] [--batch N] [--ctx N] [--kv-dtype f32|f16|q8]\n"
             "              [--stats] [--json]\n"
             "  tokenize    [--special] TEXT|-      print token ids (- reads stdin)\n"
             "  detokenize  ID...|-                 print the text of token ids\n"
             "  prefill-run --ranks R --method M (--prompt TEXT|--prompt-file F|--random N)\n"
             "              [--chat] [--length N] [--cached P] [--partition a,b,..]\n"
             "              [--table FILE] [--calibration FILE] [--threads N] [--pin] [--ctx N]\n"
-            "              [--kv-dtype f16|f32] [--timeout S] [--kv-out FILE]\n"
+            "              [--kv-dtype f32|f16|q8] [--timeout S] [--kv-out FILE]\n"
             "              [--logits-out FILE] [--repeat N] [--plan] [--json]\n"
             "              methods: single tsp kvr-e kvr-s kvr-p cp-kv cp-q auto\n"
             "  partition-search --ranks R --lengths N,N,.. [--out FILE] [--reps N]\n"
             "              [--min-stride N] [--threads N] [--pin]   KVR-S lookup table\n"
             "  calibrate   [--length N] [--out FILE] [--pin]  achieved compute and link speed\n"
             "  disagg-run  --prefill-ranks R --method M (--prompt TEXT|--prompt-file F|--random N)...\n"
-            "              [-n N] [--temp T] [--stop S] [--chat] [--decode-batch N] [--json]\n"
+            "              [-n N] [--temp T] [--stop S] [--chat] [--decode-batch N]\n"
+            "              [--kv-dtype f32|f16|q8] [--json]\n"
             "              prefill group -> KV stream -> decode node, end to end\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
@@ -242,9 +243,8 @@ static int cmd_generate(int argc, char **argv)
             o.stops[o.n_stops++] = optarg;
             break;
         case O_KV:
-            if (!strcmp(optarg, "f16")) o.kv_dtype = PDM_DT_F16;
-            else if (!strcmp(optarg, "f32")) o.kv_dtype = PDM_DT_F32;
-            else return cli_usage_error("invalid --kv-dtype '%s' (f16 or f32)", optarg);
+            if (pdm_kv_dtype_parse(optarg, &o.kv_dtype))
+                return cli_usage_error("invalid --kv-dtype '%s' (f32, f16 or q8)", optarg);
             break;
         case 'h': usage(stdout); return 0;
         default: return cli_usage_error("%s", "invalid option");

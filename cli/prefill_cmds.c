@@ -100,7 +100,7 @@ static int group_opt(group_opts_t *o, int c, const char *arg, int *json)
         o->lp.ctx_tokens = (int)v;
         return 1;
     case O_KV_DTYPE:
-        if (strcmp(arg, "f16") && strcmp(arg, "f32")) return -1;
+        if (strcmp(arg, "f16") && strcmp(arg, "f32") && strcmp(arg, "q8")) return -1;
         o->lp.kv_dtype = arg;
         return 1;
     case O_TIMEOUT:
@@ -928,6 +928,7 @@ int cmd_disagg_run(int argc, char **argv)
             cJSON_AddNumberToObject(j, "time_per_output_token", out[i].step_seconds);
             cJSON_AddNumberToObject(j, "total", out[i].total);
             cJSON_AddNumberToObject(j, "kv_bytes", out[i].kv_bytes);
+            cJSON_AddStringToObject(j, "kv_dtype", o.lp.kv_dtype);
             cJSON_AddNumberToObject(j, "kv_seconds", out[i].kv_seconds);
             cJSON_AddStringToObject(j, "transports", transports);
             char *s = cJSON_PrintUnformatted(j);

@@ -66,7 +66,8 @@ typedef struct {
     int max_batch;          /* sequences per decode step */
     int max_sequences;      /* reserved + running, a bound on the node's queue */
     int64_t kv_budget;      /* KV token slots over all sequences (capacity check) */
-    pdm_dtype_t kv_dtype;   /* F16 or F32: must match the prefill ranks' */
+    pdm_dtype_t kv_dtype;   /* F32, F16 or I8 (q8): must match the prefill ranks' (blocks of
+                             * another dtype are rejected) */
     double kv_timeout;      /* seconds a reservation waits for its KV after start */
 } pdm_decode_params_t;
 

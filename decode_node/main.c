@@ -220,14 +220,12 @@ int main(int argc, char **argv)
         case 's': if (pdm_parse_long(optarg, 1, 4096, &v)) goto bad; dp.max_sequences = (int)v; break;
         case 'k': if (pdm_parse_long(optarg, 1, 1L << 30, &v)) goto bad; dp.kv_budget = v; break;
         case 'd':
-            if (!strcmp(optarg, "f16")) dp.kv_dtype = PDM_DT_F16;
-            else if (!strcmp(optarg, "f32")) dp.kv_dtype = PDM_DT_F32;
-            else goto bad;
+            if (pdm_kv_dtype_parse(optarg, &dp.kv_dtype)) goto bad;
             break;
         case 'o': if (pdm_parse_double(optarg, 0.01, 86400, &d)) goto bad; dp.kv_timeout = d; break;
         case 'h':
             printf("usage: pdmesh-decode [--model FILE] [--threads N] [--batch N] "
-                   "[--max-sequences N]\n       [--kv-budget TOKENS] [--kv-dtype f16|f32] "
+                   "[--max-sequences N]\n       [--kv-budget TOKENS] [--kv-dtype f32|f16|q8] "
                    "[--kv-timeout S]\n");
             return 0;
         default: return 2;

@@ -68,7 +68,8 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
                            const pdm_decode_params_t *p, pdm_decode_node_t **out)
 {
     if (p->threads < 1 || p->max_batch < 1 || p->max_sequences < 1 || p->kv_budget < 1 ||
-        (p->kv_dtype != PDM_DT_F16 && p->kv_dtype != PDM_DT_F32) || !(p->kv_timeout > 0))
+        (p->kv_dtype != PDM_DT_F16 && p->kv_dtype != PDM_DT_F32 && p->kv_dtype != PDM_DT_I8) ||
+        !(p->kv_timeout > 0))
         return pdm_error_set(PDM_EINVAL, "decode node: bad parameters");
     pdm_decode_node_t *n = calloc(1, sizeof(*n));
     if (!n) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
@@ -167,7 +168,10 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
             .request_id = r->id, .attempt = r->attempt, .n_layers = hp->n_layers,
             .n_kv_heads = hp->n_kv_heads, .dtype = (uint16_t)n->p.kv_dtype,
             .row_bytes = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim),
-            .n_tokens = r->n_prompt, .k = s->cache->k, .v = s->cache->v, .blocks = blocks,
+            .n_tokens = r->n_prompt, .k = s->cache->k, .v = s->cache->v,
+            /* q8: the blocks' headers carry each head's scales, fixed at prefill; response
+             * rows are appended with them (no re-quantization) */
+            .scales = n->p.kv_dtype == PDM_DT_I8 ? s->cache->scale : NULL, .blocks = blocks,
             .n_blocks = (int)nb};
         st = pdm_kvt_stream_rx_start(n->kvt, &rp, &s->rx);
     }
@@ -330,6 +334,7 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
             pdm_kvt_stream_rx_destroy(s->rx); /* every receive completed: drains leftovers */
             s->rx = NULL;
             s->cache->n_tokens = s->n_prompt;
+            pdm_kv_cache_fix_scales(s->cache); /* q8: set from the verified headers */
             /* The first token (from the prefill side) is the first generated token. */
             pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id,
                                      .token = s->next, .index = 0};

@@ -23,6 +23,8 @@ typedef enum {
     PDM_DT_Q4_1 = 3,
     PDM_DT_Q8_0 = 8,
     PDM_DT_Q8_1 = 9, /* activations only: 8-bit with per-block scale and sum */
+    PDM_DT_I8 = 24,  /* KV cache "q8": plain int8, x = q * scale, one scale per (layer, kv
+                      * head) for K and one for V, kept outside the rows */
     PDM_DT_BF16 = 30,
     PDM_DT_COUNT_ = 31
 } pdm_dtype_t;
@@ -64,8 +66,15 @@ uint16_t pdm_f32_to_bf16(float f);
 
 /* Reference dequantization of `n` elements (n a multiple of the block size) into f32. */
 void pdm_dequantize_row(pdm_dtype_t type, const void *src, float *dst, int64_t n);
-/* Reference quantization of `n` f32 elements; supports every type above. */
+/* Reference quantization of `n` f32 elements; supports every type above but I8 (whose scale
+ * lives outside the row: see pdm_q8_quantize_row). */
 void pdm_quantize_row(pdm_dtype_t type, const float *src, void *dst, int64_t n);
+
+/* int8 KV ("q8"): dst[i] = round-to-nearest-even(src[i] / scale), saturated to [-127, 127]
+ * (values beyond the range the scale was fixed for clip instead of wrapping). scale > 0. */
+void pdm_q8_quantize_row(const float *src, int8_t *dst, int64_t n, float scale);
+/* The scale that maps [-absmax, absmax] onto [-127, 127]; 1 for an all-zero tensor. */
+float pdm_q8_scale(float absmax);
 
 /* ---- Thread pool ------------------------------------------------------------------------ */
 
@@ -105,8 +114,9 @@ typedef struct {
     int64_t q_stride;     /* floats between query rows */
     const int32_t *q_pos; /* [n_q] absolute positions */
     int n_q;
-    const void *k, *v;    /* [n_kv][head_dim] of kv_type (F32 or F16), contiguous */
+    const void *k, *v;    /* [n_kv][head_dim] of kv_type (F32, F16 or I8), contiguous */
     pdm_dtype_t kv_type;
+    float k_scale, v_scale; /* I8 only: k = k_scale * int8, v = v_scale * int8 */
     int32_t k_pos0;       /* absolute position of key 0 */
     int n_kv;
     int head_dim;
@@ -144,7 +154,8 @@ typedef struct pdm_kern_ops {
     /* Merges a partial result (o2, lse2) into (o1, lse1) in place for one row of `n` floats.
      * An empty partial (lse = -INFINITY) is a no-op; never produces NaN. */
     void (*attn_merge)(float *o1, float *lse1, const float *o2, float lse2, int n);
-    /* Converts f32 to the KV storage type (F32 copy or F16). */
+    /* Converts f32 to the KV storage type (F32 copy or F16; I8 goes through
+     * pdm_q8_quantize_row, which needs the head's scale). */
     void (*kv_store)(pdm_dtype_t type, const float *src, void *dst, int n);
 } pdm_kern_ops_t;
 

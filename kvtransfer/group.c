@@ -126,3 +126,28 @@ int pdm_kvt_group_alltoall(pdm_kvt_group_t *g, int layer, const pdm_kvt_msg_t *s
     if (g->size == 1) return PDM_OK;
     return pdm__exchange(g, PDM_KVT_KIND_A2A, layer, 0, send, 0, recv);
 }
+
+/* Every rank sends its vector to every other and reduces the R vectors itself: R - 1
+ * messages per rank, one round trip, and no rank depends on another's arithmetic. Used for
+ * the int8 KV scales (a few floats per layer), where latency matters more than bandwidth. */
+int pdm_kvt_group_allreduce_max(pdm_kvt_group_t *g, int layer, int step, float *values, int n)
+{
+    enum { MAX_N = 256 };
+    if (n < 0 || n > MAX_N)
+        return pdm_error_set(PDM_EINVAL, "group: all-reduce of %d values (at most %d)", n, MAX_N);
+    if (g->size == 1 || n == 0) return PDM_OK;
+    static _Thread_local float in[PDM_KVT_MAX_RANKS][MAX_N];
+    pdm_kvt_msg_t send = {.iov = {{values, sizeof(float) * (size_t)n}}, .n_iov = 1};
+    pdm_kvt_msg_t recv[PDM_KVT_MAX_RANKS];
+    for (int j = 0; j < g->size; j++) {
+        recv[j].iov[0] = (pdm_kvt_iov_t){in[j], sizeof(float) * (size_t)n};
+        recv[j].n_iov = 1;
+    }
+    int st = pdm__exchange(g, PDM_KVT_KIND_ALLREDUCE, layer, step, &send, 1, recv);
+    if (st) return st;
+    for (int j = 0; j < g->size; j++)
+        if (j != g->rank)
+            for (int i = 0; i < n; i++)
+                if (in[j][i] > values[i]) values[i] = in[j][i];
+    return PDM_OK;
+}

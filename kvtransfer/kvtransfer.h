@@ -112,7 +112,8 @@ typedef enum {
     PDM_KVT_KIND_RING = 4,   /* ring shift */
     PDM_KVT_KIND_A2A = 5,    /* all-to-all */
     PDM_KVT_KIND_RESULT = 6,
-    PDM_KVT_KIND_PING = 7    /* calibration ping-pong */
+    PDM_KVT_KIND_PING = 7,   /* calibration ping-pong */
+    PDM_KVT_KIND_ALLREDUCE = 9 /* all-reduce (8 is the KV stream's kind) */
 } pdm_kvt_kind_t;
 
 static inline uint64_t pdm_kvt_tag(pdm_kvt_kind_t kind, int src_rank, uint32_t task, int layer,
@@ -158,6 +159,12 @@ int pdm_kvt_group_allgather(pdm_kvt_group_t *g, int layer, const pdm_kvt_msg_t *
 int pdm_kvt_group_alltoall(pdm_kvt_group_t *g, int layer, const pdm_kvt_msg_t *send,
                            const pdm_kvt_msg_t *recv);
 
+/* All-reduce (max) of `n` floats (n <= 256): on return every rank's `values` holds the
+ * element-wise maximum over all ranks, identical bits everywhere (each rank takes the max of
+ * the same R vectors). Blocking, bounded by the group timeout. `step` tells concurrent
+ * reductions of one layer apart. */
+int pdm_kvt_group_allreduce_max(pdm_kvt_group_t *g, int layer, int step, float *values, int n);
+
 /* Deadline of a collective started now. */
 double pdm_kvt_group_deadline(const pdm_kvt_group_t *g);
 
@@ -184,11 +191,14 @@ typedef struct {
     int32_t token_start; /* first token (position within the request's KV) */
     int32_t n_tokens;
     uint32_t row_bytes;  /* bytes of one token's K (or V) row of one head */
-    float scale;         /* quantization scale of int8 KV; 1 otherwise */
+    float scale;         /* quantization scale of int8 KV's K rows; 1 otherwise */
     uint32_t chunk;      /* index of the token range in the request's plan */
     uint64_t checksum;   /* XXH3-64 of the K rows then the V rows, seed = request_id */
-    uint8_t reserved[8];
+    float v_scale;       /* quantization scale of int8 KV's V rows; 1 otherwise */
+    uint8_t reserved[4];
 } pdm_kvt_block_header_t;
+
+#define PDM_KVT_DTYPE_I8 24 /* int8 KV ("q8", kernels.h PDM_DT_I8): rows carry scales */
 
 /* Tag of a block's piece: kind 8 | request 20 | attempt 8 | layer 10 | piece 2 | head 8 |
  * chunk 8 bits. A block travels as three contiguous messages (header, K rows, V rows): UCX
@@ -233,6 +243,9 @@ typedef struct {
     size_t row_bytes;
     int32_t n_tokens;                /* the request's tokens: all must be covered once */
     void *const *k, *const *v;       /* [n_layers * n_kv_heads] destination of token 0's row */
+    float *scales;                   /* int8 KV: [n_layers * n_kv_heads][2] receives each
+                                      * head's K and V scale from the headers (every block of
+                                      * a head must carry the same ones); NULL otherwise */
     const pdm_kvt_stream_block_t *blocks;
     int n_blocks;
 } pdm_kvt_stream_rx_params_t;
@@ -274,6 +287,11 @@ int pdm_kvt_stream_tx_create(pdm_kvt_t *kvt, int peer, uint64_t request_id, uint
 int pdm_kvt_stream_tx_send(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint32_t head, uint32_t chunk,
                            int32_t token_start, int32_t n_tokens, uint16_t dtype, float scale,
                            const void *k_rows, const void *v_rows, size_t row_bytes);
+/* The same with separate K and V scales (int8 KV); tx_send uses `scale` for both. */
+int pdm_kvt_stream_tx_send_scaled(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint32_t head,
+                                  uint32_t chunk, int32_t token_start, int32_t n_tokens,
+                                  uint16_t dtype, float k_scale, float v_scale,
+                                  const void *k_rows, const void *v_rows, size_t row_bytes);
 /* Waits for every block sent (until `deadline`). */
 int pdm_kvt_stream_tx_finish(pdm_kvt_stream_tx_t *tx, double deadline);
 /* Bytes handed to the transport so far. */

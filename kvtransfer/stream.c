@@ -11,6 +11,7 @@
  */
 #include "kvtransfer/kvtransfer.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,7 @@ struct pdm_kvt_stream_rx {
     pdm_kvt_req_t *reqs;              /* [n_blocks * PIECES] posted receives (NONE once done) */
     size_t *lens;                     /* [n_blocks * PIECES] bytes received per piece */
     int done;                         /* blocks verified */
+    uint8_t *scale_seen;              /* int8 KV: [n_layers * n_kv_heads] scales recorded */
     pdm_kvt_stream_stats_t stats;
     double t0;
 };
@@ -82,6 +84,7 @@ void pdm_kvt_stream_rx_destroy(pdm_kvt_stream_rx_t *rx)
     free(rx->headers);
     free(rx->reqs);
     free(rx->lens);
+    free(rx->scale_seen);
     free(rx);
 }
 
@@ -100,7 +103,14 @@ int pdm_kvt_stream_rx_start(pdm_kvt_t *kvt, const pdm_kvt_stream_rx_params_t *p,
     const size_t n_pieces = (size_t)p->n_blocks * PDM_KVT_PIECES;
     rx->reqs = malloc(sizeof(*rx->reqs) * n_pieces);
     rx->lens = calloc(n_pieces, sizeof(*rx->lens));
-    if (!rx->blocks || !rx->headers || !rx->reqs || !rx->lens) {
+    if (p->dtype == PDM_KVT_DTYPE_I8 && !p->scales) {
+        pdm_kvt_stream_rx_destroy(rx);
+        return pdm_error_set(PDM_EINVAL, "stream: int8 KV needs a destination for its scales");
+    }
+    if (p->dtype == PDM_KVT_DTYPE_I8)
+        rx->scale_seen = calloc((size_t)p->n_layers * p->n_kv_heads, 1);
+    if (!rx->blocks || !rx->headers || !rx->reqs || !rx->lens ||
+        (p->dtype == PDM_KVT_DTYPE_I8 && !rx->scale_seen)) {
         pdm_kvt_stream_rx_destroy(rx);
         return pdm_error_set(PDM_ENOMEM, "stream: out of memory");
     }
@@ -132,6 +142,19 @@ int pdm_kvt_stream_rx_start(pdm_kvt_t *kvt, const pdm_kvt_stream_rx_params_t *p,
     return PDM_OK;
 }
 
+_Static_assert(sizeof(pdm_kvt_block_header_t) == 64, "KV block header is 64 bytes");
+
+/* Names of the KV dtypes a stream carries (kvtransfer does not depend on kernels/). */
+static const char *pdm__dtype_name(unsigned dtype)
+{
+    switch (dtype) {
+    case 0: return "f32";
+    case 1: return "f16";
+    case PDM_KVT_DTYPE_I8: return "q8";
+    default: return "unknown";
+    }
+}
+
 /* Verifies a landed block against the plan and its checksum. */
 static int pdm__verify(pdm_kvt_stream_rx_t *rx, int b)
 {
@@ -141,6 +164,14 @@ static int pdm__verify(pdm_kvt_stream_rx_t *rx, int b)
     const size_t len = (size_t)blk->n_tokens * p->row_bytes;
     const size_t *got = &rx->lens[(size_t)b * PDM_KVT_PIECES];
     const size_t bytes = got[0] + got[1] + got[2];
+    if (got[PDM_KVT_PIECE_HEADER] == sizeof(*h) && h->magic == PDM_KVT_BLOCK_MAGIC &&
+        h->dtype != p->dtype)
+        return pdm_error_set(PDM_EFORMAT, "stream: request %llu: block layer %u head %u tokens "
+                             "%d+%d from peer %d carries KV dtype %s but the reservation expects "
+                             "%s (prefill and decode --kv-dtype differ); block rejected",
+                             (unsigned long long)p->request_id, blk->layer, blk->head,
+                             blk->token_start, blk->n_tokens, blk->peer, pdm__dtype_name(h->dtype),
+                             pdm__dtype_name(p->dtype));
     if (got[PDM_KVT_PIECE_HEADER] != sizeof(*h) || got[PDM_KVT_PIECE_K] != len ||
         got[PDM_KVT_PIECE_V] != len || h->magic != PDM_KVT_BLOCK_MAGIC || h->version != 1 ||
         h->request_id != p->request_id || h->attempt != p->attempt || h->layer != blk->layer ||
@@ -163,6 +194,26 @@ static int pdm__verify(pdm_kvt_stream_rx_t *rx, int b)
                              (unsigned long long)p->request_id, blk->layer, blk->head,
                              blk->token_start, blk->n_tokens, blk->peer,
                              (unsigned long long)sum, (unsigned long long)h->checksum);
+    if (p->dtype == PDM_KVT_DTYPE_I8) {
+        /* One scale pair per (layer, head), fixed at prefill: every block of the head must
+         * agree, or its rows would be read with another block's scale. */
+        float *dst = p->scales + 2 * hi;
+        if (!(h->scale > 0) || !(h->v_scale > 0) || !isfinite(h->scale) || !isfinite(h->v_scale))
+            return pdm_error_set(PDM_EFORMAT, "stream: request %llu: int8 block layer %u head %u "
+                                 "from peer %d has invalid scales %g / %g",
+                                 (unsigned long long)p->request_id, blk->layer, blk->head,
+                                 blk->peer, h->scale, h->v_scale);
+        if (rx->scale_seen[hi] && (dst[0] != h->scale || dst[1] != h->v_scale))
+            return pdm_error_set(PDM_EFORMAT, "stream: request %llu: int8 block layer %u head %u "
+                                 "tokens %d+%d from peer %d has scales %g / %g, another block of "
+                                 "the head had %g / %g (the prefill ranks disagree)",
+                                 (unsigned long long)p->request_id, blk->layer, blk->head,
+                                 blk->token_start, blk->n_tokens, blk->peer, h->scale,
+                                 h->v_scale, dst[0], dst[1]);
+        dst[0] = h->scale;
+        dst[1] = h->v_scale;
+        rx->scale_seen[hi] = 1;
+    }
     rx->stats.bytes += 2 * len;
     rx->stats.blocks++;
     return PDM_OK;
@@ -190,10 +241,15 @@ static int pdm__block_complete(pdm_kvt_stream_rx_t *rx, int b, double deadline)
             char msg[512];
             snprintf(msg, sizeof(msg), "%s", pdm_error_last());
             return pdm_error_set(st, "stream: request %llu: block layer %u head %u tokens %d+%d "
-                                 "from peer %d (%d of %d blocks arrived): %s",
+                                 "from peer %d (%d of %d blocks arrived): %s%s%s%s",
                                  (unsigned long long)rx->p.request_id, blk->layer, blk->head,
                                  blk->token_start, blk->n_tokens, blk->peer, rx->done,
-                                 rx->p.n_blocks, msg);
+                                 rx->p.n_blocks, msg,
+                                 st == PDM_EOVERFLOW ? "; block rejected: larger than planned "
+                                 "for KV dtype " : "",
+                                 st == PDM_EOVERFLOW ? pdm__dtype_name(rx->p.dtype) : "",
+                                 st == PDM_EOVERFLOW ? " (is the sender's --kv-dtype another?)"
+                                                     : "");
         }
         rx->lens[(size_t)b * PDM_KVT_PIECES + (size_t)i] = bytes;
     }
@@ -321,6 +377,15 @@ int pdm_kvt_stream_tx_send(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint32_t hea
                            int32_t token_start, int32_t n_tokens, uint16_t dtype, float scale,
                            const void *k_rows, const void *v_rows, size_t row_bytes)
 {
+    return pdm_kvt_stream_tx_send_scaled(tx, layer, head, chunk, token_start, n_tokens, dtype,
+                                         scale, scale, k_rows, v_rows, row_bytes);
+}
+
+int pdm_kvt_stream_tx_send_scaled(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint32_t head,
+                                  uint32_t chunk, int32_t token_start, int32_t n_tokens,
+                                  uint16_t dtype, float scale, float v_scale,
+                                  const void *k_rows, const void *v_rows, size_t row_bytes)
+{
     if (n_tokens < 1 || token_start < 0 || row_bytes == 0 || row_bytes > UINT32_MAX ||
         layer >= PDM_KVT_STREAM_MAX_LAYERS)
         return pdm_error_set(PDM_EINVAL, "stream: empty or malformed block");
@@ -344,6 +409,7 @@ int pdm_kvt_stream_tx_send(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint32_t hea
         .n_tokens = n_tokens,
         .row_bytes = (uint32_t)row_bytes,
         .scale = scale,
+        .v_scale = v_scale,
         .chunk = chunk,
         .checksum = pdm_kvt_block_checksum(tx->request_id, k_rows, v_rows, len),
     };

@@ -7,6 +7,7 @@
  * at context creation; the steps themselves never allocate.
  */
 #include "model.h"
+#include "model_internal.h"
 
 #include <math.h>
 #include <stdatomic.h>
@@ -342,6 +343,8 @@ static void pdm__attn_task(void *arg, int ith, int nth)
             a.k = view->k[kvh];
             a.v = view->v[kvh];
             a.kv_type = view->dtype;
+            a.k_scale = view->k_scale[kvh];
+            a.v_scale = view->v_scale[kvh];
             a.k_pos0 = view->pos0;
             a.n_kv = view->n_tokens;
             if (vi == 0) {
@@ -411,6 +414,8 @@ static void pdm__attn_split_task(void *arg, int ith, int nth)
             a.k = (const char *)view->k[kvh] + off;
             a.v = (const char *)view->v[kvh] + off;
             a.kv_type = view->dtype;
+            a.k_scale = view->k_scale[kvh];
+            a.v_scale = view->v_scale[kvh];
             a.k_pos0 = view->pos0 + (int32_t)b;
             a.n_kv = (int)(e - b);
             a.o = tmp_o;
@@ -500,6 +505,10 @@ void pdm_model_kv_store(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int layer,
 {
     const uint32_t hd = cache->head_dim, nkv = cache->n_kv_heads;
     const size_t esz = pdm_dtype_row_bytes(cache->dtype, 1);
+    if (cache->dtype == PDM_DT_I8) {
+        pdm_model__kv_store_q8(cache, layer, act, slot);
+        return;
+    }
     for (int i = 0; i < act->n; i++) {
         for (uint32_t h = 0; h < nkv; h++) {
             size_t off = (size_t)(slot + i) * hd * esz;
@@ -525,6 +534,8 @@ int pdm_model_prefill(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t
         if (tokens[i] < 0 || (uint32_t)tokens[i] >= m->hp.n_vocab)
             return pdm_error_set(PDM_ERANGE, "token id %d is outside the vocabulary (0..%u)",
                                  tokens[i], m->hp.n_vocab - 1);
+    if (cache->dtype == PDM_DT_I8 && !cache->scales_fixed)
+        return pdm_model__prefill_q8_prompt(ctx, cache, tokens, n, logits);
 
     pdm_act_t *act = &ctx->batch;
     int32_t *positions = act->pos; /* filled before embed copies it onto itself */

@@ -295,7 +295,7 @@ int pdm_gguf_writer_add_tensor(pdm_gguf_writer_t *w, const char *name, pdm_dtype
 
     if (!w || !name || !*name || !ne || !data)
         return pdm_error_set(PDM_EINVAL, "gguf writer: NULL argument or empty tensor name");
-    if (!pdm_dtype_valid((uint32_t)type) || type == PDM_DT_Q8_1)
+    if (!pdm_dtype_valid((uint32_t)type) || type == PDM_DT_Q8_1 || type == PDM_DT_I8)
         return pdm_error_set(PDM_EINVAL, "gguf writer: tensor '%s' has invalid type %d", name,
                              (int)type);
     if (n_dims < 1 || n_dims > 4)

@@ -10,7 +10,7 @@
 int pdm_kv_cache_create(const pdm_model_hparams_t *hp, int32_t capacity, pdm_dtype_t dtype,
                         pdm_kv_cache_t **out)
 {
-    if (capacity < 1 || (dtype != PDM_DT_F32 && dtype != PDM_DT_F16))
+    if (capacity < 1 || (dtype != PDM_DT_F32 && dtype != PDM_DT_F16 && dtype != PDM_DT_I8))
         return pdm_error_set(PDM_EINVAL, "KV cache: invalid capacity %d or dtype %s", capacity,
                              pdm_dtype_name(dtype));
     size_t n_arrays = (size_t)hp->n_layers * hp->n_kv_heads;
@@ -27,7 +27,9 @@ int pdm_kv_cache_create(const pdm_model_hparams_t *hp, int32_t capacity, pdm_dty
     if (!c) goto err_nomem;
     c->k = calloc(n_arrays, sizeof(void *));
     c->v = calloc(n_arrays, sizeof(void *));
-    if (!c->k || !c->v) goto err_arrays;
+    c->scale = malloc(2 * n_arrays * sizeof(float));
+    if (!c->k || !c->v || !c->scale) goto err_arrays;
+    for (size_t i = 0; i < 2 * n_arrays; i++) c->scale[i] = 1.0f;
     c->storage = aligned_alloc(64, total);
     if (!c->storage) goto err_arrays;
     c->n_layers = hp->n_layers;
@@ -43,6 +45,7 @@ int pdm_kv_cache_create(const pdm_model_hparams_t *hp, int32_t capacity, pdm_dty
     return PDM_OK;
 
 err_arrays:
+    free(c->scale);
     free(c->k);
     free(c->v);
     free(c);
@@ -55,6 +58,7 @@ void pdm_kv_cache_destroy(pdm_kv_cache_t *c)
 {
     if (!c) return;
     free(c->storage);
+    free(c->scale);
     free(c->k);
     free(c->v);
     free(c);
@@ -79,6 +83,8 @@ void pdm_kv_cache_view(const pdm_kv_cache_t *c, uint32_t layer, int32_t start, i
     for (uint32_t h = 0; h < c->n_kv_heads; h++) {
         out->k[h] = (const char *)pdm_kv_cache_k(c, layer, h) + off;
         out->v[h] = (const char *)pdm_kv_cache_v(c, layer, h) + off;
+        out->k_scale[h] = c->scale[2 * ((size_t)layer * c->n_kv_heads + h)];
+        out->v_scale[h] = c->scale[2 * ((size_t)layer * c->n_kv_heads + h) + 1];
     }
     out->dtype = c->dtype;
     out->pos0 = c->pos0 + start;

@@ -86,9 +86,14 @@ typedef struct {
     int32_t capacity; /* token slots per head */
     int32_t n_tokens; /* filled slots [0, n_tokens) */
     int32_t pos0;     /* absolute position of slot 0 */
-    pdm_dtype_t dtype; /* PDM_DT_F32 or PDM_DT_F16 */
+    pdm_dtype_t dtype; /* PDM_DT_F32, PDM_DT_F16 or PDM_DT_I8 ("q8") */
     void **k, **v;    /* [n_layers * n_kv_heads] -> [capacity][head_dim] of dtype */
     void *storage;
+    /* q8 only: [n_layers * n_kv_heads][2] (K scale, V scale) of each head, fixed once from
+     * the prompt (scales_fixed = 1) and used for every later row, prompt and response alike
+     * (see model/kv_quant.c). 1 for other dtypes. */
+    float *scale;
+    int scales_fixed;
 } pdm_kv_cache_t;
 
 int pdm_kv_cache_create(const pdm_model_hparams_t *hp, int32_t capacity, pdm_dtype_t dtype,
@@ -105,6 +110,19 @@ static inline void *pdm_kv_cache_v(const pdm_kv_cache_t *c, uint32_t layer, uint
     return c->v[layer * c->n_kv_heads + head];
 }
 
+/* q8: sets every head's K and V scale of `layer` from the absolute maxima of its K and V
+ * (absmax[2 * head + 0] for K, + 1 for V); scales_fixed becomes 1 after the last layer is
+ * set by pdm_kv_cache_fix_scales. */
+void pdm_kv_cache_set_scales(pdm_kv_cache_t *c, uint32_t layer, const float *absmax);
+void pdm_kv_cache_fix_scales(pdm_kv_cache_t *c);
+/* Absolute maxima of the K and V rows of act (n tokens) per kv head: out[2 * head + {0,1}]
+ * = max(out, |K|, |V|), so calls accumulate (start from zeros). */
+struct pdm_act;
+void pdm_kv_absmax(const pdm_model_hparams_t *hp, const struct pdm_act *act, float *out);
+
+/* "f32", "f16" or "q8" (int8 with per-head scales) -> the cache dtype; PDM_EINVAL else. */
+int pdm_kv_dtype_parse(const char *name, pdm_dtype_t *out);
+
 /* A window of one layer's KV for every kv head: keys at absolute positions
  * pos0 .. pos0 + n_tokens - 1. It only points at memory owned elsewhere. */
 typedef struct {
@@ -113,6 +131,7 @@ typedef struct {
     pdm_dtype_t dtype;
     int32_t pos0;
     int32_t n_tokens;
+    float k_scale[PDM_MAX_KV_HEADS], v_scale[PDM_MAX_KV_HEADS]; /* q8 only, per kv head */
 } pdm_kv_view_t;
 
 /* The view of slots [start, start + n) of `layer`. */
@@ -135,7 +154,7 @@ const pdm_kern_ops_t *pdm_model_ctx_ops(const pdm_model_ctx_t *ctx);
 void pdm_model_ctx_set_ops(pdm_model_ctx_t *ctx, const pdm_kern_ops_t *ops);
 
 /* Activations of a batch of n tokens (all row-major, one row per token). */
-typedef struct {
+typedef struct pdm_act {
     int n;         /* tokens */
     int32_t *pos;  /* [n] absolute positions */
     float *x;      /* [n][d_model] residual stream */
@@ -177,7 +196,9 @@ void pdm_model_kv_store(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int layer,
 
 /* Appends `n` tokens at positions cache->pos0 + cache->n_tokens... to the cache, processing
  * them in chunks of the context's max batch, and writes the last token's logits (may be NULL).
- * PDM_EOVERFLOW if the cache is too small; the cache is unchanged on error. */
+ * A q8 cache whose scales are not fixed yet takes them from these tokens (the prompt): every
+ * layer's K/V of all n tokens is computed before any is stored. PDM_EOVERFLOW if the cache
+ * is too small; the cache is unchanged on error. */
 int pdm_model_prefill(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t *tokens, int n,
                       float *logits);
 /* One decode step: pdm_model_prefill of a single token. */

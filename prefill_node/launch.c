@@ -164,7 +164,8 @@ static int pdm__spawn_decode(const pdm_launch_params_t *p, pdm__proc_t *pr)
     snprintf(batch, sizeof(batch), "%d", p->decode_batch > 0 ? p->decode_batch : 16);
     snprintf(budget, sizeof(budget), "%ld", p->decode_kv_budget > 0 ? p->decode_kv_budget : 1L << 18);
     char *argv[] = {(char *)p->decode_bin, "--model", (char *)p->model, "--threads", threads,
-                    "--batch", batch, "--kv-budget", budget, "--kv-dtype", (char *)p->kv_dtype,
+                    "--batch", batch, "--kv-budget", budget, "--kv-dtype",
+                    (char *)(p->decode_kv_dtype ? p->decode_kv_dtype : p->kv_dtype),
                     NULL};
     return pdm__spawn_argv(argv, pr);
 }

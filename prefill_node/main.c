@@ -280,7 +280,7 @@ static void handle_pingpong(const cJSON *cmd, pdm_kvt_group_t *g)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: pdmesh-prefill [--model FILE] [--threads N] [--cpu N] [--ctx N]\n"
-               "                      [--kv-dtype f16|f32] [--timeout SECONDS]\n"
+               "                      [--kv-dtype f32|f16|q8] [--timeout SECONDS]\n"
                "One rank of a prefill group, driven by JSON lines on stdin/stdout\n"
                "(see pdmesh prefill-run).\n");
 }
@@ -314,12 +314,7 @@ int main(int argc, char **argv)
             rp.ctx_tokens = (int)v;
             break;
         case 'k':
-            if (!strcmp(optarg, "f16"))
-                rp.kv_dtype = PDM_DT_F16;
-            else if (!strcmp(optarg, "f32"))
-                rp.kv_dtype = PDM_DT_F32;
-            else
-                goto bad;
+            if (pdm_kv_dtype_parse(optarg, &rp.kv_dtype)) goto bad;
             break;
         case 'o':
             if (pdm_parse_double(optarg, 0.001, 86400, &d)) goto bad;

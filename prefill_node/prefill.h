@@ -100,7 +100,8 @@ void pdm_partition_table_ttft(const pdm_partition_table_t *t, int length, double
 typedef struct {
     int threads;            /* compute threads of this rank */
     int ctx_tokens;         /* KV capacity (maximum P + T) */
-    pdm_dtype_t kv_dtype;   /* F16 or F32: cache and wire format */
+    pdm_dtype_t kv_dtype;   /* F32, F16 or I8 (q8, per-head scales all-reduced per layer):
+                             * cache and wire format */
     double timeout;         /* seconds per communication step */
 } pdm_prefill_rank_params_t;
 
@@ -208,7 +209,7 @@ typedef struct {
     int threads;          /* per rank */
     int pin;              /* pin rank i to cpu i mod (number of cpus) */
     int ctx_tokens;
-    const char *kv_dtype; /* "f16" or "f32" */
+    const char *kv_dtype; /* "f32", "f16" or "q8" (prefill ranks and decode node) */
     double timeout;       /* seconds for start-up and for each task */
     const char *wrap;     /* command prefix per rank, "%d" = rank, e.g. "ip netns exec ns%d
                            * env UCX_TLS=tcp UCX_NET_DEVICES=veth%d"; NULL: none (default:
@@ -217,6 +218,8 @@ typedef struct {
                              * stream to; NULL: none */
     int decode_threads, decode_batch;
     long decode_kv_budget; /* KV token slots of the decode node */
+    const char *decode_kv_dtype; /* the decode node's --kv-dtype; NULL: kv_dtype (tests set
+                                  * another to check that mismatched blocks are rejected) */
 } pdm_launch_params_t;
 
 void pdm_launch_params_default(pdm_launch_params_t *p);

@@ -105,7 +105,7 @@ int pdm_prefill_rank_create(const pdm_model_t *model, pdm_kvt_group_t *group,
                             const pdm_prefill_rank_params_t *p, pdm_prefill_rank_t **out)
 {
     if (p->threads < 1 || p->ctx_tokens < 1 || !(p->timeout > 0) ||
-        (p->kv_dtype != PDM_DT_F16 && p->kv_dtype != PDM_DT_F32))
+        (p->kv_dtype != PDM_DT_F16 && p->kv_dtype != PDM_DT_F32 && p->kv_dtype != PDM_DT_I8))
         return pdm_error_set(PDM_EINVAL, "prefill rank: bad parameters");
     pdm_prefill_rank_t *r = calloc(1, sizeof(*r));
     if (!r) return pdm_error_set(PDM_ENOMEM, "prefill rank: out of memory");
@@ -228,7 +228,7 @@ static int pdm__iov_cache_rows(const pdm_prefill_rank_t *r, int layer, int32_t s
 }
 
 /* Views of a packed block (ranges in order; per range, per head: K rows then V rows). */
-static void pdm__block_views(const pdm_prefill_rank_t *r, const void *block,
+static void pdm__block_views(const pdm_prefill_rank_t *r, int layer, const void *block,
                              const pdm__range_t *ranges, int n_ranges, pdm_kv_view_t *views)
 {
     const size_t row = pdm__row_bytes(r);
@@ -239,6 +239,9 @@ static void pdm__block_views(const pdm_prefill_rank_t *r, const void *block,
         v->pos0 = ranges[i].start;
         v->n_tokens = ranges[i].len;
         for (uint32_t h = 0; h < r->hp->n_kv_heads; h++) {
+            const float *sc = r->cache->scale + 2 * ((size_t)layer * r->hp->n_kv_heads + h);
+            v->k_scale[h] = sc[0]; /* q8: every rank holds the same scales (all-reduced) */
+            v->v_scale[h] = sc[1];
             v->k[h] = p;
             p += (size_t)ranges[i].len * row;
             v->v[h] = p;
@@ -329,6 +332,28 @@ static void pdm__attend(pdm_prefill_rank_t *r, int layer, pdm_act_t *act,
         (r)->t_compute += pdm_now() - t0_;                                                      \
     } while (0)
 
+/* q8 KV: the scales of `layer`, fixed before any rank stores a row of it, from the absolute
+ * maxima of every rank's new K and V rows (an all-reduce max; the Qualcomm KV note's "same
+ * quantization parameters" for all of the prompt's KV, model/kv_quant.c). Every rank calls
+ * it for every layer of a new conversation, with or without new tokens of its own. Follow-up
+ * tasks keep the scales of the first (nothing is re-quantized). */
+static int pdm__q8_scales(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t, int layer,
+                          int n_local)
+{
+    if (r->cache->dtype != PDM_DT_I8 || t->start > 0) return PDM_OK;
+    float absmax[2 * PDM_MAX_KV_HEADS] = {0};
+    if (n_local > 0) {
+        pdm_act_t mine = r->act;
+        mine.n = n_local;
+        PDM__COMPUTE(r, pdm_kv_absmax(r->hp, &mine, absmax));
+    }
+    double t0 = pdm_now();
+    int st = pdm_kvt_group_allreduce_max(r->g, layer, 0, absmax, 2 * (int)r->hp->n_kv_heads);
+    r->t_wait += pdm_now() - t0;
+    if (!st) pdm_kv_cache_set_scales(r->cache, (uint32_t)layer, absmax);
+    return st;
+}
+
 /* Streams this rank's rows of `layer` (final once stored) to the decode node: one block per
  * (range, kv head), straight from the cache. */
 static int pdm__stream_layer(pdm_prefill_rank_t *r, int layer)
@@ -341,9 +366,11 @@ static int pdm__stream_layer(pdm_prefill_rank_t *r, int layer)
         const pdm_prefill_range_t *g = &r->mine[i];
         if (g->len == 0) continue;
         for (uint32_t h = 0; h < r->hp->n_kv_heads && !st; h++)
-            st = pdm_kvt_stream_tx_send(
+            st = pdm_kvt_stream_tx_send_scaled(
                 r->tx, (uint32_t)layer, h, (uint32_t)g->chunk, g->start, g->len,
-                (uint16_t)r->cache->dtype, 1.0f,
+                (uint16_t)r->cache->dtype,
+                r->cache->scale[2 * ((size_t)layer * r->hp->n_kv_heads + h)],
+                r->cache->scale[2 * ((size_t)layer * r->hp->n_kv_heads + h) + 1],
                 (const char *)pdm_kv_cache_k(r->cache, (uint32_t)layer, h) + (size_t)g->start * row,
                 (const char *)pdm_kv_cache_v(r->cache, (uint32_t)layer, h) + (size_t)g->start * row,
                 row);
@@ -380,8 +407,9 @@ static int pdm__run_tsp(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t, cons
     if (st) return st;
     pdm_kvt_msg_t *parts = r->send_msgs;
     for (int l = 0; l < (int)r->hp->n_layers; l++) {
-        PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act);
-                     pdm__store_local(r, l, &mine, 1));
+        PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act));
+        if ((st = pdm__q8_scales(r, t, l, chunks[me]))) return st;
+        PDM__COMPUTE(r, pdm__store_local(r, l, &mine, 1));
         if ((st = pdm__stream_layer(r, l))) return st;
         for (int j = 0; j < R; j++) {
             parts[j].n_iov = 0;
@@ -436,8 +464,12 @@ static int pdm__run_kvr(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t, cons
                                         &recv);
             if (st) break;
         }
-        PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act);
-                     pdm__store_local(r, l, &mine, 1));
+        PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act));
+        if ((st = pdm__q8_scales(r, t, l, n_local))) {
+            pdm_kvt_cancel(r->g->kvt, &recv, 1); /* NONE is skipped */
+            break;
+        }
+        PDM__COMPUTE(r, pdm__store_local(r, l, &mine, 1));
         if ((st = pdm__stream_layer(r, l))) break;
         if (recv != PDM_KVT_REQ_NONE && (st = pdm__wait(r, &recv, 1))) break;
         /* (b) Forward the concatenated cache [0, my_end) at once and without waiting
@@ -501,8 +533,9 @@ static int pdm__run_cp_kv(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     pdm_kv_view_t views[PDM__MAX_RANGES];
     pdm_kvt_msg_t msg;
     for (int l = 0; l < (int)r->hp->n_layers && !st; l++) {
-        if (n_local) PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act);
-                                  pdm__store_local(r, l, mine, n_mine));
+        if (n_local) PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act));
+        if ((st = pdm__q8_scales(r, t, l, n_local))) break;
+        if (n_local) PDM__COMPUTE(r, pdm__store_local(r, l, mine, n_mine));
         if ((st = pdm__stream_layer(r, l))) break;
         pdm_kvt_req_t send = PDM_KVT_REQ_NONE, recv = PDM_KVT_REQ_NONE;
         /* Step 0: post the receive of the next block, send ours (gathered straight from the
@@ -541,7 +574,7 @@ static int pdm__run_cp_kv(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
                 if (st) break;
             }
             if (!n_local) continue;
-            pdm__block_views(r, stage[cur], L->ranges[origin], L->n_ranges[origin], views);
+            pdm__block_views(r, l, stage[cur], L->ranges[origin], L->n_ranges[origin], views);
             pdm_act_t part = r->act;
             part.o = tmp_o;
             part.lse = tmp_lse;
@@ -586,8 +619,9 @@ static int pdm__run_cp_q(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     pdm_kv_view_t views[PDM__MAX_RANGES];
     pdm_kvt_msg_t *a2a_send = r->send_msgs, *a2a_recv = r->recv_msgs;
     for (int l = 0; l < (int)r->hp->n_layers && !st; l++) {
-        if (n_local) PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act);
-                                  pdm__store_local(r, l, mine, n_mine));
+        if (n_local) PDM__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act));
+        if ((st = pdm__q8_scales(r, t, l, n_local))) break;
+        if (n_local) PDM__COMPUTE(r, pdm__store_local(r, l, mine, n_mine));
         if ((st = pdm__stream_layer(r, l))) break;
         for (int i = 0; i < L->n_ranges[me]; i++)
             pdm_kv_cache_view(r->cache, (uint32_t)l, L->ranges[me][i].start,
@@ -792,6 +826,7 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     if (t->start == 0) {
         r->seq_len = 0;
         memset(r->held, 0, sizeof(r->held));
+        r->cache->scales_fixed = 0; /* q8: a new prompt fixes new scales */
     }
     pdm_kvt_stats_t s0, s1;
     pdm_kvt_stats(r->g->kvt, &s0);
@@ -861,6 +896,7 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     r->seq_len = end;
     r->last_owner = owner_rank;
     r->cache->n_tokens = end;
+    pdm_kv_cache_fix_scales(r->cache);
     pdm_kvt_stats(r->g->kvt, &s1);
     memset(res, 0, sizeof(*res));
     res->owner = owner_rank == me;
@@ -937,8 +973,12 @@ int pdm_prefill_rank_dump_kv(const pdm_prefill_rank_t *r, const char *path)
                                            : pdm_kv_cache_k(r->cache, l, h);
                     src += (size_t)ranges[i].start * row;
                     size_t count = (size_t)ranges[i].len * hp->head_dim;
+                    const float sc = r->cache->scale[2 * ((size_t)l * hp->n_kv_heads + h) + is_v];
                     if (r->cache->dtype == PDM_DT_F32)
                         memcpy(buf, src, count * sizeof(float));
+                    else if (r->cache->dtype == PDM_DT_I8)
+                        for (size_t e = 0; e < count; e++)
+                            buf[e] = sc * (float)((const int8_t *)src)[e];
                     else
                         for (size_t e = 0; e < count; e++)
                             buf[e] = pdm_f16_to_f32(((const uint16_t *)src)[e]);

@@ -20,6 +20,7 @@ static const pdm__dtype_traits_t pdm__traits[PDM_DT_COUNT_] = {
     [PDM_DT_Q4_1] = {"q4_1", PDM_QK, sizeof(pdm_block_q4_1_t)},
     [PDM_DT_Q8_0] = {"q8_0", PDM_QK, sizeof(pdm_block_q8_0_t)},
     [PDM_DT_Q8_1] = {"q8_1", PDM_QK, sizeof(pdm_block_q8_1_t)},
+    [PDM_DT_I8] = {"q8", 1, 1},
     [PDM_DT_BF16] = {"bf16", 1, 2},
 };
 
@@ -268,4 +269,23 @@ void pdm_quantize_row(pdm_dtype_t type, const float *src, void *dst, int64_t n)
     default:
         break;
     }
+}
+
+/* int8 KV with a per-head scale fixed at prefill (Qualcomm KV note, "Quantized model
+ * optimization" d): past and new K/V share the quantization parameters, so rows are written
+ * once with the head's scale and never re-quantized; new values beyond the prompt's range
+ * saturate. */
+void pdm_q8_quantize_row(const float *src, int8_t *dst, int64_t n, float scale)
+{
+    const float inv = 1.0f / scale;
+    for (int64_t i = 0; i < n; i++) {
+        float q = nearbyintf(src[i] * inv);
+        q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+        dst[i] = (int8_t)(q == q ? q : 0.0f); /* NaN stores 0 rather than undefined */
+    }
+}
+
+float pdm_q8_scale(float absmax)
+{
+    return absmax > 0.0f && isfinite(absmax) ? absmax / 127.0f : 1.0f;
 }

@@ -207,8 +207,10 @@ static void generic_swiglu(float *out, const float *gate, const float *up, int n
 
 /* ---- Attention --------------------------------------------------------------------------- */
 
-static inline float kv_get(pdm_dtype_t type, const void *base, int64_t i)
+/* Element i of a K or V array; int8 ("q8") is dequantized on the fly with the head's scale. */
+static inline float kv_get(pdm_dtype_t type, const void *base, int64_t i, float scale)
 {
+    if (type == PDM_DT_I8) return scale * (float)((const int8_t *)base)[i];
     return type == PDM_DT_F16 ? pdm_f16_to_f32(((const uint16_t *)base)[i])
                               : ((const float *)base)[i];
 }
@@ -239,7 +241,7 @@ static void generic_attention(const pdm_kern_attn_t *a)
         float m = -INFINITY, l = 0.0f;
         for (int j = 0; j < vis; j++) {
             float s = 0.0f;
-            for (int d = 0; d < hd; d++) s += q[d] * kv_get(a->kv_type, a->k, (int64_t)j * hd + d);
+            for (int d = 0; d < hd; d++) s += q[d] * kv_get(a->kv_type, a->k, (int64_t)j * hd + d, a->k_scale);
             s *= a->scale;
             if (s > m) {
                 float c = expf(m - s); /* exp(-inf) = 0 on the first key */
@@ -249,7 +251,7 @@ static void generic_attention(const pdm_kern_attn_t *a)
             }
             float p = expf(s - m);
             l += p;
-            for (int d = 0; d < hd; d++) o[d] += p * kv_get(a->kv_type, a->v, (int64_t)j * hd + d);
+            for (int d = 0; d < hd; d++) o[d] += p * kv_get(a->kv_type, a->v, (int64_t)j * hd + d, a->v_scale);
         }
         float inv = 1.0f / l;
         for (int d = 0; d < hd; d++) o[d] *= inv;

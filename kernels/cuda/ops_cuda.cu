@@ -240,8 +240,10 @@ __global__ void k_kv_store_f16(const float *src, uint16_t *dst, int n)
     if (i < n) dst[i] = __half_as_ushort(__float2half_rn(src[i]));
 }
 
-__device__ static inline float kv_at(pdm_dtype_t type, const void *base, int64_t i)
+/* Element i of K or V; int8 ("q8") KV is dequantized on the fly with the head's scale. */
+__device__ static inline float kv_at(pdm_dtype_t type, const void *base, int64_t i, float qs)
 {
+    if (type == PDM_DT_I8) return qs * (float)((const int8_t *)base)[i];
     return type == PDM_DT_F16 ? f16_to_f32(((const uint16_t *)base)[i])
                               : ((const float *)base)[i];
 }
@@ -250,9 +252,9 @@ __device__ static inline float kv_at(pdm_dtype_t type, const void *base, int64_t
  * the score, then an online-softmax update of the row's output where lanes own head_dim / 32
  * dimensions each. Output o rows are compact [n_q][head_dim]; lse [n_q]. */
 __global__ void k_attention(const float *q, int64_t q_stride, const int32_t *q_pos,
-                            const void *k, const void *v, pdm_dtype_t kv_type, int32_t k_pos0,
-                            int n_kv, int head_dim, float scale, int causal, float *o,
-                            float *lse)
+                            const void *k, const void *v, pdm_dtype_t kv_type, float k_scale,
+                            float v_scale, int32_t k_pos0, int n_kv, int head_dim, float scale,
+                            int causal, float *o, float *lse)
 {
     const int row = blockIdx.x, lane = threadIdx.x;
     const float *qr = q + (size_t)row * q_stride;
@@ -268,7 +270,7 @@ __global__ void k_attention(const float *q, int64_t q_stride, const int32_t *q_p
         float s = -INFINITY;
         if (j < vis) {
             s = 0.0f;
-            for (int d = 0; d < head_dim; d++) s += qr[d] * kv_at(kv_type, k, (int64_t)j * head_dim + d);
+            for (int d = 0; d < head_dim; d++) s += qr[d] * kv_at(kv_type, k, (int64_t)j * head_dim + d, k_scale);
             s *= scale;
         }
         float m_new = fmaxf(m, warp_max(s));
@@ -281,7 +283,7 @@ __global__ void k_attention(const float *q, int64_t q_stride, const int32_t *q_p
                 int d = lane + 32 * t;
                 if (d < head_dim) {
                     if (jj == 0) acc[t] *= c;
-                    acc[t] += pj * kv_at(kv_type, v, (int64_t)(j0 + jj) * head_dim + d);
+                    acc[t] += pj * kv_at(kv_type, v, (int64_t)(j0 + jj) * head_dim + d, v_scale);
                 }
             }
         }
@@ -381,7 +383,8 @@ static void cuda_attention(const pdm_kern_attn_t *a)
         return;
     }
     pthread_mutex_lock(&pdm_cuda_lock);
-    size_t esz = a->kv_type == PDM_DT_F16 ? 2 : 4, hd = (size_t)a->head_dim;
+    size_t esz = a->kv_type == PDM_DT_F16 ? 2 : a->kv_type == PDM_DT_I8 ? 1 : 4;
+    size_t hd = (size_t)a->head_dim;
     size_t qbytes = ((size_t)(a->n_q - 1) * a->q_stride + hd) * 4;
     const float *dq = (const float *)upload(0, a->q, qbytes);
     const int32_t *dpos = (const int32_t *)upload(1, a->q_pos, (size_t)a->n_q * 4);
@@ -390,7 +393,8 @@ static void cuda_attention(const pdm_kern_attn_t *a)
     float *dout = (float *)scratch(4, (size_t)a->n_q * hd * 4);
     float *dlse = (float *)scratch(5, (size_t)a->n_q * 4);
     if (dq && dpos && dk && dv && dout && dlse) {
-        k_attention<<<a->n_q, 32>>>(dq, a->q_stride, dpos, dk, dv, a->kv_type, a->k_pos0,
+        k_attention<<<a->n_q, 32>>>(dq, a->q_stride, dpos, dk, dv, a->kv_type, a->k_scale,
+                                    a->v_scale, a->k_pos0,
                                     a->n_kv, a->head_dim, a->scale, a->causal, dout, dlse);
         PDM_CUDA_CHECK(cudaGetLastError());
         float *ho = (float *)malloc((size_t)a->n_q * hd * 4), *hl = (float *)malloc((size_t)a->n_q * 4);

@@ -52,6 +52,7 @@ expect "not a gguf" 1 "$bin" tokenize --model "$tmp/text.gguf" hi && contains "b
 expect "make test model" 0 "$bin" make-test-model --out "$tmp/tiny.gguf" --layers 2 --d-model 64 --heads 4 --kv-heads 2
 expect "generate on test model" 0 "$bin" generate --model "$tmp/tiny.gguf" --prompt "The quick brown fox" -n 8 --temp 0 --json
 if $py -c 'import json,sys; d=json.load(open(sys.argv[1])); assert len(d["tokens"]) == 8, d' "$tmp/out"; then ok "test model json"; else bad "test model json"; fi
+expect "generate q8 KV" 0 "$bin" generate --model "$tmp/tiny.gguf" --prompt "The quick brown fox" -n 8 --temp 0 --kv-dtype q8 --json
 expect "test model tokenize" 0 "$bin" tokenize --model "$tmp/tiny.gguf" "the fox"
 # the reference GGUF reader (the gguf package from llama.cpp's authors) reads our writer's file
 if $py -c 'import gguf' 2>/dev/null; then
@@ -144,6 +145,15 @@ if [ -x "$prefilld" ] && [ -x "$decoded" ]; then
 import json,sys
 rows=[json.loads(l) for l in open(sys.argv[1])]
 assert len(rows)==2 and all(len(r["token_ids"])>=1 and r["kv_bytes"]>0 for r in rows), rows' "$tmp/out"; then ok "disagg-run json"; else bad "disagg-run json"; fi
+  # int8 KV end to end: the stream carries half of f16's bytes, the same tokens' count
+  expect "disagg-run f16" 0 "$bin" disagg-run --model "$tmp/tiny.gguf" --prefill-ranks 2 --method kvr-e --prompt "the quick brown fox" -n 4 --temp 0 --kv-dtype f16 --json
+  cp "$tmp/out" "$tmp/f16.json"
+  expect "disagg-run q8" 0 "$bin" disagg-run --model "$tmp/tiny.gguf" --prefill-ranks 2 --method kvr-e --prompt "the quick brown fox" -n 4 --temp 0 --kv-dtype q8 --json
+  if $py -c '
+import json,sys
+a=json.loads(open(sys.argv[1]).readline()); b=json.loads(open(sys.argv[2]).readline())
+assert b["kv_dtype"]=="q8" and 2*b["kv_bytes"]==a["kv_bytes"] and len(b["token_ids"])==4, (a, b)' "$tmp/f16.json" "$tmp/out"; then ok "disagg-run q8 halves KV bytes"; else bad "disagg-run q8 halves KV bytes" "$(cat "$tmp/out")"; fi
+  expect "disagg-run bad kv dtype" 2 "$bin" disagg-run --model "$tmp/tiny.gguf" --prefill-ranks 2 --method kvr-e --prompt "x" --kv-dtype int4
   # malformed control input: clear errors, no crash, clean exit at end of input
   printf 'not json\n{"cmd":"nope"}\n{"cmd":"task"}\n{"cmd":"group","rank":5,"size":2,"addrs":["zz","00"]}\n' |
     "$prefilld" --model "$tmp/tiny.gguf" >"$tmp/out" 2>"$tmp/err"

@@ -42,6 +42,8 @@ static const char *bin(const char *env, const char *def)
     return v && *v ? v : def;
 }
 
+static const char *decode_kv_dtype; /* NULL: the ranks' */
+
 static pdm_launch_t *start_mesh(const char *model, int ranks, const char *kv_dtype, long budget,
                                 double timeout)
 {
@@ -56,6 +58,7 @@ static pdm_launch_t *start_mesh(const char *model, int ranks, const char *kv_dty
     lp.timeout = timeout;
     lp.decode_batch = 8;
     lp.decode_kv_budget = budget;
+    lp.decode_kv_dtype = decode_kv_dtype;
     pdm_launch_t *l = NULL;
     ck_assert_msg(pdm_launch_start(&lp, &l) == 0, "mesh: %s", pdm_error_last());
     return l;
@@ -103,20 +106,26 @@ static void assert_idle(pdm_launch_t *l)
                   held, slots);
 }
 
-/* Three concurrent requests per method, R ranks, against the engine. */
-static void run_methods(int R)
+/* Three concurrent requests per method, R ranks, against the engine with the same KV dtype
+ * (q8: the engine fixes the scales from the whole prompt; the ranks all-reduce theirs, stream
+ * int8 rows with the scales in the block headers, and the decode node appends with them). */
+static void run_methods_kv(int R, const char *kv_name, pdm_dtype_t kv_dtype)
 {
     pdm_model_t *m;
     ck_assert_int_eq(pdm_model_load(model_path, &m), 0);
     const uint32_t vocab = m->hp.n_vocab;
     pdm_model_free(m);
-    pdm_launch_t *l = start_mesh(model_path, R, "f32", 1 << 16, 60);
+    pdm_launch_t *l = start_mesh(model_path, R, kv_name, 1 << 16, 60);
+    pdm_model_load(model_path, &m);
+    const size_t kv_row_bytes = (size_t)m->hp.n_layers * m->hp.n_kv_heads * 2 * m->hp.head_dim *
+                                pdm_dtype_row_bytes(kv_dtype, 1); /* per prompt token */
+    pdm_model_free(m);
     const int lens[3] = {9, 23, 40}, max_new = 10;
     int32_t ids[3][64], want[3][16];
     int n_want[3];
     for (int i = 0; i < 3; i++) {
         random_ids(ids[i], lens[i], vocab, 500 + (uint64_t)(R * 10 + i));
-        n_want[i] = engine_greedy(model_path, PDM_DT_F32, ids[i], lens[i], max_new, want[i]);
+        n_want[i] = engine_greedy(model_path, kv_dtype, ids[i], lens[i], max_new, want[i]);
     }
     for (int mi = 0; mi < PDM_PREFILL_AUTO; mi++) {
         pdm_prefill_method_t meth = (pdm_prefill_method_t)mi;
@@ -148,7 +157,10 @@ static void run_methods(int R)
                 ck_assert_msg(out[i].tokens[k] == want[i][k], "R=%d %s prompt %d token %d: %d, "
                               "engine %d", R, pdm_prefill_method_name(meth), i, k,
                               out[i].tokens[k], want[i][k]);
-            ck_assert(out[i].kv_bytes > 0);
+            ck_assert_msg(out[i].kv_bytes == (double)(kv_row_bytes * (size_t)lens[i]),
+                          "R=%d %s %s prompt %d: %.0f KV bytes, expected %zu", R, kv_name,
+                          pdm_prefill_method_name(meth), i, out[i].kv_bytes,
+                          kv_row_bytes * (size_t)lens[i]);
             pdm_launch_response_free(&out[i]);
         }
     }
@@ -156,11 +168,54 @@ static void run_methods(int R)
     ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
 }
 
+static void run_methods(int R) { run_methods_kv(R, "f32", PDM_DT_F32); }
+
 START_TEST(test_disagg_r1) { run_methods(1); }
 END_TEST
 START_TEST(test_disagg_r2) { run_methods(2); }
 END_TEST
 START_TEST(test_disagg_r3) { run_methods(3); }
+END_TEST
+/* int8 KV end to end: every method's greedy output equals the single-process q8 engine's,
+ * and the stream carries one byte per element. */
+START_TEST(test_disagg_q8_r1) { run_methods_kv(1, "q8", PDM_DT_I8); }
+END_TEST
+START_TEST(test_disagg_q8_r3) { run_methods_kv(3, "q8", PDM_DT_I8); }
+END_TEST
+
+/* A decode node reserving q8 KV while the prefill ranks stream f16 (the two sides started
+ * with different --kv-dtype): the blocks are rejected with an error naming both dtypes, and
+ * nothing stays reserved. */
+START_TEST(test_disagg_dtype_mismatch)
+{
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(model_path, &m), 0);
+    const uint32_t vocab = m->hp.n_vocab;
+    pdm_model_free(m);
+    /* {ranks, decode node}: a larger block than planned fails in the transport (the header
+     * never lands); a smaller one lands and its header names the dtype */
+    const char *pairs[2][2] = {{"f16", "q8"}, {"q8", "f16"}};
+    for (int p = 0; p < 2; p++) {
+        decode_kv_dtype = pairs[p][1]; /* this test's process only (Check forks per test) */
+        pdm_launch_t *l = start_mesh(model_path, 1, pairs[p][0], 1 << 16, 20);
+        int32_t ids[12];
+        random_ids(ids, 12, vocab, 3);
+        pdm_launch_request_t req = {.tokens = ids, .n_tokens = 12,
+                                    .method = PDM_PREFILL_SINGLE, .max_new = 4};
+        pdm_sampler_params_default(&req.sp);
+        pdm_launch_response_t out;
+        pdm_launch_generate(l, &req, 1, &out);
+        ck_assert_msg(!out.ok, "a mismatched KV dtype must fail the request");
+        ck_assert_msg(strstr(out.error, "block rejected") &&
+                          strstr(out.error, pairs[p][1]) &&
+                          (p == 0 ? strstr(out.error, "kv-dtype") != NULL
+                                  : strstr(out.error, pairs[p][0]) != NULL),
+                      "%s", out.error);
+        pdm_launch_response_free(&out);
+        assert_idle(l);
+        pdm_launch_stop(l);
+    }
+}
 END_TEST
 
 /* The real model (f16 KV): tsp and kvr-e give the engine's KV exactly, so greedy text must be
@@ -367,5 +422,12 @@ Suite *suite_disagg(void)
     tcase_add_test(tc, test_disagg_dead_decode_node);
     tcase_add_test(tc, test_disagg_decode_killed_mid_stream);
     suite_add_tcase(s, tc);
+    TCase *q8 = tcase_create("q8"); /* int8 KV end to end */
+    tcase_add_unchecked_fixture(q8, setup, NULL);
+    tcase_set_timeout(q8, 300);
+    tcase_add_test(q8, test_disagg_q8_r1);
+    tcase_add_test(q8, test_disagg_q8_r3);
+    tcase_add_test(q8, test_disagg_dtype_mismatch);
+    suite_add_tcase(s, q8);
     return s;
 }

@@ -259,6 +259,127 @@ START_TEST(test_golden_generate)
 }
 END_TEST
 
+/* ---- int8 KV accuracy ------------------------------------------------------------------- *
+ * The cost of --kv-dtype q8 against f16 KV on the golden prompts, with the default kernels
+ * (f32 KV against f16 is measured alongside, for scale). Both caches see the same tokens: the
+ * prompt, then f16's greedy tokens (teacher forcing), so every step compares the two on the
+ * same prefix. Per step all n_vocab logits are compared (max and mean |difference|; step 0
+ * is the prompt's KV alone, later steps add response rows quantized with the prompt's
+ * scales, saturating); "greedy agreement" counts the tokens both choose alike before the
+ * first step where they differ (what free-running greedy decoding would share).
+ * Tolerances, set from the numbers measured on this model (docs/decode-memory.md, "Quantized
+ * KV (int8)") with margin. Prompts shorter than 16 tokens fix their scales from a handful of
+ * rows, so response rows saturate much more: they get wider bounds. */
+#define PDM_Q8_MAX_LOGIT_DIFF 5.0f        /* largest |diff| of any logit, any step */
+#define PDM_Q8_MEAN_LOGIT_DIFF 0.8f       /* mean |diff| over all logits and steps */
+#define PDM_Q8_SHORT_MAX_LOGIT_DIFF 25.0f /* the same for prompts of < 16 tokens */
+#define PDM_Q8_SHORT_MEAN_LOGIT_DIFF 4.0f
+#define PDM_Q8_TIE_GAP 1.0f       /* where they part, f16's margin of its token over q8's */
+#define PDM_Q8_MIN_AGREEMENT 0.1  /* share of all greedy tokens before the first divergence */
+
+static void golden_kv_compare(pdm_model_t *m, pdm_model_ctx_t *ctx, const cJSON *list,
+                              pdm_dtype_t other, int check)
+{
+    const int n_cases = cJSON_GetArraySize(list);
+    const uint32_t nv = m->hp.n_vocab;
+    const char *dn = pdm_dtype_name(other);
+    float *lf = malloc(nv * sizeof(float)), *lq = malloc(nv * sizeof(float));
+    int agree_total = 0, tokens_total = 0;
+    double worst_max = 0, worst_mean = 0, worst0_max = 0;
+    for (int c = 0; c < n_cases; c++) {
+        const cJSON *e = cJSON_GetArrayItem(list, c);
+        const char *name = cJSON_GetObjectItem(e, "name")->valuestring;
+        int n_prompt, n_greedy;
+        int32_t *prompt = json_ids(cJSON_GetObjectItem(e, "prompt_ids"), &n_prompt);
+        int32_t *greedy = json_ids(cJSON_GetObjectItem(e, "greedy"), &n_greedy);
+        pdm_kv_cache_t *cf, *cq;
+        ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n_prompt + n_greedy + 1, PDM_DT_F16, &cf), 0);
+        ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n_prompt + n_greedy + 1, other, &cq), 0);
+        ck_assert_int_eq(pdm_model_prefill(ctx, cf, prompt, n_prompt, lf), PDM_OK);
+        ck_assert_int_eq(pdm_model_prefill(ctx, cq, prompt, n_prompt, lq), PDM_OK);
+        double case_max = 0, sum = 0, max0 = 0, mean0 = 0, gap = 0;
+        int agree = -1;
+        for (int i = 0; i < n_greedy; i++) {
+            int bf = 0, bq = 0;
+            double step_max = 0, step_sum = 0;
+            for (uint32_t v = 0; v < nv; v++) {
+                double d = fabs((double)lf[v] - lq[v]);
+                step_max = fmax(step_max, d);
+                step_sum += d;
+                if (lf[v] > lf[bf]) bf = (int)v;
+                if (lq[v] > lq[bq]) bq = (int)v;
+            }
+            if (i == 0) {
+                max0 = step_max;
+                mean0 = step_sum / nv;
+            }
+            case_max = fmax(case_max, step_max);
+            sum += step_sum;
+            if (bf != bq && agree < 0) {
+                agree = i;
+                gap = lf[bf] - lf[bq];
+            }
+            if (i + 1 < n_greedy) {
+                ck_assert_int_eq(pdm_model_decode(ctx, cf, bf, lf), PDM_OK);
+                ck_assert_int_eq(pdm_model_decode(ctx, cq, bf, lq), PDM_OK);
+            }
+        }
+        if (agree < 0) agree = n_greedy;
+        const double case_mean = sum / ((double)nv * n_greedy);
+        fprintf(stderr, "golden %s vs f16 %-24s prompt %4d: greedy agreement %2d of %2d "
+                        "(gap %.2f), |logit diff| after the prompt max %.3f mean %.4f, over "
+                        "all steps max %.3f mean %.4f\n", dn, name, n_prompt, agree, n_greedy,
+                gap, max0, mean0, case_max, case_mean);
+        const int is_short = n_prompt < 16;
+        if (check) {
+            ck_assert_msg(gap <= PDM_Q8_TIE_GAP, "%s: q8 parts from f16 at token %d by a gap of "
+                          "%.3f", name, agree, gap);
+            ck_assert_msg(case_max <= (is_short ? PDM_Q8_SHORT_MAX_LOGIT_DIFF
+                                                : PDM_Q8_MAX_LOGIT_DIFF),
+                          "%s: q8 logits differ by %.3f", name, case_max);
+            ck_assert_msg(case_mean <= (is_short ? PDM_Q8_SHORT_MEAN_LOGIT_DIFF
+                                                 : PDM_Q8_MEAN_LOGIT_DIFF),
+                          "%s: mean q8 logit difference %.4f", name, case_mean);
+        }
+        if (!is_short) {
+            worst_max = fmax(worst_max, case_max);
+            worst_mean = fmax(worst_mean, case_mean);
+            worst0_max = fmax(worst0_max, max0);
+        }
+        agree_total += agree;
+        tokens_total += n_greedy;
+        pdm_kv_cache_destroy(cf);
+        pdm_kv_cache_destroy(cq);
+        free(prompt);
+        free(greedy);
+    }
+    fprintf(stderr, "golden %s vs f16: %d of %d greedy tokens before the first divergence; "
+                    "prompts >= 16 tokens: worst max |logit diff| after the prompt %.3f, over "
+                    "all steps %.3f, worst mean %.4f\n", dn, agree_total, tokens_total,
+            worst0_max, worst_max, worst_mean);
+    if (check)
+        ck_assert_msg(agree_total >= PDM_Q8_MIN_AGREEMENT * tokens_total,
+                      "greedy agreement %d of %d", agree_total, tokens_total);
+    free(lf);
+    free(lq);
+}
+
+START_TEST(test_golden_q8_accuracy)
+{
+    pdm_model_t *m = load_real_model();
+    if (!m) return;
+    cJSON *root = load_golden();
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 2, 512, &ctx), PDM_OK);
+    const cJSON *list = cJSON_GetObjectItem(root, "generate");
+    golden_kv_compare(m, ctx, list, PDM_DT_I8, 1);
+    if (getenv("PDM_TEST_VERBOSE")) golden_kv_compare(m, ctx, list, PDM_DT_F32, 0);
+    pdm_model_ctx_destroy(ctx);
+    cJSON_Delete(root);
+    pdm_model_free(m);
+}
+END_TEST
+
 Suite *suite_golden(void)
 {
     Suite *s = suite_create("golden");
@@ -268,5 +389,9 @@ Suite *suite_golden(void)
     tcase_add_test(tc, test_golden_chat_template);
     tcase_add_loop_test(tc, test_golden_generate, 0, 4); /* up to 4 kernel variants */
     suite_add_tcase(s, tc);
+    TCase *q8 = tcase_create("q8"); /* int8 KV against f16 KV */
+    tcase_set_timeout(q8, 300);
+    tcase_add_test(q8, test_golden_q8_accuracy);
+    suite_add_tcase(s, q8);
     return s;
 }

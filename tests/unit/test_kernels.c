@@ -5,7 +5,9 @@
  * Tolerances (stated per op):
  *   matmul (same converted activations)  |y - y_ref| <= 1e-4 * sum|w||x| + 1e-5
  *   activation quantization              quants within 1 step, scales equal
- *   attention vs double-precision naive   1e-4 absolute on o and lse (f32 KV), 2e-3 (f16 KV);
+ *   attention vs double-precision naive   1e-4 absolute on o and lse (f32 KV), 2e-3 (f16 KV),
+ *                                         5e-4 (q8 KV: int8 x per-head scale, saturating);
+ *                                         q8 SIMD vs the reference on the same bytes 1e-5;
  *                                         sizes 1, 7, 63, 64, 65, 1000 keys, fully masked rows,
  *                                         GQA ratios 1, 3, 8 (the SIMD exp: < 2e-7 relative)
  *   rmsnorm, swiglu, rope                 1e-5 relative
@@ -179,6 +181,14 @@ END_TEST
 
 /* ---- attention ----------------------------------------------------------------------- */
 
+/* Element i of a naive attention's K or V: f32, f16, or int8 times the head's scale. */
+static float naive_kv(const pdm_kern_attn_t *a, const void *base, size_t i, float scale)
+{
+    if (a->kv_type == PDM_DT_I8) return scale * (float)((const int8_t *)base)[i];
+    if (a->kv_type == PDM_DT_F16) return pdm_f16_to_f32(((const uint16_t *)base)[i]);
+    return ((const float *)base)[i];
+}
+
 /* Independent naive attention in double: explicit masked softmax. */
 static void naive_attention(const pdm_kern_attn_t *a, float *o, float *lse)
 {
@@ -190,9 +200,7 @@ static void naive_attention(const pdm_kern_attn_t *a, float *o, float *lse)
             int visible = !a->causal || a->k_pos0 + j <= a->q_pos[i];
             double dot = 0;
             for (int d = 0; d < hd; d++) {
-                float kv = a->kv_type == PDM_DT_F16
-                               ? pdm_f16_to_f32(((const uint16_t *)a->k)[(size_t)j * hd + d])
-                               : ((const float *)a->k)[(size_t)j * hd + d];
+                float kv = naive_kv(a, a->k, (size_t)j * hd + d, a->k_scale);
                 dot += (double)a->q[(size_t)i * a->q_stride + d] * kv;
             }
             s[j] = visible ? dot * a->scale : -INFINITY;
@@ -209,9 +217,7 @@ static void naive_attention(const pdm_kern_attn_t *a, float *o, float *lse)
         for (int j = 0; j < a->n_kv; j++) {
             double p = exp(s[j] - m) / l;
             for (int d = 0; d < hd; d++) {
-                float vv = a->kv_type == PDM_DT_F16
-                               ? pdm_f16_to_f32(((const uint16_t *)a->v)[(size_t)j * hd + d])
-                               : ((const float *)a->v)[(size_t)j * hd + d];
+                float vv = naive_kv(a, a->v, (size_t)j * hd + d, a->v_scale);
                 o[(size_t)i * hd + d] += (float)(p * vv);
             }
         }
@@ -233,16 +239,30 @@ static void check_attention(const pdm_kern_ops_t *ops, int n_q, int n_kv, int hd
     fill(q, (size_t)n_q * hd, 1.0f);
     fill(kf, (size_t)n_kv * hd, 1.0f);
     fill(vf, (size_t)n_kv * hd, 1.0f);
-    pdm_quantize_row(kvt, kf, k, (int64_t)n_kv * hd);
-    pdm_quantize_row(kvt, vf, v, (int64_t)n_kv * hd);
+    float k_scale = 1.0f, v_scale = 1.0f;
+    if (kvt == PDM_DT_I8) {
+        /* K 8x wider than V (as after RoPE in real models): the scales differ per tensor;
+         * V's scale is fixed for a smaller range than the data, so some values saturate. */
+        for (size_t i = 0; i < (size_t)n_kv * hd; i++) kf[i] *= 8.0f;
+        k_scale = pdm_q8_scale(8.0f);
+        v_scale = pdm_q8_scale(0.9f);
+        pdm_q8_quantize_row(kf, k, (int64_t)n_kv * hd, k_scale);
+        pdm_q8_quantize_row(vf, v, (int64_t)n_kv * hd, v_scale);
+    } else {
+        pdm_quantize_row(kvt, kf, k, (int64_t)n_kv * hd);
+        pdm_quantize_row(kvt, vf, v, (int64_t)n_kv * hd);
+    }
     for (int i = 0; i < n_q; i++) pos[i] = q_pos0 + i;
     pdm_kern_attn_t a = {.q = q, .q_stride = hd, .q_pos = pos, .n_q = n_q, .k = k, .v = v,
-                         .kv_type = kvt, .k_pos0 = k_pos0, .n_kv = n_kv, .head_dim = hd,
+                         .kv_type = kvt, .k_scale = k_scale, .v_scale = v_scale,
+                         .k_pos0 = k_pos0, .n_kv = n_kv, .head_dim = hd,
                          .scale = 1.0f / sqrtf((float)hd), .causal = causal, .o = o,
                          .o_stride = hd, .lse = lse, .lse_stride = 1};
     ops->attention(&a);
     naive_attention(&a, on, lsen);
-    float tol = kvt == PDM_DT_F16 ? 2e-3f : 1e-4f;
+    /* q8: the naive attention sees the same dequantized values, so only the f32 rounding of
+     * larger scores (K is 8x wider) separates them */
+    float tol = kvt == PDM_DT_F16 ? 2e-3f : kvt == PDM_DT_I8 ? 5e-4f : 1e-4f;
     for (int i = 0; i < n_q; i++) {
         if (isinf(lsen[i])) {
             ck_assert_msg(isinf(lse[i]) && lse[i] < 0, "%s: masked row %d lse %g", ops->name, i,
@@ -270,6 +290,56 @@ static void check_attention(const pdm_kern_ops_t *ops, int n_q, int n_kv, int hd
     free(lsen);
 }
 
+/* int8 KV: round to nearest even at the given scale, saturate instead of wrapping, and the
+ * SIMD attention on q8 KV equals the reference on the same bytes. */
+START_TEST(test_q8_kv)
+{
+    const float x[] = {0.0f, 1.0f, -1.0f, 0.5f, 1.5f, 2.5f, -2.5f, 126.4f, 127.6f, 500.0f,
+                       -500.0f, -127.0f};
+    const int8_t want[] = {0, 1, -1, 0, 2, 2, -2, 126, 127, 127, -127, -127};
+    int8_t q[PDM_ARRAY_SIZE(x)];
+    pdm_q8_quantize_row(x, q, (int64_t)PDM_ARRAY_SIZE(x), 1.0f);
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(x); i++)
+        ck_assert_msg(q[i] == want[i], "q8(%g) = %d, want %d", x[i], q[i], want[i]);
+    ck_assert_float_eq(pdm_q8_scale(0.0f), 1.0f);
+    ck_assert_float_eq_tol(pdm_q8_scale(12.7f), 0.1f, 1e-7f);
+    ck_assert_uint_eq(pdm_dtype_row_bytes(PDM_DT_I8, 64), 64);
+    ck_assert_str_eq(pdm_dtype_name(PDM_DT_I8), "q8");
+
+    enum { HD = 64, NKV = 97, NQ = 19 };
+    float qf[NQ * HD], kf[NKV * HD], vf[NKV * HD];
+    int8_t k8[NKV * HD], v8[NKV * HD];
+    int32_t pos[NQ];
+    fill(qf, NQ * HD, 1.0f);
+    fill(kf, NKV * HD, 6.0f);
+    fill(vf, NKV * HD, 1.0f);
+    pdm_q8_quantize_row(kf, k8, NKV * HD, pdm_q8_scale(6.0f));
+    pdm_q8_quantize_row(vf, v8, NKV * HD, pdm_q8_scale(1.0f));
+    for (int i = 0; i < NQ; i++) pos[i] = NKV - NQ + i;
+    float o_ref[NQ * HD], lse_ref[NQ], o[NQ * HD], lse[NQ];
+    pdm_kern_attn_t a = {.q = qf, .q_stride = HD, .q_pos = pos, .n_q = NQ, .k = k8, .v = v8,
+                         .kv_type = PDM_DT_I8, .k_scale = pdm_q8_scale(6.0f),
+                         .v_scale = pdm_q8_scale(1.0f), .k_pos0 = 0, .n_kv = NKV,
+                         .head_dim = HD, .scale = 0.125f, .causal = 1, .o = o_ref,
+                         .o_stride = HD, .lse = lse_ref, .lse_stride = 1};
+    pdm_kern_ops_generic.attention(&a);
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    for (int v = 0; list[v]; v++) {
+        a.o = o;
+        a.lse = lse;
+        list[v]->attention(&a);
+        for (int i = 0; i < NQ; i++) {
+            ck_assert_msg(fabsf(lse[i] - lse_ref[i]) <= 1e-5f, "%s: lse[%d] %g vs %g",
+                          list[v]->name, i, lse[i], lse_ref[i]);
+            for (int d = 0; d < HD; d++)
+                ck_assert_msg(fabsf(o[i * HD + d] - o_ref[i * HD + d]) <= 1e-5f,
+                              "%s: o[%d][%d] %g vs %g", list[v]->name, i, d, o[i * HD + d],
+                              o_ref[i * HD + d]);
+        }
+    }
+}
+END_TEST
+
 START_TEST(test_attention_variants)
 {
     static const int nkv[] = {1, 7, 63, 64, 65, 1000};
@@ -282,6 +352,9 @@ START_TEST(test_attention_variants)
                 check_attention(list[v], nq[b], nkv[a], 64, PDM_DT_F32, 100,
                                 100 + nkv[a] - nq[b], 1);
                 check_attention(list[v], nq[b], nkv[a], 64, PDM_DT_F16, 0, nkv[a] - 1, 1);
+                check_attention(list[v], nq[b], nkv[a], 64, PDM_DT_I8, 0, nkv[a] - 1, 1);
+                check_attention(list[v], nq[b], nkv[a], 32, PDM_DT_I8, 10, 5, 1);
+                check_attention(list[v], nq[b], nkv[a], 6, PDM_DT_I8, 0, nkv[a] / 2, 1);
                 /* keys after some queries: those rows are fully masked */
                 check_attention(list[v], nq[b], nkv[a], 32, PDM_DT_F32, 10, 5, 1);
                 /* non-causal (pass-Q partials) and odd head dims */
@@ -478,6 +551,7 @@ START_TEST(test_cuda_variant)
     for (size_t a = 0; a < PDM_ARRAY_SIZE(nkv); a++) {
         check_attention(ops, 7, nkv[a], 64, PDM_DT_F32, 100, 100 + nkv[a] - 7, 1);
         check_attention(ops, 7, nkv[a], 64, PDM_DT_F16, 0, nkv[a] - 1, 1);
+        check_attention(ops, 7, nkv[a], 64, PDM_DT_I8, 0, nkv[a] - 1, 1);
         check_attention(ops, 7, nkv[a], 32, PDM_DT_F32, 10, 5, 1);
         check_attention(ops, 7, nkv[a], 64, PDM_DT_F32, 0, 0, 0);
     }
@@ -571,6 +645,7 @@ Suite *suite_kernels(void)
     tcase_add_test(tc, test_f16_roundtrip_exhaustive);
     tcase_add_test(tc, test_quant_roundtrip_error);
     tcase_add_test(tc, test_matmul_variants);
+    tcase_add_test(tc, test_q8_kv);
     tcase_add_test(tc, test_attention_variants);
     tcase_add_test(tc, test_attention_gqa);
     tcase_add_test(tc, test_attention_split_merge);

@@ -192,6 +192,12 @@ static void *trio_main(void *p)
     if (pdm_kvt_group_alltoall(&g, 6, sm, rm)) return NULL;
     for (int j = 0; j < 3; j++)
         if (j != a->rank && recv[j] != 100 * j + a->rank) return NULL;
+    /* all-reduce max (int8 KV scales): element i's maximum sits on rank i % 3 */
+    float vals[5];
+    for (int i = 0; i < 5; i++) vals[i] = i % 3 == a->rank ? 2.5f * (float)i : -(float)a->rank;
+    if (pdm_kvt_group_allreduce_max(&g, 8, 0, vals, 5)) return NULL;
+    for (int i = 0; i < 5; i++)
+        if (vals[i] != (i == 0 ? 0.0f : 2.5f * (float)i)) return NULL;
     if (pdm_kvt_group_barrier(&g, 7)) return NULL;
     pdm_kvt_group_fini(&g);
     t->ok[a->rank] = 1;
@@ -259,6 +265,63 @@ static void stream_setup(stream_fix_t *f, uint32_t attempt)
                                          .dtype = 1, .row_bytes = S_ROW, .n_tokens = S_TOKENS,
                                          .k = f->k, .v = f->v, .blocks = f->plan, .n_blocks = n};
 }
+
+/* int8 KV: blocks of every (layer, head) carry that head's K and V scales; the receiver records
+ * them, rejects a block whose scales disagree with another block of its head, and rejects
+ * blocks of another dtype with a message naming both. */
+static void stream_send_q8(stream_fix_t *f, uint16_t dtype, int bad_block)
+{
+    pdm_kvt_stream_tx_t *tx;
+    ck_assert_int_eq(pdm_kvt_stream_tx_create(f->p.a, f->p.a_to_b, 77, 1, 4, 5, &tx), 0);
+    for (int b = 0; b < f->rx.n_blocks; b++) {
+        const pdm_kvt_stream_block_t *blk = &f->plan[b];
+        int hi = (int)(blk->layer * S_HEADS + blk->head);
+        float ks = 0.5f + (float)hi, vs = 0.25f / (float)(hi + 1);
+        if (b == bad_block) ks *= 1.001f;
+        ck_assert_int_eq(pdm_kvt_stream_tx_send_scaled(tx, blk->layer, blk->head, blk->chunk,
+                                                       blk->token_start, blk->n_tokens, dtype,
+                                                       ks, vs,
+                                                       f->src_k[hi] + blk->token_start * S_ROW,
+                                                       f->src_v[hi] + blk->token_start * S_ROW,
+                                                       S_ROW), 0);
+    }
+    ck_assert_int_eq(pdm_kvt_stream_tx_finish(tx, pdm_now() + 5), 0);
+    pdm_kvt_stream_tx_destroy(tx);
+}
+
+START_TEST(test_stream_q8_scales)
+{
+    for (int round = 0; round < 3; round++) { /* ok, disagreeing scales, f16 blocks */
+        stream_fix_t f;
+        stream_setup(&f, 1);
+        float scales[S_LAYERS * S_HEADS * 2] = {0};
+        f.rx.dtype = PDM_KVT_DTYPE_I8;
+        pdm_kvt_stream_rx_t *rx;
+        ck_assert_int_ne(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0); /* no scales given */
+        f.rx.scales = scales;
+        ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0);
+        stream_send_q8(&f, round == 2 ? 1 : PDM_KVT_DTYPE_I8, round == 1 ? 5 : -1);
+        int st = pdm_kvt_stream_rx_wait(rx, pdm_now() + 5);
+        if (round == 0) {
+            ck_assert_msg(st == 0, "%s", pdm_error_last());
+            ck_assert(memcmp(f.src_k, f.dst_k, sizeof(f.src_k)) == 0);
+            for (int hi = 0; hi < S_LAYERS * S_HEADS; hi++) {
+                ck_assert_float_eq(scales[2 * hi], 0.5f + (float)hi);
+                ck_assert_float_eq(scales[2 * hi + 1], 0.25f / (float)(hi + 1));
+            }
+        } else if (round == 1) {
+            ck_assert_int_eq(st, PDM_EFORMAT);
+            ck_assert_msg(strstr(pdm_error_last(), "scales"), "%s", pdm_error_last());
+        } else {
+            ck_assert_int_eq(st, PDM_EFORMAT);
+            ck_assert_msg(strstr(pdm_error_last(), "f16") && strstr(pdm_error_last(), "q8") &&
+                              strstr(pdm_error_last(), "rejected"), "%s", pdm_error_last());
+        }
+        pdm_kvt_stream_rx_destroy(rx);
+        pair_close(&f.p);
+    }
+}
+END_TEST
 
 /* Sends every planned block except `skip` (-1: none) from attempt `attempt`. */
 static void stream_send(stream_fix_t *f, uint32_t attempt, int skip, int max_in_flight)
@@ -433,6 +496,7 @@ Suite *suite_kvtransfer(void)
     tcase_add_test(tc, test_kvt_bounded);
     tcase_add_test(tc, test_kvt_group_patterns);
     tcase_add_test(tc, test_stream_lands_in_place);
+    tcase_add_test(tc, test_stream_q8_scales);
     tcase_add_test(tc, test_stream_plan_checked);
     tcase_add_test(tc, test_stream_corrupt_block);
     tcase_add_test(tc, test_stream_missing_block);
