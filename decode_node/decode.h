@@ -12,6 +12,7 @@
 
 #include <stdint.h>
 
+#include "decode_node/beam.h"
 #include "kvtransfer/kvtransfer.h"
 #include "model/model.h"
 
@@ -29,6 +30,12 @@ typedef struct {
  * n rows). Appends each token's K/V to its cache (n_tokens grows by one). PDM_EOVERFLOW (and
  * nothing changed) if a cache is full. Equal to pdm_model_decode of each sequence alone. */
 int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs, int n);
+/* The same step with beam searches among the rows: beams[i] NULL is an ordinary row; else row
+ * i is beam b of a beam search over the segmented cache beams[i] (beam.c), whose n_live rows
+ * are consecutive (beam b = its b-th row) and whose `cache` is the shared prompt. beams may be
+ * NULL (no beam rows). */
+int pdm_decode_step_beams(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs,
+                          pdm_beam_kv_t *const *beams, int n);
 
 /* ---- Static-window KV (Qualcomm's KV manager for static-shape engines) ------------------ *
  * For engines whose graphs take a fixed-size past K/V of S-1 tokens per head: each head's K

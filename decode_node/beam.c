@@ -1,0 +1,262 @@
+/*
+ * beam.c - the segmented beam-search KV cache (Wu et al., "Efficient LLM inference solution on
+ * Intel GPU", §3.2 segment KV cache, §3.3 customized SDPA with index-select fusion).
+ *
+ * The prompt KV is the sequence's pdm_kv_cache_t, filled by the prefill ranks' stream and
+ * never written here. Response KV: segment s holds response steps [16 s, 16 s + 16) of every
+ * beam slot, per (layer, kv head) a K array and a V array of [16][width][head_dim] ("sequence
+ * first": one step's rows of all beams are adjacent, so a step's K/V are written side by
+ * side). A step writes only its own rows, so rows referenced by live beams are never
+ * overwritten: a finished or abandoned beam's rows simply stop being referenced.
+ */
+#include "decode_node/decode.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/pdm.h"
+
+void pdm_beam_params_default(pdm_beam_params_t *p)
+{
+    p->width = 0;
+    p->length_penalty = 1.0f;
+    p->n_best = 1;
+    p->early_stopping = PDM_BEAM_STOP_HEURISTIC;
+}
+
+int pdm_beam_params_check(const pdm_beam_params_t *p)
+{
+    if (p->width < 0 || p->width > PDM_BEAM_MAX_WIDTH)
+        return pdm_error_set(PDM_EINVAL, "beams must be 1..%d (0: off), not %d",
+                             PDM_BEAM_MAX_WIDTH, p->width);
+    if (p->width == 0) return PDM_OK;
+    if (p->n_best < 1 || p->n_best > p->width)
+        return pdm_error_set(PDM_EINVAL, "n-best must be 1..beams (%d), not %d", p->width,
+                             p->n_best);
+    if (!isfinite(p->length_penalty) || fabsf(p->length_penalty) > 100)
+        return pdm_error_set(PDM_EINVAL, "length penalty must be a number in [-100, 100]");
+    if (p->early_stopping < PDM_BEAM_STOP_HEURISTIC || p->early_stopping > PDM_BEAM_STOP_NEVER)
+        return pdm_error_set(PDM_EINVAL, "unknown early-stopping rule %d", (int)p->early_stopping);
+    return PDM_OK;
+}
+
+int pdm_beam_stop_parse(const char *s, pdm_beam_stop_t *out)
+{
+    if (!strcmp(s, "heuristic") || !strcmp(s, "false")) *out = PDM_BEAM_STOP_HEURISTIC;
+    else if (!strcmp(s, "early") || !strcmp(s, "true")) *out = PDM_BEAM_STOP_EARLY;
+    else if (!strcmp(s, "never")) *out = PDM_BEAM_STOP_NEVER;
+    else
+        return pdm_error_set(PDM_EINVAL, "early stopping must be heuristic, early or never, not "
+                             "'%s'", s);
+    return PDM_OK;
+}
+
+const char *pdm_beam_stop_name(pdm_beam_stop_t s)
+{
+    return s == PDM_BEAM_STOP_EARLY ? "early" : s == PDM_BEAM_STOP_NEVER ? "never" : "heuristic";
+}
+
+/* eq. (1): bytes of one token's K and V over all layers and kv heads */
+static size_t pdm__cache_token(const pdm_model_hparams_t *hp, pdm_dtype_t dtype)
+{
+    return 2 * (size_t)hp->n_layers * hp->n_kv_heads * pdm_dtype_row_bytes(dtype, hp->head_dim);
+}
+
+static int64_t pdm__round_step(int64_t n)
+{
+    return (n + PDM_BEAM_STEP - 1) / PDM_BEAM_STEP * PDM_BEAM_STEP;
+}
+
+size_t pdm_beam_bytes_standard(const pdm_model_hparams_t *hp, pdm_dtype_t dtype, int width,
+                               int64_t n_prompt, int64_t n_response)
+{
+    return (size_t)width * (size_t)(n_prompt + n_response) * pdm__cache_token(hp, dtype); /* (2) */
+}
+
+size_t pdm_beam_bytes_segment(const pdm_model_hparams_t *hp, pdm_dtype_t dtype, int width,
+                              int64_t n_prompt, int64_t n_response)
+{
+    return (size_t)(n_prompt + width * pdm__round_step(n_response)) *
+           pdm__cache_token(hp, dtype); /* (3) */
+}
+
+int64_t pdm_beam_kv_slots(int width, int32_t n_prompt, int32_t max_new)
+{
+    return (int64_t)n_prompt + (int64_t)width * pdm__round_step(max_new);
+}
+
+int pdm_beam_kv_create(const pdm_model_hparams_t *hp, const pdm_kv_cache_t *prompt,
+                       int32_t n_prompt, int width, int32_t max_steps, pdm_beam_kv_t **out)
+{
+    if (width < 1 || width > PDM_BEAM_MAX_WIDTH || max_steps < 1 || n_prompt < 1 ||
+        n_prompt > prompt->capacity)
+        return pdm_error_set(PDM_EINVAL, "beam KV: width %d, %d steps, prompt of %d tokens",
+                             width, max_steps, n_prompt);
+    pdm_beam_kv_t *kv = calloc(1, sizeof(*kv));
+    if (!kv) return pdm_error_set(PDM_ENOMEM, "beam KV: out of memory");
+    kv->n_layers = hp->n_layers;
+    kv->n_kv_heads = hp->n_kv_heads;
+    kv->head_dim = hp->head_dim;
+    kv->dtype = prompt->dtype;
+    kv->width = width;
+    kv->prompt = prompt;
+    kv->n_prompt = n_prompt;
+    kv->max_steps = max_steps;
+    kv->n_live = 1;
+    kv->head_bytes = (size_t)PDM_BEAM_STEP * width * pdm_dtype_row_bytes(kv->dtype, hp->head_dim);
+    const size_t n_table = (size_t)width * max_steps;
+    const int max_seg = (int)((max_steps + PDM_BEAM_STEP - 1) / PDM_BEAM_STEP);
+    kv->seg = calloc((size_t)max_seg, sizeof(void *));
+    kv->table = calloc(n_table, sizeof(int32_t));
+    kv->table_tmp = calloc(n_table, sizeof(int32_t));
+    kv->resp_o = malloc(sizeof(float) * (size_t)width * hp->n_heads * hp->head_dim);
+    kv->resp_lse = malloc(sizeof(float) * (size_t)width * hp->n_heads);
+    kv->seg_views = malloc(sizeof(pdm_kv_view_t) * (size_t)max_seg);
+    kv->seg_rows = malloc(sizeof(int32_t *) * (size_t)max_seg);
+    if (!kv->seg || !kv->table || !kv->table_tmp || !kv->resp_o || !kv->resp_lse ||
+        !kv->seg_views || !kv->seg_rows) {
+        pdm_beam_kv_destroy(kv);
+        return pdm_error_set(PDM_ENOMEM, "beam KV: out of memory");
+    }
+    *out = kv;
+    return PDM_OK;
+}
+
+void pdm_beam_kv_destroy(pdm_beam_kv_t *kv)
+{
+    if (!kv) return;
+    for (int s = 0; s < kv->n_seg; s++) free(kv->seg[s]);
+    free(kv->seg);
+    free(kv->table);
+    free(kv->table_tmp);
+    free(kv->resp_o);
+    free(kv->resp_lse);
+    free(kv->seg_views);
+    free(kv->seg_rows);
+    free(kv);
+}
+
+int pdm_beam_kv_prepare(pdm_beam_kv_t *kv)
+{
+    if (!kv->primed) return PDM_OK; /* the priming step stores nothing */
+    if (kv->n_steps >= kv->max_steps)
+        return pdm_error_set(PDM_EOVERFLOW, "beam KV: all %d response steps used", kv->max_steps);
+    const int s = kv->n_steps / PDM_BEAM_STEP;
+    if (s < kv->n_seg) return PDM_OK;
+    /* A new segment of 16 steps for every beam (§3.2: N_step grows by step = 16). */
+    const size_t bytes = kv->head_bytes * 2 * kv->n_layers * kv->n_kv_heads;
+    void *p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    if (!p) return pdm_error_set(PDM_ENOMEM, "beam KV: cannot allocate a segment of %zu bytes",
+                                 bytes);
+    kv->seg[kv->n_seg++] = p;
+    kv->bytes += bytes;
+    return PDM_OK;
+}
+
+int32_t pdm_beam_kv_next_pos(const pdm_beam_kv_t *kv)
+{
+    return kv->prompt->pos0 + kv->n_prompt - 1 + (kv->primed ? 1 + kv->n_steps : 0);
+}
+
+/* K (kv = 0) or V (kv = 1) array of (layer, head) in segment s */
+static char *pdm__seg_head(const pdm_beam_kv_t *kv, int s, uint32_t layer, uint32_t head, int k_or_v)
+{
+    size_t idx = ((size_t)layer * kv->n_kv_heads + head) * 2 + (size_t)k_or_v;
+    return (char *)kv->seg[s] + idx * kv->head_bytes;
+}
+
+void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_act_t *rows)
+{
+    const pdm_kern_ops_t *ops = pdm_model_ctx_ops(ctx);
+    const pdm_model_hparams_t *hp = &pdm_model_ctx_model(ctx)->hp;
+    const int n = rows->n, hd = (int)hp->head_dim, n_heads = (int)hp->n_heads;
+    const size_t qdim = (size_t)n_heads * hd, kvdim = (size_t)hp->n_kv_heads * hd;
+    const size_t row_bytes = pdm_dtype_row_bytes(kv->dtype, hd);
+    pdm_kv_view_t prompt_view;
+    pdm_kv_cache_view(kv->prompt, (uint32_t)layer, 0, kv->n_prompt, &prompt_view);
+    if (!kv->primed) {
+        /* Recomputing the last prompt token: its KV is already in the prompt (from the prefill
+         * ranks); only its output is needed. */
+        pdm_model_attention(ctx, layer, rows, &prompt_view, 1);
+        return;
+    }
+    const int t = kv->n_steps, seg_now = t / PDM_BEAM_STEP;
+    /* 1. This step's K/V of beam b go to row (t % 16) * width + b of the current segment. */
+    for (int b = 0; b < n; b++) {
+        size_t off = (size_t)((t % PDM_BEAM_STEP) * kv->width + b) * row_bytes;
+        for (uint32_t h = 0; h < hp->n_kv_heads; h++) {
+            ops->kv_store(kv->dtype, rows->k + (size_t)b * kvdim + (size_t)h * hd,
+                          pdm__seg_head(kv, seg_now, (uint32_t)layer, h, 0) + off, hd);
+            ops->kv_store(kv->dtype, rows->v + (size_t)b * kvdim + (size_t)h * hd,
+                          pdm__seg_head(kv, seg_now, (uint32_t)layer, h, 1) + off, hd);
+        }
+        kv->table[(size_t)b * kv->max_steps + t] = (t % PDM_BEAM_STEP) * kv->width + b;
+    }
+    /* 2. Each beam against its own response steps [0, t], segment by segment, the rows picked
+     * through the table (index select fused into the attention, §3.3). */
+    const int n_seg = seg_now + 1;
+    for (int b = 0; b < n; b++) {
+        pdm_act_t one = *rows;
+        one.n = 1;
+        one.pos = rows->pos + b;
+        one.q = rows->q + (size_t)b * qdim;
+        one.o = kv->resp_o + (size_t)b * qdim;
+        one.lse = kv->resp_lse + (size_t)b * n_heads;
+        for (int s = 0; s < n_seg; s++) {
+            pdm_kv_view_t *v = &kv->seg_views[s];
+            v->dtype = kv->dtype;
+            v->pos0 = kv->prompt->pos0 + kv->n_prompt + s * PDM_BEAM_STEP;
+            v->n_tokens = PDM_MIN(PDM_BEAM_STEP, t + 1 - s * PDM_BEAM_STEP);
+            for (uint32_t h = 0; h < hp->n_kv_heads; h++) {
+                v->k[h] = pdm__seg_head(kv, s, (uint32_t)layer, h, 0);
+                v->v[h] = pdm__seg_head(kv, s, (uint32_t)layer, h, 1);
+            }
+            kv->seg_rows[s] = kv->table + (size_t)b * kv->max_steps + s * PDM_BEAM_STEP;
+        }
+        pdm_model_attention_rows(ctx, layer, &one, kv->seg_views, kv->seg_rows, n_seg);
+    }
+    /* 3. All beams against the shared prompt in one call: the rows form one block of queries
+     * per head, so each K/V tile of the prompt is loaded once for all beams (the prompt is
+     * read once, not once per beam: the point of §3.3's kernel). */
+    pdm_model_attention(ctx, layer, rows, &prompt_view, 1);
+    /* 4. Merge the two parts by log-sum-exp. */
+    for (int b = 0; b < n; b++)
+        for (int h = 0; h < n_heads; h++)
+            ops->attn_merge(rows->o + (size_t)b * qdim + (size_t)h * hd,
+                            rows->lse + (size_t)b * n_heads + h,
+                            kv->resp_o + (size_t)b * qdim + (size_t)h * hd,
+                            kv->resp_lse[(size_t)b * n_heads + h], hd);
+}
+
+int pdm_beam_step_check(pdm_beam_kv_t *const *beams, int n)
+{
+    pdm_beam_kv_t *kv = beams[0];
+    if (kv->n_live > n)
+        return pdm_error_set(PDM_EINVAL, "decode: a beam search needs %d consecutive rows, the "
+                             "batch has %d left", kv->n_live, n);
+    for (int b = 1; b < kv->n_live; b++)
+        if (beams[b] != kv)
+            return pdm_error_set(PDM_EINVAL, "decode: the %d rows of a beam search must be "
+                                 "consecutive", kv->n_live);
+    return pdm_beam_kv_prepare(kv);
+}
+
+void pdm_beam_kv_commit(pdm_beam_kv_t *kv)
+{
+    if (!kv->primed) kv->primed = 1;
+    else kv->n_steps++;
+}
+
+void pdm_beam_kv_reorder(pdm_beam_kv_t *kv, const int *parent, int n)
+{
+    /* Only the integer table moves: beam b's history becomes its parent's (§3.3, Indices). */
+    const size_t len = (size_t)kv->n_steps;
+    for (int b = 0; b < n; b++)
+        memcpy(kv->table_tmp + (size_t)b * kv->max_steps,
+               kv->table + (size_t)parent[b] * kv->max_steps, len * sizeof(int32_t));
+    int32_t *tmp = kv->table;
+    kv->table = kv->table_tmp;
+    kv->table_tmp = tmp;
+    kv->n_live = n;
+}
