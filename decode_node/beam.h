@@ -166,4 +166,18 @@ int pdm_beam_search_results(const pdm_beam_search_t *bs, const pdm_beam_hyp_t **
 /* Number of generated tokens of the live beams. */
 int pdm_beam_search_length(const pdm_beam_search_t *bs);
 
+/* What a finished beam search reports (the decode node's DONE event). */
+typedef struct {
+    int width;
+    float length_penalty;
+    pdm_beam_stop_t early_stopping;
+    const pdm_beam_hyp_t *hyps;  /* [n_hyps] the n-best list, best first */
+    const char *const *texts;    /* [n_hyps] their text (end-of-generation tokens left out) */
+    int n_hyps;
+    int32_t n_prompt, n_response; /* prompt tokens, response steps stored */
+    size_t prompt_bytes;         /* the shared prompt KV (allocated) */
+    size_t response_bytes;       /* the response segments (allocated, measured) */
+    size_t eq2_bytes, eq3_bytes; /* eq. (2) and (3) at n_prompt, n_response */
+} pdm_beam_report_t;
+
 #endif /* PDM_DECODE_BEAM_H */

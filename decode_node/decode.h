@@ -75,6 +75,7 @@ typedef struct {
     int64_t kv_budget;      /* KV token slots over all sequences (capacity check) */
     pdm_dtype_t kv_dtype;   /* F16 or F32: must match the prefill ranks' */
     double kv_timeout;      /* seconds a reservation waits for its KV after start */
+    pdm_beam_params_t beam; /* default beam search of requests that name none (width 0: off) */
 } pdm_decode_params_t;
 
 void pdm_decode_params_default(pdm_decode_params_t *p);
@@ -99,6 +100,7 @@ typedef struct {
     int32_t n_prompt, max_new;
     const pdm_decode_range_t *ranges; /* cover [0, n_prompt) */
     int n_ranges;
+    int beams;                        /* beam width (0: the node's default; -1: none) */
 } pdm_decode_reserve_t;
 
 /* Reserves KV for n_prompt + max_new tokens and posts the receives of every block of the
@@ -113,6 +115,8 @@ typedef struct {
     const char *const *stops;   /* stop strings (copied) */
     int n_stops;
     double deadline;            /* pdm_now() seconds; 0: none */
+    pdm_beam_params_t beam;     /* beam search (width 0: as reserved); sp is then unused */
+    int32_t prompt_last;        /* beam search: the last prompt token (-1: unknown) */
 } pdm_decode_start_t;
 
 /* Starts generation once the KV has arrived (checked by run_once). */
@@ -135,6 +139,7 @@ typedef struct {
     double step_seconds;    /* DONE: mean seconds per decode step of this sequence */
     uint64_t kv_bytes;      /* DONE: KV bytes received */
     const char *error;      /* ERROR: what went wrong (the sequence is released) */
+    const pdm_beam_report_t *beam; /* DONE of a beam search: n-best list and memory; else NULL */
 } pdm_decode_event_t;
 
 typedef void (*pdm_decode_event_cb)(void *arg, const pdm_decode_event_t *ev);
