@@ -16,8 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "common/pdm.h"
 #include "decode_node/decode.h"
+#include "prefill_node/prefill.h"
 #include "tests.h"
 
 /* ---- the kernel variant --------------------------------------------------------------- */
@@ -583,6 +586,88 @@ START_TEST(test_beam_equals_reference_real)
 }
 END_TEST
 
+/* End to end: a prefill group streams the prompt's KV to a pdmesh-decode process that runs a
+ * beam search (width 4, n-best 3) beside a greedy request in the same batch; the n-best list
+ * equals the in-process reference; nothing stays reserved afterwards. */
+START_TEST(test_beam_disagg)
+{
+    pdm_model_t *m = tiny_model();
+    char path[600];
+    snprintf(path, sizeof(path), "%s/beam-model.gguf", pdm_test_tmpdir());
+    const char *pb = getenv("PDMESH_PREFILL_BIN"), *db = getenv("PDMESH_DECODE_BIN");
+    pdm_launch_params_t lp;
+    pdm_launch_params_default(&lp);
+    lp.bin = pb && *pb ? pb : "build/bin/pdmesh-prefill";
+    lp.decode_bin = db && *db ? db : "build/bin/pdmesh-decode";
+    lp.model = path;
+    lp.ranks = 2;
+    lp.ctx_tokens = 256;
+    lp.kv_dtype = "f32";
+    lp.timeout = 120;
+    lp.decode_batch = 8;
+    pdm_launch_t *l = NULL;
+    ck_assert_msg(pdm_launch_start(&lp, &l) == 0, "mesh: %s", pdm_error_last());
+    int32_t ids[17];
+    uint64_t seed = 99;
+    for (int i = 0; i < 17; i++) ids[i] = (int32_t)(3 + pdm_splitmix64(&seed) % (m->hp.n_vocab - 3));
+    pdm_launch_request_t reqs[2] = {
+        {.tokens = ids, .n_tokens = 17, .method = PDM_PREFILL_KVR_E, .max_new = 20, .beams = 4,
+         .length_penalty = 1.0f, .n_best = 3, .early_stopping = "never"},
+        {.tokens = ids, .n_tokens = 11, .method = PDM_PREFILL_KVR_E, .max_new = 20}};
+    pdm_sampler_params_default(&reqs[0].sp);
+    pdm_sampler_params_default(&reqs[1].sp);
+    reqs[1].sp.temperature = 0;
+    pdm_launch_response_t out[2];
+    ck_assert_msg(pdm_launch_generate(l, reqs, 2, out) == 0, "%s", pdm_error_last());
+    ck_assert_msg(out[0].ok && out[1].ok, "%s / %s", out[0].error, out[1].error);
+    ck_assert_ptr_nonnull(out[0].beam_json);
+    ck_assert_ptr_null(out[1].beam_json);
+
+    /* the reference with the node's end-of-generation tokens */
+    int32_t eog[16];
+    int n_eog = 0;
+    for (uint32_t i = 0; i < m->hp.n_vocab && n_eog < 16; i++)
+        if (pdm_tokenizer_is_eog(m->tokenizer, (int32_t)i)) eog[n_eog++] = (int32_t)i;
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
+    pdm_beam_params_t p;
+    pdm_beam_params_default(&p);
+    p.width = 4;
+    p.n_best = 3;
+    p.early_stopping = PDM_BEAM_STOP_NEVER;
+    ref_hyp_t ref[8];
+    int nr = ref_beam_search(ctx, ids, 17, &p, 20, eog, n_eog, PDM_DT_F32, 0, ref);
+    cJSON *j = cJSON_Parse(out[0].beam_json);
+    const cJSON *list = cJSON_GetObjectItem(j, "n_best"), *h;
+    ck_assert_int_eq(cJSON_GetArraySize(list), nr);
+    int k = 0;
+    cJSON_ArrayForEach(h, list)
+    {
+        const cJSON *toks = cJSON_GetObjectItem(h, "tokens"), *t;
+        ck_assert_int_eq(cJSON_GetArraySize(toks), ref[k].n);
+        int i = 0;
+        cJSON_ArrayForEach(t, toks) ck_assert_int_eq(t->valueint, ref[k].toks[i++]);
+        double score = cJSON_GetObjectItem(h, "score")->valuedouble;
+        ck_assert_msg(fabs(score - ref[k].score) <= 2e-3 * fmax(1, fabs(ref[k].score)),
+                      "hypothesis %d: score %g vs reference %g", k, score, ref[k].score);
+        k++;
+    }
+    ck_assert_int_eq(out[0].n_tokens, ref[0].n); /* the best one is the request's output */
+    const cJSON *b = cJSON_GetObjectItem(j, "beam");
+    ck_assert_int_eq(cJSON_GetObjectItem(b, "width")->valueint, 4);
+    cJSON_Delete(j);
+    int held = -1;
+    long slots = -1;
+    ck_assert_int_eq(pdm_launch_decode_usage(l, &held, &slots), 0);
+    ck_assert_msg(held == 0 && slots == 0, "decode node holds %d / %ld", held, slots);
+    ck_assert_int_eq(pdm_launch_finish(l), 0);
+    pdm_launch_response_free(&out[0]);
+    pdm_launch_response_free(&out[1]);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+END_TEST
+
 START_TEST(test_beam_params)
 {
     pdm_beam_params_t p;
@@ -620,6 +705,7 @@ Suite *suite_beam(void)
     tcase_add_test(tc, test_beam_width1_is_greedy);
     tcase_add_test(tc, test_beam_equals_reference_tiny);
     tcase_add_test(tc, test_beam_equals_reference_real);
+    tcase_add_test(tc, test_beam_disagg);
     suite_add_tcase(s, tc);
     return s;
 }
