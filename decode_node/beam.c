@@ -112,10 +112,11 @@ int pdm_beam_kv_create(const pdm_model_hparams_t *hp, const pdm_kv_cache_t *prom
     kv->table_tmp = calloc(n_table, sizeof(int32_t));
     kv->resp_o = malloc(sizeof(float) * (size_t)width * hp->n_heads * hp->head_dim);
     kv->resp_lse = malloc(sizeof(float) * (size_t)width * hp->n_heads);
-    kv->seg_views = malloc(sizeof(pdm_kv_view_t) * (size_t)max_seg);
-    kv->seg_rows = malloc(sizeof(int32_t *) * (size_t)max_seg);
+    kv->part_o = malloc(sizeof(float) * (size_t)hp->n_heads * hp->head_dim);
+    kv->part_lse = malloc(sizeof(float) * (size_t)hp->n_heads);
+    kv->pos_tmp = malloc(sizeof(int32_t) * (size_t)hp->n_heads);
     if (!kv->seg || !kv->table || !kv->table_tmp || !kv->resp_o || !kv->resp_lse ||
-        !kv->seg_views || !kv->seg_rows) {
+        !kv->part_o || !kv->part_lse || !kv->pos_tmp) {
         pdm_beam_kv_destroy(kv);
         return pdm_error_set(PDM_ENOMEM, "beam KV: out of memory");
     }
@@ -132,8 +133,9 @@ void pdm_beam_kv_destroy(pdm_beam_kv_t *kv)
     free(kv->table_tmp);
     free(kv->resp_o);
     free(kv->resp_lse);
-    free(kv->seg_views);
-    free(kv->seg_rows);
+    free(kv->part_o);
+    free(kv->part_lse);
+    free(kv->pos_tmp);
     free(kv);
 }
 
@@ -194,27 +196,34 @@ void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_
         kv->table[(size_t)b * kv->max_steps + t] = (t % PDM_BEAM_STEP) * kv->width + b;
     }
     /* 2. Each beam against its own response steps [0, t], segment by segment, the rows picked
-     * through the table (index select fused into the attention, §3.3). */
-    const int n_seg = seg_now + 1;
+     * through the table (index select fused into the attention, §3.3). At most 16 keys per
+     * segment and a few segments: computed here on the calling thread, so a step costs one
+     * thread-pool dispatch per layer (the prompt part below) whatever the width. */
+    const int n_seg = seg_now + 1, group = n_heads / (int)hp->n_kv_heads;
     for (int b = 0; b < n; b++) {
-        pdm_act_t one = *rows;
-        one.n = 1;
-        one.pos = rows->pos + b;
-        one.q = rows->q + (size_t)b * qdim;
-        one.o = kv->resp_o + (size_t)b * qdim;
-        one.lse = kv->resp_lse + (size_t)b * n_heads;
-        for (int s = 0; s < n_seg; s++) {
-            pdm_kv_view_t *v = &kv->seg_views[s];
-            v->dtype = kv->dtype;
-            v->pos0 = kv->prompt->pos0 + kv->n_prompt + s * PDM_BEAM_STEP;
-            v->n_tokens = PDM_MIN(PDM_BEAM_STEP, t + 1 - s * PDM_BEAM_STEP);
-            for (uint32_t h = 0; h < hp->n_kv_heads; h++) {
-                v->k[h] = pdm__seg_head(kv, s, (uint32_t)layer, h, 0);
-                v->v[h] = pdm__seg_head(kv, s, (uint32_t)layer, h, 1);
+        for (int g = 0; g < group; g++) kv->pos_tmp[g] = rows->pos[b];
+        for (uint32_t h = 0; h < hp->n_kv_heads; h++) {
+            float *o = kv->resp_o + (size_t)b * qdim + (size_t)h * group * hd;
+            float *lse = kv->resp_lse + (size_t)b * n_heads + (size_t)h * group;
+            pdm_kern_attn_t a = {.q = rows->q + (size_t)b * qdim + (size_t)h * group * hd,
+                                 .q_stride = hd, .q_pos = kv->pos_tmp, .n_q = group,
+                                 .kv_type = kv->dtype, .head_dim = hd,
+                                 .scale = 1.0f / sqrtf((float)hd), .causal = 1};
+            for (int s = 0; s < n_seg; s++) {
+                a.k = pdm__seg_head(kv, s, (uint32_t)layer, h, 0);
+                a.v = pdm__seg_head(kv, s, (uint32_t)layer, h, 1);
+                a.k_pos0 = kv->prompt->pos0 + kv->n_prompt + s * PDM_BEAM_STEP;
+                a.n_kv = PDM_MIN(PDM_BEAM_STEP, t + 1 - s * PDM_BEAM_STEP);
+                a.o = s ? kv->part_o : o;
+                a.o_stride = hd;
+                a.lse = s ? kv->part_lse : lse;
+                a.lse_stride = 1;
+                ops->attention_rows(&a, kv->table + (size_t)b * kv->max_steps + s * PDM_BEAM_STEP);
+                for (int g = 0; s && g < group; g++)
+                    ops->attn_merge(o + (size_t)g * hd, lse + g, kv->part_o + (size_t)g * hd,
+                                    kv->part_lse[g], hd);
             }
-            kv->seg_rows[s] = kv->table + (size_t)b * kv->max_steps + s * PDM_BEAM_STEP;
         }
-        pdm_model_attention_rows(ctx, layer, &one, kv->seg_views, kv->seg_rows, n_seg);
     }
     /* 3. All beams against the shared prompt in one call: the rows form one block of queries
      * per head, so each K/V tile of the prompt is loaded once for all beams (the prompt is

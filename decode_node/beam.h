@@ -103,8 +103,8 @@ typedef struct {
     int32_t *table_tmp;            /* [width][max_steps] scratch of reorder */
     float *resp_o;                 /* [width][n_heads * head_dim] response-part attention */
     float *resp_lse;               /* [width][n_heads] */
-    pdm_kv_view_t *seg_views;      /* [max segments] scratch: one beam's segment views */
-    const int32_t **seg_rows;      /* [max segments] scratch: their row tables */
+    float *part_o, *part_lse;      /* [n_heads * head_dim], [n_heads]: one segment's partial */
+    int32_t *pos_tmp;              /* [n_heads] query positions of one beam's head group */
     size_t bytes;                  /* bytes of the allocated segments (measured) */
 } pdm_beam_kv_t;
 
