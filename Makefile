@@ -194,10 +194,13 @@ bench-decode: deps model $(BUILD)/bin/decode_bench
 
 # Beam search on the decode node (docs/perf/decode-memory-beam.*): KV memory of the segmented
 # cache against eq. (2)/(3) and next-token latency for beam widths 1/2/4/8, prompt 1024,
-# response 128. BEAM_BENCH_ARGS adds options (e.g. --quiet-machine on a dedicated machine,
-# --threads N); about a minute on 2 idle cores.
+# response 128. One compute thread by default (on a shared machine a second pool thread mostly
+# waits for its core); on a dedicated machine: BEAM_BENCH_THREADS=N BEAM_BENCH_ARGS=--quiet-machine.
+# About two minutes on one idle core.
+BEAM_BENCH_THREADS ?= 1
 bench-decode-memory-beam: model $(BUILD)/bin/beam_bench
-	$(BUILD)/bin/beam_bench --model $(MODEL_FILE) --prompt 1024 --response 128 \
+	$(BUILD)/bin/beam_bench --model $(MODEL_FILE) --threads $(BEAM_BENCH_THREADS) \
+	  --prompt 1024 --response 128 \
 	  --widths 1,2,4,8 --json docs/perf/decode-memory-beam.json \
 	  --md docs/perf/decode-memory-beam.md $(BEAM_BENCH_ARGS)
 

@@ -12,6 +12,7 @@
 #include "decode_node/decode.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -124,9 +125,33 @@ int pdm_beam_kv_create(const pdm_model_hparams_t *hp, const pdm_kv_cache_t *prom
     return PDM_OK;
 }
 
+int pdm_beam_kv_scratch(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv)
+{
+    const int n_split = 2 * pdm_kern_pool_size(pdm_model_ctx_pool(ctx));
+    if (kv->prompt_part && kv->n_split == n_split) return PDM_OK;
+    const pdm_model_hparams_t *hp = &pdm_model_ctx_model(ctx)->hp;
+    const size_t rows = (size_t)kv->width * hp->n_heads; /* beams x query heads */
+    free(kv->prompt_part);
+    free(kv->prompt_q);
+    free(kv->prompt_pos);
+    kv->prompt_part = malloc(sizeof(float) * (size_t)n_split * rows * (hp->head_dim + 1));
+    kv->prompt_q = malloc(sizeof(float) * rows * hp->head_dim);
+    kv->prompt_pos = malloc(sizeof(int32_t) * rows);
+    kv->n_split = n_split;
+    if (!kv->prompt_part || !kv->prompt_q || !kv->prompt_pos) {
+        free(kv->prompt_part);
+        kv->prompt_part = NULL;
+        return pdm_error_set(PDM_ENOMEM, "beam KV: out of memory");
+    }
+    return PDM_OK;
+}
+
 void pdm_beam_kv_destroy(pdm_beam_kv_t *kv)
 {
     if (!kv) return;
+    free(kv->prompt_part);
+    free(kv->prompt_q);
+    free(kv->prompt_pos);
     for (int s = 0; s < kv->n_seg; s++) free(kv->seg[s]);
     free(kv->seg);
     free(kv->table);
@@ -168,6 +193,83 @@ static char *pdm__seg_head(const pdm_beam_kv_t *kv, int s, uint32_t layer, uint3
     return (char *)kv->seg[s] + idx * kv->head_bytes;
 }
 
+/* The prompt part: work items are (kv head, range of prompt keys), as in the engine's decode
+ * attention (flash-decoding), but one item's query block holds the group's query heads of
+ * every beam: each prompt K/V tile is converted once for all beams and heads sharing it
+ * (§3.3: Q [1, BW, D] against K/V_prompt [N_prompt, D] in one work group). */
+typedef struct {
+    const pdm_kern_ops_t *ops;
+    const pdm_kv_view_t *view;
+    const pdm_beam_kv_t *kv;
+    int n_rows, hd, n_split, n_kv_heads;
+    atomic_int next;
+} pdm__prompt_task_t;
+
+static void pdm__prompt_task(void *arg, int ith, int nth)
+{
+    pdm__prompt_task_t *t = arg;
+    const pdm_beam_kv_t *kv = t->kv;
+    const int hd = t->hd, nr = t->n_rows;
+    (void)ith;
+    (void)nth;
+    for (;;) {
+        int item = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
+        if (item >= t->n_kv_heads * t->n_split) break;
+        int kvh = item / t->n_split, sp = item % t->n_split;
+        float *part = kv->prompt_part + (size_t)item * nr * (hd + 1), *lse = part + (size_t)nr * hd;
+        int64_t b, e;
+        pdm_kern_split(t->view->n_tokens, sp, t->n_split, 32, &b, &e);
+        if (b >= e) {
+            for (int r = 0; r < nr; r++) lse[r] = -INFINITY;
+            continue;
+        }
+        size_t off = (size_t)b * hd * pdm_dtype_row_bytes(t->view->dtype, 1);
+        pdm_kern_attn_t a = {.q = kv->prompt_q + (size_t)kvh * nr * hd, .q_stride = hd,
+                             .q_pos = kv->prompt_pos, .n_q = nr,
+                             .k = (const char *)t->view->k[kvh] + off,
+                             .v = (const char *)t->view->v[kvh] + off,
+                             .kv_type = t->view->dtype, .k_pos0 = t->view->pos0 + (int32_t)b,
+                             .n_kv = (int)(e - b), .head_dim = hd,
+                             .scale = 1.0f / sqrtf((float)hd), .causal = 1, .o = part,
+                             .o_stride = hd, .lse = lse, .lse_stride = 1};
+        t->ops->attention(&a);
+    }
+}
+
+void pdm_beam_attend_prompt(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, pdm_act_t *rows,
+                            const pdm_kv_view_t *view)
+{
+    const pdm_kern_ops_t *ops = pdm_model_ctx_ops(ctx);
+    const pdm_model_hparams_t *hp = &pdm_model_ctx_model(ctx)->hp;
+    const int hd = (int)hp->head_dim, n_heads = (int)hp->n_heads, nkv = (int)hp->n_kv_heads;
+    const int group = n_heads / nkv, nr = rows->n * group;
+    const size_t qdim = (size_t)n_heads * hd;
+    /* gather q as [kv head][beam][group head][hd]; rows of a beam search share a position */
+    for (int h = 0; h < nkv; h++)
+        for (int b = 0; b < rows->n; b++)
+            memcpy(kv->prompt_q + ((size_t)h * nr + (size_t)b * group) * hd,
+                   rows->q + (size_t)b * qdim + (size_t)h * group * hd,
+                   sizeof(float) * (size_t)group * hd);
+    for (int r = 0; r < nr; r++) kv->prompt_pos[r] = rows->pos[0];
+    pdm__prompt_task_t t = {.ops = ops, .view = view, .kv = kv, .n_rows = nr, .hd = hd,
+                            .n_split = kv->n_split, .n_kv_heads = nkv};
+    atomic_init(&t.next, 0);
+    pdm_kern_pool_run(pdm_model_ctx_pool(ctx), pdm__prompt_task, &t);
+    /* merge the key ranges in order into each row's o / lse */
+    for (int h = 0; h < nkv; h++)
+        for (int r = 0; r < nr; r++) {
+            const int b = r / group, head = h * group + r % group;
+            float *o = rows->o + (size_t)b * qdim + (size_t)head * hd;
+            float *lse = rows->lse + (size_t)b * n_heads + head;
+            memset(o, 0, sizeof(float) * (size_t)hd);
+            *lse = -INFINITY;
+            for (int sp = 0; sp < kv->n_split; sp++) {
+                const float *part = kv->prompt_part + ((size_t)h * kv->n_split + sp) * nr * (hd + 1);
+                ops->attn_merge(o, lse, part + (size_t)r * hd, part[(size_t)nr * hd + r], hd);
+            }
+        }
+}
+
 void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_act_t *rows)
 {
     const pdm_kern_ops_t *ops = pdm_model_ctx_ops(ctx);
@@ -180,7 +282,7 @@ void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_
     if (!kv->primed) {
         /* Recomputing the last prompt token: its KV is already in the prompt (from the prefill
          * ranks); only its output is needed. */
-        pdm_model_attention(ctx, layer, rows, &prompt_view, 1);
+        pdm_beam_attend_prompt(ctx, kv, rows, &prompt_view);
         return;
     }
     const int t = kv->n_steps, seg_now = t / PDM_BEAM_STEP;
@@ -225,10 +327,8 @@ void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_
             }
         }
     }
-    /* 3. All beams against the shared prompt in one call: the rows form one block of queries
-     * per head, so each K/V tile of the prompt is loaded once for all beams (the prompt is
-     * read once, not once per beam: the point of §3.3's kernel). */
-    pdm_model_attention(ctx, layer, rows, &prompt_view, 1);
+    /* 3. All beams against the shared prompt in one pass. */
+    pdm_beam_attend_prompt(ctx, kv, rows, &prompt_view);
     /* 4. Merge the two parts by log-sum-exp. */
     for (int b = 0; b < n; b++)
         for (int h = 0; h < n_heads; h++)
@@ -238,9 +338,11 @@ void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_
                             kv->resp_lse[(size_t)b * n_heads + h], hd);
 }
 
-int pdm_beam_step_check(pdm_beam_kv_t *const *beams, int n)
+int pdm_beam_step_check(pdm_model_ctx_t *ctx, pdm_beam_kv_t *const *beams, int n)
 {
     pdm_beam_kv_t *kv = beams[0];
+    int st = pdm_beam_kv_scratch(ctx, kv);
+    if (st) return st;
     if (kv->n_live > n)
         return pdm_error_set(PDM_EINVAL, "decode: a beam search needs %d consecutive rows, the "
                              "batch has %d left", kv->n_live, n);

@@ -105,6 +105,11 @@ typedef struct {
     float *resp_lse;               /* [width][n_heads] */
     float *part_o, *part_lse;      /* [n_heads * head_dim], [n_heads]: one segment's partial */
     int32_t *pos_tmp;              /* [n_heads] query positions of one beam's head group */
+    int n_split;                   /* prompt key ranges per kv head (2 x threads) */
+    float *prompt_q;               /* [n_kv_heads][width * group][head_dim] gathered queries */
+    int32_t *prompt_pos;           /* [width * n_heads] their positions */
+    float *prompt_part;            /* [n_kv_heads][n_split][width * group][head_dim + 1]
+                                    * partial o and lse of each key range */
     size_t bytes;                  /* bytes of the allocated segments (measured) */
 } pdm_beam_kv_t;
 
@@ -125,9 +130,17 @@ int32_t pdm_beam_kv_next_pos(const pdm_beam_kv_t *kv);
  * through the table. */
 void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_act_t *rows);
 /* For pdm_decode_step_beams: checks that beams[0..n) starts with the n_live consecutive rows
- * of beams[0] and prepares its next rows (pdm_beam_kv_prepare). PDM_EINVAL / PDM_EOVERFLOW /
- * PDM_ENOMEM. */
-int pdm_beam_step_check(pdm_beam_kv_t *const *beams, int n);
+ * of beams[0] and prepares its next rows (pdm_beam_kv_prepare, pdm_beam_kv_scratch).
+ * PDM_EINVAL / PDM_EOVERFLOW / PDM_ENOMEM. */
+int pdm_beam_step_check(pdm_model_ctx_t *ctx, pdm_beam_kv_t *const *beams, int n);
+/* Sizes the prompt-attention scratch for ctx's thread count (PDM_ENOMEM). */
+int pdm_beam_kv_scratch(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv);
+/* o and lse of the rows->n rows (one beam search's beams, all at one position) against one
+ * contiguous view (the shared prompt): items (kv head, key range) over ctx's pool, each with
+ * the query heads of all rows that share the kv head as one block. Needs pdm_beam_kv_scratch
+ * and rows->n <= kv->width. */
+void pdm_beam_attend_prompt(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, pdm_act_t *rows,
+                            const pdm_kv_view_t *view);
 /* After the step: the step's rows become part of the cache. */
 void pdm_beam_kv_commit(pdm_beam_kv_t *kv);
 /* New beam b continues old beam parent[b] (b < n): the table rows are copied, the KV stays

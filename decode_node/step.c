@@ -20,7 +20,7 @@ int pdm_decode_step_beams(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t
     int32_t tokens[n], positions[n];
     for (int i = 0; i < n; i++) {
         if (beams && beams[i]) { /* the rows of a beam search (beam.c) */
-            int st = pdm_beam_step_check(beams + i, n - i);
+            int st = pdm_beam_step_check(ctx, beams + i, n - i);
             if (st) return st;
             for (int b = 0; b < beams[i]->n_live; b++) {
                 tokens[i + b] = seqs[i + b].token;

@@ -147,15 +147,15 @@ static void copy_cache(pdm_kv_cache_t *dst, const pdm_kv_cache_t *src)
 }
 
 /* Attention of the reference's "partitioned" mode: the same partition of the work as the
- * segmented cache (prompt part for all beams in one call, each beam's response in 16-token
- * views, merged by log-sum-exp) over the reference's own contiguous copies, so the float
+ * segmented cache (prompt part for all beams in one call of pdm_beam_attend_prompt, each
+ * beam's response in 16-token views, merged by log-sum-exp) over the reference's own contiguous copies, so the float
  * results are bit-identical. With 8-bit activation quantization (the real model's Q4_1
  * weights), a last-bit difference in an attention output can flip the rounding of one
  * quantized activation, which changes the logits by ~0.5 and then the whole search: only an
  * identical partition makes the comparison exact there. */
 static void ref_step_partitioned(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_kv_cache_t **cache,
                                  int n_live, const int32_t *tokens, int n_prompt, int prime,
-                                 float *logits)
+                                 pdm_beam_kv_t *scratch, float *logits)
 {
     const pdm_model_t *m = pdm_model_ctx_model(ctx);
     const pdm_kern_ops_t *ops = pdm_model_ctx_ops(ctx);
@@ -188,7 +188,7 @@ static void ref_step_partitioned(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_kv_ca
                                       n_resp - s0 < 16 ? n_resp - s0 : 16, &views[nv++]);
                 pdm_model_attention(ctx, l, &one, views, nv);
             }
-        pdm_model_attention(ctx, l, act, &pv, 1);
+        pdm_beam_attend_prompt(ctx, scratch, act, &pv); /* (scratch only: its KV is unused) */
         if (!prime)
             for (int b = 0; b < n_live; b++)
                 for (int h = 0; h < nh; h++)
@@ -225,8 +225,13 @@ static int ref_beam_search(pdm_model_ctx_t *ctx, const int32_t *prompt, int n_pr
     pdm_act_t act;
     ck_assert_int_eq(pdm_act_alloc(&m->hp, 8, &act), 0);
     ck_assert_int_eq(pdm_model_prefill(ctx, cache[0], prompt, n_prompt, logits), 0);
-    if (partitioned)
-        ref_step_partitioned(ctx, &act, cache, 1, prompt + n_prompt - 1, n_prompt, 1, logits);
+    pdm_beam_kv_t *scratch = NULL;
+    if (partitioned) {
+        ck_assert_int_eq(pdm_beam_kv_create(&m->hp, cache[0], n_prompt, W, 1, &scratch), 0);
+        ck_assert_int_eq(pdm_beam_kv_scratch(ctx, scratch), 0);
+        ref_step_partitioned(ctx, &act, cache, 1, prompt + n_prompt - 1, n_prompt, 1, scratch,
+                             logits);
+    }
     int len = 0;
     for (;;) {
         int nc = 0;
@@ -285,7 +290,7 @@ static int ref_beam_search(pdm_model_ctx_t *ctx, const int32_t *prompt, int n_pr
         if (partitioned) {
             int32_t in[8];
             for (int b = 0; b < n_live; b++) in[b] = live[b].toks[len - 1];
-            ref_step_partitioned(ctx, &act, cache, n_live, in, n_prompt, 0, logits);
+            ref_step_partitioned(ctx, &act, cache, n_live, in, n_prompt, 0, scratch, logits);
             continue;
         }
         for (int b = 0; b < n_live; b++)
@@ -293,6 +298,7 @@ static int ref_beam_search(pdm_model_ctx_t *ctx, const int32_t *prompt, int n_pr
                                               logits + (size_t)b * V), 0);
     }
     pdm_act_free(&act);
+    pdm_beam_kv_destroy(scratch);
     for (int b = 0; b < W; b++) {
         pdm_kv_cache_destroy(cache[b]);
         pdm_kv_cache_destroy(next_cache[b]);
