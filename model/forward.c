@@ -305,18 +305,9 @@ typedef struct {
     pdm_model_ctx_t *ctx;
     pdm_act_t *act;
     const pdm_kv_view_t *views;
-    const int32_t *const *rows; /* NULL, or per view NULL or its row table */
     int n_views;
     atomic_int next; /* next unclaimed work item */
 } pdm__attn_task_t;
-
-/* One kernel call on view vi: through its row table (from key `first` on) if it has one. */
-static void pdm__attn_call(const pdm__attn_task_t *t, int vi, int64_t first, pdm_kern_attn_t *a)
-{
-    const int32_t *rows = t->rows ? t->rows[vi] : NULL;
-    if (rows) t->ctx->ops->attention_rows(a, rows + first);
-    else t->ctx->ops->attention(a);
-}
 
 static void pdm__attn_task(void *arg, int ith, int nth)
 {
@@ -359,13 +350,13 @@ static void pdm__attn_task(void *arg, int ith, int nth)
                 a.o_stride = qdim;
                 a.lse = t->act->lse + (size_t)i0 * n_heads + h;
                 a.lse_stride = n_heads;
-                pdm__attn_call(t, vi, 0, &a);
+                t->ctx->ops->attention(&a);
             } else {
                 a.o = part_o;
                 a.o_stride = hd;
                 a.lse = part_lse;
                 a.lse_stride = 1;
-                pdm__attn_call(t, vi, 0, &a);
+                t->ctx->ops->attention(&a);
                 for (int r = 0; r < nq; r++)
                     t->ctx->ops->attn_merge(t->act->o + (size_t)(i0 + r) * qdim + (size_t)h * hd,
                                             t->act->lse + (size_t)(i0 + r) * n_heads + h,
@@ -417,8 +408,7 @@ static void pdm__attn_split_task(void *arg, int ith, int nth)
             int64_t b, e;
             pdm_kern_split(view->n_tokens, sp, n_split, 32, &b, &e);
             if (b >= e) continue;
-            /* through a row table the arrays stay whole and the table is offset instead */
-            size_t off = t->rows && t->rows[vi] ? 0 : (size_t)b * hd * pdm_dtype_row_bytes(view->dtype, 1);
+            size_t off = (size_t)b * hd * pdm_dtype_row_bytes(view->dtype, 1);
             a.k = (const char *)view->k[kvh] + off;
             a.v = (const char *)view->v[kvh] + off;
             a.kv_type = view->dtype;
@@ -428,7 +418,7 @@ static void pdm__attn_split_task(void *arg, int ith, int nth)
             a.o_stride = hd;
             a.lse = tmp_lse;
             a.lse_stride = 1;
-            pdm__attn_call(t, vi, b, &a);
+            t->ctx->ops->attention(&a);
             for (int g = 0; g < group; g++)
                 t->ctx->ops->attn_merge(part + (size_t)g * hd, &part_lse[g],
                                         tmp_o + (size_t)g * hd, tmp_lse[g], hd);
@@ -458,17 +448,9 @@ static void pdm__attn_split_merge(pdm_model_ctx_t *ctx, pdm_act_t *act)
 void pdm_model_attention(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
                          const pdm_kv_view_t *views, int n_views)
 {
-    pdm_model_attention_rows(ctx, layer, act, views, NULL, n_views);
-}
-
-void pdm_model_attention_rows(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
-                              const pdm_kv_view_t *views, const int32_t *const *rows,
-                              int n_views)
-{
     (void)layer;
     const pdm_model_hparams_t *hp = &ctx->model->hp;
-    pdm__attn_task_t t = {.ctx = ctx, .act = act, .views = views, .rows = rows,
-                          .n_views = n_views};
+    pdm__attn_task_t t = {.ctx = ctx, .act = act, .views = views, .n_views = n_views};
     atomic_init(&t.next, 0);
     if (act->n == 1 && hp->n_heads / hp->n_kv_heads <= PDM__ATTN_QBLOCK) {
         pdm_kern_pool_run(ctx->pool, pdm__attn_split_task, &t);

@@ -164,12 +164,6 @@ void pdm_model_attn_in(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act);
  * gets o = 0, lse = -inf. */
 void pdm_model_attention(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
                          const pdm_kv_view_t *views, int n_views);
-/* The same with views whose keys are gathered through row tables: rows[i] NULL is a
- * contiguous view; else key j of view i is row rows[i][j] of its k and v arrays
- * (pdm_kern_ops_t.attention_rows). rows may be NULL (all contiguous). */
-void pdm_model_attention_rows(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
-                              const pdm_kv_view_t *views, const int32_t *const *rows,
-                              int n_views);
 /* x += Wo o; x += W_down (silu(W_gate n) * W_up n) with n = RMSNorm(x). */
 void pdm_model_attn_out_ffn(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act);
 /* logits[n_vocab] of row `row` of act->x (final RMSNorm and output projection). */
