@@ -127,7 +127,8 @@ int32_t pdm_beam_kv_next_pos(const pdm_beam_kv_t *kv);
 /* Inside a decode step, for one layer: `rows` holds the kv->n_live rows of this sequence
  * (beam b = row b). Stores each row's K/V at the current step (not when priming), then sets
  * o and lse of each row to its attention over the shared prompt and its own response KV read
- * through the table. */
+ * through the table. Call pdm_beam_kv_prepare and pdm_beam_kv_scratch first (the batched step
+ * does, through pdm_beam_step_check). */
 void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_act_t *rows);
 /* For pdm_decode_step_beams: checks that beams[0..n) starts with the n_live consecutive rows
  * of beams[0] and prepares its next rows (pdm_beam_kv_prepare, pdm_beam_kv_scratch).
