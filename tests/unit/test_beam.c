@@ -39,7 +39,16 @@ START_TEST(test_beam_attention_rows)
         kf[i] = (float)(pdm_splitmix64(&seed) % 2001) / 1000.0f - 1;
         vf[i] = (float)(pdm_splitmix64(&seed) % 2001) / 1000.0f - 1;
     }
-    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    /* every CPU variant, and the CUDA one when built with CUDA and a device is present */
+    const pdm_kern_ops_t *list[8];
+    int n_list = 0;
+    for (const pdm_kern_ops_t *const *cpu = pdm_kern_ops_list(); *cpu && n_list < 6; cpu++)
+        list[n_list++] = *cpu;
+    char why[256];
+    const pdm_kern_ops_t *cuda = pdm_kern_ops_cuda(why, sizeof(why));
+    if (cuda) list[n_list++] = cuda;
+    else fprintf(stderr, "beam: attention_rows on CUDA skipped: %s\n", why);
+    list[n_list] = NULL;
     for (int dt = 0; dt < 2; dt++) {
         pdm_dtype_t type = dt ? PDM_DT_F16 : PDM_DT_F32;
         size_t rb = pdm_dtype_row_bytes(type, hd);
@@ -85,6 +94,7 @@ START_TEST(test_beam_attention_rows)
     free(q);
     free(kf);
     free(vf);
+    pdm_kern_cuda_release();
 }
 END_TEST
 
