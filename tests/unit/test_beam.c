@@ -329,6 +329,16 @@ typedef struct {
     int64_t steps;      /* response steps stored */
 } seg_stats_t;
 
+/* FNV-1a over every allocated segment's bytes. */
+static uint64_t seg_hash(const pdm_beam_kv_t *kv)
+{
+    const size_t bytes = kv->head_bytes * 2 * kv->n_layers * kv->n_kv_heads;
+    uint64_t h = 1469598103934665603ull;
+    for (int s = 0; s < kv->n_seg; s++)
+        for (size_t i = 0; i < bytes; i++) h = (h ^ ((const uint8_t *)kv->seg[s])[i]) * 1099511628211ull;
+    return h;
+}
+
 static int seg_beam_search(pdm_model_ctx_t *ctx, const int32_t *prompt, int n_prompt,
                            const pdm_beam_params_t *p, int max_new, const int32_t *eog,
                            int n_eog, pdm_dtype_t kvt, int with_greedy, pdm_beam_hyp_t *out,
@@ -385,7 +395,13 @@ static int seg_beam_search(pdm_model_ctx_t *ctx, const int32_t *prompt, int n_pr
         int parent[8], n_next;
         done = pdm_beam_search_advance(bs, logits + (with_greedy ? V : 0), parent, &n_next);
         ck_assert_int_ge(done, 0);
-        if (!done) pdm_beam_kv_reorder(kv, parent, n_next);
+        if (!done) { /* reordering rewrites the table only: no KV byte moves */
+            uint64_t before = seg_hash(kv);
+            void *seg0 = kv->n_seg ? kv->seg[0] : NULL;
+            pdm_beam_kv_reorder(kv, parent, n_next);
+            ck_assert_uint_eq(seg_hash(kv), before);
+            ck_assert_ptr_eq(kv->n_seg ? kv->seg[0] : NULL, seg0);
+        }
     }
     const pdm_beam_hyp_t *h;
     int n = pdm_beam_search_results(bs, &h);
