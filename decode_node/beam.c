@@ -176,7 +176,7 @@ int pdm_beam_kv_prepare(pdm_beam_kv_t *kv)
     void *p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!p) return pdm_error_set(PDM_ENOMEM, "beam KV: cannot allocate a segment of %zu bytes",
                                  bytes);
-    memset(p, 0, bytes); /* rows of later steps are never read before they are written */
+    memset(p, 0, bytes); /* defined bytes throughout (attention reads only written rows) */
     kv->seg[kv->n_seg++] = p;
     kv->bytes += bytes;
     return PDM_OK;
