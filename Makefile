@@ -10,6 +10,7 @@
 #   make bench-sim      predicted TTFT up to 64 ranks / 1M tokens (docs/perf/sim.md)
 #   make bench-transfer KV streaming vs ucx_perftest (docs/perf/transfer.md)
 #   make bench-decode   batched decode vs llama.cpp (docs/perf/decode.md)
+#   make bench-decode-memory-beam  beam widths 1/2/4/8: KV memory (eq. 2 vs 3) and latency
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
 #   make cuda-check  compile every .cu file (what CI runs; no GPU needed)
@@ -45,7 +46,8 @@ MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/checksum.c \
            kvtransfer/checksum_avx2.c
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
-DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c
+DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_node/beam.c \
+              decode_node/beam_search.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
 CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c
 PREFILLD_SRC := prefill_node/main.c
@@ -54,7 +56,7 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
             tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
-            tests/unit/test_disagg.c
+            tests/unit/test_disagg.c tests/unit/test_beam.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
 CUDA_HOME ?= /usr/local/cuda
@@ -83,7 +85,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
-        bench-engine cuda cuda-check
+        bench-engine cuda cuda-check bench-decode-memory-beam
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS)
 
@@ -180,7 +182,7 @@ asan:
 	  PDMESH_DECODE_BIN=build-asan/bin/pdmesh-decode \
 	  UCX_HANDLE_ERRORS=none build-asan/bin/pdm-tests
 
-include bench/transfer/build.mk bench/decode/build.mk
+include bench/transfer/build.mk bench/decode/build.mk bench/decode-memory/build.mk
 
 # KV streaming throughput against ucx_perftest (docs/perf/transfer.*). BENCH_QUICK=1: short run.
 bench-transfer: deps model all $(BUILD)/bin/stream_bench
@@ -194,6 +196,18 @@ bench-decode: deps model $(BUILD)/bin/decode_bench
 	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
 	DECODE_BENCH=$(BUILD)/bin/decode_bench PDMESH_MODEL=$(MODEL_FILE) \
 	  LLAMA_PYTHON=$(VENV)/bin/python $(PYTHON) bench/decode/run.py
+
+# Beam search on the decode node (docs/perf/decode-memory-beam.*): KV memory of the segmented
+# cache against eq. (2)/(3) and next-token latency for beam widths 1/2/4/8, prompt 1024,
+# response 128. One compute thread by default (on a shared machine a second pool thread mostly
+# waits for its core); on a dedicated machine: BEAM_BENCH_THREADS=N BEAM_BENCH_ARGS=--quiet-machine.
+# About two minutes on one idle core.
+BEAM_BENCH_THREADS ?= 1
+bench-decode-memory-beam: model $(BUILD)/bin/beam_bench
+	$(BUILD)/bin/beam_bench --model $(MODEL_FILE) --threads $(BEAM_BENCH_THREADS) \
+	  --prompt 1024 --response 128 \
+	  --widths 1,2,4,8 --json docs/perf/decode-memory-beam.json \
+	  --md docs/perf/decode-memory-beam.md $(BEAM_BENCH_ARGS)
 
 # CUDA builds: the NCCL group transport, compiled and linked against the CUDA toolkit, and its
 # smoke test (skips with a message when no GPU is present).

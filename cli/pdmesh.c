@@ -44,6 +44,7 @@ static void usage(FILE *f)
             "  disagg-run  --prefill-ranks R --method M (--prompt TEXT|--prompt-file F|--random N)...\n"
             "              [-n N] [--temp T] [--stop S] [--chat] [--decode-batch N]\n"
             "              [--kv-dtype f32|f16|q8] [--json]\n"
+            "              [--beams B] [--length-penalty X] [--n-best N] [--early-stopping R]\n"
             "              prefill group -> KV stream -> decode node, end to end\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"

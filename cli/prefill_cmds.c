@@ -14,6 +14,7 @@
 
 #include "cli/cli.h"
 #include "common/pdm.h"
+#include "decode_node/beam.h"
 #include "prefill_node/prefill.h"
 
 /* Options shared by the three commands. */
@@ -758,7 +759,11 @@ int cmd_disagg_run(int argc, char **argv)
     pdm_sampler_params_t sp;
     pdm_sampler_params_default(&sp);
     sp.temperature = 0; /* greedy unless asked */
-    enum { D_N = 2000, D_TEMP, D_SEED, D_STOP, D_DBATCH, D_DTHREADS, D_TOPK, D_TOPP };
+    enum { D_N = 2000, D_TEMP, D_SEED, D_STOP, D_DBATCH, D_DTHREADS, D_TOPK, D_TOPP, D_BEAMS,
+           D_LPEN, D_NBEST, D_ESTOP };
+    long beams = 0, n_best = 1;
+    double length_penalty = 1.0;
+    const char *early_stopping = "heuristic";
     static const struct option opts[] = {
         {"prefill-ranks", required_argument, 0, O_RANKS},
         {"method", required_argument, 0, O_METHOD},
@@ -776,6 +781,10 @@ int cmd_disagg_run(int argc, char **argv)
         {"stop", required_argument, 0, D_STOP},
         {"decode-batch", required_argument, 0, D_DBATCH},
         {"decode-threads", required_argument, 0, D_DTHREADS},
+        {"beams", required_argument, 0, D_BEAMS},
+        {"length-penalty", required_argument, 0, D_LPEN},
+        {"n-best", required_argument, 0, D_NBEST},
+        {"early-stopping", required_argument, 0, D_ESTOP},
         {"threads", required_argument, 0, O_THREADS},
         {"pin", no_argument, 0, O_PIN},
         {"ctx", required_argument, 0, O_CTX},
@@ -835,10 +844,31 @@ int cmd_disagg_run(int argc, char **argv)
         case D_DTHREADS:
             if (pdm_parse_long(optarg, 1, 256, &decode_threads)) return cli_usage_error("bad --decode-threads '%s'", optarg);
             break;
+        case D_BEAMS:
+            if (pdm_parse_long(optarg, 0, PDM_BEAM_MAX_WIDTH, &beams)) return cli_usage_error("bad --beams '%s' (0..8)", optarg);
+            break;
+        case D_LPEN:
+            if (pdm_parse_double(optarg, -100, 100, &length_penalty)) return cli_usage_error("bad --length-penalty '%s'", optarg);
+            break;
+        case D_NBEST:
+            if (pdm_parse_long(optarg, 1, PDM_BEAM_MAX_WIDTH, &n_best)) return cli_usage_error("bad --n-best '%s'", optarg);
+            break;
+        case D_ESTOP: {
+            pdm_beam_stop_t es;
+            if (pdm_beam_stop_parse(optarg, &es)) return cli_usage_error("%s", pdm_error_last());
+            early_stopping = pdm_beam_stop_name(es);
+            break;
+        }
         default: return cli_usage_error("%s", "unknown option (see pdmesh --help)");
         }
     }
     if (optind != argc) return cli_usage_error("unexpected argument '%s'", argv[optind]);
+    if (beams > 0 && n_best > beams)
+        return cli_usage_error("%s", "--n-best exceeds --beams");
+    if (beams > 0 && n_stops)
+        return cli_usage_error("%s", "--stop is not supported with --beams");
+    if (beams > decode_batch)
+        return cli_usage_error("%s", "--beams exceeds --decode-batch");
     if (n_prompts + n_files == 0 && !o.random)
         return cli_usage_error("%s", "give --prompt TEXT or --prompt-file FILE (repeatable)");
     pdm_prefill_method_t method;
@@ -885,7 +915,10 @@ int cmd_disagg_run(int argc, char **argv)
         }
         reqs[i] = (pdm_launch_request_t){.tokens = ids[i], .n_tokens = (int32_t)lens[i],
                                          .method = resolved, .chunks = NULL, .max_new = (int32_t)n_new,
-                                         .sp = sp, .stops = stops, .n_stops = n_stops};
+                                         .sp = sp, .stops = stops, .n_stops = n_stops,
+                                         .beams = (int)beams,
+                                         .length_penalty = (float)length_penalty,
+                                         .n_best = (int)n_best, .early_stopping = early_stopping};
         if (has_chunks) {
             int *copy = malloc(sizeof(int) * (size_t)o.lp.ranks);
             if (!copy) goto out;
@@ -931,6 +964,12 @@ int cmd_disagg_run(int argc, char **argv)
             cJSON_AddStringToObject(j, "kv_dtype", o.lp.kv_dtype);
             cJSON_AddNumberToObject(j, "kv_seconds", out[i].kv_seconds);
             cJSON_AddStringToObject(j, "transports", transports);
+            cJSON *bj = out[i].beam_json ? cJSON_Parse(out[i].beam_json) : NULL;
+            if (bj) { /* beam search: the n-best list with scores and the KV memory */
+                cJSON *e;
+                while ((e = bj->child)) cJSON_AddItemToObject(j, e->string, cJSON_DetachItemViaPointer(bj, e));
+                cJSON_Delete(bj);
+            }
             char *s = cJSON_PrintUnformatted(j);
             printf("%s\n", s);
             free(s);

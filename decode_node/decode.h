@@ -12,6 +12,7 @@
 
 #include <stdint.h>
 
+#include "decode_node/beam.h"
 #include "kvtransfer/kvtransfer.h"
 #include "model/model.h"
 
@@ -29,6 +30,12 @@ typedef struct {
  * n rows). Appends each token's K/V to its cache (n_tokens grows by one). PDM_EOVERFLOW (and
  * nothing changed) if a cache is full. Equal to pdm_model_decode of each sequence alone. */
 int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs, int n);
+/* The same step with beam searches among the rows: beams[i] NULL is an ordinary row; else row
+ * i is beam b of a beam search over the segmented cache beams[i] (beam.c), whose n_live rows
+ * are consecutive (beam b = its b-th row) and whose `cache` is the shared prompt. beams may be
+ * NULL (no beam rows). */
+int pdm_decode_step_beams(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs,
+                          pdm_beam_kv_t *const *beams, int n);
 
 /* ---- Static-window KV (Qualcomm's KV manager for static-shape engines) ------------------ *
  * For engines whose graphs take a fixed-size past K/V of S-1 tokens per head: each head's K
@@ -69,6 +76,7 @@ typedef struct {
     pdm_dtype_t kv_dtype;   /* F32, F16 or I8 (q8): must match the prefill ranks' (blocks of
                              * another dtype are rejected) */
     double kv_timeout;      /* seconds a reservation waits for its KV after start */
+    pdm_beam_params_t beam; /* default beam search of requests that name none (width 0: off) */
 } pdm_decode_params_t;
 
 void pdm_decode_params_default(pdm_decode_params_t *p);
@@ -93,6 +101,7 @@ typedef struct {
     int32_t n_prompt, max_new;
     const pdm_decode_range_t *ranges; /* cover [0, n_prompt) */
     int n_ranges;
+    int beams;                        /* beam width (0: the node's default; -1: none) */
 } pdm_decode_reserve_t;
 
 /* Reserves KV for n_prompt + max_new tokens and posts the receives of every block of the
@@ -107,6 +116,8 @@ typedef struct {
     const char *const *stops;   /* stop strings (copied) */
     int n_stops;
     double deadline;            /* pdm_now() seconds; 0: none */
+    pdm_beam_params_t beam;     /* beam search (width 0: as reserved); sp is then unused */
+    int32_t prompt_last;        /* beam search: the last prompt token (-1: unknown) */
 } pdm_decode_start_t;
 
 /* Starts generation once the KV has arrived (checked by run_once). */
@@ -129,6 +140,7 @@ typedef struct {
     double step_seconds;    /* DONE: mean seconds per decode step of this sequence */
     uint64_t kv_bytes;      /* DONE: KV bytes received */
     const char *error;      /* ERROR: what went wrong (the sequence is released) */
+    const pdm_beam_report_t *beam; /* DONE of a beam search: n-best list and memory; else NULL */
 } pdm_decode_event_t;
 
 typedef void (*pdm_decode_event_cb)(void *arg, const pdm_decode_event_t *ev);

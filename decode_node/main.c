@@ -8,13 +8,19 @@
  *   <- {"cmd":"connect","addrs":["<hex>",...]}        prefill ranks, in rank order
  *   node -> {"event":"connected","ok":true}
  *   <- {"cmd":"reserve","id":N,"attempt":A,"n_prompt":P,"max_new":M,
- *       "ranges":[[start,len,rank,chunk],...]}
+ *       "ranges":[[start,len,rank,chunk],...],"beams":B}      beams optional (beam.h)
  *   node -> {"event":"reserved","id":N,"ok":true}       (or ok:false, "error": "... full ...")
  *   <- {"cmd":"start","id":N,"first_token":T,"temp":..,"top_k":..,"top_p":..,"min_p":..,
- *       "repeat_penalty":..,"seed":..,"stop":[...],"timeout":S}
+ *       "repeat_penalty":..,"seed":..,"stop":[...],"timeout":S,
+ *       "length_penalty":X,"n_best":N,"early_stopping":"heuristic|early|never",
+ *       "prompt_last":T}          beam fields optional; prompt_last required for beams
  *   node -> {"event":"token","id":N,"token":T,"index":i} ...
  *   node -> {"event":"done","id":N,"finish":"eos|length|stop|deadline|cancelled",
- *            "tokens":[...],"text":"...","kv_seconds":..,"step_seconds":..,"kv_bytes":..}
+ *            "tokens":[...],"text":"...","kv_seconds":..,"step_seconds":..,"kv_bytes":..,
+ *            beam search only: "n_best":[{"tokens":[..],"text":"..","score":..,"logprob":..,
+ *            "eos":bool},...], "beam":{"width":..,"length_penalty":..,"early_stopping":"..",
+ *            "n_prompt":..,"n_response":..,"kv_prompt_bytes":..,"kv_response_bytes":..,
+ *            "kv_bytes_eq2":..,"kv_bytes_eq3":..}}
  *        or {"event":"error","id":N,"error":"..."}
  *   <- {"cmd":"cancel","id":N}   <- {"cmd":"quit"}
  *   <- {"cmd":"stats"}  node -> {"event":"stats","held":N,"kv_slots":K,"running":R}
@@ -39,6 +45,7 @@
 
 static int rank_peer[PDM_KVT_MAX_RANKS];
 static int n_ranks;
+static pdm_beam_params_t node_beam; /* --beams, --length-penalty, --n-best, --early-stopping */
 
 
 static void reply(const char *event, double id, int ok, const char *error)
@@ -49,6 +56,32 @@ static void reply(const char *event, double id, int ok, const char *error)
     cJSON_AddBoolToObject(o, "ok", ok);
     if (error) cJSON_AddStringToObject(o, "error", error);
     pdm_ctl_emit(o);
+}
+
+/* The n-best list and the segmented cache's memory of a finished beam search. */
+static void add_beam_report(cJSON *o, const pdm_beam_report_t *r)
+{
+    cJSON *list = cJSON_AddArrayToObject(o, "n_best");
+    for (int h = 0; h < r->n_hyps; h++) {
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddItemToObject(e, "tokens", cJSON_CreateIntArray(r->hyps[h].tokens,
+                                                                r->hyps[h].n_tokens));
+        cJSON_AddStringToObject(e, "text", r->texts[h]);
+        cJSON_AddNumberToObject(e, "score", r->hyps[h].score);
+        cJSON_AddNumberToObject(e, "logprob", r->hyps[h].logprob);
+        cJSON_AddBoolToObject(e, "eos", r->hyps[h].eos);
+        cJSON_AddItemToArray(list, e);
+    }
+    cJSON *b = cJSON_AddObjectToObject(o, "beam");
+    cJSON_AddNumberToObject(b, "width", r->width);
+    cJSON_AddNumberToObject(b, "length_penalty", r->length_penalty);
+    cJSON_AddStringToObject(b, "early_stopping", pdm_beam_stop_name(r->early_stopping));
+    cJSON_AddNumberToObject(b, "n_prompt", r->n_prompt);
+    cJSON_AddNumberToObject(b, "n_response", r->n_response);
+    cJSON_AddNumberToObject(b, "kv_prompt_bytes", (double)r->prompt_bytes);
+    cJSON_AddNumberToObject(b, "kv_response_bytes", (double)r->response_bytes);
+    cJSON_AddNumberToObject(b, "kv_bytes_eq2", (double)r->eq2_bytes);
+    cJSON_AddNumberToObject(b, "kv_bytes_eq3", (double)r->eq3_bytes);
 }
 
 static void on_event(void *arg, const pdm_decode_event_t *ev)
@@ -71,6 +104,7 @@ static void on_event(void *arg, const pdm_decode_event_t *ev)
         cJSON_AddNumberToObject(o, "kv_seconds", ev->kv_seconds);
         cJSON_AddNumberToObject(o, "step_seconds", ev->step_seconds);
         cJSON_AddNumberToObject(o, "kv_bytes", (double)ev->kv_bytes);
+        if (ev->beam) add_beam_report(o, ev->beam);
         break;
     default:
         cJSON_AddStringToObject(o, "event", "error");
@@ -140,7 +174,8 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
                                    .attempt = (uint32_t)num(cmd, "attempt", 0),
                                    .n_prompt = (int32_t)num(cmd, "n_prompt", 0),
                                    .max_new = (int32_t)num(cmd, "max_new", 0),
-                                   .ranges = rg, .n_ranges = k};
+                                   .ranges = rg, .n_ranges = k,
+                                   .beams = (int)num(cmd, "beams", 0)};
         if (pdm_decode_node_reserve(node, &rv)) reply("reserved", id, 0, pdm_error_last());
         else reply("reserved", id, 1, NULL);
     } else if (!strcmp(name, "start")) {
@@ -159,6 +194,17 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
             if (s.n_stops < 8 && cJSON_IsString(e)) stops[s.n_stops++] = e->valuestring;
         }
         s.stops = stops;
+        /* beam search: the node's defaults, overridden per request */
+        s.beam = node_beam;
+        s.beam.width = (int)num(cmd, "beams", 0);
+        s.beam.length_penalty = (float)num(cmd, "length_penalty", s.beam.length_penalty);
+        s.beam.n_best = (int)num(cmd, "n_best", s.beam.n_best);
+        const cJSON *es = cJSON_GetObjectItem(cmd, "early_stopping");
+        if (cJSON_IsString(es) && pdm_beam_stop_parse(es->valuestring, &s.beam.early_stopping)) {
+            reply("error", id, 0, pdm_error_last());
+            return;
+        }
+        s.prompt_last = (int32_t)num(cmd, "prompt_last", -1);
         double timeout = num(cmd, "timeout", 0);
         s.deadline = timeout > 0 ? pdm_now() + timeout : 0;
         if (id < 0 || pdm_decode_node_start(node, &s)) {
@@ -208,6 +254,8 @@ int main(int argc, char **argv)
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
         {"kv-dtype", required_argument, 0, 'd'},  {"kv-timeout", required_argument, 0, 'o'},
         {"max-sequences", required_argument, 0, 's'}, {"help", no_argument, 0, 'h'},
+        {"beams", required_argument, 0, 'B'},     {"length-penalty", required_argument, 0, 'L'},
+        {"n-best", required_argument, 0, 'N'},    {"early-stopping", required_argument, 0, 'E'},
         {0, 0, 0, 0}};
     int c;
     long v;
@@ -223,14 +271,21 @@ int main(int argc, char **argv)
             if (pdm_kv_dtype_parse(optarg, &dp.kv_dtype)) goto bad;
             break;
         case 'o': if (pdm_parse_double(optarg, 0.01, 86400, &d)) goto bad; dp.kv_timeout = d; break;
+        case 'B': if (pdm_parse_long(optarg, 0, PDM_BEAM_MAX_WIDTH, &v)) goto bad; dp.beam.width = (int)v; break;
+        case 'L': if (pdm_parse_double(optarg, -100, 100, &d)) goto bad; dp.beam.length_penalty = (float)d; break;
+        case 'N': if (pdm_parse_long(optarg, 1, PDM_BEAM_MAX_WIDTH, &v)) goto bad; dp.beam.n_best = (int)v; break;
+        case 'E': if (pdm_beam_stop_parse(optarg, &dp.beam.early_stopping)) goto bad; break;
         case 'h':
             printf("usage: pdmesh-decode [--model FILE] [--threads N] [--batch N] "
                    "[--max-sequences N]\n       [--kv-budget TOKENS] [--kv-dtype f32|f16|q8] "
-                   "[--kv-timeout S]\n");
+                   "[--kv-timeout S]\n       [--beams B] [--length-penalty X] [--n-best N] "
+                   "[--early-stopping heuristic|early|never]\n");
             return 0;
         default: return 2;
         }
     }
+    if (dp.beam.width && dp.beam.n_best > dp.beam.width) goto bad;
+    node_beam = dp.beam;
     if (optind != argc) {
     bad:
         fprintf(stderr, "pdmesh-decode: invalid option value\n");

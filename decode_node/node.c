@@ -40,6 +40,11 @@ typedef struct {
     double deadline, t_start, kv_seconds, step_total;
     int steps;
     uint64_t kv_bytes;
+    int64_t kv_slots;          /* KV token slots reserved for it */
+    int beam_width;            /* 0: sampling; else a beam search (beam.c, beam_search.c) */
+    pdm_beam_params_t beam_p;
+    pdm_beam_kv_t *beam_kv;    /* segmented response KV over `cache` (the shared prompt) */
+    pdm_beam_search_t *beam;
 } pdm__seq_t;
 
 struct pdm_decode_node {
@@ -52,6 +57,8 @@ struct pdm_decode_node {
     float *logits;    /* [max_batch][n_vocab] outputs of one step */
     int64_t kv_used;  /* token slots reserved */
     int rr;           /* round-robin start of the next batch */
+    int32_t eog[16];  /* end-of-generation token ids (beam search) */
+    int n_eog;
 };
 
 void pdm_decode_params_default(pdm_decode_params_t *p)
@@ -62,6 +69,7 @@ void pdm_decode_params_default(pdm_decode_params_t *p)
     p->kv_budget = 1 << 18;
     p->kv_dtype = PDM_DT_F16;
     p->kv_timeout = 30;
+    pdm_beam_params_default(&p->beam);
 }
 
 int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
@@ -69,7 +77,7 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
 {
     if (p->threads < 1 || p->max_batch < 1 || p->max_sequences < 1 || p->kv_budget < 1 ||
         (p->kv_dtype != PDM_DT_F16 && p->kv_dtype != PDM_DT_F32 && p->kv_dtype != PDM_DT_I8) ||
-        !(p->kv_timeout > 0))
+        !(p->kv_timeout > 0) || pdm_beam_params_check(&p->beam))
         return pdm_error_set(PDM_EINVAL, "decode node: bad parameters");
     pdm_decode_node_t *n = calloc(1, sizeof(*n));
     if (!n) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
@@ -86,6 +94,8 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
         pdm_decode_node_destroy(n);
         return st;
     }
+    for (uint32_t t = 0; model->tokenizer && t < model->hp.n_vocab && n->n_eog < 16; t++)
+        if (pdm_tokenizer_is_eog(model->tokenizer, (int32_t)t)) n->eog[n->n_eog++] = (int32_t)t;
     *out = n;
     return PDM_OK;
 }
@@ -93,7 +103,9 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
 static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
 {
     pdm_kvt_stream_rx_destroy(s->rx); /* cancels receives before the cache goes away */
-    if (s->cache) n->kv_used -= s->cache->capacity;
+    n->kv_used -= s->kv_slots;
+    pdm_beam_kv_destroy(s->beam_kv);
+    pdm_beam_search_destroy(s->beam);
     pdm_kv_cache_destroy(s->cache);
     pdm_sampler_destroy(s->sampler);
     free(s->tokens);
@@ -132,7 +144,18 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
     if (pdm__find(n, r->id))
         return pdm_error_set(PDM_EINVAL, "decode node: request %llu is already held",
                              (unsigned long long)r->id);
-    const int64_t need = (int64_t)r->n_prompt + r->max_new;
+    /* Beam search: the prompt once, response segments for every beam (eq. 3). */
+    const int width = r->beams < 0 ? 0 : r->beams ? r->beams : n->p.beam.width;
+    if (width < 0 || width > PDM_BEAM_MAX_WIDTH || width > n->p.max_batch)
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d beams (at most %d, and "
+                             "at most the batch of %d)", (unsigned long long)r->id, width,
+                             PDM_BEAM_MAX_WIDTH, n->p.max_batch);
+    if (width && n->p.kv_dtype == PDM_DT_I8)
+        return pdm_error_set(PDM_EUNSUPPORTED, "decode node: request %llu: beam search with "
+                             "--kv-dtype q8 is not supported (the response segments have no "
+                             "per-head scales yet)", (unsigned long long)r->id);
+    const int64_t need = width ? pdm_beam_kv_slots(width, r->n_prompt, r->max_new)
+                               : (int64_t)r->n_prompt + r->max_new;
     if (n->kv_used + need > n->p.kv_budget)
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: request %llu needs %lld KV slots, "
                              "%lld of %lld are free", (unsigned long long)r->id, (long long)need,
@@ -157,13 +180,15 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
                     .chunk = (uint32_t)r->ranges[i].chunk, .token_start = r->ranges[i].start,
                     .n_tokens = r->ranges[i].len};
             }
-    int st = pdm_kv_cache_create(hp, (int32_t)need, n->p.kv_dtype, &s->cache);
+    int st = pdm_kv_cache_create(hp, width ? r->n_prompt : (int32_t)need, n->p.kv_dtype,
+                                 &s->cache);
     s->tokens = malloc(sizeof(int32_t) * (size_t)r->max_new);
     s->text = malloc(PDM__TEXT_CAP);
     if (!st && (!s->tokens || !s->text))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (!st) {
-        n->kv_used += s->cache->capacity;
+        s->kv_slots = need;
+        n->kv_used += need;
         pdm_kvt_stream_rx_params_t rp = {
             .request_id = r->id, .attempt = r->attempt, .n_layers = hp->n_layers,
             .n_kv_heads = hp->n_kv_heads, .dtype = (uint16_t)n->p.kv_dtype,
@@ -185,6 +210,45 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
     s->attempt = r->attempt;
     s->n_prompt = r->n_prompt;
     s->max_new = r->max_new;
+    s->beam_width = width;
+    s->t_start = pdm_now();
+    return PDM_OK;
+}
+
+/* The beam-search part of start: the search and the segmented cache over the prompt. */
+static int pdm__beam_start(pdm_decode_node_t *n, pdm__seq_t *s, const pdm_decode_start_t *st_)
+{
+    pdm_beam_params_t bp = st_->beam.n_best ? st_->beam : n->p.beam;
+    if (bp.width && bp.width != s->beam_width)
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu was reserved for %d beams, "
+                             "started with %d", (unsigned long long)s->id, s->beam_width,
+                             bp.width);
+    bp.width = s->beam_width;
+    if (bp.n_best > bp.width) bp.n_best = bp.width;
+    int st = pdm_beam_params_check(&bp);
+    if (st) return st;
+    if (st_->prompt_last < 0 || (uint32_t)st_->prompt_last >= n->model->hp.n_vocab)
+        return pdm_error_set(PDM_EINVAL, "decode node: beam search needs the last prompt token "
+                             "(prompt_last)");
+    for (int i = 0; i < st_->n_stops; i++)
+        if (st_->stops[i] && st_->stops[i][0])
+            return pdm_error_set(PDM_EINVAL, "decode node: stop strings are not supported with "
+                                 "beam search");
+    /* max_new - 1 response steps: the last generated token is never fed back. */
+    st = pdm_beam_kv_create(&n->model->hp, s->cache, s->n_prompt, bp.width,
+                            PDM_MAX(1, s->max_new - 1), &s->beam_kv);
+    if (!st)
+        st = pdm_beam_search_create(&bp, (int32_t)n->model->hp.n_vocab, s->max_new, n->eog,
+                                    n->n_eog, &s->beam);
+    if (st) {
+        pdm_beam_kv_destroy(s->beam_kv);
+        s->beam_kv = NULL;
+        return st;
+    }
+    pdm_beam_search_prime(s->beam, st_->prompt_last);
+    s->beam_p = bp;
+    s->deadline = st_->deadline;
+    s->state = SEQ_STARTED;
     s->t_start = pdm_now();
     return PDM_OK;
 }
@@ -202,6 +266,7 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
                              st_->first_token);
     if (st_->n_stops < 0 || st_->n_stops > PDM__MAX_STOPS)
         return pdm_error_set(PDM_EINVAL, "decode node: at most %d stop strings", PDM__MAX_STOPS);
+    if (s->beam_width) return pdm__beam_start(n, s, st_);
     int st = pdm_sampler_params_check(&st_->sp);
     if (!st) st = pdm_sampler_create(&st_->sp, (int32_t)n->model->hp.n_vocab, &s->sampler);
     if (st) return st;
@@ -217,6 +282,66 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
     s->state = SEQ_STARTED;
     s->t_start = pdm_now();
     return PDM_OK;
+}
+
+/* A beam search's DONE: the n-best list (the best one as tokens/text), its texts, and the
+ * memory of the segmented cache against eq. (2) and (3). */
+static void pdm__beam_done(pdm_decode_node_t *n, pdm__seq_t *s, pdm_decode_event_t *ev,
+                           pdm_decode_event_cb cb, void *arg)
+{
+    pdm_beam_search_finish(s->beam); /* no-op when it ended by itself */
+    const pdm_beam_hyp_t *hyps;
+    const int n_hyps = pdm_beam_search_results(s->beam, &hyps);
+    char *texts[PDM_BEAM_MAX_WIDTH] = {0};
+    for (int h = 0; h < n_hyps; h++) {
+        size_t len = 0, cap = 256;
+        char *t = malloc(cap);
+        pdm_detok_t d;
+        pdm_detok_init(&d, 0);
+        for (int i = 0; t && i < hyps[h].n_tokens; i++) {
+            if (pdm_tokenizer_is_eog(n->model->tokenizer, hyps[h].tokens[i])) continue;
+            char piece[256];
+            int w = pdm_detok_feed(&d, n->model->tokenizer, hyps[h].tokens[i], piece, sizeof(piece));
+            if (w <= 0) continue;
+            if (len + (size_t)w + 1 > cap) {
+                char *bigger = realloc(t, cap = 2 * (len + (size_t)w + 1));
+                if (!bigger) {
+                    free(t);
+                    t = NULL;
+                    break;
+                }
+                t = bigger;
+            }
+            memcpy(t + len, piece, (size_t)w);
+            len += (size_t)w;
+        }
+        if (t) t[len] = 0;
+        texts[h] = t;
+    }
+    const pdm_beam_kv_t *kv = s->beam_kv;
+    const pdm_model_hparams_t *hp = &n->model->hp;
+    pdm_beam_report_t rep = {
+        .width = s->beam_p.width, .length_penalty = s->beam_p.length_penalty,
+        .early_stopping = s->beam_p.early_stopping, .hyps = hyps,
+        .texts = (const char *const *)texts, .n_hyps = n_hyps, .n_prompt = s->n_prompt,
+        .n_response = kv->n_steps, .prompt_bytes = pdm_kv_cache_bytes(s->cache),
+        .response_bytes = kv->bytes,
+        .eq2_bytes = pdm_beam_bytes_standard(hp, kv->dtype, kv->width, s->n_prompt, kv->n_steps),
+        .eq3_bytes = pdm_beam_bytes_segment(hp, kv->dtype, kv->width, s->n_prompt, kv->n_steps)};
+    char *owned[PDM_BEAM_MAX_WIDTH];
+    memcpy(owned, texts, sizeof(owned));
+    for (int h = 0; h < n_hyps; h++)
+        if (!texts[h]) texts[h] = (char *)"";
+    if (n_hyps > 0) {
+        ev->tokens = hyps[0].tokens;
+        ev->n_tokens = hyps[0].n_tokens;
+        ev->text = texts[0];
+        if (!strcmp(ev->finish, "length") || !strcmp(ev->finish, "eos"))
+            ev->finish = hyps[0].eos ? "eos" : "length";
+    }
+    ev->beam = &rep;
+    cb(arg, ev);
+    for (int h = 0; h < n_hyps; h++) free(owned[h]);
 }
 
 /* Appends a generated token (text included) and decides whether the sequence ends; returns
@@ -253,6 +378,11 @@ static void pdm__finish(pdm_decode_node_t *n, pdm__seq_t *s, const char *why,
         .type = PDM_DECODE_EV_DONE, .id = s->id, .finish = why, .tokens = s->tokens,
         .n_tokens = s->n_tokens, .text = s->text ? s->text : "", .kv_seconds = s->kv_seconds,
         .step_seconds = s->steps ? s->step_total / s->steps : 0, .kv_bytes = s->kv_bytes};
+    if (s->beam) {
+        pdm__beam_done(n, s, &ev, cb, arg);
+        pdm__seq_release(n, s);
+        return;
+    }
     cb(arg, &ev);
     pdm__seq_release(n, s);
 }
@@ -335,6 +465,10 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
             s->rx = NULL;
             s->cache->n_tokens = s->n_prompt;
             pdm_kv_cache_fix_scales(s->cache); /* q8: set from the verified headers */
+            if (s->beam) { /* the search picks the first token itself (beam.h) */
+                s->state = SEQ_RUNNING;
+                continue;
+            }
             /* The first token (from the prefill side) is the first generated token. */
             pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id,
                                      .token = s->next, .index = 0};
@@ -350,27 +484,50 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
     /* One batched step over up to max_batch running sequences (round robin when more). */
     pdm_decode_seq_t batch[n->p.max_batch];
     pdm__seq_t *who[n->p.max_batch];
+    pdm_beam_kv_t *beams[n->p.max_batch];
     int nb = 0;
     for (int k = 0; k < n->p.max_sequences && nb < n->p.max_batch; k++) {
         pdm__seq_t *s = &n->seqs[(n->rr + k) % n->p.max_sequences];
         if (s->state != SEQ_RUNNING) continue;
+        if (s->beam) { /* its live beams as consecutive rows, if they all fit */
+            int32_t in[PDM_BEAM_MAX_WIDTH];
+            int nl = pdm_beam_search_inputs(s->beam, in);
+            if (nb + nl > n->p.max_batch) continue;
+            for (int b = 0; b < nl; b++) {
+                batch[nb] = (pdm_decode_seq_t){s->cache, in[b],
+                                               n->logits + (size_t)nb * n->model->hp.n_vocab};
+                beams[nb] = s->beam_kv;
+                who[nb++] = s;
+            }
+            continue;
+        }
         batch[nb] = (pdm_decode_seq_t){s->cache, s->next,
                                        n->logits + (size_t)nb * n->model->hp.n_vocab};
+        beams[nb] = NULL;
         who[nb++] = s;
     }
     n->rr = (n->rr + 1) % n->p.max_sequences;
     if (nb) {
         double t0 = pdm_now();
-        int st = pdm_decode_step(n->ctx, &n->act, batch, nb);
+        int st = pdm_decode_step_beams(n->ctx, &n->act, batch, beams, nb);
         double dt = pdm_now() - t0;
         for (int k = 0; k < nb; k++) {
             pdm__seq_t *s = who[k];
+            if (s->state == SEQ_FREE || (k > 0 && who[k - 1] == s)) continue; /* beam rows */
             if (st) {
                 pdm__fail(n, s, pdm_error_last(), cb, arg);
                 continue;
             }
             s->step_total += dt;
             s->steps++;
+            if (s->beam) {
+                int parent[PDM_BEAM_MAX_WIDTH], n_next;
+                int rc = pdm_beam_search_advance(s->beam, batch[k].logits, parent, &n_next);
+                if (rc < 0) pdm__fail(n, s, pdm_error_last(), cb, arg);
+                else if (rc) pdm__finish(n, s, "length", cb, arg);
+                else pdm_beam_kv_reorder(s->beam_kv, parent, n_next);
+                continue;
+            }
             int32_t tok = pdm_sampler_sample(s->sampler, batch[k].logits, s->tokens, s->n_tokens);
             s->next = tok;
             pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id, .token = tok,

@@ -7,12 +7,28 @@
 
 int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs, int n)
 {
+    return pdm_decode_step_beams(ctx, act, seqs, NULL, n);
+}
+
+int pdm_decode_step_beams(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs,
+                          pdm_beam_kv_t *const *beams, int n)
+{
     if (n < 1) return PDM_OK;
     if (n > pdm_model_ctx_max_batch(ctx))
         return pdm_error_set(PDM_EINVAL, "decode: %d sequences exceed the batch of %d", n,
                              pdm_model_ctx_max_batch(ctx));
     int32_t tokens[n], positions[n];
     for (int i = 0; i < n; i++) {
+        if (beams && beams[i]) { /* the rows of a beam search (beam.c) */
+            int st = pdm_beam_step_check(ctx, beams + i, n - i);
+            if (st) return st;
+            for (int b = 0; b < beams[i]->n_live; b++) {
+                tokens[i + b] = seqs[i + b].token;
+                positions[i + b] = pdm_beam_kv_next_pos(beams[i]);
+            }
+            i += beams[i]->n_live - 1;
+            continue;
+        }
         const pdm_kv_cache_t *c = seqs[i].cache;
         if (c->n_tokens >= c->capacity)
             return pdm_error_set(PDM_EOVERFLOW, "decode: sequence %d's KV cache is full (%d "
@@ -28,16 +44,23 @@ int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs
     for (int l = 0; l < (int)hp->n_layers; l++) {
         pdm_model_attn_in(ctx, l, act); /* batched: one matrix product for all sequences */
         for (int i = 0; i < n; i++) {
-            /* Row i of the batch, seen as a batch of one against its own cache. */
+            /* Row i of the batch, seen as a batch of one against its own cache; the rows of a
+             * beam search as one batch against the shared prompt and their segments. */
             pdm_kv_cache_t *c = seqs[i].cache;
+            pdm_beam_kv_t *beam = beams ? beams[i] : NULL;
             pdm_act_t row = *act;
-            row.n = 1;
+            row.n = beam ? beam->n_live : 1;
             row.pos = act->pos + i;
             row.q = act->q + (size_t)i * qdim;
             row.k = act->k + (size_t)i * kvdim;
             row.v = act->v + (size_t)i * kvdim;
             row.o = act->o + (size_t)i * qdim;
             row.lse = act->lse + (size_t)i * hp->n_heads;
+            if (beam) {
+                pdm_beam_kv_attend(ctx, beam, l, &row);
+                i += row.n - 1;
+                continue;
+            }
             pdm_model_kv_store(ctx, c, l, &row, c->n_tokens);
             pdm_kv_view_t view;
             pdm_kv_cache_view(c, (uint32_t)l, 0, c->n_tokens + 1, &view);
@@ -54,6 +77,10 @@ int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs
         pdm_model_logits_batch(ctx, act, n, seqs[0].logits);
     for (int i = 0; i < n; i++) {
         if (!contiguous) pdm_model_logits(ctx, act, i, seqs[i].logits);
+        if (beams && beams[i]) {
+            if (i == 0 || beams[i - 1] != beams[i]) pdm_beam_kv_commit(beams[i]);
+            continue;
+        }
         seqs[i].cache->n_tokens++;
     }
     return PDM_OK;

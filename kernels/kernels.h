@@ -157,6 +157,12 @@ typedef struct pdm_kern_ops {
     /* Converts f32 to the KV storage type (F32 copy or F16; I8 goes through
      * pdm_q8_quantize_row, which needs the head's scale). */
     void (*kv_store)(pdm_dtype_t type, const float *src, void *dst, int n);
+    /* `attention` with the keys gathered through a row table: key j (position k_pos0 + j) is
+     * row kv_rows[j] of k and of v (rows of head_dim values of kv_type). The beam search reads
+     * its response segments through the beam-indirection table this way, the "index select"
+     * fused into the attention (segment KV cache paper §3.3), so reordering beams never copies
+     * KV. kv_rows NULL is `attention`. */
+    void (*attention_rows)(const pdm_kern_attn_t *a, const int32_t *kv_rows);
 } pdm_kern_ops_t;
 
 /* The scalar reference implementation. */

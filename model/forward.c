@@ -127,6 +127,7 @@ const pdm_model_t *pdm_model_ctx_model(const pdm_model_ctx_t *ctx)
 
 int pdm_model_ctx_max_batch(const pdm_model_ctx_t *ctx) { return ctx->max_batch; }
 const pdm_kern_ops_t *pdm_model_ctx_ops(const pdm_model_ctx_t *ctx) { return ctx->ops; }
+pdm_kern_pool_t *pdm_model_ctx_pool(const pdm_model_ctx_t *ctx) { return ctx->pool; }
 
 void pdm_model_ctx_set_ops(pdm_model_ctx_t *ctx, const pdm_kern_ops_t *ops)
 {

@@ -150,6 +150,9 @@ void pdm_model_ctx_destroy(pdm_model_ctx_t *ctx);
 int pdm_model_ctx_max_batch(const pdm_model_ctx_t *ctx);
 const pdm_model_t *pdm_model_ctx_model(const pdm_model_ctx_t *ctx);
 const pdm_kern_ops_t *pdm_model_ctx_ops(const pdm_model_ctx_t *ctx);
+/* The context's thread pool (steps built outside forward.c, e.g. the decode node's beam
+ * attention, split their work over it). */
+pdm_kern_pool_t *pdm_model_ctx_pool(const pdm_model_ctx_t *ctx);
 /* Forces a kernel variant (tests and benchmarks compare them); NULL restores the default. */
 void pdm_model_ctx_set_ops(pdm_model_ctx_t *ctx, const pdm_kern_ops_t *ops);
 

@@ -566,6 +566,7 @@ void pdm_launch_response_free(pdm_launch_response_t *r)
 {
     free(r->tokens);
     free(r->text);
+    free(r->beam_json);
     memset(r, 0, sizeof(*r));
 }
 
@@ -616,6 +617,14 @@ static int pdm__decode_event(pdm__gen_t *g, double deadline, char *name, size_t 
         r->step_seconds = pdm__num(o, "step_seconds");
         r->kv_seconds = pdm__num(o, "kv_seconds");
         r->kv_bytes = pdm__num(o, "kv_bytes");
+        cJSON *nb = cJSON_DetachItemFromObject(o, "n_best"), *bm = cJSON_DetachItemFromObject(o, "beam");
+        if (nb || bm) { /* beam search: keep its report for the caller */
+            cJSON *j = cJSON_CreateObject();
+            if (nb) cJSON_AddItemToObject(j, "n_best", nb);
+            if (bm) cJSON_AddItemToObject(j, "beam", bm);
+            r->beam_json = cJSON_PrintUnformatted(j);
+            cJSON_Delete(j);
+        }
         r->ok = 1;
         g->state[i] = 2;
     } else if (r && !strcmp(name, "error") && g->state[i] != 2) {
@@ -672,6 +681,7 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
             int v[4] = {ranges[k].start, ranges[k].len, ranges[k].rank, ranges[k].chunk};
             cJSON_AddItemToArray(arr, cJSON_CreateIntArray(v, 4));
         }
+        if (q->beams > 0) cJSON_AddNumberToObject(cmd, "beams", q->beams);
         mesh_st = pdm__send_json(&l->proc[l->n], -1, cmd);
         cJSON_Delete(cmd);
         /* Wait for this reservation's answer; other requests' events are applied meanwhile. */
@@ -712,6 +722,14 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
         cJSON_AddNumberToObject(cmd, "repeat_penalty", q->sp.repeat_penalty);
         cJSON_AddNumberToObject(cmd, "seed", (double)q->sp.seed);
         if (q->timeout > 0) cJSON_AddNumberToObject(cmd, "timeout", q->timeout);
+        if (q->beams > 0) { /* beam search picks the first token itself from the last one */
+            cJSON_AddNumberToObject(cmd, "beams", q->beams);
+            cJSON_AddNumberToObject(cmd, "length_penalty", q->length_penalty);
+            cJSON_AddNumberToObject(cmd, "n_best", q->n_best > 0 ? q->n_best : 1);
+            cJSON_AddStringToObject(cmd, "early_stopping",
+                                    q->early_stopping ? q->early_stopping : "heuristic");
+            cJSON_AddNumberToObject(cmd, "prompt_last", q->tokens[q->n_tokens - 1]);
+        }
         cJSON *stops = cJSON_AddArrayToObject(cmd, "stop");
         for (int k = 0; k < q->n_stops; k++)
             cJSON_AddItemToArray(stops, cJSON_CreateString(q->stops[k]));

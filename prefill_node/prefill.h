@@ -271,6 +271,10 @@ typedef struct {
     const char *const *stops;
     int n_stops;
     double timeout;              /* seconds for the whole request; 0: the launcher's */
+    int beams;                   /* beam search width on the decode node (0: sampling) */
+    float length_penalty;        /* beam search only (see decode_node/beam.h) */
+    int n_best;                  /* beam search only; 0: 1 */
+    const char *early_stopping;  /* beam search only: heuristic|early|never; NULL: heuristic */
 } pdm_launch_request_t;
 
 typedef struct {
@@ -286,6 +290,8 @@ typedef struct {
     double kv_seconds;   /* decode node: start -> KV verified */
     double kv_bytes;     /* KV bytes the decode node received */
     double prefill_wait; /* max over ranks of time blocked in communication (streaming too) */
+    char *beam_json;     /* malloc'd, beam search only: {"n_best":[...],"beam":{...}} as the
+                          * decode node reported them; else NULL */
 } pdm_launch_response_t;
 
 /* Runs `n` requests end to end: for each, the decode node reserves KV and posts its receives,

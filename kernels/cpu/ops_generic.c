@@ -224,7 +224,8 @@ int pdm_kern__visible_keys(const pdm_kern_attn_t *a, int32_t qpos)
     return vis > a->n_kv ? a->n_kv : (int)vis;
 }
 
-static void generic_attention(const pdm_kern_attn_t *a)
+/* Key j is row rows[j] of k and v (row j when rows is NULL). */
+static void generic_attention_rows(const pdm_kern_attn_t *a, const int32_t *rows)
 {
     const int hd = a->head_dim;
     for (int i = 0; i < a->n_q; i++) {
@@ -240,8 +241,9 @@ static void generic_attention(const pdm_kern_attn_t *a)
          * weighted sum of values. */
         float m = -INFINITY, l = 0.0f;
         for (int j = 0; j < vis; j++) {
+            const int64_t row = rows ? rows[j] : j;
             float s = 0.0f;
-            for (int d = 0; d < hd; d++) s += q[d] * kv_get(a->kv_type, a->k, (int64_t)j * hd + d, a->k_scale);
+            for (int d = 0; d < hd; d++) s += q[d] * kv_get(a->kv_type, a->k, row * hd + d, a->k_scale);
             s *= a->scale;
             if (s > m) {
                 float c = expf(m - s); /* exp(-inf) = 0 on the first key */
@@ -251,13 +253,15 @@ static void generic_attention(const pdm_kern_attn_t *a)
             }
             float p = expf(s - m);
             l += p;
-            for (int d = 0; d < hd; d++) o[d] += p * kv_get(a->kv_type, a->v, (int64_t)j * hd + d, a->v_scale);
+            for (int d = 0; d < hd; d++) o[d] += p * kv_get(a->kv_type, a->v, row * hd + d, a->v_scale);
         }
         float inv = 1.0f / l;
         for (int d = 0; d < hd; d++) o[d] *= inv;
         a->lse[(size_t)i * a->lse_stride] = m + logf(l);
     }
 }
+
+static void generic_attention(const pdm_kern_attn_t *a) { generic_attention_rows(a, NULL); }
 
 void pdm_kern__attn_merge_generic(float *o1, float *lse1, const float *o2, float lse2, int n)
 {
@@ -297,4 +301,5 @@ const pdm_kern_ops_t pdm_kern_ops_generic = {
     .attention = generic_attention,
     .attn_merge = pdm_kern__attn_merge_generic,
     .kv_store = pdm_kern__kv_store_generic,
+    .attention_rows = generic_attention_rows,
 };

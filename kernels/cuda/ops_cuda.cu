@@ -42,7 +42,7 @@ static pthread_mutex_t pdm_cuda_lock = PTHREAD_MUTEX_INITIALIZER;
 /* ---- Device memory: scratch buffers and the weight cache ------------------------------------ */
 
 /* Grow-only scratch slots, one per operand position of an op. Ops are serialised by the lock. */
-#define PDM_CUDA_SLOTS 6
+#define PDM_CUDA_SLOTS 7
 static void *pdm_cuda_slot[PDM_CUDA_SLOTS];
 static size_t pdm_cuda_slot_bytes[PDM_CUDA_SLOTS];
 
@@ -250,11 +250,12 @@ __device__ static inline float kv_at(pdm_dtype_t type, const void *base, int64_t
 
 /* One block (one warp, 32 threads) per query row: keys in chunks of 32, one key per lane for
  * the score, then an online-softmax update of the row's output where lanes own head_dim / 32
- * dimensions each. Output o rows are compact [n_q][head_dim]; lse [n_q]. */
+ * dimensions each. Output o rows are compact [n_q][head_dim]; lse [n_q]. Key j is row rows[j]
+ * of k and v when rows is not NULL (the beam-indirection table, segment KV cache §3.3). */
 __global__ void k_attention(const float *q, int64_t q_stride, const int32_t *q_pos,
                             const void *k, const void *v, pdm_dtype_t kv_type, float k_scale,
                             float v_scale, int32_t k_pos0, int n_kv, int head_dim, float scale,
-                            int causal, float *o, float *lse)
+                            int causal, float *o, float *lse, const int32_t *rows)
 {
     const int row = blockIdx.x, lane = threadIdx.x;
     const float *qr = q + (size_t)row * q_stride;
@@ -270,7 +271,8 @@ __global__ void k_attention(const float *q, int64_t q_stride, const int32_t *q_p
         float s = -INFINITY;
         if (j < vis) {
             s = 0.0f;
-            for (int d = 0; d < head_dim; d++) s += qr[d] * kv_at(kv_type, k, (int64_t)j * head_dim + d, k_scale);
+            const int64_t kr = rows ? rows[j] : j;
+            for (int d = 0; d < head_dim; d++) s += qr[d] * kv_at(kv_type, k, kr * head_dim + d, k_scale);
             s *= scale;
         }
         float m_new = fmaxf(m, warp_max(s));
@@ -283,7 +285,8 @@ __global__ void k_attention(const float *q, int64_t q_stride, const int32_t *q_p
                 int d = lane + 32 * t;
                 if (d < head_dim) {
                     if (jj == 0) acc[t] *= c;
-                    acc[t] += pj * kv_at(kv_type, v, (int64_t)(j0 + jj) * head_dim + d, v_scale);
+                    const int64_t vr = rows ? rows[j0 + jj] : j0 + jj;
+                    acc[t] += pj * kv_at(kv_type, v, vr * head_dim + d, v_scale);
                 }
             }
         }
@@ -376,11 +379,19 @@ static void cuda_swiglu(float *out, const float *gate, const float *up, int n)
     pthread_mutex_unlock(&pdm_cuda_lock);
 }
 
-static void cuda_attention(const pdm_kern_attn_t *a)
+/* Key j is row rows[j] of k and v (row j when rows is NULL). The table goes to the device and
+ * the kernel gathers through it; only the rows up to the largest index are uploaded. */
+static void cuda_attention_rows(const pdm_kern_attn_t *a, const int32_t *rows)
 {
-    if (a->head_dim > 256 || a->n_q <= 0) {
-        pdm_kern_ops_generic.attention(a);
+    if (a->head_dim > 256 || a->n_q <= 0 || a->n_kv <= 0) {
+        pdm_kern_ops_generic.attention_rows(a, rows);
         return;
+    }
+    int64_t n_rows = a->n_kv;
+    if (rows) {
+        n_rows = 0;
+        for (int j = 0; j < a->n_kv; j++)
+            if (rows[j] + 1 > n_rows) n_rows = rows[j] + 1;
     }
     pthread_mutex_lock(&pdm_cuda_lock);
     size_t esz = a->kv_type == PDM_DT_F16 ? 2 : a->kv_type == PDM_DT_I8 ? 1 : 4;
@@ -388,14 +399,15 @@ static void cuda_attention(const pdm_kern_attn_t *a)
     size_t qbytes = ((size_t)(a->n_q - 1) * a->q_stride + hd) * 4;
     const float *dq = (const float *)upload(0, a->q, qbytes);
     const int32_t *dpos = (const int32_t *)upload(1, a->q_pos, (size_t)a->n_q * 4);
-    const void *dk = upload(2, a->k, (size_t)a->n_kv * hd * esz);
-    const void *dv = upload(3, a->v, (size_t)a->n_kv * hd * esz);
+    const void *dk = upload(2, a->k, (size_t)n_rows * hd * esz);
+    const void *dv = upload(3, a->v, (size_t)n_rows * hd * esz);
     float *dout = (float *)scratch(4, (size_t)a->n_q * hd * 4);
     float *dlse = (float *)scratch(5, (size_t)a->n_q * 4);
-    if (dq && dpos && dk && dv && dout && dlse) {
+    const int32_t *drows = rows ? (const int32_t *)upload(6, rows, (size_t)a->n_kv * 4) : NULL;
+    if (dq && dpos && dk && dv && dout && dlse && (drows || !rows)) {
         k_attention<<<a->n_q, 32>>>(dq, a->q_stride, dpos, dk, dv, a->kv_type, a->k_scale,
-                                    a->v_scale, a->k_pos0,
-                                    a->n_kv, a->head_dim, a->scale, a->causal, dout, dlse);
+                                    a->v_scale, a->k_pos0, a->n_kv, a->head_dim, a->scale,
+                                    a->causal, dout, dlse, drows);
         PDM_CUDA_CHECK(cudaGetLastError());
         float *ho = (float *)malloc((size_t)a->n_q * hd * 4), *hl = (float *)malloc((size_t)a->n_q * 4);
         if (ho && hl) {
@@ -411,6 +423,8 @@ static void cuda_attention(const pdm_kern_attn_t *a)
     }
     pthread_mutex_unlock(&pdm_cuda_lock);
 }
+
+static void cuda_attention(const pdm_kern_attn_t *a) { cuda_attention_rows(a, NULL); }
 
 /* The merge is O(head_dim) per row: a kernel launch and two copies would cost more than the
  * work, so it shares the reference's host code (as the CPU SIMD variants do). */
@@ -439,6 +453,7 @@ static void cuda_kv_store(pdm_dtype_t type, const float *src, void *dst, int n)
 static const pdm_kern_ops_t pdm_kern_ops_cuda_table = {
     "cuda",         cuda_act_bytes, cuda_act_convert, cuda_matmul,     cuda_rmsnorm,
     cuda_rope,      cuda_swiglu,    cuda_attention,   cuda_attn_merge, cuda_kv_store,
+    cuda_attention_rows,
 };
 
 extern "C" const pdm_kern_ops_t *pdm_kern_ops_cuda(char *why, size_t why_len)

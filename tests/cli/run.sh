@@ -154,6 +154,20 @@ import json,sys
 a=json.loads(open(sys.argv[1]).readline()); b=json.loads(open(sys.argv[2]).readline())
 assert b["kv_dtype"]=="q8" and 2*b["kv_bytes"]==a["kv_bytes"] and len(b["token_ids"])==4, (a, b)' "$tmp/f16.json" "$tmp/out"; then ok "disagg-run q8 halves KV bytes"; else bad "disagg-run q8 halves KV bytes" "$(cat "$tmp/out")"; fi
   expect "disagg-run bad kv dtype" 2 "$bin" disagg-run --model "$tmp/tiny.gguf" --prefill-ranks 2 --method kvr-e --prompt "x" --kv-dtype int4
+  # beam search on the decode node: n-best list with scores, best first; KV memory = eq. (3)
+  expect "disagg-run beams" 0 "$bin" disagg-run --model "$tmp/tiny.gguf" --prefill-ranks 2 --method kvr-e --prompt "the fox" -n 20 --beams 3 --n-best 2 --length-penalty 0.5 --json
+  if $py -c '
+import json,sys
+r=json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+nb, b = r["n_best"], r["beam"]
+assert len(nb)==2 and nb[0]["score"]>=nb[1]["score"] and nb[0]["tokens"]==r["token_ids"], r
+for h in nb:
+    n=len(h["tokens"]); assert abs(h["score"]-h["logprob"]/n**0.5) < 1e-6*max(1,abs(h["score"])), h
+assert b["width"]==3 and b["kv_prompt_bytes"]+b["kv_response_bytes"]==b["kv_bytes_eq3"], b
+assert b["kv_response_bytes"] % (3*16) == 0 and b["n_response"] >= 1, b' "$tmp/out"; then ok "disagg-run beams json"; else bad "disagg-run beams json" "$(head -c 600 "$tmp/out")"; fi
+  expect "disagg-run bad --beams" 2 "$bin" disagg-run --model "$tmp/tiny.gguf" --prefill-ranks 2 --method kvr-e --prompt "x" --beams 9
+  expect "disagg-run n-best above beams" 2 "$bin" disagg-run --model "$tmp/tiny.gguf" --prefill-ranks 2 --method kvr-e --prompt "x" --beams 2 --n-best 3
+  expect "decode daemon bad --beams" 2 "$decoded" --beams 12
   # malformed control input: clear errors, no crash, clean exit at end of input
   printf 'not json\n{"cmd":"nope"}\n{"cmd":"task"}\n{"cmd":"group","rank":5,"size":2,"addrs":["zz","00"]}\n' |
     "$prefilld" --model "$tmp/tiny.gguf" >"$tmp/out" 2>"$tmp/err"

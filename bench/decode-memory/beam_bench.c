@@ -1,0 +1,276 @@
+/*
+ * beam_bench.c - beam search on the decode node: KV memory (segment KV cache paper eq. 2 vs
+ * eq. 3, and what is actually allocated) and next-token latency per beam width.
+ *
+ * A prompt of N_prompt random tokens is prefilled once (pdm_model_prefill); its KV is copied
+ * into each run's own prompt cache, as if it had arrived from the prefill ranks. For each
+ * width W, two beam searches of N_response steps run over the same prompt, both driven by the
+ * decode node's search (pdm_beam_search_*, no end tokens, so every run is N_response steps):
+ *   segmented: the prompt KV once, response KV in 16-step segments, beams reordered through the
+ *              indirection table (decode_node/beam.c), steps by pdm_decode_step_beams;
+ *   copying:   the "standard" layout of eq. (2): one cache of N_prompt + N_response slots per
+ *              beam (the prompt copied W times), steps by pdm_decode_step, and after each step
+ *              every beam's cache is overwritten by a copy of its parent's (index select).
+ * Latency is wall time per step after the first (the priming step is left out), mean and
+ * median. Memory: the bytes each layout allocated, beside eq. (2) and eq. (3).
+ *
+ * Writes a JSON report (--json FILE) and a markdown table (--md FILE). The machine this runs on
+ * may be shared: numbers are labelled as such unless --quiet-machine is given.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/pdm.h"
+#include "decode_node/decode.h"
+#include "model/model.h"
+
+typedef struct {
+    int width;
+    size_t eq2, eq3, seg_bytes, copy_bytes;
+    double seg_mean, seg_median, copy_mean, copy_median;
+    uint64_t copy_bytes_moved; /* KV bytes copied by the copying layout's reorders */
+} result_t;
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void stats(double *t, int n, double *mean, double *median)
+{
+    double s = 0;
+    for (int i = 0; i < n; i++) s += t[i];
+    *mean = n ? s / n : 0;
+    qsort(t, (size_t)n, sizeof(double), cmp_double);
+    *median = n ? (n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2])) : 0;
+}
+
+static void copy_kv(pdm_kv_cache_t *dst, const pdm_kv_cache_t *src, int32_t n_tokens)
+{
+    const size_t bytes = (size_t)n_tokens * pdm_dtype_row_bytes(src->dtype, src->head_dim);
+    for (uint32_t l = 0; l < src->n_layers; l++)
+        for (uint32_t h = 0; h < src->n_kv_heads; h++) {
+            memcpy(pdm_kv_cache_k(dst, l, h), pdm_kv_cache_k(src, l, h), bytes);
+            memcpy(pdm_kv_cache_v(dst, l, h), pdm_kv_cache_v(src, l, h), bytes);
+        }
+    dst->n_tokens = n_tokens;
+}
+
+static int run_width(pdm_model_ctx_t *ctx, const pdm_kv_cache_t *base, int32_t last_token,
+                     int n_prompt, int n_resp, int W, result_t *r)
+{
+    const pdm_model_t *m = pdm_model_ctx_model(ctx);
+    const int V = (int)m->hp.n_vocab;
+    pdm_beam_params_t bp;
+    pdm_beam_params_default(&bp);
+    bp.width = W;
+    bp.n_best = 1;
+    bp.early_stopping = PDM_BEAM_STOP_NEVER;
+    pdm_act_t act;
+    float *logits = malloc(sizeof(float) * (size_t)V * W);
+    double *t = malloc(sizeof(double) * (size_t)(n_resp + 1));
+    if (!logits || !t || pdm_act_alloc(&m->hp, W, &act)) return -1;
+    r->width = W;
+    r->eq2 = pdm_beam_bytes_standard(&m->hp, base->dtype, W, n_prompt, n_resp);
+    r->eq3 = pdm_beam_bytes_segment(&m->hp, base->dtype, W, n_prompt, n_resp);
+
+    /* segmented */
+    pdm_kv_cache_t *pc;
+    pdm_beam_kv_t *kv;
+    pdm_beam_search_t *bs;
+    if (pdm_kv_cache_create(&m->hp, n_prompt, base->dtype, &pc)) return -1;
+    copy_kv(pc, base, n_prompt);
+    if (pdm_beam_kv_create(&m->hp, pc, n_prompt, W, n_resp, &kv) ||
+        pdm_beam_search_create(&bp, V, n_resp + 1, NULL, 0, &bs))
+        return -1;
+    pdm_beam_search_prime(bs, last_token);
+    int done = 0, n_t = 0;
+    while (!done) {
+        int32_t in[PDM_BEAM_MAX_WIDTH];
+        pdm_decode_seq_t seqs[PDM_BEAM_MAX_WIDTH];
+        pdm_beam_kv_t *beams[PDM_BEAM_MAX_WIDTH];
+        int nl = pdm_beam_search_inputs(bs, in);
+        for (int b = 0; b < nl; b++) {
+            seqs[b] = (pdm_decode_seq_t){pc, in[b], logits + (size_t)b * V};
+            beams[b] = kv;
+        }
+        const int priming = !kv->primed;
+        double t0 = pdm_now();
+        if (pdm_decode_step_beams(ctx, &act, seqs, beams, nl)) return -1;
+        int parent[PDM_BEAM_MAX_WIDTH], nn;
+        done = pdm_beam_search_advance(bs, logits, parent, &nn);
+        if (done < 0) return -1;
+        if (!done) pdm_beam_kv_reorder(kv, parent, nn);
+        if (!priming) t[n_t++] = pdm_now() - t0;
+    }
+    r->seg_bytes = pdm_kv_cache_bytes(pc) + kv->bytes;
+    stats(t, n_t, &r->seg_mean, &r->seg_median);
+    pdm_beam_search_destroy(bs);
+    pdm_beam_kv_destroy(kv);
+    pdm_kv_cache_destroy(pc);
+
+    /* copying: one full cache per beam, reorders copy caches */
+    pdm_kv_cache_t *cache[PDM_BEAM_MAX_WIDTH], *next[PDM_BEAM_MAX_WIDTH];
+    r->copy_bytes = 0;
+    for (int b = 0; b < W; b++) {
+        if (pdm_kv_cache_create(&m->hp, n_prompt + n_resp, base->dtype, &cache[b]) ||
+            pdm_kv_cache_create(&m->hp, n_prompt + n_resp, base->dtype, &next[b]))
+            return -1;
+        copy_kv(cache[b], base, n_prompt); /* eq. (2): the prompt once per beam */
+        r->copy_bytes += pdm_kv_cache_bytes(cache[b]);
+    }
+    if (pdm_beam_search_create(&bp, V, n_resp + 1, NULL, 0, &bs)) return -1;
+    /* priming: logits of the last prompt token */
+    cache[0]->n_tokens = n_prompt - 1;
+    pdm_decode_seq_t first = {cache[0], last_token, logits};
+    if (pdm_decode_step(ctx, &act, &first, 1)) return -1;
+    int parent[PDM_BEAM_MAX_WIDTH], nn;
+    done = pdm_beam_search_advance(bs, logits, parent, &nn);
+    for (int b = 0; b < nn; b++) copy_kv(next[b], cache[parent[b]], n_prompt);
+    for (int b = 0; b < nn; b++) {
+        pdm_kv_cache_t *x = cache[b];
+        cache[b] = next[b];
+        next[b] = x;
+    }
+    n_t = 0;
+    r->copy_bytes_moved = 0;
+    while (!done) {
+        int32_t in[PDM_BEAM_MAX_WIDTH];
+        pdm_decode_seq_t seqs[PDM_BEAM_MAX_WIDTH];
+        int nl = pdm_beam_search_inputs(bs, in);
+        for (int b = 0; b < nl; b++) seqs[b] = (pdm_decode_seq_t){cache[b], in[b], logits + (size_t)b * V};
+        double t0 = pdm_now();
+        if (pdm_decode_step(ctx, &act, seqs, nl)) return -1;
+        done = pdm_beam_search_advance(bs, logits, parent, &nn);
+        if (!done) { /* index select: every beam's cache becomes a copy of its parent's */
+            for (int b = 0; b < nn; b++) {
+                copy_kv(next[b], cache[parent[b]], cache[parent[b]]->n_tokens);
+                r->copy_bytes_moved += (uint64_t)cache[parent[b]]->n_tokens * 2 *
+                                       m->hp.n_layers * m->hp.n_kv_heads *
+                                       pdm_dtype_row_bytes(base->dtype, m->hp.head_dim);
+            }
+            for (int b = 0; b < nn; b++) {
+                pdm_kv_cache_t *x = cache[b];
+                cache[b] = next[b];
+                next[b] = x;
+            }
+        }
+        t[n_t++] = pdm_now() - t0;
+    }
+    stats(t, n_t, &r->copy_mean, &r->copy_median);
+    pdm_beam_search_destroy(bs);
+    for (int b = 0; b < W; b++) {
+        pdm_kv_cache_destroy(cache[b]);
+        pdm_kv_cache_destroy(next[b]);
+    }
+    pdm_act_free(&act);
+    free(logits);
+    free(t);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *model_path = pdm_model_default_path(), *json_path = NULL, *md_path = NULL;
+    int n_prompt = 1024, n_resp = 128, threads = 2, quiet = 0;
+    int widths[8] = {1, 2, 4, 8}, n_widths = 4;
+    pdm_dtype_t kvt = PDM_DT_F16;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--model") && v) model_path = argv[++i];
+        else if (!strcmp(a, "--prompt") && v) n_prompt = atoi(argv[++i]);
+        else if (!strcmp(a, "--response") && v) n_resp = atoi(argv[++i]);
+        else if (!strcmp(a, "--threads") && v) threads = atoi(argv[++i]);
+        else if (!strcmp(a, "--json") && v) json_path = argv[++i];
+        else if (!strcmp(a, "--md") && v) md_path = argv[++i];
+        else if (!strcmp(a, "--kv-dtype") && v) kvt = !strcmp(argv[++i], "f32") ? PDM_DT_F32 : PDM_DT_F16;
+        else if (!strcmp(a, "--quiet-machine")) quiet = 1;
+        else if (!strcmp(a, "--widths") && v) {
+            n_widths = 0;
+            for (char *s = argv[++i]; *s && n_widths < 8;) {
+                char *end;
+                long w = strtol(s, &end, 10);
+                if (end == s || w < 1 || w > PDM_BEAM_MAX_WIDTH) goto usage;
+                widths[n_widths++] = (int)w;
+                s = *end == ',' ? end + 1 : end;
+            }
+        } else goto usage;
+    }
+    if (n_prompt < 2 || n_resp < 1 || threads < 1 || n_widths < 1) goto usage;
+    pdm_model_t *m;
+    pdm_model_ctx_t *ctx;
+    if (pdm_model_load(model_path, &m) || pdm_model_ctx_create(m, threads, 64, &ctx)) {
+        fprintf(stderr, "beam_bench: %s\n", pdm_error_last());
+        return 1;
+    }
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_prompt);
+    uint64_t seed = 1234;
+    for (int i = 0; i < n_prompt; i++) ids[i] = (int32_t)(3 + pdm_splitmix64(&seed) % (m->hp.n_vocab - 3));
+    pdm_kv_cache_t *base;
+    if (pdm_kv_cache_create(&m->hp, n_prompt, kvt, &base) ||
+        pdm_model_prefill(ctx, base, ids, n_prompt, NULL)) {
+        fprintf(stderr, "beam_bench: %s\n", pdm_error_last());
+        return 1;
+    }
+    result_t res[8];
+    for (int w = 0; w < n_widths; w++) {
+        if (run_width(ctx, base, ids[n_prompt - 1], n_prompt, n_resp, widths[w], &res[w])) {
+            fprintf(stderr, "beam_bench: width %d: %s\n", widths[w], pdm_error_last());
+            return 1;
+        }
+        fprintf(stderr, "width %d: segmented %.2f ms/step (median %.2f), copying %.2f ms/step, "
+                "memory %.1f MiB (eq.3 %.1f) vs %.1f MiB (eq.2 %.1f)\n", widths[w],
+                res[w].seg_mean * 1e3, res[w].seg_median * 1e3, res[w].copy_mean * 1e3,
+                res[w].seg_bytes / 1048576.0, res[w].eq3 / 1048576.0,
+                res[w].copy_bytes / 1048576.0, res[w].eq2 / 1048576.0);
+    }
+    const char *note = quiet ? "quiet machine" : "noisy, shared machine";
+    FILE *f = json_path ? fopen(json_path, "w") : stdout;
+    if (!f) return 1;
+    fprintf(f, "{\n  \"bench\": \"decode-memory-beam\",\n  \"model\": \"%s\",\n  \"n_layers\": %u, "
+            "\"n_kv_heads\": %u, \"head_dim\": %u,\n  \"kv_dtype\": \"%s\",\n  \"n_prompt\": %d,\n"
+            "  \"n_response\": %d,\n  \"threads\": %d,\n  \"note\": \"%s\",\n  \"widths\": [\n",
+            model_path, m->hp.n_layers, m->hp.n_kv_heads, m->hp.head_dim, pdm_dtype_name(kvt),
+            n_prompt, n_resp, threads, note);
+    for (int w = 0; w < n_widths; w++)
+        fprintf(f, "    {\"width\": %d, \"eq2_bytes\": %zu, \"eq3_bytes\": %zu, "
+                "\"segmented_allocated_bytes\": %zu, \"copying_allocated_bytes\": %zu, "
+                "\"segmented_step_ms_mean\": %.3f, \"segmented_step_ms_median\": %.3f, "
+                "\"copying_step_ms_mean\": %.3f, \"copying_step_ms_median\": %.3f, "
+                "\"copying_kv_bytes_moved\": %llu, \"segmented_kv_bytes_moved\": 0}%s\n",
+                res[w].width, res[w].eq2, res[w].eq3, res[w].seg_bytes, res[w].copy_bytes,
+                res[w].seg_mean * 1e3, res[w].seg_median * 1e3, res[w].copy_mean * 1e3,
+                res[w].copy_median * 1e3, (unsigned long long)res[w].copy_bytes_moved,
+                w + 1 < n_widths ? "," : "");
+    fprintf(f, "  ]\n}\n");
+    if (json_path) fclose(f);
+    if (md_path && (f = fopen(md_path, "w"))) {
+        fprintf(f, "# Beam search: KV memory and next-token latency (%s)\n\n", note);
+        fprintf(f, "Model `%s` (%u layers, %u KV heads x %u dims), KV %s, prompt %d tokens, "
+                "response %d steps, %d threads. Produced by `make bench-decode-memory-beam` "
+                "(bench/decode-memory/beam_bench.c).\n\n", model_path, m->hp.n_layers,
+                m->hp.n_kv_heads, m->hp.head_dim, pdm_dtype_name(kvt), n_prompt, n_resp, threads);
+        fprintf(f, "| beams | eq. (2) MiB | eq. (3) MiB | segmented allocated MiB | copying "
+                "allocated MiB | segmented ms/token (mean / median) | copying ms/token (mean / "
+                "median) | KV copied by reorders, copying (MiB) |\n|---|---|---|---|---|---|---|---|\n");
+        for (int w = 0; w < n_widths; w++)
+            fprintf(f, "| %d | %.2f | %.2f | %.2f | %.2f | %.1f / %.1f | %.1f / %.1f | %.0f |\n",
+                    res[w].width, res[w].eq2 / 1048576.0, res[w].eq3 / 1048576.0,
+                    res[w].seg_bytes / 1048576.0, res[w].copy_bytes / 1048576.0,
+                    res[w].seg_mean * 1e3, res[w].seg_median * 1e3, res[w].copy_mean * 1e3,
+                    res[w].copy_median * 1e3, res[w].copy_bytes_moved / 1048576.0);
+        fclose(f);
+    }
+    pdm_kv_cache_destroy(base);
+    free(ids);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+    return 0;
+usage:
+    fprintf(stderr, "usage: beam_bench [--model PATH] [--prompt N] [--response N] [--threads N]\n"
+                    "                  [--widths 1,2,4,8] [--kv-dtype f16|f32] [--json FILE] "
+                    "[--md FILE] [--quiet-machine]\n");
+    return 2;
+}
