@@ -63,6 +63,12 @@ struct pdm_kvt {
     int efd;
 
     pthread_mutex_t lock; /* slots, peers, stats (recursive) */
+    /* Held around every ucp_worker_progress (recursive) and by pdm_kvt_cancel while it calls
+     * ucp_request_cancel under `lock`: progress holds UCX's worker lock and its callbacks take
+     * `lock`, cancel holds `lock` and takes the worker lock, so without this the two could
+     * deadlock (seen: a stream receiver destroyed while its remaining blocks arrive). Order:
+     * progress_lock, then lock. */
+    pthread_mutex_t progress_lock;
     pthread_cond_t cond;  /* signalled on every completion */
     pdm__slot_t *slots;
     int n_slots;
@@ -178,7 +184,7 @@ static void pdm__ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 
 /* Closes failed endpoints and cancels receives that wait for failed peers. Called from the
  * progressing thread, never from a UCX callback. */
-static void pdm__reap_failed(pdm_kvt_t *kvt)
+static void pdm__reap_failed_locked(pdm_kvt_t *kvt)
 {
     ucp_ep_h to_close[PDM__KVT_MAX_PEERS];
     int n_close = 0;
@@ -222,11 +228,22 @@ static void pdm__reap_failed(pdm_kvt_t *kvt)
     }
 }
 
+/* Cancels and closes what failed peers left, under progress_lock (it cancels UCX requests
+ * while holding `lock`; see progress_lock). */
+static void pdm__reap_failed(pdm_kvt_t *kvt)
+{
+    pthread_mutex_lock(&kvt->progress_lock);
+    pdm__reap_failed_locked(kvt);
+    pthread_mutex_unlock(&kvt->progress_lock);
+}
+
 int pdm_kvt_progress(pdm_kvt_t *kvt)
 {
     int n = 0;
+    pthread_mutex_lock(&kvt->progress_lock);
     while (ucp_worker_progress(kvt->worker)) n++;
     pdm__reap_failed(kvt);
+    pthread_mutex_unlock(&kvt->progress_lock);
     return n;
 }
 
@@ -293,6 +310,7 @@ int pdm_kvt_create(const pdm_kvt_params_t *params, pdm_kvt_t **out)
     pthread_mutexattr_init(&ma);
     pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_RECURSIVE);
     pthread_mutex_init(&kvt->lock, &ma);
+    pthread_mutex_init(&kvt->progress_lock, &ma);
     pthread_mutexattr_destroy(&ma);
     pthread_cond_init(&kvt->cond, NULL);
 
@@ -356,6 +374,7 @@ err_context:
 err_sync:
     pthread_cond_destroy(&kvt->cond);
     pthread_mutex_destroy(&kvt->lock);
+    pthread_mutex_destroy(&kvt->progress_lock);
 err_free:
     free(kvt->slots);
     free(kvt);
@@ -399,6 +418,7 @@ void pdm_kvt_destroy(pdm_kvt_t *kvt)
     ucp_cleanup(kvt->context);
     pthread_cond_destroy(&kvt->cond);
     pthread_mutex_destroy(&kvt->lock);
+    pthread_mutex_destroy(&kvt->progress_lock);
     for (int i = 0; kvt->slots && i < kvt->n_slots; i++) free(kvt->slots[i].iov);
     free(kvt->slots);
     free(kvt);
@@ -732,7 +752,9 @@ void pdm_kvt_cancel(pdm_kvt_t *kvt, pdm_kvt_req_t *reqs, int n)
 {
     /* Cancel every receive first, then wait once: a receive already matched by a message in
      * flight cannot be cancelled and completes when its data is in, so waiting for each in
-     * turn could add one grace period per request. */
+     * turn could add one grace period per request. No other thread progresses the worker
+     * meanwhile (see progress_lock). */
+    pthread_mutex_lock(&kvt->progress_lock);
     pthread_mutex_lock(&kvt->lock);
     for (int i = 0; i < n; i++) {
         pdm__slot_t *s;
@@ -745,6 +767,7 @@ void pdm_kvt_cancel(pdm_kvt_t *kvt, pdm_kvt_req_t *reqs, int n)
             ucp_request_cancel(kvt->worker, s->ureq); /* may complete inline (recursive lock) */
         pthread_mutex_unlock(&kvt->lock); /* taken by pdm__slot_lock */
     }
+    pthread_mutex_unlock(&kvt->progress_lock);
     double until = pdm_now() + PDM__KVT_GRACE;
     for (;;) {
         int pending = 0;
@@ -786,8 +809,11 @@ int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb 
             void *r = ucp_tag_msg_recv_nbx(kvt->worker, buf, info.length, msg, &prm);
             if (UCS_PTR_IS_PTR(r)) {
                 double until = pdm_now() + PDM__KVT_GRACE;
-                while (ucp_request_check_status(r) == UCS_INPROGRESS && pdm_now() < until)
+                while (ucp_request_check_status(r) == UCS_INPROGRESS && pdm_now() < until) {
+                    pthread_mutex_lock(&kvt->progress_lock);
                     ucp_worker_progress(kvt->worker);
+                    pthread_mutex_unlock(&kvt->progress_lock);
+                }
                 ok = ucp_request_check_status(r) == UCS_OK;
                 if (ucp_request_check_status(r) == UCS_INPROGRESS) {
                     ucp_request_cancel(kvt->worker, r);

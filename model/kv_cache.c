@@ -68,6 +68,7 @@ void pdm_kv_cache_clear(pdm_kv_cache_t *c)
 {
     c->n_tokens = 0;
     c->pos0 = 0;
+    c->scales_fixed = 0; /* q8: the next prompt fixes its own scales */
 }
 
 size_t pdm_kv_cache_bytes(const pdm_kv_cache_t *c)

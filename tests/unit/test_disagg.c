@@ -129,7 +129,10 @@ static void run_methods_kv(int R, const char *kv_name, pdm_dtype_t kv_dtype)
     }
     for (int mi = 0; mi < PDM_PREFILL_AUTO; mi++) {
         pdm_prefill_method_t meth = (pdm_prefill_method_t)mi;
-        if (meth == PDM_PREFILL_KVR_P || (meth == PDM_PREFILL_SINGLE) != (R == 1)) continue;
+        /* kvr-p runs on a table's predicted partition: for q8 it is given directly */
+        if ((meth == PDM_PREFILL_KVR_P && kv_dtype != PDM_DT_I8) ||
+            (meth == PDM_PREFILL_SINGLE) != (R == 1))
+            continue;
         int chunks[3][PDM_KVT_MAX_RANKS];
         pdm_launch_request_t reqs[3];
         for (int i = 0; i < 3; i++) {
@@ -141,7 +144,9 @@ static void run_methods_kv(int R, const char *kv_name, pdm_dtype_t kv_dtype)
                 uint64_t s = 77 + (uint64_t)i; /* uneven for kvr-s, even otherwise */
                 for (int r = 0; r < R; r++) chunks[i][r] = 1;
                 for (int left = lens[i] - R; left > 0; left--)
-                    chunks[i][meth == PDM_PREFILL_KVR_S ? (int)(pdm_splitmix64(&s) % (uint64_t)R) : left % R]++;
+                    chunks[i][meth == PDM_PREFILL_KVR_S || meth == PDM_PREFILL_KVR_P
+                                  ? (int)(pdm_splitmix64(&s) % (uint64_t)R)
+                                  : left % R]++;
                 if (meth != PDM_PREFILL_TSP) reqs[i].chunks = chunks[i];
             }
         }

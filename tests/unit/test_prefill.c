@@ -344,9 +344,10 @@ static void run_q8_case(int R)
         reference(model_path, PDM_DT_I8, ids, n, &ref); /* chunks of 16: the layer-wise path */
         for (int mi = 0; mi < PDM_PREFILL_AUTO; mi++) {
             pdm_prefill_method_t meth = (pdm_prefill_method_t)mi;
-            if (meth == PDM_PREFILL_KVR_P || (meth == PDM_PREFILL_SINGLE) != (R == 1)) continue;
+            if ((meth == PDM_PREFILL_SINGLE) != (R == 1)) continue;
             int chunks[PDM_KVT_MAX_RANKS], *ck = NULL;
-            if (meth == PDM_PREFILL_KVR_S) {
+            /* kvr-p: the partition a table would predict, given directly (uneven) */
+            if (meth == PDM_PREFILL_KVR_S || meth == PDM_PREFILL_KVR_P) {
                 uint64_t s = seed * 17;
                 for (int i = 0; i < R; i++) chunks[i] = 1;
                 for (int left = n - R; left > 0; left--) chunks[pdm_splitmix64(&s) % R]++;
