@@ -34,6 +34,10 @@ typedef struct {
 } pdm__cp_layout_t;
 
 struct pdm_prefill_rank {
+    /* Fault injection for tests (PDMESH_FAULT_STALL_AFTER_LAYER=L): after streaming layer L
+     * the rank stalls for 60 s, so a test can kill it while its request is certainly
+     * mid-stream; -1 = off. */
+    int fault_stall_layer;
     const pdm_model_t *model;
     pdm_kvt_group_t *g;
     pdm_prefill_rank_params_t p;
@@ -108,6 +112,11 @@ int pdm_prefill_rank_create(const pdm_model_t *model, pdm_kvt_group_t *group,
         (p->kv_dtype != PDM_DT_F16 && p->kv_dtype != PDM_DT_F32 && p->kv_dtype != PDM_DT_I8))
         return pdm_error_set(PDM_EINVAL, "prefill rank: bad parameters");
     pdm_prefill_rank_t *r = calloc(1, sizeof(*r));
+    if (r) {
+        const char *f = getenv("PDMESH_FAULT_STALL_AFTER_LAYER");
+        long v;
+        r->fault_stall_layer = f && !pdm_parse_long(f, 0, 1 << 20, &v) ? (int)v : -1;
+    }
     if (!r) return pdm_error_set(PDM_ENOMEM, "prefill rank: out of memory");
     r->model = model;
     r->g = group;
@@ -376,6 +385,10 @@ static int pdm__stream_layer(pdm_prefill_rank_t *r, int layer)
                 row);
     }
     r->t_wait += pdm_now() - t0; /* only blocks when the window is full */
+    if (layer == r->fault_stall_layer) {
+        pdm_log_warn("prefill rank: fault injection: stalling after layer %d", layer);
+        sleep(60);
+    }
     return st;
 }
 

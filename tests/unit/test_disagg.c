@@ -358,11 +358,15 @@ static void run_killed_mid_stream(pdm_launch_t *l, int victim, pdm_prefill_metho
     pdm_launch_response_free(&out);
 }
 
-/* A prefill rank killed while it computes and streams a long prompt: the decode node sees
- * the peer fail (or its KV deadline) and reports an error; nothing stays reserved. */
+/* A prefill rank killed while it streams a long prompt: the decode node sees the peer fail
+ * (or its KV deadline) and reports an error; nothing stays reserved. The ranks stall after
+ * streaming layer 1 (fault injection), so the kill lands mid-stream however fast the
+ * transfer is. */
 START_TEST(test_disagg_rank_killed_mid_stream)
 {
+    setenv("PDMESH_FAULT_STALL_AFTER_LAYER", "1", 1);
     pdm_launch_t *l = start_mesh(model_path, 2, "f32", 1 << 16, 5);
+    unsetenv("PDMESH_FAULT_STALL_AFTER_LAYER");
     run_killed_mid_stream(l, pdm_launch_pid(l, 0), PDM_PREFILL_CP_KV, 4);
     usleep(200000);
     assert_idle(l);
