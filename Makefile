@@ -44,7 +44,7 @@ MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
              model/forward.c model/kv_cache.c model/sampler.c model/testmodel.c
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
-DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c
+DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_node/offload.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
 CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c
 PREFILLD_SRC := prefill_node/main.c
@@ -53,7 +53,7 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
             tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
-            tests/unit/test_disagg.c
+            tests/unit/test_disagg.c tests/unit/test_offload.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
 CUDA_HOME ?= /usr/local/cuda

@@ -12,6 +12,7 @@
 
 #include <stdint.h>
 
+#include "decode_node/offload.h"
 #include "kvtransfer/kvtransfer.h"
 #include "model/model.h"
 
@@ -68,6 +69,7 @@ typedef struct {
     int64_t kv_budget;      /* KV token slots over all sequences (capacity check) */
     pdm_dtype_t kv_dtype;   /* F16 or F32: must match the prefill ranks' */
     double kv_timeout;      /* seconds a reservation waits for its KV after start */
+    const pdm_kvoff_params_t *offload; /* head-wise KV offload (offload.h), or NULL */
 } pdm_decode_params_t;
 
 void pdm_decode_params_default(pdm_decode_params_t *p);

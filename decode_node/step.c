@@ -38,6 +38,11 @@ int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs
             row.v = act->v + (size_t)i * kvdim;
             row.o = act->o + (size_t)i * qdim;
             row.lse = act->lse + (size_t)i * hp->n_heads;
+            if (c->offload) { /* head-wise offload: store + attention by head group */
+                st = pdm_kvoff_attention(c->offload, ctx, l, &row);
+                if (st) return st;
+                continue;
+            }
             pdm_model_kv_store(ctx, c, l, &row, c->n_tokens);
             pdm_kv_view_t view;
             pdm_kv_cache_view(c, (uint32_t)l, 0, c->n_tokens + 1, &view);
