@@ -144,4 +144,7 @@ int pdm_decode_node_running(const pdm_decode_node_t *node);
  * that failures leave nothing behind). */
 void pdm_decode_node_usage(const pdm_decode_node_t *node, int *held, int64_t *kv_slots);
 
+/* Head-wise offload statistics (tiers, prefetches, waits); PDM_ENOTFOUND without offload. */
+int pdm_decode_node_offload_stats(pdm_decode_node_t *node, pdm_kvoff_stats_t *st);
+
 #endif /* PDM_DECODE_H */

@@ -14,7 +14,8 @@
  *       "repeat_penalty":..,"seed":..,"stop":[...],"timeout":S}
  *   node -> {"event":"token","id":N,"token":T,"index":i} ...
  *   node -> {"event":"done","id":N,"finish":"eos|length|stop|deadline|cancelled",
- *            "tokens":[...],"text":"...","kv_seconds":..,"step_seconds":..,"kv_bytes":..}
+ *            "tokens":[...],"text":"...","kv_seconds":..,"step_seconds":..,"kv_bytes":..,
+ *            "offload":{...}}   (with --kv-fast-budget: pdm_kvoff_stats_json, node-wide)
  *        or {"event":"error","id":N,"error":"..."}
  *   <- {"cmd":"cancel","id":N}   <- {"cmd":"quit"}
  *   <- {"cmd":"stats"}  node -> {"event":"stats","held":N,"kv_slots":K,"running":R}
@@ -38,6 +39,7 @@
 #define MAX_LINE (16u << 20)
 
 static int rank_peer[PDM_KVT_MAX_RANKS];
+static pdm_kvoff_params_t offload; /* --kv-fast-budget / --kv-slow-tier / --kv-offload-groups */
 static int n_ranks;
 
 
@@ -53,7 +55,7 @@ static void reply(const char *event, double id, int ok, const char *error)
 
 static void on_event(void *arg, const pdm_decode_event_t *ev)
 {
-    (void)arg;
+    pdm_decode_node_t *node = arg;
     cJSON *o = cJSON_CreateObject();
     switch (ev->type) {
     case PDM_DECODE_EV_TOKEN:
@@ -71,6 +73,9 @@ static void on_event(void *arg, const pdm_decode_event_t *ev)
         cJSON_AddNumberToObject(o, "kv_seconds", ev->kv_seconds);
         cJSON_AddNumberToObject(o, "step_seconds", ev->step_seconds);
         cJSON_AddNumberToObject(o, "kv_bytes", (double)ev->kv_bytes);
+        pdm_kvoff_stats_t os; /* head-wise offload: what it did so far (node-wide) */
+        if (node && !pdm_decode_node_offload_stats(node, &os))
+            cJSON_AddItemToObject(o, "offload", pdm_kvoff_stats_json(&os, &offload));
         break;
     default:
         cJSON_AddStringToObject(o, "event", "error");
@@ -208,12 +213,18 @@ int main(int argc, char **argv)
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
         {"kv-dtype", required_argument, 0, 'd'},  {"kv-timeout", required_argument, 0, 'o'},
         {"max-sequences", required_argument, 0, 's'}, {"help", no_argument, 0, 'h'},
+        {"kv-fast-budget", required_argument, 0, 'F'}, {"kv-slow-tier", required_argument, 0, 'S'},
+        {"kv-offload-groups", required_argument, 0, 'G'},
         {0, 0, 0, 0}};
     int c;
     long v;
     double d;
+    pdm_kvoff_params_default(&offload);
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
+        case 'F': if (pdm_parse_long(optarg, 1, 1L << 50, &v)) goto bad; offload.fast_budget = v; break;
+        case 'S': offload.slow_tier = optarg; break;
+        case 'G': if (pdm_kvoff_parse_groups(optarg, &offload)) goto bad; break;
         case 'm': model_path = optarg; break;
         case 't': if (pdm_parse_long(optarg, 1, 256, &v)) goto bad; dp.threads = (int)v; break;
         case 'b': if (pdm_parse_long(optarg, 1, 1024, &v)) goto bad; dp.max_batch = (int)v; break;
@@ -228,7 +239,8 @@ int main(int argc, char **argv)
         case 'h':
             printf("usage: pdmesh-decode [--model FILE] [--threads N] [--batch N] "
                    "[--max-sequences N]\n       [--kv-budget TOKENS] [--kv-dtype f16|f32] "
-                   "[--kv-timeout S]\n");
+                   "[--kv-timeout S]\n       [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR]"
+                   " [--kv-offload-groups CTX:G,...]\n");
             return 0;
         default: return 2;
         }
@@ -236,6 +248,11 @@ int main(int argc, char **argv)
     if (optind != argc) {
     bad:
         fprintf(stderr, "pdmesh-decode: invalid option value\n");
+        return 2;
+    }
+    if (offload.fast_budget > 0) dp.offload = &offload; /* head-wise KV offload */
+    else if (strcmp(offload.slow_tier, "ram")) {
+        fprintf(stderr, "pdmesh-decode: --kv-slow-tier needs --kv-fast-budget\n");
         return 2;
     }
     if (pdm_ctl_open()) {
@@ -261,7 +278,7 @@ int main(int argc, char **argv)
     size_t len = 0;
     int eof = 0, quit = 0;
     while (buf && !quit) {
-        int held = pdm_decode_node_run_once(node, on_event, NULL);
+        int held = pdm_decode_node_run_once(node, on_event, node);
         if (eof && held == 0) break;
         struct pollfd pfd = {.fd = 0, .events = POLLIN};
         int timeout_ms = pdm_decode_node_running(node) ? 0 : (held ? 2 : 50);

@@ -26,6 +26,7 @@ typedef struct {
     uint32_t attempt;
     int32_t n_prompt, max_new;
     pdm_kv_cache_t *cache;
+    pdm_kvoff_t *off;  /* head-wise offload store owning `cache`, or NULL */
     pdm_kvt_stream_rx_t *rx;
     int kv_done;
     pdm_sampler_t *sampler;
@@ -52,6 +53,7 @@ struct pdm_decode_node {
     float *logits;    /* [max_batch][n_vocab] outputs of one step */
     int64_t kv_used;  /* token slots reserved */
     int rr;           /* round-robin start of the next batch */
+    pdm_kvoff_engine_t *offload; /* head-wise KV offload (p.offload), or NULL */
 };
 
 void pdm_decode_params_default(pdm_decode_params_t *p)
@@ -81,6 +83,8 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (!st && !(n->logits = malloc(sizeof(float) * (size_t)p->max_batch * model->hp.n_vocab)))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    if (!st && p->offload) st = pdm_kvoff_engine_create(p->offload, &n->offload);
+    n->p.offload = NULL; /* the engine keeps its own copy */
     if (st) {
         pdm_decode_node_destroy(n);
         return st;
@@ -93,7 +97,8 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
 {
     pdm_kvt_stream_rx_destroy(s->rx); /* cancels receives before the cache goes away */
     if (s->cache) n->kv_used -= s->cache->capacity;
-    pdm_kv_cache_destroy(s->cache);
+    if (s->off) pdm_kvoff_destroy(s->off); /* owns s->cache */
+    else pdm_kv_cache_destroy(s->cache);
     pdm_sampler_destroy(s->sampler);
     free(s->tokens);
     free(s->text);
@@ -108,6 +113,7 @@ void pdm_decode_node_destroy(pdm_decode_node_t *n)
         if (n->seqs[i].state != SEQ_FREE) pdm__seq_release(n, &n->seqs[i]);
     free(n->seqs);
     free(n->logits);
+    pdm_kvoff_engine_destroy(n->offload);
     pdm_act_free(&n->act);
     pdm_model_ctx_destroy(n->ctx);
     free(n);
@@ -156,7 +162,13 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
                     .chunk = (uint32_t)r->ranges[i].chunk, .token_start = r->ranges[i].start,
                     .n_tokens = r->ranges[i].len};
             }
-    int st = pdm_kv_cache_create(hp, (int32_t)need, n->p.kv_dtype, &s->cache);
+    int st;
+    if (n->offload) { /* receives land in each head's home tier */
+        st = pdm_kvoff_create(n->offload, hp, (int32_t)need, n->p.kv_dtype, &s->off);
+        if (!st) s->cache = pdm_kvoff_cache(s->off);
+    } else {
+        st = pdm_kv_cache_create(hp, (int32_t)need, n->p.kv_dtype, &s->cache);
+    }
     s->tokens = malloc(sizeof(int32_t) * (size_t)r->max_new);
     s->text = malloc(PDM__TEXT_CAP);
     if (!st && (!s->tokens || !s->text))
@@ -378,4 +390,11 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
     int held = 0;
     for (int i = 0; i < n->p.max_sequences; i++) held += n->seqs[i].state != SEQ_FREE;
     return held;
+}
+
+int pdm_decode_node_offload_stats(pdm_decode_node_t *n, pdm_kvoff_stats_t *st)
+{
+    if (!n->offload) return PDM_ENOTFOUND;
+    pdm_kvoff_engine_stats(n->offload, st);
+    return PDM_OK;
 }

@@ -19,6 +19,7 @@
  */
 #include "decode_node/offload.h"
 
+#include <cjson/cJSON.h>
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -774,4 +775,27 @@ int pdm_kvplan(const pdm_model_t *m, int32_t context, int beams, int64_t fast_bu
         rows[n++] = r;
     }
     return n;
+}
+
+/* ---- Reporting --------------------------------------------------------------------------- */
+
+void *pdm_kvoff_stats_json(const pdm_kvoff_stats_t *st, const pdm_kvoff_params_t *p)
+{
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    cJSON_AddNumberToObject(o, "fast_budget", (double)st->fast.budget);
+    cJSON_AddNumberToObject(o, "fast_bytes", (double)st->fast.used);
+    cJSON_AddNumberToObject(o, "fast_peak", (double)st->fast.peak);
+    cJSON_AddStringToObject(o, "slow_tier", p && p->slow_tier ? p->slow_tier : "ram");
+    cJSON_AddNumberToObject(o, "slow_bytes", (double)st->slow.used);
+    cJSON_AddNumberToObject(o, "slow_peak", (double)st->slow.peak);
+    cJSON_AddNumberToObject(o, "resident_heads", (double)st->resident_heads);
+    cJSON_AddNumberToObject(o, "offloaded_heads", (double)st->offloaded_heads);
+    cJSON_AddNumberToObject(o, "group", st->last_group);
+    cJSON_AddNumberToObject(o, "prefetches", (double)st->prefetches);
+    cJSON_AddNumberToObject(o, "prefetch_bytes", (double)st->prefetch_bytes);
+    cJSON_AddNumberToObject(o, "writeback_bytes", (double)st->writeback_bytes);
+    cJSON_AddNumberToObject(o, "prefetch_waits", (double)st->prefetch_waits);
+    cJSON_AddNumberToObject(o, "wait_seconds", st->wait_seconds);
+    return o;
 }

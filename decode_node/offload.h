@@ -102,6 +102,12 @@ void pdm_kvoff_engine_destroy(pdm_kvoff_engine_t *e);
 void pdm_kvoff_engine_stats(pdm_kvoff_engine_t *e, pdm_kvoff_stats_t *st);
 const pdm_kvoff_params_t *pdm_kvoff_engine_params(const pdm_kvoff_engine_t *e);
 
+/* The statistics as a cJSON object (returned as void * so this header needs no cJSON):
+ * fast_budget, fast_bytes, fast_peak, slow_tier, slow_bytes, slow_peak, resident_heads,
+ * offloaded_heads, group, prefetches, prefetch_bytes, writeback_bytes, prefetch_waits,
+ * wait_seconds. NULL when out of memory. */
+void *pdm_kvoff_stats_json(const pdm_kvoff_stats_t *st, const pdm_kvoff_params_t *p);
+
 /* ---- Per-sequence store ---------------------------------------------------------------- */
 
 typedef struct pdm_kvoff pdm_kvoff_t;
