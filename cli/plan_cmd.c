@@ -160,6 +160,9 @@ int cmd_plan(int argc, char **argv)
             if (budget > 0) printf("  %17d", maxctx[i]);
             printf("\n");
         }
+        if (budget > 0 && n < 4)
+            printf("head-wise+resident: %ld sequence(s) of %ld tokens do not fit the fast budget\n",
+                   beams, context);
         if ((uint32_t)context > m->hp.n_ctx_train)
             printf("note: the model was trained for %u tokens\n", m->hp.n_ctx_train);
     }

@@ -64,6 +64,7 @@ void pdm_decode_params_default(pdm_decode_params_t *p)
     p->kv_budget = 1 << 18;
     p->kv_dtype = PDM_DT_F16;
     p->kv_timeout = 30;
+    p->offload = NULL;
 }
 
 int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,

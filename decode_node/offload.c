@@ -193,6 +193,7 @@ void pdm_kvoff_params_default(pdm_kvoff_params_t *p)
     p->group_size[1] = 2;
     p->n_steps = 2;
     p->wait_timeout = 30;
+    p->resident_share = 0.5;
 }
 
 int pdm_kvoff_parse_groups(const char *s, pdm_kvoff_params_t *p)
@@ -448,7 +449,9 @@ static int pdm__place(const pdm_kvoff_params_t *p, uint32_t L, uint32_t H, int32
                       size_t hb, int64_t free_b, int *group, int *resident)
 {
     const int64_t total = (int64_t)L * H;
-    if (!p->no_resident && (int64_t)hb * total <= free_b) {
+    const double share = p->resident_share > 0 && p->resident_share < 1 ? p->resident_share : 1;
+    const int64_t avail = share < 1 ? (int64_t)((double)free_b * share) : free_b;
+    if (!p->no_resident && (int64_t)hb * total <= avail) {
         *group = 0;
         *resident = (int)total;
         return PDM_OK;
@@ -459,9 +462,9 @@ static int pdm__place(const pdm_kvoff_params_t *p, uint32_t L, uint32_t H, int32
         return pdm_error_set(PDM_EOVERFLOW, "KV offload: the fast tier has %lld bytes free, a "
                              "ping-pong buffer of one head of %d tokens needs %zu",
                              (long long)free_b, capacity, 2 * hb);
-    int64_t r = p->no_resident ? 0 : (free_b - (int64_t)(2 * (size_t)g * hb)) / (int64_t)hb;
+    int64_t r = p->no_resident ? 0 : (avail - (int64_t)(2 * (size_t)g * hb)) / (int64_t)hb;
     *group = g;
-    *resident = (int)PDM_MIN(r, total - 1);
+    *resident = (int)PDM_MAX(0, PDM_MIN(r, total - 1));
     return PDM_OK;
 }
 
@@ -763,9 +766,7 @@ int pdm_kvplan(const pdm_model_t *m, int32_t context, int beams, int64_t fast_bu
             int gg, res;
             if (pdm__place(&q, hp->n_layers, hp->n_kv_heads, context, hb, fast_budget - used,
                            &gg, &res))
-                return pdm_error_set(PDM_EOVERFLOW, "plan: %d sequences of %d tokens do not fit "
-                                     "a fast budget of %lld bytes", beams, context,
-                                     (long long)fast_budget);
+                return n; /* does not fit the budget: no such row */
             int64_t f = (int64_t)res * (int64_t)hb + (res < heads ? 2 * (int64_t)gg * (int64_t)hb : 0);
             used += f;
             r.kv_fast += f;

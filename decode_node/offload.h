@@ -73,6 +73,9 @@ typedef struct {
     int no_resident;        /* 1: offload every head (layer-wise / head-wise placements of
                              * `pdmesh plan`, benchmarks); 0: keep what fits resident */
     double wait_timeout;    /* seconds any wait on the copy worker may take */
+    double resident_share;  /* a store keeps heads resident only within this share of the
+                             * fast tier's free bytes (its ping-pong buffer may use the rest),
+                             * so later sequences still find room; 1: greedy. Default 0.5 */
 } pdm_kvoff_params_t;
 
 void pdm_kvoff_params_default(pdm_kvoff_params_t *p);
@@ -151,7 +154,7 @@ typedef struct {
 
 /* Predicts the placements for a context of `context` tokens and `beams` sequences sharing the
  * fast tier. fast_budget > 0 adds the head-wise placement with resident heads under that
- * budget (as pdm_kvoff_create would place it). Row bytes follow the allocator exactly
+ * budget (as pdm_kvoff_create would place it) when the sequences fit it. Row bytes follow the allocator exactly
  * (64-byte aligned head arrays), so a test compares them with the tier peaks. Fills up to 4
  * rows, returns how many. */
 int pdm_kvplan(const pdm_model_t *m, int32_t context, int beams, int64_t fast_budget,

@@ -119,6 +119,7 @@ static void run_equal(pdm_model_t *m, const cfg_t *cf, const int *plen, int n_se
     p.force_group = cf->force_group;
     p.no_resident = cf->no_resident;
     p.wait_timeout = 60;
+    p.resident_share = 1; /* greedy: the budgets below count heads for one store at a time */
     char spec[600];
     snprintf(spec, sizeof(spec), "file:%s", pdm_test_tmpdir());
     p.slow_tier = cf->file_tier ? spec : "ram";
