@@ -10,6 +10,7 @@
 #   make bench-sim      predicted TTFT up to 64 ranks / 1M tokens (docs/perf/sim.md)
 #   make bench-transfer KV streaming vs ucx_perftest (docs/perf/transfer.md)
 #   make bench-decode   batched decode vs llama.cpp (docs/perf/decode.md)
+#   make bench-decode-memory  head-wise KV offload vs all resident (docs/perf/decode-memory-offload.md)
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
 #   make cuda-check  compile every .cu file (what CI runs; no GPU needed)
@@ -82,7 +83,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
-        bench-engine cuda cuda-check
+        bench-engine cuda cuda-check bench-decode-memory
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS)
 
@@ -175,7 +176,7 @@ asan:
 	  PDMESH_DECODE_BIN=build-asan/bin/pdmesh-decode \
 	  UCX_HANDLE_ERRORS=none build-asan/bin/pdm-tests
 
-include bench/transfer/build.mk bench/decode/build.mk
+include bench/transfer/build.mk bench/decode/build.mk bench/decode-memory/build.mk
 
 # KV streaming throughput against ucx_perftest (docs/perf/transfer.*). BENCH_QUICK=1: short run.
 bench-transfer: deps model all $(BUILD)/bin/stream_bench
@@ -189,6 +190,11 @@ bench-decode: deps model $(BUILD)/bin/decode_bench
 	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
 	DECODE_BENCH=$(BUILD)/bin/decode_bench PDMESH_MODEL=$(MODEL_FILE) \
 	  LLAMA_PYTHON=$(VENV)/bin/python $(PYTHON) bench/decode/run.py
+
+# Head-wise offload: decode time vs all resident at 4K/32K/128K, longest context per placement
+# (PDM_BENCH_QUICK=1: fewer steps; OFFLOAD_GROUPS=1,2,3 sweeps the group size).
+bench-decode-memory: model $(BUILD)/bin/offload_bench
+	OFFLOAD_BENCH=$(BUILD)/bin/offload_bench PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/decode-memory/run.py
 
 # CUDA builds: the NCCL group transport, compiled and linked against the CUDA toolkit, and its
 # smoke test (skips with a message when no GPU is present).
