@@ -459,7 +459,7 @@ static int pdm__place(const pdm_kvoff_params_t *p, uint32_t L, uint32_t H, int32
     int g = pdm_kvoff_group_for(p, capacity, H);
     while (g > 1 && (int64_t)(2 * (size_t)g * hb) > free_b) g--;
     if ((int64_t)(2 * (size_t)g * hb) > free_b)
-        return pdm_error_set(PDM_EOVERFLOW, "KV offload: the fast tier has %lld bytes free, a "
+        return pdm_error_set(PDM_EOVERFLOW, "decode node full: the fast KV tier has %lld bytes free, a "
                              "ping-pong buffer of one head of %d tokens needs %zu",
                              (long long)free_b, capacity, 2 * hb);
     int64_t r = p->no_resident ? 0 : (avail - (int64_t)(2 * (size_t)g * hb)) / (int64_t)hb;
