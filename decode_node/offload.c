@@ -382,7 +382,15 @@ void pdm_kvoff_engine_destroy(pdm_kvoff_engine_t *e)
         e->stop = 1;
         pthread_cond_signal(&e->work);
         pthread_mutex_unlock(&e->lock);
-        pthread_join(e->worker, NULL); /* finishes queued copies (memcpy only), then exits */
+        /* The worker finishes the queued copies (memcpy only), then exits. */
+        struct timespec ts;
+        pdm__deadline(&ts, e->p.wait_timeout);
+        if (pthread_timedjoin_np(e->worker, NULL, &ts) != 0) {
+            fprintf(stderr, "pdmesh: KV offload: the copy worker did not stop within %.1f s; "
+                    "leaking it\n", e->p.wait_timeout);
+            pthread_detach(e->worker);
+            return; /* the worker may still touch the engine: leaking is safe, freeing is not */
+        }
     }
     pdm_kvtier_destroy(e->fast);
     pdm_kvtier_destroy(e->slow);
