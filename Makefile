@@ -62,7 +62,7 @@ NVCC ?= $(CUDA_HOME)/bin/nvcc
 CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 NVCC_FLAGS := -std=c++17 -O2 -I. -DPDM_WITH_CUDA $(CUDA_ARCH) \
               -Xcompiler -Wall,-Wextra,-Werror,-Wno-unused-parameter
-CUDA_SRC := kernels/cuda/ops_cuda.cu
+CUDA_SRC := kernels/cuda/ops_cuda.cu decode_node/offload_cuda.cu
 CUDA_OBJ :=
 
 # proto/pdmesh.proto -> $(BUILD)/gen/proto/pdmesh.pb-c.{c,h} (protoc-c; never committed).

@@ -126,6 +126,19 @@ int pdm_kvtier_create(const char *spec, int64_t budget, pdm_kvtier_t **out)
     return PDM_OK;
 }
 
+int pdm_kvtier_create_ops(const pdm_kvtier_ops_t *ops, int64_t budget, pdm_kvtier_t **out)
+{
+    if (!ops || !ops->alloc || !ops->release || !ops->copy || budget < 0)
+        return pdm_error_set(PDM_EINVAL, "KV tier: incomplete backend");
+    pdm_kvtier_t *t = calloc(1, sizeof(*t));
+    if (!t) return pdm_error_set(PDM_ENOMEM, "KV tier: out of memory");
+    t->ops = ops;
+    pthread_mutex_init(&t->lock, NULL);
+    t->st.budget = budget;
+    *out = t;
+    return PDM_OK;
+}
+
 void pdm_kvtier_destroy(pdm_kvtier_t *t)
 {
     if (!t) return;

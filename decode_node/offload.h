@@ -49,6 +49,13 @@ typedef struct {
 /* spec: "ram" or "file:DIR" (an unlinked file per allocation under DIR, mmap'd shared).
  * budget: bytes, 0 for none. PDM_EINVAL for a bad spec. */
 int pdm_kvtier_create(const char *spec, int64_t budget, pdm_kvtier_t **out);
+/* A tier over another backend (decode_node/offload_cuda.cu: device memory and pinned host
+ * memory; the engine uses RAM tiers until the CUDA engine keeps activations on the device). */
+int pdm_kvtier_create_ops(const pdm_kvtier_ops_t *ops, int64_t budget, pdm_kvtier_t **out);
+#ifdef PDM_WITH_CUDA
+const pdm_kvtier_ops_t *pdm_kvtier_cuda_device_ops(void); /* cudaMalloc'd fast tier */
+const pdm_kvtier_ops_t *pdm_kvtier_cuda_host_ops(void);   /* pinned host slow tier */
+#endif
 void pdm_kvtier_destroy(pdm_kvtier_t *t);
 /* PDM_EOVERFLOW (nothing allocated) when `bytes` would take the tier past its budget. */
 int pdm_kvtier_alloc(pdm_kvtier_t *t, size_t bytes, void **out);
