@@ -70,10 +70,18 @@ def main():
             med["ratio_min"], med["ratio_max"], med["runs"] = rs[0]["ratio"], rs[-1]["ratio"], len(rs)
             rows.append(med)
     data = {"label": LABEL, "model": os.path.basename(MODEL), "threads": int(THREADS),
-            "slow_tier": SLOW, "decode": rows, "max_context": table}
+            "slow_tier": SLOW, "budget": int(BUDGET), "decode": rows, "max_context": table}
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT + ".json", "w") as f:
         json.dump(data, f, indent=1)
+    report(data)
+
+
+def report(data):
+    """Markdown and PNG from the JSON (OFFLOAD_REPORT_ONLY=1 redoes them from the file)."""
+    rows, table, LABEL, THREADS, SLOW = (data["decode"], data["max_context"], data["label"],
+                                         data["threads"], data["slow_tier"])
+    BUDGET = data.get("budget", 256 << 20)
 
     md = ["# Head-wise KV offload: decode time and longest context", ""]
     if LABEL:
@@ -109,6 +117,7 @@ def main():
                 f.write(f"{r['context']} {r['group']} {r['resident_s'] * 1e3} {r['offload_s'] * 1e3}\n")
         script = (f"set terminal png size 800,480; set output '{OUT}.png'; set logscale x 2; "
                   "set xlabel 'context (tokens)'; set ylabel 'ms per token'; set key left top; "
+                  "set offsets graph 0.03, graph 0.08, graph 0.12, 0; set yrange [0:*]; "
                   f"set title 'decode time: all resident vs head-wise offload {LABEL}'; "
                   f"plot '{dat}' using 1:3 with linespoints title 'all resident', "
                   f"'{dat}' using 1:4:(sprintf('G=%d', $2)) with labels offset 0,1 notitle, "
@@ -120,4 +129,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if os.environ.get("OFFLOAD_REPORT_ONLY") == "1":
+        with open(OUT + ".json") as f:
+            report(json.load(f))
+    else:
+        main()
