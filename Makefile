@@ -11,6 +11,7 @@
 #   make bench-transfer KV streaming vs ucx_perftest (docs/perf/transfer.md)
 #   make bench-decode   batched decode vs llama.cpp (docs/perf/decode.md)
 #   make bench-decode-memory-beam  beam widths 1/2/4/8: KV memory (eq. 2 vs 3) and latency
+#   make bench-decode-memory  head-wise KV offload vs all resident (docs/perf/decode-memory-offload.md)
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
 #   make cuda-check  compile every .cu file (what CI runs; no GPU needed)
@@ -47,16 +48,16 @@ KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/ch
            kvtransfer/checksum_avx2.c
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_node/beam.c \
-              decode_node/beam_search.c
+              decode_node/beam_search.c decode_node/offload.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
-CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c
+CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/plan_cmd.c
 PREFILLD_SRC := prefill_node/main.c
 DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
             tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
-            tests/unit/test_disagg.c tests/unit/test_beam.c
+            tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
 CUDA_HOME ?= /usr/local/cuda
@@ -64,7 +65,7 @@ NVCC ?= $(CUDA_HOME)/bin/nvcc
 CUDA_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 NVCC_FLAGS := -std=c++17 -O2 -I. -DPDM_WITH_CUDA $(CUDA_ARCH) \
               -Xcompiler -Wall,-Wextra,-Werror,-Wno-unused-parameter
-CUDA_SRC := kernels/cuda/ops_cuda.cu
+CUDA_SRC := kernels/cuda/ops_cuda.cu decode_node/offload_cuda.cu
 CUDA_OBJ :=
 
 # proto/pdmesh.proto -> $(BUILD)/gen/proto/pdmesh.pb-c.{c,h} (protoc-c; never committed).
@@ -85,7 +86,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
-        bench-engine cuda cuda-check bench-decode-memory-beam
+        bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS)
 
@@ -208,6 +209,10 @@ bench-decode-memory-beam: model $(BUILD)/bin/beam_bench
 	  --prompt 1024 --response 128 \
 	  --widths 1,2,4,8 --json docs/perf/decode-memory-beam.json \
 	  --md docs/perf/decode-memory-beam.md $(BEAM_BENCH_ARGS)
+# Head-wise offload: decode time vs all resident at 4K/32K/128K, longest context per placement
+# (PDM_BENCH_QUICK=1: fewer steps; OFFLOAD_GROUPS=1,2,3 sweeps the group size).
+bench-decode-memory: model $(BUILD)/bin/offload_bench
+	OFFLOAD_BENCH=$(BUILD)/bin/offload_bench PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/decode-memory/run.py
 
 # CUDA builds: the NCCL group transport, compiled and linked against the CUDA toolkit, and its
 # smoke test (skips with a message when no GPU is present).

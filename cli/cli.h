@@ -27,5 +27,6 @@ int cmd_prefill_run(int argc, char **argv);
 int cmd_partition_search(int argc, char **argv);
 int cmd_calibrate(int argc, char **argv);
 int cmd_disagg_run(int argc, char **argv);
+int cmd_plan(int argc, char **argv);
 
 #endif /* PDM_CLI_H */

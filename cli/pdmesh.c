@@ -45,7 +45,10 @@ static void usage(FILE *f)
             "              [-n N] [--temp T] [--stop S] [--chat] [--decode-batch N]\n"
             "              [--kv-dtype f32|f16|q8] [--json]\n"
             "              [--beams B] [--length-penalty X] [--n-best N] [--early-stopping R]\n"
+            "              [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR]\n"
             "              prefill group -> KV stream -> decode node, end to end\n"
+            "  plan        --context N [--beams B] [--fast-budget BYTES] [--chunk C] [--json]\n"
+            "              memory of each KV placement (resident, layer-/head-wise offload)\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
             "\n"
@@ -621,5 +624,6 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "partition-search")) return cmd_partition_search(argc - 1, argv + 1);
     if (!strcmp(cmd, "calibrate")) return cmd_calibrate(argc - 1, argv + 1);
     if (!strcmp(cmd, "disagg-run")) return cmd_disagg_run(argc - 1, argv + 1);
+    if (!strcmp(cmd, "plan")) return cmd_plan(argc - 1, argv + 1);
     return cli_usage_error("unknown command '%s'", cmd);
 }

@@ -760,10 +760,11 @@ int cmd_disagg_run(int argc, char **argv)
     pdm_sampler_params_default(&sp);
     sp.temperature = 0; /* greedy unless asked */
     enum { D_N = 2000, D_TEMP, D_SEED, D_STOP, D_DBATCH, D_DTHREADS, D_TOPK, D_TOPP, D_BEAMS,
-           D_LPEN, D_NBEST, D_ESTOP };
+           D_LPEN, D_NBEST, D_ESTOP, D_FAST, D_SLOW };
     long beams = 0, n_best = 1;
     double length_penalty = 1.0;
     const char *early_stopping = "heuristic";
+    const char *kv_fast = NULL, *kv_slow = NULL; /* head-wise KV offload on the decode node */
     static const struct option opts[] = {
         {"prefill-ranks", required_argument, 0, O_RANKS},
         {"method", required_argument, 0, O_METHOD},
@@ -785,6 +786,8 @@ int cmd_disagg_run(int argc, char **argv)
         {"length-penalty", required_argument, 0, D_LPEN},
         {"n-best", required_argument, 0, D_NBEST},
         {"early-stopping", required_argument, 0, D_ESTOP},
+        {"kv-fast-budget", required_argument, 0, D_FAST},
+        {"kv-slow-tier", required_argument, 0, D_SLOW},
         {"threads", required_argument, 0, O_THREADS},
         {"pin", no_argument, 0, O_PIN},
         {"ctx", required_argument, 0, O_CTX},
@@ -859,6 +862,15 @@ int cmd_disagg_run(int argc, char **argv)
             early_stopping = pdm_beam_stop_name(es);
             break;
         }
+        case D_FAST:
+            if (pdm_parse_long(optarg, 1, 1L << 50, &v)) return cli_usage_error("bad --kv-fast-budget '%s'", optarg);
+            kv_fast = optarg;
+            break;
+        case D_SLOW:
+            if (strcmp(optarg, "ram") && (strncmp(optarg, "file:", 5) || !optarg[5]))
+                return cli_usage_error("bad --kv-slow-tier '%s' (ram or file:DIR)", optarg);
+            kv_slow = optarg;
+            break;
         default: return cli_usage_error("%s", "unknown option (see pdmesh --help)");
         }
     }
@@ -869,6 +881,7 @@ int cmd_disagg_run(int argc, char **argv)
         return cli_usage_error("%s", "--stop is not supported with --beams");
     if (beams > decode_batch)
         return cli_usage_error("%s", "--beams exceeds --decode-batch");
+    if (kv_slow && !kv_fast) return cli_usage_error("%s", "--kv-slow-tier needs --kv-fast-budget");
     if (n_prompts + n_files == 0 && !o.random)
         return cli_usage_error("%s", "give --prompt TEXT or --prompt-file FILE (repeatable)");
     pdm_prefill_method_t method;
@@ -934,6 +947,8 @@ int cmd_disagg_run(int argc, char **argv)
     o.lp.decode_bin = env && *env ? env : decode_bin;
     o.lp.decode_batch = (int)decode_batch;
     o.lp.decode_threads = (int)decode_threads;
+    o.lp.decode_kv_fast_budget = kv_fast;
+    o.lp.decode_kv_slow_tier = kv_slow;
     pdm_launch_t *l;
     if (pdm_launch_start(&o.lp, &l)) {
         cli_runtime_error("mesh");
@@ -970,6 +985,8 @@ int cmd_disagg_run(int argc, char **argv)
                 while ((e = bj->child)) cJSON_AddItemToObject(j, e->string, cJSON_DetachItemViaPointer(bj, e));
                 cJSON_Delete(bj);
             }
+            if (out[i].offload_json) /* what head-wise offload did on the decode node */
+                cJSON_AddItemToObject(j, "offload", cJSON_Parse(out[i].offload_json));
             char *s = cJSON_PrintUnformatted(j);
             printf("%s\n", s);
             free(s);

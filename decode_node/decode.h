@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "decode_node/beam.h"
+#include "decode_node/offload.h"
 #include "kvtransfer/kvtransfer.h"
 #include "model/model.h"
 
@@ -77,6 +78,7 @@ typedef struct {
                              * another dtype are rejected) */
     double kv_timeout;      /* seconds a reservation waits for its KV after start */
     pdm_beam_params_t beam; /* default beam search of requests that name none (width 0: off) */
+    const pdm_kvoff_params_t *offload; /* head-wise KV offload (offload.h), or NULL */
 } pdm_decode_params_t;
 
 void pdm_decode_params_default(pdm_decode_params_t *p);
@@ -154,5 +156,8 @@ int pdm_decode_node_running(const pdm_decode_node_t *node);
 /* Sequences held in any state and KV token slots reserved (0 and 0 when idle: tests check
  * that failures leave nothing behind). */
 void pdm_decode_node_usage(const pdm_decode_node_t *node, int *held, int64_t *kv_slots);
+
+/* Head-wise offload statistics (tiers, prefetches, waits); PDM_ENOTFOUND without offload. */
+int pdm_decode_node_offload_stats(pdm_decode_node_t *node, pdm_kvoff_stats_t *st);
 
 #endif /* PDM_DECODE_H */

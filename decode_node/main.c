@@ -21,6 +21,7 @@
  *            "eos":bool},...], "beam":{"width":..,"length_penalty":..,"early_stopping":"..",
  *            "n_prompt":..,"n_response":..,"kv_prompt_bytes":..,"kv_response_bytes":..,
  *            "kv_bytes_eq2":..,"kv_bytes_eq3":..}}
+ *            "offload":{...}}   (with --kv-fast-budget: pdm_kvoff_stats_json, node-wide)
  *        or {"event":"error","id":N,"error":"..."}
  *   <- {"cmd":"cancel","id":N}   <- {"cmd":"quit"}
  *   <- {"cmd":"stats"}  node -> {"event":"stats","held":N,"kv_slots":K,"running":R}
@@ -44,6 +45,7 @@
 #define MAX_LINE (16u << 20)
 
 static int rank_peer[PDM_KVT_MAX_RANKS];
+static pdm_kvoff_params_t offload; /* --kv-fast-budget / --kv-slow-tier / --kv-offload-groups */
 static int n_ranks;
 static pdm_beam_params_t node_beam; /* --beams, --length-penalty, --n-best, --early-stopping */
 
@@ -86,7 +88,7 @@ static void add_beam_report(cJSON *o, const pdm_beam_report_t *r)
 
 static void on_event(void *arg, const pdm_decode_event_t *ev)
 {
-    (void)arg;
+    pdm_decode_node_t *node = arg;
     cJSON *o = cJSON_CreateObject();
     switch (ev->type) {
     case PDM_DECODE_EV_TOKEN:
@@ -105,6 +107,9 @@ static void on_event(void *arg, const pdm_decode_event_t *ev)
         cJSON_AddNumberToObject(o, "step_seconds", ev->step_seconds);
         cJSON_AddNumberToObject(o, "kv_bytes", (double)ev->kv_bytes);
         if (ev->beam) add_beam_report(o, ev->beam);
+        pdm_kvoff_stats_t os; /* head-wise offload: what it did so far (node-wide) */
+        if (node && !pdm_decode_node_offload_stats(node, &os))
+            cJSON_AddItemToObject(o, "offload", pdm_kvoff_stats_json(&os, &offload));
         break;
     default:
         cJSON_AddStringToObject(o, "event", "error");
@@ -256,12 +261,18 @@ int main(int argc, char **argv)
         {"max-sequences", required_argument, 0, 's'}, {"help", no_argument, 0, 'h'},
         {"beams", required_argument, 0, 'B'},     {"length-penalty", required_argument, 0, 'L'},
         {"n-best", required_argument, 0, 'N'},    {"early-stopping", required_argument, 0, 'E'},
+        {"kv-fast-budget", required_argument, 0, 'F'}, {"kv-slow-tier", required_argument, 0, 'S'},
+        {"kv-offload-groups", required_argument, 0, 'G'},
         {0, 0, 0, 0}};
     int c;
     long v;
     double d;
+    pdm_kvoff_params_default(&offload);
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
+        case 'F': if (pdm_parse_long(optarg, 1, 1L << 50, &v)) goto bad; offload.fast_budget = v; break;
+        case 'S': offload.slow_tier = optarg; break;
+        case 'G': if (pdm_kvoff_parse_groups(optarg, &offload)) goto bad; break;
         case 'm': model_path = optarg; break;
         case 't': if (pdm_parse_long(optarg, 1, 256, &v)) goto bad; dp.threads = (int)v; break;
         case 'b': if (pdm_parse_long(optarg, 1, 1024, &v)) goto bad; dp.max_batch = (int)v; break;
@@ -279,7 +290,8 @@ int main(int argc, char **argv)
             printf("usage: pdmesh-decode [--model FILE] [--threads N] [--batch N] "
                    "[--max-sequences N]\n       [--kv-budget TOKENS] [--kv-dtype f32|f16|q8] "
                    "[--kv-timeout S]\n       [--beams B] [--length-penalty X] [--n-best N] "
-                   "[--early-stopping heuristic|early|never]\n");
+                   "[--early-stopping heuristic|early|never]\n       [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR] "
+                   "[--kv-offload-groups CTX:G,...]\n");
             return 0;
         default: return 2;
         }
@@ -289,6 +301,11 @@ int main(int argc, char **argv)
     if (optind != argc) {
     bad:
         fprintf(stderr, "pdmesh-decode: invalid option value\n");
+        return 2;
+    }
+    if (offload.fast_budget > 0) dp.offload = &offload; /* head-wise KV offload */
+    else if (strcmp(offload.slow_tier, "ram")) {
+        fprintf(stderr, "pdmesh-decode: --kv-slow-tier needs --kv-fast-budget\n");
         return 2;
     }
     if (pdm_ctl_open()) {
@@ -314,7 +331,7 @@ int main(int argc, char **argv)
     size_t len = 0;
     int eof = 0, quit = 0;
     while (buf && !quit) {
-        int held = pdm_decode_node_run_once(node, on_event, NULL);
+        int held = pdm_decode_node_run_once(node, on_event, node);
         if (eof && held == 0) break;
         struct pollfd pfd = {.fd = 0, .events = POLLIN};
         int timeout_ms = pdm_decode_node_running(node) ? 0 : (held ? 2 : 50);

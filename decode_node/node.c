@@ -26,6 +26,7 @@ typedef struct {
     uint32_t attempt;
     int32_t n_prompt, max_new;
     pdm_kv_cache_t *cache;
+    pdm_kvoff_t *off;  /* head-wise offload store owning `cache`, or NULL */
     pdm_kvt_stream_rx_t *rx;
     int kv_done;
     pdm_sampler_t *sampler;
@@ -59,6 +60,7 @@ struct pdm_decode_node {
     int rr;           /* round-robin start of the next batch */
     int32_t eog[16];  /* end-of-generation token ids (beam search) */
     int n_eog;
+    pdm_kvoff_engine_t *offload; /* head-wise KV offload (p.offload), or NULL */
 };
 
 void pdm_decode_params_default(pdm_decode_params_t *p)
@@ -70,6 +72,7 @@ void pdm_decode_params_default(pdm_decode_params_t *p)
     p->kv_dtype = PDM_DT_F16;
     p->kv_timeout = 30;
     pdm_beam_params_default(&p->beam);
+    p->offload = NULL;
 }
 
 int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
@@ -79,6 +82,9 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
         (p->kv_dtype != PDM_DT_F16 && p->kv_dtype != PDM_DT_F32 && p->kv_dtype != PDM_DT_I8) ||
         !(p->kv_timeout > 0) || pdm_beam_params_check(&p->beam))
         return pdm_error_set(PDM_EINVAL, "decode node: bad parameters");
+    if (p->offload && p->kv_dtype == PDM_DT_I8)
+        return pdm_error_set(PDM_EUNSUPPORTED, "decode node: head-wise KV offload with "
+                             "--kv-dtype q8 is not supported (the tiers carry no scales yet)");
     pdm_decode_node_t *n = calloc(1, sizeof(*n));
     if (!n) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     n->model = model;
@@ -90,6 +96,8 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (!st && !(n->logits = malloc(sizeof(float) * (size_t)p->max_batch * model->hp.n_vocab)))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    if (!st && p->offload) st = pdm_kvoff_engine_create(p->offload, &n->offload);
+    n->p.offload = NULL; /* the engine keeps its own copy */
     if (st) {
         pdm_decode_node_destroy(n);
         return st;
@@ -106,7 +114,8 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
     n->kv_used -= s->kv_slots;
     pdm_beam_kv_destroy(s->beam_kv);
     pdm_beam_search_destroy(s->beam);
-    pdm_kv_cache_destroy(s->cache);
+    if (s->off) pdm_kvoff_destroy(s->off); /* owns s->cache */
+    else pdm_kv_cache_destroy(s->cache);
     pdm_sampler_destroy(s->sampler);
     free(s->tokens);
     free(s->text);
@@ -121,6 +130,7 @@ void pdm_decode_node_destroy(pdm_decode_node_t *n)
         if (n->seqs[i].state != SEQ_FREE) pdm__seq_release(n, &n->seqs[i]);
     free(n->seqs);
     free(n->logits);
+    pdm_kvoff_engine_destroy(n->offload);
     pdm_act_free(&n->act);
     pdm_model_ctx_destroy(n->ctx);
     free(n);
@@ -180,8 +190,16 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
                     .chunk = (uint32_t)r->ranges[i].chunk, .token_start = r->ranges[i].start,
                     .n_tokens = r->ranges[i].len};
             }
-    int st = pdm_kv_cache_create(hp, width ? r->n_prompt : (int32_t)need, n->p.kv_dtype,
+    int st;
+    /* Head-wise offload: receives land in each head's home tier. Beam searches keep their
+     * (shared, prompt-sized) cache resident. */
+    if (n->offload && !width) {
+        st = pdm_kvoff_create(n->offload, hp, (int32_t)need, n->p.kv_dtype, &s->off);
+        if (!st) s->cache = pdm_kvoff_cache(s->off);
+    } else {
+        st = pdm_kv_cache_create(hp, width ? r->n_prompt : (int32_t)need, n->p.kv_dtype,
                                  &s->cache);
+    }
     s->tokens = malloc(sizeof(int32_t) * (size_t)r->max_new);
     s->text = malloc(PDM__TEXT_CAP);
     if (!st && (!s->tokens || !s->text))
@@ -540,4 +558,11 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
     int held = 0;
     for (int i = 0; i < n->p.max_sequences; i++) held += n->seqs[i].state != SEQ_FREE;
     return held;
+}
+
+int pdm_decode_node_offload_stats(pdm_decode_node_t *n, pdm_kvoff_stats_t *st)
+{
+    if (!n->offload) return PDM_ENOTFOUND;
+    pdm_kvoff_engine_stats(n->offload, st);
+    return PDM_OK;
 }

@@ -61,6 +61,11 @@ int pdm_decode_step_beams(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t
                 i += row.n - 1;
                 continue;
             }
+            if (c->offload) { /* head-wise offload: store + attention by head group */
+                st = pdm_kvoff_attention(c->offload, ctx, l, &row);
+                if (st) return st;
+                continue;
+            }
             pdm_model_kv_store(ctx, c, l, &row, c->n_tokens);
             pdm_kv_view_t view;
             pdm_kv_cache_view(c, (uint32_t)l, 0, c->n_tokens + 1, &view);

@@ -307,6 +307,7 @@ typedef struct {
     pdm_act_t *act;
     const pdm_kv_view_t *views;
     int n_views;
+    int kvh0, kvh1;  /* kv heads [kvh0, kvh1) (and their query heads) are computed */
     atomic_int next; /* next unclaimed work item */
 } pdm__attn_task_t;
 
@@ -324,10 +325,11 @@ static void pdm__attn_task(void *arg, int ith, int nth)
     /* Items are (query block, head), claimed from an atomic counter, last (most keys) block
      * first so the cheap ones fill in at the end. */
     (void)nth;
+    const int h0 = t->kvh0 * group, nh = (t->kvh1 - t->kvh0) * group;
     for (;;) {
         int item = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
-        if (item >= n_blocks * n_heads) break;
-        int blk = n_blocks - 1 - item / n_heads, h = item % n_heads, kvh = h / group;
+        if (item >= n_blocks * nh) break;
+        int blk = n_blocks - 1 - item / nh, h = h0 + item % nh, kvh = h / group;
         int i0 = blk * PDM__ATTN_QBLOCK;
         int nq = PDM_MIN(PDM__ATTN_QBLOCK, t->act->n - i0);
         pdm_kern_attn_t a = {
@@ -388,7 +390,7 @@ static void pdm__attn_split_task(void *arg, int ith, int nth)
 {
     pdm__attn_task_t *t = arg;
     const pdm_model_hparams_t *hp = &t->ctx->model->hp;
-    const int hd = (int)hp->head_dim, n_kv_heads = (int)hp->n_kv_heads;
+    const int hd = (int)hp->head_dim, n_kv = t->kvh1 - t->kvh0;
     const int group = (int)(hp->n_heads / hp->n_kv_heads), n_split = 2 * t->ctx->n_threads;
     int32_t pos[PDM__ATTN_QBLOCK];
     float tmp_o[PDM__ATTN_QBLOCK * PDM_MAX_HEAD_DIM], tmp_lse[PDM__ATTN_QBLOCK];
@@ -397,8 +399,8 @@ static void pdm__attn_split_task(void *arg, int ith, int nth)
     (void)nth;
     for (;;) {
         int item = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
-        if (item >= n_kv_heads * n_split) break;
-        int kvh = item / n_split, sp = item % n_split;
+        if (item >= n_kv * n_split) break;
+        int kvh = t->kvh0 + item / n_split, sp = item % n_split;
         float *part = t->ctx->split + ((size_t)kvh * n_split + sp) * group * (hd + 1);
         float *part_lse = part + (size_t)group * hd;
         pdm_kern_attn_t a = {.q = t->act->q + (size_t)kvh * group * hd, .q_stride = hd,
@@ -431,14 +433,14 @@ static void pdm__attn_split_task(void *arg, int ith, int nth)
     }
 }
 
-static void pdm__attn_split_merge(pdm_model_ctx_t *ctx, pdm_act_t *act)
+static void pdm__attn_split_merge(pdm_model_ctx_t *ctx, pdm_act_t *act, int kvh0, int kvh1)
 {
     const pdm_model_hparams_t *hp = &ctx->model->hp;
     const int hd = (int)hp->head_dim, group = (int)(hp->n_heads / hp->n_kv_heads);
     const int n_split = 2 * ctx->n_threads;
-    for (uint32_t kvh = 0; kvh < hp->n_kv_heads; kvh++)
+    for (int kvh = kvh0; kvh < kvh1; kvh++)
         for (int g = 0; g < group; g++) {
-            int h = (int)kvh * group + g;
+            int h = kvh * group + g;
             float *o = act->o + (size_t)h * hd, *lse = act->lse + h;
             memset(o, 0, (size_t)hd * sizeof(float));
             *lse = -INFINITY;
@@ -450,19 +452,30 @@ static void pdm__attn_split_merge(pdm_model_ctx_t *ctx, pdm_act_t *act)
         }
 }
 
-void pdm_model_attention(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
-                         const pdm_kv_view_t *views, int n_views)
+void pdm_model_attention_heads(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
+                               const pdm_kv_view_t *views, int n_views, int kvh0, int kvh1)
 {
     (void)layer;
     const pdm_model_hparams_t *hp = &ctx->model->hp;
-    pdm__attn_task_t t = {.ctx = ctx, .act = act, .views = views, .n_views = n_views};
+    if (kvh0 < 0) kvh0 = 0;
+    if (kvh1 > (int)hp->n_kv_heads) kvh1 = (int)hp->n_kv_heads;
+    if (kvh0 >= kvh1) return;
+    pdm__attn_task_t t = {.ctx = ctx, .act = act, .views = views, .n_views = n_views,
+                          .kvh0 = kvh0, .kvh1 = kvh1};
     atomic_init(&t.next, 0);
     if (act->n == 1 && hp->n_heads / hp->n_kv_heads <= PDM__ATTN_QBLOCK) {
         pdm_kern_pool_run(ctx->pool, pdm__attn_split_task, &t);
-        pdm__attn_split_merge(ctx, act);
+        pdm__attn_split_merge(ctx, act, kvh0, kvh1);
         return;
     }
     pdm_kern_pool_run(ctx->pool, pdm__attn_task, &t);
+}
+
+void pdm_model_attention(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
+                         const pdm_kv_view_t *views, int n_views)
+{
+    pdm_model_attention_heads(ctx, layer, act, views, n_views, 0,
+                              (int)ctx->model->hp.n_kv_heads);
 }
 
 void pdm_model_attn_out_ffn(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act)

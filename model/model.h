@@ -94,6 +94,8 @@ typedef struct {
      * (see model/kv_quant.c). 1 for other dtypes. */
     float *scale;
     int scales_fixed;
+    struct pdm_kvoff *offload; /* set when the heads live in offload tiers (decode_node/
+                                * offload.h): the decode step then goes through it */
 } pdm_kv_cache_t;
 
 int pdm_kv_cache_create(const pdm_model_hparams_t *hp, int32_t capacity, pdm_dtype_t dtype,
@@ -183,6 +185,12 @@ void pdm_model_attn_in(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act);
  * gets o = 0, lse = -inf. */
 void pdm_model_attention(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
                          const pdm_kv_view_t *views, int n_views);
+/* pdm_model_attention for kv heads [kvh0, kvh1) and their query heads only (the views need
+ * valid k/v pointers for those heads only); the other heads' o/lse are left as they are.
+ * Each head's result is the same as in pdm_model_attention (head-wise offload computes the
+ * heads in groups, HeadInfer Alg. 1). */
+void pdm_model_attention_heads(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
+                               const pdm_kv_view_t *views, int n_views, int kvh0, int kvh1);
 /* x += Wo o; x += W_down (silu(W_gate n) * W_up n) with n = RMSNorm(x). */
 void pdm_model_attn_out_ffn(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act);
 /* logits[n_vocab] of row `row` of act->x (final RMSNorm and output projection). */

@@ -163,10 +163,19 @@ static int pdm__spawn_decode(const pdm_launch_params_t *p, pdm__proc_t *pr)
     snprintf(threads, sizeof(threads), "%d", p->decode_threads > 0 ? p->decode_threads : 1);
     snprintf(batch, sizeof(batch), "%d", p->decode_batch > 0 ? p->decode_batch : 16);
     snprintf(budget, sizeof(budget), "%ld", p->decode_kv_budget > 0 ? p->decode_kv_budget : 1L << 18);
-    char *argv[] = {(char *)p->decode_bin, "--model", (char *)p->model, "--threads", threads,
-                    "--batch", batch, "--kv-budget", budget, "--kv-dtype",
-                    (char *)(p->decode_kv_dtype ? p->decode_kv_dtype : p->kv_dtype),
-                    NULL};
+    char *argv[16] = {(char *)p->decode_bin, "--model", (char *)p->model, "--threads", threads,
+                      "--batch", batch, "--kv-budget", budget, "--kv-dtype",
+                      (char *)(p->decode_kv_dtype ? p->decode_kv_dtype : p->kv_dtype), NULL};
+    int a = 11;
+    if (p->decode_kv_fast_budget) {
+        argv[a++] = "--kv-fast-budget";
+        argv[a++] = (char *)p->decode_kv_fast_budget;
+    }
+    if (p->decode_kv_slow_tier) {
+        argv[a++] = "--kv-slow-tier";
+        argv[a++] = (char *)p->decode_kv_slow_tier;
+    }
+    argv[a] = NULL;
     return pdm__spawn_argv(argv, pr);
 }
 
@@ -567,6 +576,7 @@ void pdm_launch_response_free(pdm_launch_response_t *r)
     free(r->tokens);
     free(r->text);
     free(r->beam_json);
+    free(r->offload_json);
     memset(r, 0, sizeof(*r));
 }
 
@@ -625,6 +635,9 @@ static int pdm__decode_event(pdm__gen_t *g, double deadline, char *name, size_t 
             r->beam_json = cJSON_PrintUnformatted(j);
             cJSON_Delete(j);
         }
+        const cJSON *offl = cJSON_GetObjectItem(o, "offload");
+        free(r->offload_json);
+        r->offload_json = cJSON_IsObject(offl) ? cJSON_PrintUnformatted(offl) : NULL;
         r->ok = 1;
         g->state[i] = 2;
     } else if (r && !strcmp(name, "error") && g->state[i] != 2) {

@@ -220,6 +220,8 @@ typedef struct {
     long decode_kv_budget; /* KV token slots of the decode node */
     const char *decode_kv_dtype; /* the decode node's --kv-dtype; NULL: kv_dtype (tests set
                                   * another to check that mismatched blocks are rejected) */
+    const char *decode_kv_fast_budget; /* head-wise KV offload: --kv-fast-budget (NULL: off) */
+    const char *decode_kv_slow_tier;   /* --kv-slow-tier ram|file:DIR (NULL: default) */
 } pdm_launch_params_t;
 
 void pdm_launch_params_default(pdm_launch_params_t *p);
@@ -289,6 +291,7 @@ typedef struct {
     double step_seconds; /* mean seconds per decode step */
     double kv_seconds;   /* decode node: start -> KV verified */
     double kv_bytes;     /* KV bytes the decode node received */
+    char *offload_json;  /* malloc'd: the decode node's head-wise offload report, or NULL */
     double prefill_wait; /* max over ranks of time blocked in communication (streaming too) */
     char *beam_json;     /* malloc'd, beam search only: {"n_best":[...],"beam":{...}} as the
                           * decode node reported them; else NULL */

@@ -54,6 +54,19 @@ expect "generate on test model" 0 "$bin" generate --model "$tmp/tiny.gguf" --pro
 if $py -c 'import json,sys; d=json.load(open(sys.argv[1])); assert len(d["tokens"]) == 8, d' "$tmp/out"; then ok "test model json"; else bad "test model json"; fi
 expect "generate q8 KV" 0 "$bin" generate --model "$tmp/tiny.gguf" --prompt "The quick brown fox" -n 8 --temp 0 --kv-dtype q8 --json
 expect "test model tokenize" 0 "$bin" tokenize --model "$tmp/tiny.gguf" "the fox"
+# ---- pdmesh plan (memory of each KV placement) ----
+expect "plan needs context" 2 "$bin" plan --model "$tmp/tiny.gguf"
+expect "plan bad budget" 2 "$bin" plan --model "$tmp/tiny.gguf" --context 100 --fast-budget lots
+expect "plan json" 0 "$bin" plan --model "$tmp/tiny.gguf" --context 65536 --beams 2 --fast-budget 40M --json
+if $py -c '
+import json,sys
+d=json.load(open(sys.argv[1])); p={r["name"]:r for r in d["placements"]}
+assert set(p)=={"all-resident","layer-wise","head-wise","head-wise+resident"}, p
+assert p["head-wise"]["kv_fast"] < p["layer-wise"]["kv_fast"] <= p["all-resident"]["kv_fast"], p  # 2 layers: layer-wise ping-pong = all layers
+assert p["head-wise"]["max_context_in_budget"] > p["layer-wise"]["max_context_in_budget"] >= p["all-resident"]["max_context_in_budget"], p
+assert p["head-wise+resident"]["kv_fast"] <= 40*1048576, p
+' "$tmp/out"; then ok "plan placements ordered"; else bad "plan placements ordered" "$(head -c 600 "$tmp/out")"; fi
+expect "plan table" 0 "$bin" plan --model "$tmp/tiny.gguf" --context 4096 && contains "plan names head-wise" "$tmp/out" "head-wise"
 # the reference GGUF reader (the gguf package from llama.cpp's authors) reads our writer's file
 if $py -c 'import gguf' 2>/dev/null; then
   if $py - "$tmp/tiny.gguf" <<'PY'
@@ -168,6 +181,32 @@ assert b["kv_response_bytes"] % (3*16) == 0 and b["n_response"] >= 1, b' "$tmp/o
   expect "disagg-run bad --beams" 2 "$bin" disagg-run --model "$tmp/tiny.gguf" --prefill-ranks 2 --method kvr-e --prompt "x" --beams 9
   expect "disagg-run n-best above beams" 2 "$bin" disagg-run --model "$tmp/tiny.gguf" --prefill-ranks 2 --method kvr-e --prompt "x" --beams 2 --n-best 3
   expect "decode daemon bad --beams" 2 "$decoded" --beams 12
+  # head-wise KV offload on the decode node: same tokens as all-resident, budget respected
+  expect "make 6-layer test model" 0 "$bin" make-test-model --out "$tmp/tiny6.gguf" --layers 6 --d-model 64 --heads 4 --kv-heads 2
+  expect "disagg-run resident" 0 "$bin" disagg-run --model "$tmp/tiny6.gguf" --prefill-ranks 2 --method cp-kv --prompt "the quick fox" --prompt "a dog" -n 8 --json
+  cp "$tmp/out" "$tmp/resident.json"
+  expect "disagg-run offload" 0 "$bin" disagg-run --model "$tmp/tiny6.gguf" --prefill-ranks 2 --method cp-kv --prompt "the quick fox" --prompt "a dog" -n 8 --json --kv-fast-budget 8192 --kv-slow-tier "file:$tmp"
+  if $py -c '
+import json,sys
+a=[json.loads(l) for l in open(sys.argv[1])]; b=[json.loads(l) for l in open(sys.argv[2])]
+assert [r["token_ids"] for r in a]==[r["token_ids"] for r in b], (a, b)
+for r in b:
+    o=r["offload"]
+    assert o["fast_peak"]<=8192 and o["offloaded_heads"]>0 and o["prefetches"]>0 and o["slow_peak"]>0, o
+' "$tmp/resident.json" "$tmp/out"; then ok "disagg-run offload equal tokens + report"; else bad "disagg-run offload equal tokens + report" "$(head -c 600 "$tmp/out")"; fi
+  expect "offload slow tier needs budget" 2 "$bin" disagg-run --model "$tmp/tiny6.gguf" --prefill-ranks 1 --method single --prompt x --kv-slow-tier ram
+  expect "offload bad slow tier" 2 "$bin" disagg-run --model "$tmp/tiny6.gguf" --prefill-ranks 1 --method single --prompt x --kv-fast-budget 8192 --kv-slow-tier disk
+  expect "decode daemon slow tier without budget" 2 "$decoded" --kv-slow-tier ram2
+  if [ -f "$model" ]; then
+    expect "disagg-run real resident" 0 "$bin" disagg-run --model "$model" --prefill-ranks 2 --method kvr-e --random 300 -n 12 --json
+    cp "$tmp/out" "$tmp/resident.json"
+    expect "disagg-run real offload" 0 "$bin" disagg-run --model "$model" --prefill-ranks 2 --method kvr-e --random 300 -n 12 --json --kv-fast-budget 1000000
+    if $py -c '
+import json,sys
+a=[json.loads(l) for l in open(sys.argv[1])]; b=[json.loads(l) for l in open(sys.argv[2])]
+assert a[0]["token_ids"]==b[0]["token_ids"] and b[0]["offload"]["fast_peak"]<=1000000 and b[0]["offload"]["offloaded_heads"]>0, (a, b)
+' "$tmp/resident.json" "$tmp/out"; then ok "disagg-run real model offload equal tokens"; else bad "disagg-run real model offload equal tokens" "$(head -c 600 "$tmp/out")"; fi
+  fi
   # malformed control input: clear errors, no crash, clean exit at end of input
   printf 'not json\n{"cmd":"nope"}\n{"cmd":"task"}\n{"cmd":"group","rank":5,"size":2,"addrs":["zz","00"]}\n' |
     "$prefilld" --model "$tmp/tiny.gguf" >"$tmp/out" 2>"$tmp/err"

@@ -20,6 +20,7 @@ Suite *suite_kvtransfer(void);
 Suite *suite_decode(void);
 Suite *suite_disagg(void);
 Suite *suite_beam(void);
+Suite *suite_offload(void);
 
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
  * under /tmp). */

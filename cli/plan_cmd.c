@@ -1,0 +1,171 @@
+/*
+ * plan_cmd.c - `pdmesh plan`: the memory of each KV placement for the loaded model, like
+ * HeadInfer App. A.3 / Table 10 (weights, KV in the fast and slow tier, activations with and
+ * without chunked prefill), and with --fast-budget the longest context each placement serves
+ * within that fast budget (a Table 3 analogue).
+ */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "common/pdm.h"
+#include "decode_node/offload.h"
+
+/* "123", "64K", "3M", "2G" (powers of 1024) -> bytes. */
+static int parse_bytes(const char *s, int64_t *out)
+{
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || !(v >= 0)) return -1;
+    double mul = 1;
+    if (*end == 'K' || *end == 'k') mul = 1024.0, end++;
+    else if (*end == 'M' || *end == 'm') mul = 1048576.0, end++;
+    else if (*end == 'G' || *end == 'g') mul = 1073741824.0, end++;
+    if (*end == 'B' || *end == 'i') end++;
+    if (*end) return -1;
+    *out = (int64_t)(v * mul);
+    return 0;
+}
+
+static const char *mib(int64_t b, char *buf, size_t n)
+{
+    snprintf(buf, n, "%.2f", (double)b / 1048576.0);
+    return buf;
+}
+
+/* Longest context (tokens) whose KV fast bytes for placement `which` stay within `budget`. */
+static int32_t longest(const pdm_model_t *m, int which, int beams, int64_t budget, int chunk,
+                       pdm_dtype_t dt, const pdm_kvoff_params_t *p)
+{
+    int32_t lo = 0, hi = 1 << 26;
+    while (lo < hi) {
+        int32_t mid = lo + (hi - lo + 1) / 2;
+        pdm_kvplan_row_t rows[4];
+        int n = pdm_kvplan(m, mid, beams, budget, chunk, dt, p, rows);
+        int fits = n > which && rows[which].kv_fast <= budget;
+        if (fits) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+int cmd_plan(int argc, char **argv)
+{
+    const char *model_path = pdm_model_default_path();
+    long context = 0, beams = 1, chunk = 512;
+    int64_t budget = 0;
+    int json = 0;
+    pdm_dtype_t dt = PDM_DT_F16;
+    pdm_kvoff_params_t p;
+    pdm_kvoff_params_default(&p);
+    static const struct option opts[] = {
+        {"context", required_argument, 0, 'c'}, {"beams", required_argument, 0, 'b'},
+        {"fast-budget", required_argument, 0, 'f'}, {"chunk", required_argument, 0, 'k'},
+        {"kv-dtype", required_argument, 0, 'd'},   {"groups", required_argument, 0, 'g'},
+        {"model", required_argument, 0, 'm'},      {"json", no_argument, 0, 'j'},
+        {"help", no_argument, 0, 'h'},             {0, 0, 0, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'c':
+            if (pdm_parse_long(optarg, 1, 1L << 26, &context))
+                return cli_usage_error("invalid --context '%s' (1..67108864)", optarg);
+            break;
+        case 'b':
+            if (pdm_parse_long(optarg, 1, 64, &beams)) return cli_usage_error("invalid --beams '%s' (1..64)", optarg);
+            break;
+        case 'k':
+            if (pdm_parse_long(optarg, 1, 1 << 20, &chunk)) return cli_usage_error("invalid --chunk '%s'", optarg);
+            break;
+        case 'f':
+            if (parse_bytes(optarg, &budget) || budget < 1)
+                return cli_usage_error("invalid --fast-budget '%s' (bytes, K/M/G suffixes)", optarg);
+            break;
+        case 'd':
+            if (!strcmp(optarg, "f16")) dt = PDM_DT_F16;
+            else if (!strcmp(optarg, "f32")) dt = PDM_DT_F32;
+            else return cli_usage_error("invalid --kv-dtype '%s' (f16 or f32)", optarg);
+            break;
+        case 'g':
+            if (pdm_kvoff_parse_groups(optarg, &p)) return cli_usage_error("%s", pdm_error_last());
+            break;
+        case 'm': model_path = optarg; break;
+        case 'j': json = 1; break;
+        case 'h':
+            printf("usage: pdmesh plan --context N [--beams B] [--fast-budget BYTES] [--chunk C]\n"
+                   "                   [--kv-dtype f16|f32] [--groups CTX:G,...] [--json]\n");
+            return 0;
+        default: return cli_usage_error("%s", "invalid option");
+        }
+    }
+    if (optind < argc) return cli_usage_error("unexpected argument '%s'", argv[optind]);
+    if (!context) return cli_usage_error("%s", "plan needs --context N");
+    pdm_model_t *m;
+    int rc = cli_load_model(model_path, &m);
+    if (rc) return rc;
+    pdm_kvplan_row_t rows[4];
+    int n = pdm_kvplan(m, (int32_t)context, (int)beams, budget, (int)chunk, dt, &p, rows);
+    if (n < 0) {
+        pdm_model_free(m);
+        return cli_runtime_error("plan");
+    }
+    int32_t maxctx[4] = {0};
+    if (budget > 0)
+        for (int i = 0; i < n; i++)
+            maxctx[i] = longest(m, i, (int)beams, budget, (int)chunk, dt, &p);
+    if (json) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddNumberToObject(o, "context", (double)context);
+        cJSON_AddNumberToObject(o, "beams", (double)beams);
+        cJSON_AddNumberToObject(o, "fast_budget", (double)budget);
+        cJSON_AddNumberToObject(o, "chunk", (double)chunk);
+        cJSON_AddStringToObject(o, "kv_dtype", pdm_dtype_name(dt));
+        cJSON *arr = cJSON_AddArrayToObject(o, "placements");
+        for (int i = 0; i < n; i++) {
+            cJSON *r = cJSON_CreateObject();
+            cJSON_AddStringToObject(r, "name", rows[i].name);
+            cJSON_AddNumberToObject(r, "group", rows[i].group);
+            cJSON_AddNumberToObject(r, "kv_fast", (double)rows[i].kv_fast);
+            cJSON_AddNumberToObject(r, "kv_slow", (double)rows[i].kv_slow);
+            cJSON_AddNumberToObject(r, "weights", (double)rows[i].weights);
+            cJSON_AddNumberToObject(r, "act_prefill", (double)rows[i].act_prefill);
+            cJSON_AddNumberToObject(r, "act_chunked", (double)rows[i].act_chunked);
+            cJSON_AddNumberToObject(r, "act_decode", (double)rows[i].act_decode);
+            cJSON_AddNumberToObject(r, "fast_total_chunked",
+                                    (double)(rows[i].weights + rows[i].kv_fast + rows[i].act_chunked));
+            if (budget > 0) cJSON_AddNumberToObject(r, "max_context_in_budget", maxctx[i]);
+            cJSON_AddItemToArray(arr, r);
+        }
+        char *s = cJSON_PrintUnformatted(o);
+        printf("%s\n", s);
+        free(s);
+        cJSON_Delete(o);
+    } else {
+        char b[6][32];
+        printf("context %ld, %ld sequence(s), KV %s, chunk %ld; MiB (fast = GPU memory in a CUDA "
+               "build, RAM arena here)\n", context, beams, pdm_dtype_name(dt), chunk);
+        printf("%-19s %5s %10s %10s %9s %11s %11s %13s%s\n", "placement", "group", "kv_fast",
+               "kv_slow", "weights", "act_prefill", "act_chunked", "fast+chunked",
+               budget > 0 ? "  max ctx in budget" : "");
+        for (int i = 0; i < n; i++) {
+            printf("%-19s %5d %10s %10s %9s %11s %11s %13s", rows[i].name, rows[i].group,
+                   mib(rows[i].kv_fast, b[0], 32), mib(rows[i].kv_slow, b[1], 32),
+                   mib(rows[i].weights, b[2], 32), mib(rows[i].act_prefill, b[3], 32),
+                   mib(rows[i].act_chunked, b[4], 32),
+                   mib(rows[i].weights + rows[i].kv_fast + rows[i].act_chunked, b[5], 32));
+            if (budget > 0) printf("  %17d", maxctx[i]);
+            printf("\n");
+        }
+        if (budget > 0 && n < 4)
+            printf("head-wise+resident: %ld sequence(s) of %ld tokens do not fit the fast budget\n",
+                   beams, context);
+        if ((uint32_t)context > m->hp.n_ctx_train)
+            printf("note: the model was trained for %u tokens\n", m->hp.n_ctx_train);
+    }
+    pdm_model_free(m);
+    return 0;
+}
