@@ -342,17 +342,15 @@ static void ag_on_router(agent_t *a, pdm_wire_msg_t *m)
         cJSON_AddStringToObject(o, "cmd", "start");
         cJSON_AddNumberToObject(o, "id", (double)wire);
         cJSON_AddNumberToObject(o, "first_token", s->first_token);
-        if (s->sampling) {
-            cJSON_AddNumberToObject(o, "temp", s->sampling->temperature);
-            if (s->sampling->top_k > 0) cJSON_AddNumberToObject(o, "top_k", s->sampling->top_k);
-            if (s->sampling->top_p > 0) cJSON_AddNumberToObject(o, "top_p", s->sampling->top_p);
-            cJSON_AddNumberToObject(o, "min_p", s->sampling->min_p);
-            if (s->sampling->repeat_penalty > 0)
-                cJSON_AddNumberToObject(o, "repeat_penalty", s->sampling->repeat_penalty);
-            cJSON_AddNumberToObject(o, "seed", (double)s->sampling->seed);
-        } else {
-            cJSON_AddNumberToObject(o, "temp", 0);
-        }
+        /* The router sends normalized parameters (0 = off already mapped). */
+        Pdmesh__SamplingParams greedy = PDMESH__SAMPLING_PARAMS__INIT;
+        const Pdmesh__SamplingParams *sp = s->sampling ? s->sampling : &greedy;
+        cJSON_AddNumberToObject(o, "temp", sp->temperature);
+        cJSON_AddNumberToObject(o, "top_k", sp->top_k);
+        cJSON_AddNumberToObject(o, "top_p", sp->top_p > 0 ? sp->top_p : 1);
+        cJSON_AddNumberToObject(o, "min_p", sp->min_p);
+        cJSON_AddNumberToObject(o, "repeat_penalty", sp->repeat_penalty > 0 ? sp->repeat_penalty : 1);
+        cJSON_AddNumberToObject(o, "seed", (double)sp->seed);
         if (s->deadline_ms) cJSON_AddNumberToObject(o, "timeout", s->deadline_ms / 1000.0);
         cJSON *st = cJSON_AddArrayToObject(o, "stop");
         for (size_t i = 0; i < s->n_stop; i++) cJSON_AddItemToArray(st, cJSON_CreateString(s->stop[i]));
