@@ -158,14 +158,16 @@ done
 sleep 1.5
 eval "vp=\$DEC_$victim"
 kill -9 "$vp"
+wait "$vp" 2>/dev/null
 wait $g
 check "kill -9 of the decode node ($victim) mid-request: completed on the other node, no token lost or repeated" \
   "[ \"\$(jq_ 'd[0].get(\"ok\") and d[0][\"usage\"][\"attempts\"]>=2 and d[0][\"stream_matches\"] and len(d[0][\"tokens\"])>0 and d[0][\"usage\"][\"decode_node\"]!=\"$victim\"' < $RUN/mig.json)\" = True ]"
 admin --op stats > "$RUN/stats.json"
-check "metrics count the migration" "jq_ 'd[0][\"text\"]' < $RUN/stats.json | grep -q '^pdmesh_migrations_total [1-9]'"
+check "metrics count the migration" "jq_ 'd[0][\"text\"]' < $RUN/stats.json | grep '^pdmesh_migrations_total [1-9]' > /dev/null"
 
 # --- kill -9 of a prefill rank: requests complete (local prefill fallback) or end typed ---
 kill -9 "$PRE1"
+wait "$PRE1" 2>/dev/null
 gen --prompt "$LONG" -n 16 --deadline-ms 60000 > "$RUN/pk.json"
 check "kill -9 of a prefill rank: a long-prompt request still completes before its deadline" \
   "[ \"\$(jq_ 'd[0].get(\"ok\") == True or d[0].get(\"code\") in (7, 9)' < $RUN/pk.json)\" = True ] && [ \"\$(jq_ 'd[0].get(\"ok\")' < $RUN/pk.json)\" = True ]"
