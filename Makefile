@@ -46,7 +46,7 @@ KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
-CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c
+CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/mesh.c
 PREFILLD_SRC := prefill_node/main.c
 ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c \
               router/metrics.c
@@ -123,7 +123,7 @@ $(LIB): $(LIB_OBJ)
 
 $(BUILD)/bin/pdmesh: $(CLI_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -lyaml
 
 $(BUILD)/bin/pdmesh-prefill: $(PREFILLD_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
