@@ -49,7 +49,12 @@ LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $
            router/metrics.c
 CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/mesh.c
 PREFILLD_SRC := prefill_node/main.c
-ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c
+# router/http.c (the HTTP front end, another branch) joins the router when it exists; main.c
+# starts it under PDM_ROUTER_HTTP.
+ROUTER_HTTP_SRC := $(wildcard router/http.c)
+ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c \
+              $(ROUTER_HTTP_SRC)
+ROUTER_LIBS := -luv $(if $(ROUTER_HTTP_SRC),-lhttp_parser)
 RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
@@ -135,7 +140,11 @@ $(BUILD)/bin/pdmesh-decode: $(DECODED_OBJ) $(LIB)
 
 $(BUILD)/bin/pdmesh-router: $(ROUTER_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -luv
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) $(ROUTER_LIBS)
+
+ifneq ($(ROUTER_HTTP_SRC),)
+$(BUILD)/obj/router/main.o: ALL_CFLAGS += -DPDM_ROUTER_HTTP
+endif
 
 $(BUILD)/bin/pdm-rclient: $(RCLIENT_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
