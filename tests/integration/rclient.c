@@ -3,6 +3,7 @@
  *
  *   pdm-rclient gen   --ep EP (--prompt TEXT | --tokens 1,2,3) [--chat] [-n N] [--temp T]
  *                     [--stream] [--count K] [--deadline-ms MS] [--timeout S] [--cancel-after N]
+ *                     [--stop STRING]
  *   pdm-rclient raw   --ep EP --kind garbage|oversized|unknown|multipart|badproto|ping
  *   pdm-rclient admin --ep EP --op OP [--name N] [--key K] [--value V] [--id R] [--no-token]
  *   pdm-rclient register --ep NODE_EP --node-id ID      (secret from the environment)
@@ -21,6 +22,7 @@
 #include "common/pdm.h"
 #include "common/wire.h"
 
+static const char *stop_arg;
 static const char *ep, *prompt, *tokens_arg, *kind, *op, *name, *key, *value, *node_id;
 static int chat, n_predict = 32, stream_, count = 1, no_token, cancel_after = -1;
 static double temp, timeout_s = 120;
@@ -115,6 +117,11 @@ static int cmd_gen(void *ctx)
         g.max_tokens = (uint32_t)n_predict;
         g.stream = stream_;
         g.deadline_ms = deadline_ms;
+        char *stops[1] = {(char *)stop_arg};
+        if (stop_arg) {
+            g.stop = stops;
+            g.n_stop = 1;
+        }
         if (pdm_wire_send(s, NULL, 0, PDMESH__MSG_TYPE__MSG_GENERATE_REQUEST, &g.base)) {
             fprintf(stderr, "pdm-rclient: %s\n", pdm_error_last());
             return 1;
@@ -354,7 +361,8 @@ int main(int argc, char **argv)
         {"name", required_argument, 0, 'N'},   {"key", required_argument, 0, 'y'},
         {"value", required_argument, 0, 'v'},  {"id", required_argument, 0, 'i'},
         {"no-token", no_argument, 0, 'x'},     {"node-id", required_argument, 0, 'I'},
-        {"cancel-after", required_argument, 0, 'C'}, {0, 0, 0, 0}};
+        {"cancel-after", required_argument, 0, 'C'}, {"stop", required_argument, 0, 'S'},
+        {0, 0, 0, 0}};
     int c;
     optind = 2;
     while ((c = getopt_long(argc, argv, "n:", opts, NULL)) != -1) {
@@ -378,6 +386,7 @@ int main(int argc, char **argv)
         case 'x': no_token = 1; break;
         case 'I': node_id = optarg; break;
         case 'C': cancel_after = atoi(optarg); break;
+        case 'S': stop_arg = optarg; break;
         default: return 2;
         }
     }

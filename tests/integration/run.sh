@@ -91,6 +91,13 @@ ref --prompt "Tell me about the sea" --chat -n 16 > "$RUN/chat.ref"
 check "chat messages rendered with the model's template; output equals pdmesh generate --chat" \
   "[ \"\$(jq_ 'd[0][\"text\"]' < $RUN/chat.json)\" = \"\$(cat $RUN/chat.ref)\" ]"
 
+# stop string: the text ends before it, streamed text (held back near a possible stop) equals
+# the result
+STOPW=$($PY -c "import sys; t=open(sys.argv[1]).read(); w=t.split(); print(w[len(w)//2] if len(w)>2 else 'the')" "$RUN/long.ref")
+gen --prompt "$LONG" -n 24 --stream --stop "$STOPW" > "$RUN/stop.json"
+check "stop string '$STOPW': finish=stop, text cut before it, stream equals result" \
+  "[ \"\$(jq_ 'd[0][\"finish\"]==3 and d[0][\"stream_matches\"] and open(\"$RUN/long.ref\").read().startswith(d[0][\"text\"]) and \"$STOPW\" not in d[0][\"text\"]' < $RUN/stop.json)\" = True ]"
+
 # --- concurrency: 2 clients x 6 requests ---
 gen --prompt "$SHORT" -n 16 --count 6 --stream > "$RUN/c1.json" &
 c1=$!
