@@ -294,21 +294,29 @@ static int rt_pick_decode(pdm_router_t *r, int64_t need)
     return best;
 }
 
-/* SHA-256 block hashes over (model id, parent hash, tokens of the block): block i's hash
- * names the whole prefix up to the end of block i. */
+/* SHA-256 block keys with tagged fields (PITFALLS.md: cache keys): a domain tag, the router's
+ * random salt, the model id, the parent block's key and the block's tokens, each
+ * length-prefixed. Block i's key names the whole prefix up to the end of block i. */
 static int rt_block_hashes(pdm_router_t *r, const int32_t *tok, uint32_t n, uint8_t (*out)[32],
                            int max)
 {
     int bt = r->cfg.block_tokens > 0 ? r->cfg.block_tokens : 64, k = 0;
     uint8_t parent[32] = {0};
-    size_t mlen = strlen(r->model_name);
-    uint8_t *buf = malloc(mlen + 32 + sizeof(int32_t) * (size_t)bt);
+    static const char tag[] = "pdmesh-prefix-v1";
+    uint32_t mlen = (uint32_t)strlen(r->model_name), tlen = (uint32_t)bt;
+    size_t cap = sizeof(tag) + 16 + 4 + mlen + 32 + 4 + sizeof(int32_t) * (size_t)bt;
+    uint8_t *buf = malloc(cap);
     if (!buf) return 0;
     for (uint32_t s = 0; s + (uint32_t)bt <= n && k < max; s += (uint32_t)bt) {
-        memcpy(buf, r->model_name, mlen);
-        memcpy(buf + mlen, parent, 32);
-        memcpy(buf + mlen + 32, tok + s, sizeof(int32_t) * (size_t)bt);
-        pdm_sha256(buf, mlen + 32 + sizeof(int32_t) * (size_t)bt, out[k]);
+        size_t o = 0;
+        memcpy(buf + o, tag, sizeof(tag)), o += sizeof(tag);
+        memcpy(buf + o, r->prefix_salt, 16), o += 16;
+        memcpy(buf + o, &mlen, 4), o += 4;
+        memcpy(buf + o, r->model_name, mlen), o += mlen;
+        memcpy(buf + o, parent, 32), o += 32;
+        memcpy(buf + o, &tlen, 4), o += 4;
+        memcpy(buf + o, tok + s, sizeof(int32_t) * (size_t)bt), o += sizeof(int32_t) * (size_t)bt;
+        pdm_sha256(buf, o, out[k]);
         memcpy(parent, out[k], 32);
         k++;
     }
@@ -879,6 +887,7 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
         goto fail;
     }
     if ((st = rt_load_token(cfg->admin_token_file, &r->admin_token))) goto fail;
+    if ((st = pdm_random_bytes(r->prefix_salt, sizeof(r->prefix_salt)))) goto fail;
     if ((st = pdm_model_load(cfg->model_path, &r->model))) goto fail;
     if (!r->model->tokenizer) {
         st = pdm_error_set(PDM_EUNSUPPORTED, "%s has no tokenizer", cfg->model_path);

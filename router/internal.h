@@ -148,6 +148,9 @@ struct pdm_router {
     int has_calib;
     struct { uint8_t hash[32]; int group; uint64_t stamp; } prefix[RT_PREFIX_SLOTS];
     uint64_t prefix_stamp;
+    uint8_t prefix_salt[16];      /* random per router: prefix keys are not predictable */
+    struct { uint64_t nonce; uint8_t id[8]; double t; } seen[1024]; /* registration replay */
+    unsigned seen_next;
     void *zfront;                 /* zfront.c state */
     struct {
         pdm_metrics_t *reg;

@@ -137,6 +137,22 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
                             "register: the proof does not match the cluster secret");
         return;
     }
+    /* A proof is good for one registration: a replayed Register (same node id and nonce within
+     * the skew window) is refused. */
+    uint8_t idh[32];
+    pdm_sha256(m->node_id, strlen(m->node_id), idh);
+    double tnow = pdm_now();
+    for (unsigned k = 0; k < PDM_ARRAY_SIZE(r->seen); k++)
+        if (r->seen[k].t > 0 && tnow - r->seen[k].t < 2 * r->cfg.max_skew_s &&
+            r->seen[k].nonce == m->nonce && !memcmp(r->seen[k].id, idh, 8)) {
+            pdm_wire_send_error(s, ident, ident_len, PDMESH__ERROR_CODE__ERR_UNAUTHORIZED, 0,
+                                "register: replayed proof");
+            return;
+        }
+    unsigned slot = r->seen_next++ % PDM_ARRAY_SIZE(r->seen);
+    r->seen[slot].nonce = m->nonce;
+    memcpy(r->seen[slot].id, idh, 8);
+    r->seen[slot].t = tnow;
     if (m->role != PDMESH__ROLE__ROLE_PREFILL && m->role != PDMESH__ROLE__ROLE_DECODE) {
         pdm_wire_send_error(s, ident, ident_len, INV, 0, "register: role must be prefill or decode");
         return;

@@ -211,6 +211,12 @@ for p in $mesh_pids; do
 done
 check "pdmesh down stops every process of the mesh" "[ $left = 0 ] && [ -n \"$mesh_pids\" ]"
 
+# --- a registration proof is good once (replay refused) ---
+"$BIN/pdm-rclient" register --ep "$NODE" --node-id replay-test --timeout 10 > "$RUN/reg1.json"
+"$BIN/pdm-rclient" register --ep "$NODE" --node-id replay-test --timeout 10 > "$RUN/reg2.json"
+check "a correct registration is acknowledged, the same proof replayed is refused" \
+  "[ \"\$(jq_ 'd[0].get(\"type\")' < $RUN/reg1.json)\" = RegisterAck ] && [ \"\$(jq_ 'd[0][\"code\"]' < $RUN/reg2.json)\" = 5 ]"
+
 # --- clean shutdown: SIGTERM ends the router with status 0 (and no sanitizer report) ---
 kill -TERM "$ROUTER"
 rc=124
