@@ -9,9 +9,11 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/signalfd.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -35,6 +37,7 @@ typedef struct {
     uint8_t *secret;
     size_t secret_len;
     int cmd_fd, ev_fd;           /* our ends of the pipes */
+    int sig_fd;                  /* SIGTERM / SIGINT (blocked in every thread) */
     void *zctx, *sock;
     uint8_t *addr;               /* UCX address from the loop's hello */
     size_t addr_len;
@@ -523,18 +526,34 @@ static void *ag_main(void *arg)
         if (a->addr && !a->registered && now >= a->next_register) ag_register(a);
         if (a->registered && now >= a->next_heartbeat) ag_heartbeat(a);
         ag_flush_cmds(a);
-        zmq_pollitem_t items[3] = {{a->sock, 0, ZMQ_POLLIN, 0},
+        zmq_pollitem_t items[4] = {{a->sock, 0, ZMQ_POLLIN, 0},
                                    {NULL, a->ev_fd, ZMQ_POLLIN, 0},
+                                   {NULL, a->sig_fd, ZMQ_POLLIN, 0},
                                    {NULL, a->cmd_fd, ZMQ_POLLOUT, 0}};
         double next = a->registered ? a->next_heartbeat : a->next_register;
         long timeout = (long)((next - pdm_now()) * 1000) + 1;
         if (!a->addr) timeout = 100;
         timeout = PDM_MAX(1, PDM_MIN(timeout, 1000));
-        int n = zmq_poll(items, a->out_len ? 3 : 2, timeout);
+        int n = zmq_poll(items, a->out_len ? 4 : 3, timeout);
         if (n < 0) {
             if (errno == EINTR) continue;
             if (errno == ETERM) return NULL;
             continue;
+        }
+        if (items[2].revents & ZMQ_POLLIN) {
+            /* Clean shutdown: tell the router at once (its requests move elsewhere without
+             * waiting for the lease), give the message a moment to leave, exit. */
+            if (a->registered) {
+                Pdmesh__Deregister d = PDMESH__DEREGISTER__INIT;
+                d.node_id = (char *)a->p.node_id;
+                d.epoch = a->epoch;
+                ag_send(a, PDMESH__MSG_TYPE__MSG_DEREGISTER, &d.base);
+            }
+            int linger = 500;
+            zmq_setsockopt(a->sock, ZMQ_LINGER, &linger, sizeof(linger));
+            zmq_close(a->sock);
+            zmq_ctx_term(a->zctx);
+            _exit(0);
         }
         if (items[1].revents & (ZMQ_POLLIN | ZMQ_POLLERR)) ag_read_events(a);
         for (int k = 0; k < 1024; k++) {
@@ -570,6 +589,13 @@ int pdm_agent_start(const pdm_agent_params_t *p)
     a->hb_ms = p->heartbeat_ms > 0 ? p->heartbeat_ms : 1000;
     int st = pdm_auth_load_secret(p->secret_file, &a->secret, &a->secret_len);
     if (st) return pdm_error_set(st, "agent: cluster secret: %s", pdm_error_last());
+    /* SIGTERM/SIGINT go to the agent (signalfd), blocked in this and every later thread. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    if (pthread_sigmask(SIG_BLOCK, &sigs, NULL) || (a->sig_fd = signalfd(-1, &sigs, SFD_CLOEXEC)) < 0)
+        return pdm_error_set(PDM_EIO, "agent: signalfd: %s", strerror(errno));
     int cmd[2], ev[2];
     if (pipe(cmd) || pipe(ev)) return pdm_error_set(PDM_EIO, "agent: pipe: %s", strerror(errno));
     /* The loop reads commands on fd 0 and writes events to fd 1 (pdm_ctl_open dups it). */

@@ -154,6 +154,19 @@ gen --prompt "$SHORT" -n 8 --count 3 > "$RUN/drain.json"
 check "drained d0 gets no new requests" "[ \"\$(jq_ 'sum(1 for x in d if x.get(\"ok\") and x[\"usage\"][\"decode_node\"]==\"d1\")' < $RUN/drain.json)\" = 3 ]"
 admin --op undrain --name d0 > /dev/null
 
+# --- SIGTERM of a node: it deregisters at once (no lease wait) ---
+start_decode d2
+check "third decode node registers" "wait_nodes 5 60"
+t0=$SECONDS
+kill -TERM "$DEC_d2"
+gone=0
+for _ in $(seq 1 20); do
+  admin --op node --name d2 | grep -q '"state":"dead"' && { gone=1; break; }
+  sleep 0.1
+done
+wait "$DEC_d2" 2>/dev/null
+check "a node stopped with SIGTERM deregisters within 2 s" "[ $gone = 1 ]"
+
 # --- kill -9 of a decode node mid-request: the request migrates ---
 STORY="Write a long story about a dragon who learns to cook. Once upon a time"
 before=$(grep -c "attempt 1 ->" "$RUN/router.log")
