@@ -7,6 +7,7 @@
 #   make asan     the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make demo     deps + model + build, then generate with the default model
 #   make bench-prefill  TTFT of every prefill method (docs/perf/prefill.md)
+#   make bench-router   router overhead per request with instant nodes (docs/router.md)
 #   make bench-sim      predicted TTFT up to 64 ranks / 1M tokens (docs/perf/sim.md)
 #   make bench-transfer KV streaming vs ucx_perftest (docs/perf/transfer.md)
 #   make bench-decode   batched decode vs llama.cpp (docs/perf/decode.md)
@@ -92,7 +93,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
-        integration-test \
+        integration-test bench-router \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check
 
@@ -182,6 +183,10 @@ cli-test: $(BINS)
 # The router with a prefill group and decode nodes as real processes (tests/integration).
 integration-test: $(BINS)
 	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/run.sh
+
+# Router overhead per request with a decode node that answers at once (docs/router.md).
+bench-router: $(BINS)
+	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/overhead.sh
 
 test check: deps model all
 	$(MAKE) --no-print-directory unit cli-test sim-test integration-test

@@ -7,6 +7,9 @@
  *   pdm-rclient raw   --ep EP --kind garbage|oversized|unknown|multipart|badproto|ping
  *   pdm-rclient admin --ep EP --op OP [--name N] [--key K] [--value V] [--id R] [--no-token]
  *   pdm-rclient register --ep NODE_EP --node-id ID      (secret from the environment)
+ *   pdm-rclient fakenode --ep NODE_EP --node-id ID [--timeout S]   a decode node that answers
+ *                     at once (router overhead)
+ *   pdm-rclient bench --ep EP [--count N] [-n N]   sequential requests: p50/p99 round trip
  *
  * Every reply is printed as one JSON line; the exit status is 0 when the command ran (the
  * JSON says whether the router accepted), 1 on a timeout or a broken reply.
@@ -85,6 +88,10 @@ typedef struct {
 
 static int cmd_gen(void *ctx)
 {
+    if (count > 4096) {
+        fprintf(stderr, "pdm-rclient: gen: --count at most 4096\n");
+        return 2;
+    }
     void *s = dealer(ctx);
     int32_t *toks = NULL;
     size_t n_toks = 0;
@@ -344,6 +351,145 @@ static int cmd_register(void *ctx)
     return 0;
 }
 
+/* A decode node that answers at once (router overhead measurement): registers, heartbeats,
+ * reserves everything, and returns max_new copies of token 28 for every task. Runs for
+ * --timeout seconds. */
+static int cmd_fakenode(void *ctx)
+{
+    uint8_t *secret;
+    size_t slen;
+    if (pdm_auth_load_secret(NULL, &secret, &slen)) {
+        fprintf(stderr, "pdm-rclient: %s\n", pdm_error_last());
+        return 2;
+    }
+    void *s = dealer(ctx);
+    uint64_t epoch = 0;
+    double end = pdm_now() + timeout_s, next_hb = 0;
+    uint32_t max_new[4096] = {0};
+    while (pdm_now() < end) {
+        if (!epoch && pdm_now() >= next_hb) {
+            Pdmesh__Register r = PDMESH__REGISTER__INIT;
+            Pdmesh__Capacity cap = PDMESH__CAPACITY__INIT;
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            uint8_t proof[32], addr[4] = {1, 2, 3, 4};
+            r.node_id = (char *)node_id;
+            r.role = PDMESH__ROLE__ROLE_DECODE;
+            pdm_random_bytes(&r.nonce, sizeof(r.nonce));
+            r.timestamp_ms = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+            pdm_auth_proof(secret, slen, node_id, r.nonce, r.timestamp_ms, proof);
+            r.proof.data = proof;
+            r.proof.len = 32;
+            r.ucx_address.data = addr;
+            r.ucx_address.len = sizeof(addr);
+            cap.kv_tokens = 1u << 30;
+            cap.max_sequences = 4096;
+            r.capacity = &cap;
+            pdm_wire_send(s, NULL, 0, PDMESH__MSG_TYPE__MSG_REGISTER, &r.base);
+            next_hb = pdm_now() + 1;
+        } else if (epoch && pdm_now() >= next_hb) {
+            Pdmesh__Heartbeat h = PDMESH__HEARTBEAT__INIT;
+            h.node_id = (char *)node_id;
+            h.epoch = epoch;
+            pdm_wire_send(s, NULL, 0, PDMESH__MSG_TYPE__MSG_HEARTBEAT, &h.base);
+            next_hb = pdm_now() + 0.5;
+        }
+        pdm_wire_msg_t *w = recv_msg(s, 50);
+        if (!w) continue;
+        ProtobufCMessage *m = pdm_wire_message(w);
+        switch (pdm_wire_type(w)) {
+        case PDMESH__MSG_TYPE__MSG_REGISTER_ACK:
+            epoch = ((Pdmesh__RegisterAck *)m)->epoch;
+            next_hb = pdm_now() + 0.5;
+            printf("{\"registered\":true,\"epoch\":%llu}\n", (unsigned long long)epoch);
+            fflush(stdout);
+            break;
+        case PDMESH__MSG_TYPE__MSG_DECODE_TASK: {
+            Pdmesh__DecodeTask *t = (Pdmesh__DecodeTask *)m;
+            max_new[t->task_id % 4096] = t->max_new;
+            Pdmesh__DecodeReserved r = PDMESH__DECODE_RESERVED__INIT;
+            r.task_id = t->task_id;
+            r.attempt = t->attempt;
+            r.epoch = epoch;
+            r.ok = 1;
+            pdm_wire_send(s, NULL, 0, PDMESH__MSG_TYPE__MSG_DECODE_RESERVED, &r.base);
+            break;
+        }
+        case PDMESH__MSG_TYPE__MSG_DECODE_START: {
+            Pdmesh__DecodeStart *d = (Pdmesh__DecodeStart *)m;
+            uint32_t n = max_new[d->task_id % 4096];
+            int32_t toks[4096];
+            for (uint32_t i = 0; i < n && i < 4096; i++) toks[i] = 28;
+            Pdmesh__DecodeTokens dt = PDMESH__DECODE_TOKENS__INIT;
+            dt.task_id = d->task_id;
+            dt.attempt = d->attempt;
+            dt.tokens = toks;
+            dt.n_tokens = PDM_MIN(n, 4096u);
+            pdm_wire_send(s, NULL, 0, PDMESH__MSG_TYPE__MSG_DECODE_TOKENS, &dt.base);
+            Pdmesh__DecodeResult res = PDMESH__DECODE_RESULT__INIT;
+            res.task_id = d->task_id;
+            res.attempt = d->attempt;
+            res.epoch = epoch;
+            res.ok = 1;
+            res.finish = PDMESH__FINISH_REASON__FINISH_LENGTH;
+            res.tokens = toks;
+            res.n_tokens = dt.n_tokens;
+            pdm_wire_send(s, NULL, 0, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &res.base);
+            break;
+        }
+        default:
+            break;
+        }
+        pdm_wire_msg_free(w);
+    }
+    free(secret);
+    zmq_close(s);
+    return 0;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Sequential requests: client-side round trip per request, p50/p99 in ms (JSON). */
+static int cmd_bench(void *ctx)
+{
+    void *s = dealer(ctx);
+    double *lat = calloc((size_t)count, sizeof(double));
+    int32_t toks[3] = {1, 2, 3};
+    int okn = 0;
+    for (int i = 0; i < count; i++) {
+        Pdmesh__GenerateRequest g = PDMESH__GENERATE_REQUEST__INIT;
+        g.request_id = (uint64_t)i + 1;
+        g.prompt_tokens = toks;
+        g.n_prompt_tokens = 3;
+        g.max_tokens = (uint32_t)n_predict;
+        double t0 = pdm_now();
+        pdm_wire_send(s, NULL, 0, PDMESH__MSG_TYPE__MSG_GENERATE_REQUEST, &g.base);
+        for (;;) {
+            pdm_wire_msg_t *w = recv_msg(s, (int)(timeout_s * 1000));
+            if (!w) {
+                fprintf(stderr, "pdm-rclient: bench: no answer\n");
+                free(lat);
+                return 1;
+            }
+            int type = pdm_wire_type(w);
+            pdm_wire_msg_free(w);
+            if (type == PDMESH__MSG_TYPE__MSG_GENERATE_RESULT) okn++;
+            if (type == PDMESH__MSG_TYPE__MSG_GENERATE_RESULT || type == PDMESH__MSG_TYPE__MSG_ERROR) break;
+        }
+        lat[i] = (pdm_now() - t0) * 1e3;
+    }
+    qsort(lat, (size_t)count, sizeof(double), cmp_double);
+    printf("{\"requests\":%d,\"ok\":%d,\"p50_ms\":%.3f,\"p99_ms\":%.3f,\"max_ms\":%.3f}\n", count, okn,
+           lat[count / 2], lat[(int)(count * 0.99)], lat[count - 1]);
+    free(lat);
+    zmq_close(s);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -390,8 +536,8 @@ int main(int argc, char **argv)
         default: return 2;
         }
     }
-    if (!ep || count < 1 || count > 4096 || n_predict < 1) {
-        fprintf(stderr, "pdm-rclient: --ep required; --count in [1, 4096]\n");
+    if (!ep || count < 1 || count > 100000 || n_predict < 1) {
+        fprintf(stderr, "pdm-rclient: --ep required; --count in [1, 100000]\n");
         return 2;
     }
     void *ctx = zmq_ctx_new();
@@ -400,6 +546,8 @@ int main(int argc, char **argv)
     else if (!strcmp(cmd, "raw") && kind) st = cmd_raw(ctx);
     else if (!strcmp(cmd, "admin")) st = cmd_admin(ctx);
     else if (!strcmp(cmd, "register") && node_id) st = cmd_register(ctx);
+    else if (!strcmp(cmd, "fakenode") && node_id) st = cmd_fakenode(ctx);
+    else if (!strcmp(cmd, "bench")) st = cmd_bench(ctx);
     else fprintf(stderr, "pdm-rclient: unknown command or missing arguments\n");
     zmq_ctx_term(ctx);
     return st;
