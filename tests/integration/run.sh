@@ -190,12 +190,38 @@ check "kill -9 of the decode node ($victim) mid-request: completed on the other 
 admin --op stats > "$RUN/stats.json"
 check "metrics count the migration" "jq_ 'd[0][\"text\"]' < $RUN/stats.json | grep '^pdmesh_migrations_total [1-9]' > /dev/null"
 
-# --- kill -9 of a prefill rank: requests complete (local prefill fallback) or end typed ---
+# --- kill -9 of a client mid-stream: its request is cancelled, nothing stays open ---
+gen --prompt "$STORY" -n 300 --stream > /dev/null 2>&1 &
+cp_=$!
+sleep 1.5
+kill -9 "$cp_"
+wait "$cp_" 2>/dev/null
+open_=1
+for _ in $(seq 1 50); do
+  open_=$(admin --op stats | jq_ 'd[0]["values"]["open_requests"]')
+  [ "$open_" = 0 ] && break
+  sleep 0.1
+done
+check "kill -9 of a client mid-stream: its request is cancelled (no open requests left)" "[ \"$open_\" = 0 ]"
+
+# --- kill -9 of a prefill rank mid-request: the request completes (retry, local prefill) ---
+BIGP="$LONG $LONG $LONG $LONG $LONG $LONG $LONG $LONG"
+before=$(grep -c " via pa" "$RUN/router.log")
+gen --prompt "$BIGP" -n 16 --deadline-ms 60000 > "$RUN/pk.json" &
+g=$!
+for _ in $(seq 1 200); do
+  [ "$(grep -c " via pa" "$RUN/router.log")" -gt "$before" ] && break
+  sleep 0.02
+done
 kill -9 "$PRE1"
 wait "$PRE1" 2>/dev/null
-gen --prompt "$LONG" -n 16 --deadline-ms 60000 > "$RUN/pk.json"
-check "kill -9 of a prefill rank: a long-prompt request still completes before its deadline" \
-  "[ \"\$(jq_ 'd[0].get(\"ok\") == True or d[0].get(\"code\") in (7, 9)' < $RUN/pk.json)\" = True ] && [ \"\$(jq_ 'd[0].get(\"ok\")' < $RUN/pk.json)\" = True ]"
+wait $g
+check "kill -9 of a prefill rank mid-request: the request completes before its deadline" \
+  "[ \"\$(jq_ 'd[0].get(\"ok\")' < $RUN/pk.json)\" = True ]"
+echo "     (attempts: $(jq_ 'd[0].get("usage", {}).get("attempts")' < "$RUN/pk.json"), prefill: $(jq_ 'd[0].get("usage", {}).get("prefill_method")' < "$RUN/pk.json"))"
+gen --prompt "$LONG" -n 8 --deadline-ms 60000 > "$RUN/pk2.json"
+check "with the group broken, long prompts are prefilled by the decode node" \
+  "[ \"\$(jq_ 'd[0].get(\"ok\") and d[0][\"usage\"][\"prefill_method\"]==\"local\"' < $RUN/pk2.json)\" = True ]"
 check "the router is still alive" "kill -0 $ROUTER"
 
 # --- pdmesh up / down from a YAML config ---
