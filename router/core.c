@@ -334,6 +334,11 @@ static size_t rt_prefix_slot(const uint8_t *h)
 static int rt_pick_group(pdm_router_t *r, rt_req_t *q, uint32_t *cached)
 {
     enum { MAXB = 256 };
+    *cached = 0;
+    int room = 0; /* no hashing while every group is busy (the queue is scanned often) */
+    for (int g = 0; g < RT_MAX_GROUPS && !room; g++)
+        room = rt_group_usable(r, g) && r->groups[g].inflight < r->cfg.group_inflight;
+    if (!room) return -1;
     uint8_t (*h)[32] = malloc(sizeof(uint8_t[32]) * MAXB);
     int nb = h ? rt_block_hashes(r, q->prompt, q->n_prompt, h, MAXB) : 0;
     int best = -1;

@@ -43,7 +43,7 @@ admin() { PDMESH_ADMIN_TOKEN=$TOKEN "$BIN/pdm-rclient" admin --ep "$ADMIN" --tim
 start_router() {
   "$BIN/pdmesh-router" --model "$MODEL" --client "$CLIENT" --node "$NODE" --admin "$ADMIN" \
     --http-port -1 --admin-token-file "$RUN/token" --method kvr-e --local-threshold 24 \
-    --max-tokens 512 --max-attempts 4 "$@" > "$RUN/router.log" 2>&1 &
+    --max-tokens 512 --max-attempts 4 --block-tokens 16 "$@" > "$RUN/router.log" 2>&1 &
   ROUTER=$!; pids+=("$ROUTER")
 }
 start_prefill() { # rank
@@ -107,6 +107,10 @@ ref --prompt "$SHORT" -n 16 > "$RUN/c1.ref"
 ref --prompt "$LONG" -n 16 > "$RUN/c2.ref"
 check "12 concurrent requests from 2 clients all equal the reference" \
   "[ \"\$(jq_ 'sum(1 for x in d if x.get(\"ok\") and x[\"text\"]==open(\"$RUN/c1.ref\").read().rstrip(\"\\n\") and x[\"stream_matches\"])' < $RUN/c1.json)\" = 6 ] && [ \"\$(jq_ 'sum(1 for x in d if x.get(\"ok\") and x[\"text\"]==open(\"$RUN/c2.ref\").read().rstrip(\"\\n\") and x[\"stream_matches\"])' < $RUN/c2.json)\" = 6 ]"
+
+admin --op stats > "$RUN/stats0.json"
+check "prefix-aware routing: repeated long prompts find their prefix's group (prefix hits counted)" \
+  "jq_ 'd[0][\"text\"]' < $RUN/stats0.json | grep '^pdmesh_prefix_hits_total [1-9]' > /dev/null"
 
 # --- authentication ---
 PDMESH_SECRET_FILE="$RUN/wrong" "$BIN/pdm-rclient" register --ep "$NODE" --node-id intruder --timeout 10 > "$RUN/reg.json"
