@@ -252,7 +252,7 @@ int main(int argc, char **argv)
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
         {"kv-dtype", required_argument, 0, 'd'},  {"kv-timeout", required_argument, 0, 'o'},
         {"max-sequences", required_argument, 0, 's'}, {"help", no_argument, 0, 'h'},
-        {"router", required_argument, 0, 'R'},    {"node-id", required_argument, 0, 'N'},
+        {"router", required_argument, 0, 'R'},    {"node-id", required_argument, 0, 'I'},
         {"secret-file", required_argument, 0, 'S'},
         {0, 0, 0, 0}};
     pdm_agent_params_t ap;
@@ -275,7 +275,7 @@ int main(int argc, char **argv)
             break;
         case 'o': if (pdm_parse_double(optarg, 0.01, 86400, &d)) goto bad; dp.kv_timeout = d; break;
         case 'R': ap.endpoint = optarg; break;
-        case 'N': ap.node_id = optarg; break;
+        case 'I': ap.node_id = optarg; break; /* 'N' is --n-best on main (beam branch) */
         case 'S': ap.secret_file = optarg; break;
         case 'h':
             printf("usage: pdmesh-decode [--model FILE] [--threads N] [--batch N] "
