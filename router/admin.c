@@ -182,17 +182,19 @@ void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
         size_t len2 = 0;
         text = pdm_metrics_render(pdm_router_metrics(r), &len2);
         rep.text = text;
-        int k = 0, queued = 0;
+        int queued = 0;
         for (rt_req_t *q = r->head; q; q = q->next) queued += q->state == RQ_QUEUED;
-        snprintf(vals[k], sizeof(vals[k]), "%d", r->n_req), kv[k].key = "open_requests", k++;
-        snprintf(vals[k], sizeof(vals[k]), "%d", queued), kv[k].key = "queued_requests", k++;
-        snprintf(vals[k], sizeof(vals[k]), "%d", pdm_router_ready(r)), kv[k].key = "ready", k++;
-        snprintf(vals[k], sizeof(vals[k]), "%s", r->model_name), kv[k].key = "model", k++;
-        for (int i = 0; i < k; i++) {
-            pdmesh__key_value__init(&kv[i]);
-            kv[i].key = i == 0 ? "open_requests" : i == 1 ? "queued_requests" : i == 2 ? "ready" : "model";
-            kv[i].value = vals[i];
-            kvp[i] = &kv[i];
+        static const char *keys[] = {"open_requests", "queued_requests", "ready", "model"};
+        snprintf(vals[0], sizeof(vals[0]), "%d", r->n_req);
+        snprintf(vals[1], sizeof(vals[1]), "%d", queued);
+        snprintf(vals[2], sizeof(vals[2]), "%d", pdm_router_ready(r));
+        snprintf(vals[3], sizeof(vals[3]), "%s", r->model_name);
+        int k = 0;
+        for (; k < 4; k++) {
+            pdmesh__key_value__init(&kv[k]);
+            kv[k].key = (char *)keys[k];
+            kv[k].value = vals[k];
+            kvp[k] = &kv[k];
         }
         rep.values = kvp;
         rep.n_values = (size_t)k;
