@@ -298,9 +298,9 @@ int cmd_up(int argc, char **argv)
     const char *client = y_str(rt, "client", "tcp://127.0.0.1:7700");
     const char *node = y_str(rt, "node", "tcp://127.0.0.1:7701");
     const char *admin = y_str(rt, "admin", "tcp://127.0.0.1:7702");
-    long http_port = 8080, local_thr = 32, timeout = 120;
+    long http_port = 8080, local_thr = 16, timeout = 120;
     int st = y_int(rt, "http_port", 8080, -1, 65535, &http_port);
-    if (!st) st = y_int(rt, "local_threshold", 32, 0, 1 << 22, &local_thr);
+    if (!st) st = y_int(rt, "local_threshold", 16, 0, 1 << 22, &local_thr);
     if (!st) st = y_int(y, "start_timeout", 120, 1, 3600, &timeout);
     const char *method = y_str(rt, "method", "auto");
     const ynode_t *groups = y_get(y, "prefill_groups"), *decodes = y_get(y, "decode_nodes");

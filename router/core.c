@@ -41,7 +41,7 @@ void rt_config_default(rt_config_t *c)
     c->max_beams = 1;
     c->default_deadline_ms = 120000;
     c->max_attempts = 4;
-    c->local_threshold = 32;
+    c->local_threshold = 16;
     snprintf(c->method, sizeof(c->method), "auto");
     c->block_tokens = 64;
     c->max_skew_s = 30;

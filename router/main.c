@@ -53,7 +53,7 @@ static void usage(FILE *f)
             "  --deadline-ms N           default request deadline (120000)\n"
             "  --max-attempts N          dispatches per request incl. retries/migrations (4, <= 15)\n"
             "  --local-threshold N       prompts shorter than N tokens are prefilled by the decode\n"
-            "                            node (32; 0: always use a prefill group when one is up)\n"
+            "                            node (16; 0: always use a prefill group when one is up)\n"
             "  --method M                prefill method for groups (auto)\n"
             "  --partition-table F --calibration F   for kvr-s/kvr-p/auto\n"
             "  --block-tokens N          prefix-hash block size (64)\n"
