@@ -7,6 +7,7 @@
 #   make asan     the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make demo     deps + model + build, then generate with the default model
 #   make bench-prefill  TTFT of every prefill method (docs/perf/prefill.md)
+#   make bench-router   router overhead per request with instant nodes (docs/router.md)
 #   make bench-sim      predicted TTFT up to 64 ranks / 1M tokens (docs/perf/sim.md)
 #   make bench-transfer KV streaming vs ucx_perftest (docs/perf/transfer.md)
 #   make bench-decode   batched decode vs llama.cpp (docs/perf/decode.md)
@@ -39,7 +40,7 @@ LDLIBS := -lucp -lucs -lzmq -lprotobuf-c -lcrypto -lpcre2-8 -lcjson -lxxhash -lm
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := $(AVX2_FLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
 
-COMMON_SRC := common/common.c common/wire.c
+COMMON_SRC := common/common.c common/wire.c common/agent.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
@@ -49,15 +50,24 @@ KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/ch
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_node/beam.c \
               decode_node/beam_search.c decode_node/offload.c
-LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
-CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/plan_cmd.c
+LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
+           router/metrics.c
+CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c
 PREFILLD_SRC := prefill_node/main.c
+# router/http.c (the HTTP front end, another branch) joins the router when it exists; main.c
+# starts it under PDM_ROUTER_HTTP.
+ROUTER_HTTP_SRC := $(wildcard router/http.c)
+ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c \
+              $(ROUTER_HTTP_SRC)
+ROUTER_LIBS := -luv $(if $(ROUTER_HTTP_SRC),-lhttp_parser)
+RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
             tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
-            tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c
+            tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c \
+            tests/unit/test_router.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
 CUDA_HOME ?= /usr/local/cuda
@@ -76,15 +86,19 @@ LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o) $(PROTO_OBJ) $(CUDA_OBJ)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 PREFILLD_OBJ := $(PREFILLD_SRC:%.c=$(BUILD)/obj/%.o)
 DECODED_OBJ := $(DECODED_SRC:%.c=$(BUILD)/obj/%.o)
+ROUTER_OBJ := $(ROUTER_SRC:%.c=$(BUILD)/obj/%.o)
+RCLIENT_OBJ := $(RCLIENT_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline
 LIB := $(BUILD)/libpdmesh-core.a
-BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode
+BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode \
+        $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
+        integration-test bench-router \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory
 
@@ -124,13 +138,25 @@ $(LIB): $(LIB_OBJ)
 
 $(BUILD)/bin/pdmesh: $(CLI_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -lyaml
 
 $(BUILD)/bin/pdmesh-prefill: $(PREFILLD_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
 $(BUILD)/bin/pdmesh-decode: $(DECODED_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/bin/pdmesh-router: $(ROUTER_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) $(ROUTER_LIBS)
+
+ifneq ($(ROUTER_HTTP_SRC),)
+$(BUILD)/obj/router/main.o: ALL_CFLAGS += -DPDM_ROUTER_HTTP
+endif
+
+$(BUILD)/bin/pdm-rclient: $(RCLIENT_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
@@ -163,8 +189,16 @@ unit: $(TEST_BIN) $(BINS)
 cli-test: $(BINS)
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/cli/run.sh
 
+# The router with a prefill group and decode nodes as real processes (tests/integration).
+integration-test: $(BINS)
+	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/run.sh
+
+# Router overhead per request with a decode node that answers at once (docs/router.md).
+bench-router: $(BINS)
+	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/overhead.sh
+
 test check: deps model all
-	$(MAKE) --no-print-directory unit cli-test sim-test
+	$(MAKE) --no-print-directory unit cli-test sim-test integration-test
 
 # The prefill cost-model simulator's invariants (bench/sim; standard-library Python).
 sim-test:
@@ -276,4 +310,5 @@ distclean: clean
 	rm -rf models
 
 -include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(PREFILLD_OBJ:.o=.d) $(DECODED_OBJ:.o=.d) \
+         $(ROUTER_OBJ:.o=.d) $(RCLIENT_OBJ:.o=.d) \
          $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d)

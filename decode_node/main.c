@@ -39,6 +39,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/agent.h"
 #include "common/pdm.h"
 #include "decode_node/decode.h"
 
@@ -48,6 +49,31 @@ static int rank_peer[PDM_KVT_MAX_RANKS];
 static pdm_kvoff_params_t offload; /* --kv-fast-budget / --kv-slow-tier / --kv-offload-groups */
 static int n_ranks;
 static pdm_beam_params_t node_beam; /* --beams, --length-penalty, --n-best, --early-stopping */
+
+/* Peers already connected, by address: a node serving several prefill groups (router mode)
+ * connects to each rank once. */
+#define PEER_CACHE 256
+static struct { uint8_t *addr; size_t len; int peer; } peer_cache[PEER_CACHE];
+static int n_peer_cache;
+
+static int connect_cached(pdm_kvt_t *kvt, uint8_t *addr, size_t len, int *peer)
+{
+    for (int i = 0; i < n_peer_cache; i++)
+        if (peer_cache[i].len == len && !memcmp(peer_cache[i].addr, addr, len)) {
+            *peer = peer_cache[i].peer;
+            free(addr);
+            return PDM_OK;
+        }
+    int st = pdm_kvt_connect(kvt, addr, len, peer);
+    if (st || n_peer_cache == PEER_CACHE) {
+        free(addr);
+        return st;
+    }
+    peer_cache[n_peer_cache].addr = addr;
+    peer_cache[n_peer_cache].len = len;
+    peer_cache[n_peer_cache++].peer = *peer;
+    return PDM_OK;
+}
 
 
 static void reply(const char *event, double id, int ok, const char *error)
@@ -144,8 +170,7 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
                 reply("connected", -1, 0, "an address is not hex");
                 return;
             }
-            int st = pdm_kvt_connect(kvt, b, len, &rank_peer[n_ranks]);
-            free(b);
+            int st = connect_cached(kvt, b, len, &rank_peer[n_ranks]);
             if (st) {
                 reply("connected", -1, 0, pdm_error_last());
                 return;
@@ -183,6 +208,25 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
                                    .beams = (int)num(cmd, "beams", 0)};
         if (pdm_decode_node_reserve(node, &rv)) reply("reserved", id, 0, pdm_error_last());
         else reply("reserved", id, 1, NULL);
+    } else if (!strcmp(name, "reserve_local")) {
+        /* {"cmd":"reserve_local","id":N,"attempt":A,"tokens":[...],"max_new":M}: this node
+         * prefills the tokens itself (conditional disaggregation, migration). */
+        const cJSON *toks = cJSON_GetObjectItem(cmd, "tokens"), *e;
+        int n = cJSON_IsArray(toks) ? cJSON_GetArraySize(toks) : 0;
+        int32_t *t = n > 0 ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
+        if (id < 0 || !t) {
+            free(t);
+            reply("reserved", id, 0, "reserve_local needs id and tokens");
+            return;
+        }
+        int k = 0;
+        cJSON_ArrayForEach(e, toks) t[k++] = cJSON_IsNumber(e) ? (int32_t)e->valuedouble : -1;
+        if (pdm_decode_node_reserve_local(node, (uint64_t)id, (uint32_t)num(cmd, "attempt", 0), t,
+                                          n, (int32_t)num(cmd, "max_new", 0)))
+            reply("reserved", id, 0, pdm_error_last());
+        else
+            reply("reserved", id, 1, NULL);
+        free(t);
     } else if (!strcmp(name, "start")) {
         pdm_decode_start_t s = {.id = (uint64_t)id, .first_token = (int32_t)num(cmd, "first_token", -1)};
         pdm_sampler_params_default(&s.sp);
@@ -263,7 +307,12 @@ int main(int argc, char **argv)
         {"n-best", required_argument, 0, 'N'},    {"early-stopping", required_argument, 0, 'E'},
         {"kv-fast-budget", required_argument, 0, 'F'}, {"kv-slow-tier", required_argument, 0, 'S'},
         {"kv-offload-groups", required_argument, 0, 'G'},
+        {"router", required_argument, 0, 'R'},    {"node-id", required_argument, 0, 'I'},
+        {"secret-file", required_argument, 0, 'K'},
         {0, 0, 0, 0}};
+    pdm_agent_params_t ap;
+    pdm_agent_params_default(&ap);
+    ap.role = PDM_AGENT_DECODE;
     int c;
     long v;
     double d;
@@ -286,12 +335,17 @@ int main(int argc, char **argv)
         case 'L': if (pdm_parse_double(optarg, -100, 100, &d)) goto bad; dp.beam.length_penalty = (float)d; break;
         case 'N': if (pdm_parse_long(optarg, 1, PDM_BEAM_MAX_WIDTH, &v)) goto bad; dp.beam.n_best = (int)v; break;
         case 'E': if (pdm_beam_stop_parse(optarg, &dp.beam.early_stopping)) goto bad; break;
+        case 'R': ap.endpoint = optarg; break;
+        case 'I': ap.node_id = optarg; break;
+        case 'K': ap.secret_file = optarg; break;
         case 'h':
             printf("usage: pdmesh-decode [--model FILE] [--threads N] [--batch N] "
                    "[--max-sequences N]\n       [--kv-budget TOKENS] [--kv-dtype f32|f16|q8] "
                    "[--kv-timeout S]\n       [--beams B] [--length-penalty X] [--n-best N] "
-                   "[--early-stopping heuristic|early|never]\n       [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR] "
-                   "[--kv-offload-groups CTX:G,...]\n");
+                   "[--early-stopping heuristic|early|never]\n"
+                   "       [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR] "
+                   "[--kv-offload-groups CTX:G,...]\n"
+                   "       [--router ENDPOINT --node-id NAME [--secret-file F]]\n");
             return 0;
         default: return 2;
         }
@@ -307,6 +361,19 @@ int main(int argc, char **argv)
     else if (strcmp(offload.slow_tier, "ram")) {
         fprintf(stderr, "pdmesh-decode: --kv-slow-tier needs --kv-fast-budget\n");
         return 2;
+    }
+    if (ap.endpoint) {
+        /* Router mode: the agent thread registers and bridges the control plane to this
+         * command loop (common/agent.h). */
+        ap.model_id = model_path;
+        ap.kv_tokens = (uint64_t)dp.kv_budget;
+        ap.max_sequences = (uint32_t)dp.max_sequences;
+        ap.max_batch = (uint32_t)dp.max_batch;
+        ap.threads = (uint32_t)dp.threads;
+        if (pdm_agent_start(&ap)) {
+            fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
+            return 1;
+        }
     }
     if (pdm_ctl_open()) {
         fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());

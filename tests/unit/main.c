@@ -18,7 +18,7 @@ static const struct {
     {"kernels", suite_kernels}, {"engine", suite_engine}, {"sampler", suite_sampler},
     {"golden", suite_golden},   {"kvtransfer", suite_kvtransfer}, {"prefill", suite_prefill},
     {"decode", suite_decode},   {"disagg", suite_disagg},
-    {"beam", suite_beam},       {"offload", suite_offload},
+    {"beam", suite_beam},       {"offload", suite_offload},   {"router", suite_router},
 };
 
 const char *pdm_test_tmpdir(void)

@@ -21,6 +21,7 @@ Suite *suite_decode(void);
 Suite *suite_disagg(void);
 Suite *suite_beam(void);
 Suite *suite_offload(void);
+Suite *suite_router(void);
 
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
  * under /tmp). */

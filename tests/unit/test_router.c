@@ -1,0 +1,185 @@
+/*
+ * test_router.c - the router's Prometheus registry (router/metrics.c) and the decode node's
+ * local prefill (what the router uses for short prompts and migration). The router itself is
+ * tested with real processes in tests/integration/run.sh.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/pdm.h"
+#include "decode_node/decode.h"
+#include "router/metrics.h"
+#include "tests.h"
+
+START_TEST(test_metrics_render)
+{
+    pdm_metrics_t *m = pdm_metrics_create();
+    ck_assert_ptr_nonnull(m);
+    static const double b[] = {0.1, 1};
+    pdm_metric_t *c = pdm_metrics_add(m, PDM_METRIC_COUNTER, "pdmesh_requests_total", "Requests.",
+                                      "outcome", NULL, 0);
+    pdm_metric_t *g = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_queue_depth", "Queue.", NULL,
+                                      NULL, 0);
+    pdm_metric_t *h = pdm_metrics_add(m, PDM_METRIC_HISTOGRAM, "pdmesh_ttft_seconds", "TTFT.",
+                                      NULL, b, 2);
+    ck_assert_ptr_nonnull(c);
+    ck_assert_ptr_nonnull(g);
+    ck_assert_ptr_nonnull(h);
+    /* bad registrations */
+    ck_assert_ptr_null(pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_queue_depth", "dup", NULL, NULL, 0));
+    ck_assert_ptr_null(pdm_metrics_add(m, PDM_METRIC_GAUGE, "bad name", "x", NULL, NULL, 0));
+    static const double nb[] = {1, 0.5};
+    ck_assert_ptr_null(pdm_metrics_add(m, PDM_METRIC_HISTOGRAM, "h2", "x", NULL, nb, 2));
+    pdm_metric_inc(c, "ok", 2);
+    pdm_metric_inc(c, "ok", 1);
+    pdm_metric_inc(c, "err\"x", 1);
+    pdm_metric_inc(c, "ok", -5); /* counters never go down */
+    pdm_metric_set(g, NULL, 7);
+    pdm_metric_observe(h, NULL, 0.05);
+    pdm_metric_observe(h, NULL, 0.5);
+    pdm_metric_observe(h, NULL, 5);
+    size_t len;
+    char *t = pdm_metrics_render(m, &len);
+    ck_assert_ptr_nonnull(t);
+    ck_assert_uint_eq(len, strlen(t));
+    ck_assert_ptr_nonnull(strstr(t, "# TYPE pdmesh_requests_total counter\n"));
+    ck_assert_ptr_nonnull(strstr(t, "pdmesh_requests_total{outcome=\"ok\"} 3\n"));
+    ck_assert_ptr_nonnull(strstr(t, "pdmesh_requests_total{outcome=\"err\\\"x\"} 1\n"));
+    ck_assert_ptr_nonnull(strstr(t, "pdmesh_queue_depth 7\n"));
+    ck_assert_ptr_nonnull(strstr(t, "pdmesh_ttft_seconds_bucket{le=\"0.10000000000000001\"} 1\n"));
+    ck_assert_ptr_nonnull(strstr(t, "pdmesh_ttft_seconds_bucket{le=\"1\"} 2\n"));
+    ck_assert_ptr_nonnull(strstr(t, "pdmesh_ttft_seconds_bucket{le=\"+Inf\"} 3\n"));
+    ck_assert_ptr_nonnull(strstr(t, "pdmesh_ttft_seconds_count 3\n"));
+    ck_assert_ptr_nonnull(strstr(t, "pdmesh_ttft_seconds_sum 5.5499999999999998\n"));
+    free(t);
+    pdm_metrics_free(m);
+}
+END_TEST
+
+START_TEST(test_metrics_series_bound)
+{
+    pdm_metrics_t *m = pdm_metrics_create();
+    pdm_metric_t *c = pdm_metrics_add(m, PDM_METRIC_COUNTER, "x_total", "x", "node", NULL, 0);
+    char name[32];
+    for (int i = 0; i < 3 * PDM_METRICS_MAX_SERIES; i++) {
+        snprintf(name, sizeof(name), "n%d", i);
+        pdm_metric_inc(c, name, 1);
+    }
+    char *t = pdm_metrics_render(m, NULL);
+    ck_assert_ptr_nonnull(strstr(t, "x_total{node=\"other\"} "));
+    size_t lines = 0;
+    for (char *p = t; *p; p++) lines += *p == '\n';
+    ck_assert_uint_le(lines, PDM_METRICS_MAX_SERIES + 3);
+    free(t);
+    pdm_metrics_free(m);
+}
+END_TEST
+
+/* ---- decode node: local prefill (conditional disaggregation, migration) ---------------- */
+
+typedef struct {
+    int32_t toks[64];
+    int n, done;
+    char finish[16];
+} local_events_t;
+
+static void local_cb(void *arg, const pdm_decode_event_t *ev)
+{
+    local_events_t *e = arg;
+    if (ev->type == PDM_DECODE_EV_TOKEN && e->n < 64) e->toks[e->n++] = ev->token;
+    if (ev->type == PDM_DECODE_EV_DONE) {
+        e->done = 1;
+        snprintf(e->finish, sizeof(e->finish), "%s", ev->finish);
+    }
+    if (ev->type == PDM_DECODE_EV_ERROR) e->done = -1;
+}
+
+START_TEST(test_decode_local_prefill)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/router-local-model.gguf", pdm_test_tmpdir());
+    pdm_testmodel_params_t tp;
+    pdm_testmodel_params_default(&tp);
+    tp.n_layers = 2;
+    tp.d_model = 64;
+    tp.n_heads = 4;
+    tp.n_kv_heads = 2;
+    tp.n_ff = 96;
+    tp.wtype = PDM_DT_F32;
+    tp.embtype = PDM_DT_F32;
+    tp.seed = 11;
+    ck_assert_int_eq(pdm_testmodel_write(path, &tp), 0);
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    enum { P = 21, NEW = 8 };
+    int32_t prompt[P];
+    for (int i = 0; i < P; i++) prompt[i] = (int32_t)((i * 37 + 5) % (int)m->hp.n_vocab);
+
+    /* Reference: the engine alone, greedy, f32 KV. */
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
+    pdm_kv_cache_t *cache;
+    ck_assert_int_eq(pdm_kv_cache_create(&m->hp, P + NEW, PDM_DT_F32, &cache), 0);
+    float *logits = malloc(sizeof(float) * m->hp.n_vocab);
+    int32_t ref[NEW];
+    ck_assert_int_eq(pdm_model_prefill(ctx, cache, prompt, P, logits), 0);
+    for (int k = 0; k < NEW; k++) {
+        int32_t b = 0;
+        for (uint32_t v = 1; v < m->hp.n_vocab; v++)
+            if (logits[v] > logits[b]) b = (int32_t)v;
+        ref[k] = b;
+        if (k + 1 < NEW) ck_assert_int_eq(pdm_model_decode(ctx, cache, b, logits), 0);
+    }
+
+    pdm_kvt_t *kvt;
+    ck_assert_int_eq(pdm_kvt_create(NULL, &kvt), 0);
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_dtype = PDM_DT_F32;
+    dp.kv_budget = 64;
+    pdm_decode_node_t *node;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    /* refusals: too long for the budget, out-of-vocabulary token */
+    int32_t big[60] = {0};
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 1, 0, big, 60, 10), PDM_EOVERFLOW);
+    int32_t bad[2] = {1, (int32_t)m->hp.n_vocab};
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 1, 0, bad, 2, 4), PDM_ERANGE);
+    /* prompt prefilled on the node; the node samples the first token itself */
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 7, 0, prompt, P, NEW), 0);
+    pdm_decode_start_t s = {.id = 7, .first_token = -1};
+    pdm_sampler_params_default(&s.sp);
+    s.sp.temperature = 0;
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    local_events_t ev = {0};
+    for (int round = 0; round < 100 && !ev.done; round++) pdm_decode_node_run_once(node, local_cb, &ev);
+    ck_assert_int_eq(ev.done, 1);
+    ck_assert_str_eq(ev.finish, "length");
+    ck_assert_int_eq(ev.n, NEW);
+    for (int k = 0; k < NEW; k++) ck_assert_int_eq(ev.toks[k], ref[k]);
+    int held;
+    int64_t slots;
+    pdm_decode_node_usage(node, &held, &slots);
+    ck_assert_int_eq(held, 0);
+    ck_assert_int_eq(slots, 0);
+    pdm_decode_node_destroy(node);
+    pdm_kvt_destroy(kvt);
+    free(logits);
+    pdm_kv_cache_destroy(cache);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+END_TEST
+
+Suite *suite_router(void)
+{
+    Suite *s = suite_create("router");
+    TCase *tc = tcase_create("metrics");
+    tcase_add_test(tc, test_metrics_render);
+    tcase_add_test(tc, test_metrics_series_bound);
+    suite_add_tcase(s, tc);
+    TCase *tl = tcase_create("local_prefill");
+    tcase_add_test(tl, test_decode_local_prefill);
+    suite_add_tcase(s, tl);
+    return s;
+}
