@@ -46,7 +46,10 @@ KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
-CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c
+CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/generate_remote.c
+# libpdmesh (sdk/): the client SDK, standalone (common + generated protobuf code inside).
+SDK_SRC := sdk/client.c sdk/admin.c
+SDK_LIB_SRC := $(SDK_SRC) $(COMMON_SRC)
 PREFILLD_SRC := prefill_node/main.c
 DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
@@ -73,6 +76,13 @@ CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 PREFILLD_OBJ := $(PREFILLD_SRC:%.c=$(BUILD)/obj/%.o)
 DECODED_OBJ := $(DECODED_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
+SDK_OBJ := $(SDK_SRC:%.c=$(BUILD)/obj/%.o)
+SDK_PIC_OBJ := $(SDK_LIB_SRC:%.c=$(BUILD)/pic/%.o) $(BUILD)/pic/gen/proto/pdmesh.pb-c.o
+SDK_A := $(BUILD)/libpdmesh.a
+SDK_SO := $(BUILD)/libpdmesh.so
+SDK_LDLIBS := -lzmq -lprotobuf-c -lcrypto -lcjson -lm -pthread
+SDK_BINS := $(BUILD)/bin/pdctl $(BUILD)/bin/pdmesh-chat
+PYSDK := $(BUILD)/python/pdmesh/pdmesh_pb2.py
 BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline
@@ -82,9 +92,9 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
-        bench-engine cuda cuda-check
+        bench-engine cuda cuda-check python-sdk sdk-test
 
-all: $(BINS) $(TEST_BIN) $(BENCH_BINS)
+all: $(BINS) $(TEST_BIN) $(BENCH_BINS) $(SDK_A) $(SDK_SO) $(SDK_BINS)
 
 $(BUILD)/obj/%.o: %.c | $(PROTO_H)
 	@mkdir -p $(dir $@)
@@ -114,7 +124,42 @@ $(LIB): $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/bin/pdmesh: $(CLI_OBJ) $(LIB)
+# libpdmesh: a static archive and a shared library (position-independent objects of their
+# own; only the pdm_client_* / pdm_admin_* API is exported from the .so).
+$(SDK_A): $(SDK_OBJ) $(COMMON_SRC:%.c=$(BUILD)/obj/%.o) $(PROTO_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/pic/%.o: %.c | $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -fPIC -c $< -o $@
+
+$(BUILD)/pic/gen/proto/pdmesh.pb-c.o: $(PROTO_C) $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -fPIC -c $< -o $@
+
+$(SDK_SO): $(SDK_PIC_OBJ) sdk/libpdmesh.map
+	@mkdir -p $(dir $@)
+	$(CC) -shared -Wl,-soname,libpdmesh.so.0 -Wl,--version-script=sdk/libpdmesh.map \
+	  $(SDK_PIC_OBJ) -o $@ $(SDK_LDLIBS)
+
+$(BUILD)/bin/pdctl: $(BUILD)/obj/cli/pdctl.o $(SDK_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(SDK_LDLIBS)
+
+$(BUILD)/bin/pdmesh-chat: $(BUILD)/obj/sdk/examples/chat_stream.o $(SDK_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(SDK_LDLIBS)
+
+# The Python package (sdk/python/pdmesh) with its protobuf module generated from the same
+# proto (grpc_tools' protoc, installed by tools/deps.sh; never committed) into build/python.
+python-sdk: $(PYSDK)
+$(PYSDK): proto/pdmesh.proto $(wildcard sdk/python/pdmesh/*.py)
+	@mkdir -p $(dir $@)
+	cp sdk/python/pdmesh/*.py $(dir $@)
+	$(VENV)/bin/python -m grpc_tools.protoc -Iproto --python_out=$(dir $@) proto/pdmesh.proto
+
+$(BUILD)/bin/pdmesh: $(CLI_OBJ) $(SDK_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
@@ -156,7 +201,12 @@ cli-test: $(BINS)
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/cli/run.sh
 
 test check: deps model all
-	$(MAKE) --no-print-directory unit cli-test sim-test
+	$(MAKE) --no-print-directory unit cli-test sim-test sdk-test
+
+# SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
+# that need a live mesh skip with a message when pdmesh-router is not built).
+sdk-test: all python-sdk
+	BUILD=$(BUILD) PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/integration/sdk.sh
 
 # The prefill cost-model simulator's invariants (bench/sim; standard-library Python).
 sim-test:
@@ -251,5 +301,6 @@ clean:
 distclean: clean
 	rm -rf models
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(PREFILLD_OBJ:.o=.d) $(DECODED_OBJ:.o=.d) \
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(SDK_OBJ:.o=.d) $(SDK_PIC_OBJ:.o=.d) \
+         $(BUILD)/obj/cli/pdctl.d $(BUILD)/obj/sdk/examples/chat_stream.d $(PREFILLD_OBJ:.o=.d) $(DECODED_OBJ:.o=.d) \
          $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d)
