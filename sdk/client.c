@@ -235,7 +235,7 @@ static void pdmc__on_frame(pdm_client_t *c, const void *data, size_t len)
     pdm_wire_msg_t *m = NULL;
     if (pdm_wire_unpack(data, len, c->opt.max_frame, 0, &m)) {
         /* Nothing to attribute it to: a broken router. Calls will time out; say why in logs. */
-        fprintf(stderr, "libpdmesh: dropped a malformed reply of %zu bytes from %s\n", len,
+        pdm_log_warn("libpdmesh: dropped a malformed reply of %zu bytes from %s", len,
                 c->endpoint);
         return;
     }
@@ -303,7 +303,7 @@ static void pdmc__on_frame(pdm_client_t *c, const void *data, size_t len)
             pdmc__end(call, code, "router: %s", e->message && *e->message
                                                     ? e->message : pdm_client_strerror(code));
         else
-            fprintf(stderr, "libpdmesh: router error not tied to a request: %s\n",
+            pdm_log_warn("libpdmesh: router error not tied to a request: %s",
                     e->message ? e->message : "");
         break;
     }
@@ -373,7 +373,7 @@ static void *pdmc__io_main(void *arg)
         };
         int n = zmq_poll(items, 3, blocked ? 10 : 500);
         if (n < 0 && errno != EINTR) {
-            fprintf(stderr, "libpdmesh: zmq_poll: %s\n", zmq_strerror(errno));
+            pdm_log_warn("libpdmesh: zmq_poll: %s", zmq_strerror(errno));
             usleep(10000);
         }
         if (items[2].revents & ZMQ_POLLIN) {
