@@ -142,6 +142,7 @@ $(SDK_SO): $(SDK_PIC_OBJ) sdk/libpdmesh.map
 	@mkdir -p $(dir $@)
 	$(CC) -shared -Wl,-soname,libpdmesh.so.0 -Wl,--version-script=sdk/libpdmesh.map \
 	  $(SDK_PIC_OBJ) -o $@ $(SDK_LDLIBS)
+	ln -sf libpdmesh.so $(BUILD)/libpdmesh.so.0
 
 $(BUILD)/bin/pdctl: $(BUILD)/obj/cli/pdctl.o $(SDK_A)
 	@mkdir -p $(dir $@)
