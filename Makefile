@@ -37,7 +37,7 @@ LDLIBS := -lucp -lucs -lzmq -lprotobuf-c -lcrypto -lpcre2-8 -lcjson -lxxhash -lm
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := $(AVX2_FLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
 
-COMMON_SRC := common/common.c common/wire.c
+COMMON_SRC := common/common.c common/wire.c common/agent.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
@@ -51,6 +51,9 @@ CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/generate_remote.c
 SDK_SRC := sdk/client.c sdk/admin.c
 SDK_LIB_SRC := $(SDK_SRC) $(COMMON_SRC)
 PREFILLD_SRC := prefill_node/main.c
+ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c \
+              router/metrics.c
+RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
@@ -75,6 +78,8 @@ LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o) $(PROTO_OBJ) $(CUDA_OBJ)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 PREFILLD_OBJ := $(PREFILLD_SRC:%.c=$(BUILD)/obj/%.o)
 DECODED_OBJ := $(DECODED_SRC:%.c=$(BUILD)/obj/%.o)
+ROUTER_OBJ := $(ROUTER_SRC:%.c=$(BUILD)/obj/%.o)
+RCLIENT_OBJ := $(RCLIENT_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
 SDK_OBJ := $(SDK_SRC:%.c=$(BUILD)/obj/%.o)
 SDK_PIC_OBJ := $(SDK_LIB_SRC:%.c=$(BUILD)/pic/%.o) $(BUILD)/pic/gen/proto/pdmesh.pb-c.o
@@ -87,7 +92,8 @@ BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline
 LIB := $(BUILD)/libpdmesh-core.a
-BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode
+BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode \
+        $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
@@ -169,6 +175,14 @@ $(BUILD)/bin/pdmesh-prefill: $(PREFILLD_OBJ) $(LIB)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
 $(BUILD)/bin/pdmesh-decode: $(DECODED_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/bin/pdmesh-router: $(ROUTER_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -luv
+
+$(BUILD)/bin/pdm-rclient: $(RCLIENT_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
@@ -303,5 +317,6 @@ distclean: clean
 	rm -rf models
 
 -include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(SDK_OBJ:.o=.d) $(SDK_PIC_OBJ:.o=.d) \
-         $(BUILD)/obj/cli/pdctl.d $(BUILD)/obj/sdk/examples/chat_stream.d $(PREFILLD_OBJ:.o=.d) $(DECODED_OBJ:.o=.d) \
+         $(BUILD)/obj/cli/pdctl.d $(BUILD)/obj/sdk/examples/chat_stream.d $(PREFILLD_OBJ:.o=.d) \
+         $(DECODED_OBJ:.o=.d) $(ROUTER_OBJ:.o=.d) $(RCLIENT_OBJ:.o=.d) \
          $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d)
