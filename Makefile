@@ -86,7 +86,7 @@ SDK_PIC_OBJ := $(SDK_LIB_SRC:%.c=$(BUILD)/pic/%.o) $(BUILD)/pic/gen/proto/pdmesh
 SDK_A := $(BUILD)/libpdmesh.a
 SDK_SO := $(BUILD)/libpdmesh.so
 SDK_LDLIBS := -lzmq -lprotobuf-c -lcrypto -lcjson -lm -pthread
-SDK_BINS := $(BUILD)/bin/pdctl $(BUILD)/bin/pdmesh-chat
+SDK_BINS := $(BUILD)/bin/pdctl $(BUILD)/bin/pdmesh-chat $(BUILD)/bin/pdm-sdk-itest
 PYSDK := $(BUILD)/python/pdmesh/pdmesh_pb2.py
 BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
@@ -155,6 +155,10 @@ $(BUILD)/bin/pdctl: $(BUILD)/obj/cli/pdctl.o $(SDK_A)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(SDK_LDLIBS)
 
 $(BUILD)/bin/pdmesh-chat: $(BUILD)/obj/sdk/examples/chat_stream.o $(SDK_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(SDK_LDLIBS)
+
+$(BUILD)/bin/pdm-sdk-itest: $(BUILD)/obj/tests/integration/sdk_itest.o $(SDK_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(SDK_LDLIBS)
 
@@ -317,6 +321,7 @@ distclean: clean
 	rm -rf models
 
 -include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(SDK_OBJ:.o=.d) $(SDK_PIC_OBJ:.o=.d) \
-         $(BUILD)/obj/cli/pdctl.d $(BUILD)/obj/sdk/examples/chat_stream.d $(PREFILLD_OBJ:.o=.d) \
+         $(BUILD)/obj/cli/pdctl.d $(BUILD)/obj/sdk/examples/chat_stream.d \
+         $(BUILD)/obj/tests/integration/sdk_itest.d $(PREFILLD_OBJ:.o=.d) \
          $(DECODED_OBJ:.o=.d) $(ROUTER_OBJ:.o=.d) $(RCLIENT_OBJ:.o=.d) \
          $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d)
