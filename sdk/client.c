@@ -922,7 +922,18 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
             free(ch);
             pthread_mutex_lock(&c->mu);
             if (arc) pdmc__end(&call, PDM_CLIENT_ENOMEM, "out of memory collecting the stream");
-            else if (stop) pdmc__end(&call, PDM_CLIENT_ECANCELLED, "cancelled by the callback");
+            else if (stop) {
+                /* The caller wants no more chunks: cancelled even if the router's final result
+                 * is already here (the caller has not seen all of it). */
+                if (call.done && call.status == PDM_CLIENT_OK) {
+                    pdm_wire_msg_free(call.final);
+                    call.final = NULL;
+                    call.status = PDM_CLIENT_ECANCELLED;
+                    snprintf(call.error, sizeof(call.error), "cancelled by the callback");
+                }
+                pdmc__end(&call, PDM_CLIENT_ECANCELLED, "cancelled by the callback");
+                pdmc__free_chunks(&call);
+            }
             continue;
         }
         if (call.done) break;
