@@ -97,6 +97,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
+        integration-test \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check python-sdk sdk-test
 
@@ -219,8 +220,12 @@ unit: $(TEST_BIN) $(BINS)
 cli-test: $(BINS)
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/cli/run.sh
 
+# The router with a prefill group and decode nodes as real processes (tests/integration).
+integration-test: $(BINS)
+	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/run.sh
+
 test check: deps model all
-	$(MAKE) --no-print-directory unit cli-test sim-test sdk-test
+	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
