@@ -161,6 +161,10 @@ for mode in group local; do
   contains "[$mode] generate --stats prints TTFT" "$tmp/err" "TTFT:"
   contains "[$mode] generate --stats prints tokens/s" "$tmp/err" "tokens/s"
   [ $mode = group ] && contains "[group] served by the prefill group" "$tmp/err" " on a,"
+  chat_want=$("$bin/pdmesh" generate --model "$model" --chat --temp 0 -n $n --threads 1 --prompt "What is 2+2?" 2>/dev/null)
+  expect "[$mode] pdmesh generate --router --chat" 0 timeout 300 "$bin/pdmesh" generate --router "$ep" --chat --temp 0 -n $n --prompt "What is 2+2?" &&
+    { [ "$(cat "$tmp/out")" = "$chat_want" ] && ok "[$mode] chat through the router equals the engine" ||
+      bad "[$mode] chat through the router equals the engine" "got '$(cat "$tmp/out")' want '$chat_want'"; }
 done
 
 # 32 concurrent clients (threads sharing one client), half streaming.

@@ -44,8 +44,14 @@ def live(endpoint, expected_path):
                   s.result.text)
             idx = [ch.index for ch in chunks]
             check("python stream indexes in order", idx == sorted(idx) and idx[0] == 0, idx)
-        # tokens as input give the same answer as the text they encode
         e = expected[0]
+        # chat messages and token ids as input
+        r = c.generate(messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=8,
+                       temperature=0)
+        check("python chat messages", len(r.tokens) > 0 and r.usage["prompt_tokens"] > 5, r)
+        r2 = c.generate(messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=8,
+                        temperature=0)
+        check("python chat is deterministic at temperature 0", r2.tokens == r.tokens)
         # cancel from another thread while iterating
         s = c.stream(e["prompt"], max_tokens=400, temperature=0, ignore_eos=True)
         got = []
