@@ -46,7 +46,7 @@ KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
-CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/generate_remote.c
+CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/generate_remote.c cli/meshconf.c
 # libpdmesh (sdk/): the client SDK, standalone (common + generated protobuf code inside).
 SDK_SRC := sdk/client.c sdk/admin.c
 SDK_LIB_SRC := $(SDK_SRC) $(COMMON_SRC)
@@ -151,9 +151,9 @@ $(SDK_SO): $(SDK_PIC_OBJ) sdk/libpdmesh.map
 	  $(SDK_PIC_OBJ) -o $@ $(SDK_LDLIBS)
 	ln -sf libpdmesh.so $(BUILD)/libpdmesh.so.0
 
-$(BUILD)/bin/pdctl: $(BUILD)/obj/cli/pdctl.o $(SDK_A)
+$(BUILD)/bin/pdctl: $(BUILD)/obj/cli/pdctl.o $(BUILD)/obj/cli/meshconf.o $(SDK_A)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) $^ -o $@ $(SDK_LDLIBS)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(SDK_LDLIBS) -lyaml
 
 $(BUILD)/bin/pdmesh-chat: $(BUILD)/obj/sdk/examples/chat_stream.o $(SDK_A)
 	@mkdir -p $(dir $@)
@@ -173,7 +173,7 @@ $(PYSDK): proto/pdmesh.proto $(wildcard sdk/python/pdmesh/*.py)
 
 $(BUILD)/bin/pdmesh: $(CLI_OBJ) $(SDK_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -lyaml
 
 $(BUILD)/bin/pdmesh-prefill: $(PREFILLD_OBJ) $(LIB)
 	@mkdir -p $(dir $@)

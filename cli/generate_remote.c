@@ -11,17 +11,22 @@
 #include <string.h>
 
 #include "cli/cli.h"
+#include "cli/meshconf.h"
 #include "common/pdm.h"
 #include "sdk/pdmesh_client.h"
 
 #define PDM__REMOTE_MAX_STOPS 16
 
-/* 1 if argv asks for the remote mode (--router / --router=...). */
+/* 1 if argv asks for the remote mode: --router ENDPOINT, or --mesh / --config FILE (a mesh
+ * started by pdmesh up). */
 int cli_generate_wants_router(int argc, char **argv)
 {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--")) break;
-        if (!strcmp(argv[i], "--router") || !strncmp(argv[i], "--router=", 9)) return 1;
+        if (!strcmp(argv[i], "--router") || !strncmp(argv[i], "--router=", 9) ||
+            !strcmp(argv[i], "--mesh") || !strcmp(argv[i], "--config") ||
+            !strncmp(argv[i], "--config=", 9))
+            return 1;
     }
     return 0;
 }
@@ -43,7 +48,7 @@ static const char *finish_name(pdm_client_finish_t f)
 
 int cmd_generate_remote(int argc, char **argv)
 {
-    const char *router = NULL, *prompt = NULL;
+    const char *router = NULL, *prompt = NULL, *config = NULL;
     const char *stops[PDM__REMOTE_MAX_STOPS];
     int n_stops = 0, chat = 0, stats = 0, json = 0;
     long n_predict = 128, timeout_ms = 120000, beams = 0;
@@ -54,9 +59,10 @@ int cmd_generate_remote(int argc, char **argv)
     req.top_p = 0.95f;
     req.min_p = 0.05f;
     enum { O_TEMP = 256, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_ROUTER, O_TIMEOUT,
-           O_BEAMS, O_LOCAL_ONLY };
+           O_BEAMS, O_LOCAL_ONLY, O_MESH, O_CONFIG };
     static const struct option opts[] = {
         {"router", required_argument, 0, O_ROUTER}, {"prompt", required_argument, 0, 'p'},
+        {"mesh", no_argument, 0, O_MESH},          {"config", required_argument, 0, O_CONFIG},
         {"chat", no_argument, 0, 'c'},             {"n-predict", required_argument, 0, 'n'},
         {"stats", no_argument, 0, 's'},            {"json", no_argument, 0, 'j'},
         {"temp", required_argument, 0, O_TEMP},    {"top-k", required_argument, 0, O_TOPK},
@@ -77,6 +83,8 @@ int cmd_generate_remote(int argc, char **argv)
     while ((c = getopt_long(argc, argv, "m:p:cn:sj", opts, NULL)) != -1) {
         switch (c) {
         case O_ROUTER: router = optarg; break;
+        case O_MESH: config = CLI_MESH_DEFAULT_CONFIG; break;
+        case O_CONFIG: config = optarg; break;
         case 'm': break; /* the router serves its own model */
         case 'p': prompt = optarg; break;
         case 'c': chat = 1; break;
@@ -140,6 +148,17 @@ int cmd_generate_remote(int argc, char **argv)
     }
     if (optind < argc) return cli_usage_error("unexpected argument '%s'", argv[optind]);
     if (!prompt) return cli_usage_error("%s", "generate needs --prompt TEXT");
+    cli_mesh_t mesh;
+    if (router && config)
+        return cli_usage_error("%s", "give either --router ENDPOINT or --mesh/--config FILE");
+    if (config) {
+        char err[1400];
+        if (cli_mesh_config(config, &mesh, err, sizeof(err))) {
+            fprintf(stderr, "%s: %s\n", cli_prog, err);
+            return 1;
+        }
+        router = mesh.client;
+    }
     if (!router || !*router) return cli_usage_error("%s", "--router needs an ENDPOINT");
 
     pdm_client_options_t copt = {.timeout_ms = (int)timeout_ms};

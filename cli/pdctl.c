@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/meshconf.h"
 #include "common/pdm.h"
 #include "sdk/pdmesh_admin.h"
 
@@ -44,10 +45,12 @@ static void usage(FILE *f)
             "                        $PDMESH_ADMIN_TOKEN; never a command-line value)\n"
             "  --json                machine-readable output\n"
             "  --timeout MS          how long to wait for the router (default 5000)\n"
+            "  --mesh | --config F   the mesh started by 'pdmesh up [--config F]': its admin\n"
+            "                        endpoint and run_dir/admin-token (default config %s)\n"
             "\n"
             "exit status: 0 ok, 1 refused/failed, 2 usage, 3 unreachable/no answer, "
             "4 unauthorized\n",
-            PDCTL_DEFAULT_ROUTER);
+            PDCTL_DEFAULT_ROUTER, CLI_MESH_DEFAULT_CONFIG);
 }
 
 static int usage_error(const char *msg, const char *arg)
@@ -257,23 +260,27 @@ static char *read_file(const char *path)
 int main(int argc, char **argv)
 {
     const char *router = getenv("PDMESH_ADMIN_ROUTER");
-    const char *token_file = NULL;
+    const char *token_file = NULL, *config = NULL, *router_opt = NULL;
     int json = 0;
     long timeout_ms = 5000;
     if (!router || !*router) router = PDCTL_DEFAULT_ROUTER;
-    enum { O_ROUTER = 256, O_TOKEN_FILE, O_TOKEN, O_TIMEOUT };
+    enum { O_ROUTER = 256, O_TOKEN_FILE, O_TOKEN, O_TIMEOUT, O_MESH, O_CONFIG };
     static const struct option opts[] = {
         {"router", required_argument, 0, O_ROUTER},
         {"token-file", required_argument, 0, O_TOKEN_FILE},
         {"token", required_argument, 0, O_TOKEN},
         {"json", no_argument, 0, 'j'},
         {"timeout", required_argument, 0, O_TIMEOUT},
+        {"mesh", no_argument, 0, O_MESH},
+        {"config", required_argument, 0, O_CONFIG},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "jh", opts, NULL)) != -1) {
         switch (c) {
-        case O_ROUTER: router = optarg; break;
+        case O_ROUTER: router_opt = optarg; break;
+        case O_MESH: config = CLI_MESH_DEFAULT_CONFIG; break;
+        case O_CONFIG: config = optarg; break;
         case O_TOKEN_FILE: token_file = optarg; break;
         case O_TOKEN:
             return usage_error("%s", "the admin token is never taken from the command line "
@@ -289,6 +296,24 @@ int main(int argc, char **argv)
         }
     }
     if (optind >= argc) return usage_error("%s", "no command given");
+    if (router_opt && config)
+        return usage_error("%s", "give either --router ENDPOINT or --mesh/--config FILE");
+    if (router_opt) router = router_opt;
+    static cli_mesh_t mesh;
+    static char mesh_token[1100];
+    if (config) {
+        char err[1400];
+        if (cli_mesh_config(config, &mesh, err, sizeof(err))) {
+            fprintf(stderr, "pdctl: %s\n", err);
+            return 3;
+        }
+        router = mesh.admin;
+        /* the token pdmesh up generated, unless one was given explicitly */
+        if (!token_file && !getenv("PDMESH_ADMIN_TOKEN_FILE") && !getenv("PDMESH_ADMIN_TOKEN")) {
+            snprintf(mesh_token, sizeof(mesh_token), "%s/admin-token", mesh.run_dir);
+            token_file = mesh_token;
+        }
+    }
     const char *cmd = argv[optind];
     char **args = argv + optind + 1;
     int nargs = argc - optind - 1;

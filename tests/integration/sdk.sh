@@ -167,6 +167,20 @@ for mode in group local; do
       bad "[$mode] chat through the router equals the engine" "got '$(cat "$tmp/out")' want '$chat_want'"; }
 done
 
+# A mesh described by a pdmesh-up configuration (router endpoints, run_dir with pids and
+# admin-token): pdmesh generate --config and pdctl --config find it there.
+mkdir -p "$tmp/run"
+touch "$tmp/run/pids"
+cp "$tmp/token" "$tmp/run/admin-token"
+printf 'model: %s\nrun_dir: %s\nrouter:\n  client: %s\n  admin: %s\n' "$model" "$tmp/run" "$ep" "$admin" > "$tmp/mesh.yaml"
+want=$(expected_text 1)
+expect "pdmesh generate --config (mesh from pdmesh up)" 0 timeout 300 "$bin/pdmesh" generate --config "$tmp/mesh.yaml" --temp 0 -n $n --prompt "${prompts[1]}" &&
+  { [ "$(cat "$tmp/out")" = "$want" ] && ok "generate --config equals the engine" || bad "generate --config equals the engine" "$(cat "$tmp/out")"; }
+expect "pdctl --config (endpoint and run_dir/admin-token)" 0 env -u PDMESH_ADMIN_TOKEN -u PDMESH_ADMIN_TOKEN_FILE "$bin/pdctl" --config "$tmp/mesh.yaml" nodes
+rm "$tmp/run/pids"
+expect "generate --config without a running mesh" 1 "$bin/pdmesh" generate --config "$tmp/mesh.yaml" --prompt hi
+contains "generate --config says to run pdmesh up" "$tmp/err" "pdmesh up"
+
 # 32 concurrent clients (threads sharing one client), half streaming.
 expect "C SDK: 32 concurrent clients equal the engine" 0 timeout 600 "$bin/pdm-sdk-itest" concurrent "$ep" 32 "$tmp/expected.json"
 cat "$tmp/out" "$tmp/err" | head -5
