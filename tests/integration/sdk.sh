@@ -125,6 +125,7 @@ if [ $up -ne 1 ]; then
   exit 1
 fi
 ok "mesh up: 3 nodes alive"
+expect "C SDK: ping round trips" 0 "$bin/pdm-sdk-itest" ping "$ep" 200 && cat "$tmp/out"
 
 # The single-process engine's greedy outputs.
 prompts=("The capital of France is" "Once upon a time" "def fibonacci(n):" "The three primary colors are")

@@ -15,6 +15,8 @@
  *   pdm-sdk-itest timeout ENDPOINT MS              a call against a router that never answers
  *                                                  must end with ETIMEOUT within MS (+ slack)
  *   pdm-sdk-itest hold ENDPOINT THREADS PROMPT     streams long requests until killed
+ *   pdm-sdk-itest ping ENDPOINT N                  N ping round trips through the client's I/O
+ *                                                  thread; prints p50/p99 (a measurement)
  * Exit status 0 when the check holds, 1 otherwise (with a message on stderr).
  */
 #include <cjson/cJSON.h>
@@ -246,6 +248,34 @@ static void *hold_main(void *arg)
     return NULL;
 }
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int cmd_ping(const char *ep, int n)
+{
+    pdm_client_t *c;
+    if (n < 1 || pdm_client_create(ep, NULL, &c)) return 1;
+    double *t = calloc((size_t)n, sizeof(double));
+    for (int i = 0; i < n; i++) {
+        double t0 = now_s();
+        if (pdm_client_ping(c, 5000)) {
+            fprintf(stderr, "ping: %s\n", pdm_client_last_error());
+            free(t);
+            pdm_client_destroy(c);
+            return 1;
+        }
+        t[i] = (now_s() - t0) * 1e6;
+    }
+    qsort(t, (size_t)n, sizeof(double), cmp_double);
+    printf("ping round trip over %d: p50 %.0f us, p99 %.0f us\n", n, t[n / 2], t[(n * 99) / 100]);
+    free(t);
+    pdm_client_destroy(c);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 3) {
@@ -256,6 +286,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "concurrent") && argc == 5) return cmd_concurrent(ep, atoi(argv[3]), argv[4]);
     if (!strcmp(cmd, "cancel") && argc == 4) return cmd_cancel(ep, argv[3]);
     if (!strcmp(cmd, "timeout") && argc == 4) return cmd_timeout(ep, atoi(argv[3]));
+    if (!strcmp(cmd, "ping") && argc == 4) return cmd_ping(ep, atoi(argv[3]));
     if (!strcmp(cmd, "hold") && argc == 5) {
         pdm_client_t *c;
         if (pdm_client_create(ep, NULL, &c)) return 1;
