@@ -45,21 +45,21 @@ MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c
-LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
-CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/generate_remote.c cli/meshconf.c
+LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
+           router/metrics.c
+CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/mesh.c cli/generate_remote.c cli/meshconf.c
 # libpdmesh (sdk/): the client SDK, standalone (common + generated protobuf code inside).
 SDK_SRC := sdk/client.c sdk/admin.c
 SDK_LIB_SRC := $(SDK_SRC) $(COMMON_SRC)
 PREFILLD_SRC := prefill_node/main.c
-ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c \
-              router/metrics.c
+ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c
 RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
             tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
-            tests/unit/test_disagg.c tests/unit/test_sdk.c
+            tests/unit/test_disagg.c tests/unit/test_router.c tests/unit/test_sdk.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
 CUDA_HOME ?= /usr/local/cuda

@@ -30,7 +30,8 @@ static void usage(FILE *f)
             "              [--min-p P] [--repeat-penalty R] [--seed S] [--stop STR]...\n"
             "              [--threads N] [--batch N] [--ctx N] [--kv-dtype f16|f32]\n"
             "              [--stats] [--json]\n"
-            "              [--router ENDPOINT [--timeout MS] [--beams N]]  served by a mesh\n"
+            "              [--router ENDPOINT | --mesh | --config FILE] [--timeout MS] [--beams N]\n"
+            "              (served by a running mesh through libpdmesh)\n"
             "  tokenize    [--special] TEXT|-      print token ids (- reads stdin)\n"
             "  detokenize  ID...|-                 print the text of token ids\n"
             "  prefill-run --ranks R --method M (--prompt TEXT|--prompt-file F|--random N)\n"
@@ -45,6 +46,9 @@ static void usage(FILE *f)
             "  disagg-run  --prefill-ranks R --method M (--prompt TEXT|--prompt-file F|--random N)...\n"
             "              [-n N] [--temp T] [--stop S] [--chat] [--decode-batch N] [--json]\n"
             "              prefill group -> KV stream -> decode node, end to end\n"
+            "  up          [--config deploy/local/default.yaml]   start a local mesh (router,\n"
+            "              prefill groups, decode nodes); waits until every node is alive\n"
+            "  down        [--config FILE | --run-dir DIR]     stop it (SIGTERM, then SIGKILL)\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
             "\n"
@@ -622,5 +626,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "partition-search")) return cmd_partition_search(argc - 1, argv + 1);
     if (!strcmp(cmd, "calibrate")) return cmd_calibrate(argc - 1, argv + 1);
     if (!strcmp(cmd, "disagg-run")) return cmd_disagg_run(argc - 1, argv + 1);
+    if (!strcmp(cmd, "up")) return cmd_up(argc - 1, argv + 1);
+    if (!strcmp(cmd, "down")) return cmd_down(argc - 1, argv + 1);
     return cli_usage_error("unknown command '%s'", cmd);
 }

@@ -164,7 +164,7 @@ static int rt_text_append(rt_req_t *q, const char *s, size_t n)
     return PDM_OK;
 }
 
-void rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int32_t *toks, size_t n)
+int rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int32_t *toks, size_t n)
 {
     uint32_t first = q->n_gen;
     for (size_t k = 0; k < n; k++) {
@@ -178,7 +178,7 @@ void rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int32_t *
         int w = pdm_detok_feed(&q->detok, r->model->tokenizer, t, piece, sizeof(piece));
         if (w > 0) rt_text_append(q, piece, (size_t)w);
     }
-    if (q->n_gen == first) return;
+    if (q->n_gen == first) return 0;
     double now = pdm_now();
     if (first == 0) {
         q->t_first = now;
@@ -194,6 +194,14 @@ void rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int32_t *
     if (q->sink.on_tokens)
         q->sink.on_tokens(q->sink.ctx, first, q->gen + first, q->n_gen - first, chunk ? chunk : "");
     free(chunk);
+    if (cut < q->text_len) {
+        /* A stop string the decode node could not see (it began before a migration): end
+         * the request here and release the node. */
+        rt_req_release_nodes(r, q, 1);
+        rt_req_finish(r, q, PDMESH__FINISH_REASON__FINISH_STOP);
+        return 1;
+    }
+    return 0;
 }
 
 void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)

@@ -160,7 +160,9 @@ struct pdm_router {
 void rt_schedule(pdm_router_t *r);
 void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg);
 rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id);
-void rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int32_t *toks, size_t n);
+/* Delivers tokens [index, index + n) (duplicates and gaps ignored); 1 if that ended the request
+ * (a stop string), and q is gone. */
+int rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int32_t *toks, size_t n);
 void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish);
 void rt_req_fail(pdm_router_t *r, rt_req_t *q, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));

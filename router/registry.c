@@ -408,7 +408,7 @@ void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, c
         rt_req_t *q = rt_task_req(r, i, d->task_id, d->attempt);
         if (!q || q->state == RQ_QUEUED) break;
         if (d->ok) {
-            rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens); /* fills any gap */
+            if (rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens)) break; /* fills any gap */
             q->kv_seconds = d->kv_seconds;
             if (d->kv_bytes) q->kv_bytes = d->kv_bytes;
             rt_req_finish(r, q, d->finish);
