@@ -246,7 +246,7 @@ for _ in $(seq 100); do
   [ "${k:-0}" -ge 4 ] && break
   sleep 0.1
 done
-kill -9 "$victim"
+{ kill -9 "$victim"; wait "$victim"; } 2>/dev/null
 wait "$victim" 2>/dev/null
 want=$(expected_text 0)
 expect "after kill -9 of a client: another client is served" 0 timeout 300 "$bin/pdm-sdk-itest" generate "$ep" $n "${prompts[0]}" &&
