@@ -185,6 +185,11 @@ contains "generate --config says to run pdmesh up" "$tmp/err" "pdmesh up"
 # 32 concurrent clients (threads sharing one client), half streaming.
 expect "C SDK: 32 concurrent clients equal the engine" 0 timeout 600 "$bin/pdm-sdk-itest" concurrent "$ep" 32 "$tmp/expected.json"
 cat "$tmp/out" "$tmp/err" | head -5
+# ... and again with every prompt prefilled by the prefill group (disaggregated).
+ctl policy set local_threshold 0 > /dev/null
+expect "C SDK: 32 concurrent clients through the prefill group equal the engine" 0 timeout 600 "$bin/pdm-sdk-itest" concurrent "$ep" 32 "$tmp/expected.json"
+cat "$tmp/out" "$tmp/err" | head -5
+ctl policy set local_threshold 32 > /dev/null
 
 expect "C SDK: cancel mid-stream" 0 timeout 300 "$bin/pdm-sdk-itest" cancel "$ep" "Once upon a time"
 expect "python: sync, iterator, cancel, typed errors" 0 timeout 600 "$py" tests/integration/sdk_python.py live "$ep" "$tmp/expected.json"
