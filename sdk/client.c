@@ -906,6 +906,8 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
 
     size_t cap_tokens = 0, text_len = 0, cap_text = 0;
     for (;;) {
+        /* A call that failed (timeout, cancel, lost connection) delivers nothing more. */
+        if (call.done && call.status != PDM_CLIENT_OK) pdmc__free_chunks(&call);
         if (call.head) {
             pdmc_chunk_t *ch = call.head;
             call.head = ch->next;
