@@ -298,7 +298,7 @@ int cmd_up(int argc, char **argv)
     const char *client = y_str(rt, "client", "tcp://127.0.0.1:7700");
     const char *node = y_str(rt, "node", "tcp://127.0.0.1:7701");
     const char *admin = y_str(rt, "admin", "tcp://127.0.0.1:7702");
-    long http_port, local_thr, timeout;
+    long http_port = 8080, local_thr = 32, timeout = 120;
     int st = y_int(rt, "http_port", 8080, -1, 65535, &http_port);
     if (!st) st = y_int(rt, "local_threshold", 32, 0, 1 << 22, &local_thr);
     if (!st) st = y_int(y, "start_timeout", 120, 1, 3600, &timeout);
@@ -341,7 +341,7 @@ int cmd_up(int argc, char **argv)
     for (int gi = 0; !st && groups && gi < groups->n; gi++) {
         const ynode_t *g = groups->kids[gi];
         const char *gname = y_str(g, "name", "prefill");
-        long ranks, threads;
+        long ranks = 2, threads = 1;
         st = y_int(g, "ranks", 2, 1, 64, &ranks);
         if (!st) st = y_int(g, "threads", 1, 1, 256, &threads);
         for (long k = 0; !st && k < ranks; k++) {
@@ -360,7 +360,7 @@ int cmd_up(int argc, char **argv)
     for (int di = 0; !st && di < decodes->n; di++) {
         const ynode_t *d = decodes->kids[di];
         char id[200], th[16], kv[32];
-        long threads, budget;
+        long threads = 1, budget = 65536;
         snprintf(id, sizeof(id), "%s", y_str(d, "name", "decode"));
         st = y_int(d, "threads", 1, 1, 256, &threads);
         if (!st) st = y_int(d, "kv_budget", 65536, 1, 1L << 30, &budget);

@@ -204,5 +204,15 @@ for p in $mesh_pids; do
 done
 check "pdmesh down stops every process of the mesh" "[ $left = 0 ] && [ -n \"$mesh_pids\" ]"
 
+# --- clean shutdown: SIGTERM ends the router with status 0 (and no sanitizer report) ---
+kill -TERM "$ROUTER"
+rc=124
+for _ in $(seq 1 100); do
+  if ! kill -0 "$ROUTER" 2>/dev/null; then wait "$ROUTER"; rc=$?; break; fi
+  sleep 0.1
+done
+check "SIGTERM stops the router cleanly (status 0)" "[ $rc = 0 ]"
+check "no sanitizer report in the router's log" "! grep -qE 'AddressSanitizer|LeakSanitizer|runtime error' $RUN/router.log"
+
 echo "integration: $pass passed, $fail failed"
 [ "$fail" = 0 ]
