@@ -52,7 +52,11 @@ DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_
               decode_node/beam_search.c decode_node/offload.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
            router/metrics.c
-CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c
+CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c cli/generate_remote.c \
+           cli/meshconf.c
+# libpdmesh (sdk/): the client SDK, standalone (common + generated protobuf code inside).
+SDK_SRC := sdk/client.c sdk/admin.c
+SDK_LIB_SRC := $(SDK_SRC) $(COMMON_SRC)
 PREFILLD_SRC := prefill_node/main.c
 # router/http.c (the HTTP front end, another branch) joins the router when it exists; main.c
 # starts it under PDM_ROUTER_HTTP.
@@ -67,7 +71,7 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
             tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c \
-            tests/unit/test_router.c
+            tests/unit/test_router.c tests/unit/test_sdk.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
 CUDA_HOME ?= /usr/local/cuda
@@ -89,6 +93,13 @@ DECODED_OBJ := $(DECODED_SRC:%.c=$(BUILD)/obj/%.o)
 ROUTER_OBJ := $(ROUTER_SRC:%.c=$(BUILD)/obj/%.o)
 RCLIENT_OBJ := $(RCLIENT_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
+SDK_OBJ := $(SDK_SRC:%.c=$(BUILD)/obj/%.o)
+SDK_PIC_OBJ := $(SDK_LIB_SRC:%.c=$(BUILD)/pic/%.o) $(BUILD)/pic/gen/proto/pdmesh.pb-c.o
+SDK_A := $(BUILD)/libpdmesh.a
+SDK_SO := $(BUILD)/libpdmesh.so
+SDK_LDLIBS := -lzmq -lprotobuf-c -lcrypto -lcjson -lm -pthread
+SDK_BINS := $(BUILD)/bin/pdctl $(BUILD)/bin/pdmesh-chat $(BUILD)/bin/pdm-sdk-itest
+PYSDK := $(BUILD)/python/pdmesh/pdmesh_pb2.py
 BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline
@@ -100,9 +111,10 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
         integration-test bench-router \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
-        bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory
+        bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
+        sdk-test
 
-all: $(BINS) $(TEST_BIN) $(BENCH_BINS)
+all: $(BINS) $(TEST_BIN) $(BENCH_BINS) $(SDK_A) $(SDK_SO) $(SDK_BINS)
 
 $(BUILD)/obj/%.o: %.c | $(PROTO_H)
 	@mkdir -p $(dir $@)
@@ -136,7 +148,47 @@ $(LIB): $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/bin/pdmesh: $(CLI_OBJ) $(LIB)
+# libpdmesh: a static archive and a shared library (position-independent objects of their
+# own; only the pdm_client_* / pdm_admin_* API is exported from the .so).
+$(SDK_A): $(SDK_OBJ) $(COMMON_SRC:%.c=$(BUILD)/obj/%.o) $(PROTO_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/pic/%.o: %.c | $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -fPIC -c $< -o $@
+
+$(BUILD)/pic/gen/proto/pdmesh.pb-c.o: $(PROTO_C) $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -fPIC -c $< -o $@
+
+$(SDK_SO): $(SDK_PIC_OBJ) sdk/libpdmesh.map
+	@mkdir -p $(dir $@)
+	$(CC) -shared -Wl,-soname,libpdmesh.so.0 -Wl,--version-script=sdk/libpdmesh.map \
+	  $(SDK_PIC_OBJ) -o $@ $(SDK_LDLIBS)
+	ln -sf libpdmesh.so $(BUILD)/libpdmesh.so.0
+
+$(BUILD)/bin/pdctl: $(BUILD)/obj/cli/pdctl.o $(BUILD)/obj/cli/meshconf.o $(SDK_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(SDK_LDLIBS) -lyaml
+
+$(BUILD)/bin/pdmesh-chat: $(BUILD)/obj/sdk/examples/chat_stream.o $(SDK_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(SDK_LDLIBS)
+
+$(BUILD)/bin/pdm-sdk-itest: $(BUILD)/obj/tests/integration/sdk_itest.o $(SDK_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(SDK_LDLIBS)
+
+# The Python package (sdk/python/pdmesh) with its protobuf module generated from the same
+# proto (grpc_tools' protoc, installed by tools/deps.sh; never committed) into build/python.
+python-sdk: $(PYSDK)
+$(PYSDK): proto/pdmesh.proto $(wildcard sdk/python/pdmesh/*.py)
+	@mkdir -p $(dir $@)
+	cp sdk/python/pdmesh/*.py $(dir $@)
+	$(VENV)/bin/python -m grpc_tools.protoc -Iproto --python_out=$(dir $@) proto/pdmesh.proto
+
+$(BUILD)/bin/pdmesh: $(CLI_OBJ) $(SDK_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -lyaml
 
@@ -168,7 +220,7 @@ $(BUILD)/bin/pdm-roofline: $(BUILD)/obj/bench/roofline/roofline.o
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ -pthread
 
-$(TEST_BIN): $(TEST_OBJ) $(LIB)
+$(TEST_BIN): $(TEST_OBJ) $(SDK_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) $$(pkg-config --libs check)
 
@@ -198,7 +250,12 @@ bench-router: $(BINS)
 	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/overhead.sh
 
 test check: deps model all
-	$(MAKE) --no-print-directory unit cli-test sim-test integration-test
+	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test
+
+# SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
+# that need a live mesh skip with a message when pdmesh-router is not built).
+sdk-test: all python-sdk
+	BUILD=$(BUILD) PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/integration/sdk.sh
 
 # The prefill cost-model simulator's invariants (bench/sim; standard-library Python).
 sim-test:
@@ -309,6 +366,8 @@ clean:
 distclean: clean
 	rm -rf models
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(PREFILLD_OBJ:.o=.d) $(DECODED_OBJ:.o=.d) \
-         $(ROUTER_OBJ:.o=.d) $(RCLIENT_OBJ:.o=.d) \
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(SDK_OBJ:.o=.d) $(SDK_PIC_OBJ:.o=.d) \
+         $(BUILD)/obj/cli/pdctl.d $(BUILD)/obj/sdk/examples/chat_stream.d \
+         $(BUILD)/obj/tests/integration/sdk_itest.d $(PREFILLD_OBJ:.o=.d) \
+         $(DECODED_OBJ:.o=.d) $(ROUTER_OBJ:.o=.d) $(RCLIENT_OBJ:.o=.d) \
          $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d)

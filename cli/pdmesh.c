@@ -30,6 +30,8 @@ static void usage(FILE *f)
             "              [--min-p P] [--repeat-penalty R] [--seed S] [--stop STR]...\n"
             "              [--threads N] [--batch N] [--ctx N] [--kv-dtype f32|f16|q8]\n"
             "              [--stats] [--json]\n"
+            "              [--router ENDPOINT | --mesh | --config FILE] [--timeout MS] [--beams N]\n"
+            "              (served by a running mesh through libpdmesh)\n"
             "  tokenize    [--special] TEXT|-      print token ids (- reads stdin)\n"
             "  detokenize  ID...|-                 print the text of token ids\n"
             "  prefill-run --ranks R --method M (--prompt TEXT|--prompt-file F|--random N)\n"
@@ -169,6 +171,7 @@ static long stop_find(const char *text, const gen_opts_t *o)
 
 static int cmd_generate(int argc, char **argv)
 {
+    if (cli_generate_wants_router(argc, argv)) return cmd_generate_remote(argc, argv);
     gen_opts_t o = {.model_path = pdm_model_default_path(), .n_predict = 128, .threads = 0,
                     .batch = 512, .ctx = 0, .kv_dtype = PDM_DT_F16};
     pdm_sampler_params_default(&o.sp);

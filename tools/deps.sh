@@ -39,7 +39,10 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "deps: creating Python venv in $venv"
   python3 -m venv "$venv"
 fi
-want_py=(numpy gguf)
+# pyzmq + grpcio-tools: the Python SDK (sdk/python) and its protobuf module, generated at build
+# time by grpc_tools' protoc (it ships a protoc matching its protobuf runtime; Debian 12 has no
+# protobuf-compiler/python3-protobuf pair newer than 3.21).
+want_py=(numpy gguf pyzmq grpcio-tools)
 if [ "$golden" = "--golden" ] || [ "$golden" = "--bench" ]; then
   want_py+=(llama-cpp-python jinja2)
 fi
@@ -47,6 +50,8 @@ need_py=()
 for m in "${want_py[@]}"; do
   mod=${m//-/_}
   [ "$mod" = "llama_cpp_python" ] && mod=llama_cpp
+  [ "$mod" = "pyzmq" ] && mod=zmq
+  [ "$mod" = "grpcio_tools" ] && mod=grpc_tools
   if ! "$venv/bin/python" -c "import $mod" 2>/dev/null; then need_py+=("$m"); fi
 done
 if [ ${#need_py[@]} -gt 0 ]; then

@@ -19,6 +19,7 @@ static const struct {
     {"golden", suite_golden},   {"kvtransfer", suite_kvtransfer}, {"prefill", suite_prefill},
     {"decode", suite_decode},   {"disagg", suite_disagg},
     {"beam", suite_beam},       {"offload", suite_offload},   {"router", suite_router},
+    {"sdk", suite_sdk},
 };
 
 const char *pdm_test_tmpdir(void)

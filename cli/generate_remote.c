@@ -1,0 +1,230 @@
+/*
+ * pdmesh generate --router ENDPOINT: the same command as the local engine mode, served by a
+ * running mesh through libpdmesh (sdk/pdmesh_client.h). The answer streams to stdout as it is
+ * generated; --stats prints TTFT and tokens/s (measured here, at the client) to stderr;
+ * --json prints one object shaped like the local mode's.
+ */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "cli/meshconf.h"
+#include "common/pdm.h"
+#include "sdk/pdmesh_client.h"
+
+#define PDM__REMOTE_MAX_STOPS 16
+
+/* 1 if argv asks for the remote mode: --router ENDPOINT, or --mesh / --config FILE (a mesh
+ * started by pdmesh up). */
+int cli_generate_wants_router(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--")) break;
+        if (!strcmp(argv[i], "--router") || !strncmp(argv[i], "--router=", 9) ||
+            !strcmp(argv[i], "--mesh") || !strcmp(argv[i], "--config") ||
+            !strncmp(argv[i], "--config=", 9))
+            return 1;
+    }
+    return 0;
+}
+
+static int print_chunk(const pdm_client_chunk_t *chunk, void *data)
+{
+    if (!*(int *)data) {
+        fwrite(chunk->text, 1, chunk->text_len, stdout);
+        fflush(stdout);
+    }
+    return 0;
+}
+
+static const char *finish_name(pdm_client_finish_t f)
+{
+    /* the local mode's names: EOS and stop strings are both "stop" */
+    return f == PDM_CLIENT_FINISH_LENGTH ? "length" : f == PDM_CLIENT_FINISH_NONE ? "none" : "stop";
+}
+
+int cmd_generate_remote(int argc, char **argv)
+{
+    const char *router = NULL, *prompt = NULL, *config = NULL;
+    const char *stops[PDM__REMOTE_MAX_STOPS];
+    int n_stops = 0, chat = 0, stats = 0, json = 0;
+    long n_predict = 128, timeout_ms = 120000, beams = 0;
+    pdm_client_request_t req;
+    pdm_client_request_init(&req);
+    req.temperature = 0.8f; /* the local mode's default */
+    req.top_k = 40;
+    req.top_p = 0.95f;
+    req.min_p = 0.05f;
+    enum { O_TEMP = 256, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_ROUTER, O_TIMEOUT,
+           O_BEAMS, O_LOCAL_ONLY, O_MESH, O_CONFIG };
+    static const struct option opts[] = {
+        {"router", required_argument, 0, O_ROUTER}, {"prompt", required_argument, 0, 'p'},
+        {"mesh", no_argument, 0, O_MESH},          {"config", required_argument, 0, O_CONFIG},
+        {"chat", no_argument, 0, 'c'},             {"n-predict", required_argument, 0, 'n'},
+        {"stats", no_argument, 0, 's'},            {"json", no_argument, 0, 'j'},
+        {"temp", required_argument, 0, O_TEMP},    {"top-k", required_argument, 0, O_TOPK},
+        {"top-p", required_argument, 0, O_TOPP},   {"min-p", required_argument, 0, O_MINP},
+        {"repeat-penalty", required_argument, 0, O_REP},
+        {"seed", required_argument, 0, O_SEED},    {"stop", required_argument, 0, O_STOP},
+        {"timeout", required_argument, 0, O_TIMEOUT},
+        {"beams", required_argument, 0, O_BEAMS},  {"model", required_argument, 0, 'm'},
+        {"threads", required_argument, 0, O_LOCAL_ONLY},
+        {"batch", required_argument, 0, O_LOCAL_ONLY},
+        {"ctx", required_argument, 0, O_LOCAL_ONLY},
+        {"kv-dtype", required_argument, 0, O_LOCAL_ONLY},
+        {0, 0, 0, 0}};
+    int c;
+    double dv;
+    long lv;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "m:p:cn:sj", opts, NULL)) != -1) {
+        switch (c) {
+        case O_ROUTER: router = optarg; break;
+        case O_MESH: config = CLI_MESH_DEFAULT_CONFIG; break;
+        case O_CONFIG: config = optarg; break;
+        case 'm': break; /* the router serves its own model */
+        case 'p': prompt = optarg; break;
+        case 'c': chat = 1; break;
+        case 's': stats = 1; break;
+        case 'j': json = 1; break;
+        case 'n':
+            if (pdm_parse_long(optarg, 1, 1 << 20, &n_predict))
+                return cli_usage_error("invalid -n '%s' (1..1048576 with --router)", optarg);
+            break;
+        case O_TEMP:
+            if (pdm_parse_double(optarg, 0, 100, &dv))
+                return cli_usage_error("invalid --temp '%s' (0..100)", optarg);
+            req.temperature = (float)dv;
+            break;
+        case O_TOPK:
+            if (pdm_parse_long(optarg, 0, 1 << 30, &lv))
+                return cli_usage_error("invalid --top-k '%s' (>= 0)", optarg);
+            req.top_k = (int32_t)lv;
+            break;
+        case O_TOPP:
+            if (pdm_parse_double(optarg, 1e-9, 1, &dv))
+                return cli_usage_error("invalid --top-p '%s' (0..1]", optarg);
+            req.top_p = (float)dv;
+            break;
+        case O_MINP:
+            if (pdm_parse_double(optarg, 0, 1, &dv))
+                return cli_usage_error("invalid --min-p '%s' (0..1)", optarg);
+            req.min_p = (float)dv;
+            break;
+        case O_REP:
+            if (pdm_parse_double(optarg, 1e-6, 100, &dv))
+                return cli_usage_error("invalid --repeat-penalty '%s' (0..100]", optarg);
+            req.repeat_penalty = (float)dv;
+            break;
+        case O_SEED: {
+            char *end;
+            unsigned long long s = strtoull(optarg, &end, 10);
+            if (!*optarg || *end) return cli_usage_error("invalid --seed '%s'", optarg);
+            req.seed = s;
+            break;
+        }
+        case O_STOP:
+            if (n_stops == PDM__REMOTE_MAX_STOPS)
+                return cli_usage_error("too many --stop strings%s", "");
+            if (!*optarg) return cli_usage_error("empty --stop string%s", "");
+            stops[n_stops++] = optarg;
+            break;
+        case O_TIMEOUT:
+            if (pdm_parse_long(optarg, 1, 3600000, &timeout_ms))
+                return cli_usage_error("invalid --timeout '%s' (1..3600000 ms)", optarg);
+            break;
+        case O_BEAMS:
+            if (pdm_parse_long(optarg, 1, 64, &beams))
+                return cli_usage_error("invalid --beams '%s' (1..64)", optarg);
+            break;
+        case O_LOCAL_ONLY:
+            return cli_usage_error("%s", "--threads, --batch, --ctx and --kv-dtype apply to "
+                                         "local generation only, not with --router");
+        default: return cli_usage_error("%s", "invalid option");
+        }
+    }
+    if (optind < argc) return cli_usage_error("unexpected argument '%s'", argv[optind]);
+    if (!prompt) return cli_usage_error("%s", "generate needs --prompt TEXT");
+    cli_mesh_t mesh;
+    if (router && config)
+        return cli_usage_error("%s", "give either --router ENDPOINT or --mesh/--config FILE");
+    if (config) {
+        char err[1400];
+        if (cli_mesh_config(config, &mesh, err, sizeof(err))) {
+            fprintf(stderr, "%s: %s\n", cli_prog, err);
+            return 1;
+        }
+        router = mesh.client;
+    }
+    if (!router || !*router) return cli_usage_error("%s", "--router needs an ENDPOINT");
+
+    pdm_client_options_t copt = {.timeout_ms = (int)timeout_ms};
+    pdm_client_t *client;
+    if (pdm_client_create(router, &copt, &client)) {
+        fprintf(stderr, "%s: cannot create a client for %s: %s\n", cli_prog, router,
+                pdm_client_last_error());
+        return 1;
+    }
+    pdm_client_message_t msg = {"user", prompt};
+    if (chat) {
+        req.messages = &msg;
+        req.n_messages = 1;
+    } else {
+        req.prompt = prompt;
+    }
+    req.max_tokens = (uint32_t)n_predict;
+    req.stop = stops;
+    req.n_stop = (size_t)n_stops;
+    req.beams = (uint32_t)beams;
+    req.n_best = beams > 1 ? 1 : 0;
+    pdm_client_result_t res;
+    int rc = pdm_client_generate_stream(client, &req, print_chunk, &json, &res);
+    int status = 0;
+    if (rc) {
+        if (!json && res.n_tokens) printf("\n");
+        fprintf(stderr, "%s: generation failed (%s): %s\n", cli_prog, pdm_client_status_name(rc),
+                res.error);
+        status = 1;
+    } else {
+        double decode_ms = res.client_total_ms - res.client_ttft_ms;
+        double tps = res.n_tokens > 1 && decode_ms > 0 ? (double)(res.n_tokens - 1) * 1e3 / decode_ms
+                                                       : 0.0;
+        if (json) {
+            cJSON *root = cJSON_CreateObject();
+            cJSON *ids = cJSON_AddArrayToObject(root, "tokens");
+            for (size_t i = 0; i < res.n_tokens; i++)
+                cJSON_AddItemToArray(ids, cJSON_CreateNumber(res.tokens[i]));
+            cJSON_AddStringToObject(root, "text", res.text);
+            cJSON_AddStringToObject(root, "finish_reason", finish_name(res.finish));
+            cJSON_AddNumberToObject(root, "prompt_tokens", res.usage.prompt_tokens);
+            cJSON_AddNumberToObject(root, "completion_tokens", (double)res.n_tokens);
+            cJSON_AddNumberToObject(root, "ttft_s", res.client_ttft_ms / 1e3);
+            cJSON_AddNumberToObject(root, "decode_tokens_per_s", tps);
+            cJSON_AddNumberToObject(root, "router_ttft_ms", res.usage.ttft_ms);
+            cJSON_AddStringToObject(root, "prefill_method", res.usage.prefill_method);
+            cJSON_AddStringToObject(root, "decode_node", res.usage.decode_node);
+            cJSON_AddNumberToObject(root, "request_id", (double)res.router_id);
+            char *js = cJSON_PrintUnformatted(root);
+            if (js) printf("%s\n", js);
+            free(js);
+            cJSON_Delete(root);
+        } else {
+            printf("\n");
+        }
+        fflush(stdout);
+        if (stats)
+            fprintf(stderr, "prompt tokens: %u, generated: %zu (%s)\nTTFT: %.3f s (router: "
+                            "%.3f s)\ndecode: %.1f tokens/s\nprefill: %s%s%s, decode node: %s\n",
+                    res.usage.prompt_tokens, res.n_tokens, finish_name(res.finish),
+                    res.client_ttft_ms / 1e3, res.usage.ttft_ms / 1e3, tps,
+                    res.usage.prefill_method[0] ? res.usage.prefill_method : "-",
+                    res.usage.prefill_group[0] ? " on " : "", res.usage.prefill_group,
+                    res.usage.decode_node[0] ? res.usage.decode_node : "-");
+    }
+    pdm_client_result_fini(&res);
+    pdm_client_destroy(client);
+    return status;
+}

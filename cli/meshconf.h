@@ -1,0 +1,21 @@
+/*
+ * meshconf.h - endpoints of a mesh started by `pdmesh up --config FILE` (cli/meshconf.c).
+ */
+#ifndef PDM_CLI_MESHCONF_H
+#define PDM_CLI_MESHCONF_H
+
+#include <stddef.h>
+
+#define CLI_MESH_DEFAULT_CONFIG "deploy/local/default.yaml"
+
+typedef struct {
+    char client[256];   /* router.client (default tcp://127.0.0.1:7700) */
+    char admin[256];    /* router.admin (default tcp://127.0.0.1:7702) */
+    char run_dir[1024]; /* run_dir (default run/mesh): admin-token, pids, logs */
+} cli_mesh_t;
+
+/* Reads the configuration at path and checks that the mesh it describes is up (its run
+ * directory has a pids file). 0 on success; -1 with a sentence in err otherwise. */
+int cli_mesh_config(const char *path, cli_mesh_t *out, char *err, size_t err_len);
+
+#endif

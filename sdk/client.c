@@ -1,0 +1,1029 @@
+/*
+ * libpdmesh: the C client of the router's client API. The threading model is explained in
+ * sdk/pdmesh_client.h: one DEALER socket and one I/O thread per client; callers exchange
+ * packed frames and replies with it under one mutex, wake it through an eventfd, and wait on
+ * a per-call condition variable (CLOCK_MONOTONIC) with their own timeout.
+ */
+#include "sdk/pdmesh_client.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/pdm.h"
+#include "common/wire.h"
+#include "sdk/client_internal.h"
+
+#define PDMC_DEFAULT_ENDPOINT "tcp://127.0.0.1:7700"
+#define PDMC_BUCKETS 256
+#define PDMC_MAX_STOPS 16
+#define PDMC_MAX_BEAMS 64
+#define PDMC_MAX_CMDS 8192
+#define PDMC_CANCEL_RING 64
+
+/* ---- status strings and the thread's last message ---- */
+
+static _Thread_local char pdmc__last[512];
+
+const char *pdm_client_strerror(int status)
+{
+    switch (status) {
+#define PDMC__MSG(name, code, msg)                                                              \
+    case code: return msg;
+        PDM_CLIENT_STATUS_MAP(PDMC__MSG)
+#undef PDMC__MSG
+    }
+    return "unknown status";
+}
+
+const char *pdm_client_status_name(int status)
+{
+    switch (status) {
+#define PDMC__NAME(name, code, msg)                                                             \
+    case code: return #name;
+        PDM_CLIENT_STATUS_MAP(PDMC__NAME)
+#undef PDMC__NAME
+    }
+    return "EUNKNOWN";
+}
+
+const char *pdm_client_last_error(void)
+{
+    return pdmc__last[0] ? pdmc__last : "no error";
+}
+
+/* Records the message for the calling thread and returns status. */
+int pdm_client__fail(int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(pdmc__last, sizeof(pdmc__last), fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+static double pdmc__now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static struct timespec pdmc__abstime(double t)
+{
+    struct timespec ts;
+    ts.tv_sec = (time_t)t;
+    ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    if (ts.tv_nsec < 0) ts.tv_nsec = 0;
+    return ts;
+}
+
+/* ---- data structures ---- */
+
+/* One received TokenChunk, copied out of the protobuf message. */
+typedef struct pdmc_chunk {
+    struct pdmc_chunk *next;
+    uint32_t index;
+    size_t n_tokens, text_len;
+    int32_t *tokens; /* points into the same allocation, after text */
+    char text[];     /* text_len + 1 bytes, then the tokens */
+} pdmc_chunk_t;
+
+/* A frame waiting for the I/O thread. */
+typedef struct pdmc_cmd {
+    struct pdmc_cmd *next;
+    uint64_t id;     /* request the frame belongs to (0: none) */
+    size_t len;
+    uint8_t *frame;
+} pdmc_cmd_t;
+
+typedef struct pdmc_call {
+    struct pdmc_call *next; /* hash bucket chain */
+    uint64_t id, router_id;
+    int stream;
+    int sent;               /* handed to ZeroMQ (lost if the connection drops) */
+    int done, status;
+    char error[256];
+    pdm_wire_msg_t *final;  /* the GenerateResult, when done with OK */
+    pdmc_chunk_t *head, *tail;
+    size_t buffered;
+    double t_start, t_first;
+    pthread_cond_t cond;
+} pdmc_call_t;
+
+struct pdm_client {
+    char *endpoint;
+    pdm_client_options_t opt;
+    void *zctx;
+    void *sock;             /* I/O thread only (after create) */
+    void *mon;              /* I/O thread only */
+    int efd;
+    pthread_t io;
+    int io_started;
+
+    pthread_mutex_t mu;     /* everything below */
+    pthread_cond_t state_cond;  /* connection state changes, pongs */
+    int closing;
+    int connected;
+    double unreachable_since;   /* when the connection was last lost (or create time) */
+    pdmc_cmd_t *cmd_head, *cmd_tail;
+    size_t n_cmds;
+    pdmc_call_t *buckets[PDMC_BUCKETS];
+    int n_open;
+    uint64_t next_id;
+    uint64_t cancelled[PDMC_CANCEL_RING];
+    unsigned n_cancelled;
+    uint64_t pongs[8];
+    unsigned n_pongs;
+};
+
+static pdmc_call_t **pdmc__slot(pdm_client_t *c, uint64_t id)
+{
+    pdmc_call_t **p = &c->buckets[(id * 0x9e3779b97f4a7c15ull) >> 56];
+    while (*p && (*p)->id != id) p = &(*p)->next;
+    return p;
+}
+
+static void pdmc__free_chunks(pdmc_call_t *call)
+{
+    pdmc_chunk_t *ch = call->head;
+    while (ch) {
+        pdmc_chunk_t *n = ch->next;
+        free(ch);
+        ch = n;
+    }
+    call->head = call->tail = NULL;
+    call->buffered = 0;
+}
+
+/* Ends a call (mutex held). The first end wins. */
+static void pdmc__end(pdmc_call_t *call, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void pdmc__end(pdmc_call_t *call, int status, const char *fmt, ...)
+{
+    if (call->done) return;
+    call->done = 1;
+    call->status = status;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(call->error, sizeof(call->error), fmt, ap);
+    va_end(ap);
+    pthread_cond_signal(&call->cond);
+}
+
+/* Puts a frame on the command queue and wakes the I/O thread (mutex held). Takes ownership
+ * of frame. */
+static int pdmc__enqueue(pdm_client_t *c, uint64_t id, uint8_t *frame, size_t len)
+{
+    if (c->n_cmds >= PDMC_MAX_CMDS) {
+        free(frame);
+        return PDM_CLIENT_EBUSY;
+    }
+    pdmc_cmd_t *cmd = malloc(sizeof(*cmd));
+    if (!cmd) {
+        free(frame);
+        return PDM_CLIENT_ENOMEM;
+    }
+    cmd->next = NULL;
+    cmd->id = id;
+    cmd->frame = frame;
+    cmd->len = len;
+    if (c->cmd_tail) c->cmd_tail->next = cmd;
+    else c->cmd_head = cmd;
+    c->cmd_tail = cmd;
+    c->n_cmds++;
+    uint64_t one = 1;
+    ssize_t w = write(c->efd, &one, sizeof(one));
+    (void)w; /* EAGAIN means the counter is already non-zero: the thread will wake */
+    return PDM_CLIENT_OK;
+}
+
+static int pdmc__pack(int type, const ProtobufCMessage *msg, uint8_t **frame, size_t *len)
+{
+    if (pdm_wire_pack(type, msg, frame, len))
+        return pdm_client__fail(PDM_CLIENT_ENOMEM, "cannot pack %s", pdm_wire_type_name(type));
+    return PDM_CLIENT_OK;
+}
+
+/* Sends a CancelRequest for id (mutex held). Best effort: the call has ended locally. */
+static void pdmc__send_cancel(pdm_client_t *c, uint64_t id)
+{
+    Pdmesh__CancelRequest m = PDMESH__CANCEL_REQUEST__INIT;
+    m.request_id = id;
+    uint8_t *frame;
+    size_t len;
+    if (pdmc__pack(PDMESH__MSG_TYPE__MSG_CANCEL_REQUEST, &m.base, &frame, &len) == 0)
+        pdmc__enqueue(c, 0, frame, len);
+}
+
+/* ---- the I/O thread ---- */
+
+static void pdmc__on_frame(pdm_client_t *c, const void *data, size_t len)
+{
+    pdm_wire_msg_t *m = NULL;
+    if (pdm_wire_unpack(data, len, c->opt.max_frame, 0, &m)) {
+        /* Nothing to attribute it to: a broken router. Calls will time out; say why in logs. */
+        pdm_log_warn("libpdmesh: dropped a malformed reply of %zu bytes from %s", len,
+                c->endpoint);
+        return;
+    }
+    int type = pdm_wire_type(m);
+    ProtobufCMessage *msg = pdm_wire_message(m);
+    pthread_mutex_lock(&c->mu);
+    switch (type) {
+    case PDMESH__MSG_TYPE__MSG_ACCEPTED: {
+        Pdmesh__Accepted *a = (Pdmesh__Accepted *)msg;
+        pdmc_call_t *call = *pdmc__slot(c, a->request_id);
+        if (call) call->router_id = a->router_request_id;
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_TOKEN_CHUNK: {
+        Pdmesh__TokenChunk *t = (Pdmesh__TokenChunk *)msg;
+        pdmc_call_t *call = *pdmc__slot(c, t->request_id);
+        if (!call || call->done) break;
+        if (call->t_first == 0 && t->n_tokens) call->t_first = pdmc__now();
+        if (!call->stream) break;
+        size_t tl = t->text ? strlen(t->text) : 0;
+        size_t bytes = sizeof(pdmc_chunk_t) + tl + 1 + t->n_tokens * sizeof(int32_t) + 4;
+        if (call->buffered + bytes > c->opt.max_buffered) {
+            pdmc__end(call, PDM_CLIENT_EBUSY,
+                      "the stream callback is too slow: over %zu bytes of tokens queued",
+                      c->opt.max_buffered);
+            pdmc__free_chunks(call);
+            break;
+        }
+        pdmc_chunk_t *ch = malloc(bytes);
+        if (!ch) {
+            pdmc__end(call, PDM_CLIENT_ENOMEM, "out of memory queueing %zu bytes", bytes);
+            break;
+        }
+        ch->next = NULL;
+        ch->index = t->index;
+        ch->n_tokens = t->n_tokens;
+        ch->text_len = tl;
+        if (tl) memcpy(ch->text, t->text, tl);
+        ch->text[tl] = 0;
+        /* tokens after the text, 4-byte aligned */
+        uintptr_t p = ((uintptr_t)(ch->text + tl + 1) + 3) & ~(uintptr_t)3;
+        ch->tokens = (int32_t *)p;
+        if (t->n_tokens) memcpy(ch->tokens, t->tokens, t->n_tokens * sizeof(int32_t));
+        if (call->tail) call->tail->next = ch;
+        else call->head = ch;
+        call->tail = ch;
+        call->buffered += bytes;
+        pthread_cond_signal(&call->cond);
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_GENERATE_RESULT: {
+        Pdmesh__GenerateResult *r = (Pdmesh__GenerateResult *)msg;
+        pdmc_call_t *call = *pdmc__slot(c, r->request_id);
+        if (!call || call->done) break;
+        call->final = m;
+        m = NULL; /* kept by the call */
+        pdmc__end(call, PDM_CLIENT_OK, "%s", "");
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_ERROR: {
+        Pdmesh__Error *e = (Pdmesh__Error *)msg;
+        pdmc_call_t *call = e->request_id ? *pdmc__slot(c, e->request_id) : NULL;
+        int code = e->code > 0 && e->code <= 14 ? -(int)e->code : PDM_CLIENT_EINTERNAL;
+        if (call)
+            pdmc__end(call, code, "router: %s", e->message && *e->message
+                                                    ? e->message : pdm_client_strerror(code));
+        else
+            pdm_log_warn("libpdmesh: router error not tied to a request: %s",
+                    e->message ? e->message : "");
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_PONG: {
+        Pdmesh__Ping *p = (Pdmesh__Ping *)msg;
+        c->pongs[c->n_pongs++ % 8] = p->nonce;
+        pthread_cond_broadcast(&c->state_cond);
+        break;
+    }
+    default: break; /* not for clients: ignore */
+    }
+    pthread_mutex_unlock(&c->mu);
+    pdm_wire_msg_free(m);
+}
+
+/* Connection state from the socket monitor: a lost connection loses every request already
+ * handed to ZeroMQ (the router sees a new peer on reconnect), so those calls end now. */
+static void pdmc__on_monitor(pdm_client_t *c)
+{
+    for (;;) {
+        zmq_msg_t ev, addr;
+        zmq_msg_init(&ev);
+        if (zmq_msg_recv(&ev, c->mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&ev);
+            return;
+        }
+        uint16_t event = 0;
+        if (zmq_msg_size(&ev) >= 2) memcpy(&event, zmq_msg_data(&ev), 2);
+        zmq_msg_close(&ev);
+        zmq_msg_init(&addr);
+        zmq_msg_recv(&addr, c->mon, 0); /* the endpoint frame always follows */
+        zmq_msg_close(&addr);
+        pthread_mutex_lock(&c->mu);
+        if (event == ZMQ_EVENT_CONNECTED) {
+            c->connected = 1;
+        } else if (event == ZMQ_EVENT_DISCONNECTED) {
+            c->connected = 0;
+            c->unreachable_since = pdmc__now();
+            for (int b = 0; b < PDMC_BUCKETS; b++)
+                for (pdmc_call_t *call = c->buckets[b]; call; call = call->next)
+                    if (call->sent)
+                        pdmc__end(call, PDM_CLIENT_EUNREACHABLE,
+                                  "connection to the router at %s lost", c->endpoint);
+        }
+        pthread_cond_broadcast(&c->state_cond);
+        pthread_mutex_unlock(&c->mu);
+    }
+}
+
+/* Marks the call with this id as handed to ZeroMQ (mutex held). */
+static void pdmc__mark_sent(pdm_client_t *c, uint64_t id)
+{
+    if (!id) return;
+    pdmc_call_t *call = *pdmc__slot(c, id);
+    if (call) call->sent = 1;
+}
+
+static void *pdmc__io_main(void *arg)
+{
+    pdm_client_t *c = arg;
+    int blocked = 0; /* the socket refused a frame (high-water mark): retry soon */
+    for (;;) {
+        zmq_pollitem_t items[3] = {
+            {c->sock, 0, ZMQ_POLLIN, 0},
+            {c->mon, 0, ZMQ_POLLIN, 0},
+            {NULL, c->efd, ZMQ_POLLIN, 0},
+        };
+        int n = zmq_poll(items, 3, blocked ? 10 : 500);
+        if (n < 0 && errno != EINTR) {
+            pdm_log_warn("libpdmesh: zmq_poll: %s", zmq_strerror(errno));
+            usleep(10000);
+        }
+        if (items[2].revents & ZMQ_POLLIN) {
+            uint64_t v;
+            ssize_t r = read(c->efd, &v, sizeof(v));
+            (void)r;
+        }
+        /* send what is queued */
+        pthread_mutex_lock(&c->mu);
+        if (c->closing) {
+            pthread_mutex_unlock(&c->mu);
+            break;
+        }
+        blocked = 0;
+        while (c->cmd_head) {
+            pdmc_cmd_t *cmd = c->cmd_head;
+            if (zmq_send(c->sock, cmd->frame, cmd->len, ZMQ_DONTWAIT) < 0) {
+                if (errno == EAGAIN) {
+                    blocked = 1;
+                    break;
+                }
+                pdmc_call_t *call = cmd->id ? *pdmc__slot(c, cmd->id) : NULL;
+                if (call)
+                    pdmc__end(call, PDM_CLIENT_ESYSTEM, "send to %s: %s", c->endpoint,
+                              zmq_strerror(errno));
+            } else {
+                pdmc__mark_sent(c, cmd->id);
+            }
+            c->cmd_head = cmd->next;
+            if (!c->cmd_head) c->cmd_tail = NULL;
+            c->n_cmds--;
+            free(cmd->frame);
+            free(cmd);
+        }
+        pthread_mutex_unlock(&c->mu);
+        pdmc__on_monitor(c);
+        /* receive everything pending (ZMQ_FD semantics do not matter with zmq_poll, but
+         * draining until EAGAIN keeps one poll per burst) */
+        for (;;) {
+            zmq_msg_t msg;
+            zmq_msg_init(&msg);
+            if (zmq_msg_recv(&msg, c->sock, ZMQ_DONTWAIT) < 0) {
+                zmq_msg_close(&msg);
+                break;
+            }
+            int more = zmq_msg_more(&msg);
+            if (!more) pdmc__on_frame(c, zmq_msg_data(&msg), zmq_msg_size(&msg));
+            zmq_msg_close(&msg);
+            while (more) { /* a pdmesh message is one frame: drop extra parts */
+                zmq_msg_init(&msg);
+                if (zmq_msg_recv(&msg, c->sock, 0) < 0) more = 0;
+                else more = zmq_msg_more(&msg);
+                zmq_msg_close(&msg);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* ---- create / destroy ---- */
+
+int pdm_client_create(const char *endpoint, const pdm_client_options_t *opts,
+                      pdm_client_t **out)
+{
+    if (!out) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "pdm_client_create: out is NULL");
+    if (!endpoint || !*endpoint) endpoint = getenv("PDMESH_ROUTER");
+    if (!endpoint || !*endpoint) endpoint = PDMC_DEFAULT_ENDPOINT;
+    pdm_client_options_t o = opts ? *opts : (pdm_client_options_t){0};
+    if (o.timeout_ms < 0 || o.connect_timeout_ms < 0 || o.max_open_calls < 0)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "negative client option");
+    if (!o.timeout_ms) o.timeout_ms = 60000;
+    if (!o.connect_timeout_ms) o.connect_timeout_ms = 3000;
+    if (!o.max_open_calls) o.max_open_calls = 1024;
+    if (!o.max_frame) o.max_frame = 16u << 20;
+    if (!o.max_buffered) o.max_buffered = 64u << 20;
+
+    int status = PDM_CLIENT_ENOMEM;
+    pdm_client_t *c = calloc(1, sizeof(*c));
+    if (!c) return pdm_client__fail(PDM_CLIENT_ENOMEM, "out of memory");
+    c->opt = o;
+    c->efd = -1;
+    c->next_id = 1;
+    c->unreachable_since = pdmc__now();
+    if (!(c->endpoint = strdup(endpoint))) goto err_free;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&c->state_cond, &ca);
+    pthread_condattr_destroy(&ca);
+
+    status = PDM_CLIENT_ESYSTEM;
+    if ((c->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0) {
+        pdm_client__fail(status, "eventfd: %s", strerror(errno));
+        goto err_sync;
+    }
+    if (!(c->zctx = zmq_ctx_new())) {
+        pdm_client__fail(status, "zmq_ctx_new: %s", zmq_strerror(errno));
+        goto err_efd;
+    }
+    if (!(c->sock = zmq_socket(c->zctx, ZMQ_DEALER))) {
+        pdm_client__fail(status, "zmq_socket: %s", zmq_strerror(errno));
+        goto err_ctx;
+    }
+    int zero = 0, hwm = 100000, ivl = 1000, hb_timeout = 5000, rivl = 100, rmax = 1000;
+    int64_t maxsz = (int64_t)o.max_frame;
+    zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_setsockopt(c->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(c->sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
+    zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_IVL, &ivl, sizeof(ivl));
+    zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_TIMEOUT, &hb_timeout, sizeof(hb_timeout));
+    zmq_setsockopt(c->sock, ZMQ_RECONNECT_IVL, &rivl, sizeof(rivl));
+    zmq_setsockopt(c->sock, ZMQ_RECONNECT_IVL_MAX, &rmax, sizeof(rmax));
+    char mon_ep[64];
+    snprintf(mon_ep, sizeof(mon_ep), "inproc://pdmesh-client-monitor-%p", (void *)c);
+    if (zmq_socket_monitor(c->sock, mon_ep, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) < 0) {
+        pdm_client__fail(status, "zmq_socket_monitor: %s", zmq_strerror(errno));
+        goto err_sock;
+    }
+    if (!(c->mon = zmq_socket(c->zctx, ZMQ_PAIR))) {
+        pdm_client__fail(status, "zmq_socket: %s", zmq_strerror(errno));
+        goto err_sock;
+    }
+    zmq_setsockopt(c->mon, ZMQ_LINGER, &zero, sizeof(zero));
+    if (zmq_connect(c->mon, mon_ep) < 0) {
+        pdm_client__fail(status, "monitor connect: %s", zmq_strerror(errno));
+        goto err_mon;
+    }
+    if (zmq_connect(c->sock, endpoint) < 0) {
+        status = PDM_CLIENT_EINVALID_ARGUMENT;
+        pdm_client__fail(status, "cannot connect to '%s': %s", endpoint, zmq_strerror(errno));
+        goto err_mon;
+    }
+    if (pthread_create(&c->io, NULL, pdmc__io_main, c)) {
+        pdm_client__fail(status, "cannot start the I/O thread");
+        goto err_mon;
+    }
+    c->io_started = 1;
+    *out = c;
+    return PDM_CLIENT_OK;
+
+err_mon:
+    zmq_close(c->mon);
+err_sock:
+    zmq_close(c->sock);
+err_ctx:
+    zmq_ctx_term(c->zctx);
+err_efd:
+    close(c->efd);
+err_sync:
+    pthread_cond_destroy(&c->state_cond);
+    pthread_mutex_destroy(&c->mu);
+err_free:
+    free(c->endpoint);
+    free(c);
+    if (status == PDM_CLIENT_ENOMEM) pdm_client__fail(status, "out of memory");
+    return status;
+}
+
+void pdm_client_destroy(pdm_client_t *c)
+{
+    if (!c) return;
+    pthread_mutex_lock(&c->mu);
+    c->closing = 1;
+    for (int b = 0; b < PDMC_BUCKETS; b++)
+        for (pdmc_call_t *call = c->buckets[b]; call; call = call->next)
+            pdmc__end(call, PDM_CLIENT_ECLOSED, "the client was closed");
+    /* Wait (bounded) for callers to leave: they unregister their calls. */
+    double until = pdmc__now() + 5.0;
+    while (c->n_open > 0 && pdmc__now() < until) {
+        struct timespec ts = pdmc__abstime(pdmc__now() + 0.05);
+        pthread_cond_timedwait(&c->state_cond, &c->mu, &ts);
+    }
+    uint64_t one = 1;
+    ssize_t w = write(c->efd, &one, sizeof(one));
+    (void)w;
+    pthread_mutex_unlock(&c->mu);
+    if (c->io_started) pthread_join(c->io, NULL);
+    zmq_socket_monitor(c->sock, NULL, 0);
+    zmq_close(c->mon);
+    zmq_close(c->sock);
+    zmq_ctx_term(c->zctx);
+    close(c->efd);
+    for (pdmc_cmd_t *cmd = c->cmd_head; cmd;) {
+        pdmc_cmd_t *n = cmd->next;
+        free(cmd->frame);
+        free(cmd);
+        cmd = n;
+    }
+    pthread_cond_destroy(&c->state_cond);
+    pthread_mutex_destroy(&c->mu);
+    free(c->endpoint);
+    free(c);
+}
+
+uint64_t pdm_client_new_id(pdm_client_t *c)
+{
+    if (!c) return 0;
+    pthread_mutex_lock(&c->mu);
+    uint64_t id = c->next_id++;
+    pthread_mutex_unlock(&c->mu);
+    return id;
+}
+
+/* When the caller should give up waiting for a connection (mutex held): +inf if connected. */
+static double pdmc__unreachable_at(const pdm_client_t *c)
+{
+    return c->connected ? INFINITY : c->unreachable_since + c->opt.connect_timeout_ms / 1000.0;
+}
+
+int pdm_client_ping(pdm_client_t *c, int timeout_ms)
+{
+    if (!c) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "pdm_client_ping: client is NULL");
+    if (timeout_ms <= 0) timeout_ms = c->opt.timeout_ms;
+    uint64_t nonce;
+    if (pdm_random_bytes(&nonce, sizeof(nonce))) nonce = (uint64_t)(uintptr_t)&nonce ^ 0x5a5a;
+    Pdmesh__Ping p = PDMESH__PING__INIT;
+    p.nonce = nonce;
+    uint8_t *frame;
+    size_t len;
+    int rc = pdmc__pack(PDMESH__MSG_TYPE__MSG_PING, &p.base, &frame, &len);
+    if (rc) return rc;
+    double deadline = pdmc__now() + timeout_ms / 1000.0;
+    pthread_mutex_lock(&c->mu);
+    rc = pdmc__enqueue(c, 0, frame, len);
+    while (rc == PDM_CLIENT_OK) {
+        int got = 0;
+        for (unsigned i = 0; i < 8; i++) got |= c->pongs[i] == nonce;
+        if (got) break;
+        double now = pdmc__now(), ua = pdmc__unreachable_at(c);
+        if (c->closing) rc = pdm_client__fail(PDM_CLIENT_ECLOSED, "the client was closed");
+        else if (now >= ua && ua <= deadline)
+            rc = pdm_client__fail(PDM_CLIENT_EUNREACHABLE, "router at %s unreachable (no connection "
+                            "for %d ms)", c->endpoint, c->opt.connect_timeout_ms);
+        else if (now >= deadline)
+            rc = pdm_client__fail(c->connected ? PDM_CLIENT_ETIMEOUT : PDM_CLIENT_EUNREACHABLE,
+                            "no answer to ping from %s within %d ms%s", c->endpoint, timeout_ms,
+                            c->connected ? "" : " (not connected)");
+        else {
+            struct timespec ts = pdmc__abstime(PDM_MIN(deadline, ua));
+            pthread_cond_timedwait(&c->state_cond, &c->mu, &ts);
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+/* ---- requests ---- */
+
+void pdm_client_request_init(pdm_client_request_t *r)
+{
+    if (r) memset(r, 0, sizeof(*r));
+}
+
+static void pdmc__result_init(pdm_client_result_t *r)
+{
+    memset(r, 0, sizeof(*r));
+}
+
+void pdm_client_result_fini(pdm_client_result_t *r)
+{
+    if (!r) return;
+    free(r->tokens);
+    free(r->text);
+    for (size_t i = 0; i < r->n_beams; i++) {
+        free(r->beams[i].tokens);
+        free(r->beams[i].text);
+    }
+    free(r->beams);
+    memset(r, 0, sizeof(*r));
+}
+
+/* Checks a request locally; the router checks again against its own limits. */
+static int pdmc__validate(const pdm_client_request_t *q)
+{
+    int kinds = (q->prompt != NULL) + (q->n_prompt_tokens > 0 || q->prompt_tokens != NULL) +
+                (q->n_messages > 0 || q->messages != NULL);
+    if (kinds != 1)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "a request needs exactly one of prompt, "
+                          "prompt_tokens or messages (%d given)", kinds);
+    if (q->prompt_tokens && q->n_prompt_tokens == 0)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "prompt_tokens is empty");
+    if (!q->prompt_tokens && q->n_prompt_tokens)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "n_prompt_tokens without prompt_tokens");
+    for (size_t i = 0; i < q->n_prompt_tokens; i++)
+        if (q->prompt_tokens[i] < 0)
+            return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "prompt token %zu is negative (%d)",
+                              i, q->prompt_tokens[i]);
+    if (q->n_messages && !q->messages)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "n_messages without messages");
+    if (q->messages && !q->n_messages)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "messages is empty");
+    for (size_t i = 0; i < q->n_messages; i++) {
+        const char *role = q->messages[i].role;
+        if (!role || (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant")))
+            return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "message %zu: role must be system, "
+                              "user or assistant", i);
+        if (!q->messages[i].content)
+            return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "message %zu has no content", i);
+    }
+    if (!(q->temperature >= 0 && q->temperature <= 100))
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "temperature must be in [0, 100]");
+    if (q->top_k < 0) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "top_k must be >= 0");
+    if (!(q->top_p >= 0 && q->top_p <= 1))
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "top_p must be in [0, 1]");
+    if (!(q->min_p >= 0 && q->min_p <= 1))
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "min_p must be in [0, 1]");
+    if (!(q->repeat_penalty >= 0 && q->repeat_penalty <= 100))
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "repeat_penalty must be in [0, 100]");
+    if (!isfinite(q->length_penalty))
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "length_penalty must be finite");
+    if (q->n_stop > PDMC_MAX_STOPS)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "at most %d stop strings (%zu given)",
+                          PDMC_MAX_STOPS, q->n_stop);
+    if (q->n_stop && !q->stop)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "n_stop without stop");
+    for (size_t i = 0; i < q->n_stop; i++)
+        if (!q->stop[i] || !*q->stop[i])
+            return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "stop string %zu is empty", i);
+    if (q->beams > PDMC_MAX_BEAMS)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "beams must be <= %d", PDMC_MAX_BEAMS);
+    if (q->n_best > (q->beams > 1 ? q->beams : 1))
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "n_best (%u) exceeds beams (%u)",
+                          q->n_best, q->beams);
+    if (q->timeout_ms < 0)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "timeout_ms must be >= 0");
+    return PDM_CLIENT_OK;
+}
+
+/* Packs the GenerateRequest frame. */
+static int pdmc__pack_request(const pdm_client_request_t *q, uint64_t id, int stream,
+                              uint32_t deadline_ms, uint8_t **frame, size_t *len)
+{
+    Pdmesh__GenerateRequest m = PDMESH__GENERATE_REQUEST__INIT;
+    Pdmesh__SamplingParams sp = PDMESH__SAMPLING_PARAMS__INIT;
+    Pdmesh__ChatMessage *msgs = NULL, **msgp = NULL;
+    m.request_id = id;
+    m.prompt = (char *)q->prompt;
+    m.prompt_tokens = (int32_t *)q->prompt_tokens;
+    m.n_prompt_tokens = q->n_prompt_tokens;
+    if (q->n_messages) {
+        msgs = calloc(q->n_messages, sizeof(*msgs));
+        msgp = calloc(q->n_messages, sizeof(*msgp));
+        if (!msgs || !msgp) {
+            free(msgs);
+            free(msgp);
+            return pdm_client__fail(PDM_CLIENT_ENOMEM, "out of memory");
+        }
+        for (size_t i = 0; i < q->n_messages; i++) {
+            pdmesh__chat_message__init(&msgs[i]);
+            msgs[i].role = (char *)q->messages[i].role;
+            msgs[i].content = (char *)q->messages[i].content;
+            msgp[i] = &msgs[i];
+        }
+        m.messages = msgp;
+        m.n_messages = q->n_messages;
+    }
+    sp.temperature = q->temperature;
+    sp.top_k = q->top_k;
+    sp.top_p = q->top_p;
+    sp.min_p = q->min_p;
+    sp.repeat_penalty = q->repeat_penalty;
+    sp.seed = q->seed;
+    m.sampling = &sp;
+    m.max_tokens = q->max_tokens;
+    m.stop = (char **)q->stop;
+    m.n_stop = q->n_stop;
+    m.deadline_ms = deadline_ms;
+    m.beams = q->beams;
+    m.length_penalty = q->length_penalty;
+    m.n_best = q->n_best;
+    m.stream = stream;
+    m.model = (char *)q->model;
+    m.ignore_eos = q->ignore_eos != 0;
+    int rc = pdmc__pack(PDMESH__MSG_TYPE__MSG_GENERATE_REQUEST, &m.base, frame, len);
+    free(msgs);
+    free(msgp);
+    return rc;
+}
+
+static char *pdmc__strdup0(const char *s)
+{
+    return strdup(s ? s : "");
+}
+
+/* Copies s (NULL: "") into dst[cap], cut at cap - 1 bytes. */
+static void pdmc__copy_str(char *dst, size_t cap, const char *s)
+{
+    size_t n = s ? strnlen(s, cap - 1) : 0;
+    if (n) memcpy(dst, s, n);
+    dst[n] = 0;
+}
+
+/* Fills result from the final GenerateResult. */
+static int pdmc__fill_result(const Pdmesh__GenerateResult *g, pdm_client_result_t *r)
+{
+    r->finish = (pdm_client_finish_t)g->finish;
+    if (g->n_tokens) {
+        if (!(r->tokens = malloc(g->n_tokens * sizeof(int32_t)))) return PDM_CLIENT_ENOMEM;
+        memcpy(r->tokens, g->tokens, g->n_tokens * sizeof(int32_t));
+        r->n_tokens = g->n_tokens;
+    }
+    free(r->text);
+    if (!(r->text = pdmc__strdup0(g->text))) return PDM_CLIENT_ENOMEM;
+    if (g->usage) {
+        const Pdmesh__Usage *u = g->usage;
+        r->usage.prompt_tokens = u->prompt_tokens;
+        r->usage.completion_tokens = u->completion_tokens;
+        r->usage.attempts = u->attempts;
+        r->usage.cached_tokens = u->cached_tokens;
+        r->usage.ttft_ms = u->ttft_ms;
+        r->usage.tpot_ms = u->tpot_ms;
+        r->usage.total_ms = u->total_ms;
+        r->usage.kv_bytes = u->kv_bytes;
+        pdmc__copy_str(r->usage.prefill_method, sizeof(r->usage.prefill_method),
+                       u->prefill_method);
+        pdmc__copy_str(r->usage.prefill_group, sizeof(r->usage.prefill_group), u->prefill_group);
+        pdmc__copy_str(r->usage.decode_node, sizeof(r->usage.decode_node), u->decode_node);
+    }
+    if (g->n_beams) {
+        if (!(r->beams = calloc(g->n_beams, sizeof(*r->beams)))) return PDM_CLIENT_ENOMEM;
+        r->n_beams = g->n_beams;
+        for (size_t i = 0; i < g->n_beams; i++) {
+            const Pdmesh__Beam *b = g->beams[i];
+            pdm_client_beam_t *o = &r->beams[i];
+            o->score = b->score;
+            o->finish = (pdm_client_finish_t)b->finish;
+            if (!(o->text = pdmc__strdup0(b->text))) return PDM_CLIENT_ENOMEM;
+            if (b->n_tokens) {
+                if (!(o->tokens = malloc(b->n_tokens * sizeof(int32_t)))) return PDM_CLIENT_ENOMEM;
+                memcpy(o->tokens, b->tokens, b->n_tokens * sizeof(int32_t));
+                o->n_tokens = b->n_tokens;
+            }
+        }
+    }
+    return PDM_CLIENT_OK;
+}
+
+/* Appends streamed tokens/text to the result (kept when the call fails midway). */
+static int pdmc__append(pdm_client_result_t *r, size_t *cap_tokens, size_t *text_len,
+                        size_t *cap_text, const pdmc_chunk_t *ch)
+{
+    if (r->n_tokens + ch->n_tokens > *cap_tokens) {
+        size_t nc = PDM_MAX(*cap_tokens * 2, r->n_tokens + ch->n_tokens + 64);
+        int32_t *nt = realloc(r->tokens, nc * sizeof(int32_t));
+        if (!nt) return PDM_CLIENT_ENOMEM;
+        r->tokens = nt;
+        *cap_tokens = nc;
+    }
+    if (ch->n_tokens) memcpy(r->tokens + r->n_tokens, ch->tokens, ch->n_tokens * sizeof(int32_t));
+    r->n_tokens += ch->n_tokens;
+    if (*text_len + ch->text_len + 1 > *cap_text) {
+        size_t nc = PDM_MAX(*cap_text * 2, *text_len + ch->text_len + 256);
+        char *nt = realloc(r->text, nc);
+        if (!nt) return PDM_CLIENT_ENOMEM;
+        r->text = nt;
+        *cap_text = nc;
+    }
+    memcpy(r->text + *text_len, ch->text, ch->text_len);
+    *text_len += ch->text_len;
+    r->text[*text_len] = 0;
+    return PDM_CLIENT_OK;
+}
+
+/* The body of both generate calls. */
+static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
+                     pdm_client_chunk_cb cb, void *data, pdm_client_result_t *res)
+{
+    if (!res) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "result is NULL");
+    pdmc__result_init(res);
+    int rc;
+    if (!c || !q) {
+        rc = pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "client or request is NULL");
+        goto early;
+    }
+    if ((rc = pdmc__validate(q))) goto early;
+    int timeout_ms = q->timeout_ms ? q->timeout_ms : c->opt.timeout_ms;
+    uint32_t deadline_ms = q->deadline_ms ? q->deadline_ms : (uint32_t)timeout_ms;
+
+    pthread_mutex_lock(&c->mu);
+    uint64_t id = q->id ? q->id : c->next_id++;
+    if (q->id && q->id >= c->next_id) c->next_id = q->id + 1;
+    pthread_mutex_unlock(&c->mu);
+    res->id = id;
+
+    uint8_t *frame;
+    size_t len;
+    if ((rc = pdmc__pack_request(q, id, stream, deadline_ms, &frame, &len))) goto early;
+    if (len > c->opt.max_frame) {
+        free(frame);
+        rc = pdm_client__fail(PDM_CLIENT_ETOO_LARGE, "request of %zu bytes is over the %zu-byte frame "
+                        "limit", len, c->opt.max_frame);
+        goto early;
+    }
+
+    pdmc_call_t call;
+    memset(&call, 0, sizeof(call));
+    call.id = id;
+    call.stream = stream;
+    call.t_start = pdmc__now();
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&call.cond, &ca);
+    pthread_condattr_destroy(&ca);
+    double deadline = call.t_start + timeout_ms / 1000.0;
+
+    pthread_mutex_lock(&c->mu);
+    pdmc_call_t **slot = pdmc__slot(c, id);
+    int precancelled = 0;
+    for (unsigned i = 0; i < PDMC_CANCEL_RING && i < c->n_cancelled; i++)
+        precancelled |= c->cancelled[i] == id;
+    if (c->closing) rc = pdm_client__fail(PDM_CLIENT_ECLOSED, "the client was closed");
+    else if (*slot) rc = pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "request id %llu is already "
+                                    "open on this client", (unsigned long long)id);
+    else if (c->n_open >= c->opt.max_open_calls)
+        rc = pdm_client__fail(PDM_CLIENT_EBUSY, "%d calls already open on this client", c->n_open);
+    else if (precancelled) rc = pdm_client__fail(PDM_CLIENT_ECANCELLED, "request %llu was cancelled "
+                                           "before it started", (unsigned long long)id);
+    if (rc) {
+        pthread_mutex_unlock(&c->mu);
+        free(frame);
+        pthread_cond_destroy(&call.cond);
+        goto early;
+    }
+    *slot = &call;
+    c->n_open++;
+    if ((rc = pdmc__enqueue(c, id, frame, len))) pdmc__end(&call, rc, "command queue full");
+
+    size_t cap_tokens = 0, text_len = 0, cap_text = 0;
+    for (;;) {
+        /* A call that failed (timeout, cancel, lost connection) delivers nothing more. */
+        if (call.done && call.status != PDM_CLIENT_OK) pdmc__free_chunks(&call);
+        if (call.head) {
+            pdmc_chunk_t *ch = call.head;
+            call.head = ch->next;
+            if (!call.head) call.tail = NULL;
+            call.buffered -= PDM_MIN(call.buffered, sizeof(*ch) + ch->text_len + 1 +
+                                                         ch->n_tokens * sizeof(int32_t) + 4);
+            pthread_mutex_unlock(&c->mu);
+            int stop = 0, arc = pdmc__append(res, &cap_tokens, &text_len, &cap_text, ch);
+            if (cb && !arc) {
+                pdm_client_chunk_t pub = {id, ch->index, ch->tokens, ch->n_tokens, ch->text,
+                                          ch->text_len};
+                stop = cb(&pub, data);
+            }
+            free(ch);
+            pthread_mutex_lock(&c->mu);
+            if (arc) pdmc__end(&call, PDM_CLIENT_ENOMEM, "out of memory collecting the stream");
+            else if (stop) {
+                /* The caller wants no more chunks: cancelled even if the router's final result
+                 * is already here (the caller has not seen all of it). */
+                if (call.done && call.status == PDM_CLIENT_OK) {
+                    pdm_wire_msg_free(call.final);
+                    call.final = NULL;
+                    call.status = PDM_CLIENT_ECANCELLED;
+                    snprintf(call.error, sizeof(call.error), "cancelled by the callback");
+                }
+                pdmc__end(&call, PDM_CLIENT_ECANCELLED, "cancelled by the callback");
+                pdmc__free_chunks(&call);
+            }
+            continue;
+        }
+        if (call.done) break;
+        double now = pdmc__now(), ua = pdmc__unreachable_at(c);
+        if (now >= deadline) {
+            pdmc__end(&call, c->connected ? PDM_CLIENT_ETIMEOUT : PDM_CLIENT_EUNREACHABLE,
+                      "no %s from the router at %s within %d ms%s",
+                      call.t_first ? "end of the stream" : "answer", c->endpoint, timeout_ms,
+                      c->connected ? "" : " (not connected)");
+            continue;
+        }
+        if (now >= ua) {
+            pdmc__end(&call, PDM_CLIENT_EUNREACHABLE, "router at %s unreachable (no connection "
+                      "for %d ms)", c->endpoint, c->opt.connect_timeout_ms);
+            continue;
+        }
+        struct timespec ts = pdmc__abstime(PDM_MIN(deadline, ua));
+        pthread_cond_timedwait(&call.cond, &c->mu, &ts);
+    }
+    /* Tell the router to stop work it may still be doing for us. */
+    if (call.status == PDM_CLIENT_ECANCELLED || call.status == PDM_CLIENT_ETIMEOUT ||
+        call.status == PDM_CLIENT_EBUSY || call.status == PDM_CLIENT_ENOMEM)
+        pdmc__send_cancel(c, id);
+    *pdmc__slot(c, id) = call.next;
+    c->n_open--;
+    if (c->closing) pthread_cond_broadcast(&c->state_cond);
+    pdmc__free_chunks(&call);
+    pthread_mutex_unlock(&c->mu);
+
+    rc = call.status;
+    res->router_id = call.router_id;
+    res->client_total_ms = (pdmc__now() - call.t_start) * 1e3;
+    res->client_ttft_ms = call.t_first ? (call.t_first - call.t_start) * 1e3 : 0;
+    if (rc == PDM_CLIENT_OK && call.final) {
+        const Pdmesh__GenerateResult *g =
+            (const Pdmesh__GenerateResult *)pdm_wire_message(call.final);
+        /* The final message is authoritative: replace what the stream collected. */
+        free(res->tokens);
+        res->tokens = NULL;
+        res->n_tokens = 0;
+        if (pdmc__fill_result(g, res)) {
+            rc = PDM_CLIENT_ENOMEM;
+            snprintf(call.error, sizeof(call.error), "out of memory copying the result");
+        }
+    }
+    pdm_wire_msg_free(call.final);
+    pthread_cond_destroy(&call.cond);
+    if (!res->text && !(res->text = strdup(""))) rc = PDM_CLIENT_ENOMEM;
+    res->status = rc;
+    if (rc) {
+        snprintf(res->error, sizeof(res->error), "%s", call.error[0] ? call.error
+                                                                      : pdm_client_strerror(rc));
+        pdm_client__fail(rc, "%s", res->error);
+    }
+    return rc;
+
+early:
+    res->status = rc;
+    pdmc__copy_str(res->error, sizeof(res->error), pdm_client_last_error());
+    res->text = strdup("");
+    return rc;
+}
+
+int pdm_client_generate(pdm_client_t *c, const pdm_client_request_t *req,
+                        pdm_client_result_t *result)
+{
+    return pdmc__run(c, req, 0, NULL, NULL, result);
+}
+
+int pdm_client_generate_stream(pdm_client_t *c, const pdm_client_request_t *req,
+                               pdm_client_chunk_cb cb, void *data, pdm_client_result_t *result)
+{
+    return pdmc__run(c, req, 1, cb, data, result);
+}
+
+int pdm_client_cancel(pdm_client_t *c, uint64_t id)
+{
+    if (!c || !id) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "client is NULL or id is 0");
+    pthread_mutex_lock(&c->mu);
+    pdmc_call_t *call = *pdmc__slot(c, id);
+    int rc = PDM_CLIENT_OK;
+    if (call && !call->done) {
+        pdmc__end(call, PDM_CLIENT_ECANCELLED, "cancelled");
+    } else {
+        c->cancelled[c->n_cancelled++ % PDMC_CANCEL_RING] = id;
+        rc = pdm_client__fail(PDM_CLIENT_ENOT_FOUND, "no open call with id %llu (remembered: a call "
+                        "starting with it is cancelled at once)", (unsigned long long)id);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}

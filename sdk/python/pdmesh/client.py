@@ -1,0 +1,368 @@
+"""The pdmesh client over pyzmq.
+
+Threading: a Client may be shared by threads. Every call (generate or stream) uses its own
+DEALER socket, created, used and closed by the thread that runs the call, so no ZeroMQ socket
+is ever touched by two threads. Stream.cancel() may be called from any thread: it sets a flag
+that the thread iterating the stream (or blocked in generate) sees within 50 ms, and that
+thread sends the CancelRequest. A socket monitor tells an unreachable router (no TCP
+connection within connect_timeout) from one that is connected but silent (timeout).
+"""
+import itertools
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from . import pdmesh_pb2 as pb
+from . import errors
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:7700"
+_HDR = struct.Struct(">2sBBHH")
+_VERSION = 1
+_POLL_SLICE = 0.05
+_ROLES = ("system", "user", "assistant")
+_FINISH = {pb.FINISH_NONE: "none", pb.FINISH_EOS: "eos", pb.FINISH_LENGTH: "length",
+           pb.FINISH_STOP: "stop"}
+
+
+def pack(msg_type, msg):
+    """One pdmesh frame: 8-byte header + protobuf bytes (proto/pdmesh.proto)."""
+    return _HDR.pack(b"PD", _VERSION, 0, msg_type, 0) + msg.SerializeToString()
+
+
+_CLASSES = {
+    pb.MSG_ACCEPTED: pb.Accepted, pb.MSG_TOKEN_CHUNK: pb.TokenChunk,
+    pb.MSG_GENERATE_RESULT: pb.GenerateResult, pb.MSG_ERROR: pb.Error, pb.MSG_PONG: pb.Ping,
+    pb.MSG_ADMIN_REPLY: pb.AdminReply,
+}
+
+
+def unpack(frame, max_frame):
+    """(type, message) of a frame; ProtocolError for anything malformed or unexpected."""
+    if len(frame) > max_frame:
+        raise errors.ProtocolError(f"reply of {len(frame)} bytes over the {max_frame} limit")
+    if len(frame) < _HDR.size:
+        raise errors.ProtocolError(f"short frame ({len(frame)} bytes)")
+    magic, version, _, msg_type, _ = _HDR.unpack_from(frame)
+    if magic != b"PD" or version != _VERSION:
+        raise errors.ProtocolError("not a pdmesh frame (bad magic or version)")
+    cls = _CLASSES.get(msg_type)
+    if cls is None:
+        raise errors.ProtocolError(f"unexpected message type {msg_type}")
+    m = cls()
+    try:
+        m.ParseFromString(frame[_HDR.size:])
+    except Exception as e:  # DecodeError and friends
+        raise errors.ProtocolError(f"malformed message of type {msg_type}: {e}") from None
+    return msg_type, m
+
+
+@dataclass
+class Chunk:
+    index: int
+    tokens: list
+    text: str
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list
+    finish: str                      # "eos", "length", "stop"
+    usage: dict
+    beams: list = field(default_factory=list)
+    request_id: int = 0
+    router_request_id: int = 0
+    ttft: float = 0.0                # seconds, call start -> first token (streaming)
+    total: float = 0.0               # seconds, call start -> end
+
+
+class Stream:
+    """Iterator over the Chunks of one streamed generation; `result` after the end."""
+
+    def __init__(self, client, request, timeout):
+        self._client = client
+        self._request = request
+        self._timeout = timeout
+        self._cancel = threading.Event()
+        self._done = False
+        self.result = None
+        self.request_id = request.request_id
+        self.router_request_id = 0
+        self._sock = None
+        self._gen = None
+
+    def cancel(self):
+        """Cancels the generation; safe from any thread. The iterating thread raises
+        CancelledError (or stops, if it already ended)."""
+        self._cancel.set()
+
+    def __iter__(self):
+        if self._gen is None:
+            self._gen = self._run()
+        return self._gen
+
+    def __next__(self):
+        return next(iter(self))
+
+    def close(self):
+        if self._gen is not None:
+            self._gen.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def _run(self):
+        c = self._client
+        sock = c._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, c.max_frame)
+        mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        try:
+            sock.connect(c.endpoint)
+            start = time.monotonic()
+            deadline = start + self._timeout
+            connected, ever = False, False
+            sock.send(pack(pb.MSG_GENERATE_REQUEST, self._request), zmq.DONTWAIT)
+            text, tokens, first = [], [], 0.0
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
+            while True:
+                if self._cancel.is_set():
+                    sock.send(pack(pb.MSG_CANCEL_REQUEST,
+                                   pb.CancelRequest(request_id=self.request_id)), zmq.DONTWAIT)
+                    raise errors.CancelledError("cancelled", request_id=self.request_id)
+                now = time.monotonic()
+                if now >= deadline:
+                    self._send_cancel(sock)
+                    if connected:
+                        raise errors.PdmeshTimeout(
+                            f"no {'end of the stream' if first else 'answer'} from the router "
+                            f"at {c.endpoint} within {self._timeout:g} s",
+                            request_id=self.request_id)
+                    raise errors.UnreachableError(
+                        f"router at {c.endpoint} unreachable (not connected)",
+                        request_id=self.request_id)
+                if not connected and now - start >= c.connect_timeout:
+                    raise errors.UnreachableError(
+                        f"router at {c.endpoint} unreachable (no connection within "
+                        f"{c.connect_timeout:g} s)", request_id=self.request_id)
+                wait = min(deadline - now, _POLL_SLICE)
+                events = dict(poller.poll(max(1, int(wait * 1000))))
+                if mon in events:
+                    while True:
+                        try:
+                            ev = recv_monitor_message(mon, zmq.DONTWAIT)
+                        except zmq.Again:
+                            break
+                        if ev["event"] == zmq.EVENT_CONNECTED:
+                            connected = ever = True
+                        elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                            raise errors.UnreachableError(
+                                f"connection to the router at {c.endpoint} lost",
+                                request_id=self.request_id)
+                if sock not in events:
+                    continue
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.DONTWAIT)
+                    except zmq.Again:
+                        break
+                    if len(frames) != 1:
+                        continue  # a pdmesh message is one frame
+                    msg_type, m = unpack(frames[0], c.max_frame)
+                    if getattr(m, "request_id", self.request_id) != self.request_id:
+                        continue
+                    if msg_type == pb.MSG_ACCEPTED:
+                        self.router_request_id = m.router_request_id
+                    elif msg_type == pb.MSG_TOKEN_CHUNK:
+                        if not first and m.tokens:
+                            first = time.monotonic()
+                        text.append(m.text)
+                        tokens.extend(m.tokens)
+                        if self._request.stream:
+                            yield Chunk(index=m.index, tokens=list(m.tokens), text=m.text)
+                    elif msg_type == pb.MSG_ERROR:
+                        raise errors.from_router(pb.ErrorCode.Name(m.code)
+                                                 if m.code in pb.ErrorCode.values()
+                                                 else "ERR_INTERNAL", m.message, m.request_id)
+                    elif msg_type == pb.MSG_GENERATE_RESULT:
+                        end = time.monotonic()
+                        self.result = _result(m, self.router_request_id,
+                                              (first - start) if first else 0.0, end - start)
+                        self._done = True
+                        return
+        finally:
+            if not self._done and ever and not self._cancel.is_set():
+                # abandoned (exception, generator closed early): free the router's work
+                self._send_cancel(sock)
+            sock.disable_monitor()
+            mon.close(0)
+            sock.close(0)
+
+    def _send_cancel(self, sock):
+        try:
+            sock.send(pack(pb.MSG_CANCEL_REQUEST, pb.CancelRequest(request_id=self.request_id)),
+                      zmq.DONTWAIT)
+        except zmq.ZMQError:
+            pass
+
+
+def _result(m, router_id, ttft, total):
+    u = m.usage
+    usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+             "ttft_ms": u.ttft_ms, "tpot_ms": u.tpot_ms, "total_ms": u.total_ms,
+             "kv_bytes": u.kv_bytes, "prefill_method": u.prefill_method,
+             "prefill_group": u.prefill_group, "decode_node": u.decode_node,
+             "attempts": u.attempts, "cached_tokens": u.cached_tokens}
+    beams = [{"tokens": list(b.tokens), "text": b.text, "score": b.score,
+              "finish": _FINISH.get(b.finish, "none")} for b in m.beams]
+    return Result(text=m.text, tokens=list(m.tokens), finish=_FINISH.get(m.finish, "none"),
+                  usage=usage, beams=beams, request_id=m.request_id,
+                  router_request_id=router_id, ttft=ttft, total=total)
+
+
+class Client:
+    """A client of the router's client socket (default tcp://127.0.0.1:7700, or $PDMESH_ROUTER).
+
+    timeout: default seconds per call; connect_timeout: seconds without a TCP connection
+    before a call fails with UnreachableError."""
+
+    def __init__(self, endpoint=None, timeout=60.0, connect_timeout=3.0, max_frame=16 << 20):
+        self.endpoint = endpoint or os.environ.get("PDMESH_ROUTER") or DEFAULT_ENDPOINT
+        if timeout <= 0 or connect_timeout <= 0:
+            raise errors.InvalidArgumentError("timeouts must be positive")
+        self.timeout = float(timeout)
+        self.connect_timeout = float(connect_timeout)
+        self.max_frame = int(max_frame)
+        self._ctx = zmq.Context()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self):
+        if not self._closed:
+            self._closed = True
+            self._ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def _next_id(self):
+        with self._lock:
+            return next(self._ids)
+
+    def _request(self, prompt, prompt_tokens, messages, stream, max_tokens, temperature, top_k,
+                 top_p, min_p, repeat_penalty, seed, stop, deadline_ms, beams, n_best,
+                 length_penalty, ignore_eos, model, timeout):
+        if self._closed:
+            raise errors.ClosedError("the client is closed")
+        given = sum(x is not None for x in (prompt, prompt_tokens, messages))
+        if given != 1:
+            raise errors.InvalidArgumentError(
+                "exactly one of prompt, prompt_tokens or messages is required")
+        if not 0 <= temperature <= 100:
+            raise errors.InvalidArgumentError("temperature must be in [0, 100]")
+        if not 0 <= top_p <= 1 or not 0 <= min_p <= 1 or top_k < 0:
+            raise errors.InvalidArgumentError("top_p and min_p must be in [0, 1], top_k >= 0")
+        if max_tokens < 0 or beams < 0 or beams > 64:
+            raise errors.InvalidArgumentError("max_tokens >= 0 and 0 <= beams <= 64 required")
+        stop = list(stop or [])
+        if len(stop) > 16 or any(not isinstance(s, str) or not s for s in stop):
+            raise errors.InvalidArgumentError("at most 16 stop strings, none empty")
+        timeout = self.timeout if timeout is None else float(timeout)
+        if timeout <= 0:
+            raise errors.InvalidArgumentError("timeout must be positive")
+        req = pb.GenerateRequest(request_id=self._next_id(), max_tokens=max_tokens, stop=stop,
+                                 deadline_ms=deadline_ms or int(timeout * 1000), beams=beams,
+                                 n_best=n_best, length_penalty=length_penalty, stream=stream,
+                                 ignore_eos=ignore_eos, model=model or "")
+        req.sampling.CopyFrom(pb.SamplingParams(temperature=temperature, top_k=top_k,
+                                                top_p=top_p, min_p=min_p,
+                                                repeat_penalty=repeat_penalty, seed=seed))
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise errors.InvalidArgumentError("prompt must be a str")
+            req.prompt = prompt
+        elif prompt_tokens is not None:
+            toks = list(prompt_tokens)
+            if not toks or any(not isinstance(t, int) or t < 0 or t >= 2**31 for t in toks):
+                raise errors.InvalidArgumentError("prompt_tokens must be non-negative int32s")
+            req.prompt_tokens.extend(toks)
+        else:
+            if not messages:
+                raise errors.InvalidArgumentError("messages is empty")
+            for m in messages:
+                role, content = m.get("role"), m.get("content")
+                if role not in _ROLES or not isinstance(content, str):
+                    raise errors.InvalidArgumentError(
+                        "each message needs a role (system, user, assistant) and str content")
+                req.messages.add(role=role, content=content)
+        if len(req.SerializeToString()) + _HDR.size > self.max_frame:
+            raise errors.InvalidArgumentError("request over the frame size limit")
+        return req, timeout
+
+    def stream(self, prompt=None, *, prompt_tokens=None, messages=None, max_tokens=0,
+               temperature=0.0, top_k=0, top_p=0.0, min_p=0.0, repeat_penalty=0.0, seed=0,
+               stop=None, deadline_ms=0, beams=0, n_best=0, length_penalty=0.0,
+               ignore_eos=False, model=None, timeout=None):
+        """A Stream: iterate it for Chunks as the router produces them; its .result holds
+        the final Result once iteration ends. .cancel() works from any thread."""
+        req, timeout = self._request(prompt, prompt_tokens, messages, True, max_tokens,
+                                     temperature, top_k, top_p, min_p, repeat_penalty, seed,
+                                     stop, deadline_ms, beams, n_best, length_penalty,
+                                     ignore_eos, model, timeout)
+        return Stream(self, req, timeout)
+
+    def generate(self, prompt=None, *, prompt_tokens=None, messages=None, max_tokens=0,
+                 temperature=0.0, top_k=0, top_p=0.0, min_p=0.0, repeat_penalty=0.0, seed=0,
+                 stop=None, deadline_ms=0, beams=0, n_best=0, length_penalty=0.0,
+                 ignore_eos=False, model=None, timeout=None, call=None):
+        """Blocks until the whole completion is there; returns a Result. Raises a
+        PdmeshError subclass on failure. `call`, if given, is a list that receives the
+        Stream object first, so another thread can call .cancel() on it."""
+        req, timeout = self._request(prompt, prompt_tokens, messages, False, max_tokens,
+                                     temperature, top_k, top_p, min_p, repeat_penalty, seed,
+                                     stop, deadline_ms, beams, n_best, length_penalty,
+                                     ignore_eos, model, timeout)
+        s = Stream(self, req, timeout)
+        if call is not None:
+            call.append(s)
+        for _ in s:
+            pass
+        return s.result
+
+    def ping(self, timeout=None):
+        """Round trip to the router; returns seconds. Raises UnreachableError/PdmeshTimeout."""
+        timeout = self.timeout if timeout is None else float(timeout)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.endpoint)
+            nonce = int.from_bytes(os.urandom(8), "big")
+            t0 = time.monotonic()
+            sock.send(pack(pb.MSG_PING, pb.Ping(nonce=nonce)), zmq.DONTWAIT)
+            while True:
+                left = t0 + timeout - time.monotonic()
+                if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                    raise errors.PdmeshTimeout(f"no pong from {self.endpoint} within {timeout:g} s")
+                frames = sock.recv_multipart()
+                if len(frames) == 1:
+                    t, m = unpack(frames[0], self.max_frame)
+                    if t == pb.MSG_PONG and m.nonce == nonce:
+                        return time.monotonic() - t0
+        finally:
+            sock.close(0)

@@ -1,0 +1,333 @@
+/*
+ * pdm-sdk-itest - drives libpdmesh against a live mesh for tests/integration/sdk.sh.
+ *
+ *   pdm-sdk-itest generate ENDPOINT N PROMPT       blocking, greedy; prints the text
+ *   pdm-sdk-itest stream ENDPOINT N PROMPT         streaming, greedy; prints the chunks as they
+ *                                                  come; fails if they differ from the result
+ *   pdm-sdk-itest tokens ENDPOINT N PROMPT         blocking; prints the completion token ids
+ *   pdm-sdk-itest concurrent ENDPOINT THREADS EXPECTED.json
+ *        EXPECTED.json: [{"prompt": "...", "n": N, "tokens": [...]}, ...] from the
+ *        single-process engine; thread i sends prompt i % count, half of them streaming, all
+ *        through ONE shared client; every output must equal its expected tokens
+ *   pdm-sdk-itest cancel ENDPOINT PROMPT           streams 400 tokens, cancels from another
+ *                                                  thread after the first chunk; must return
+ *                                                  ECANCELLED at once
+ *   pdm-sdk-itest timeout ENDPOINT MS              a call against a router that never answers
+ *                                                  must end with ETIMEOUT within MS (+ slack)
+ *   pdm-sdk-itest hold ENDPOINT THREADS PROMPT     streams long requests until killed
+ *   pdm-sdk-itest ping ENDPOINT N                  N ping round trips through the client's I/O
+ *                                                  thread; prints p50/p99 (a measurement)
+ * Exit status 0 when the check holds, 1 otherwise (with a message on stderr).
+ */
+#include <cjson/cJSON.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "sdk/pdmesh_client.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void greedy(pdm_client_request_t *q, const char *prompt, long n)
+{
+    pdm_client_request_init(q);
+    q->prompt = prompt;
+    q->max_tokens = (uint32_t)n;
+    q->temperature = 0;
+    q->timeout_ms = 300000;
+}
+
+typedef struct {
+    char *buf;
+    size_t len, cap;
+    int print;
+    atomic_int chunks;
+} acc_t;
+
+static int acc_cb(const pdm_client_chunk_t *ch, void *data)
+{
+    acc_t *a = data;
+    if (a->len + ch->text_len + 1 > a->cap) {
+        a->cap = (a->len + ch->text_len + 1) * 2;
+        a->buf = realloc(a->buf, a->cap);
+    }
+    memcpy(a->buf + a->len, ch->text, ch->text_len);
+    a->len += ch->text_len;
+    a->buf[a->len] = 0;
+    if (a->print) {
+        fwrite(ch->text, 1, ch->text_len, stdout);
+        fflush(stdout);
+    }
+    atomic_fetch_add(&a->chunks, 1);
+    return 0;
+}
+
+static int fail(const char *what, const pdm_client_result_t *r, int rc)
+{
+    fprintf(stderr, "pdm-sdk-itest: %s: %s (%s)\n", what, r->error, pdm_client_status_name(rc));
+    return 1;
+}
+
+/* ---- concurrent ---- */
+
+typedef struct {
+    pdm_client_t *c;
+    const char *prompt;
+    long n;
+    const cJSON *tokens;
+    int stream, ok;
+    char why[400];
+} job_t;
+
+static void *job_main(void *arg)
+{
+    job_t *j = arg;
+    pdm_client_request_t q;
+    greedy(&q, j->prompt, j->n);
+    pdm_client_result_t r;
+    acc_t acc = {0};
+    int rc = j->stream ? pdm_client_generate_stream(j->c, &q, acc_cb, &acc, &r)
+                       : pdm_client_generate(j->c, &q, &r);
+    if (rc) {
+        snprintf(j->why, sizeof(j->why), "%s (%s)", r.error, pdm_client_status_name(rc));
+    } else if ((size_t)cJSON_GetArraySize(j->tokens) != r.n_tokens) {
+        snprintf(j->why, sizeof(j->why), "%zu tokens, expected %d", r.n_tokens,
+                 cJSON_GetArraySize(j->tokens));
+    } else {
+        j->ok = 1;
+        for (size_t i = 0; i < r.n_tokens; i++)
+            if (cJSON_GetArrayItem(j->tokens, (int)i)->valueint != r.tokens[i]) {
+                snprintf(j->why, sizeof(j->why), "token %zu is %d, expected %d", i, r.tokens[i],
+                         cJSON_GetArrayItem(j->tokens, (int)i)->valueint);
+                j->ok = 0;
+                break;
+            }
+        if (j->ok && j->stream && strcmp(acc.buf ? acc.buf : "", r.text)) {
+            snprintf(j->why, sizeof(j->why), "streamed text differs from the result");
+            j->ok = 0;
+        }
+    }
+    free(acc.buf);
+    pdm_client_result_fini(&r);
+    return NULL;
+}
+
+static int cmd_concurrent(const char *ep, int threads, const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return fprintf(stderr, "cannot open %s\n", path), 1;
+    static char text[1 << 20];
+    size_t n = fread(text, 1, sizeof(text) - 1, f);
+    fclose(f);
+    text[n] = 0;
+    cJSON *exp = cJSON_Parse(text);
+    int count = exp ? cJSON_GetArraySize(exp) : 0;
+    if (!count) return fprintf(stderr, "bad %s\n", path), 1;
+    pdm_client_t *c;
+    if (pdm_client_create(ep, NULL, &c)) return fprintf(stderr, "%s\n", pdm_client_last_error()), 1;
+    job_t *jobs = calloc((size_t)threads, sizeof(*jobs));
+    pthread_t *th = calloc((size_t)threads, sizeof(*th));
+    double t0 = now_s();
+    for (int i = 0; i < threads; i++) {
+        const cJSON *e = cJSON_GetArrayItem(exp, i % count);
+        jobs[i] = (job_t){.c = c, .prompt = cJSON_GetObjectItem(e, "prompt")->valuestring,
+                          .n = (long)cJSON_GetObjectItem(e, "n")->valuedouble,
+                          .tokens = cJSON_GetObjectItem(e, "tokens"), .stream = i % 2};
+        pthread_create(&th[i], NULL, job_main, &jobs[i]);
+    }
+    int ok = 0;
+    for (int i = 0; i < threads; i++) {
+        pthread_join(th[i], NULL);
+        ok += jobs[i].ok;
+        if (!jobs[i].ok) fprintf(stderr, "client %d (%s): %s\n", i, jobs[i].prompt, jobs[i].why);
+    }
+    printf("%d/%d clients equal the single-process engine (%.1f s)\n", ok, threads, now_s() - t0);
+    free(jobs);
+    free(th);
+    pdm_client_destroy(c);
+    cJSON_Delete(exp);
+    return ok == threads ? 0 : 1;
+}
+
+/* ---- cancel ---- */
+
+typedef struct {
+    pdm_client_t *c;
+    uint64_t id;
+    acc_t acc;
+} canceller_t;
+
+static void *canceller(void *arg)
+{
+    canceller_t *k = arg;
+    double until = now_s() + 120;
+    while (atomic_load(&k->acc.chunks) == 0 && now_s() < until) usleep(2000);
+    pdm_client_cancel(k->c, k->id);
+    return NULL;
+}
+
+static int cmd_cancel(const char *ep, const char *prompt)
+{
+    pdm_client_t *c;
+    if (pdm_client_create(ep, NULL, &c)) return fprintf(stderr, "%s\n", pdm_client_last_error()), 1;
+    canceller_t k = {.c = c, .id = pdm_client_new_id(c)};
+    pdm_client_request_t q;
+    greedy(&q, prompt, 400);
+    q.id = k.id;
+    q.ignore_eos = 1;
+    pthread_t t;
+    pthread_create(&t, NULL, canceller, &k);
+    pdm_client_result_t r;
+    double t0 = now_s();
+    int rc = pdm_client_generate_stream(c, &q, acc_cb, &k.acc, &r);
+    double dt = now_s() - t0;
+    pthread_join(t, NULL);
+    int status = 0;
+    if (rc != PDM_CLIENT_ECANCELLED) {
+        fprintf(stderr, "cancel: %zu tokens (finish %d) arrived before the cancel took effect\n",
+                r.n_tokens, (int)r.finish);
+        status = fail("cancel: expected ECANCELLED", &r, rc);
+    } else if (r.n_tokens >= 400) {
+        fprintf(stderr, "cancel: all 400 tokens arrived before the cancel\n");
+        status = 1;
+    } else {
+        printf("cancelled after %zu streamed tokens, %.2f s\n", r.n_tokens, dt);
+    }
+    free(k.acc.buf);
+    pdm_client_result_fini(&r);
+    pdm_client_destroy(c);
+    return status;
+}
+
+static int cmd_timeout(const char *ep, int ms)
+{
+    pdm_client_t *c;
+    if (pdm_client_create(ep, NULL, &c)) return fprintf(stderr, "%s\n", pdm_client_last_error()), 1;
+    pdm_client_request_t q;
+    greedy(&q, "hello", 8);
+    q.timeout_ms = ms;
+    pdm_client_result_t r;
+    double t0 = now_s();
+    int rc = pdm_client_generate(c, &q, &r);
+    double dt = now_s() - t0;
+    int status = 0;
+    if (rc != PDM_CLIENT_ETIMEOUT) status = fail("timeout: expected ETIMEOUT", &r, rc);
+    else if (dt < ms / 1000.0 * 0.95 || dt > ms / 1000.0 + 2.0) {
+        fprintf(stderr, "timeout: took %.3f s for a %d ms timeout\n", dt, ms);
+        status = 1;
+    } else {
+        printf("ETIMEOUT after %.3f s: %s\n", dt, r.error);
+    }
+    pdm_client_result_fini(&r);
+    pdm_client_destroy(c);
+    return status;
+}
+
+static void *hold_main(void *arg)
+{
+    job_t *j = arg;
+    for (;;) {
+        pdm_client_request_t q;
+        greedy(&q, j->prompt, 200);
+        q.ignore_eos = 1;
+        acc_t acc = {.print = 0};
+        pdm_client_result_t r;
+        pdm_client_generate_stream(j->c, &q, acc_cb, &acc, &r);
+        free(acc.buf);
+        pdm_client_result_fini(&r);
+    }
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int cmd_ping(const char *ep, int n)
+{
+    pdm_client_t *c;
+    if (n < 1 || pdm_client_create(ep, NULL, &c)) return 1;
+    double *t = calloc((size_t)n, sizeof(double));
+    for (int i = 0; i < n; i++) {
+        double t0 = now_s();
+        if (pdm_client_ping(c, 5000)) {
+            fprintf(stderr, "ping: %s\n", pdm_client_last_error());
+            free(t);
+            pdm_client_destroy(c);
+            return 1;
+        }
+        t[i] = (now_s() - t0) * 1e6;
+    }
+    qsort(t, (size_t)n, sizeof(double), cmp_double);
+    printf("ping round trip over %d: p50 %.0f us, p99 %.0f us\n", n, t[n / 2], t[(n * 99) / 100]);
+    free(t);
+    pdm_client_destroy(c);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 3) {
+        fprintf(stderr, "usage: see tests/integration/sdk_itest.c\n");
+        return 2;
+    }
+    const char *cmd = argv[1], *ep = argv[2];
+    if (!strcmp(cmd, "concurrent") && argc == 5) return cmd_concurrent(ep, atoi(argv[3]), argv[4]);
+    if (!strcmp(cmd, "cancel") && argc == 4) return cmd_cancel(ep, argv[3]);
+    if (!strcmp(cmd, "timeout") && argc == 4) return cmd_timeout(ep, atoi(argv[3]));
+    if (!strcmp(cmd, "ping") && argc == 4) return cmd_ping(ep, atoi(argv[3]));
+    if (!strcmp(cmd, "hold") && argc == 5) {
+        pdm_client_t *c;
+        if (pdm_client_create(ep, NULL, &c)) return 1;
+        int n = atoi(argv[3]);
+        job_t j = {.c = c, .prompt = argv[4]};
+        for (int i = 0; i < n; i++) {
+            pthread_t t;
+            pthread_create(&t, NULL, hold_main, &j);
+        }
+        printf("holding\n");
+        fflush(stdout);
+        for (;;) pause();
+    }
+    if ((!strcmp(cmd, "generate") || !strcmp(cmd, "stream") || !strcmp(cmd, "tokens")) &&
+        argc == 5) {
+        pdm_client_t *c;
+        if (pdm_client_create(ep, NULL, &c)) return fprintf(stderr, "%s\n", pdm_client_last_error()), 1;
+        pdm_client_request_t q;
+        greedy(&q, argv[4], atol(argv[3]));
+        pdm_client_result_t r;
+        acc_t acc = {.print = 1};
+        int stream = !strcmp(cmd, "stream");
+        int rc = stream ? pdm_client_generate_stream(c, &q, acc_cb, &acc, &r)
+                        : pdm_client_generate(c, &q, &r);
+        int status = 0;
+        if (rc) status = fail(cmd, &r, rc);
+        else if (stream && strcmp(acc.buf ? acc.buf : "", r.text)) {
+            fprintf(stderr, "stream: chunks '%s' differ from the result '%s'\n", acc.buf, r.text);
+            status = 1;
+        } else if (!strcmp(cmd, "tokens")) {
+            for (size_t i = 0; i < r.n_tokens; i++) printf("%s%d", i ? " " : "", r.tokens[i]);
+            printf("\n");
+        } else if (!stream) {
+            printf("%s", r.text);
+        }
+        if (!status && strcmp(cmd, "tokens")) printf("\n");
+        free(acc.buf);
+        pdm_client_result_fini(&r);
+        pdm_client_destroy(c);
+        return status;
+    }
+    fprintf(stderr, "pdm-sdk-itest: bad command line\n");
+    return 2;
+}

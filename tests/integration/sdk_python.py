@@ -1,0 +1,131 @@
+"""The Python package (build/python/pdmesh) against a live router, or a silent socket.
+
+    python sdk_python.py live ENDPOINT EXPECTED.json
+    python sdk_python.py silent            (binds its own socket that never answers)
+    python sdk_python.py unreachable
+
+Exit status 0 when every check holds; each failed check is printed.
+"""
+import json
+import sys
+import threading
+import time
+
+import zmq
+
+import pdmesh
+
+failures = []
+
+
+def check(name, cond, detail=""):
+    print(("ok   " if cond else "FAIL ") + name + ("" if cond else f": {detail}"))
+    if not cond:
+        failures.append(name)
+
+
+def live(endpoint, expected_path):
+    expected = json.load(open(expected_path))
+    with pdmesh.Client(endpoint, timeout=300) as c:
+        check("python ping", c.ping(timeout=10) < 10)
+        for e in expected[:2]:
+            r = c.generate(e["prompt"], max_tokens=e["n"], temperature=0)
+            check(f"python generate equals the engine ({e['prompt'][:20]!r})",
+                  r.tokens == e["tokens"], f"{r.tokens} != {e['tokens']}")
+            check("python generate usage", r.usage["completion_tokens"] == len(r.tokens) and
+                  r.usage["prompt_tokens"] > 0, r.usage)
+            s = c.stream(e["prompt"], max_tokens=e["n"], temperature=0)
+            chunks = list(s)
+            toks = [t for ch in chunks for t in ch.tokens]
+            check(f"python stream equals the engine ({e['prompt'][:20]!r})",
+                  toks == e["tokens"] and s.result.tokens == e["tokens"],
+                  f"{toks} / {s.result.tokens} != {e['tokens']}")
+            check("python stream text", "".join(ch.text for ch in chunks) == s.result.text,
+                  s.result.text)
+            idx = [ch.index for ch in chunks]
+            check("python stream indexes in order", idx == sorted(idx) and idx[0] == 0, idx)
+        e = expected[0]
+        # chat messages and token ids as input
+        r = c.generate(messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=8,
+                       temperature=0)
+        check("python chat messages", len(r.tokens) > 0 and r.usage["prompt_tokens"] > 5, r)
+        r2 = c.generate(messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=8,
+                        temperature=0)
+        check("python chat is deterministic at temperature 0", r2.tokens == r.tokens)
+        # cancel from another thread while iterating
+        s = c.stream(e["prompt"], max_tokens=400, temperature=0, ignore_eos=True)
+        got = []
+        t0 = time.monotonic()
+        try:
+            for ch in s:
+                got.append(ch)
+                if len(got) == 1:
+                    threading.Thread(target=s.cancel).start()
+            check("python cancel raises CancelledError", False, "stream ended normally")
+        except pdmesh.CancelledError:
+            check("python cancel raises CancelledError", len(got) < 400, len(got))
+        check("python cancel is prompt", time.monotonic() - t0 < 60)
+        # typed router errors
+        try:
+            c.generate(e["prompt"], max_tokens=10_000_000, temperature=0)
+            check("python: absurd max_tokens rejected", False, "accepted")
+        except pdmesh.InvalidArgumentError as ex:
+            check("python: absurd max_tokens rejected", ex.code == "ERR_INVALID_ARGUMENT", ex)
+        # local validation
+        try:
+            c.generate()
+            check("python: no prompt rejected", False, "accepted")
+        except pdmesh.InvalidArgumentError:
+            check("python: no prompt rejected", True)
+        # the router still serves after all that
+        r = c.generate(e["prompt"], max_tokens=e["n"], temperature=0)
+        check("python: router still serving", r.tokens == e["tokens"])
+
+
+def silent():
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    with pdmesh.Client(f"tcp://127.0.0.1:{port}", timeout=0.6) as c:
+        t0 = time.monotonic()
+        try:
+            c.generate("hello", max_tokens=4)
+            check("python timeout (silent router)", False, "returned")
+        except pdmesh.PdmeshTimeout as ex:
+            dt = time.monotonic() - t0
+            check("python timeout (silent router)", 0.55 <= dt < 3.0, f"{dt:.3f} s: {ex}")
+        try:
+            for _ in c.stream("hello", max_tokens=4, timeout=0.4):
+                pass
+            check("python stream timeout", False, "returned")
+        except pdmesh.PdmeshTimeout as ex:
+            check("python stream timeout", ex.code == "TIMEOUT")
+    s.close()
+    ctx.term()
+
+
+def unreachable():
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    s.close(0)
+    ctx.term()
+    with pdmesh.Client(f"tcp://127.0.0.1:{port}", timeout=20, connect_timeout=0.5) as c:
+        t0 = time.monotonic()
+        try:
+            c.generate("hello")
+            check("python unreachable", False, "returned")
+        except pdmesh.UnreachableError as ex:
+            check("python unreachable", time.monotonic() - t0 < 3, ex)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "live":
+        live(sys.argv[2], sys.argv[3])
+    elif mode == "silent":
+        silent()
+    elif mode == "unreachable":
+        unreachable()
+    sys.exit(1 if failures else 0)

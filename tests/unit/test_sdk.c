@@ -1,0 +1,632 @@
+/*
+ * test_sdk.c - libpdmesh (sdk/) against real ZeroMQ sockets: argument validation, status
+ * strings, timeouts against a bound socket nobody serves, an unreachable endpoint, and the
+ * client's multiplexing, streaming, cancel and error paths against a scripted peer (a ROUTER
+ * socket in a thread speaking the pdmesh frame format with fixed answers). The router itself
+ * is exercised by tests/integration/sdk.sh; this suite pins the client's own behaviour,
+ * including replies a well-behaved router never sends (garbage, unknown ids).
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/pdm.h"
+#include "common/wire.h"
+#include "sdk/pdmesh_admin.h"
+#include "sdk/pdmesh_client.h"
+#include "tests.h"
+
+/* ---- the scripted peer ---- */
+
+typedef struct {
+    void *ctx, *sock;
+    char endpoint[128];
+    pthread_t thread;
+    atomic_int stop;
+    atomic_int cancels;     /* CancelRequests received */
+    atomic_int requests;    /* GenerateRequests received */
+    int silent;             /* bind, never answer */
+    const char *admin_token; /* answer AdminRequests, checking this token */
+} peer_t;
+
+static void peer_send(peer_t *p, zmq_msg_t *ident, int type, const ProtobufCMessage *m)
+{
+    ck_assert_int_eq(pdm_wire_send(p->sock, zmq_msg_data(ident), zmq_msg_size(ident), type, m),
+                     PDM_OK);
+}
+
+static void peer_chunk(peer_t *p, zmq_msg_t *ident, uint64_t id, uint32_t index, int32_t tok,
+                       const char *text)
+{
+    Pdmesh__TokenChunk t = PDMESH__TOKEN_CHUNK__INIT;
+    t.request_id = id;
+    t.index = index;
+    t.tokens = &tok;
+    t.n_tokens = 1;
+    t.text = (char *)text;
+    peer_send(p, ident, PDMESH__MSG_TYPE__MSG_TOKEN_CHUNK, &t.base);
+}
+
+/* Answers by the prompt's first word:
+ *   "echo ..."     Accepted, one chunk per character of the prompt after "echo " (token =
+ *                  the byte, when streaming), then the result (text = that rest)
+ *   "hang"         Accepted and one chunk, then nothing
+ *   "overload"     Error ERR_OVERLOADED
+ *   "garbage ..."  a malformed frame and a result for an unknown id, then like echo */
+static void peer_generate(peer_t *p, zmq_msg_t *ident, const Pdmesh__GenerateRequest *q)
+{
+    const char *prompt = q->prompt ? q->prompt : "";
+    Pdmesh__Accepted a = PDMESH__ACCEPTED__INIT;
+    a.request_id = q->request_id;
+    a.router_request_id = 1000 + q->request_id;
+    if (!strncmp(prompt, "overload", 8)) {
+        ck_assert_int_eq(pdm_wire_send_error(p->sock, zmq_msg_data(ident), zmq_msg_size(ident),
+                                             PDMESH__ERROR_CODE__ERR_OVERLOADED, q->request_id,
+                                             "admission queue full (%d)", 7), PDM_OK);
+        return;
+    }
+    peer_send(p, ident, PDMESH__MSG_TYPE__MSG_ACCEPTED, &a.base);
+    if (!strcmp(prompt, "hang")) {
+        peer_chunk(p, ident, q->request_id, 0, 42, "x");
+        return;
+    }
+    const char *rest = strchr(prompt, ' ') ? strchr(prompt, ' ') + 1 : "";
+    if (!strncmp(prompt, "garbage", 7)) {
+        zmq_send(p->sock, zmq_msg_data(ident), zmq_msg_size(ident), ZMQ_SNDMORE);
+        zmq_send(p->sock, "PD\x01\x00\x00\x04\x00\x00\xff\xff\xff", 11, 0);
+        Pdmesh__GenerateResult other = PDMESH__GENERATE_RESULT__INIT;
+        other.request_id = q->request_id + 999999;
+        other.text = "not yours";
+        peer_send(p, ident, PDMESH__MSG_TYPE__MSG_GENERATE_RESULT, &other.base);
+    }
+    size_t n = strlen(rest);
+    int32_t *toks = malloc((n + 1) * sizeof(int32_t));
+    for (size_t i = 0; i < n; i++) {
+        toks[i] = (unsigned char)rest[i];
+        char s[2] = {rest[i], 0};
+        if (q->stream) peer_chunk(p, ident, q->request_id, (uint32_t)i, toks[i], s);
+    }
+    Pdmesh__Usage u = PDMESH__USAGE__INIT;
+    u.prompt_tokens = 5;
+    u.completion_tokens = (uint32_t)n;
+    u.prefill_method = "single";
+    u.decode_node = "decode-0";
+    Pdmesh__GenerateResult r = PDMESH__GENERATE_RESULT__INIT;
+    r.request_id = q->request_id;
+    r.finish = PDMESH__FINISH_REASON__FINISH_LENGTH;
+    r.tokens = toks;
+    r.n_tokens = n;
+    r.text = (char *)rest;
+    r.usage = &u;
+    peer_send(p, ident, PDMESH__MSG_TYPE__MSG_GENERATE_RESULT, &r.base);
+    free(toks);
+}
+
+static void peer_admin(peer_t *p, zmq_msg_t *ident, const Pdmesh__AdminRequest *q)
+{
+    Pdmesh__AdminReply r = PDMESH__ADMIN_REPLY__INIT;
+    Pdmesh__Error e = PDMESH__ERROR__INIT;
+    Pdmesh__KeyValue kv = PDMESH__KEY_VALUE__INIT, *kvp = &kv;
+    if (!q->token || strcmp(q->token, p->admin_token)) {
+        e.code = PDMESH__ERROR_CODE__ERR_UNAUTHORIZED;
+        e.message = "bad admin token";
+        r.error = &e;
+    } else {
+        r.ok = 1;
+        kv.key = "requests_total";
+        kv.value = "3";
+        r.values = &kvp;
+        r.n_values = 1;
+    }
+    peer_send(p, ident, PDMESH__MSG_TYPE__MSG_ADMIN_REPLY, &r.base);
+}
+
+static void *peer_main(void *arg)
+{
+    peer_t *p = arg;
+    while (!atomic_load(&p->stop)) {
+        zmq_pollitem_t it = {p->sock, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 20) <= 0) continue;
+        zmq_msg_t ident, body;
+        zmq_msg_init(&ident);
+        zmq_msg_init(&body);
+        if (zmq_msg_recv(&ident, p->sock, 0) < 0 || zmq_msg_recv(&body, p->sock, 0) < 0) {
+            zmq_msg_close(&ident);
+            zmq_msg_close(&body);
+            continue;
+        }
+        pdm_wire_msg_t *m;
+        if (!p->silent &&
+            pdm_wire_unpack(zmq_msg_data(&body), zmq_msg_size(&body), 1 << 20, 0, &m) == 0) {
+            ProtobufCMessage *msg = pdm_wire_message(m);
+            switch (pdm_wire_type(m)) {
+            case PDMESH__MSG_TYPE__MSG_GENERATE_REQUEST:
+                atomic_fetch_add(&p->requests, 1);
+                peer_generate(p, &ident, (Pdmesh__GenerateRequest *)msg);
+                break;
+            case PDMESH__MSG_TYPE__MSG_CANCEL_REQUEST: atomic_fetch_add(&p->cancels, 1); break;
+            case PDMESH__MSG_TYPE__MSG_PING:
+                peer_send(p, &ident, PDMESH__MSG_TYPE__MSG_PONG, msg);
+                break;
+            case PDMESH__MSG_TYPE__MSG_ADMIN_REQUEST:
+                peer_admin(p, &ident, (Pdmesh__AdminRequest *)msg);
+                break;
+            default: break;
+            }
+            pdm_wire_msg_free(m);
+        }
+        zmq_msg_close(&ident);
+        zmq_msg_close(&body);
+    }
+    return NULL;
+}
+
+static void peer_start(peer_t *p, int silent)
+{
+    memset(p, 0, sizeof(*p));
+    p->silent = silent;
+    p->admin_token = "secret-admin-token";
+    p->ctx = zmq_ctx_new();
+    p->sock = zmq_socket(p->ctx, ZMQ_ROUTER);
+    int zero = 0, one = 1;
+    zmq_setsockopt(p->sock, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_setsockopt(p->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
+    ck_assert_int_eq(zmq_bind(p->sock, "tcp://127.0.0.1:*"), 0);
+    size_t len = sizeof(p->endpoint);
+    zmq_getsockopt(p->sock, ZMQ_LAST_ENDPOINT, p->endpoint, &len);
+    ck_assert_int_eq(pthread_create(&p->thread, NULL, peer_main, p), 0);
+}
+
+static void peer_stop(peer_t *p)
+{
+    atomic_store(&p->stop, 1);
+    pthread_join(p->thread, NULL);
+    zmq_close(p->sock);
+    zmq_ctx_term(p->ctx);
+}
+
+/* A free TCP port on loopback that nobody listens on (bound, then closed). */
+static void dead_endpoint(char *out, size_t cap)
+{
+    void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_ROUTER);
+    ck_assert_int_eq(zmq_bind(s, "tcp://127.0.0.1:*"), 0);
+    size_t len = cap;
+    zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, out, &len);
+    zmq_close(s);
+    zmq_ctx_term(ctx);
+}
+
+/* ---- tests ---- */
+
+START_TEST(test_status_strings)
+{
+    ck_assert_str_eq(pdm_client_strerror(PDM_CLIENT_OK), "ok");
+    ck_assert_str_eq(pdm_client_status_name(PDM_CLIENT_ETIMEOUT), "ETIMEOUT");
+    ck_assert_str_eq(pdm_client_status_name(PDM_CLIENT_EUNREACHABLE), "EUNREACHABLE");
+    /* router codes are the proto's ErrorCode negated */
+    ck_assert_int_eq(PDM_CLIENT_EOVERLOADED, -PDMESH__ERROR_CODE__ERR_OVERLOADED);
+    ck_assert_int_eq(PDM_CLIENT_EKV_TRANSFER, -PDMESH__ERROR_CODE__ERR_KV_TRANSFER);
+    ck_assert_int_eq(PDM_CLIENT_ECANCELLED, -PDMESH__ERROR_CODE__ERR_CANCELLED);
+    ck_assert_str_eq(pdm_client_strerror(12345), "unknown status");
+}
+END_TEST
+
+START_TEST(test_validation)
+{
+    pdm_client_t *c;
+    ck_assert_int_eq(pdm_client_create(NULL, NULL, NULL), PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_options_t bad = {.timeout_ms = -1};
+    ck_assert_int_eq(pdm_client_create("tcp://127.0.0.1:1", &bad, &c),
+                     PDM_CLIENT_EINVALID_ARGUMENT);
+    ck_assert_int_eq(pdm_client_create("nonsense://x", NULL, &c), PDM_CLIENT_EINVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(pdm_client_last_error(), "nonsense://x"));
+    ck_assert_int_eq(pdm_client_create("tcp://127.0.0.1:1", NULL, &c), PDM_CLIENT_OK);
+
+    pdm_client_request_t q;
+    pdm_client_result_t r;
+    int32_t toks[2] = {1, -5};
+    const char *stops[17];
+    for (int i = 0; i < 17; i++) stops[i] = "s";
+    pdm_client_message_t bad_role = {"robot", "hi"};
+    /* no prompt at all */
+    pdm_client_request_init(&q);
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(r.error, "exactly one"));
+    ck_assert_str_eq(r.text, "");
+    pdm_client_result_fini(&r);
+    /* two prompts */
+    q.prompt = "a";
+    q.prompt_tokens = toks;
+    q.n_prompt_tokens = 1;
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_result_fini(&r);
+    /* negative token id */
+    q.prompt = NULL;
+    q.n_prompt_tokens = 2;
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(r.error, "negative"));
+    pdm_client_result_fini(&r);
+    /* bad sampling */
+    pdm_client_request_init(&q);
+    q.prompt = "a";
+    q.temperature = -1;
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_result_fini(&r);
+    q.temperature = 0.0f / 0.0f;
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_result_fini(&r);
+    q.temperature = 0;
+    q.top_p = 1.5f;
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_result_fini(&r);
+    /* too many / empty stop strings */
+    pdm_client_request_init(&q);
+    q.prompt = "a";
+    q.stop = stops;
+    q.n_stop = 17;
+    ck_assert_int_eq(pdm_client_generate_stream(c, &q, NULL, NULL, &r),
+                     PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_result_fini(&r);
+    stops[0] = "";
+    q.n_stop = 1;
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_result_fini(&r);
+    /* beams */
+    pdm_client_request_init(&q);
+    q.prompt = "a";
+    q.beams = 65;
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_result_fini(&r);
+    q.beams = 2;
+    q.n_best = 3;
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_result_fini(&r);
+    /* chat roles */
+    pdm_client_request_init(&q);
+    q.messages = &bad_role;
+    q.n_messages = 1;
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(r.error, "role"));
+    pdm_client_result_fini(&r);
+    /* NULLs */
+    ck_assert_int_eq(pdm_client_generate(c, NULL, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_result_fini(&r);
+    ck_assert_int_eq(pdm_client_generate(NULL, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_result_fini(&r);
+    ck_assert_int_eq(pdm_client_cancel(c, 0), PDM_CLIENT_EINVALID_ARGUMENT);
+    pdm_client_destroy(c);
+    pdm_client_destroy(NULL);
+}
+END_TEST
+
+/* A router that does not answer: a bound socket nobody serves. The call must end with
+ * ETIMEOUT within its timeout (plus scheduling slack), not hang and not claim unreachable. */
+START_TEST(test_timeout_silent_router)
+{
+    peer_t p;
+    peer_start(&p, 1);
+    pdm_client_t *c;
+    ck_assert_int_eq(pdm_client_create(p.endpoint, NULL, &c), PDM_CLIENT_OK);
+    pdm_client_request_t q;
+    pdm_client_request_init(&q);
+    q.prompt = "echo hello";
+    q.timeout_ms = 400;
+    pdm_client_result_t r;
+    double t0 = pdm_now();
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_ETIMEOUT);
+    double dt = pdm_now() - t0;
+    ck_assert_msg(dt >= 0.39 && dt < 2.0, "timeout after %.3f s (want 0.4)", dt);
+    ck_assert_ptr_nonnull(strstr(r.error, "400 ms"));
+    pdm_client_result_fini(&r);
+    ck_assert_int_eq(pdm_client_ping(c, 300), PDM_CLIENT_ETIMEOUT);
+    pdm_client_destroy(c);
+    peer_stop(&p);
+}
+END_TEST
+
+START_TEST(test_unreachable)
+{
+    char ep[128];
+    dead_endpoint(ep, sizeof(ep));
+    pdm_client_options_t o = {.connect_timeout_ms = 300};
+    pdm_client_t *c;
+    ck_assert_int_eq(pdm_client_create(ep, &o, &c), PDM_CLIENT_OK);
+    pdm_client_request_t q;
+    pdm_client_request_init(&q);
+    q.prompt = "echo hello";
+    q.timeout_ms = 10000;
+    pdm_client_result_t r;
+    double t0 = pdm_now();
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EUNREACHABLE);
+    double dt = pdm_now() - t0;
+    ck_assert_msg(dt < 2.0, "unreachable reported after %.3f s", dt);
+    ck_assert_ptr_nonnull(strstr(r.error, "unreachable"));
+    pdm_client_result_fini(&r);
+    ck_assert_int_eq(pdm_client_ping(c, 5000), PDM_CLIENT_EUNREACHABLE);
+    pdm_client_destroy(c);
+}
+END_TEST
+
+typedef struct {
+    char text[4096];
+    size_t len;
+    uint32_t next_index;
+    int calls, stop_after;
+} collect_t;
+
+static int collect_cb(const pdm_client_chunk_t *ch, void *data)
+{
+    collect_t *col = data;
+    ck_assert_uint_eq(ch->index, col->next_index);
+    col->next_index += (uint32_t)ch->n_tokens;
+    memcpy(col->text + col->len, ch->text, ch->text_len);
+    col->len += ch->text_len;
+    col->text[col->len] = 0;
+    return ++col->calls == col->stop_after;
+}
+
+START_TEST(test_generate_and_stream)
+{
+    peer_t p;
+    peer_start(&p, 0);
+    pdm_client_t *c;
+    ck_assert_int_eq(pdm_client_create(p.endpoint, NULL, &c), PDM_CLIENT_OK);
+    ck_assert_int_eq(pdm_client_ping(c, 5000), PDM_CLIENT_OK);
+    pdm_client_request_t q;
+    pdm_client_request_init(&q);
+    q.prompt = "echo hello world";
+    pdm_client_result_t r;
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_OK);
+    ck_assert_str_eq(r.text, "hello world");
+    ck_assert_uint_eq(r.n_tokens, 11);
+    ck_assert_int_eq(r.tokens[0], 'h');
+    ck_assert_int_eq(r.finish, PDM_CLIENT_FINISH_LENGTH);
+    ck_assert_uint_eq(r.usage.prompt_tokens, 5);
+    ck_assert_str_eq(r.usage.decode_node, "decode-0");
+    ck_assert_uint_eq(r.router_id, 1000 + r.id);
+    pdm_client_result_fini(&r);
+
+    collect_t col = {0};
+    ck_assert_int_eq(pdm_client_generate_stream(c, &q, collect_cb, &col, &r), PDM_CLIENT_OK);
+    ck_assert_str_eq(col.text, "hello world");
+    ck_assert_int_eq(col.calls, 11);
+    ck_assert_str_eq(r.text, "hello world");
+    ck_assert(r.client_ttft_ms > 0 && r.client_ttft_ms <= r.client_total_ms);
+    pdm_client_result_fini(&r);
+
+    /* a malformed frame and a result for somebody else's id are dropped */
+    q.prompt = "garbage ok";
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_OK);
+    ck_assert_str_eq(r.text, "ok");
+    pdm_client_result_fini(&r);
+
+    /* typed router error */
+    q.prompt = "overload";
+    ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EOVERLOADED);
+    ck_assert_ptr_nonnull(strstr(r.error, "admission queue full (7)"));
+    ck_assert_ptr_nonnull(strstr(pdm_client_last_error(), "admission queue full"));
+    pdm_client_result_fini(&r);
+
+    /* a callback that asks to stop cancels the call and tells the router */
+    q.prompt = "echo abcdefgh";
+    col = (collect_t){.stop_after = 2};
+    ck_assert_int_eq(pdm_client_generate_stream(c, &q, collect_cb, &col, &r),
+                     PDM_CLIENT_ECANCELLED);
+    ck_assert_int_eq(col.calls, 2);
+    ck_assert_str_eq(r.text, "ab"); /* what was streamed before the cancel is kept */
+    pdm_client_result_fini(&r);
+    for (int i = 0; i < 100 && atomic_load(&p.cancels) < 1; i++) usleep(10000);
+    ck_assert_int_ge(atomic_load(&p.cancels), 1);
+    pdm_client_destroy(c);
+    peer_stop(&p);
+}
+END_TEST
+
+typedef struct {
+    pdm_client_t *c;
+    uint64_t id;
+    int rc;
+    double seconds;
+} cancel_arg_t;
+
+static void *hang_call(void *arg)
+{
+    cancel_arg_t *a = arg;
+    pdm_client_request_t q;
+    pdm_client_request_init(&q);
+    q.prompt = "hang";
+    q.id = a->id;
+    q.timeout_ms = 20000;
+    pdm_client_result_t r;
+    double t0 = pdm_now();
+    a->rc = pdm_client_generate_stream(a->c, &q, NULL, NULL, &r);
+    a->seconds = pdm_now() - t0;
+    pdm_client_result_fini(&r);
+    return NULL;
+}
+
+START_TEST(test_cancel_from_other_thread)
+{
+    peer_t p;
+    peer_start(&p, 0);
+    pdm_client_t *c;
+    ck_assert_int_eq(pdm_client_create(p.endpoint, NULL, &c), PDM_CLIENT_OK);
+    cancel_arg_t a = {.c = c, .id = pdm_client_new_id(c)};
+    pthread_t t;
+    pthread_create(&t, NULL, hang_call, &a);
+    for (int i = 0; i < 500 && atomic_load(&p.requests) < 1; i++) usleep(10000);
+    usleep(50000);
+    ck_assert_int_eq(pdm_client_cancel(c, a.id), PDM_CLIENT_OK);
+    pthread_join(t, NULL);
+    ck_assert_int_eq(a.rc, PDM_CLIENT_ECANCELLED);
+    ck_assert_msg(a.seconds < 10, "cancel took %.3f s", a.seconds);
+    for (int i = 0; i < 100 && atomic_load(&p.cancels) < 1; i++) usleep(10000);
+    ck_assert_int_eq(atomic_load(&p.cancels), 1);
+    /* cancelling before the call starts: no race, the call ends at once */
+    cancel_arg_t b = {.c = c, .id = pdm_client_new_id(c)};
+    ck_assert_int_eq(pdm_client_cancel(c, b.id), PDM_CLIENT_ENOT_FOUND);
+    hang_call(&b);
+    ck_assert_int_eq(b.rc, PDM_CLIENT_ECANCELLED);
+    ck_assert(b.seconds < 1.0);
+    pdm_client_destroy(c);
+    peer_stop(&p);
+}
+END_TEST
+
+/* 32 threads share one client: every call gets its own answer (multiplexing by id). */
+typedef struct {
+    pdm_client_t *c;
+    int n, ok;
+} many_arg_t;
+
+static void *many_call(void *arg)
+{
+    many_arg_t *a = arg;
+    char prompt[80], want[64];
+    for (int k = 0; k < 5; k++) {
+        snprintf(want, sizeof(want), "thread %d call %d", a->n, k);
+        snprintf(prompt, sizeof(prompt), "echo %s", want);
+        pdm_client_request_t q;
+        pdm_client_request_init(&q);
+        q.prompt = prompt;
+        collect_t col = {0};
+        pdm_client_result_t r;
+        int rc = k % 2 ? pdm_client_generate(a->c, &q, &r)
+                       : pdm_client_generate_stream(a->c, &q, collect_cb, &col, &r);
+        if (rc == PDM_CLIENT_OK && !strcmp(r.text, want) && (k % 2 || !strcmp(col.text, want)))
+            a->ok++;
+        pdm_client_result_fini(&r);
+    }
+    return NULL;
+}
+
+START_TEST(test_concurrent_threads)
+{
+    peer_t p;
+    peer_start(&p, 0);
+    pdm_client_t *c;
+    ck_assert_int_eq(pdm_client_create(p.endpoint, NULL, &c), PDM_CLIENT_OK);
+    pthread_t th[32];
+    many_arg_t args[32];
+    for (int i = 0; i < 32; i++) {
+        args[i] = (many_arg_t){.c = c, .n = i};
+        pthread_create(&th[i], NULL, many_call, &args[i]);
+    }
+    int ok = 0;
+    for (int i = 0; i < 32; i++) {
+        pthread_join(th[i], NULL);
+        ok += args[i].ok;
+    }
+    ck_assert_int_eq(ok, 32 * 5);
+    pdm_client_destroy(c);
+    peer_stop(&p);
+}
+END_TEST
+
+/* Destroying the client ends calls still blocked in it with ECLOSED. */
+static void *closed_call(void *arg)
+{
+    cancel_arg_t *a = arg;
+    pdm_client_request_t q;
+    pdm_client_request_init(&q);
+    q.prompt = "hang";
+    pdm_client_result_t r;
+    a->rc = pdm_client_generate(a->c, &q, &r);
+    pdm_client_result_fini(&r);
+    return NULL;
+}
+
+START_TEST(test_destroy_with_open_calls)
+{
+    peer_t p;
+    peer_start(&p, 0);
+    pdm_client_t *c;
+    ck_assert_int_eq(pdm_client_create(p.endpoint, NULL, &c), PDM_CLIENT_OK);
+    cancel_arg_t a = {.c = c};
+    pthread_t t;
+    pthread_create(&t, NULL, closed_call, &a);
+    for (int i = 0; i < 500 && atomic_load(&p.requests) < 1; i++) usleep(10000);
+    pdm_client_destroy(c);
+    pthread_join(t, NULL);
+    ck_assert_int_eq(a.rc, PDM_CLIENT_ECLOSED);
+    peer_stop(&p);
+}
+END_TEST
+
+START_TEST(test_admin)
+{
+    peer_t p;
+    peer_start(&p, 0);
+    Pdmesh__AdminRequest q = PDMESH__ADMIN_REQUEST__INIT;
+    q.op = PDMESH__ADMIN_OP__ADMIN_STATS;
+    q.token = "secret-admin-token";
+    pdm_admin_reply_t *r = NULL;
+    ck_assert_int_eq(pdm_admin_call(p.endpoint, &q, 5000, &r), PDM_CLIENT_OK);
+    ck_assert_int_eq(pdm_admin_reply_status(r), PDM_CLIENT_OK);
+    ck_assert_uint_eq(pdm_admin_reply_get(r)->n_values, 1);
+    ck_assert_str_eq(pdm_admin_reply_get(r)->values[0]->value, "3");
+    pdm_admin_reply_free(r);
+    q.token = "wrong";
+    ck_assert_int_eq(pdm_admin_call(p.endpoint, &q, 5000, &r), PDM_CLIENT_OK);
+    ck_assert_int_eq(pdm_admin_reply_status(r), PDM_CLIENT_EUNAUTHORIZED);
+    ck_assert_str_eq(pdm_client_last_error(), "bad admin token");
+    pdm_admin_reply_free(r);
+    peer_stop(&p);
+
+    peer_start(&p, 1); /* silent */
+    double t0 = pdm_now();
+    ck_assert_int_eq(pdm_admin_call(p.endpoint, &q, 300, &r), PDM_CLIENT_ETIMEOUT);
+    ck_assert(pdm_now() - t0 < 2.0);
+    peer_stop(&p);
+    char ep[128];
+    dead_endpoint(ep, sizeof(ep));
+    ck_assert_int_eq(pdm_admin_call(ep, &q, 300, &r), PDM_CLIENT_EUNREACHABLE);
+
+    /* token sources: file first, then the environment; never empty */
+    char path[512];
+    snprintf(path, sizeof(path), "%s/admin-token", pdm_test_tmpdir());
+    FILE *f = fopen(path, "w");
+    fputs("from-file\n", f);
+    fclose(f);
+    char *tok;
+    unsetenv("PDMESH_ADMIN_TOKEN_FILE");
+    setenv("PDMESH_ADMIN_TOKEN", "from-env", 1);
+    ck_assert_int_eq(pdm_admin_load_token(path, &tok), PDM_CLIENT_OK);
+    ck_assert_str_eq(tok, "from-file");
+    free(tok);
+    ck_assert_int_eq(pdm_admin_load_token(NULL, &tok), PDM_CLIENT_OK);
+    ck_assert_str_eq(tok, "from-env");
+    free(tok);
+    setenv("PDMESH_ADMIN_TOKEN_FILE", path, 1);
+    ck_assert_int_eq(pdm_admin_load_token(NULL, &tok), PDM_CLIENT_OK);
+    ck_assert_str_eq(tok, "from-file");
+    free(tok);
+    unsetenv("PDMESH_ADMIN_TOKEN_FILE");
+    unsetenv("PDMESH_ADMIN_TOKEN");
+    ck_assert_int_eq(pdm_admin_load_token(NULL, &tok), PDM_CLIENT_EINVALID_ARGUMENT);
+    ck_assert_int_eq(pdm_admin_load_token("/nonexistent/token", &tok),
+                     PDM_CLIENT_EINVALID_ARGUMENT);
+}
+END_TEST
+
+Suite *suite_sdk(void)
+{
+    Suite *s = suite_create("sdk");
+    TCase *tc = tcase_create("client");
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, test_status_strings);
+    tcase_add_test(tc, test_validation);
+    tcase_add_test(tc, test_timeout_silent_router);
+    tcase_add_test(tc, test_unreachable);
+    tcase_add_test(tc, test_generate_and_stream);
+    tcase_add_test(tc, test_cancel_from_other_thread);
+    tcase_add_test(tc, test_concurrent_threads);
+    tcase_add_test(tc, test_destroy_with_open_calls);
+    tcase_add_test(tc, test_admin);
+    suite_add_tcase(s, tc);
+    return s;
+}
