@@ -16,6 +16,7 @@ packages=(
   libucx-dev ucx-utils libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
   libuv1-dev libhttp-parser-dev libssl-dev libyaml-dev
   python3 python3-venv python3-pip
+  curl prometheus
 )
 if [ "$golden" = "--bench" ]; then packages+=(gnuplot-nox); fi
 
@@ -39,7 +40,7 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "deps: creating Python venv in $venv"
   python3 -m venv "$venv"
 fi
-want_py=(numpy gguf)
+want_py=(numpy gguf openai)
 if [ "$golden" = "--golden" ] || [ "$golden" = "--bench" ]; then
   want_py+=(llama-cpp-python jinja2)
 fi

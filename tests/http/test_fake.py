@@ -507,6 +507,25 @@ def test_curl(f):
     assert code == "200" and json.loads(text)["choices"][0]["text"] == "q q", out
 
 
+def test_prometheus(f):
+    """A real Prometheus server scrapes /metrics; its query API returns our series."""
+    try:
+        from prom import Prometheus
+        p = Prometheus(f.port)
+    except FileNotFoundError as e:
+        print("  (skipped: %s)" % e)
+        return
+    try:
+        call(f.port, "GET", "/healthz")
+        res = p.wait_series('pdmesh_http_responses_total{code="200"}')
+        assert float(res[0]["value"][1]) >= 1, res
+        assert res[0]["metric"]["job"] == "pdmesh", res
+        up = p.query('up{job="pdmesh"}')
+        assert up and up[0]["value"][1] == "1", up
+    finally:
+        p.stop()
+
+
 def main():
     want = sys.argv[1] if len(sys.argv) > 1 else ""
     tests = [(n, t) for n, t in sorted(globals().items()) if n.startswith("test_") and want in n]
