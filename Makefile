@@ -37,7 +37,7 @@ LDLIBS := -lucp -lucs -lzmq -lprotobuf-c -lcrypto -lpcre2-8 -lcjson -lxxhash -lm
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := $(AVX2_FLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
 
-COMMON_SRC := common/common.c common/wire.c
+COMMON_SRC := common/common.c common/wire.c common/agent.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
@@ -48,6 +48,9 @@ DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
 CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c
 PREFILLD_SRC := prefill_node/main.c
+ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c \
+              router/metrics.c
+RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
@@ -72,12 +75,15 @@ LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o) $(PROTO_OBJ) $(CUDA_OBJ)
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 PREFILLD_OBJ := $(PREFILLD_SRC:%.c=$(BUILD)/obj/%.o)
 DECODED_OBJ := $(DECODED_SRC:%.c=$(BUILD)/obj/%.o)
+ROUTER_OBJ := $(ROUTER_SRC:%.c=$(BUILD)/obj/%.o)
+RCLIENT_OBJ := $(RCLIENT_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline
 LIB := $(BUILD)/libpdmesh-core.a
-BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode
+BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode \
+        $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
@@ -123,6 +129,14 @@ $(BUILD)/bin/pdmesh-prefill: $(PREFILLD_OBJ) $(LIB)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
 $(BUILD)/bin/pdmesh-decode: $(DECODED_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/bin/pdmesh-router: $(ROUTER_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -luv
+
+$(BUILD)/bin/pdm-rclient: $(RCLIENT_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
@@ -252,4 +266,5 @@ distclean: clean
 	rm -rf models
 
 -include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(PREFILLD_OBJ:.o=.d) $(DECODED_OBJ:.o=.d) \
+         $(ROUTER_OBJ:.o=.d) $(RCLIENT_OBJ:.o=.d) \
          $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d)

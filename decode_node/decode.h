@@ -99,6 +99,12 @@ typedef struct {
  * budget or the sequence bound would be exceeded; PDM_EINVAL for a bad plan or a duplicate id. */
 int pdm_decode_node_reserve(pdm_decode_node_t *node, const pdm_decode_reserve_t *r);
 
+/* Local prefill (conditional disaggregation, migration): reserves KV for n_tokens + max_new
+ * and computes the prompt's KV on this node now (blocking the batch for that time). The
+ * following start may pass first_token = -1: the node samples it from the prompt's logits. */
+int pdm_decode_node_reserve_local(pdm_decode_node_t *node, uint64_t id, uint32_t attempt,
+                                  const int32_t *tokens, int32_t n_tokens, int32_t max_new);
+
 typedef struct {
     uint64_t id;
     int32_t first_token;        /* sampled by the prefill rank that owns the last token */

@@ -32,6 +32,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/agent.h"
 #include "common/pdm.h"
 #include "decode_node/decode.h"
 
@@ -39,6 +40,31 @@
 
 static int rank_peer[PDM_KVT_MAX_RANKS];
 static int n_ranks;
+
+/* Peers already connected, by address: a node serving several prefill groups (router mode)
+ * connects to each rank once. */
+#define PEER_CACHE 256
+static struct { uint8_t *addr; size_t len; int peer; } peer_cache[PEER_CACHE];
+static int n_peer_cache;
+
+static int connect_cached(pdm_kvt_t *kvt, uint8_t *addr, size_t len, int *peer)
+{
+    for (int i = 0; i < n_peer_cache; i++)
+        if (peer_cache[i].len == len && !memcmp(peer_cache[i].addr, addr, len)) {
+            *peer = peer_cache[i].peer;
+            free(addr);
+            return PDM_OK;
+        }
+    int st = pdm_kvt_connect(kvt, addr, len, peer);
+    if (st || n_peer_cache == PEER_CACHE) {
+        free(addr);
+        return st;
+    }
+    peer_cache[n_peer_cache].addr = addr;
+    peer_cache[n_peer_cache].len = len;
+    peer_cache[n_peer_cache++].peer = *peer;
+    return PDM_OK;
+}
 
 
 static void reply(const char *event, double id, int ok, const char *error)
@@ -105,8 +131,7 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
                 reply("connected", -1, 0, "an address is not hex");
                 return;
             }
-            int st = pdm_kvt_connect(kvt, b, len, &rank_peer[n_ranks]);
-            free(b);
+            int st = connect_cached(kvt, b, len, &rank_peer[n_ranks]);
             if (st) {
                 reply("connected", -1, 0, pdm_error_last());
                 return;
@@ -143,6 +168,25 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
                                    .ranges = rg, .n_ranges = k};
         if (pdm_decode_node_reserve(node, &rv)) reply("reserved", id, 0, pdm_error_last());
         else reply("reserved", id, 1, NULL);
+    } else if (!strcmp(name, "reserve_local")) {
+        /* {"cmd":"reserve_local","id":N,"attempt":A,"tokens":[...],"max_new":M}: this node
+         * prefills the tokens itself (conditional disaggregation, migration). */
+        const cJSON *toks = cJSON_GetObjectItem(cmd, "tokens"), *e;
+        int n = cJSON_IsArray(toks) ? cJSON_GetArraySize(toks) : 0;
+        int32_t *t = n > 0 ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
+        if (id < 0 || !t) {
+            free(t);
+            reply("reserved", id, 0, "reserve_local needs id and tokens");
+            return;
+        }
+        int k = 0;
+        cJSON_ArrayForEach(e, toks) t[k++] = cJSON_IsNumber(e) ? (int32_t)e->valuedouble : -1;
+        if (pdm_decode_node_reserve_local(node, (uint64_t)id, (uint32_t)num(cmd, "attempt", 0), t,
+                                          n, (int32_t)num(cmd, "max_new", 0)))
+            reply("reserved", id, 0, pdm_error_last());
+        else
+            reply("reserved", id, 1, NULL);
+        free(t);
     } else if (!strcmp(name, "start")) {
         pdm_decode_start_t s = {.id = (uint64_t)id, .first_token = (int32_t)num(cmd, "first_token", -1)};
         pdm_sampler_params_default(&s.sp);
@@ -208,7 +252,12 @@ int main(int argc, char **argv)
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
         {"kv-dtype", required_argument, 0, 'd'},  {"kv-timeout", required_argument, 0, 'o'},
         {"max-sequences", required_argument, 0, 's'}, {"help", no_argument, 0, 'h'},
+        {"router", required_argument, 0, 'R'},    {"node-id", required_argument, 0, 'N'},
+        {"secret-file", required_argument, 0, 'S'},
         {0, 0, 0, 0}};
+    pdm_agent_params_t ap;
+    pdm_agent_params_default(&ap);
+    ap.role = PDM_AGENT_DECODE;
     int c;
     long v;
     double d;
@@ -225,10 +274,13 @@ int main(int argc, char **argv)
             else goto bad;
             break;
         case 'o': if (pdm_parse_double(optarg, 0.01, 86400, &d)) goto bad; dp.kv_timeout = d; break;
+        case 'R': ap.endpoint = optarg; break;
+        case 'N': ap.node_id = optarg; break;
+        case 'S': ap.secret_file = optarg; break;
         case 'h':
             printf("usage: pdmesh-decode [--model FILE] [--threads N] [--batch N] "
                    "[--max-sequences N]\n       [--kv-budget TOKENS] [--kv-dtype f16|f32] "
-                   "[--kv-timeout S]\n");
+                   "[--kv-timeout S]\n       [--router ENDPOINT --node-id NAME [--secret-file F]]\n");
             return 0;
         default: return 2;
         }
@@ -237,6 +289,19 @@ int main(int argc, char **argv)
     bad:
         fprintf(stderr, "pdmesh-decode: invalid option value\n");
         return 2;
+    }
+    if (ap.endpoint) {
+        /* Router mode: the agent thread registers and bridges the control plane to this
+         * command loop (common/agent.h). */
+        ap.model_id = model_path;
+        ap.kv_tokens = (uint64_t)dp.kv_budget;
+        ap.max_sequences = (uint32_t)dp.max_sequences;
+        ap.max_batch = (uint32_t)dp.max_batch;
+        ap.threads = (uint32_t)dp.threads;
+        if (pdm_agent_start(&ap)) {
+            fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
+            return 1;
+        }
     }
     if (pdm_ctl_open()) {
         fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());

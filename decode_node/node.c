@@ -40,6 +40,8 @@ typedef struct {
     double deadline, t_start, kv_seconds, step_total;
     int steps;
     uint64_t kv_bytes;
+    int local;           /* prefilled by this node (no KV stream) */
+    float *local_logits; /* local: [n_vocab] logits of the last prompt token */
 } pdm__seq_t;
 
 struct pdm_decode_node {
@@ -97,6 +99,7 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
     pdm_sampler_destroy(s->sampler);
     free(s->tokens);
     free(s->text);
+    free(s->local_logits);
     for (int i = 0; i < s->n_stops; i++) free(s->stops[i]);
     memset(s, 0, sizeof(*s));
 }
@@ -185,6 +188,57 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
     return PDM_OK;
 }
 
+int pdm_decode_node_reserve_local(pdm_decode_node_t *n, uint64_t id, uint32_t attempt,
+                                  const int32_t *tokens, int32_t n_tokens, int32_t max_new)
+{
+    const pdm_model_hparams_t *hp = &n->model->hp;
+    if (n_tokens < 1 || max_new < 1 || (int64_t)n_tokens + max_new > (int64_t)hp->n_ctx_train)
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d prompt + %d new tokens "
+                             "(the model's context is %u)", (unsigned long long)id, n_tokens,
+                             max_new, hp->n_ctx_train);
+    for (int32_t i = 0; i < n_tokens; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= hp->n_vocab)
+            return pdm_error_set(PDM_ERANGE, "decode node: prompt token %d is outside the "
+                                 "vocabulary", tokens[i]);
+    if (pdm__find(n, id))
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu is already held",
+                             (unsigned long long)id);
+    const int64_t need = (int64_t)n_tokens + max_new;
+    if (n->kv_used + need > n->p.kv_budget)
+        return pdm_error_set(PDM_EOVERFLOW, "decode node full: request %llu needs %lld KV slots, "
+                             "%lld of %lld are free", (unsigned long long)id, (long long)need,
+                             (long long)(n->p.kv_budget - n->kv_used), (long long)n->p.kv_budget);
+    pdm__seq_t *s = NULL;
+    for (int i = 0; i < n->p.max_sequences && !s; i++)
+        if (n->seqs[i].state == SEQ_FREE) s = &n->seqs[i];
+    if (!s)
+        return pdm_error_set(PDM_EOVERFLOW, "decode node full: %d sequences held",
+                             n->p.max_sequences);
+    int st = pdm_kv_cache_create(hp, (int32_t)need, n->p.kv_dtype, &s->cache);
+    if (!st) {
+        n->kv_used += s->cache->capacity;
+        s->tokens = malloc(sizeof(int32_t) * (size_t)max_new);
+        s->text = malloc(PDM__TEXT_CAP);
+        s->local_logits = malloc(sizeof(float) * hp->n_vocab);
+        if (!s->tokens || !s->text || !s->local_logits)
+            st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    }
+    /* Conditional disaggregation / migration: this node computes the prompt's KV itself. */
+    if (!st) st = pdm_model_prefill(n->ctx, s->cache, tokens, n_tokens, s->local_logits);
+    if (st) {
+        pdm__seq_release(n, s);
+        return st;
+    }
+    s->state = SEQ_RESERVED;
+    s->local = 1;
+    s->id = id;
+    s->attempt = attempt;
+    s->n_prompt = n_tokens;
+    s->max_new = max_new;
+    s->t_start = pdm_now();
+    return PDM_OK;
+}
+
 int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
 {
     pdm__seq_t *s = pdm__find(n, st_->id);
@@ -193,7 +247,8 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
     if (s->state != SEQ_RESERVED)
         return pdm_error_set(PDM_ESTATE, "decode node: request %llu already started",
                              (unsigned long long)st_->id);
-    if (st_->first_token < 0 || (uint32_t)st_->first_token >= n->model->hp.n_vocab)
+    if (!(s->local && st_->first_token < 0) &&
+        (st_->first_token < 0 || (uint32_t)st_->first_token >= n->model->hp.n_vocab))
         return pdm_error_set(PDM_ERANGE, "decode node: first token %d is outside the vocabulary",
                              st_->first_token);
     if (st_->n_stops < 0 || st_->n_stops > PDM__MAX_STOPS)
@@ -210,6 +265,8 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
     pdm_detok_init(&s->detok, 0);
     s->deadline = st_->deadline;
     s->next = st_->first_token;
+    if (s->local && st_->first_token < 0)
+        s->next = pdm_sampler_sample(s->sampler, s->local_logits, NULL, 0);
     s->state = SEQ_STARTED;
     s->t_start = pdm_now();
     return PDM_OK;
@@ -308,7 +365,7 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
             continue;
         }
         if (s->state == SEQ_STARTED && !s->kv_done) {
-            int st = pdm_kvt_stream_rx_poll(s->rx);
+            int st = s->local ? 1 : pdm_kvt_stream_rx_poll(s->rx);
             if (st < 0) {
                 pdm__fail(n, s, pdm_error_last(), cb, arg);
                 continue;
@@ -322,8 +379,8 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
                 }
                 continue;
             }
-            pdm_kvt_stream_stats_t ss;
-            pdm_kvt_stream_rx_stats(s->rx, &ss);
+            pdm_kvt_stream_stats_t ss = {0};
+            if (s->rx) pdm_kvt_stream_rx_stats(s->rx, &ss);
             s->kv_bytes = ss.bytes;
             s->kv_done = 1;
             s->kv_seconds = pdm_now() - s->t_start;

@@ -26,6 +26,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/agent.h"
 #include "common/pdm.h"
 #include "prefill_node/prefill.h"
 
@@ -73,6 +74,34 @@ static int json_ints(const cJSON *arr, long min, long max, int32_t **out, int *n
 /* The kvt peer of the decode node this rank streams to (-1: none). */
 static int decode_peer = -1;
 
+/* Decode nodes connected so far, by address (router mode: a task names its decode node). */
+#define DECODE_CACHE 64
+static struct { uint8_t *addr; size_t len; int peer; } decode_cache[DECODE_CACHE];
+static int n_decode_cache;
+
+static int decode_peer_for(pdm_kvt_t *kvt, const char *hex, int *peer)
+{
+    uint8_t *a;
+    size_t alen;
+    if (pdm_hex_decode(hex, &a, &alen))
+        return pdm_error_set(PDM_EFORMAT, "task command: decode_addr is not hex");
+    for (int i = 0; i < n_decode_cache; i++)
+        if (decode_cache[i].len == alen && !memcmp(decode_cache[i].addr, a, alen)) {
+            free(a);
+            *peer = decode_cache[i].peer;
+            return PDM_OK;
+        }
+    int st = pdm_kvt_connect(kvt, a, alen, peer);
+    if (st || n_decode_cache == DECODE_CACHE) {
+        free(a);
+        return st;
+    }
+    decode_cache[n_decode_cache].addr = a;
+    decode_cache[n_decode_cache].len = alen;
+    decode_cache[n_decode_cache++].peer = *peer;
+    return PDM_OK;
+}
+
 static int handle_group(const cJSON *cmd, pdm_kvt_t *kvt, pdm_kvt_group_t *g, double timeout)
 {
     const cJSON *rank = cJSON_GetObjectItem(cmd, "rank"), *size = cJSON_GetObjectItem(cmd, "size");
@@ -106,7 +135,7 @@ static int handle_group(const cJSON *cmd, pdm_kvt_t *kvt, pdm_kvt_group_t *g, do
 }
 
 static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_model_t *model,
-                        pdm_kvt_group_t *g)
+                        pdm_kvt_group_t *g, pdm_kvt_t *kvt)
 {
     pdm_prefill_task_t task = {0};
     int32_t *tokens = NULL, *chunks = NULL;
@@ -136,14 +165,19 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
         const cJSON *rq = cJSON_GetObjectItem(stream, "request");
         const cJSON *at = cJSON_GetObjectItem(stream, "attempt");
         const cJSON *win = cJSON_GetObjectItem(stream, "window");
-        if (decode_peer < 0)
+        const cJSON *daddr = cJSON_GetObjectItem(stream, "decode_addr");
+        int peer = decode_peer;
+        if (cJSON_IsString(daddr)) st = decode_peer_for(kvt, daddr->valuestring, &peer);
+        if (st) {
+            /* decode_addr could not be connected: the message is set */
+        } else if (peer < 0)
             st = pdm_error_set(PDM_ESTATE, "task streams to a decode node but the group has none");
         else if (!cJSON_IsNumber(rq) || !cJSON_IsNumber(at) || rq->valuedouble < 0 ||
                  at->valuedouble < 0 || at->valuedouble > 255)
             st = pdm_error_set(PDM_EFORMAT, "task command: malformed stream target");
         else {
             target = (pdm_prefill_stream_t){
-                .peer = decode_peer, .request_id = (uint64_t)rq->valuedouble,
+                .peer = peer, .request_id = (uint64_t)rq->valuedouble,
                 .attempt = (uint32_t)at->valuedouble,
                 .max_in_flight = cJSON_IsNumber(win) ? PDM_MAX(1, PDM_MIN(win->valueint, 4096)) : 64};
             task.stream = &target;
@@ -281,8 +315,10 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: pdmesh-prefill [--model FILE] [--threads N] [--cpu N] [--ctx N]\n"
                "                      [--kv-dtype f16|f32] [--timeout SECONDS]\n"
+               "                      [--router ENDPOINT --node-id NAME --group G --rank r\n"
+               "                       --group-size R [--secret-file F]]\n"
                "One rank of a prefill group, driven by JSON lines on stdin/stdout\n"
-               "(see pdmesh prefill-run).\n");
+               "(see pdmesh prefill-run), or by the router's control plane (--router).\n");
 }
 
 int main(int argc, char **argv)
@@ -295,7 +331,13 @@ int main(int argc, char **argv)
         {"model", required_argument, 0, 'm'}, {"threads", required_argument, 0, 't'},
         {"cpu", required_argument, 0, 'c'},   {"ctx", required_argument, 0, 'x'},
         {"kv-dtype", required_argument, 0, 'k'}, {"timeout", required_argument, 0, 'o'},
-        {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
+        {"help", no_argument, 0, 'h'},        {"router", required_argument, 0, 'R'},
+        {"node-id", required_argument, 0, 'N'}, {"group", required_argument, 0, 'G'},
+        {"rank", required_argument, 0, 'r'},  {"group-size", required_argument, 0, 'g'},
+        {"secret-file", required_argument, 0, 'S'}, {0, 0, 0, 0}};
+    pdm_agent_params_t ap;
+    pdm_agent_params_default(&ap);
+    ap.role = PDM_AGENT_PREFILL;
     int c;
     long v;
     double d;
@@ -325,6 +367,18 @@ int main(int argc, char **argv)
             if (pdm_parse_double(optarg, 0.001, 86400, &d)) goto bad;
             rp.timeout = d;
             break;
+        case 'R': ap.endpoint = optarg; break;
+        case 'N': ap.node_id = optarg; break;
+        case 'G': ap.group = optarg; break;
+        case 'S': ap.secret_file = optarg; break;
+        case 'r':
+            if (pdm_parse_long(optarg, 0, PDM_KVT_MAX_RANKS - 1, &v)) goto bad;
+            ap.rank = (uint32_t)v;
+            break;
+        case 'g':
+            if (pdm_parse_long(optarg, 1, PDM_KVT_MAX_RANKS, &v)) goto bad;
+            ap.group_size = (uint32_t)v;
+            break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -334,6 +388,21 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdmesh-prefill: invalid option value\n");
         usage(stderr);
         return 2;
+    }
+    if (ap.endpoint) {
+        /* Router mode: the agent thread registers this rank and bridges the control plane to
+         * this command loop (common/agent.h). */
+        if (!ap.group || ap.group_size < 1 || ap.rank >= ap.group_size) {
+            fprintf(stderr, "pdmesh-prefill: --router needs --group, --rank and --group-size\n");
+            return 2;
+        }
+        ap.model_id = model_path;
+        ap.threads = (uint32_t)rp.threads;
+        ap.max_prompt = (uint32_t)rp.ctx_tokens;
+        if (pdm_agent_start(&ap)) {
+            fprintf(stderr, "pdmesh-prefill: %s\n", pdm_error_last());
+            return 1;
+        }
     }
     if (pdm_ctl_open()) {
         fprintf(stderr, "pdmesh-prefill: %s\n", pdm_error_last());
@@ -409,7 +478,7 @@ int main(int argc, char **argv)
             if (!grouped)
                 emit_error("result", "task before group");
             else
-                handle_task(cmd, rank, model, &group);
+                handle_task(cmd, rank, model, &group, kvt);
             current_task = -1;
         } else {
             emit_error("error", "unknown command");

@@ -1,0 +1,195 @@
+/*
+ * internal.h - state shared by the router's files (core.c: sockets, requests, scheduling;
+ * registry.c: nodes, groups, control plane; admin.c: admin socket; zfront.c: the ZeroMQ client
+ * front end). Everything runs on the router's one libuv loop thread.
+ */
+#ifndef PDM_ROUTER_INTERNAL_H
+#define PDM_ROUTER_INTERNAL_H
+
+#include <stdint.h>
+#include <uv.h>
+
+#include "common/pdm.h"
+#include "common/wire.h"
+#include "model/model.h"
+#include "prefill_node/prefill.h"
+#include "router/metrics.h"
+#include "router/router.h"
+
+#define RT_MAX_NODES 256
+#define RT_MAX_GROUPS 32
+#define RT_IDENT_MAX 256
+#define RT_NAME_MAX 136
+#define RT_PREFIX_SLOTS 4096
+#define RT_MAX_STOPS 8
+
+typedef struct {
+    const char *client_ep, *node_ep, *admin_ep;
+    const char *model_path;
+    const char *secret_file;      /* NULL: $PDMESH_SECRET_FILE / $PDMESH_SECRET */
+    const char *admin_token_file; /* NULL: $PDMESH_ADMIN_TOKEN_FILE / $PDMESH_ADMIN_TOKEN */
+    int heartbeat_ms, lease_ms;
+    int queue_max;                /* requests admitted and not yet finished */
+    int per_client_max;           /* open requests per client */
+    uint32_t max_prompt_tokens, max_tokens, default_max_tokens, max_beams;
+    uint32_t default_deadline_ms;
+    int max_attempts;             /* dispatches per request (retries + migrations), <= 15 */
+    uint32_t local_threshold;     /* prompts shorter than this are prefilled by the decode node */
+    char method[16];              /* prefill method for groups: auto, single, kvr-e, ... */
+    const char *partition_table;  /* JSON file (pdmesh partition-search) or NULL */
+    const char *calibration;      /* JSON file (pdmesh calibrate) or NULL */
+    int block_tokens;             /* prefix-hash block size */
+    double max_skew_s;            /* registration timestamp skew */
+    int group_inflight;           /* prefill tasks queued per group */
+    const char *http_host;
+    int http_port;                /* -1: no HTTP */
+} rt_config_t;
+
+void rt_config_default(rt_config_t *c);
+
+typedef struct {
+    int used;
+    char id[RT_NAME_MAX];
+    int role;                     /* Pdmesh__Role */
+    char group[64];
+    uint32_t rank, gsize;
+    uint8_t ident[RT_IDENT_MAX];
+    size_t ident_len;
+    uint8_t *ucx;
+    size_t ucx_len;
+    uint64_t kv_tokens;
+    uint32_t max_sequences, max_batch, threads, max_prompt;
+    uint32_t running, held;
+    uint64_t kv_used, kv_free, offload;
+    uint64_t epoch;
+    double last_hb, registered_at;
+    int dead, draining;
+    uint32_t pid;
+    int tasks;                    /* router-side: attempts assigned and not ended */
+    int64_t kv_reserved;          /* router-side: KV tokens of those attempts */
+    double full_until;            /* refused a reservation: skip it until then */
+} rt_node_t;
+
+typedef struct {
+    int used;
+    char name[64];
+    uint32_t size;
+    int member[PDM_KVT_MAX_RANKS]; /* node index per rank, -1 while missing */
+    uint64_t member_epoch[PDM_KVT_MAX_RANKS];
+    int wired;
+    uint64_t broke_at;            /* epoch counter when the group broke: members must register
+                                   * again (a rank cannot re-join a live group) */
+    int inflight;                 /* prefill tasks sent and not finished on all ranks */
+} rt_group_t;
+
+enum { RQ_QUEUED = 0, RQ_RESERVING, RQ_PREFILL, RQ_DECODE };
+
+typedef struct rt_req {
+    struct rt_req *next, *prev;
+    uint64_t id, client_id;
+    int state;
+    pdm_router_sink_t sink;
+    char client[96];
+    int32_t *prompt;
+    uint32_t n_prompt, max_new;
+    pdm_sampler_params_t sp;
+    char *stops[RT_MAX_STOPS];
+    size_t n_stops;
+    int ignore_eos;
+    double t_arrival, deadline, t_first, t_last, t_dispatch;
+    uint32_t attempt;             /* of the current dispatch, 1-based */
+    int dnode;                    /* decode node index, -1 */
+    uint64_t dnode_epoch;
+    int group;                    /* group index, -1 (local prefill) */
+    uint64_t group_epochs[PDM_KVT_MAX_RANKS];
+    int local;
+    uint32_t base;                /* completion index of this attempt's token 0 */
+    uint32_t ranks_done;
+    int started;                  /* DecodeStart sent */
+    int32_t *gen;                 /* [max_new] delivered tokens */
+    uint32_t n_gen;
+    char *text;
+    size_t text_len, text_cap, text_sent;
+    pdm_detok_t detok;
+    uint64_t kv_bytes;
+    double kv_seconds;
+    int chunks[PDM_KVT_MAX_RANKS]; /* partition of the current group attempt */
+    int has_chunks, method_id;
+    char method[16];
+    char group_name[64], dnode_name[RT_NAME_MAX];
+    uint32_t retries, migrations, cached_tokens;
+} rt_req_t;
+
+struct pdm_router {
+    uv_loop_t *loop;
+    rt_config_t cfg;
+    void *zctx;
+    void *client_sock, *node_sock, *admin_sock;
+    uv_poll_t poll[3];
+    uv_check_t check;
+    uv_timer_t tick;
+    int handles_open;
+    pdm_model_t *model;
+    char model_name[128];
+    uint8_t *secret;
+    size_t secret_len;
+    char *admin_token;
+    rt_node_t nodes[RT_MAX_NODES];
+    rt_group_t groups[RT_MAX_GROUPS];
+    uint64_t next_epoch, next_id;
+    rt_req_t *head, *tail;
+    int n_req;
+    pdm_router_limits_t limits;
+    pdm_partition_table_t table;
+    int has_table;
+    pdm_calibration_t calib;
+    int has_calib;
+    struct { uint8_t hash[32]; int group; uint64_t stamp; } prefix[RT_PREFIX_SLOTS];
+    uint64_t prefix_stamp;
+    void *zfront;                 /* zfront.c state */
+    struct {
+        pdm_metrics_t *reg;
+        pdm_metric_t *requests, *ttft, *tpot, *queue, *method, *kv_bytes, *kv_time, *nodes,
+            *migrations, *retries, *offload, *prefix_hits;
+    } m;
+};
+
+/* core.c */
+void rt_schedule(pdm_router_t *r);
+void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg);
+rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id);
+void rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int32_t *toks, size_t n);
+void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish);
+void rt_req_fail(pdm_router_t *r, rt_req_t *q, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel);
+void rt_send_prefill(pdm_router_t *r, rt_req_t *q);
+void rt_send_start(pdm_router_t *r, rt_req_t *q, int32_t first_token);
+int rt_send(void *sock, const uint8_t *ident, size_t ident_len, int type, const ProtobufCMessage *m);
+
+/* registry.c */
+void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, const void *frame,
+                      size_t len);
+void rt_registry_tick(pdm_router_t *r);
+int rt_node_usable(const pdm_router_t *r, int i);
+int rt_group_usable(const pdm_router_t *r, int g);
+void rt_node_metrics(pdm_router_t *r);
+const char *rt_node_state(const rt_node_t *n);
+
+/* admin.c */
+void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
+                       const void *frame, size_t len);
+
+/* zfront.c */
+int rt_zfront_init(pdm_router_t *r);
+void rt_zfront_fini(pdm_router_t *r);
+void rt_zfront_sweep(pdm_router_t *r);
+void rt_on_client_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
+                        const void *frame, size_t len);
+
+/* core.c: life of the router (main.c) */
+int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out);
+void rt_router_close(pdm_router_t *r);   /* closes handles (run the loop afterwards) */
+void rt_router_free(pdm_router_t *r);
+
+#endif

@@ -1,0 +1,188 @@
+/*
+ * pdmesh-router - the router daemon: registry, scheduling and request lifecycle on one libuv
+ * loop with the ZeroMQ client, node and admin sockets (router/core.c) and the HTTP front end.
+ * See docs/router.md.
+ */
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router/internal.h"
+#ifdef PDM_ROUTER_HTTP
+#include "router/http.h"
+#endif
+
+static pdm_router_t *g_router;
+static uv_signal_t g_sig[2];
+static int g_stopping;
+#ifdef PDM_ROUTER_HTTP
+static pdm_http_t *g_http;
+#endif
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    if (g_stopping) return;
+    g_stopping = 1;
+    pdm_log_warn("router: signal %d: shutting down", signum);
+#ifdef PDM_ROUTER_HTTP
+    if (g_http) pdm_http_stop(g_http);
+    g_http = NULL;
+#endif
+    rt_router_close(g_router);
+    uv_close((uv_handle_t *)&g_sig[0], NULL);
+    uv_close((uv_handle_t *)&g_sig[1], NULL);
+    (void)h;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: pdmesh-router [options]\n"
+            "  --model FILE              GGUF of the served model (tokenizer, chat template)\n"
+            "  --client EP --node EP --admin EP   ZeroMQ endpoints (default tcp://127.0.0.1:7700/1/2)\n"
+            "  --http-host H --http-port P        OpenAI-compatible HTTP (default 127.0.0.1:8080,\n"
+            "                            -1: off)\n"
+            "  --secret-file F           cluster secret (else $PDMESH_SECRET_FILE / $PDMESH_SECRET)\n"
+            "  --admin-token-file F      admin token (else $PDMESH_ADMIN_TOKEN_FILE / $PDMESH_ADMIN_TOKEN)\n"
+            "  --heartbeat-ms N --lease-ms N      (1000 / 3000)\n"
+            "  --queue-max N             open requests admitted (256)\n"
+            "  --per-client-max N        open requests per client (64)\n"
+            "  --max-prompt-tokens N --max-tokens N --default-max-tokens N   (4096 / 1024 / 128)\n"
+            "  --deadline-ms N           default request deadline (120000)\n"
+            "  --max-attempts N          dispatches per request incl. retries/migrations (4, <= 15)\n"
+            "  --local-threshold N       prompts shorter than N tokens are prefilled by the decode\n"
+            "                            node (32; 0: always use a prefill group when one is up)\n"
+            "  --method M                prefill method for groups (auto)\n"
+            "  --partition-table F --calibration F   for kvr-s/kvr-p/auto\n"
+            "  --block-tokens N          prefix-hash block size (64)\n"
+            "  --group-inflight N        prefill tasks queued per group (2)\n");
+}
+
+int main(int argc, char **argv)
+{
+    rt_config_t cfg;
+    rt_config_default(&cfg);
+    cfg.model_path = pdm_model_default_path();
+    enum {
+        O_CLIENT = 1000, O_NODE, O_ADMIN, O_HTTP_HOST, O_HTTP_PORT, O_SECRET, O_TOKEN, O_HB, O_LEASE,
+        O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
+        O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF
+    };
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'},
+        {"client", required_argument, 0, O_CLIENT},
+        {"node", required_argument, 0, O_NODE},
+        {"admin", required_argument, 0, O_ADMIN},
+        {"http-host", required_argument, 0, O_HTTP_HOST},
+        {"http-port", required_argument, 0, O_HTTP_PORT},
+        {"secret-file", required_argument, 0, O_SECRET},
+        {"admin-token-file", required_argument, 0, O_TOKEN},
+        {"heartbeat-ms", required_argument, 0, O_HB},
+        {"lease-ms", required_argument, 0, O_LEASE},
+        {"queue-max", required_argument, 0, O_QUEUE},
+        {"per-client-max", required_argument, 0, O_PERCLIENT},
+        {"max-prompt-tokens", required_argument, 0, O_MAXPROMPT},
+        {"max-tokens", required_argument, 0, O_MAXTOK},
+        {"default-max-tokens", required_argument, 0, O_DEFTOK},
+        {"deadline-ms", required_argument, 0, O_DEADLINE},
+        {"max-attempts", required_argument, 0, O_ATTEMPTS},
+        {"local-threshold", required_argument, 0, O_LOCAL},
+        {"method", required_argument, 0, O_METHOD},
+        {"partition-table", required_argument, 0, O_TABLE},
+        {"calibration", required_argument, 0, O_CALIB},
+        {"block-tokens", required_argument, 0, O_BLOCK},
+        {"group-inflight", required_argument, 0, O_GINF},
+        {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    int c;
+    long v;
+    while ((c = getopt_long(argc, argv, "hm:", opts, NULL)) != -1) {
+#define NUM(lo, hi, dst)                                                                        \
+    do {                                                                                        \
+        if (pdm_parse_long(optarg, lo, hi, &v)) goto bad;                                       \
+        dst = v;                                                                                \
+    } while (0)
+        switch (c) {
+        case 'm': cfg.model_path = optarg; break;
+        case O_CLIENT: cfg.client_ep = optarg; break;
+        case O_NODE: cfg.node_ep = optarg; break;
+        case O_ADMIN: cfg.admin_ep = optarg; break;
+        case O_HTTP_HOST: cfg.http_host = optarg; break;
+        case O_HTTP_PORT: NUM(-1, 65535, cfg.http_port); break;
+        case O_SECRET: cfg.secret_file = optarg; break;
+        case O_TOKEN: cfg.admin_token_file = optarg; break;
+        case O_HB: NUM(10, 60000, cfg.heartbeat_ms); break;
+        case O_LEASE: NUM(30, 600000, cfg.lease_ms); break;
+        case O_QUEUE: NUM(1, 1 << 20, cfg.queue_max); break;
+        case O_PERCLIENT: NUM(0, 1 << 20, cfg.per_client_max); break;
+        case O_MAXPROMPT: NUM(1, 1 << 22, cfg.max_prompt_tokens); break;
+        case O_MAXTOK: NUM(1, 1 << 20, cfg.max_tokens); break;
+        case O_DEFTOK: NUM(1, 1 << 20, cfg.default_max_tokens); break;
+        case O_DEADLINE: NUM(1, 3600000, cfg.default_deadline_ms); break;
+        case O_ATTEMPTS: NUM(1, 15, cfg.max_attempts); break;
+        case O_LOCAL: NUM(0, 1 << 22, cfg.local_threshold); break;
+        case O_METHOD: {
+            pdm_prefill_method_t m;
+            if (pdm_prefill_method_parse(optarg, &m)) goto bad;
+            snprintf(cfg.method, sizeof(cfg.method), "%s", optarg);
+            break;
+        }
+        case O_TABLE: cfg.partition_table = optarg; break;
+        case O_CALIB: cfg.calibration = optarg; break;
+        case O_BLOCK: NUM(1, 4096, cfg.block_tokens); break;
+        case O_GINF: NUM(1, 64, cfg.group_inflight); break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+#undef NUM
+    }
+    if (optind != argc) {
+    bad:
+        fprintf(stderr, "pdmesh-router: invalid option value%s%s\n", optarg ? ": " : "",
+                optarg ? optarg : "");
+        return 2;
+    }
+    if (cfg.lease_ms <= cfg.heartbeat_ms) {
+        fprintf(stderr, "pdmesh-router: --lease-ms must be longer than --heartbeat-ms\n");
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    if (rt_router_create(&loop, &cfg, &g_router)) {
+        fprintf(stderr, "pdmesh-router: %s\n", pdm_error_last());
+        uv_loop_close(&loop);
+        return 1;
+    }
+    uv_signal_init(&loop, &g_sig[0]);
+    uv_signal_init(&loop, &g_sig[1]);
+    uv_signal_start(&g_sig[0], on_signal, SIGINT);
+    uv_signal_start(&g_sig[1], on_signal, SIGTERM);
+
+    /* ==== HTTP front end: START HERE ====
+     * router/http.c (another branch) is started at this point, on the same loop, after the
+     * core is up and before the loop runs. Build with -DPDM_ROUTER_HTTP and add router/http.c
+     * to ROUTER_SRC in the Makefile. */
+#ifdef PDM_ROUTER_HTTP
+    if (cfg.http_port >= 0) {
+        pdm_http_config_t hc = {.host = cfg.http_host, .port = cfg.http_port,
+                                .max_connections = 256, .idle_timeout = 30};
+        if (pdm_http_start(g_router, &hc, &g_http)) {
+            fprintf(stderr, "pdmesh-router: HTTP: %s\n", pdm_error_last());
+            on_signal(&g_sig[0], 0);
+            uv_run(&loop, UV_RUN_DEFAULT);
+            rt_router_free(g_router);
+            uv_loop_close(&loop);
+            return 1;
+        }
+    }
+#endif
+    fprintf(stderr, "pdmesh-router: serving %s; client %s, node %s, admin %s\n",
+            pdm_router_model_name(g_router), cfg.client_ep, cfg.node_ep, cfg.admin_ep);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    rt_router_free(g_router);
+    uv_loop_close(&loop);
+    return 0;
+}

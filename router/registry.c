@@ -1,0 +1,465 @@
+/*
+ * registry.c - nodes and prefill groups: registration with an HMAC proof, epochs, heartbeats,
+ * leases, group wiring, and the control-plane messages of running tasks.
+ *
+ * Epochs: every registration gets a new epoch from one router-wide counter. Messages that carry
+ * an epoch must carry the sender's current one; anything else is answered ERR_STALE_EPOCH and
+ * dropped. A node is found by its ZeroMQ routing identity and must also match by epoch, so a
+ * restarted process (new identity) cannot speak for its predecessor's tasks.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "router/internal.h"
+
+static uint64_t rt_unix_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+const char *rt_node_state(const rt_node_t *n)
+{
+    return n->dead ? "dead" : n->draining ? "draining" : "alive";
+}
+
+int rt_node_usable(const pdm_router_t *r, int i)
+{
+    if (i < 0 || i >= RT_MAX_NODES) return 0;
+    const rt_node_t *n = &r->nodes[i];
+    return n->used && !n->dead && !n->draining;
+}
+
+int rt_group_usable(const pdm_router_t *r, int g)
+{
+    if (g < 0 || g >= RT_MAX_GROUPS || !r->groups[g].used || !r->groups[g].wired) return 0;
+    for (uint32_t k = 0; k < r->groups[g].size; k++)
+        if (!rt_node_usable(r, r->groups[g].member[k])) return 0;
+    return 1;
+}
+
+static int rt_group_of(pdm_router_t *r, const rt_node_t *n)
+{
+    if (n->role != PDMESH__ROLE__ROLE_PREFILL) return -1;
+    for (int g = 0; g < RT_MAX_GROUPS; g++)
+        if (r->groups[g].used && !strcmp(r->groups[g].name, n->group)) return g;
+    return -1;
+}
+
+/* Fails every attempt that involves node i (dead, re-registered or deregistered). */
+static void rt_node_lost(pdm_router_t *r, int i, const char *why)
+{
+    rt_node_t *n = &r->nodes[i];
+    int g = rt_group_of(r, n);
+    if (g >= 0 && r->groups[g].wired) {
+        r->groups[g].wired = 0;
+        r->groups[g].broke_at = r->next_epoch;
+        pdm_log_warn("router: prefill group %s broke (%s %s); it re-forms when every rank "
+                     "registers again", r->groups[g].name, n->id, why);
+    }
+    rt_req_t *next;
+    for (rt_req_t *q = r->head; q; q = next) {
+        next = q->next;
+        if (q->state == RQ_QUEUED) continue;
+        int hit = q->dnode == i || (g >= 0 && q->group == g);
+        if (!hit) continue;
+        char msg[256];
+        snprintf(msg, sizeof(msg), "%s %s %s", n->role == PDMESH__ROLE__ROLE_DECODE ? "decode node"
+                 : "prefill rank", n->id, why);
+        if (q->dnode == i) q->dnode_epoch = 0; /* do not count or cancel on the lost node */
+        if (q->dnode == i) n->tasks = PDM_MAX(0, n->tasks - 1);
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, msg);
+    }
+    if (n->role == PDMESH__ROLE__ROLE_DECODE) {
+        n->tasks = 0;
+        n->kv_reserved = 0;
+    }
+}
+
+static void rt_group_try_wire(pdm_router_t *r, int g)
+{
+    rt_group_t *gr = &r->groups[g];
+    if (gr->wired) return;
+    for (uint32_t k = 0; k < gr->size; k++) {
+        int i = gr->member[k];
+        if (i < 0 || !r->nodes[i].used || r->nodes[i].dead || r->nodes[i].epoch <= gr->broke_at)
+            return;
+    }
+    ProtobufCBinaryData addrs[PDM_KVT_MAX_RANKS];
+    for (uint32_t k = 0; k < gr->size; k++) {
+        addrs[k].data = r->nodes[gr->member[k]].ucx;
+        addrs[k].len = r->nodes[gr->member[k]].ucx_len;
+    }
+    for (uint32_t k = 0; k < gr->size; k++) {
+        rt_node_t *n = &r->nodes[gr->member[k]];
+        Pdmesh__GroupWire w = PDMESH__GROUP_WIRE__INIT;
+        w.epoch = n->epoch;
+        w.group = gr->name;
+        w.rank = k;
+        w.size = gr->size;
+        w.ucx_addresses = addrs;
+        w.n_ucx_addresses = gr->size;
+        rt_send(r->node_sock, n->ident, n->ident_len, PDMESH__MSG_TYPE__MSG_GROUP_WIRE, &w.base);
+        gr->member_epoch[k] = n->epoch;
+    }
+    gr->wired = 1;
+    gr->inflight = 0;
+    pdm_log_info("router: prefill group %s wired (%u ranks)", gr->name, gr->size);
+}
+
+static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
+                           const Pdmesh__Register *m)
+{
+    void *s = r->node_sock;
+    const int INV = PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT;
+    if (!m->node_id || !m->node_id[0] || strlen(m->node_id) >= RT_NAME_MAX) {
+        pdm_wire_send_error(s, ident, ident_len, INV, 0, "register: node_id must be 1..%d bytes",
+                            RT_NAME_MAX - 1);
+        return;
+    }
+    /* Authentication first: nothing about an unauthenticated node is kept. */
+    uint64_t now_ms = rt_unix_ms();
+    double skew = ((double)now_ms - (double)m->timestamp_ms) / 1e3;
+    if (skew > r->cfg.max_skew_s || skew < -r->cfg.max_skew_s) {
+        pdm_wire_send_error(s, ident, ident_len, PDMESH__ERROR_CODE__ERR_UNAUTHORIZED, 0,
+                            "register: timestamp is %.0f s off the router's clock", skew);
+        return;
+    }
+    if (!pdm_auth_verify(r->secret, r->secret_len, m->node_id, m->nonce, m->timestamp_ms,
+                         m->proof.data, m->proof.len)) {
+        pdm_log_warn("router: registration of %s refused: bad proof", m->node_id);
+        pdm_wire_send_error(s, ident, ident_len, PDMESH__ERROR_CODE__ERR_UNAUTHORIZED, 0,
+                            "register: the proof does not match the cluster secret");
+        return;
+    }
+    if (m->role != PDMESH__ROLE__ROLE_PREFILL && m->role != PDMESH__ROLE__ROLE_DECODE) {
+        pdm_wire_send_error(s, ident, ident_len, INV, 0, "register: role must be prefill or decode");
+        return;
+    }
+    if (m->ucx_address.len < 1 || m->ucx_address.len > 8192) {
+        pdm_wire_send_error(s, ident, ident_len, INV, 0, "register: UCX address of 1..8192 bytes");
+        return;
+    }
+    if (ident_len > RT_IDENT_MAX) {
+        pdm_wire_send_error(s, ident, ident_len, INV, 0, "register: routing id too long");
+        return;
+    }
+    int g = -1;
+    if (m->role == PDMESH__ROLE__ROLE_PREFILL) {
+        if (!m->group || !m->group[0] || strlen(m->group) >= 64 || m->group_size < 1 ||
+            m->group_size > PDM_KVT_MAX_RANKS || m->rank >= m->group_size) {
+            pdm_wire_send_error(s, ident, ident_len, INV, 0,
+                                "register: prefill needs group (1..63 bytes), group_size "
+                                "1..%d and rank < group_size", PDM_KVT_MAX_RANKS);
+            return;
+        }
+        for (int k = 0; k < RT_MAX_GROUPS && g < 0; k++)
+            if (r->groups[k].used && !strcmp(r->groups[k].name, m->group)) g = k;
+        if (g >= 0 && r->groups[g].size != m->group_size) {
+            pdm_wire_send_error(s, ident, ident_len, INV, 0,
+                                "register: group %s has %u ranks, not %u", m->group,
+                                r->groups[g].size, m->group_size);
+            return;
+        }
+        if (g >= 0) {
+            int other = r->groups[g].member[m->rank];
+            if (other >= 0 && strcmp(r->nodes[other].id, m->node_id) && !r->nodes[other].dead) {
+                pdm_wire_send_error(s, ident, ident_len, INV, 0,
+                                    "register: rank %u of group %s is held by live node %s",
+                                    m->rank, m->group, r->nodes[other].id);
+                return;
+            }
+        }
+    }
+    int i = -1, fresh = -1;
+    for (int k = 0; k < RT_MAX_NODES; k++) {
+        if (r->nodes[k].used && !strcmp(r->nodes[k].id, m->node_id)) i = k;
+        if (!r->nodes[k].used && fresh < 0) fresh = k;
+    }
+    if (i >= 0 && r->nodes[i].role != (int)m->role) {
+        pdm_wire_send_error(s, ident, ident_len, INV, 0, "register: %s is registered with another role",
+                            m->node_id);
+        return;
+    }
+    if (i < 0 && fresh < 0) {
+        pdm_wire_send_error(s, ident, ident_len, PDMESH__ERROR_CODE__ERR_OVERLOADED, 0,
+                            "register: the registry is full (%d nodes)", RT_MAX_NODES);
+        return;
+    }
+    if (g < 0 && m->role == PDMESH__ROLE__ROLE_PREFILL) {
+        for (int k = 0; k < RT_MAX_GROUPS && g < 0; k++)
+            if (!r->groups[k].used) g = k;
+        if (g < 0) {
+            pdm_wire_send_error(s, ident, ident_len, PDMESH__ERROR_CODE__ERR_OVERLOADED, 0,
+                                "register: too many prefill groups (%d)", RT_MAX_GROUPS);
+            return;
+        }
+        rt_group_t *gr = &r->groups[g];
+        memset(gr, 0, sizeof(*gr));
+        gr->used = 1;
+        snprintf(gr->name, sizeof(gr->name), "%s", m->group);
+        gr->size = m->group_size;
+        for (int k = 0; k < PDM_KVT_MAX_RANKS; k++) gr->member[k] = -1;
+    }
+    int draining = 0;
+    if (i >= 0) {
+        /* A new incarnation: whatever the old one was doing is lost. */
+        draining = r->nodes[i].draining;
+        if (!r->nodes[i].dead) rt_node_lost(r, i, "registered again (restarted)");
+        int og = rt_group_of(r, &r->nodes[i]);
+        if (og >= 0 && r->groups[og].member[r->nodes[i].rank] == i)
+            r->groups[og].member[r->nodes[i].rank] = -1;
+        free(r->nodes[i].ucx);
+    } else {
+        i = fresh;
+    }
+    rt_node_t *n = &r->nodes[i];
+    memset(n, 0, sizeof(*n));
+    n->used = 1;
+    snprintf(n->id, sizeof(n->id), "%s", m->node_id);
+    n->role = m->role;
+    snprintf(n->group, sizeof(n->group), "%s", m->group ? m->group : "");
+    n->rank = m->rank;
+    n->gsize = m->group_size;
+    memcpy(n->ident, ident, ident_len);
+    n->ident_len = ident_len;
+    n->ucx = malloc(m->ucx_address.len);
+    if (n->ucx) memcpy(n->ucx, m->ucx_address.data, m->ucx_address.len);
+    n->ucx_len = n->ucx ? m->ucx_address.len : 0;
+    if (m->capacity) {
+        n->kv_tokens = m->capacity->kv_tokens;
+        n->max_sequences = m->capacity->max_sequences;
+        n->max_batch = m->capacity->max_batch;
+        n->threads = m->capacity->threads;
+        n->max_prompt = m->capacity->max_prompt;
+    }
+    n->epoch = ++r->next_epoch;
+    n->last_hb = n->registered_at = pdm_now();
+    n->pid = m->pid;
+    n->draining = draining;
+    Pdmesh__RegisterAck ack = PDMESH__REGISTER_ACK__INIT;
+    ack.epoch = n->epoch;
+    ack.heartbeat_ms = (uint32_t)r->cfg.heartbeat_ms;
+    ack.lease_ms = (uint32_t)r->cfg.lease_ms;
+    rt_send(s, ident, ident_len, PDMESH__MSG_TYPE__MSG_REGISTER_ACK, &ack.base);
+    pdm_log_info("router: %s registered (%s, epoch %llu)", n->id,
+                 n->role == PDMESH__ROLE__ROLE_DECODE ? "decode" : "prefill",
+                 (unsigned long long)n->epoch);
+    if (g >= 0) {
+        r->groups[g].member[n->rank] = i;
+        rt_group_try_wire(r, g);
+    }
+}
+
+/* The live node behind a routing identity, checked against a message epoch (0: none). */
+static int rt_node_by_ident(pdm_router_t *r, const uint8_t *ident, size_t ident_len)
+{
+    for (int i = 0; i < RT_MAX_NODES; i++)
+        if (r->nodes[i].used && !r->nodes[i].dead && r->nodes[i].ident_len == ident_len &&
+            !memcmp(r->nodes[i].ident, ident, ident_len))
+            return i;
+    return -1;
+}
+
+static int rt_check_sender(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
+                           uint64_t epoch, int has_epoch, const char *what)
+{
+    int i = rt_node_by_ident(r, ident, ident_len);
+    if (i < 0 || (has_epoch && epoch != r->nodes[i].epoch)) {
+        pdm_wire_send_error(r->node_sock, ident, ident_len, PDMESH__ERROR_CODE__ERR_STALE_EPOCH, 0,
+                            "%s: %s", what, i < 0 ? "unknown or expired node: register again"
+                                                  : "stale epoch");
+        return -1;
+    }
+    return i;
+}
+
+/* The request a task message is about, if it is the current attempt on that node. */
+static rt_req_t *rt_task_req(pdm_router_t *r, int node, uint64_t task_id, uint32_t attempt)
+{
+    rt_req_t *q = rt_req_find(r, task_id);
+    if (!q || q->attempt != attempt || q->state == RQ_QUEUED) return NULL;
+    const rt_node_t *n = &r->nodes[node];
+    if (n->role == PDMESH__ROLE__ROLE_DECODE) return q->dnode == node ? q : NULL;
+    if (q->group < 0) return NULL;
+    const rt_group_t *g = &r->groups[q->group];
+    return n->rank < g->size && g->member[n->rank] == node &&
+                   q->group_epochs[n->rank] == n->epoch ? q : NULL;
+}
+
+static const char *rt_err_text(const Pdmesh__Error *e)
+{
+    return e && e->message && e->message[0] ? e->message : "failed";
+}
+
+void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, const void *frame,
+                      size_t len)
+{
+    void *s = r->node_sock;
+    pdm_wire_msg_t *wm;
+    int st = pdm_wire_unpack(frame, len, PDM_WIRE_MAX_FRAME, 0, &wm);
+    if (st) {
+        int code = st == PDM_EOVERFLOW ? PDMESH__ERROR_CODE__ERR_TOO_LARGE
+                   : st == PDM_EUNSUPPORTED ? PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE
+                                            : PDMESH__ERROR_CODE__ERR_BAD_MESSAGE;
+        pdm_wire_send_error(s, ident, ident_len, code, 0, "%s", pdm_error_last());
+        return;
+    }
+    int type = pdm_wire_type(wm);
+    ProtobufCMessage *msg = pdm_wire_message(wm);
+    double now = pdm_now();
+    int i;
+    switch (type) {
+    case PDMESH__MSG_TYPE__MSG_REGISTER:
+        rt_on_register(r, ident, ident_len, (Pdmesh__Register *)msg);
+        break;
+    case PDMESH__MSG_TYPE__MSG_HEARTBEAT: {
+        Pdmesh__Heartbeat *h = (Pdmesh__Heartbeat *)msg;
+        if ((i = rt_check_sender(r, ident, ident_len, h->epoch, 1, "heartbeat")) < 0) break;
+        rt_node_t *n = &r->nodes[i];
+        n->last_hb = now;
+        if (h->load) {
+            n->running = h->load->running;
+            n->held = h->load->held;
+            n->kv_used = h->load->kv_tokens_used;
+            n->kv_free = h->load->kv_tokens_free;
+            n->offload = h->load->offload_bytes;
+        }
+        Pdmesh__HeartbeatAck ack = PDMESH__HEARTBEAT_ACK__INIT;
+        ack.epoch = n->epoch;
+        ack.draining = n->draining;
+        rt_send(s, ident, ident_len, PDMESH__MSG_TYPE__MSG_HEARTBEAT_ACK, &ack.base);
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_DEREGISTER: {
+        Pdmesh__Deregister *d = (Pdmesh__Deregister *)msg;
+        if ((i = rt_check_sender(r, ident, ident_len, d->epoch, 1, "deregister")) < 0) break;
+        r->nodes[i].dead = 1;
+        rt_node_lost(r, i, "deregistered");
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_DECODE_RESERVED: {
+        Pdmesh__DecodeReserved *d = (Pdmesh__DecodeReserved *)msg;
+        if ((i = rt_check_sender(r, ident, ident_len, d->epoch, 1, "reserved")) < 0) break;
+        r->nodes[i].last_hb = now;
+        rt_req_t *q = rt_task_req(r, i, d->task_id, d->attempt);
+        if (!q || q->state != RQ_RESERVING) break;
+        if (!d->ok) {
+            if (d->error && d->error->code == PDMESH__ERROR_CODE__ERR_NODE_FULL) {
+                /* Not a failure of the request: try another node (or this one later). */
+                r->nodes[i].full_until = now + 0.5;
+                rt_req_release_nodes(r, q, 0);
+                q->state = RQ_QUEUED;
+                if (q->attempt >= 15)
+                    rt_req_fail(r, q, PDMESH__ERROR_CODE__ERR_OVERLOADED,
+                                "no decode node has room: %s", rt_err_text(d->error));
+            } else {
+                rt_attempt_failed(r, q, d->error ? (int)d->error->code : PDMESH__ERROR_CODE__ERR_INTERNAL,
+                                  rt_err_text(d->error));
+            }
+            break;
+        }
+        if (q->local) rt_send_start(r, q, -1);
+        else rt_send_prefill(r, q);
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_PREFILL_RESULT: {
+        Pdmesh__PrefillResult p = *(Pdmesh__PrefillResult *)msg;
+        if ((i = rt_check_sender(r, ident, ident_len, p.epoch, 1, "prefill result")) < 0) break;
+        r->nodes[i].last_hb = now;
+        rt_req_t *q = rt_task_req(r, i, p.task_id, p.attempt);
+        if (!q || (q->state != RQ_PREFILL && q->state != RQ_DECODE)) break;
+        if (!p.ok) {
+            char m2[512];
+            snprintf(m2, sizeof(m2), "prefill rank %s: %s", r->nodes[i].id, rt_err_text(p.error));
+            rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_KV_TRANSFER, m2);
+            break;
+        }
+        q->ranks_done++;
+        q->kv_bytes += p.kv_bytes;
+        if (q->group >= 0 && q->ranks_done == r->groups[q->group].size &&
+            r->groups[q->group].inflight > 0)
+            r->groups[q->group].inflight--;
+        if (p.first_token >= 0 && !q->started) rt_send_start(r, q, p.first_token);
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_DECODE_TOKENS: {
+        Pdmesh__DecodeTokens *d = (Pdmesh__DecodeTokens *)msg;
+        if ((i = rt_check_sender(r, ident, ident_len, 0, 0, "tokens")) < 0) break;
+        r->nodes[i].last_hb = now;
+        rt_req_t *q = rt_task_req(r, i, d->task_id, d->attempt);
+        if (!q || q->state != RQ_DECODE) break;
+        rt_req_tokens(r, q, q->base + d->index, d->tokens, d->n_tokens);
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_DECODE_RESULT: {
+        Pdmesh__DecodeResult *d = (Pdmesh__DecodeResult *)msg;
+        if ((i = rt_check_sender(r, ident, ident_len, d->epoch, 1, "decode result")) < 0) break;
+        r->nodes[i].last_hb = now;
+        rt_req_t *q = rt_task_req(r, i, d->task_id, d->attempt);
+        if (!q || q->state == RQ_QUEUED) break;
+        if (d->ok) {
+            rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens); /* fills any gap */
+            q->kv_seconds = d->kv_seconds;
+            if (d->kv_bytes) q->kv_bytes = d->kv_bytes;
+            rt_req_finish(r, q, d->finish);
+        } else if (d->error && d->error->code == PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED) {
+            rt_req_fail(r, q, PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED, "deadline exceeded on %s",
+                        r->nodes[i].id);
+        } else {
+            char m2[512];
+            snprintf(m2, sizeof(m2), "decode node %s: %s", r->nodes[i].id, rt_err_text(d->error));
+            q->dnode_epoch = r->nodes[i].epoch; /* released normally: the node dropped it */
+            rt_req_release_nodes(r, q, 0);
+            rt_attempt_failed(r, q, d->error ? (int)d->error->code : PDMESH__ERROR_CODE__ERR_INTERNAL,
+                              m2);
+        }
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_PING: {
+        Pdmesh__Ping *p = (Pdmesh__Ping *)msg;
+        Pdmesh__Ping pong = PDMESH__PING__INIT;
+        pong.nonce = p->nonce;
+        rt_send(s, ident, ident_len, PDMESH__MSG_TYPE__MSG_PONG, &pong.base);
+        break;
+    }
+    default:
+        pdm_wire_send_error(s, ident, ident_len, PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE, 0,
+                            "%s is not a message for the node socket", pdm_wire_type_name(type));
+        break;
+    }
+    pdm_wire_msg_free(wm);
+}
+
+void rt_node_metrics(pdm_router_t *r)
+{
+    static const char *keys[] = {"prefill_alive", "prefill_draining", "prefill_dead",
+                                 "decode_alive", "decode_draining", "decode_dead"};
+    int count[6] = {0};
+    for (int i = 0; i < RT_MAX_NODES; i++) {
+        rt_node_t *n = &r->nodes[i];
+        if (!n->used) continue;
+        int base = n->role == PDMESH__ROLE__ROLE_DECODE ? 3 : 0;
+        count[base + (n->dead ? 2 : n->draining ? 1 : 0)]++;
+        if (n->role == PDMESH__ROLE__ROLE_DECODE) pdm_metric_set(r->m.offload, n->id, (double)n->offload);
+    }
+    for (int k = 0; k < 6; k++) pdm_metric_set(r->m.nodes, keys[k], count[k]);
+}
+
+void rt_registry_tick(pdm_router_t *r)
+{
+    double now = pdm_now();
+    for (int i = 0; i < RT_MAX_NODES; i++) {
+        rt_node_t *n = &r->nodes[i];
+        if (!n->used || n->dead) continue;
+        if ((now - n->last_hb) * 1e3 > r->cfg.lease_ms) {
+            n->dead = 1;
+            pdm_log_warn("router: %s missed its lease (%.1f s without a heartbeat)", n->id,
+                         now - n->last_hb);
+            rt_node_lost(r, i, "missed its lease");
+        }
+    }
+}
