@@ -25,7 +25,7 @@ MODEL_FILE := models/SmolLM2-135M-Instruct.Q4_1.gguf
 VENV := $(BUILD)/venv
 
 WARN := -Wall -Wextra -Wstrict-prototypes -Wshadow -Wpointer-arith -Wno-unused-parameter -Werror
-CFLAGS_BASE := -std=c17 -D_GNU_SOURCE $(WARN) -g -fno-omit-frame-pointer -pthread -MMD -MP -I. \
+CFLAGS_BASE := -std=c17 -D_GNU_SOURCE -DPDM_ROUTER_HTTP $(WARN) -g -fno-omit-frame-pointer -pthread -MMD -MP -I. \
                -I$(BUILD)/gen
 CFLAGS ?= $(OPT)
 ALL_CFLAGS := $(CFLAGS_BASE) $(CFLAGS) $(EXTRA_CFLAGS)
@@ -48,8 +48,12 @@ DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c
 LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
 CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c
 PREFILLD_SRC := prefill_node/main.c
+# The router's OpenAI-compatible HTTP front end (router/http.h), and its test double of the
+# router core (tests/http/fake_core.c: the real server on a scripted core).
+HTTP_SRC := router/http.c router/http_openai.c
+HTTP_FAKE_SRC := tests/http/fake_core.c router/http.c router/http_openai.c router/metrics.c
 ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c \
-              router/metrics.c
+              router/metrics.c $(HTTP_SRC)
 RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
@@ -78,15 +82,16 @@ DECODED_OBJ := $(DECODED_SRC:%.c=$(BUILD)/obj/%.o)
 ROUTER_OBJ := $(ROUTER_SRC:%.c=$(BUILD)/obj/%.o)
 RCLIENT_OBJ := $(RCLIENT_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o)
+HTTP_FAKE_OBJ := $(HTTP_FAKE_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline
 LIB := $(BUILD)/libpdmesh-core.a
 BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode \
-        $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient
+        $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
+.PHONY: all deps model test check unit golden-test asan demo golden clean distclean format http-test \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check
 
@@ -134,7 +139,11 @@ $(BUILD)/bin/pdmesh-decode: $(DECODED_OBJ) $(LIB)
 
 $(BUILD)/bin/pdmesh-router: $(ROUTER_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -luv
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -luv -lhttp_parser
+
+$(BUILD)/bin/pdm-http-fake: $(HTTP_FAKE_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -luv -lhttp_parser
 
 $(BUILD)/bin/pdm-rclient: $(RCLIENT_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
@@ -170,7 +179,15 @@ cli-test: $(BINS)
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/cli/run.sh
 
 test check: deps model all
-	$(MAKE) --no-print-directory unit cli-test sim-test
+	$(MAKE) --no-print-directory unit cli-test sim-test http-test
+
+# The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
+# mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients
+# against the engine's greedy output, a real Prometheus scrape (docs/http.md).
+http-test: $(BINS)
+	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_fake.py
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_http_mesh.py \
+	  --bindir $(BUILD)/bin
 
 # The prefill cost-model simulator's invariants (bench/sim; standard-library Python).
 sim-test:
@@ -266,5 +283,5 @@ distclean: clean
 	rm -rf models
 
 -include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(PREFILLD_OBJ:.o=.d) $(DECODED_OBJ:.o=.d) \
-         $(ROUTER_OBJ:.o=.d) $(RCLIENT_OBJ:.o=.d) \
+         $(ROUTER_OBJ:.o=.d) $(RCLIENT_OBJ:.o=.d) $(HTTP_FAKE_OBJ:.o=.d) \
          $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d)
