@@ -243,6 +243,8 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
 
 void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg)
 {
+    if (q->group >= 0) /* the retry goes elsewhere (another group or local prefill) */
+        r->groups[q->group].suspect_until = pdm_now() + r->cfg.lease_ms / 1e3;
     rt_req_release_nodes(r, q, 1);
     q->retries++;
     pdm_log_warn("router: request %llu attempt %u failed: %s", (unsigned long long)q->id,

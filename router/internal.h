@@ -80,6 +80,8 @@ typedef struct {
     uint64_t broke_at;            /* epoch counter when the group broke: members must register
                                    * again (a rank cannot re-join a live group) */
     int inflight;                 /* prefill tasks sent and not finished on all ranks */
+    double suspect_until;         /* an attempt through it failed: not used until then (a
+                                   * dead rank is declared only when its lease runs out) */
 } rt_group_t;
 
 enum { RQ_QUEUED = 0, RQ_RESERVING, RQ_PREFILL, RQ_DECODE };

@@ -35,7 +35,9 @@ int rt_node_usable(const pdm_router_t *r, int i)
 
 int rt_group_usable(const pdm_router_t *r, int g)
 {
-    if (g < 0 || g >= RT_MAX_GROUPS || !r->groups[g].used || !r->groups[g].wired) return 0;
+    if (g < 0 || g >= RT_MAX_GROUPS || !r->groups[g].used || !r->groups[g].wired ||
+        r->groups[g].suspect_until > pdm_now())
+        return 0;
     for (uint32_t k = 0; k < r->groups[g].size; k++)
         if (!rt_node_usable(r, r->groups[g].member[k])) return 0;
     return 1;
@@ -380,10 +382,14 @@ void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, c
         }
         q->ranks_done++;
         q->kv_bytes += p.kv_bytes;
-        if (q->group >= 0 && q->ranks_done == r->groups[q->group].size &&
-            r->groups[q->group].inflight > 0)
-            r->groups[q->group].inflight--;
-        if (p.first_token >= 0 && !q->started) rt_send_start(r, q, p.first_token);
+        int32_t first = p.first_token;
+        if (q->group >= 0 && q->ranks_done == r->groups[q->group].size) {
+            /* Every rank finished: the group is free and the request no longer depends on it
+             * (a rank dying now does not touch the request). */
+            if (r->groups[q->group].inflight > 0) r->groups[q->group].inflight--;
+            q->group = -1;
+        }
+        if (first >= 0 && !q->started) rt_send_start(r, q, first);
         break;
     }
     case PDMESH__MSG_TYPE__MSG_DECODE_TOKENS: {

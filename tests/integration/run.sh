@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# Integration tests of the router with real processes and the real protocol:
+# pdmesh-router + a prefill group of 2 pdmesh-prefill ranks + pdmesh-decode nodes, driven by
+# tests/integration/rclient.c (pdm-rclient) over ZeroMQ on loopback.
+#
+#   BIN=build/bin PDMESH_MODEL=models/....gguf tests/integration/run.sh
+#
+# Every wait is bounded; every process started here is stopped by its pid on exit.
+set -u
+BIN=${BIN:-build/bin}
+MODEL=${PDMESH_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+[ -f "$MODEL" ] || { echo "integration: model $MODEL missing"; exit 1; }
+RUN=$(mktemp -d /tmp/pdm-it.XXXXXX)
+P=$((20000 + RANDOM % 20000))
+CLIENT=tcp://127.0.0.1:$P NODE=tcp://127.0.0.1:$((P + 1)) ADMIN=tcp://127.0.0.1:$((P + 2))
+pass=0 fail=0
+ok() { echo "ok   - $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL - $1"; fail=$((fail + 1)); }
+check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+  sleep 0.5
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  wait 2>/dev/null
+  if [ "$fail" -gt 0 ]; then
+    for f in "$RUN"/*.log; do echo "---- $f"; tail -n 15 "$f"; done
+  fi
+  rm -rf "$RUN"
+}
+trap cleanup EXIT
+
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$RUN/secret"
+head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$RUN/token"
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$RUN/wrong"
+chmod 600 "$RUN/secret" "$RUN/token" "$RUN/wrong"
+export PDMESH_SECRET_FILE="$RUN/secret" PDMESH_LOG=info
+TOKEN=$(cat "$RUN/token")
+PY=python3
+jq_() { $PY -c "import json,sys; d=[json.loads(l) for l in sys.stdin if l.strip()]; print($1)"; }
+admin() { PDMESH_ADMIN_TOKEN=$TOKEN "$BIN/pdm-rclient" admin --ep "$ADMIN" --timeout 10 "$@"; }
+
+start_router() {
+  "$BIN/pdmesh-router" --model "$MODEL" --client "$CLIENT" --node "$NODE" --admin "$ADMIN" \
+    --http-port -1 --admin-token-file "$RUN/token" --method kvr-e --local-threshold 24 \
+    --max-tokens 512 --max-attempts 4 "$@" > "$RUN/router.log" 2>&1 &
+  ROUTER=$!; pids+=("$ROUTER")
+}
+start_prefill() { # rank
+  "$BIN/pdmesh-prefill" --model "$MODEL" --router "$NODE" --node-id "pa/$1" --group pa \
+    --rank "$1" --group-size 2 --timeout 5 > "$RUN/p$1.log" 2>&1 &
+  eval "PRE$1=$!"; pids+=("$!")
+}
+start_decode() { # name
+  "$BIN/pdmesh-decode" --model "$MODEL" --router "$NODE" --node-id "$1" > "$RUN/$1.log" 2>&1 &
+  eval "DEC_$1=$!"; pids+=("$!")
+}
+wait_nodes() { # count of alive nodes, seconds
+  local end=$((SECONDS + $2))
+  while [ $SECONDS -lt $end ]; do
+    n=$(admin --op nodes 2>/dev/null | jq_ 'sum(1 for x in d[0]["nodes"] if x["state"]=="alive")' 2>/dev/null)
+    [ "${n:-0}" -ge "$1" ] && return 0
+    sleep 0.3
+  done
+  return 1
+}
+gen() { "$BIN/pdm-rclient" gen --ep "$CLIENT" --timeout 120 "$@"; }
+ref() { "$BIN/pdmesh" generate --model "$MODEL" --temp 0 "$@" 2>/dev/null; }
+
+SHORT="Hi there, how are you?"
+LONG="The capital of France is a city that many people visit because of its museums, its food, and its long history. In this short essay I will explain why the city became so important in Europe and what travellers should see first."
+
+start_router
+start_prefill 0; start_prefill 1; start_decode d0
+check "router, 2 prefill ranks and a decode node register" "wait_nodes 3 60"
+
+# --- greedy output equals the single-process engine ---
+gen --prompt "$SHORT" -n 24 --stream > "$RUN/short.json"
+ref --prompt "$SHORT" -n 24 > "$RUN/short.ref"
+check "short prompt (local prefill on the decode node) equals pdmesh generate --temp 0" \
+  "[ \"\$(jq_ 'd[0][\"text\"]' < $RUN/short.json)\" = \"\$(cat $RUN/short.ref)\" ] && [ \"\$(jq_ 'd[0][\"usage\"][\"prefill_method\"]' < $RUN/short.json)\" = local ]"
+check "streamed chunks are consecutive and equal the result" \
+  "[ \"\$(jq_ 'd[0][\"stream_matches\"]' < $RUN/short.json)\" = True ]"
+gen --prompt "$LONG" -n 24 --stream > "$RUN/long.json"
+ref --prompt "$LONG" -n 24 > "$RUN/long.ref"
+check "long prompt through the prefill group (kvr-e, KV streamed) equals pdmesh generate --temp 0" \
+  "[ \"\$(jq_ 'd[0][\"text\"]' < $RUN/long.json)\" = \"\$(cat $RUN/long.ref)\" ] && [ \"\$(jq_ 'd[0][\"usage\"][\"prefill_method\"]' < $RUN/long.json)\" = kvr-e ] && [ \"\$(jq_ 'd[0][\"usage\"][\"kv_bytes\"] > 0' < $RUN/long.json)\" = True ]"
+
+# --- concurrency: 2 clients x 6 requests ---
+gen --prompt "$SHORT" -n 16 --count 6 --stream > "$RUN/c1.json" &
+c1=$!
+gen --prompt "$LONG" -n 16 --count 6 --stream > "$RUN/c2.json"
+wait $c1
+ref --prompt "$SHORT" -n 16 > "$RUN/c1.ref"
+ref --prompt "$LONG" -n 16 > "$RUN/c2.ref"
+check "12 concurrent requests from 2 clients all equal the reference" \
+  "[ \"\$(jq_ 'sum(1 for x in d if x.get(\"ok\") and x[\"text\"]==open(\"$RUN/c1.ref\").read().rstrip(\"\\n\") and x[\"stream_matches\"])' < $RUN/c1.json)\" = 6 ] && [ \"\$(jq_ 'sum(1 for x in d if x.get(\"ok\") and x[\"text\"]==open(\"$RUN/c2.ref\").read().rstrip(\"\\n\") and x[\"stream_matches\"])' < $RUN/c2.json)\" = 6 ]"
+
+# --- authentication ---
+PDMESH_SECRET_FILE="$RUN/wrong" "$BIN/pdm-rclient" register --ep "$NODE" --node-id intruder --timeout 10 > "$RUN/reg.json"
+check "registration with a wrong secret is refused (ERR_UNAUTHORIZED)" "[ \"\$(jq_ 'd[0][\"code\"]' < $RUN/reg.json)\" = 5 ]"
+PDMESH_SECRET_FILE="$RUN/wrong" timeout 60 "$BIN/pdmesh-decode" --model "$MODEL" --router "$NODE" --node-id intruder > "$RUN/intruder.log" 2>&1
+rc=$?
+check "a decode node with a wrong secret exits with status 3" "[ $rc = 3 ]"
+check "the intruder is not in the registry" "! admin --op nodes | grep -q intruder"
+admin --op nodes --no-token > "$RUN/noauth.json"
+check "admin call without the token is refused (ERR_UNAUTHORIZED)" "[ \"\$(jq_ 'd[0][\"code\"]' < $RUN/noauth.json)\" = 5 ]"
+PDMESH_ADMIN_TOKEN=wrongtoken123 "$BIN/pdm-rclient" admin --ep "$ADMIN" --op stats > "$RUN/badauth.json"
+check "admin call with a wrong token is refused" "[ \"\$(jq_ 'd[0][\"code\"]' < $RUN/badauth.json)\" = 5 ]"
+
+# --- bad frames: typed errors, the router keeps serving ---
+for k in garbage:1 oversized:3 unknown:2 multipart:1 badproto:1; do
+  kind=${k%%:*} code=${k##*:}
+  "$BIN/pdm-rclient" raw --ep "$CLIENT" --kind "$kind" --timeout 20 > "$RUN/raw.json"
+  check "client socket: $kind frame answered with error code $code" "[ \"\$(jq_ 'd[0][\"code\"]' < $RUN/raw.json)\" = $code ]"
+done
+"$BIN/pdm-rclient" raw --ep "$NODE" --kind garbage --timeout 20 > "$RUN/raw.json"
+check "node socket: garbage answered with ERR_BAD_MESSAGE" "[ \"\$(jq_ 'd[0][\"code\"]' < $RUN/raw.json)\" = 1 ]"
+"$BIN/pdm-rclient" raw --ep "$ADMIN" --kind unknown --timeout 20 > "$RUN/raw.json"
+check "admin socket: unknown type answered with ERR_UNKNOWN_TYPE" "[ \"\$(jq_ 'd[0][\"code\"]' < $RUN/raw.json)\" = 2 ]"
+gen --prompt "$SHORT" -n 200000 > "$RUN/absurd.json"
+check "absurd max_tokens refused with ERR_INVALID_ARGUMENT" "[ \"\$(jq_ 'd[0][\"code\"]' < $RUN/absurd.json)\" = 4 ]"
+gen --prompt "$SHORT" -n 8 > "$RUN/after.json"
+check "the router still serves after bad input" "[ \"\$(jq_ 'd[0][\"ok\"]' < $RUN/after.json)\" = True ]"
+
+# --- deadline, cancel, per-client limit ---
+gen --prompt "$SHORT" -n 400 --deadline-ms 400 > "$RUN/dl.json"
+check "a request past its deadline ends with ERR_DEADLINE_EXCEEDED" "[ \"\$(jq_ 'd[0][\"code\"]' < $RUN/dl.json)\" = 7 ]"
+gen --prompt "$SHORT" -n 300 --stream --cancel-after 2 > "$RUN/cancel.json"
+check "a cancelled request ends with ERR_CANCELLED" "[ \"\$(jq_ 'd[0][\"code\"]' < $RUN/cancel.json)\" = 8 ]"
+admin --op policy-set --key per_client_max --value 2 > /dev/null
+gen --prompt "$SHORT" -n 40 --count 4 > "$RUN/limit.json"
+admin --op policy-set --key per_client_max --value 64 > /dev/null
+check "past the per-client limit: ERR_OVERLOADED, the rest complete" \
+  "[ \"\$(jq_ 'sum(1 for x in d if x.get(\"code\")==6)' < $RUN/limit.json)\" = 2 ] && [ \"\$(jq_ 'sum(1 for x in d if x.get(\"ok\"))' < $RUN/limit.json)\" = 2 ]"
+
+# --- drain: no new work on a drained node ---
+start_decode d1
+check "second decode node registers" "wait_nodes 4 60"
+admin --op drain --name d0 > /dev/null
+gen --prompt "$SHORT" -n 8 --count 3 > "$RUN/drain.json"
+check "drained d0 gets no new requests" "[ \"\$(jq_ 'sum(1 for x in d if x.get(\"ok\") and x[\"usage\"][\"decode_node\"]==\"d1\")' < $RUN/drain.json)\" = 3 ]"
+admin --op undrain --name d0 > /dev/null
+
+# --- kill -9 of a decode node mid-request: the request migrates ---
+STORY="Write a long story about a dragon who learns to cook. Once upon a time"
+before=$(grep -c "attempt 1 ->" "$RUN/router.log")
+gen --prompt "$STORY" -n 150 --stream --deadline-ms 90000 > "$RUN/mig.json" &
+g=$!
+victim=""
+for _ in $(seq 1 200); do
+  if [ "$(grep -c "attempt 1 ->" "$RUN/router.log")" -gt "$before" ]; then
+    victim=$(grep "attempt 1 ->" "$RUN/router.log" | tail -n 1 | grep -o "d[01] via" | cut -c1-2)
+    break
+  fi
+  sleep 0.05
+done
+sleep 1.5
+eval "vp=\$DEC_$victim"
+kill -9 "$vp"
+wait $g
+check "kill -9 of the decode node ($victim) mid-request: completed on the other node, no token lost or repeated" \
+  "[ \"\$(jq_ 'd[0].get(\"ok\") and d[0][\"usage\"][\"attempts\"]>=2 and d[0][\"stream_matches\"] and len(d[0][\"tokens\"])>0 and d[0][\"usage\"][\"decode_node\"]!=\"$victim\"' < $RUN/mig.json)\" = True ]"
+admin --op stats > "$RUN/stats.json"
+check "metrics count the migration" "jq_ 'd[0][\"text\"]' < $RUN/stats.json | grep -q '^pdmesh_migrations_total [1-9]'"
+
+# --- kill -9 of a prefill rank: requests complete (local prefill fallback) or end typed ---
+kill -9 "$PRE1"
+gen --prompt "$LONG" -n 16 --deadline-ms 60000 > "$RUN/pk.json"
+check "kill -9 of a prefill rank: a long-prompt request still completes before its deadline" \
+  "[ \"\$(jq_ 'd[0].get(\"ok\") == True or d[0].get(\"code\") in (7, 9)' < $RUN/pk.json)\" = True ] && [ \"\$(jq_ 'd[0].get(\"ok\")' < $RUN/pk.json)\" = True ]"
+check "the router is still alive" "kill -0 $ROUTER"
+
+echo "integration: $pass passed, $fail failed"
+[ "$fail" = 0 ]
