@@ -70,6 +70,7 @@ struct conn {
     int reading;             /* uv_read_start active */
     int writes;              /* uv_write requests in flight */
     int shut;                /* shutdown requested */
+    int aborting;            /* conn_abort_soon: the timer closes it on the next loop turn */
     char peer[64];
 
     http_parser parser;
@@ -198,7 +199,7 @@ static void count_response(conn_t *c, int status)
  * pipelined request already received). */
 static void conn_finish(conn_t *c)
 {
-    if (c->closed) return;
+    if (c->closed || c->aborting) return;
     if (!c->keep_alive || c->http->stopping) {
         c->state = C_CLOSING;
         if (c->writes == 0) conn_start_shutdown(c);
@@ -313,7 +314,7 @@ static void on_shutdown(uv_shutdown_t *req, int status)
 /* All answers written: send FIN, then read and discard until EOF or the linger timeout. */
 static void conn_start_shutdown(conn_t *c)
 {
-    if (c->closed || c->shut) return;
+    if (c->closed || c->shut || c->aborting) return;
     c->shut = 1;
     c->shutdown_req.data = c;
     if (uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) < 0) {
@@ -336,7 +337,9 @@ static void on_abort_timer(uv_timer_t *t)
 
 static void conn_abort_soon(conn_t *c)
 {
-    if (!c->closed) uv_timer_start(&c->timer, on_abort_timer, 0, 0);
+    if (c->closed || c->aborting) return;
+    c->aborting = 1;
+    uv_timer_start(&c->timer, on_abort_timer, 0, 0);
 }
 
 /* ------------------------------------------------------------------ idle timer */
@@ -358,7 +361,7 @@ static void on_idle_timeout(uv_timer_t *t)
 
 static void idle_arm(conn_t *c)
 {
-    if (!c->closed) uv_timer_start(&c->timer, on_idle_timeout, c->http->idle_ms, 0);
+    if (!c->closed && !c->aborting) uv_timer_start(&c->timer, on_idle_timeout, c->http->idle_ms, 0);
 }
 
 /* ------------------------------------------------------------------ generation sink */

@@ -11,6 +11,7 @@
  *   "MID <code>"      three tokens, then that error
  *   "SLOW"            one token every 100 ms, up to max_tokens (for cancellation)
  *   "PARAMS"          the completion is a JSON object of the request's parsed fields
+ *   "FLOOD"           64 KiB of text per token every 2 ms, up to max_tokens (slow readers)
  *   anything else     the prompt's words, cycled, one per token every 2 ms, up to max_tokens
  * Events are printed on stdout, one per line: "port N", "submit ID", "cancel ID", "end ID".
  *
@@ -42,7 +43,7 @@ typedef struct freq {
     uint64_t id;
     pdm_router_sink_t sink;
     uv_timer_t timer;
-    int mode;              /* 0 words, 1 early, 2 mid, 3 slow, 4 params */
+    int mode;              /* 0 words, 1 early, 2 mid, 3 slow, 4 params, 5 flood */
     int code;
     uint32_t max_tokens, sent;
     char **words;
@@ -128,6 +129,14 @@ static void tick(uv_timer_t *t)
         finish_ok(q, PDMESH__FINISH_REASON__FINISH_LENGTH);
         return;
     }
+    if (q->mode == 5) {
+        static char big[65537];
+        memset(big, 'f', sizeof(big) - 1);
+        int32_t tok = (int32_t)q->sent;
+        q->sink.on_tokens(q->sink.ctx, q->sent, &tok, 1, big);
+        q->sent++;
+        return;
+    }
     char piece[256];
     snprintf(piece, sizeof(piece), "%s%s", q->sent ? " " : "",
              q->n_words ? q->words[q->sent % q->n_words] : "x");
@@ -198,6 +207,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     else if (sscanf(text, "MID %d", &arg) == 1) q->mode = 2, q->code = arg;
     else if (!strcmp(text, "SLOW")) q->mode = 3, period = 100;
     else if (!strcmp(text, "PARAMS")) q->mode = 4, q->params = params_json(req);
+    else if (!strcmp(text, "FLOOD")) q->mode = 5;
     if (q->mode == 0 || q->mode == 3 || q->mode == 2) {
         char *copy = strdup(text), *save = NULL;
         for (char *w = strtok_r(copy, " ", &save); w; w = strtok_r(NULL, " ", &save)) {

@@ -293,6 +293,18 @@ def test_cancel_on_disconnect(f):
         wait_for(lambda: len(f.events("cancel")) > before, 10, "cancel after disconnect")
 
 
+def test_slow_reader_dropped(f):
+    """A client that never reads its stream is dropped once 8 MiB wait unsent."""
+    before = len(f.events("cancel"))
+    s = connect(f.port)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(request_bytes("POST", "/v1/completions",
+                            {"prompt": "FLOOD", "max_tokens": 4000, "stream": True}))
+    wait_for(lambda: len(f.events("cancel")) > before, 30, "the slow reader to be dropped")
+    s.close()
+    assert call(f.port, "GET", "/healthz").status == 200
+
+
 def test_pipelining_and_keepalive(f):
     s = connect(f.port)
     rd = Reader(s)
