@@ -13,6 +13,7 @@
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
 #   make cuda-check  compile every .cu file (what CI runs; no GPU needed)
+#   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
 #
 # Variables: OPT (optimisation flags), BUILD (output directory), CC.
@@ -91,7 +92,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit golden-test asan demo golden clean distclean format http-test \
+.PHONY: all deps model test check unit golden-test asan demo golden clean distclean format http-test bench-serve \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check
 
@@ -213,6 +214,13 @@ bench-transfer: deps model all $(BUILD)/bin/stream_bench
 	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
 	STREAM_BENCH=$(BUILD)/bin/stream_bench $(PYTHON) bench/transfer/run.py
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/transfer/ttft.py
+
+# Serving over the HTTP API: rates x prompt mix, disaggregated vs colocated, router overhead
+# (docs/perf/serve.*). BENCH_QUICK=1: a ~3-minute run.
+bench-serve: deps model all
+	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/run.py --bindir $(BUILD)/bin \
+	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
 # Batched decode throughput beside llama.cpp (docs/perf/decode.*). BENCH_QUICK=1: short run.
 bench-decode: deps model $(BUILD)/bin/decode_bench

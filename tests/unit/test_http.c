@@ -103,8 +103,8 @@ START_TEST(test_http_parse_fuzz)
 {
     static const char *seeds[] = {
         "{\"prompt\":\"hello\",\"max_tokens\":5,\"stop\":[\"x\"],\"temperature\":0.5}",
-        "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"t\"}]}],"
-        "\"stream\":true,\"stream_options\":{\"include_usage\":true}}",
+        ("{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"t\"}]}],"
+         "\"stream\":true,\"stream_options\":{\"include_usage\":true}}"),
         "{\"prompt\":[[1,2,3]],\"best_of\":2,\"seed\":-1,\"top_k\":-1}",
     };
     uint64_t rng = 7;
