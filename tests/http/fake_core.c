@@ -11,6 +11,7 @@
  *   "MID <code>"      three tokens, then that error
  *   "SLOW"            one token every 100 ms, up to max_tokens (for cancellation)
  *   "PARAMS"          the completion is a JSON object of the request's parsed fields
+ *   "INSTANT"         one token and the result on the loop's next turn (overhead measurements)
  *   "FLOOD"           64 KiB of text per token every 2 ms, up to max_tokens (slow readers)
  *   anything else     the prompt's words, cycled, one per token every 2 ms, up to max_tokens
  * Events are printed on stdout, one per line: "port N", "submit ID", "cancel ID", "end ID".
@@ -43,7 +44,7 @@ typedef struct freq {
     uint64_t id;
     pdm_router_sink_t sink;
     uv_timer_t timer;
-    int mode;              /* 0 words, 1 early, 2 mid, 3 slow, 4 params, 5 flood */
+    int mode;              /* 0 words, 1 early, 2 mid, 3 slow, 4 params, 5 flood, 6 instant */
     int code;
     uint32_t max_tokens, sent;
     char **words;
@@ -115,6 +116,14 @@ static void tick(uv_timer_t *t)
     if (q->mode == 2 && q->sent == 3) {
         q->sink.on_error(q->sink.ctx, q->code, "scripted failure in the middle of the stream");
         freq_end(q);
+        return;
+    }
+    if (q->mode == 6) {
+        int32_t tok = 0;
+        append(q, "x");
+        q->sent = 1;
+        q->sink.on_tokens(q->sink.ctx, 0, &tok, 1, "x");
+        finish_ok(q, PDMESH__FINISH_REASON__FINISH_LENGTH);
         return;
     }
     if (q->mode == 4) {
@@ -208,6 +217,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     else if (!strcmp(text, "SLOW")) q->mode = 3, period = 100;
     else if (!strcmp(text, "PARAMS")) q->mode = 4, q->params = params_json(req);
     else if (!strcmp(text, "FLOOD")) q->mode = 5;
+    else if (!strcmp(text, "INSTANT")) q->mode = 6, period = 0;
     if (q->mode == 0 || q->mode == 3 || q->mode == 2) {
         char *copy = strdup(text), *save = NULL;
         for (char *w = strtok_r(copy, " ", &save); w; w = strtok_r(NULL, " ", &save)) {
