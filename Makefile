@@ -46,22 +46,24 @@ MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c
-LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC)
-CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c
+LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
+           router/metrics.c
+CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/mesh.c
 PREFILLD_SRC := prefill_node/main.c
 # The router's OpenAI-compatible HTTP front end (router/http.h), and its test double of the
 # router core (tests/http/fake_core.c: the real server on a scripted core).
 HTTP_SRC := router/http.c router/http_openai.c
-HTTP_FAKE_SRC := tests/http/fake_core.c router/http.c router/http_openai.c router/metrics.c
+HTTP_FAKE_SRC := tests/http/fake_core.c router/http.c router/http_openai.c
 ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c \
-              router/metrics.c $(HTTP_SRC)
+              $(HTTP_SRC)
 RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
             tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
-            tests/unit/test_disagg.c tests/unit/test_http.c router/http_openai.c
+            tests/unit/test_disagg.c tests/unit/test_router.c tests/unit/test_http.c \
+            router/http_openai.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
 CUDA_HOME ?= /usr/local/cuda
@@ -92,7 +94,8 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit golden-test asan demo golden clean distclean format http-test bench-serve \
+.PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
+        integration-test http-test bench-serve \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check
 
@@ -128,7 +131,7 @@ $(LIB): $(LIB_OBJ)
 
 $(BUILD)/bin/pdmesh: $(CLI_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -lyaml
 
 $(BUILD)/bin/pdmesh-prefill: $(PREFILLD_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
@@ -179,8 +182,12 @@ unit: $(TEST_BIN) $(BINS)
 cli-test: $(BINS)
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/cli/run.sh
 
+# The router with a prefill group and decode nodes as real processes (tests/integration).
+integration-test: $(BINS)
+	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/run.sh
+
 test check: deps model all
-	$(MAKE) --no-print-directory unit cli-test sim-test http-test
+	$(MAKE) --no-print-directory unit cli-test sim-test integration-test http-test
 
 # The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
 # mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients

@@ -27,5 +27,7 @@ int cmd_prefill_run(int argc, char **argv);
 int cmd_partition_search(int argc, char **argv);
 int cmd_calibrate(int argc, char **argv);
 int cmd_disagg_run(int argc, char **argv);
+int cmd_up(int argc, char **argv);
+int cmd_down(int argc, char **argv);
 
 #endif /* PDM_CLI_H */

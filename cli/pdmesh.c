@@ -44,6 +44,9 @@ static void usage(FILE *f)
             "  disagg-run  --prefill-ranks R --method M (--prompt TEXT|--prompt-file F|--random N)...\n"
             "              [-n N] [--temp T] [--stop S] [--chat] [--decode-batch N] [--json]\n"
             "              prefill group -> KV stream -> decode node, end to end\n"
+            "  up          [--config deploy/local/default.yaml]   start a local mesh (router,\n"
+            "              prefill groups, decode nodes); waits until every node is alive\n"
+            "  down        [--config FILE | --run-dir DIR]     stop it (SIGTERM, then SIGKILL)\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
             "\n"
@@ -620,5 +623,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "partition-search")) return cmd_partition_search(argc - 1, argv + 1);
     if (!strcmp(cmd, "calibrate")) return cmd_calibrate(argc - 1, argv + 1);
     if (!strcmp(cmd, "disagg-run")) return cmd_disagg_run(argc - 1, argv + 1);
+    if (!strcmp(cmd, "up")) return cmd_up(argc - 1, argv + 1);
+    if (!strcmp(cmd, "down")) return cmd_down(argc - 1, argv + 1);
     return cli_usage_error("unknown command '%s'", cmd);
 }

@@ -671,7 +671,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     } else {
         if (req->prompt && strlen(req->prompt) > (size_t)r->cfg.max_prompt_tokens * 64)
             return rt_refuse(code, INV, PDM_EINVAL, "prompt text too long");
-        int st = req->prompt ? rt_tokenize(r, req->prompt, &tok, &n)
+        int st = req->prompt && req->prompt[0] ? rt_tokenize(r, req->prompt, &tok, &n)
                              : pdm_router_render_chat(r, (const Pdmesh__ChatMessage *const *)req->messages,
                                                       req->n_messages, &tok, &n);
         if (st) return rt_refuse(code, INV, PDM_EINVAL, "prompt: %s", pdm_error_last());

@@ -319,8 +319,7 @@ int pdm_http__parse_request(const char *body, size_t len, int chat,
     pdmesh__generate_request__init(req);
     pdmesh__sampling_params__init(sp);
     req->sampling = sp;
-    /* NULL, not "", when the prompt is given as messages or token ids: the core tells the
-     * three kinds apart by the prompt pointer. */
+    /* No text prompt unless one is given (messages or token ids otherwise). */
     req->prompt = NULL;
 
     uint32_t max_prompt = lim ? lim->max_prompt_tokens : 0;

@@ -88,9 +88,10 @@ static pdm__series_t *pdm__series(pdm_metric_t *x, const char *label)
     if (!label) label = "";
     for (size_t i = 0; i < x->n_series; i++)
         if (!strncmp(x->series[i].label, label, sizeof(x->series[i].label) - 1)) return &x->series[i];
-    if (x->n_series == PDM_METRICS_MAX_SERIES) label = "other";
+    if (x->n_series >= PDM_METRICS_MAX_SERIES) label = "other";
     for (size_t i = 0; i < x->n_series; i++)
         if (!strcmp(x->series[i].label, label)) return &x->series[i];
+    if (x->n_series > PDM_METRICS_MAX_SERIES) return NULL; /* cannot happen: "other" exists */
     pdm__series_t *s = &x->series[x->n_series++];
     snprintf(s->label, sizeof(s->label), "%s", label);
     return s;

@@ -179,7 +179,7 @@ plot '%s' index 0 u 1:3 w lp t 'disagg', '' index 1 u 1:3 w lp t 'colocated'
 set ylabel 'goodput (req/s)'
 plot '%s' index 0 u 1:4 w lp t 'disagg', '' index 1 u 1:4 w lp t 'colocated'
 unset multiplot
-""" % (", ".join("%g" % r for r in result["rates"]), os.path.join(out, "serve.png"), dat, dat,
+""" % (os.path.join(out, "serve.png"), ", ".join("%g" % r for r in result["rates"]), dat, dat,
        dat)
     subprocess.run(["gnuplot"], input=script, text=True, timeout=60)
     os.remove(dat)

@@ -86,6 +86,11 @@ ref --prompt "$LONG" -n 24 > "$RUN/long.ref"
 check "long prompt through the prefill group (kvr-e, KV streamed) equals pdmesh generate --temp 0" \
   "[ \"\$(jq_ 'd[0][\"text\"]' < $RUN/long.json)\" = \"\$(cat $RUN/long.ref)\" ] && [ \"\$(jq_ 'd[0][\"usage\"][\"prefill_method\"]' < $RUN/long.json)\" = kvr-e ] && [ \"\$(jq_ 'd[0][\"usage\"][\"kv_bytes\"] > 0' < $RUN/long.json)\" = True ]"
 
+gen --prompt "Tell me about the sea" --chat -n 16 > "$RUN/chat.json"
+ref --prompt "Tell me about the sea" --chat -n 16 > "$RUN/chat.ref"
+check "chat messages rendered with the model's template; output equals pdmesh generate --chat" \
+  "[ \"\$(jq_ 'd[0][\"text\"]' < $RUN/chat.json)\" = \"\$(cat $RUN/chat.ref)\" ]"
+
 # --- concurrency: 2 clients x 6 requests ---
 gen --prompt "$SHORT" -n 16 --count 6 --stream > "$RUN/c1.json" &
 c1=$!
@@ -158,18 +163,46 @@ done
 sleep 1.5
 eval "vp=\$DEC_$victim"
 kill -9 "$vp"
+wait "$vp" 2>/dev/null
 wait $g
 check "kill -9 of the decode node ($victim) mid-request: completed on the other node, no token lost or repeated" \
   "[ \"\$(jq_ 'd[0].get(\"ok\") and d[0][\"usage\"][\"attempts\"]>=2 and d[0][\"stream_matches\"] and len(d[0][\"tokens\"])>0 and d[0][\"usage\"][\"decode_node\"]!=\"$victim\"' < $RUN/mig.json)\" = True ]"
 admin --op stats > "$RUN/stats.json"
-check "metrics count the migration" "jq_ 'd[0][\"text\"]' < $RUN/stats.json | grep -q '^pdmesh_migrations_total [1-9]'"
+check "metrics count the migration" "jq_ 'd[0][\"text\"]' < $RUN/stats.json | grep '^pdmesh_migrations_total [1-9]' > /dev/null"
 
 # --- kill -9 of a prefill rank: requests complete (local prefill fallback) or end typed ---
 kill -9 "$PRE1"
+wait "$PRE1" 2>/dev/null
 gen --prompt "$LONG" -n 16 --deadline-ms 60000 > "$RUN/pk.json"
 check "kill -9 of a prefill rank: a long-prompt request still completes before its deadline" \
   "[ \"\$(jq_ 'd[0].get(\"ok\") == True or d[0].get(\"code\") in (7, 9)' < $RUN/pk.json)\" = True ] && [ \"\$(jq_ 'd[0].get(\"ok\")' < $RUN/pk.json)\" = True ]"
 check "the router is still alive" "kill -0 $ROUTER"
+
+# --- pdmesh up / down from a YAML config ---
+Q=$((P + 10))
+cat > "$RUN/up.yaml" <<EOF
+model: $MODEL
+run_dir: $RUN/mesh
+bin_dir: $BIN
+start_timeout: 90
+router: {client: "tcp://127.0.0.1:$Q", node: "tcp://127.0.0.1:$((Q + 1))", admin: "tcp://127.0.0.1:$((Q + 2))", http_port: -1}
+prefill_groups:
+  - {name: g, ranks: 2}
+decode_nodes:
+  - {name: dn}
+EOF
+"$BIN/pdmesh" up --config "$RUN/up.yaml" > "$RUN/up.out" 2>&1
+check "pdmesh up starts router + group of 2 + decode node and waits until ready" "grep -q 'mesh up: 3 nodes' $RUN/up.out"
+"$BIN/pdm-rclient" gen --ep "tcp://127.0.0.1:$Q" --prompt "$SHORT" -n 8 --timeout 60 > "$RUN/up.json"
+check "the mesh started by pdmesh up serves a request" "[ \"\$(jq_ 'd[0][\"ok\"]' < $RUN/up.json)\" = True ]"
+mesh_pids=$(awk '{print $2}' "$RUN/mesh/pids" 2>/dev/null)
+"$BIN/pdmesh" down --config "$RUN/up.yaml" > /dev/null 2>&1
+left=0  # a zombie (exited, not yet reaped by init) counts as stopped
+for p in $mesh_pids; do
+  st=$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)
+  [ -n "$st" ] && [ "$st" != Z ] && left=$((left + 1))
+done
+check "pdmesh down stops every process of the mesh" "[ $left = 0 ] && [ -n \"$mesh_pids\" ]"
 
 echo "integration: $pass passed, $fail failed"
 [ "$fail" = 0 ]

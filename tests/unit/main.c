@@ -17,7 +17,8 @@ static const struct {
     {"common", suite_common},   {"gguf", suite_gguf},     {"tokenizer", suite_tokenizer},
     {"kernels", suite_kernels}, {"engine", suite_engine}, {"sampler", suite_sampler},
     {"golden", suite_golden},   {"kvtransfer", suite_kvtransfer}, {"prefill", suite_prefill},
-    {"decode", suite_decode},   {"disagg", suite_disagg},     {"http", suite_http},
+    {"decode", suite_decode},   {"disagg", suite_disagg}, {"router", suite_router},
+    {"http", suite_http},
 };
 
 const char *pdm_test_tmpdir(void)

@@ -19,6 +19,7 @@ Suite *suite_prefill(void);
 Suite *suite_kvtransfer(void);
 Suite *suite_decode(void);
 Suite *suite_disagg(void);
+Suite *suite_router(void);
 Suite *suite_http(void);
 
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or

@@ -1,0 +1,430 @@
+/*
+ * mesh.c - `pdmesh up` / `pdmesh down`: a whole mesh (router, prefill groups, decode nodes) on
+ * this machine from a YAML file (libyaml), with a generated cluster secret and admin token in
+ * a run directory that also holds the logs and pids. See docs/router.md.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+#include <yaml.h>
+#include <zmq.h>
+
+#include "cli/cli.h"
+#include "common/pdm.h"
+#include "common/wire.h"
+
+/* ---- a small YAML tree (maps, sequences, scalars) --------------------------------------- */
+
+typedef struct ynode {
+    int kind; /* 0 scalar, 1 map, 2 seq */
+    char *text;
+    struct ynode **kids; /* map: key, value, key, value...; seq: items */
+    int n;
+} ynode_t;
+
+static void y_free(ynode_t *y)
+{
+    if (!y) return;
+    for (int i = 0; i < y->n; i++) y_free(y->kids[i]);
+    free(y->kids);
+    free(y->text);
+    free(y);
+}
+
+static ynode_t *y_parse(yaml_parser_t *p, yaml_event_t *first, int depth)
+{
+    if (depth > 32) return NULL;
+    ynode_t *y = calloc(1, sizeof(*y));
+    if (!y) return NULL;
+    if (first->type == YAML_SCALAR_EVENT) {
+        y->text = strndup((const char *)first->data.scalar.value, first->data.scalar.length);
+        return y;
+    }
+    if (first->type != YAML_MAPPING_START_EVENT && first->type != YAML_SEQUENCE_START_EVENT) {
+        free(y);
+        return NULL;
+    }
+    y->kind = first->type == YAML_MAPPING_START_EVENT ? 1 : 2;
+    for (;;) {
+        yaml_event_t ev;
+        if (!yaml_parser_parse(p, &ev)) goto fail;
+        if (ev.type == YAML_MAPPING_END_EVENT || ev.type == YAML_SEQUENCE_END_EVENT) {
+            yaml_event_delete(&ev);
+            return y;
+        }
+        ynode_t *k = y_parse(p, &ev, depth + 1);
+        yaml_event_delete(&ev);
+        if (!k || y->n >= 4096) {
+            y_free(k);
+            goto fail;
+        }
+        ynode_t **kids = realloc(y->kids, sizeof(*kids) * (size_t)(y->n + 1));
+        if (!kids) {
+            y_free(k);
+            goto fail;
+        }
+        y->kids = kids;
+        y->kids[y->n++] = k;
+    }
+fail:
+    y_free(y);
+    return NULL;
+}
+
+static int y_load(const char *path, ynode_t **out)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return pdm_error_set(PDM_EIO, "%s: %s", path, strerror(errno));
+    yaml_parser_t p;
+    yaml_parser_initialize(&p);
+    yaml_parser_set_input_file(&p, f);
+    ynode_t *root = NULL;
+    yaml_event_t ev;
+    while (!root && yaml_parser_parse(&p, &ev)) {
+        int t = ev.type;
+        if (t == YAML_MAPPING_START_EVENT) root = y_parse(&p, &ev, 0);
+        yaml_event_delete(&ev);
+        if (t == YAML_STREAM_END_EVENT || (t == YAML_MAPPING_START_EVENT && !root)) break;
+    }
+    int st = PDM_OK;
+    if (!root)
+        st = pdm_error_set(PDM_EFORMAT, "%s: line %zu: %s", path, p.problem_mark.line + 1,
+                           p.problem ? p.problem : "expected a YAML mapping");
+    yaml_parser_delete(&p);
+    fclose(f);
+    *out = root;
+    return st;
+}
+
+static const ynode_t *y_get(const ynode_t *m, const char *key)
+{
+    if (!m || m->kind != 1) return NULL;
+    for (int i = 0; i + 1 < m->n; i += 2)
+        if (m->kids[i]->kind == 0 && !strcmp(m->kids[i]->text, key)) return m->kids[i + 1];
+    return NULL;
+}
+
+static const char *y_str(const ynode_t *m, const char *key, const char *def)
+{
+    const ynode_t *v = y_get(m, key);
+    return v && v->kind == 0 ? v->text : def;
+}
+
+static int y_int(const ynode_t *m, const char *key, long def, long lo, long hi, long *out)
+{
+    const char *s = y_str(m, key, NULL);
+    if (!s) {
+        *out = def;
+        return PDM_OK;
+    }
+    if (pdm_parse_long(s, lo, hi, out))
+        return pdm_error_set(PDM_EINVAL, "config: %s must be an integer in [%ld, %ld]", key, lo, hi);
+    return PDM_OK;
+}
+
+/* ---- processes -------------------------------------------------------------------------- */
+
+typedef struct {
+    char run[1024];
+    char bin[1024];
+    FILE *pids;
+} mesh_t;
+
+static int spawn(mesh_t *m, const char *name, char *const argv[])
+{
+    char log[1200];
+    snprintf(log, sizeof(log), "%s/%s.log", m->run, name);
+    for (char *p = log + strlen(m->run) + 1; *p; p++)
+        if (*p == '/') *p = '_';
+    pid_t pid = fork();
+    if (pid < 0) return pdm_error_set(PDM_EIO, "fork: %s", strerror(errno));
+    if (pid == 0) {
+        setsid(); /* outlives `pdmesh up`; `pdmesh down` stops it */
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        int nul = open("/dev/null", O_RDONLY);
+        if (fd >= 0) dup2(fd, 1), dup2(fd, 2);
+        if (nul >= 0) dup2(nul, 0);
+        execv(argv[0], argv);
+        fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
+        _exit(127);
+    }
+    fprintf(m->pids, "%s %d\n", name, (int)pid);
+    fflush(m->pids);
+    return PDM_OK;
+}
+
+static int write_secret(const char *path, size_t bytes)
+{
+    uint8_t raw[64];
+    if (bytes > sizeof(raw) || pdm_random_bytes(raw, bytes))
+        return pdm_error_set(PDM_EIO, "no random bytes");
+    char *hex = pdm_hex_encode(raw, bytes);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    int st = fd >= 0 && hex && write(fd, hex, strlen(hex)) == (ssize_t)strlen(hex) ? PDM_OK : PDM_EIO;
+    if (fd >= 0) close(fd);
+    free(hex);
+    return st ? pdm_error_set(st, "%s: cannot write", path) : PDM_OK;
+}
+
+/* Nodes alive according to the router's admin socket, -1 when it does not answer. */
+static int alive_nodes(const char *admin_ep, const char *token)
+{
+    void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_DEALER);
+    int zero = 0, n = -1;
+    zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof(zero));
+    if (!zmq_connect(s, admin_ep)) {
+        Pdmesh__AdminRequest a = PDMESH__ADMIN_REQUEST__INIT;
+        a.op = PDMESH__ADMIN_OP__ADMIN_NODES;
+        a.token = (char *)token;
+        pdm_wire_send(s, NULL, 0, PDMESH__MSG_TYPE__MSG_ADMIN_REQUEST, &a.base);
+        zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 1000) > 0) {
+            zmq_msg_t msg;
+            zmq_msg_init(&msg);
+            pdm_wire_msg_t *w = NULL;
+            if (zmq_msg_recv(&msg, s, 0) >= 0 &&
+                !pdm_wire_unpack(zmq_msg_data(&msg), zmq_msg_size(&msg), 16u << 20, 0, &w) &&
+                pdm_wire_type(w) == PDMESH__MSG_TYPE__MSG_ADMIN_REPLY) {
+                Pdmesh__AdminReply *r = (Pdmesh__AdminReply *)pdm_wire_message(w);
+                n = 0;
+                for (size_t i = 0; r->ok && i < r->n_nodes; i++) n += !strcmp(r->nodes[i]->state, "alive");
+            }
+            pdm_wire_msg_free(w);
+            zmq_msg_close(&msg);
+        }
+    }
+    zmq_close(s);
+    zmq_ctx_term(ctx);
+    return n;
+}
+
+static int pid_alive(int pid)
+{
+    if (kill(pid, 0)) return 0;
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    return !(p && p[1] == ' ' && p[2] == 'Z'); /* a zombie has exited */
+}
+
+static int stop_all(const char *run, double grace)
+{
+    char path[1100];
+    snprintf(path, sizeof(path), "%s/pids", run);
+    FILE *f = fopen(path, "r");
+    if (!f) return pdm_error_set(PDM_ENOTFOUND, "%s: no mesh is running there", path);
+    int pids[1024], n = 0;
+    char name[256];
+    int pid;
+    while (n < 1024 && fscanf(f, "%255s %d", name, &pid) == 2)
+        if (pid > 1) pids[n++] = pid;
+    fclose(f);
+    for (int i = n - 1; i >= 0; i--) kill(pids[i], SIGTERM);
+    double end = pdm_now() + grace;
+    for (;;) {
+        int left = 0;
+        for (int i = 0; i < n; i++) left += pid_alive(pids[i]);
+        if (!left) break;
+        if (pdm_now() > end) {
+            for (int i = 0; i < n; i++)
+                if (pid_alive(pids[i])) kill(pids[i], SIGKILL);
+            fprintf(stderr, "pdmesh down: %d processes did not stop within %.0f s: killed\n", left,
+                    grace);
+            break;
+        }
+        usleep(100000);
+    }
+    unlink(path);
+    return PDM_OK;
+}
+
+static void self_dir(char *out, size_t cap)
+{
+    ssize_t n = readlink("/proc/self/exe", out, cap - 1);
+    if (n <= 0) {
+        snprintf(out, cap, "build/bin");
+        return;
+    }
+    out[n] = 0;
+    char *slash = strrchr(out, '/');
+    if (slash) *slash = 0;
+}
+
+static int mkdirs(const char *path)
+{
+    char tmp[1024];
+    snprintf(tmp, sizeof(tmp), "%s", path);
+    for (char *p = tmp + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            mkdir(tmp, 0755);
+            *p = '/';
+        }
+    if (mkdir(tmp, 0755) && errno != EEXIST)
+        return pdm_error_set(PDM_EIO, "%s: %s", path, strerror(errno));
+    return PDM_OK;
+}
+
+int cmd_up(int argc, char **argv)
+{
+    const char *config = "deploy/local/default.yaml";
+    static const struct option opts[] = {{"config", required_argument, 0, 'c'}, {0, 0, 0, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "c:", opts, NULL)) != -1) {
+        if (c == 'c') config = optarg;
+        else return cli_usage_error("up: unknown option%s", "");
+    }
+    ynode_t *y;
+    if (y_load(config, &y)) return cli_runtime_error("up: config");
+    mesh_t m = {0};
+    const ynode_t *rt = y_get(y, "router");
+    const char *model = y_str(y, "model", pdm_model_default_path());
+    snprintf(m.run, sizeof(m.run), "%s", y_str(y, "run_dir", "run/mesh"));
+    if (y_str(y, "bin_dir", NULL)) snprintf(m.bin, sizeof(m.bin), "%s", y_str(y, "bin_dir", NULL));
+    else self_dir(m.bin, sizeof(m.bin));
+    const char *client = y_str(rt, "client", "tcp://127.0.0.1:7700");
+    const char *node = y_str(rt, "node", "tcp://127.0.0.1:7701");
+    const char *admin = y_str(rt, "admin", "tcp://127.0.0.1:7702");
+    long http_port, local_thr, timeout;
+    int st = y_int(rt, "http_port", 8080, -1, 65535, &http_port);
+    if (!st) st = y_int(rt, "local_threshold", 32, 0, 1 << 22, &local_thr);
+    if (!st) st = y_int(y, "start_timeout", 120, 1, 3600, &timeout);
+    const char *method = y_str(rt, "method", "auto");
+    const ynode_t *groups = y_get(y, "prefill_groups"), *decodes = y_get(y, "decode_nodes");
+    if (!st && (!decodes || decodes->kind != 2 || decodes->n < 1))
+        st = pdm_error_set(PDM_EINVAL, "config: decode_nodes must list at least one node");
+    if (!st && groups && groups->kind != 2)
+        st = pdm_error_set(PDM_EINVAL, "config: prefill_groups must be a list");
+    char path[1200];
+    snprintf(path, sizeof(path), "%s/pids", m.run);
+    if (!st && access(path, F_OK) == 0)
+        st = pdm_error_set(PDM_ESTATE, "a mesh is already running from %s (pdmesh down first)", m.run);
+    if (!st) st = mkdirs(m.run);
+    char secret[1100], token[1100];
+    snprintf(secret, sizeof(secret), "%s/secret", m.run);
+    snprintf(token, sizeof(token), "%s/admin-token", m.run);
+    if (!st) st = write_secret(secret, 32);
+    if (!st) st = write_secret(token, 16);
+    if (!st && !(m.pids = fopen(path, "w"))) st = pdm_error_set(PDM_EIO, "%s: cannot write", path);
+    if (st) {
+        y_free(y);
+        return cli_runtime_error("up");
+    }
+    setenv("PDMESH_SECRET_FILE", secret, 1);
+    unsetenv("PDMESH_SECRET");
+    char b_router[1100], b_pre[1100], b_dec[1100], s_http[16], s_local[16];
+    snprintf(b_router, sizeof(b_router), "%s/pdmesh-router", m.bin);
+    snprintf(b_pre, sizeof(b_pre), "%s/pdmesh-prefill", m.bin);
+    snprintf(b_dec, sizeof(b_dec), "%s/pdmesh-decode", m.bin);
+    snprintf(s_http, sizeof(s_http), "%ld", http_port);
+    snprintf(s_local, sizeof(s_local), "%ld", local_thr);
+    char *ra[] = {b_router, "--model", (char *)model, "--client", (char *)client, "--node",
+                  (char *)node, "--admin", (char *)admin, "--http-port", s_http,
+                  "--admin-token-file", token, "--local-threshold", s_local, "--method",
+                  (char *)method, NULL};
+    st = spawn(&m, "router", ra);
+    usleep(300000);
+    int expected = 0;
+    for (int gi = 0; !st && groups && gi < groups->n; gi++) {
+        const ynode_t *g = groups->kids[gi];
+        const char *gname = y_str(g, "name", "prefill");
+        long ranks, threads;
+        st = y_int(g, "ranks", 2, 1, 64, &ranks);
+        if (!st) st = y_int(g, "threads", 1, 1, 256, &threads);
+        for (long k = 0; !st && k < ranks; k++) {
+            char id[200], rk[16], sz[16], th[16];
+            snprintf(id, sizeof(id), "%s/%ld", gname, k);
+            snprintf(rk, sizeof(rk), "%ld", k);
+            snprintf(sz, sizeof(sz), "%ld", ranks);
+            snprintf(th, sizeof(th), "%ld", threads);
+            char *pa[] = {b_pre, "--model", (char *)model, "--router", (char *)node, "--node-id", id,
+                          "--group", (char *)gname, "--rank", rk, "--group-size", sz, "--threads",
+                          th, NULL};
+            st = spawn(&m, id, pa);
+            expected++;
+        }
+    }
+    for (int di = 0; !st && di < decodes->n; di++) {
+        const ynode_t *d = decodes->kids[di];
+        char id[200], th[16], kv[32];
+        long threads, budget;
+        snprintf(id, sizeof(id), "%s", y_str(d, "name", "decode"));
+        st = y_int(d, "threads", 1, 1, 256, &threads);
+        if (!st) st = y_int(d, "kv_budget", 65536, 1, 1L << 30, &budget);
+        snprintf(th, sizeof(th), "%ld", threads);
+        snprintf(kv, sizeof(kv), "%ld", budget);
+        char *da[] = {b_dec, "--model", (char *)model, "--router", (char *)node, "--node-id", id,
+                      "--threads", th, "--kv-budget", kv, NULL};
+        if (!st) st = spawn(&m, id, da);
+        expected++;
+    }
+    fclose(m.pids);
+    if (st) {
+        fprintf(stderr, "pdmesh up: %s\n", pdm_error_last());
+        y_free(y);
+        stop_all(m.run, 5);
+        return 1;
+    }
+    /* Ready when the router reports every node alive. */
+    char tok[256] = {0};
+    FILE *tf = fopen(token, "r");
+    if (tf) {
+        if (!fgets(tok, sizeof(tok), tf)) tok[0] = 0;
+        fclose(tf);
+    }
+    double end = pdm_now() + (double)timeout;
+    int alive = -1;
+    while (pdm_now() < end && (alive = alive_nodes(admin, tok)) < expected) usleep(300000);
+    if (alive < expected) {
+        fprintf(stderr, "pdmesh up: only %d of %d nodes alive after %ld s; logs in %s; stopping\n",
+                alive < 0 ? 0 : alive, expected, timeout, m.run);
+        y_free(y);
+        stop_all(m.run, 5);
+        return 1;
+    }
+    printf("pdmesh: mesh up: %d nodes; client %s, admin %s", expected, client, admin);
+    if (http_port >= 0) printf(", http port %ld", http_port);
+    printf("\npdmesh: run directory %s (logs, pids, secret, admin-token); stop with: pdmesh down "
+           "--config %s\n", m.run, config);
+    y_free(y); /* the strings above point into it */
+    return 0;
+}
+
+int cmd_down(int argc, char **argv)
+{
+    const char *config = "deploy/local/default.yaml", *run = NULL;
+    static const struct option opts[] = {{"config", required_argument, 0, 'c'},
+                                         {"run-dir", required_argument, 0, 'r'}, {0, 0, 0, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "c:r:", opts, NULL)) != -1) {
+        if (c == 'c') config = optarg;
+        else if (c == 'r') run = optarg;
+        else return cli_usage_error("down: unknown option%s", "");
+    }
+    ynode_t *y = NULL;
+    char dir[1024];
+    if (run) {
+        snprintf(dir, sizeof(dir), "%s", run);
+    } else {
+        if (y_load(config, &y)) return cli_runtime_error("down: config");
+        snprintf(dir, sizeof(dir), "%s", y_str(y, "run_dir", "run/mesh"));
+        y_free(y);
+    }
+    if (stop_all(dir, 10)) return cli_runtime_error("down");
+    printf("pdmesh: mesh in %s stopped\n", dir);
+    return 0;
+}
