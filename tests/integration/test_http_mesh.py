@@ -38,6 +38,7 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 6,
 ]
 CHAT = "Why is the sky blue?"
+METHODS = set()  # usage.pdmesh.prefill_method of the non-streamed answers
 
 
 def completion(port, prompt, stream, chat=False, timeout=300):
@@ -50,6 +51,7 @@ def completion(port, prompt, stream, chat=False, timeout=300):
              timeout=timeout)
     assert r.status == 200, r
     if not stream:
+        METHODS.add(r.json()["usage"]["pdmesh"]["prefill_method"])
         c = r.json()["choices"][0]
         return c["message"]["content"] if chat else c["text"]
     ev = sse_events(r.body)
@@ -211,6 +213,8 @@ def main():
             (lambda t, p=p, s=s: None if t == expect[p] else
              failed.append(("mismatch", p, s, t, expect[p])))(completion(mesh.http_port, p, s))
             for p in PROMPTS for s in (False, True)]),
+        ("both paths served: local prefill and a prefill group", lambda: None if
+         "local" in METHODS and METHODS - {"local"} else failed.append(("methods", METHODS))),
         ("chat == engine (stream and not)", lambda: [
             (lambda t, s=s: None if t == chat_expect else
              failed.append(("chat mismatch", s, t, chat_expect)))(
@@ -235,10 +239,7 @@ def main():
                 print("FAIL %s: %s" % (name, failed[n_failed:]))
                 break
             print("ok   %s (%.1fs)" % (name, time.time() - t))
-        methods = mesh.get("/metrics")[1]
-        print("  prefill methods used: " + ", ".join(
-            l.split("{")[1].split("}")[0] + "=" + l.split()[-1] for l in methods.splitlines()
-            if l.startswith("pdmesh_prefill_method_total{")))
+        print("  prefill methods seen in usage: " + ", ".join(sorted(METHODS)))
     finally:
         rc = mesh.stop()
         if rc != 0:
