@@ -198,8 +198,8 @@ def main():
     ap.add_argument("--slo-tpot", type=float, default=0.25)
     args = ap.parse_args()
     if args.duration is None:
-        args.duration = 15 if args.quick else 40
-    rates = [0.25, 0.5, 1.0] if args.quick else [0.25, 0.5, 1.0, 1.5, 2.0]
+        args.duration = 12 if args.quick else 40
+    rates = [0.5, 1.0, 2.0, 4.0] if args.quick else [0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0]
     lengths = [16, 64, 192]
     prompts = make_prompts(lengths)
     t0 = time.time()
