@@ -16,6 +16,7 @@
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
 #   make cuda-check  compile every .cu file (what CI runs; no GPU needed)
+#   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
 #
 # Variables: OPT (optimisation flags), BUILD (output directory), CC.
@@ -58,12 +59,12 @@ CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c cli/generat
 SDK_SRC := sdk/client.c sdk/admin.c
 SDK_LIB_SRC := $(SDK_SRC) $(COMMON_SRC)
 PREFILLD_SRC := prefill_node/main.c
-# router/http.c (the HTTP front end, another branch) joins the router when it exists; main.c
-# starts it under PDM_ROUTER_HTTP.
-ROUTER_HTTP_SRC := $(wildcard router/http.c)
+# The router's OpenAI-compatible HTTP front end (router/http.h), and its test double of the
+# router core (tests/http/fake_core.c: the real server on a scripted core).
+HTTP_SRC := router/http.c router/http_openai.c
+HTTP_FAKE_SRC := tests/http/fake_core.c router/http.c router/http_openai.c
 ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c \
-              $(ROUTER_HTTP_SRC)
-ROUTER_LIBS := -luv $(if $(ROUTER_HTTP_SRC),-lhttp_parser)
+              $(HTTP_SRC)
 RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
@@ -71,7 +72,8 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
             tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c \
-            tests/unit/test_router.c tests/unit/test_sdk.c
+            tests/unit/test_router.c tests/unit/test_sdk.c tests/unit/test_http.c \
+            router/http_openai.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
 CUDA_HOME ?= /usr/local/cuda
@@ -100,16 +102,17 @@ SDK_SO := $(BUILD)/libpdmesh.so
 SDK_LDLIBS := -lzmq -lprotobuf-c -lcrypto -lcjson -lm -pthread
 SDK_BINS := $(BUILD)/bin/pdctl $(BUILD)/bin/pdmesh-chat $(BUILD)/bin/pdm-sdk-itest
 PYSDK := $(BUILD)/python/pdmesh/pdmesh_pb2.py
+HTTP_FAKE_OBJ := $(HTTP_FAKE_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline
 LIB := $(BUILD)/libpdmesh-core.a
 BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode \
-        $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient
+        $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
-        integration-test bench-router \
+        integration-test bench-router http-test bench-serve \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
         sdk-test
@@ -202,11 +205,11 @@ $(BUILD)/bin/pdmesh-decode: $(DECODED_OBJ) $(LIB)
 
 $(BUILD)/bin/pdmesh-router: $(ROUTER_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) $(ROUTER_LIBS)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -luv -lhttp_parser
 
-ifneq ($(ROUTER_HTTP_SRC),)
-$(BUILD)/obj/router/main.o: ALL_CFLAGS += -DPDM_ROUTER_HTTP
-endif
+$(BUILD)/bin/pdm-http-fake: $(HTTP_FAKE_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -luv -lhttp_parser
 
 $(BUILD)/bin/pdm-rclient: $(RCLIENT_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
@@ -250,12 +253,19 @@ bench-router: $(BINS)
 	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/overhead.sh
 
 test check: deps model all
-	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test
+	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
 sdk-test: all python-sdk
 	BUILD=$(BUILD) PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/integration/sdk.sh
+# The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
+# mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients
+# against the engine's greedy output, a real Prometheus scrape (docs/http.md).
+http-test: $(BINS)
+	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_fake.py
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_http_mesh.py \
+	  --bindir $(BUILD)/bin
 
 # The prefill cost-model simulator's invariants (bench/sim; standard-library Python).
 sim-test:
@@ -281,6 +291,13 @@ bench-transfer: deps model all $(BUILD)/bin/stream_bench
 	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
 	STREAM_BENCH=$(BUILD)/bin/stream_bench $(PYTHON) bench/transfer/run.py
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/transfer/ttft.py
+
+# Serving over the HTTP API: rates x prompt mix, disaggregated vs colocated, router overhead
+# (docs/perf/serve.*). BENCH_QUICK=1: a ~3-minute run.
+bench-serve: deps model all
+	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/run.py --bindir $(BUILD)/bin \
+	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
 # Batched decode throughput beside llama.cpp (docs/perf/decode.*). BENCH_QUICK=1: short run.
 bench-decode: deps model $(BUILD)/bin/decode_bench
@@ -370,4 +387,5 @@ distclean: clean
          $(BUILD)/obj/cli/pdctl.d $(BUILD)/obj/sdk/examples/chat_stream.d \
          $(BUILD)/obj/tests/integration/sdk_itest.d $(PREFILLD_OBJ:.o=.d) \
          $(DECODED_OBJ:.o=.d) $(ROUTER_OBJ:.o=.d) $(RCLIENT_OBJ:.o=.d) \
+         $(HTTP_FAKE_OBJ:.o=.d) \
          $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d)

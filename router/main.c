@@ -9,31 +9,47 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "router/internal.h"
-#ifdef PDM_ROUTER_HTTP
 #include "router/http.h"
-#endif
+#include "router/internal.h"
 
 static pdm_router_t *g_router;
 static uv_signal_t g_sig[2];
 static int g_stopping;
-#ifdef PDM_ROUTER_HTTP
 static pdm_http_t *g_http;
-#endif
 
 static void on_signal(uv_signal_t *h, int signum)
 {
     if (g_stopping) return;
     g_stopping = 1;
     pdm_log_warn("router: signal %d: shutting down", signum);
-#ifdef PDM_ROUTER_HTTP
     if (g_http) pdm_http_stop(g_http);
     g_http = NULL;
-#endif
     rt_router_close(g_router);
     uv_close((uv_handle_t *)&g_sig[0], NULL);
     uv_close((uv_handle_t *)&g_sig[1], NULL);
     (void)h;
+}
+
+/* --http HOST:PORT ("[v6]:PORT", or "off"). The host is kept in a static buffer. */
+static int rt_parse_http(const char *arg, rt_config_t *cfg)
+{
+    static char host[64];
+    long port;
+    if (!strcmp(arg, "off")) {
+        cfg->http_port = -1;
+        return 0;
+    }
+    const char *colon = strrchr(arg, ':');
+    if (!colon || colon == arg || pdm_parse_long(colon + 1, 0, 65535, &port)) return -1;
+    const char *h = arg;
+    size_t n = (size_t)(colon - arg);
+    if (h[0] == '[' && n >= 2 && h[n - 1] == ']') h++, n -= 2;
+    if (n == 0 || n >= sizeof(host)) return -1;
+    memcpy(host, h, n);
+    host[n] = 0;
+    cfg->http_host = host;
+    cfg->http_port = (int)port;
+    return 0;
 }
 
 static void usage(FILE *f)
@@ -44,6 +60,7 @@ static void usage(FILE *f)
             "  --client EP --node EP --admin EP   ZeroMQ endpoints (default tcp://127.0.0.1:7700/1/2)\n"
             "  --http-host H --http-port P        OpenAI-compatible HTTP (default 127.0.0.1:8080,\n"
             "                            -1: off)\n"
+            "  --http HOST:PORT | off     the same in one option ([::1]:8080 for IPv6; port 0: any)\n"
             "  --secret-file F           cluster secret (else $PDMESH_SECRET_FILE / $PDMESH_SECRET)\n"
             "  --admin-token-file F      admin token (else $PDMESH_ADMIN_TOKEN_FILE / $PDMESH_ADMIN_TOKEN)\n"
             "  --heartbeat-ms N --lease-ms N      (1000 / 3000)\n"
@@ -68,7 +85,7 @@ int main(int argc, char **argv)
     enum {
         O_CLIENT = 1000, O_NODE, O_ADMIN, O_HTTP_HOST, O_HTTP_PORT, O_SECRET, O_TOKEN, O_HB, O_LEASE,
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
-        O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF
+        O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},
@@ -77,6 +94,7 @@ int main(int argc, char **argv)
         {"admin", required_argument, 0, O_ADMIN},
         {"http-host", required_argument, 0, O_HTTP_HOST},
         {"http-port", required_argument, 0, O_HTTP_PORT},
+        {"http", required_argument, 0, O_HTTP},
         {"secret-file", required_argument, 0, O_SECRET},
         {"admin-token-file", required_argument, 0, O_TOKEN},
         {"heartbeat-ms", required_argument, 0, O_HB},
@@ -111,6 +129,7 @@ int main(int argc, char **argv)
         case O_ADMIN: cfg.admin_ep = optarg; break;
         case O_HTTP_HOST: cfg.http_host = optarg; break;
         case O_HTTP_PORT: NUM(-1, 65535, cfg.http_port); break;
+        case O_HTTP: if (rt_parse_http(optarg, &cfg)) goto bad; break;
         case O_SECRET: cfg.secret_file = optarg; break;
         case O_TOKEN: cfg.admin_token_file = optarg; break;
         case O_HB: NUM(10, 60000, cfg.heartbeat_ms); break;
@@ -161,11 +180,8 @@ int main(int argc, char **argv)
     uv_signal_start(&g_sig[0], on_signal, SIGINT);
     uv_signal_start(&g_sig[1], on_signal, SIGTERM);
 
-    /* ==== HTTP front end: START HERE ====
-     * router/http.c (another branch) is started at this point, on the same loop, after the
-     * core is up and before the loop runs. Build with -DPDM_ROUTER_HTTP and add router/http.c
-     * to ROUTER_SRC in the Makefile. */
-#ifdef PDM_ROUTER_HTTP
+    /* The HTTP front end (router/http.c) on the same loop, after the core is up and before
+     * the loop runs (--http-port -1: none). */
     if (cfg.http_port >= 0) {
         pdm_http_config_t hc = {.host = cfg.http_host, .port = cfg.http_port,
                                 .max_connections = 256, .idle_timeout = 30};
@@ -178,7 +194,6 @@ int main(int argc, char **argv)
             return 1;
         }
     }
-#endif
     fprintf(stderr, "pdmesh-router: serving %s; client %s, node %s, admin %s\n",
             pdm_router_model_name(g_router), cfg.client_ep, cfg.node_ep, cfg.admin_ep);
     uv_run(&loop, UV_RUN_DEFAULT);

@@ -16,6 +16,7 @@ packages=(
   libucx-dev ucx-utils libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
   libuv1-dev libhttp-parser-dev libssl-dev libyaml-dev
   python3 python3-venv python3-pip
+  curl prometheus
 )
 if [ "$golden" = "--bench" ]; then packages+=(gnuplot-nox); fi
 
@@ -42,7 +43,7 @@ fi
 # pyzmq + grpcio-tools: the Python SDK (sdk/python) and its protobuf module, generated at build
 # time by grpc_tools' protoc (it ships a protoc matching its protobuf runtime; Debian 12 has no
 # protobuf-compiler/python3-protobuf pair newer than 3.21).
-want_py=(numpy gguf pyzmq grpcio-tools)
+want_py=(numpy gguf pyzmq grpcio-tools openai)
 if [ "$golden" = "--golden" ] || [ "$golden" = "--bench" ]; then
   want_py+=(llama-cpp-python jinja2)
 fi

@@ -20,6 +20,7 @@ static const struct {
     {"decode", suite_decode},   {"disagg", suite_disagg},
     {"beam", suite_beam},       {"offload", suite_offload},   {"router", suite_router},
     {"sdk", suite_sdk},
+    {"http", suite_http},
 };
 
 const char *pdm_test_tmpdir(void)

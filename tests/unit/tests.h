@@ -23,6 +23,7 @@ Suite *suite_beam(void);
 Suite *suite_offload(void);
 Suite *suite_router(void);
 Suite *suite_sdk(void);
+Suite *suite_http(void);
 
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
  * under /tmp). */

@@ -1,0 +1,1027 @@
+/*
+ * http.c - the router's OpenAI-compatible HTTP/1.1 server (libuv + http-parser).
+ *
+ * One connection is a small state machine:
+ *   READING  parsing a request (the idle timer runs until a whole request has arrived);
+ *   BUSY     a request is being answered (a generation in the router, or a response being
+ *            written); bytes that arrive meanwhile are pipelined requests, kept in a bounded
+ *            buffer and parsed once the answer is complete, so answers keep request order;
+ *   CLOSING  the last answer is being written, then a half-close (FIN) and a short linger that
+ *            discards input, so the client reads the answer instead of a reset.
+ * A client that disconnects while its request runs cancels it (pdm_router_cancel). The
+ * generation's context (gen_t) outlives the connection when needed: the router's sink always
+ * ends it exactly once, and a gen without a connection just frees itself then.
+ *
+ * Streaming (stream: true) is server-sent events in OpenAI's chunk format. The 200 status line
+ * is sent with the first token, so a request that fails before producing anything gets a real
+ * HTTP error status. A request that fails after tokens were streamed gets one event
+ * `data: {"error": {...}}` and the stream ends WITHOUT `data: [DONE]`: [DONE] always means the
+ * completion is whole (the openai client raises APIError on the error event).
+ */
+#include "router/http.h"
+
+#include <ctype.h>
+#include <http_parser.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/pdm.h"
+#include "common/wire.h"
+#include "router/http_internal.h"
+#include "router/metrics.h"
+
+#define HTTP_READ_BUF (64u << 10)
+#define HTTP_MAX_URL 4096
+#define HTTP_MAX_HEADER_BYTES (16u << 10)  /* request line + headers */
+#define HTTP_PIPELINE_CAP (64u << 10)      /* bytes buffered while a request is answered */
+#define HTTP_WRITE_QUEUE_CAP (8u << 20)    /* unsent bytes before a slow reader is dropped */
+#define HTTP_LINGER_MS 2000
+#define HTTP_DEFAULT_MAX_CONNS 256
+#define HTTP_DEFAULT_IDLE_S 30.0
+
+typedef struct conn conn_t;
+
+typedef struct gen {
+    conn_t *conn;            /* NULL once the client is gone */
+    uint64_t router_id;
+    int chat, stream, include_usage;
+    int headers_sent;
+    size_t streamed;         /* bytes of completion text already sent */
+    long created;
+    char id[48];
+    char *model;
+} gen_t;
+
+enum conn_state { C_READING, C_BUSY, C_CLOSING };
+
+struct conn {
+    pdm_http_t *http;
+    conn_t *prev, *next;
+    uv_tcp_t tcp;
+    uv_timer_t timer;
+    uv_shutdown_t shutdown_req;
+    int handles;             /* open libuv handles (tcp, timer); freed at 0 */
+    int closed;              /* uv_close called */
+    enum conn_state state;
+    int in_feed;
+    int reading;             /* uv_read_start active */
+    int writes;              /* uv_write requests in flight */
+    int shut;                /* shutdown requested */
+    int aborting;            /* conn_abort_soon: the timer closes it on the next loop turn */
+    char peer[64];
+
+    http_parser parser;
+    int in_message;          /* between message begin and complete */
+    int reject;              /* HTTP status decided by a parser callback (413, 431) */
+    char url[HTTP_MAX_URL + 1];
+    size_t url_len;
+    size_t header_bytes;
+    char hname[32];          /* the header being read (lower-cased, truncated) */
+    size_t hname_len;
+    char hvalue[64];
+    size_t hvalue_len;
+    int hlast_value;         /* last header callback was a value */
+    int expect_continue;
+    char *body;              /* request body, up to max_body bytes */
+    size_t body_len, body_cap;
+
+    int keep_alive;          /* of the response being written */
+    int minor;               /* HTTP/1.minor of the request */
+    gen_t *gen;
+    char *pending;           /* pipelined bytes received while BUSY */
+    size_t pending_len;
+};
+
+struct pdm_http {
+    pdm_router_t *router;
+    uv_loop_t *loop;
+    uv_tcp_t listener;
+    int handles;             /* listener + connections; freed at 0 after stop */
+    int stopping;
+    int port;
+    int max_conns;
+    uint64_t idle_ms;
+    size_t max_body;
+    conn_t *conns;
+    int n_conns;
+    uint64_t next_request_id;
+    long started;
+    http_parser_settings settings;
+    pdm_metric_t *m_responses;   /* pdmesh_http_responses_total{code} */
+    pdm_metric_t *m_conns;       /* pdmesh_http_connections */
+    char read_buf[HTTP_READ_BUF];
+};
+
+static void conn_feed(conn_t *c, const char *data, size_t len);
+static void conn_close_now(conn_t *c);
+static void idle_arm(conn_t *c);
+static int conn_read_start(conn_t *c);
+
+/* ------------------------------------------------------------------ writing */
+
+typedef struct {
+    uv_write_t req;
+    conn_t *c;
+    char *buf;
+} write_t;
+
+static void conn_start_shutdown(conn_t *c);
+
+static void on_write(uv_write_t *req, int status)
+{
+    write_t *w = (write_t *)req;
+    conn_t *c = w->c;
+    free(w->buf);
+    free(w);
+    c->writes--;
+    if (c->closed) return;
+    if (status < 0) {
+        pdm_log_debug("http %s: write failed: %s", c->peer, uv_strerror(status));
+        conn_close_now(c);
+        return;
+    }
+    if (c->state == C_CLOSING && c->writes == 0) conn_start_shutdown(c);
+}
+
+/* Queues buf (malloc'ed, ownership taken) for writing. */
+static void conn_write(conn_t *c, char *buf, size_t len)
+{
+    if (!buf) return;
+    if (c->closed || len == 0) {
+        free(buf);
+        return;
+    }
+    write_t *w = malloc(sizeof(*w));
+    if (!w) {
+        free(buf);
+        conn_close_now(c);
+        return;
+    }
+    w->c = c;
+    w->buf = buf;
+    uv_buf_t b = uv_buf_init(buf, (unsigned)len);
+    int st = uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, on_write);
+    if (st < 0) {
+        free(buf);
+        free(w);
+        conn_close_now(c);
+        return;
+    }
+    c->writes++;
+}
+
+static char *str_printf(size_t *len, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static char *str_printf(size_t *len, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    char *s = NULL;
+    int n = vasprintf(&s, fmt, ap);
+    va_end(ap);
+    if (n < 0) return NULL;
+    *len = (size_t)n;
+    return s;
+}
+
+static void count_response(conn_t *c, int status)
+{
+    if (!c->http->m_responses) return;
+    char code[8];
+    snprintf(code, sizeof(code), "%d", status);
+    pdm_metric_inc(c->http->m_responses, code, 1);
+}
+
+/* Ends the current exchange: closes the connection or goes back to reading (parsing any
+ * pipelined request already received). */
+static void conn_finish(conn_t *c)
+{
+    if (c->closed || c->aborting) return;
+    if (!c->keep_alive || c->http->stopping) {
+        c->state = C_CLOSING;
+        if (c->writes == 0) conn_start_shutdown(c);
+        return;
+    }
+    c->state = C_READING;
+    idle_arm(c);
+    if (!c->reading && conn_read_start(c) != 0) {
+        conn_close_now(c);
+        return;
+    }
+    if (!c->in_feed && c->pending) {
+        char *p = c->pending;
+        size_t n = c->pending_len;
+        c->pending = NULL;
+        c->pending_len = 0;
+        conn_feed(c, p, n);
+        free(p);
+    }
+}
+
+/* A whole response with a body. extra: more header lines (each ending in \r\n) or "". */
+static void conn_respond(conn_t *c, int status, const char *ctype, const char *body,
+                         size_t body_len, const char *extra)
+{
+    if (status >= 400 && c->reject) c->keep_alive = 0;
+    size_t hlen;
+    char *head = str_printf(&hlen,
+                            "HTTP/1.%d %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
+                            "Connection: %s\r\n%s\r\n",
+                            c->minor ? 1 : 0, status, pdm_http__reason(status), ctype, body_len,
+                            c->keep_alive ? "keep-alive" : "close", extra ? extra : "");
+    char *all = head ? malloc(hlen + body_len) : NULL;
+    if (!all) {
+        free(head);
+        conn_close_now(c);
+        return;
+    }
+    memcpy(all, head, hlen);
+    if (body_len) memcpy(all + hlen, body, body_len);
+    free(head);
+    count_response(c, status);
+    conn_write(c, all, hlen + body_len);
+    conn_finish(c);
+}
+
+static void conn_respond_error(conn_t *c, int status, const char *code, const char *message)
+{
+    char *body = pdm_http__error_json(status, code, message);
+    const char *extra = "";
+    if (status == 429 || status == 503) extra = "Retry-After: 1\r\n";
+    else if (status == 405) extra = "Allow: GET, POST\r\n";
+    conn_respond(c, status, "application/json", body ? body : "{}", body ? strlen(body) : 2,
+                 extra);
+    free(body);
+}
+
+/* ------------------------------------------------------------------ closing */
+
+static void http_maybe_free(pdm_http_t *h)
+{
+    if (h->stopping && h->handles == 0) free(h);
+}
+
+static void on_conn_handle_closed(uv_handle_t *handle)
+{
+    conn_t *c = handle->data;
+    if (--c->handles > 0) return;
+    pdm_http_t *h = c->http;
+    free(c->body);
+    free(c->pending);
+    free(c);
+    h->handles--;
+    http_maybe_free(h);
+}
+
+/* Closes the connection at once; its running request, if any, is cancelled. */
+static void conn_close_now(conn_t *c)
+{
+    if (c->closed) return;
+    c->closed = 1;
+    pdm_http_t *h = c->http;
+    if (c->prev) c->prev->next = c->next;
+    else h->conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    h->n_conns--;
+    if (h->m_conns) pdm_metric_set(h->m_conns, NULL, h->n_conns);
+    gen_t *g = c->gen;
+    c->gen = NULL;
+    uv_timer_stop(&c->timer);
+    uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);
+    uv_close((uv_handle_t *)&c->tcp, on_conn_handle_closed);
+    if (g) {
+        g->conn = NULL; /* the sink frees g when the router ends it (maybe inside cancel) */
+        pdm_log_debug("http %s: client gone, cancelling request %llu", c->peer,
+                      (unsigned long long)g->router_id);
+        pdm_router_cancel(h->router, g->router_id);
+    }
+}
+
+static void on_linger_timeout(uv_timer_t *t)
+{
+    conn_close_now(t->data);
+}
+
+static void on_shutdown(uv_shutdown_t *req, int status)
+{
+    conn_t *c = req->data;
+    if (status < 0 && !c->closed) conn_close_now(c);
+}
+
+/* All answers written: send FIN, then read and discard until EOF or the linger timeout. */
+static void conn_start_shutdown(conn_t *c)
+{
+    if (c->closed || c->shut || c->aborting) return;
+    c->shut = 1;
+    c->shutdown_req.data = c;
+    if (uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) < 0) {
+        conn_close_now(c);
+        return;
+    }
+    if (!c->reading && conn_read_start(c) != 0) {
+        conn_close_now(c);
+        return;
+    }
+    uv_timer_start(&c->timer, on_linger_timeout, HTTP_LINGER_MS, 0);
+}
+
+/* Closing from inside a router sink callback goes through the timer, so that the router is
+ * never re-entered (pdm_router_cancel) from its own callback. */
+static void on_abort_timer(uv_timer_t *t)
+{
+    conn_close_now(t->data);
+}
+
+static void conn_abort_soon(conn_t *c)
+{
+    if (c->closed || c->aborting) return;
+    c->aborting = 1;
+    uv_timer_start(&c->timer, on_abort_timer, 0, 0);
+}
+
+/* ------------------------------------------------------------------ idle timer */
+
+static void on_idle_timeout(uv_timer_t *t)
+{
+    conn_t *c = t->data;
+    if (c->closed || c->state != C_READING) return;
+    if (c->in_message) {
+        /* A request started but never finished (slow or stuck client). */
+        c->keep_alive = 0;
+        c->reject = 408;
+        conn_respond_error(c, 408, "request_timeout",
+                           "the request was not completed within the idle timeout");
+        return;
+    }
+    conn_close_now(c);
+}
+
+static void idle_arm(conn_t *c)
+{
+    if (!c->closed && !c->aborting) uv_timer_start(&c->timer, on_idle_timeout, c->http->idle_ms, 0);
+}
+
+/* ------------------------------------------------------------------ generation sink */
+
+static void gen_free(gen_t *g)
+{
+    free(g->model);
+    free(g);
+}
+
+/* Writes one chunk of a chunked body (or raw bytes for HTTP/1.0). */
+static void conn_write_chunk(conn_t *c, const char *data, size_t len)
+{
+    size_t n;
+    char *buf;
+    if (c->minor) buf = str_printf(&n, "%zx\r\n%.*s\r\n", len, (int)len, data);
+    else buf = str_printf(&n, "%.*s", (int)len, data);
+    if (!buf) {
+        conn_abort_soon(c);
+        return;
+    }
+    conn_write(c, buf, n);
+    if (!c->closed && uv_stream_get_write_queue_size((uv_stream_t *)&c->tcp) > HTTP_WRITE_QUEUE_CAP) {
+        pdm_log_warn("http %s: client reads too slowly; dropping it", c->peer);
+        conn_abort_soon(c);
+    }
+}
+
+static void sse_event(conn_t *c, char *json)
+{
+    if (!json) {
+        conn_abort_soon(c);
+        return;
+    }
+    size_t n;
+    char *ev = str_printf(&n, "data: %s\n\n", json);
+    free(json);
+    if (!ev) {
+        conn_abort_soon(c);
+        return;
+    }
+    conn_write_chunk(c, ev, n);
+    free(ev);
+}
+
+static void sse_start(gen_t *g)
+{
+    conn_t *c = g->conn;
+    if (g->headers_sent) return;
+    g->headers_sent = 1;
+    if (!c->minor) c->keep_alive = 0; /* HTTP/1.0: the end of the stream is the close */
+    size_t n;
+    char *head = str_printf(&n,
+                            "HTTP/1.%d 200 OK\r\nContent-Type: text/event-stream\r\n"
+                            "Cache-Control: no-cache\r\n%sConnection: %s\r\n\r\n",
+                            c->minor ? 1 : 0, c->minor ? "Transfer-Encoding: chunked\r\n" : "",
+                            c->keep_alive ? "keep-alive" : "close");
+    count_response(c, 200);
+    conn_write(c, head, n);
+    if (g->chat)
+        sse_event(c, pdm_http__chunk_json(1, g->id, g->created, g->model, "", NULL, 1, NULL));
+}
+
+static void sse_end(conn_t *c)
+{
+    if (c->minor) {
+        size_t n;
+        conn_write(c, str_printf(&n, "0\r\n\r\n"), 5);
+    }
+}
+
+static void gen_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, size_t n,
+                          const char *text)
+{
+    gen_t *g = ctx;
+    conn_t *c = g->conn;
+    if (!c || c->closed || !g->stream || !text || !text[0]) return;
+    sse_start(g);
+    sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model, text, NULL, 0, NULL));
+    g->streamed += strlen(text);
+}
+
+static void gen_on_result(void *ctx, const Pdmesh__GenerateResult *res)
+{
+    gen_t *g = ctx;
+    conn_t *c = g->conn;
+    if (!c || c->closed) {
+        gen_free(g);
+        return;
+    }
+    c->gen = NULL;
+    if (!g->stream) {
+        char *body = pdm_http__result_json(g->chat, g->id, g->created, g->model, res);
+        if (!body) conn_respond_error(c, 500, "internal_error", "out of memory");
+        else conn_respond(c, 200, "application/json", body, strlen(body), "");
+        free(body);
+        gen_free(g);
+        return;
+    }
+    sse_start(g);
+    /* Whatever the token chunks did not carry (text completed only at the end). */
+    const char *text = res->text ? res->text : "";
+    size_t tl = strlen(text);
+    if (tl > g->streamed)
+        sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model,
+                                          text + g->streamed, NULL, 0, NULL));
+    const char *fr = pdm_http__finish_reason(res->finish);
+    sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model, g->chat ? NULL : "",
+                                      fr ? fr : "stop", 0, NULL));
+    if (g->include_usage) {
+        Pdmesh__Usage empty = PDMESH__USAGE__INIT;
+        sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model, NULL, NULL, 0,
+                                          res->usage ? res->usage : &empty));
+    }
+    static const char done[] = "data: [DONE]\n\n";
+    conn_write_chunk(c, done, sizeof(done) - 1);
+    sse_end(c);
+    gen_free(g);
+    conn_finish(c);
+}
+
+static void gen_on_error(void *ctx, int code, const char *message)
+{
+    gen_t *g = ctx;
+    conn_t *c = g->conn;
+    if (!c || c->closed) {
+        gen_free(g);
+        return;
+    }
+    c->gen = NULL;
+    int status = pdm_http__status_for_code(code);
+    const char *msg = message && *message ? message : "the request failed";
+    if (!g->headers_sent) {
+        conn_respond_error(c, status, pdm_http__code_name(code), msg);
+        gen_free(g);
+        return;
+    }
+    /* Tokens went out already: an error event, and no [DONE] (see the top of this file). */
+    sse_event(c, pdm_http__error_json(status, pdm_http__code_name(code), msg));
+    sse_end(c);
+    gen_free(g);
+    conn_finish(c);
+}
+
+/* ------------------------------------------------------------------ handlers */
+
+static void handle_generate(conn_t *c, int chat)
+{
+    pdm_http_t *h = c->http;
+    const char *model = pdm_router_model_name(h->router);
+    Pdmesh__GenerateRequest *req = NULL;
+    pdm_http_opts_t opts;
+    pdm_http_err_t err;
+    if (pdm_http__parse_request(c->body, c->body_len, chat, pdm_router_limits(h->router), model,
+                                &req, &opts, &err) != PDM_OK) {
+        conn_respond_error(c, err.status, err.code, err.message);
+        return;
+    }
+    gen_t *g = calloc(1, sizeof(*g));
+    if (!g || !(g->model = strdup(model ? model : ""))) {
+        free(g);
+        pdm_http__request_free(req);
+        conn_respond_error(c, 500, "internal_error", "out of memory");
+        return;
+    }
+    g->conn = c;
+    g->chat = chat;
+    g->stream = opts.stream;
+    g->include_usage = opts.include_usage;
+    g->created = (long)time(NULL);
+    req->request_id = ++h->next_request_id;
+    uint64_t rnd = 0;
+    pdm_random_bytes(&rnd, sizeof(rnd));
+    snprintf(g->id, sizeof(g->id), "%s-%016llx", chat ? "chatcmpl" : "cmpl",
+             (unsigned long long)rnd);
+
+    pdm_router_sink_t sink = {g, gen_on_tokens, gen_on_result, gen_on_error};
+    char client[80];
+    snprintf(client, sizeof(client), "http:%s", c->peer);
+    uint64_t id = 0;
+    int code = 0;
+    pdm_error_clear();
+    int st = pdm_router_submit(h->router, req, client, &sink, &id, &code);
+    pdm_http__request_free(req);
+    if (st != PDM_OK) {
+        gen_free(g);
+        if (code == 0)
+            code = st == PDM_EINVAL || st == PDM_ERANGE ? PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT
+                   : st == PDM_EOVERFLOW               ? PDMESH__ERROR_CODE__ERR_OVERLOADED
+                                                       : PDMESH__ERROR_CODE__ERR_UNAVAILABLE;
+        conn_respond_error(c, pdm_http__status_for_code(code), pdm_http__code_name(code),
+                           pdm_error_last());
+        return;
+    }
+    g->router_id = id;
+    c->gen = g;
+}
+
+static void handle_models(conn_t *c, const char *one)
+{
+    const char *model = pdm_router_model_name(c->http->router);
+    if (!model) model = "";
+    if (one && strcmp(one, model)) {
+        char msg[200];
+        snprintf(msg, sizeof(msg), "the model '%.80s' does not exist", one);
+        conn_respond_error(c, 404, "model_not_found", msg);
+        return;
+    }
+    size_t n;
+    char *body;
+    if (one)
+        body = str_printf(&n, "{\"id\":\"%s\",\"object\":\"model\",\"created\":%ld,"
+                              "\"owned_by\":\"pdmesh\"}", model, c->http->started);
+    else
+        body = str_printf(&n, "{\"object\":\"list\",\"data\":[{\"id\":\"%s\",\"object\":\"model\","
+                              "\"created\":%ld,\"owned_by\":\"pdmesh\"}]}", model,
+                          c->http->started);
+    if (!body) {
+        conn_respond_error(c, 500, "internal_error", "out of memory");
+        return;
+    }
+    conn_respond(c, 200, "application/json", body, n, "");
+    free(body);
+}
+
+static void handle_metrics(conn_t *c)
+{
+    struct pdm_metrics *m = pdm_router_metrics(c->http->router);
+    size_t n = 0;
+    char *text = m ? pdm_metrics_render(m, &n) : NULL;
+    if (m && !text) {
+        conn_respond_error(c, 500, "internal_error", "could not render the metrics");
+        return;
+    }
+    conn_respond(c, 200, "text/plain; version=0.0.4; charset=utf-8", text ? text : "", n, "");
+    free(text);
+}
+
+/* Percent-decoding is not needed: every route and model name is plain ASCII. */
+static void conn_dispatch(conn_t *c)
+{
+    c->state = C_BUSY;
+    uv_timer_stop(&c->timer);
+    c->keep_alive = http_should_keep_alive(&c->parser) && !c->http->stopping;
+    c->minor = c->parser.http_major == 1 ? c->parser.http_minor : 1;
+    char *q = strchr(c->url, '?');
+    if (q) *q = 0;
+    const char *path = c->url;
+    int method = c->parser.method;
+    int get = method == HTTP_GET, post = method == HTTP_POST;
+
+    if (!strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions")) {
+        if (!post) goto bad_method;
+        handle_generate(c, path[4] == 'c' && path[5] == 'h');
+        return;
+    }
+    if (!strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11)) {
+        if (!get) goto bad_method;
+        handle_models(c, path[10] == '/' ? path + 11 : NULL);
+        return;
+    }
+    if (!strcmp(path, "/metrics")) {
+        if (!get) goto bad_method;
+        handle_metrics(c);
+        return;
+    }
+    if (!strcmp(path, "/healthz")) {
+        if (!get) goto bad_method;
+        conn_respond(c, 200, "text/plain; charset=utf-8", "ok\n", 3, "");
+        return;
+    }
+    if (!strcmp(path, "/readyz")) {
+        if (!get) goto bad_method;
+        if (pdm_router_ready(c->http->router))
+            conn_respond(c, 200, "text/plain; charset=utf-8", "ready\n", 6, "");
+        else
+            conn_respond(c, 503, "text/plain; charset=utf-8", "not ready\n", 10,
+                         "Retry-After: 1\r\n");
+        return;
+    }
+    char msg[HTTP_MAX_URL + 64];
+    snprintf(msg, sizeof(msg), "no route for %s %.200s", http_method_str(method), path);
+    conn_respond_error(c, 404, "not_found", msg);
+    return;
+bad_method:
+    snprintf(msg, sizeof(msg), "%s is not allowed on %.200s", http_method_str(method), path);
+    conn_respond_error(c, 405, "method_not_allowed", msg);
+}
+
+/* ------------------------------------------------------------------ parser callbacks */
+
+static int header_budget(conn_t *c, size_t n)
+{
+    c->header_bytes += n;
+    if (c->header_bytes > HTTP_MAX_HEADER_BYTES) {
+        c->reject = 431;
+        return -1;
+    }
+    return 0;
+}
+
+static int on_message_begin(http_parser *p)
+{
+    conn_t *c = p->data;
+    c->in_message = 1;
+    c->reject = 0;
+    c->url_len = 0;
+    c->url[0] = 0;
+    c->header_bytes = 0;
+    c->hname_len = c->hvalue_len = 0;
+    c->hlast_value = 0;
+    c->expect_continue = 0;
+    c->body_len = 0;
+    return 0;
+}
+
+static int on_url(http_parser *p, const char *at, size_t len)
+{
+    conn_t *c = p->data;
+    if (header_budget(c, len)) return -1;
+    if (c->url_len + len > HTTP_MAX_URL) {
+        c->reject = 431;
+        return -1;
+    }
+    memcpy(c->url + c->url_len, at, len);
+    c->url_len += len;
+    c->url[c->url_len] = 0;
+    return 0;
+}
+
+/* The one request header we act on: "Expect: 100-continue". */
+static void header_done(conn_t *c)
+{
+    c->hname[c->hname_len] = 0;
+    c->hvalue[c->hvalue_len] = 0;
+    if (!strcmp(c->hname, "expect") && !strcasecmp(c->hvalue, "100-continue"))
+        c->expect_continue = 1;
+    c->hname_len = c->hvalue_len = 0;
+}
+
+static int on_header_field(http_parser *p, const char *at, size_t len)
+{
+    conn_t *c = p->data;
+    if (header_budget(c, len)) return -1;
+    if (c->hlast_value) header_done(c);
+    c->hlast_value = 0;
+    for (size_t i = 0; i < len && c->hname_len < sizeof(c->hname) - 1; i++)
+        c->hname[c->hname_len++] = (char)tolower((unsigned char)at[i]);
+    return 0;
+}
+
+static int on_header_value(http_parser *p, const char *at, size_t len)
+{
+    conn_t *c = p->data;
+    if (header_budget(c, len)) return -1;
+    c->hlast_value = 1;
+    for (size_t i = 0; i < len && c->hvalue_len < sizeof(c->hvalue) - 1; i++)
+        c->hvalue[c->hvalue_len++] = at[i];
+    return 0;
+}
+
+static int on_headers_complete(http_parser *p)
+{
+    conn_t *c = p->data;
+    if (c->hlast_value) header_done(c);
+    if (!(p->flags & F_CHUNKED) && p->content_length != ULLONG_MAX &&
+        p->content_length > c->http->max_body) {
+        c->reject = 413;
+        return -1;
+    }
+    if (c->expect_continue && p->http_major == 1 && p->http_minor >= 1) {
+        static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+        char *b = malloc(sizeof(cont));
+        if (b) {
+            memcpy(b, cont, sizeof(cont));
+            conn_write(c, b, sizeof(cont) - 1);
+        }
+    }
+    return 0;
+}
+
+static int on_body(http_parser *p, const char *at, size_t len)
+{
+    conn_t *c = p->data;
+    if (c->body_len + len > c->http->max_body) {
+        c->reject = 413;
+        return -1;
+    }
+    if (c->body_len + len + 1 > c->body_cap) {
+        size_t cap = c->body_cap ? c->body_cap : 4096;
+        while (cap < c->body_len + len + 1) cap *= 2;
+        char *b = realloc(c->body, cap);
+        if (!b) {
+            c->reject = 413;
+            return -1;
+        }
+        c->body = b;
+        c->body_cap = cap;
+    }
+    memcpy(c->body + c->body_len, at, len);
+    c->body_len += len;
+    c->body[c->body_len] = 0;
+    return 0;
+}
+
+static int on_message_complete(http_parser *p)
+{
+    conn_t *c = p->data;
+    c->in_message = 0;
+    http_parser_pause(p, 1); /* conn_feed dispatches, then resumes */
+    return 0;
+}
+
+/* Parses bytes while the connection is READING; dispatches every whole request; keeps what
+ * arrives behind a request that is still being answered. */
+static void conn_feed(conn_t *c, const char *data, size_t len)
+{
+    c->in_feed = 1;
+    while (len > 0 && !c->closed && c->state == C_READING) {
+        size_t n = http_parser_execute(&c->parser, &c->http->settings, data, len);
+        enum http_errno e = HTTP_PARSER_ERRNO(&c->parser);
+        if (n > len) n = len;
+        data += n;
+        len -= n;
+        if (e == HPE_PAUSED) {
+            http_parser_pause(&c->parser, 0);
+            conn_dispatch(c);
+            continue;
+        }
+        if (e != HPE_OK || c->parser.upgrade) {
+            int status = c->reject ? c->reject : 400;
+            char msg[160];
+            if (status == 413)
+                snprintf(msg, sizeof(msg), "the request body exceeds %zu bytes", c->http->max_body);
+            else if (status == 431)
+                snprintf(msg, sizeof(msg), "the request line and headers exceed %u bytes",
+                         HTTP_MAX_HEADER_BYTES);
+            else
+                snprintf(msg, sizeof(msg), "malformed HTTP request: %s",
+                         c->parser.upgrade ? "protocol upgrades are not supported"
+                                           : http_errno_description(e));
+            c->state = C_BUSY;
+            c->keep_alive = 0;
+            c->reject = status;
+            c->minor = 1;
+            uv_timer_stop(&c->timer);
+            conn_respond_error(c, status,
+                               status == 413   ? "request_too_large"
+                               : status == 431 ? "headers_too_large"
+                                               : "bad_request",
+                               msg);
+            len = 0;
+            break;
+        }
+    }
+    if (len > 0 && !c->closed && c->state == C_BUSY) {
+        char *p = realloc(c->pending, c->pending_len + len);
+        if (!p) {
+            c->in_feed = 0;
+            conn_close_now(c);
+            return;
+        }
+        memcpy(p + c->pending_len, data, len);
+        c->pending = p;
+        c->pending_len += len;
+        if (c->pending_len >= HTTP_PIPELINE_CAP && c->reading) {
+            uv_read_stop((uv_stream_t *)&c->tcp); /* back-pressure on a deep pipeline */
+            c->reading = 0;
+        }
+    }
+    c->in_feed = 0;
+}
+
+/* ------------------------------------------------------------------ libuv callbacks */
+
+static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf)
+{
+    conn_t *c = handle->data;
+    *buf = uv_buf_init(c->http->read_buf, sizeof(c->http->read_buf));
+}
+
+static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+    conn_t *c = s->data;
+    if (c->closed) return;
+    if (nread < 0) {
+        /* EOF or error: a running request is cancelled (the client went away). */
+        conn_close_now(c);
+        return;
+    }
+    if (nread == 0) return;
+    if (c->state == C_CLOSING) return; /* lingering: discard */
+    if (c->state == C_READING) {
+        conn_feed(c, buf->base, (size_t)nread);
+        return;
+    }
+    /* BUSY: a pipelined request; conn_feed with state BUSY only buffers. */
+    conn_feed(c, buf->base, (size_t)nread);
+}
+
+static int conn_read_start(conn_t *c)
+{
+    int st = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+    if (st == 0) c->reading = 1;
+    return st;
+}
+
+static void on_reject_closed(uv_handle_t *handle)
+{
+    free(handle);
+}
+
+static void on_connection(uv_stream_t *server, int status)
+{
+    pdm_http_t *h = server->data;
+    if (status < 0 || h->stopping) return;
+    if (h->n_conns >= h->max_conns) {
+        /* Over the bound: a short 503 written without queueing, then close. */
+        uv_tcp_t *t = malloc(sizeof(*t));
+        if (!t) return;
+        uv_tcp_init(h->loop, t);
+        if (uv_accept(server, (uv_stream_t *)t) == 0) {
+            static const char body[] =
+                "{\"error\":{\"message\":\"too many open connections\",\"type\":"
+                "\"server_error\",\"param\":null,\"code\":\"too_many_connections\"}}";
+            char busy[512];
+            int n = snprintf(busy, sizeof(busy),
+                             "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                             "Retry-After: 1\r\nConnection: close\r\nContent-Length: %zu\r\n\r\n%s",
+                             sizeof(body) - 1, body);
+            uv_buf_t b = uv_buf_init(busy, (unsigned)n);
+            uv_try_write((uv_stream_t *)t, &b, 1);
+        }
+        uv_close((uv_handle_t *)t, on_reject_closed);
+        return;
+    }
+    conn_t *c = calloc(1, sizeof(*c));
+    if (!c) return;
+    c->http = h;
+    uv_tcp_init(h->loop, &c->tcp);
+    uv_timer_init(h->loop, &c->timer);
+    c->tcp.data = c;
+    c->timer.data = c;
+    c->handles = 2;
+    h->handles++;
+    c->next = h->conns;
+    if (h->conns) h->conns->prev = c;
+    h->conns = c;
+    h->n_conns++;
+    if (h->m_conns) pdm_metric_set(h->m_conns, NULL, h->n_conns);
+    http_parser_init(&c->parser, HTTP_REQUEST);
+    c->parser.data = c;
+    c->state = C_READING;
+    c->minor = 1;
+    if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) {
+        conn_close_now(c);
+        return;
+    }
+    uv_tcp_nodelay(&c->tcp, 1);
+    struct sockaddr_storage ss;
+    int sl = sizeof(ss);
+    snprintf(c->peer, sizeof(c->peer), "?");
+    if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &sl) == 0) {
+        if (ss.ss_family == AF_INET)
+            uv_ip4_name((struct sockaddr_in *)&ss, c->peer, sizeof(c->peer));
+        else if (ss.ss_family == AF_INET6)
+            uv_ip6_name((struct sockaddr_in6 *)&ss, c->peer, sizeof(c->peer));
+    }
+    if (conn_read_start(c) != 0) {
+        conn_close_now(c);
+        return;
+    }
+    idle_arm(c);
+}
+
+/* ------------------------------------------------------------------ public */
+
+static void on_listener_closed(uv_handle_t *handle)
+{
+    pdm_http_t *h = handle->data;
+    h->handles--;
+    http_maybe_free(h);
+}
+
+int pdm_http_start(pdm_router_t *r, const pdm_http_config_t *cfg, pdm_http_t **out)
+{
+    if (!r || !out) return pdm_error_set(PDM_EINVAL, "pdm_http_start: no router");
+    const char *host = cfg && cfg->host && *cfg->host ? cfg->host : "127.0.0.1";
+    int port = cfg ? cfg->port : 8080;
+    if (port < 0 || port > 65535)
+        return pdm_error_set(PDM_EINVAL, "http: port %d is out of range", port);
+    if (!strcmp(host, "localhost")) host = "127.0.0.1";
+    struct sockaddr_storage addr;
+    if (uv_ip4_addr(host, port, (struct sockaddr_in *)&addr) != 0 &&
+        uv_ip6_addr(host, port, (struct sockaddr_in6 *)&addr) != 0)
+        return pdm_error_set(PDM_EINVAL, "http: '%s' is not an IPv4 or IPv6 address", host);
+
+    pdm_http_t *h = calloc(1, sizeof(*h));
+    if (!h) return pdm_error_set(PDM_ENOMEM, "http: out of memory");
+    h->router = r;
+    h->loop = pdm_router_loop(r);
+    h->max_conns = cfg && cfg->max_connections > 0 ? cfg->max_connections : HTTP_DEFAULT_MAX_CONNS;
+    double idle = cfg && cfg->idle_timeout > 0 ? cfg->idle_timeout : HTTP_DEFAULT_IDLE_S;
+    h->idle_ms = (uint64_t)(idle * 1000.0);
+    if (h->idle_ms == 0) h->idle_ms = 1;
+    const pdm_router_limits_t *lim = pdm_router_limits(r);
+    h->max_body = lim && lim->max_body_bytes ? lim->max_body_bytes : PDM_HTTP_MAX_BODY_DEFAULT;
+    h->started = (long)time(NULL);
+    http_parser_settings_init(&h->settings);
+    h->settings.on_message_begin = on_message_begin;
+    h->settings.on_url = on_url;
+    h->settings.on_header_field = on_header_field;
+    h->settings.on_header_value = on_header_value;
+    h->settings.on_headers_complete = on_headers_complete;
+    h->settings.on_body = on_body;
+    h->settings.on_message_complete = on_message_complete;
+
+    struct pdm_metrics *m = pdm_router_metrics(r);
+    if (m) {
+        h->m_responses = pdm_metrics_add(m, PDM_METRIC_COUNTER, "pdmesh_http_responses_total",
+                                         "HTTP responses by status code", "code", NULL, 0);
+        h->m_conns = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_http_connections",
+                                     "Open HTTP connections", NULL, NULL, 0);
+    }
+
+    int st = uv_tcp_init(h->loop, &h->listener);
+    if (st < 0) {
+        free(h);
+        return pdm_error_set(PDM_EIO, "http: uv_tcp_init: %s", uv_strerror(st));
+    }
+    h->listener.data = h;
+    h->handles = 1;
+    st = uv_tcp_bind(&h->listener, (struct sockaddr *)&addr, 0);
+    if (st == 0) st = uv_listen((uv_stream_t *)&h->listener, 128, on_connection);
+    if (st < 0) {
+        pdm_error_set(PDM_EIO, "http: cannot listen on %s:%d: %s", host, port, uv_strerror(st));
+        /* h is freed by the listener's close callback on the loop's next turn. */
+        h->stopping = 1;
+        uv_close((uv_handle_t *)&h->listener, on_listener_closed);
+        return PDM_EIO;
+    }
+    struct sockaddr_storage bound;
+    int bl = sizeof(bound);
+    uv_tcp_getsockname(&h->listener, (struct sockaddr *)&bound, &bl);
+    h->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                                : ((struct sockaddr_in *)&bound)->sin_port);
+    pdm_log_info("http: listening on %s:%d", host, h->port);
+    *out = h;
+    return PDM_OK;
+}
+
+int pdm_http_port(const pdm_http_t *h)
+{
+    return h ? h->port : -1;
+}
+
+void pdm_http_stop(pdm_http_t *h)
+{
+    if (!h || h->stopping) return;
+    h->stopping = 1;
+    while (h->conns) conn_close_now(h->conns);
+    uv_close((uv_handle_t *)&h->listener, on_listener_closed);
+}

@@ -1,0 +1,72 @@
+/*
+ * Internal to the HTTP front end (router/http.c, router/http_openai.c): the translation
+ * between OpenAI-style JSON and the pdmesh client messages, kept free of I/O so that the unit
+ * tests can drive it directly.
+ */
+#ifndef PDM_HTTP_INTERNAL_H
+#define PDM_HTTP_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "proto/pdmesh.pb-c.h"
+#include "router/router.h"
+
+/* Hard caps of the front end, applied even when the router's limits say "unlimited". */
+#define PDM_HTTP_MAX_BODY_DEFAULT (1u << 20)  /* request body when the router sets none */
+#define PDM_HTTP_MAX_STOP 16                  /* stop strings per request */
+#define PDM_HTTP_MAX_STOP_LEN 256             /* bytes per stop string */
+#define PDM_HTTP_MAX_MESSAGES 1024            /* chat messages per request */
+#define PDM_HTTP_MAX_TOKENS_HARD 1000000u     /* max_tokens ceiling when the router has none */
+#define PDM_HTTP_COMPLETIONS_DEFAULT_TOKENS 16 /* OpenAI's default for /v1/completions */
+
+/* What a parsed request needs besides the GenerateRequest itself. */
+typedef struct {
+    int chat;            /* 1: /v1/chat/completions */
+    int stream;          /* stream: true */
+    int include_usage;   /* stream_options.include_usage */
+} pdm_http_opts_t;
+
+/* A parse failure: the HTTP status, an OpenAI error code string and a message. */
+typedef struct {
+    int status;
+    const char *code;    /* static string */
+    char message[256];
+} pdm_http_err_t;
+
+/* Parses an OpenAI completions (chat = 0) or chat completions (chat = 1) body into a
+ * GenerateRequest (*out, free with pdm_http__request_free). Checks types and ranges of every
+ * field it knows, the front end's caps and the router's limits `lim` (may be NULL);
+ * `model_name` (may be NULL) is the served model: a different "model" is a 404.
+ * Returns PDM_OK, or PDM_EINVAL with *err filled (nothing allocated). */
+int pdm_http__parse_request(const char *body, size_t len, int chat,
+                            const pdm_router_limits_t *lim, const char *model_name,
+                            Pdmesh__GenerateRequest **out, pdm_http_opts_t *opts,
+                            pdm_http_err_t *err);
+void pdm_http__request_free(Pdmesh__GenerateRequest *req);
+
+/* HTTP status and OpenAI error type/code for a Pdmesh__ErrorCode. */
+int pdm_http__status_for_code(int code);
+const char *pdm_http__code_name(int code);
+const char *pdm_http__type_for_status(int status);
+const char *pdm_http__reason(int status);
+
+/* {"error":{"message":..,"type":..,"param":null,"code":..}} as a malloc'ed string. */
+char *pdm_http__error_json(int status, const char *code, const char *message);
+
+/* OpenAI finish_reason of a FinishReason ("stop", "length"), NULL for FINISH_NONE. */
+const char *pdm_http__finish_reason(int finish);
+
+/* The non-streaming response body (malloc'ed JSON). `id` like "cmpl-..."; created is unix
+ * seconds. */
+char *pdm_http__result_json(int chat, const char *id, long created, const char *model,
+                            const Pdmesh__GenerateResult *res);
+
+/* One streamed chunk as JSON (malloc'ed). text may be NULL (no content); finish may be NULL;
+ * role_delta adds "role":"assistant" to a chat delta. usage (may be NULL) produces the
+ * include_usage chunk (empty choices). */
+char *pdm_http__chunk_json(int chat, const char *id, long created, const char *model,
+                           const char *text, const char *finish, int role_delta,
+                           const Pdmesh__Usage *usage);
+
+#endif

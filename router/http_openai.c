@@ -1,0 +1,657 @@
+/*
+ * http_openai.c - OpenAI request and response JSON <-> pdmesh client messages (no I/O).
+ *
+ * Accepted request fields (everything else is ignored, as OpenAI-compatible servers do, except
+ * the few listed as refused whose silent omission would change the answer):
+ *   model, prompt (string, [string], [int...], [[int...]]) | messages ([{role, content}]),
+ *   max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
+ *   seed, stop (string or list), stream, stream_options.include_usage, n (1), best_of (beams),
+ *   ignore_eos, user.
+ */
+#include "router/http_internal.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/pdm.h"
+#include "common/wire.h"
+
+static int fail(pdm_http_err_t *err, int status, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static int fail(pdm_http_err_t *err, int status, const char *code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    err->status = status;
+    err->code = code;
+    vsnprintf(err->message, sizeof(err->message), fmt, ap);
+    va_end(ap);
+    return PDM_EINVAL;
+}
+
+void pdm_http__request_free(Pdmesh__GenerateRequest *req)
+{
+    if (!req) return;
+    if (req->prompt != protobuf_c_empty_string) free(req->prompt);
+    if (req->model != protobuf_c_empty_string) free(req->model);
+    free(req->prompt_tokens);
+    for (size_t i = 0; i < req->n_messages; i++) {
+        Pdmesh__ChatMessage *m = req->messages[i];
+        if (!m) continue;
+        if (m->role != protobuf_c_empty_string) free(m->role);
+        if (m->content != protobuf_c_empty_string) free(m->content);
+        free(m);
+    }
+    free(req->messages);
+    for (size_t i = 0; i < req->n_stop; i++) free(req->stop[i]);
+    free(req->stop);
+    free(req->sampling);
+    free(req);
+}
+
+/* A number field: absent -> *present = 0. Type errors are 400s naming the field. */
+static int get_number(const cJSON *obj, const char *name, double lo, double hi, double *out,
+                      int *present, pdm_http_err_t *err)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, name);
+    *present = 0;
+    if (!v || cJSON_IsNull(v)) return PDM_OK;
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble))
+        return fail(err, 400, "invalid_type", "'%s' must be a number", name);
+    if (v->valuedouble < lo || v->valuedouble > hi)
+        return fail(err, 400, "invalid_value", "'%s' must be between %g and %g (got %g)", name,
+                    lo, hi, v->valuedouble);
+    *out = v->valuedouble;
+    *present = 1;
+    return PDM_OK;
+}
+
+static int get_integer(const cJSON *obj, const char *name, double lo, double hi, double *out,
+                       int *present, pdm_http_err_t *err)
+{
+    int st = get_number(obj, name, -INFINITY, INFINITY, out, present, err);
+    if (st || !*present) return st;
+    if (*out != floor(*out)) return fail(err, 400, "invalid_type", "'%s' must be an integer", name);
+    if (*out < lo || *out > hi)
+        return fail(err, 400, "invalid_value", "'%s' must be between %.0f and %.0f (got %.0f)",
+                    name, lo, hi, *out);
+    return PDM_OK;
+}
+
+static int get_bool(const cJSON *obj, const char *name, int *out, pdm_http_err_t *err)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, name);
+    if (!v || cJSON_IsNull(v)) return PDM_OK;
+    if (!cJSON_IsBool(v)) return fail(err, 400, "invalid_type", "'%s' must be a boolean", name);
+    *out = cJSON_IsTrue(v);
+    return PDM_OK;
+}
+
+static char *dup_or_empty(const char *s)
+{
+    return s && *s ? strdup(s) : (char *)protobuf_c_empty_string;
+}
+
+/* An array of token ids into req->prompt_tokens. */
+static int take_token_array(const cJSON *arr, Pdmesh__GenerateRequest *req, uint32_t max_prompt,
+                            pdm_http_err_t *err)
+{
+    int n = cJSON_GetArraySize(arr);
+    if (n <= 0) return fail(err, 400, "invalid_value", "'prompt' is empty");
+    if (max_prompt && (uint32_t)n > max_prompt)
+        return fail(err, 400, "context_length_exceeded",
+                    "the prompt has %d tokens; this server accepts at most %u", n, max_prompt);
+    req->prompt_tokens = malloc((size_t)n * sizeof(int32_t));
+    if (!req->prompt_tokens) return fail(err, 500, "internal_error", "out of memory");
+    size_t i = 0;
+    const cJSON *t;
+    cJSON_ArrayForEach(t, arr) {
+        if (!cJSON_IsNumber(t) || t->valuedouble != floor(t->valuedouble) ||
+            t->valuedouble < 0 || t->valuedouble > INT32_MAX)
+            return fail(err, 400, "invalid_type",
+                        "'prompt' token ids must be non-negative integers");
+        req->prompt_tokens[i++] = (int32_t)t->valuedouble;
+    }
+    req->n_prompt_tokens = i;
+    return PDM_OK;
+}
+
+static int take_prompt(const cJSON *root, Pdmesh__GenerateRequest *req, uint32_t max_prompt,
+                       pdm_http_err_t *err)
+{
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "prompt");
+    if (!p || cJSON_IsNull(p)) return fail(err, 400, "missing_field", "'prompt' is required");
+    if (cJSON_IsString(p)) {
+        if (!p->valuestring[0]) return fail(err, 400, "invalid_value", "'prompt' is empty");
+        req->prompt = strdup(p->valuestring);
+        return req->prompt ? PDM_OK : fail(err, 500, "internal_error", "out of memory");
+    }
+    if (!cJSON_IsArray(p))
+        return fail(err, 400, "invalid_type",
+                    "'prompt' must be a string, a list of token ids, or a list of one of those");
+    int n = cJSON_GetArraySize(p);
+    if (n == 0) return fail(err, 400, "invalid_value", "'prompt' is empty");
+    const cJSON *first = cJSON_GetArrayItem(p, 0);
+    if (cJSON_IsNumber(first)) return take_token_array(p, req, max_prompt, err);
+    if (n != 1)
+        return fail(err, 400, "unsupported_value",
+                    "batched prompts are not supported: send one prompt per request");
+    if (cJSON_IsString(first)) {
+        if (!first->valuestring[0]) return fail(err, 400, "invalid_value", "'prompt' is empty");
+        req->prompt = strdup(first->valuestring);
+        return req->prompt ? PDM_OK : fail(err, 500, "internal_error", "out of memory");
+    }
+    if (cJSON_IsArray(first)) return take_token_array(first, req, max_prompt, err);
+    return fail(err, 400, "invalid_type",
+                "'prompt' must be a string, a list of token ids, or a list of one of those");
+}
+
+/* A message's content: a string, or a list of parts of which only {"type":"text"} is
+ * understood (their texts are concatenated). Returns a malloc'ed string or NULL (err set). */
+static char *message_content(const cJSON *c, int index, pdm_http_err_t *err)
+{
+    if (!c || cJSON_IsNull(c)) return strdup("");
+    if (cJSON_IsString(c)) return strdup(c->valuestring);
+    if (!cJSON_IsArray(c)) {
+        fail(err, 400, "invalid_type", "'messages[%d].content' must be a string or a list", index);
+        return NULL;
+    }
+    size_t len = 0;
+    const cJSON *part;
+    cJSON_ArrayForEach(part, c) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
+        const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
+        if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") != 0 ||
+            !cJSON_IsString(text)) {
+            fail(err, 400, "unsupported_value",
+                 "'messages[%d].content': only parts of type \"text\" are supported", index);
+            return NULL;
+        }
+        len += strlen(text->valuestring);
+    }
+    char *out = malloc(len + 1);
+    if (!out) {
+        fail(err, 500, "internal_error", "out of memory");
+        return NULL;
+    }
+    size_t at = 0;
+    cJSON_ArrayForEach(part, c) {
+        const char *t = cJSON_GetObjectItemCaseSensitive(part, "text")->valuestring;
+        size_t l = strlen(t);
+        memcpy(out + at, t, l);
+        at += l;
+    }
+    out[at] = 0;
+    return out;
+}
+
+static int take_messages(const cJSON *root, Pdmesh__GenerateRequest *req, pdm_http_err_t *err)
+{
+    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(root, "messages");
+    if (!msgs || cJSON_IsNull(msgs)) return fail(err, 400, "missing_field", "'messages' is required");
+    if (!cJSON_IsArray(msgs)) return fail(err, 400, "invalid_type", "'messages' must be a list");
+    int n = cJSON_GetArraySize(msgs);
+    if (n == 0) return fail(err, 400, "invalid_value", "'messages' is empty");
+    if (n > PDM_HTTP_MAX_MESSAGES)
+        return fail(err, 400, "invalid_value", "'messages' has %d entries (at most %d)", n,
+                    PDM_HTTP_MAX_MESSAGES);
+    req->messages = calloc((size_t)n, sizeof(*req->messages));
+    if (!req->messages) return fail(err, 500, "internal_error", "out of memory");
+    int i = 0;
+    const cJSON *m;
+    cJSON_ArrayForEach(m, msgs) {
+        if (!cJSON_IsObject(m))
+            return fail(err, 400, "invalid_type", "'messages[%d]' must be an object", i);
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        if (!cJSON_IsString(role))
+            return fail(err, 400, "missing_field", "'messages[%d].role' must be a string", i);
+        const char *r = role->valuestring;
+        /* "developer" is OpenAI's newer name for the system role. */
+        if (!strcmp(r, "developer")) r = "system";
+        if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant"))
+            return fail(err, 400, "invalid_value",
+                        "'messages[%d].role' must be system, user or assistant (got \"%.40s\")",
+                        i, role->valuestring);
+        Pdmesh__ChatMessage *cm = malloc(sizeof(*cm));
+        if (!cm) return fail(err, 500, "internal_error", "out of memory");
+        pdmesh__chat_message__init(cm);
+        req->messages[i] = cm;
+        req->n_messages = (size_t)i + 1;
+        cm->role = strdup(r);
+        cm->content = message_content(cJSON_GetObjectItemCaseSensitive(m, "content"), i, err);
+        if (!cm->role || !cm->content) {
+            if (!cm->role) cm->role = (char *)protobuf_c_empty_string;
+            if (!cm->content) {
+                cm->content = (char *)protobuf_c_empty_string;
+                if (err->status) return PDM_EINVAL;
+            }
+            return fail(err, 500, "internal_error", "out of memory");
+        }
+        i++;
+    }
+    return PDM_OK;
+}
+
+static int take_stop(const cJSON *root, Pdmesh__GenerateRequest *req, pdm_http_err_t *err)
+{
+    const cJSON *s = cJSON_GetObjectItemCaseSensitive(root, "stop");
+    if (!s || cJSON_IsNull(s)) return PDM_OK;
+    int n = cJSON_IsString(s) ? 1 : cJSON_IsArray(s) ? cJSON_GetArraySize(s) : -1;
+    if (n < 0) return fail(err, 400, "invalid_type", "'stop' must be a string or a list of strings");
+    if (n > PDM_HTTP_MAX_STOP)
+        return fail(err, 400, "invalid_value", "'stop' has %d strings (at most %d)", n,
+                    PDM_HTTP_MAX_STOP);
+    if (n == 0) return PDM_OK;
+    req->stop = calloc((size_t)n, sizeof(char *));
+    if (!req->stop) return fail(err, 500, "internal_error", "out of memory");
+    const cJSON *one = cJSON_IsString(s) ? s : s->child;
+    for (int i = 0; i < n; i++, one = one->next) {
+        if (!cJSON_IsString(one))
+            return fail(err, 400, "invalid_type", "'stop' must be a string or a list of strings");
+        size_t l = strlen(one->valuestring);
+        if (l == 0 || l > PDM_HTTP_MAX_STOP_LEN)
+            return fail(err, 400, "invalid_value",
+                        "each stop string must have 1 to %d bytes", PDM_HTTP_MAX_STOP_LEN);
+        if (!(req->stop[i] = strdup(one->valuestring)))
+            return fail(err, 500, "internal_error", "out of memory");
+        req->n_stop = (size_t)i + 1;
+    }
+    return PDM_OK;
+}
+
+/* Fields whose non-default values we cannot honour: refusing beats a silently different
+ * answer. */
+static int refuse_unsupported(const cJSON *root, pdm_http_err_t *err)
+{
+    static const char *const must_be_false[] = {"echo", "logprobs"};
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(must_be_false); i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, must_be_false[i]);
+        if (v && !cJSON_IsNull(v) && !cJSON_IsFalse(v) &&
+            !(cJSON_IsNumber(v) && v->valuedouble == 0))
+            return fail(err, 400, "unsupported_value", "'%s' is not supported", must_be_false[i]);
+    }
+    static const char *const must_be_zero[] = {"presence_penalty", "frequency_penalty"};
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(must_be_zero); i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, must_be_zero[i]);
+        if (v && !cJSON_IsNull(v) && !(cJSON_IsNumber(v) && v->valuedouble == 0))
+            return fail(err, 400, "unsupported_value",
+                        "'%s' is not supported (use repetition_penalty)", must_be_zero[i]);
+    }
+    static const char *const must_be_absent[] = {"suffix", "tools", "functions", "logit_bias",
+                                                 "response_format", "top_logprobs"};
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(must_be_absent); i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, must_be_absent[i]);
+        if (v && !cJSON_IsNull(v) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0) &&
+            !(cJSON_IsObject(v) && !v->child) && !(cJSON_IsString(v) && !v->valuestring[0]))
+            return fail(err, 400, "unsupported_value", "'%s' is not supported", must_be_absent[i]);
+    }
+    return PDM_OK;
+}
+
+int pdm_http__parse_request(const char *body, size_t len, int chat,
+                            const pdm_router_limits_t *lim, const char *model_name,
+                            Pdmesh__GenerateRequest **out, pdm_http_opts_t *opts,
+                            pdm_http_err_t *err)
+{
+    memset(err, 0, sizeof(*err));
+    memset(opts, 0, sizeof(*opts));
+    opts->chat = chat;
+    if (!body || len == 0) return fail(err, 400, "invalid_json", "the request body is empty");
+    cJSON *root = cJSON_ParseWithLength(body, len);
+    if (!root) return fail(err, 400, "invalid_json", "the request body is not valid JSON");
+    Pdmesh__GenerateRequest *req = NULL;
+    int st = PDM_OK;
+    if (!cJSON_IsObject(root)) {
+        st = fail(err, 400, "invalid_json", "the request body must be a JSON object");
+        goto done;
+    }
+    req = calloc(1, sizeof(*req));
+    Pdmesh__SamplingParams *sp = calloc(1, sizeof(*sp));
+    if (!req || !sp) {
+        free(sp);
+        st = fail(err, 500, "internal_error", "out of memory");
+        goto done;
+    }
+    pdmesh__generate_request__init(req);
+    pdmesh__sampling_params__init(sp);
+    req->sampling = sp;
+    /* No text prompt unless one is given (messages or token ids otherwise). */
+    req->prompt = NULL;
+
+    uint32_t max_prompt = lim ? lim->max_prompt_tokens : 0;
+    uint32_t max_tokens_cap = lim && lim->max_tokens ? lim->max_tokens : PDM_HTTP_MAX_TOKENS_HARD;
+    uint32_t max_beams = lim && lim->max_beams ? lim->max_beams : 16;
+
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+    if (model && !cJSON_IsNull(model)) {
+        if (!cJSON_IsString(model)) {
+            st = fail(err, 400, "invalid_type", "'model' must be a string");
+            goto done;
+        }
+        if (model->valuestring[0] && model_name && strcmp(model->valuestring, model_name)) {
+            st = fail(err, 404, "model_not_found",
+                      "the model '%.80s' does not exist (this server serves '%.80s')",
+                      model->valuestring, model_name);
+            goto done;
+        }
+        req->model = dup_or_empty(model->valuestring);
+        if (!req->model) {
+            req->model = (char *)protobuf_c_empty_string;
+            st = fail(err, 500, "internal_error", "out of memory");
+            goto done;
+        }
+    }
+    if ((st = refuse_unsupported(root, err))) goto done;
+    if (chat) {
+        if (cJSON_GetObjectItemCaseSensitive(root, "prompt")) {
+            st = fail(err, 400, "invalid_value",
+                      "'prompt' belongs to /v1/completions; chat takes 'messages'");
+            goto done;
+        }
+        if ((st = take_messages(root, req, err))) goto done;
+    } else {
+        if (cJSON_GetObjectItemCaseSensitive(root, "messages")) {
+            st = fail(err, 400, "invalid_value",
+                      "'messages' belongs to /v1/chat/completions; completions take 'prompt'");
+            goto done;
+        }
+        if ((st = take_prompt(root, req, max_prompt, err))) goto done;
+    }
+
+    double v;
+    int have;
+    /* max_tokens: OpenAI's default is 16 for completions and "until done" for chat (the
+     * router's default, 0 here). max_completion_tokens is the newer chat name. */
+    req->max_tokens = chat ? 0 : PDM_HTTP_COMPLETIONS_DEFAULT_TOKENS;
+    const char *mt_names[] = {"max_tokens", "max_completion_tokens"};
+    for (int i = 0; i < 2; i++) {
+        if ((st = get_integer(root, mt_names[i], -1e18, 1e18, &v, &have, err))) goto done;
+        if (!have) continue;
+        if (v < 1 || v > max_tokens_cap) {
+            st = fail(err, 400, "invalid_value", "'%s' must be between 1 and %u (got %.0f)",
+                      mt_names[i], max_tokens_cap, v);
+            goto done;
+        }
+        req->max_tokens = (uint32_t)v;
+    }
+    sp->temperature = 1.0f; /* OpenAI's default */
+    if ((st = get_number(root, "temperature", 0, 2, &v, &have, err))) goto done;
+    if (have) sp->temperature = (float)v;
+    if ((st = get_number(root, "top_p", 0, 1, &v, &have, err))) goto done;
+    if (have) {
+        if (v == 0) {
+            st = fail(err, 400, "invalid_value", "'top_p' must be greater than 0");
+            goto done;
+        }
+        sp->top_p = (float)v;
+    }
+    if ((st = get_integer(root, "top_k", -1, 1e6, &v, &have, err))) goto done;
+    if (have) sp->top_k = v < 0 ? 0 : (int32_t)v; /* -1 is vLLM's "off" */
+    if ((st = get_number(root, "min_p", 0, 1, &v, &have, err))) goto done;
+    if (have) sp->min_p = (float)v;
+    if ((st = get_number(root, "repetition_penalty", 0.01, 10, &v, &have, err))) goto done;
+    if (have) sp->repeat_penalty = (float)v;
+    if ((st = get_integer(root, "seed", -9.2e18, 1.8e19, &v, &have, err))) goto done;
+    if (have) {
+        sp->seed = v < 0 ? (uint64_t)(int64_t)v : (uint64_t)v;
+    } else if (pdm_random_bytes(&sp->seed, sizeof(sp->seed)) != PDM_OK) {
+        st = fail(err, 500, "internal_error", "no random seed available");
+        goto done;
+    }
+    if ((st = get_integer(root, "n", -1e18, 1e18, &v, &have, err))) goto done;
+    if (have && v != 1) {
+        st = fail(err, 400, "unsupported_value", "'n' must be 1 (got %.0f)", v);
+        goto done;
+    }
+    int stream = 0, ignore_eos = 0;
+    if ((st = get_bool(root, "stream", &stream, err))) goto done;
+    if ((st = get_bool(root, "ignore_eos", &ignore_eos, err))) goto done;
+    opts->stream = stream;
+    req->stream = stream;
+    req->ignore_eos = ignore_eos;
+    const cJSON *so = cJSON_GetObjectItemCaseSensitive(root, "stream_options");
+    if (so && !cJSON_IsNull(so)) {
+        if (!cJSON_IsObject(so)) {
+            st = fail(err, 400, "invalid_type", "'stream_options' must be an object");
+            goto done;
+        }
+        if ((st = get_bool(so, "include_usage", &opts->include_usage, err))) goto done;
+    }
+    /* best_of > 1: beam search of that width, the best beam returned (not streamable). */
+    if ((st = get_integer(root, "best_of", -1e18, 1e18, &v, &have, err))) goto done;
+    if (have && v != 1) {
+        if (v < 1 || v > max_beams) {
+            st = fail(err, 400, "invalid_value", "'best_of' must be between 1 and %u", max_beams);
+            goto done;
+        }
+        if (stream) {
+            st = fail(err, 400, "invalid_value", "'best_of' > 1 cannot be streamed");
+            goto done;
+        }
+        req->beams = (uint32_t)v;
+        req->n_best = 1;
+        req->length_penalty = 1.0f;
+    }
+    if ((st = take_stop(root, req, err))) goto done;
+
+done:
+    cJSON_Delete(root);
+    if (st) {
+        pdm_http__request_free(req);
+        return st;
+    }
+    *out = req;
+    return PDM_OK;
+}
+
+int pdm_http__status_for_code(int code)
+{
+    switch (code) {
+    case PDMESH__ERROR_CODE__ERR_BAD_MESSAGE:
+    case PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE:
+    case PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT: return 400;
+    case PDMESH__ERROR_CODE__ERR_TOO_LARGE: return 413;
+    case PDMESH__ERROR_CODE__ERR_UNAUTHORIZED: return 401;
+    case PDMESH__ERROR_CODE__ERR_NOT_FOUND: return 404;
+    case PDMESH__ERROR_CODE__ERR_OVERLOADED: return 429;
+    case PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED: return 504;
+    case PDMESH__ERROR_CODE__ERR_CANCELLED:
+    case PDMESH__ERROR_CODE__ERR_UNAVAILABLE:
+    case PDMESH__ERROR_CODE__ERR_NODE_FULL: return 503;
+    default: return 500;
+    }
+}
+
+const char *pdm_http__code_name(int code)
+{
+    switch (code) {
+    case PDMESH__ERROR_CODE__ERR_BAD_MESSAGE: return "bad_message";
+    case PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE: return "unknown_type";
+    case PDMESH__ERROR_CODE__ERR_TOO_LARGE: return "too_large";
+    case PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT: return "invalid_argument";
+    case PDMESH__ERROR_CODE__ERR_UNAUTHORIZED: return "unauthorized";
+    case PDMESH__ERROR_CODE__ERR_OVERLOADED: return "overloaded";
+    case PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED: return "deadline_exceeded";
+    case PDMESH__ERROR_CODE__ERR_CANCELLED: return "cancelled";
+    case PDMESH__ERROR_CODE__ERR_UNAVAILABLE: return "unavailable";
+    case PDMESH__ERROR_CODE__ERR_NOT_FOUND: return "not_found";
+    case PDMESH__ERROR_CODE__ERR_STALE_EPOCH: return "stale_epoch";
+    case PDMESH__ERROR_CODE__ERR_NODE_FULL: return "node_full";
+    case PDMESH__ERROR_CODE__ERR_KV_TRANSFER: return "kv_transfer";
+    default: return "internal_error";
+    }
+}
+
+const char *pdm_http__type_for_status(int status)
+{
+    switch (status) {
+    case 400:
+    case 404:
+    case 405:
+    case 413:
+    case 431: return "invalid_request_error";
+    case 401: return "authentication_error";
+    case 429: return "rate_limit_error";
+    default: return "server_error";
+    }
+}
+
+const char *pdm_http__reason(int status)
+{
+    switch (status) {
+    case 100: return "Continue";
+    case 200: return "OK";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 408: return "Request Timeout";
+    case 413: return "Payload Too Large";
+    case 429: return "Too Many Requests";
+    case 431: return "Request Header Fields Too Large";
+    case 500: return "Internal Server Error";
+    case 501: return "Not Implemented";
+    case 503: return "Service Unavailable";
+    case 504: return "Gateway Timeout";
+    case 505: return "HTTP Version Not Supported";
+    default: return "Error";
+    }
+}
+
+char *pdm_http__error_json(int status, const char *code, const char *message)
+{
+    cJSON *root = cJSON_CreateObject();
+    cJSON *e = cJSON_AddObjectToObject(root, "error");
+    if (!e) {
+        cJSON_Delete(root);
+        return NULL;
+    }
+    cJSON_AddStringToObject(e, "message", message ? message : "");
+    cJSON_AddStringToObject(e, "type", pdm_http__type_for_status(status));
+    cJSON_AddNullToObject(e, "param");
+    cJSON_AddStringToObject(e, "code", code ? code : "error");
+    char *s = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return s;
+}
+
+const char *pdm_http__finish_reason(int finish)
+{
+    switch (finish) {
+    case PDMESH__FINISH_REASON__FINISH_EOS:
+    case PDMESH__FINISH_REASON__FINISH_STOP: return "stop";
+    case PDMESH__FINISH_REASON__FINISH_LENGTH: return "length";
+    default: return NULL;
+    }
+}
+
+static void add_usage(cJSON *root, const Pdmesh__Usage *u)
+{
+    cJSON *usage = cJSON_AddObjectToObject(root, "usage");
+    if (!usage) return;
+    uint32_t p = u ? u->prompt_tokens : 0, c = u ? u->completion_tokens : 0;
+    cJSON_AddNumberToObject(usage, "prompt_tokens", p);
+    cJSON_AddNumberToObject(usage, "completion_tokens", c);
+    cJSON_AddNumberToObject(usage, "total_tokens", (double)p + c);
+    if (!u) return;
+    if (u->cached_tokens) {
+        cJSON *d = cJSON_AddObjectToObject(usage, "prompt_tokens_details");
+        if (d) cJSON_AddNumberToObject(d, "cached_tokens", u->cached_tokens);
+    }
+    /* pdmesh's own figures, under one extension key. */
+    cJSON *x = cJSON_AddObjectToObject(usage, "pdmesh");
+    if (!x) return;
+    cJSON_AddNumberToObject(x, "ttft_ms", u->ttft_ms);
+    cJSON_AddNumberToObject(x, "tpot_ms", u->tpot_ms);
+    cJSON_AddNumberToObject(x, "total_ms", u->total_ms);
+    cJSON_AddNumberToObject(x, "kv_bytes", (double)u->kv_bytes);
+    cJSON_AddStringToObject(x, "prefill_method", u->prefill_method ? u->prefill_method : "");
+    cJSON_AddStringToObject(x, "prefill_group", u->prefill_group ? u->prefill_group : "");
+    cJSON_AddStringToObject(x, "decode_node", u->decode_node ? u->decode_node : "");
+    cJSON_AddNumberToObject(x, "attempts", u->attempts);
+}
+
+static cJSON *response_head(const char *object, const char *id, long created, const char *model)
+{
+    cJSON *root = cJSON_CreateObject();
+    if (!root) return NULL;
+    cJSON_AddStringToObject(root, "id", id);
+    cJSON_AddStringToObject(root, "object", object);
+    cJSON_AddNumberToObject(root, "created", (double)created);
+    cJSON_AddStringToObject(root, "model", model ? model : "");
+    return root;
+}
+
+static char *finish_json(cJSON *root)
+{
+    char *s = root ? cJSON_PrintUnformatted(root) : NULL;
+    cJSON_Delete(root);
+    return s;
+}
+
+char *pdm_http__result_json(int chat, const char *id, long created, const char *model,
+                            const Pdmesh__GenerateResult *res)
+{
+    cJSON *root = response_head(chat ? "chat.completion" : "text_completion", id, created, model);
+    if (!root) return NULL;
+    cJSON *choices = cJSON_AddArrayToObject(root, "choices");
+    cJSON *c = cJSON_CreateObject();
+    if (!choices || !c) {
+        cJSON_Delete(c);
+        return finish_json(root);
+    }
+    cJSON_AddItemToArray(choices, c);
+    cJSON_AddNumberToObject(c, "index", 0);
+    const char *text = res->text ? res->text : "";
+    /* Beam search: the best beam is the answer. */
+    if (res->n_beams > 0 && res->beams[0] && res->beams[0]->text) text = res->beams[0]->text;
+    if (chat) {
+        cJSON *msg = cJSON_AddObjectToObject(c, "message");
+        if (msg) {
+            cJSON_AddStringToObject(msg, "role", "assistant");
+            cJSON_AddStringToObject(msg, "content", text);
+        }
+    } else {
+        cJSON_AddStringToObject(c, "text", text);
+    }
+    cJSON_AddNullToObject(c, "logprobs");
+    const char *fr = pdm_http__finish_reason(res->finish);
+    if (fr) cJSON_AddStringToObject(c, "finish_reason", fr);
+    else cJSON_AddNullToObject(c, "finish_reason");
+    add_usage(root, res->usage);
+    return finish_json(root);
+}
+
+char *pdm_http__chunk_json(int chat, const char *id, long created, const char *model,
+                           const char *text, const char *finish, int role_delta,
+                           const Pdmesh__Usage *usage)
+{
+    cJSON *root =
+        response_head(chat ? "chat.completion.chunk" : "text_completion", id, created, model);
+    if (!root) return NULL;
+    cJSON *choices = cJSON_AddArrayToObject(root, "choices");
+    if (!choices) return finish_json(root);
+    if (usage) {
+        add_usage(root, usage);
+        return finish_json(root);
+    }
+    cJSON *c = cJSON_CreateObject();
+    if (!c) return finish_json(root);
+    cJSON_AddItemToArray(choices, c);
+    cJSON_AddNumberToObject(c, "index", 0);
+    if (chat) {
+        cJSON *delta = cJSON_AddObjectToObject(c, "delta");
+        if (delta && role_delta) cJSON_AddStringToObject(delta, "role", "assistant");
+        if (delta && text) cJSON_AddStringToObject(delta, "content", text);
+    } else {
+        cJSON_AddStringToObject(c, "text", text ? text : "");
+    }
+    cJSON_AddNullToObject(c, "logprobs");
+    if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
+    else cJSON_AddNullToObject(c, "finish_reason");
+    return finish_json(root);
+}

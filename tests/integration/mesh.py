@@ -1,0 +1,127 @@
+"""A real local mesh for the HTTP tests and the serving benchmark: pdmesh-router (with HTTP),
+one prefill group and one decode node, as separate processes on free loopback ports, the
+nodes registering with the cluster secret from the environment (never a command line)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Mesh:
+    def __init__(self, bindir="build/bin", model="models/SmolLM2-135M-Instruct.Q4_1.gguf",
+                 prefill_ranks=1, threads=1, local_threshold=16, router_args=(), decode_args=(),
+                 logdir=None):
+        self.bindir = bindir
+        self.model = model
+        self.logdir = logdir or tempfile.mkdtemp(prefix="pdm-mesh-")
+        self.env = dict(os.environ)
+        self.env["PDMESH_SECRET"] = os.urandom(16).hex()
+        self.env.setdefault("UCX_TLS", "tcp,self")
+        self.env.setdefault("UCX_NET_DEVICES", "lo")
+        self.procs = {}
+        p = [free_port() for _ in range(4)]
+        self.node_ep = "tcp://127.0.0.1:%d" % p[1]
+        self.http_port = p[3]
+        self._start("router", [os.path.join(bindir, "pdmesh-router"), "--model", model,
+                               "--client", "tcp://127.0.0.1:%d" % p[0], "--node", self.node_ep,
+                               "--admin", "tcp://127.0.0.1:%d" % p[2],
+                               "--http", "127.0.0.1:%d" % self.http_port,
+                               "--local-threshold", str(local_threshold), *router_args])
+        self._start("decode-0", [os.path.join(bindir, "pdmesh-decode"), "--model", model,
+                                 "--threads", str(threads), "--router", self.node_ep,
+                                 "--node-id", "decode-0", *decode_args])
+        for r in range(prefill_ranks):
+            self._start("prefill-a.%d" % r,
+                        [os.path.join(bindir, "pdmesh-prefill"), "--model", model, "--threads",
+                         str(threads), "--router", self.node_ep, "--node-id", "prefill-a/%d" % r,
+                         "--group", "a", "--rank", str(r), "--group-size", str(prefill_ranks)])
+        self.prefill_ranks = prefill_ranks
+
+    def _start(self, name, argv):
+        log = open(os.path.join(self.logdir, name + ".log"), "w")
+        self.procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=self.env), log)
+
+    def get(self, path, timeout=5):
+        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (self.http_port, path),
+                                    timeout=timeout) as r:
+            return r.status, r.read().decode()
+
+    def metric(self, name, labels=""):
+        """The value of one series on /metrics (0 when absent)."""
+        _, text = self.get("/metrics")
+        want = name + ("{%s}" % labels if labels else "")
+        for line in text.splitlines():
+            if line.startswith(want + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def wait_ready(self, timeout=90, groups=True):
+        """Waits for /readyz and, with groups, for every prefill rank to be alive."""
+        end = time.time() + timeout
+        while time.time() < end:
+            for name, (p, _) in self.procs.items():
+                if p.poll() is not None:
+                    raise AssertionError("%s exited with %d:\n%s" % (name, p.returncode,
+                                                                     self.log(name)[-3000:]))
+            try:
+                st, _ = self.get("/readyz")
+                alive = self.metric("pdmesh_nodes", 'role_state="prefill_alive"')
+                if st == 200 and (not groups or alive >= self.prefill_ranks):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("the mesh did not become ready in %ds; router log:\n%s"
+                             % (timeout, self.log("router")[-3000:]))
+
+    def log(self, name):
+        try:
+            with open(os.path.join(self.logdir, name + ".log")) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def stop(self, timeout=30):
+        """SIGTERM to everything (router last); returns the router's exit status."""
+        rc = None
+        order = [n for n in self.procs if n != "router"] + ["router"]
+        for name in order:
+            p, log = self.procs[name]
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+                if name == "router":
+                    rc = "hung"
+            log.close()
+            if name == "router" and rc is None:
+                rc = p.returncode
+        return rc
+
+
+def reference(bindir, model, prompt, n, chat=False, threads=1):
+    """Greedy output of the single-process engine (pdmesh generate --temp 0)."""
+    argv = [os.path.join(bindir, "pdmesh"), "generate", "--model", model, "--temp", "0",
+            "-n", str(n), "--prompt", prompt, "--json", "--threads", str(threads)]
+    if chat:
+        argv.append("--chat")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise AssertionError("pdmesh generate failed: " + out.stderr[-2000:])
+    return json.loads(out.stdout)

@@ -1,0 +1,200 @@
+/*
+ * test_http.c - the OpenAI JSON translation of the HTTP front end (router/http_openai.c):
+ * field mapping, refusals with their status and code, a mutation fuzz of request bodies (run
+ * under ASan by `make asan`), and the response bodies parsed back.
+ * The server itself is tested with real sockets by tests/http/test_fake.py and, end to end,
+ * by tests/integration/.
+ */
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/pdm.h"
+#include "router/http_internal.h"
+#include "tests.h"
+
+static const pdm_router_limits_t limits = {
+    .max_body_bytes = 1 << 20, .max_prompt_tokens = 100, .max_tokens = 512, .max_beams = 4};
+
+static Pdmesh__GenerateRequest *parse_ok(const char *body, int chat, pdm_http_opts_t *opts)
+{
+    Pdmesh__GenerateRequest *req = NULL;
+    pdm_http_err_t err;
+    int st = pdm_http__parse_request(body, strlen(body), chat, &limits, "m", &req, opts, &err);
+    ck_assert_msg(st == PDM_OK, "%s: %d %s %s", body, err.status, err.code, err.message);
+    return req;
+}
+
+static void parse_fails(const char *body, int chat, int status, const char *code)
+{
+    Pdmesh__GenerateRequest *req = NULL;
+    pdm_http_opts_t opts;
+    pdm_http_err_t err;
+    int st = pdm_http__parse_request(body, strlen(body), chat, &limits, "m", &req, &opts, &err);
+    ck_assert_msg(st != PDM_OK, "accepted: %s", body);
+    ck_assert_ptr_null(req);
+    ck_assert_msg(err.status == status && !strcmp(err.code, code), "%s: got %d %s (%s)", body,
+                  err.status, err.code, err.message);
+    ck_assert(err.message[0]);
+}
+
+START_TEST(test_http_parse_fields)
+{
+    pdm_http_opts_t o;
+    Pdmesh__GenerateRequest *r = parse_ok(
+        "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":7,\"temperature\":0,\"top_p\":0.9,"
+        "\"top_k\":5,\"seed\":42,\"stop\":[\"a\",\"bc\"],\"stream\":true,"
+        "\"stream_options\":{\"include_usage\":true},\"n\":1}",
+        0, &o);
+    ck_assert_str_eq(r->prompt, "hi");
+    ck_assert_str_eq(r->model, "m");
+    ck_assert_uint_eq(r->max_tokens, 7);
+    ck_assert(r->sampling->temperature == 0.0f);
+    ck_assert(fabsf(r->sampling->top_p - 0.9f) < 1e-6f);
+    ck_assert_int_eq(r->sampling->top_k, 5);
+    ck_assert_uint_eq(r->sampling->seed, 42);
+    ck_assert_uint_eq(r->n_stop, 2);
+    ck_assert_str_eq(r->stop[1], "bc");
+    ck_assert(r->stream && o.stream && o.include_usage && !o.chat);
+    pdm_http__request_free(r);
+
+    r = parse_ok("{\"prompt\":[1,2,3]}", 0, &o);
+    ck_assert_uint_eq(r->n_prompt_tokens, 3);
+    ck_assert_int_eq(r->prompt_tokens[2], 3);
+    ck_assert_uint_eq(r->max_tokens, PDM_HTTP_COMPLETIONS_DEFAULT_TOKENS);
+    ck_assert(r->sampling->temperature == 1.0f);
+    pdm_http__request_free(r);
+
+    r = parse_ok("{\"messages\":[{\"role\":\"system\",\"content\":\"s\"},"
+                 "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"},"
+                 "{\"type\":\"text\",\"text\":\"b\"}]}],\"max_completion_tokens\":9}",
+                 1, &o);
+    ck_assert_uint_eq(r->n_messages, 2);
+    ck_assert_str_eq(r->messages[0]->role, "system");
+    ck_assert_str_eq(r->messages[1]->content, "ab");
+    ck_assert_uint_eq(r->max_tokens, 9);
+    ck_assert(o.chat);
+    pdm_http__request_free(r);
+}
+END_TEST
+
+START_TEST(test_http_parse_refusals)
+{
+    parse_fails("{", 0, 400, "invalid_json");
+    parse_fails("3", 0, 400, "invalid_json");
+    parse_fails("{\"prompt\":\"a\",\"max_tokens\":513}", 0, 400, "invalid_value");
+    parse_fails("{\"prompt\":\"a\",\"max_tokens\":1e300}", 0, 400, "invalid_value");
+    parse_fails("{\"prompt\":\"a\",\"n\":3}", 0, 400, "unsupported_value");
+    parse_fails("{\"prompt\":\"a\",\"model\":\"x\"}", 0, 404, "model_not_found");
+    parse_fails("{\"prompt\":\"a\",\"best_of\":5}", 0, 400, "invalid_value");
+    parse_fails("{\"prompt\":\"a\",\"seed\":0.5}", 0, 400, "invalid_type");
+    parse_fails("{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}]}", 0, 400, "invalid_value");
+    parse_fails("{\"prompt\":\"a\"}", 1, 400, "invalid_value");
+    char big[1024] = "{\"prompt\":[";
+    for (int i = 0; i < 101; i++) strcat(big, i ? ",1" : "1");
+    strcat(big, "]}");
+    parse_fails(big, 0, 400, "context_length_exceeded");
+}
+END_TEST
+
+/* Random byte edits of valid bodies: every outcome is a clean accept or a clean refusal. */
+START_TEST(test_http_parse_fuzz)
+{
+    static const char *seeds[] = {
+        "{\"prompt\":\"hello\",\"max_tokens\":5,\"stop\":[\"x\"],\"temperature\":0.5}",
+        ("{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"t\"}]}],"
+         "\"stream\":true,\"stream_options\":{\"include_usage\":true}}"),
+        "{\"prompt\":[[1,2,3]],\"best_of\":2,\"seed\":-1,\"top_k\":-1}",
+    };
+    uint64_t rng = 7;
+    char buf[512];
+    int accepted = 0, refused = 0;
+    for (int it = 0; it < 20000; it++) {
+        const char *s = seeds[it % 3];
+        size_t len = strlen(s);
+        memcpy(buf, s, len);
+        int edits = 1 + (int)(pdm_splitmix64(&rng) % 4);
+        for (int e = 0; e < edits; e++) {
+            uint64_t x = pdm_splitmix64(&rng);
+            size_t at = (size_t)(x % len);
+            switch ((x >> 32) % 3) {
+            case 0: buf[at] = (char)(x >> 40); break;                       /* replace */
+            case 1: if (len > 1) { memmove(buf + at, buf + at + 1, len - at - 1); len--; } break;
+            default: if (len < sizeof(buf) - 1) {                           /* insert */
+                memmove(buf + at + 1, buf + at, len - at); buf[at] = "{}[]\",:01e-"[x % 11]; len++;
+            }
+            }
+        }
+        Pdmesh__GenerateRequest *req = NULL;
+        pdm_http_opts_t o;
+        pdm_http_err_t err;
+        if (pdm_http__parse_request(buf, len, it % 3 == 1, &limits, "m", &req, &o, &err) == PDM_OK) {
+            ck_assert_ptr_nonnull(req);
+            ck_assert(req->sampling);
+            pdm_http__request_free(req);
+            accepted++;
+        } else {
+            ck_assert(err.status >= 400 && err.status < 600 && err.code && err.message[0]);
+            refused++;
+        }
+    }
+    ck_assert(accepted > 0 && refused > 0);
+}
+END_TEST
+
+START_TEST(test_http_responses)
+{
+    Pdmesh__GenerateResult res = PDMESH__GENERATE_RESULT__INIT;
+    Pdmesh__Usage u = PDMESH__USAGE__INIT;
+    u.prompt_tokens = 3;
+    u.completion_tokens = 4;
+    res.usage = &u;
+    res.text = "quote \" and\nnewline";
+    res.finish = PDMESH__FINISH_REASON__FINISH_EOS;
+    for (int chat = 0; chat < 2; chat++) {
+        char *s = pdm_http__result_json(chat, "id-1", 5, "m", &res);
+        cJSON *j = cJSON_Parse(s);
+        ck_assert_ptr_nonnull(j);
+        cJSON *c0 = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0);
+        cJSON *text = chat ? cJSON_GetObjectItem(cJSON_GetObjectItem(c0, "message"), "content")
+                           : cJSON_GetObjectItem(c0, "text");
+        ck_assert_str_eq(text->valuestring, res.text);
+        ck_assert_str_eq(cJSON_GetObjectItem(c0, "finish_reason")->valuestring, "stop");
+        ck_assert_int_eq(
+            cJSON_GetObjectItem(cJSON_GetObjectItem(j, "usage"), "total_tokens")->valueint, 7);
+        cJSON_Delete(j);
+        free(s);
+        s = pdm_http__chunk_json(chat, "id-1", 5, "m", "t\"", NULL, 0, NULL);
+        j = cJSON_Parse(s);
+        ck_assert_ptr_nonnull(j);
+        cJSON_Delete(j);
+        free(s);
+    }
+    char *e = pdm_http__error_json(429, "overloaded", "too \"busy\"");
+    cJSON *j = cJSON_Parse(e);
+    ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(j, "error"), "type")->valuestring,
+                     "rate_limit_error");
+    cJSON_Delete(j);
+    free(e);
+    ck_assert_int_eq(pdm_http__status_for_code(PDMESH__ERROR_CODE__ERR_OVERLOADED), 429);
+    ck_assert_int_eq(pdm_http__status_for_code(PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED), 504);
+    ck_assert_int_eq(pdm_http__status_for_code(PDMESH__ERROR_CODE__ERR_UNAVAILABLE), 503);
+    ck_assert_int_eq(pdm_http__status_for_code(PDMESH__ERROR_CODE__ERR_UNAUTHORIZED), 401);
+    ck_assert_int_eq(pdm_http__status_for_code(PDMESH__ERROR_CODE__ERR_NOT_FOUND), 404);
+    ck_assert_int_eq(pdm_http__status_for_code(PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT), 400);
+    ck_assert_int_eq(pdm_http__status_for_code(PDMESH__ERROR_CODE__ERR_INTERNAL), 500);
+}
+END_TEST
+
+Suite *suite_http(void)
+{
+    Suite *s = suite_create("http");
+    TCase *tc = tcase_create("openai");
+    tcase_add_test(tc, test_http_parse_fields);
+    tcase_add_test(tc, test_http_parse_refusals);
+    tcase_add_test(tc, test_http_parse_fuzz);
+    tcase_add_test(tc, test_http_responses);
+    suite_add_tcase(s, tc);
+    return s;
+}
