@@ -5,7 +5,7 @@
 #   make          build everything into build/
 #   make test     deps + model + build + every test (= make check)
 #   make asan     the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer
-#   make demo     deps + model + build, then generate with the default model
+#   make demo     deps + model + build, then start a local mesh, stream one chat answer, stop it
 #   make bench-prefill  TTFT of every prefill method (docs/perf/prefill.md)
 #   make bench-router   router overhead per request with instant nodes (docs/router.md)
 #   make bench-sim      predicted TTFT up to 64 ranks / 1M tokens (docs/perf/sim.md)
@@ -340,9 +340,10 @@ bench-prefill: deps model all
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/prefill/run.py
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/prefill/shaped.py
 
+# The whole mesh on this machine: pdmesh up, one streamed chat answer through the SDK with TTFT
+# and tokens/s, pdmesh down (tools/demo.sh).
 demo: deps model all
-	$(BUILD)/bin/pdmesh generate --model $(MODEL_FILE) --chat --stats -n 64 \
-	  --prompt "Explain in two sentences why the sky is blue."
+	BUILD=$(BUILD) tools/demo.sh
 
 # CUDA twins of the kernels: a separate build in build-cuda/ (never a dependency of test).
 # The unit tests there run the CUDA variant against the reference when a device is present.
