@@ -44,6 +44,12 @@ int pdm_wire_type(const pdm_wire_msg_t *m);
 ProtobufCMessage *pdm_wire_message(const pdm_wire_msg_t *m);
 void pdm_wire_msg_free(pdm_wire_msg_t *m);
 
+/* For servers: pdm_wire_unpack, and when the frame is refused, an Error reply to `ident` on
+ * `zsock` whose code says why (ERR_TOO_LARGE, ERR_UNKNOWN_TYPE, ERR_BAD_MESSAGE). Returns the
+ * unpack status. */
+int pdm_wire_unpack_or_reply(void *zsock, const void *ident, size_t ident_len, const void *frame,
+                             size_t len, size_t cap, pdm_wire_msg_t **out);
+
 /* ZeroMQ helpers. Sends [identity frame if ident] + one message frame, non-blocking
  * (ZMQ_DONTWAIT); PDM_EOVERFLOW when the peer's queue is full, PDM_EPEER when a ROUTER with
  * ZMQ_ROUTER_MANDATORY does not know the identity. */

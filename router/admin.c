@@ -99,14 +99,7 @@ void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
                        const void *frame, size_t len)
 {
     pdm_wire_msg_t *wm;
-    int st = pdm_wire_unpack(frame, len, 1u << 20, 0, &wm);
-    if (st) {
-        int code = st == PDM_EOVERFLOW ? PDMESH__ERROR_CODE__ERR_TOO_LARGE
-                   : st == PDM_EUNSUPPORTED ? PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE
-                                            : PDMESH__ERROR_CODE__ERR_BAD_MESSAGE;
-        pdm_wire_send_error(r->admin_sock, ident, ident_len, code, 0, "%s", pdm_error_last());
-        return;
-    }
+    if (pdm_wire_unpack_or_reply(r->admin_sock, ident, ident_len, frame, len, 1u << 20, &wm)) return;
     if (pdm_wire_type(wm) == PDMESH__MSG_TYPE__MSG_PING) {
         Pdmesh__Ping pong = PDMESH__PING__INIT;
         pong.nonce = ((Pdmesh__Ping *)pdm_wire_message(wm))->nonce;

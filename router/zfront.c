@@ -104,14 +104,7 @@ void rt_on_client_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
     void *s = r->client_sock;
     rt_zfront_t *z = r->zfront;
     pdm_wire_msg_t *wm;
-    int st = pdm_wire_unpack(frame, len, PDM_WIRE_MAX_FRAME, 0, &wm);
-    if (st) {
-        int code = st == PDM_EOVERFLOW ? PDMESH__ERROR_CODE__ERR_TOO_LARGE
-                   : st == PDM_EUNSUPPORTED ? PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE
-                                            : PDMESH__ERROR_CODE__ERR_BAD_MESSAGE;
-        pdm_wire_send_error(s, ident, ident_len, code, 0, "%s", pdm_error_last());
-        return;
-    }
+    if (pdm_wire_unpack_or_reply(s, ident, ident_len, frame, len, PDM_WIRE_MAX_FRAME, &wm)) return;
     int type = pdm_wire_type(wm);
     ProtobufCMessage *msg = pdm_wire_message(wm);
     switch (type) {

@@ -23,6 +23,14 @@ static const struct {
     {"http", suite_http},
 };
 
+int32_t pdm_test_argmax(const float *x, uint32_t n)
+{
+    int32_t b = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = (int32_t)i;
+    return b;
+}
+
 const char *pdm_test_tmpdir(void)
 {
     static char dir[512];

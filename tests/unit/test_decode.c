@@ -34,14 +34,6 @@ static pdm_model_t *tiny_model(pdm_dtype_t wtype)
     return m;
 }
 
-static int32_t argmax(const float *x, uint32_t n)
-{
-    int32_t b = 0;
-    for (uint32_t i = 1; i < n; i++)
-        if (x[i] > x[b]) b = (int32_t)i;
-    return b;
-}
-
 static void run_batched_vs_alone(pdm_dtype_t wtype, double tol, int contiguous)
 {
     pdm_model_t *m = tiny_model(wtype);
@@ -68,8 +60,8 @@ static void run_batched_vs_alone(pdm_dtype_t wtype, double tol, int contiguous)
         la[s] = malloc(sizeof(float) * V);
         ck_assert_int_eq(pdm_model_prefill(ctx_a, cb[s], ids, prompt_len[s], lb[s]), 0);
         ck_assert_int_eq(pdm_model_prefill(ctx_a, ca[s], ids, prompt_len[s], la[s]), 0);
-        next_b[s] = argmax(lb[s], V);
-        next_a[s] = argmax(la[s], V);
+        next_b[s] = pdm_test_argmax(lb[s], V);
+        next_a[s] = pdm_test_argmax(la[s], V);
     }
     float *rows = malloc(sizeof(float) * V * NSEQ); /* one [n][V] array of outputs */
     for (int step = 0; step < STEPS; step++) {
@@ -93,8 +85,8 @@ static void run_batched_vs_alone(pdm_dtype_t wtype, double tol, int contiguous)
             }
             ck_assert_msg(diff <= tol * maxv, "step %d seq %d: logits differ by %g", step, s,
                           diff);
-            next_b[s] = argmax(lb[s], V);
-            next_a[s] = argmax(la[s], V);
+            next_b[s] = pdm_test_argmax(lb[s], V);
+            next_a[s] = pdm_test_argmax(la[s], V);
             ck_assert_int_eq(next_a[s], next_b[s]);
             ck_assert_int_eq(ca[s]->n_tokens, cb[s]->n_tokens);
         }
@@ -177,8 +169,8 @@ static void run_window(double r)
         for (uint32_t i = 0; i < V; i++)
             ck_assert_msg(fabsf(lw[i] - lr[i]) <= 1e-5f * fmaxf(1, fabsf(lr[i])),
                           "r=%.1f token %d: logit %u %g vs %g", r, t, i, lw[i], lr[i]);
-        int32_t next = argmax(lw, V);
-        ck_assert_int_eq(next, argmax(lr, V));
+        int32_t next = pdm_test_argmax(lw, V);
+        ck_assert_int_eq(next, pdm_test_argmax(lr, V));
         if (end + 1 > w->reserve) {
             expect_copies++;
             end = S - 1;

@@ -40,14 +40,6 @@ static pdm_model_t *tiny(int n_kv_heads, int n_layers)
     return m;
 }
 
-static int32_t argmax(const float *x, uint32_t n)
-{
-    int32_t b = 0;
-    for (uint32_t i = 1; i < n; i++)
-        if (x[i] > x[b]) b = (int32_t)i;
-    return b;
-}
-
 START_TEST(tier_budget_and_peak)
 {
     pdm_kvtier_t *t;
@@ -143,7 +135,7 @@ static void run_equal(pdm_model_t *m, const cfg_t *cf, const int *plen, int n_se
         ck_assert_int_eq(pdm_model_prefill(ctx, ref[s], ids, plen[s], lr), 0);
         ck_assert_int_eq(pdm_model_prefill(ctx, pdm_kvoff_cache(off[s]), ids, plen[s], lo), 0);
         ck_assert_int_eq(memcmp(lr, lo, sizeof(float) * V), 0);
-        next_r[s] = next_o[s] = argmax(lr, V);
+        next_r[s] = next_o[s] = pdm_test_argmax(lr, V);
         free(ids);
     }
     for (int step = 0; step < steps; step++) {
@@ -158,8 +150,8 @@ static void run_equal(pdm_model_t *m, const cfg_t *cf, const int *plen, int n_se
             ck_assert_msg(memcmp(lr + (size_t)s * V, lo + (size_t)s * V, sizeof(float) * V) == 0,
                           "logits differ at step %d, sequence %d (budget %.1f heads, group %d)",
                           step, s, cf->budget_heads, cf->force_group);
-            next_r[s] = argmax(lr + (size_t)s * V, V);
-            next_o[s] = argmax(lo + (size_t)s * V, V);
+            next_r[s] = pdm_test_argmax(lr + (size_t)s * V, V);
+            next_o[s] = pdm_test_argmax(lo + (size_t)s * V, V);
             ck_assert_int_eq(next_r[s], next_o[s]);
         }
     }

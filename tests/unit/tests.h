@@ -5,6 +5,7 @@
 #define PDM_TESTS_H
 
 #include <check.h>
+#include <stdint.h>
 
 /* Every suite of the unit test binary; main.c runs them all (or those named on the command
  * line). Add a suite here and in main.c's table. */
@@ -28,6 +29,8 @@ Suite *suite_http(void);
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
  * under /tmp). */
 const char *pdm_test_tmpdir(void);
+/* Index of the largest of x[0..n) (the first on ties): the greedy token of a logit row. */
+int32_t pdm_test_argmax(const float *x, uint32_t n);
 /* Path of the real model, or NULL when it is not present (tests then skip with a message). */
 const char *pdm_test_model_path(void);
 
