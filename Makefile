@@ -253,12 +253,16 @@ bench-router: $(BINS)
 	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/overhead.sh
 
 test check: deps model all
-	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test
+	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test \
+	  curve-test
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
 sdk-test: all python-sdk
 	BUILD=$(BUILD) PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/integration/sdk.sh
+# CURVE + ZAP allowlist on every router socket against real processes (docs/router.md, CURVE).
+curve-test: all python-sdk
+	BUILD=$(BUILD) PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/integration/curve.sh
 # The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
 # mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients
 # against the engine's greedy output, a real Prometheus scrape (docs/http.md).

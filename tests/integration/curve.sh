@@ -110,18 +110,18 @@ if grep -q intruder "$tmp/out"; then bad "a node with a key not allowed is not r
 # ---- allowed client: output equal to the engine (through the prefill group and locally) ----
 prompt="The capital of France is"
 want=$("$bin/pdmesh" generate --model "$model" --prompt "$prompt" --temp 0 -n 12 --threads 1 2>/dev/null)
-cgen() { "$bin/pdmesh" generate --router "$ep" --temp 0 -n 12 --prompt "$prompt" "$@"; }
+cgen=("$bin/pdmesh" generate --router "$ep" --temp 0 -n 12 --prompt "$prompt")
 allowed=(--curve-server-key "$tmp/server.pub" --curve-key "$tmp/client.key")
 for thr in 0 32; do
   expect "policy local_threshold $thr" 0 ctl --timeout 5000 policy set local_threshold $thr
-  expect "allowed client generates (local_threshold $thr)" 0 timeout 300 cgen "${allowed[@]}" --timeout 120000 &&
+  expect "allowed client generates (local_threshold $thr)" 0 timeout 300 "${cgen[@]}" "${allowed[@]}" --timeout 120000 &&
     { [ "$(cat "$tmp/out")" = "$want" ] && ok "allowed client output equals the engine (local_threshold $thr)" ||
       bad "allowed client output equals the engine (local_threshold $thr)" "got '$(cat "$tmp/out")' want '$want'"; }
 done
 
 # ---- refused clients: no service within their timeout ----
 t0=$(date +%s.%N)
-expect "client with a key not in the allowlist fails" 1 timeout 60 cgen --curve-server-key "$tmp/server.pub" --curve-key "$tmp/stranger.key" --timeout 2000
+expect "client with a key not in the allowlist fails" 1 timeout 60 "${cgen[@]}" --curve-server-key "$tmp/server.pub" --curve-key "$tmp/stranger.key" --timeout 2000
 grep -Eq "ETIMEOUT|EUNREACHABLE" "$tmp/err" && ok "  ... with ETIMEOUT/EUNREACHABLE" || bad "  ... with ETIMEOUT/EUNREACHABLE" "$(cat "$tmp/err")"
 expect "plain (non-CURVE) client fails" 1 timeout 60 env -u PDMESH_CURVE_SERVER_KEY_FILE -u PDMESH_CURVE_KEY_FILE "$bin/pdmesh" generate --router "$ep" --prompt hi -n 4 --timeout 2000
 grep -Eq "ETIMEOUT|EUNREACHABLE" "$tmp/err" && ok "  ... with ETIMEOUT/EUNREACHABLE" || bad "  ... with ETIMEOUT/EUNREACHABLE" "$(cat "$tmp/err")"
@@ -130,13 +130,13 @@ t1=$(date +%s.%N)
 expect "plain pdctl gets no answer" 3 env -u PDMESH_CURVE_SERVER_KEY_FILE -u PDMESH_CURVE_KEY_FILE "$bin/pdctl" --router "$admin" --token-file "$tmp/token" --timeout 1500 nodes
 expect "pdctl with a key not allowed gets no answer" 3 "$bin/pdctl" --router "$admin" --token-file "$tmp/token" --curve-server-key "$tmp/server.pub" --curve-key "$tmp/stranger.key" --timeout 1500 nodes
 chmod 644 "$tmp/client.key"
-expect "client refuses its own 0644 key file" 1 cgen "${allowed[@]}" --timeout 2000
+expect "client refuses its own 0644 key file" 1 "${cgen[@]}" "${allowed[@]}" --timeout 2000
 contains "  ... naming the mode" "$tmp/err" "chmod 600"
 chmod 600 "$tmp/client.key"
 contains "router logs the refusals" "$tmp/router.log" "CURVE: refused"
 
 # ---- the allowed client keeps being served; the Python package over CURVE ----
-expect "allowed client still served after the refusals" 0 timeout 300 cgen "${allowed[@]}" --timeout 120000 &&
+expect "allowed client still served after the refusals" 0 timeout 300 "${cgen[@]}" "${allowed[@]}" --timeout 120000 &&
   { [ "$(cat "$tmp/out")" = "$want" ] && ok "  ... with the engine's output" || bad "  ... with the engine's output" "$(cat "$tmp/out")"; }
 if "$py" -c 'import pdmesh.pdmesh_pb2' 2>/dev/null; then
   expect "python: allowed key served, other key and plain refused" 0 timeout 300 "$py" - "$ep" "$tmp" "$prompt" "$want" <<'PYEOF'
