@@ -111,7 +111,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
+.PHONY: all deps model test check unit curve-test golden-test asan demo golden clean distclean format \
         integration-test bench-router http-test bench-serve \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \

@@ -10,7 +10,9 @@
 #     package) gets the engine's greedy output; pdctl with an allowed key is answered;
 #   - a client whose key is not in the allowlist, and a plain (non-CURVE) client, get no
 #     service: generate fails with ETIMEOUT/EUNREACHABLE within its timeout, pdctl exits 3;
-#     the router logs the refusals; the allowed client is still served afterwards.
+#     the router logs the refusals; the allowed client is still served afterwards;
+#   - pdmesh up with `curve: true`: keys and allowlist in run_dir/curve, the nodes register,
+#     pdmesh generate --config and pdctl --config pick the client key up, a plain client fails.
 # Every wait has a timeout; the processes are stopped (by pid) on exit.
 set -u
 BUILD=${BUILD:-build}
@@ -159,4 +161,27 @@ PYEOF
 else
   bad "python package importable" "build it with make python-sdk"
 fi
+
+# ---- pdmesh up with curve: true ----
+for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+q1=$(free_port); q2=$(free_port); q3=$(free_port)
+cat > "$tmp/up.yaml" <<YEOF
+model: $model
+run_dir: $tmp/mesh
+bin_dir: $bin
+start_timeout: 90
+curve: true
+router: {client: "tcp://127.0.0.1:$q1", node: "tcp://127.0.0.1:$q2", admin: "tcp://127.0.0.1:$q3", http_port: -1}
+decode_nodes:
+  - {name: dn}
+YEOF
+expect "pdmesh up with curve: true" 0 timeout 150 env -u PDMESH_CURVE_SERVER_KEY_FILE -u PDMESH_CURVE_KEY_FILE "$bin/pdmesh" up --config "$tmp/up.yaml"
+[ "$(stat -c %a "$tmp/mesh/curve/server.key")" = 600 ] && [ "$(grep -c . "$tmp/mesh/curve/allow")" = 3 ] &&
+  ok "pdmesh up: server key 0600, allowlist of 3 role keys" || bad "pdmesh up: server key 0600, allowlist of 3 role keys" "$(ls -l "$tmp/mesh/curve")"
+expect "pdmesh generate --config over CURVE" 0 timeout 300 "$bin/pdmesh" generate --config "$tmp/up.yaml" --temp 0 -n 12 --prompt "$prompt" &&
+  { [ "$(cat "$tmp/out")" = "$want" ] && ok "  ... equals the engine" || bad "  ... equals the engine" "$(cat "$tmp/out")"; }
+expect "pdctl --config over CURVE" 0 env -u PDMESH_ADMIN_TOKEN_FILE "$bin/pdctl" --config "$tmp/up.yaml" --timeout 5000 nodes
+contains "  ... lists the decode node" "$tmp/out" "dn"
+expect "plain client refused by the pdmesh-up mesh" 1 timeout 60 "$bin/pdmesh" generate --router "tcp://127.0.0.1:$q1" --prompt hi -n 4 --timeout 1500
+expect "pdmesh down" 0 timeout 60 "$bin/pdmesh" down --config "$tmp/up.yaml"
 done_
