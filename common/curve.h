@@ -25,8 +25,8 @@ int pdm_curve_load_public(const char *path, char pub[PDM_CURVE_KEY_LEN + 1]);
 /* 1 if `s` (exactly 40 characters up to a NUL) is a valid Z85 key. */
 int pdm_curve_key_valid(const char *s);
 
-/* Parses one line of a key file or allowlist in place. Z85 keys may contain and even start
- * with '#', so: the first blank-separated word is a key when it is a valid 40-character Z85
+/* Parses one line of a key file or allowlist in place. Z85 keys may contain '#' (never as
+ * the first character of a 32-byte key, but no rule relies on that), so: the first blank-separated word is a key when it is a valid 40-character Z85
  * key (anything after it must be a '#' comment); otherwise a line starting with '#' is a
  * comment. Returns 1 with *key set, 0 for a blank/comment line, -1 for anything else. */
 int pdm_curve_parse_line(char *line, char **key);

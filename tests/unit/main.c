@@ -21,6 +21,7 @@ static const struct {
     {"beam", suite_beam},       {"offload", suite_offload},   {"router", suite_router},
     {"sdk", suite_sdk},
     {"http", suite_http},
+    {"curve", suite_curve},
 };
 
 const char *pdm_test_tmpdir(void)

@@ -239,7 +239,7 @@ def _read_keys(path, secret):
                 "CURVE key file %s must not be accessible by group or others (chmod 600)" % path)
         keys = []
         with open(path) as f:
-            for line in f:  # Z85 keys may start with '#': a 40-character first word is a key
+            for line in f:  # Z85 keys may contain '#': a 40-character first word is a key
                 words = line.split()
                 if words and len(words[0]) == 40 and (len(words) == 1 or words[1].startswith("#")):
                     keys.append(words[0])
