@@ -1,7 +1,8 @@
 /*
  * test_curve.c - CURVE key files (common/curve.h): the line grammar (Z85 keys may contain
  * '#'), keygen modes, the secret-file mode check, public/secret consistency, and a real
- * CURVE handshake between two ZeroMQ sockets set up by the helpers. The router's ZAP allowlist is exercised with real processes by tests/integration/curve.sh.
+ * CURVE handshake between two ZeroMQ sockets set up by the helpers. The router's ZAP
+ * allowlist is exercised with real processes by tests/integration/curve.sh.
  */
 #include <stdio.h>
 #include <stdlib.h>
