@@ -112,6 +112,7 @@ if grep -q intruder "$tmp/out"; then bad "a node with a key not allowed is not r
 # ---- allowed client: output equal to the engine (through the prefill group and locally) ----
 prompt="The capital of France is"
 want=$("$bin/pdmesh" generate --model "$model" --prompt "$prompt" --temp 0 -n 12 --threads 1 2>/dev/null)
+[ -n "$want" ] && ok "the engine's reference output is not empty" || bad "the engine's reference output is not empty"
 cgen=("$bin/pdmesh" generate --router "$ep" --temp 0 -n 12 --prompt "$prompt")
 allowed=(--curve-server-key "$tmp/server.pub" --curve-key "$tmp/client.key")
 for thr in 0 32; do
@@ -161,6 +162,13 @@ PYEOF
 else
   bad "python package importable" "build it with make python-sdk"
 fi
+
+# ---- the CURVE router stops cleanly on SIGTERM (the ZAP thread is joined) ----
+kill "${pids[0]}"
+stopped=0
+for _ in $(seq 100); do kill -0 "${pids[0]}" 2>/dev/null || { stopped=1; break; }; sleep 0.1; done
+wait "${pids[0]}"; rs=$?
+[ $stopped = 1 ] && [ $rs = 0 ] && ok "CURVE router exits 0 on SIGTERM within 10 s" || bad "CURVE router exits 0 on SIGTERM within 10 s" "stopped=$stopped status=$rs"
 
 # ---- pdmesh up with curve: true ----
 for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
