@@ -622,7 +622,7 @@ int pdm_agent_start(const pdm_agent_params_t *p)
     const char *csrv = p->curve_server_key_file, *ckey = p->curve_key_file;
     pdm_curve_env(&csrv, &ckey);
     int cst = pdm_curve_client_setup(a->sock, csrv, ckey);
-    if (cst) return pdm_error_set(cst, "agent: %s", pdm_error_last());
+    if (cst) return cst; /* the message names the key file */
     if (zmq_connect(a->sock, p->endpoint))
         return pdm_error_set(PDM_EINVAL, "agent: cannot connect to %s: %s", p->endpoint,
                              zmq_strerror(errno));

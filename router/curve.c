@@ -124,9 +124,9 @@ static void rt_zap_handle(rt_curve_t *c)
         if (now - c->last_log >= 1.0) { /* rate limit: one line a second */
             char key[PDM_CURVE_KEY_LEN + 1] = "-";
             if (n >= 7 && zmq_msg_size(&part[6]) == 32) zmq_z85_encode(key, zmq_msg_data(&part[6]), 32);
-            pdm_log_warn("router: CURVE: refused %s from %s (mechanism %s, key %s)%s", why, addr,
-                         mech, key, c->suppressed ? "; more refusals suppressed" : "");
-            if (c->suppressed) pdm_log_warn("router: CURVE: %lu refusals not logged", c->suppressed);
+            pdm_log_warn("router: CURVE: refused %s from %s (mechanism %s, key %s); %lu more "
+                         "refusals since the last line",
+                         why, addr, mech, key, c->suppressed);
             c->suppressed = 0;
             c->last_log = now;
         } else {
