@@ -32,6 +32,7 @@ static void usage(FILE *f)
             "              [--threads N] [--batch N] [--ctx N] [--kv-dtype f32|f16|q8]\n"
             "              [--stats] [--json]\n"
             "              [--router ENDPOINT | --mesh | --config FILE] [--timeout MS] [--beams N]\n"
+            "              [--curve-server-key F --curve-key F]\n"
             "              (served by a running mesh through libpdmesh)\n"
             "  tokenize    [--special] TEXT|-      print token ids (- reads stdin)\n"
             "  detokenize  ID...|-                 print the text of token ids\n"
