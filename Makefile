@@ -41,7 +41,7 @@ LDLIBS := -lucp -lucs -lzmq -lprotobuf-c -lcrypto -lpcre2-8 -lcjson -lxxhash -lm
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := $(AVX2_FLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
 
-COMMON_SRC := common/common.c common/wire.c common/agent.c
+COMMON_SRC := common/common.c common/wire.c common/agent.c common/curve.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
@@ -63,7 +63,7 @@ PREFILLD_SRC := prefill_node/main.c
 # router core (tests/http/fake_core.c: the real server on a scripted core).
 HTTP_SRC := router/http.c router/http_openai.c
 HTTP_FAKE_SRC := tests/http/fake_core.c router/http.c router/http_openai.c
-ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c \
+ROUTER_SRC := router/main.c router/core.c router/registry.c router/admin.c router/zfront.c router/curve.c \
               $(HTTP_SRC)
 RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
@@ -72,7 +72,7 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
             tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c \
-            tests/unit/test_router.c tests/unit/test_sdk.c tests/unit/test_http.c \
+            tests/unit/test_router.c tests/unit/test_sdk.c tests/unit/test_http.c tests/unit/test_curve.c \
             router/http_openai.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
@@ -111,7 +111,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit golden-test asan demo golden clean distclean format \
+.PHONY: all deps model test check unit curve-test golden-test asan demo golden clean distclean format \
         integration-test bench-router http-test bench-serve \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
@@ -253,12 +253,16 @@ bench-router: $(BINS)
 	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/overhead.sh
 
 test check: deps model all
-	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test
+	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test \
+	  curve-test
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
 sdk-test: all python-sdk
 	BUILD=$(BUILD) PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/integration/sdk.sh
+# CURVE + ZAP allowlist on every router socket against real processes (docs/router.md, CURVE).
+curve-test: all python-sdk
+	BUILD=$(BUILD) PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/integration/curve.sh
 # The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
 # mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients
 # against the engine's greedy output, a real Prometheus scrape (docs/http.md).

@@ -49,6 +49,8 @@ static const char *finish_name(pdm_client_finish_t f)
 int cmd_generate_remote(int argc, char **argv)
 {
     const char *router = NULL, *prompt = NULL, *config = NULL;
+    const char *curve_srv = NULL, *curve_key = NULL;
+    char mesh_srv[1100], mesh_key[1100];
     const char *stops[PDM__REMOTE_MAX_STOPS];
     int n_stops = 0, chat = 0, stats = 0, json = 0;
     long n_predict = 128, timeout_ms = 120000, beams = 0;
@@ -59,7 +61,7 @@ int cmd_generate_remote(int argc, char **argv)
     req.top_p = 0.95f;
     req.min_p = 0.05f;
     enum { O_TEMP = 256, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_ROUTER, O_TIMEOUT,
-           O_BEAMS, O_LOCAL_ONLY, O_MESH, O_CONFIG };
+           O_BEAMS, O_LOCAL_ONLY, O_MESH, O_CONFIG, O_CSRV, O_CKEY };
     static const struct option opts[] = {
         {"router", required_argument, 0, O_ROUTER}, {"prompt", required_argument, 0, 'p'},
         {"mesh", no_argument, 0, O_MESH},          {"config", required_argument, 0, O_CONFIG},
@@ -75,6 +77,8 @@ int cmd_generate_remote(int argc, char **argv)
         {"batch", required_argument, 0, O_LOCAL_ONLY},
         {"ctx", required_argument, 0, O_LOCAL_ONLY},
         {"kv-dtype", required_argument, 0, O_LOCAL_ONLY},
+        {"curve-server-key", required_argument, 0, O_CSRV},
+        {"curve-key", required_argument, 0, O_CKEY},
         {0, 0, 0, 0}};
     int c;
     double dv;
@@ -83,6 +87,8 @@ int cmd_generate_remote(int argc, char **argv)
     while ((c = getopt_long(argc, argv, "m:p:cn:sj", opts, NULL)) != -1) {
         switch (c) {
         case O_ROUTER: router = optarg; break;
+        case O_CSRV: curve_srv = optarg; break;
+        case O_CKEY: curve_key = optarg; break;
         case O_MESH: config = CLI_MESH_DEFAULT_CONFIG; break;
         case O_CONFIG: config = optarg; break;
         case 'm': break; /* the router serves its own model */
@@ -158,10 +164,19 @@ int cmd_generate_remote(int argc, char **argv)
             return 1;
         }
         router = mesh.client;
+        if (!curve_srv && !curve_key && !getenv("PDMESH_CURVE_SERVER_KEY_FILE") &&
+            cli_mesh_curve_files(&mesh, mesh_srv, sizeof(mesh_srv), mesh_key, sizeof(mesh_key))) {
+            curve_srv = mesh_srv;
+            curve_key = mesh_key;
+        }
     }
+    if (!curve_srv != !curve_key)
+        return cli_usage_error("%s", "--curve-server-key and --curve-key go together");
     if (!router || !*router) return cli_usage_error("%s", "--router needs an ENDPOINT");
 
-    pdm_client_options_t copt = {.timeout_ms = (int)timeout_ms};
+    pdm_client_options_t copt = {.timeout_ms = (int)timeout_ms,
+                                 .curve_server_key_file = curve_srv,
+                                 .curve_key_file = curve_key};
     pdm_client_t *client;
     if (pdm_client_create(router, &copt, &client)) {
         fprintf(stderr, "%s: cannot create a client for %s: %s\n", cli_prog, router,

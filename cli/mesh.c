@@ -17,6 +17,7 @@
 #include <zmq.h>
 
 #include "cli/cli.h"
+#include "common/curve.h"
 #include "common/pdm.h"
 #include "common/wire.h"
 
@@ -174,12 +175,13 @@ static int write_secret(const char *path, size_t bytes)
 }
 
 /* Nodes alive according to the router's admin socket, -1 when it does not answer. */
-static int alive_nodes(const char *admin_ep, const char *token)
+static int alive_nodes(const char *admin_ep, const char *token, const char *curve_srv,
+                       const char *curve_key)
 {
     void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_DEALER);
     int zero = 0, n = -1;
     zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof(zero));
-    if (!zmq_connect(s, admin_ep)) {
+    if (!pdm_curve_client_setup(s, curve_srv, curve_key) && !zmq_connect(s, admin_ep)) {
         Pdmesh__AdminRequest a = PDMESH__ADMIN_REQUEST__INIT;
         a.op = PDMESH__ADMIN_OP__ADMIN_NODES;
         a.token = (char *)token;
@@ -318,6 +320,39 @@ int cmd_up(int argc, char **argv)
     snprintf(token, sizeof(token), "%s/admin-token", m.run);
     if (!st) st = write_secret(secret, 32);
     if (!st) st = write_secret(token, 16);
+    /* curve: true - a server keypair and one client keypair per role (prefill, decode,
+     * client: pdmesh generate / pdctl / Python) in run_dir/curve, and the allowlist of the
+     * three client keys (docs/router.md, CURVE). */
+    const char *curve_v = y_str(y, "curve", "false");
+    int curve = !strcmp(curve_v, "true") || !strcmp(curve_v, "yes") || !strcmp(curve_v, "on");
+    char cdir[1100], c_srv_key[1200], c_srv_pub[1200], c_allow[1200], c_pre[1200], c_dec[1200],
+        c_cli[1200];
+    snprintf(cdir, sizeof(cdir), "%s/curve", m.run);
+    snprintf(c_srv_key, sizeof(c_srv_key), "%s/server.key", cdir);
+    snprintf(c_srv_pub, sizeof(c_srv_pub), "%s/server.pub", cdir);
+    snprintf(c_allow, sizeof(c_allow), "%s/allow", cdir);
+    snprintf(c_pre, sizeof(c_pre), "%s/prefill.key", cdir);
+    snprintf(c_dec, sizeof(c_dec), "%s/decode.key", cdir);
+    snprintf(c_cli, sizeof(c_cli), "%s/client.key", cdir);
+    if (!st && curve) {
+        st = mkdirs(cdir);
+        FILE *af = NULL;
+        static const char *names[] = {"server", "prefill", "decode", "client"};
+        for (int i = 0; !st && i < 4; i++) {
+            char prefix[1200], f[1300], pub[PDM_CURVE_KEY_LEN + 1];
+            snprintf(prefix, sizeof(prefix), "%s/%s", cdir, names[i]);
+            snprintf(f, sizeof(f), "%s.key", prefix);
+            unlink(f); /* fresh keys for every run */
+            st = pdm_curve_keygen(prefix, pub);
+            if (!st && i == 0 && !(af = fopen(c_allow, "w")))
+                st = pdm_error_set(PDM_EIO, "%s: cannot write", c_allow);
+            if (!st && i > 0) fprintf(af, "%s  # %s\n", pub, names[i]);
+        }
+        if (af && fclose(af) && !st) st = pdm_error_set(PDM_EIO, "%s: cannot write", c_allow);
+    } else if (!st) {
+        unlink(c_cli); /* no stale client key makes generate --mesh / pdctl --mesh use CURVE */
+        unlink(c_srv_pub);
+    }
     if (!st && !(m.pids = fopen(path, "w"))) st = pdm_error_set(PDM_EIO, "%s: cannot write", path);
     if (st) {
         y_free(y);
@@ -334,8 +369,16 @@ int cmd_up(int argc, char **argv)
     char *ra[] = {b_router, "--model", (char *)model, "--client", (char *)client, "--node",
                   (char *)node, "--admin", (char *)admin, "--http-port", s_http,
                   "--admin-token-file", token, "--local-threshold", s_local, "--method",
-                  (char *)method, NULL};
+                  (char *)method, "--curve-secret-file", c_srv_key, "--curve-allow", c_allow, NULL};
+    if (!curve) ra[PDM_ARRAY_SIZE(ra) - 5] = NULL;
     st = spawn(&m, "router", ra);
+    if (curve) { /* the nodes take their keys from the environment (common/agent.c) */
+        setenv("PDMESH_CURVE_SERVER_KEY_FILE", c_srv_pub, 1);
+        setenv("PDMESH_CURVE_KEY_FILE", c_pre, 1);
+    } else {
+        unsetenv("PDMESH_CURVE_SERVER_KEY_FILE");
+        unsetenv("PDMESH_CURVE_KEY_FILE");
+    }
     usleep(300000);
     int expected = 0;
     for (int gi = 0; !st && groups && gi < groups->n; gi++) {
@@ -357,6 +400,7 @@ int cmd_up(int argc, char **argv)
             expected++;
         }
     }
+    if (curve) setenv("PDMESH_CURVE_KEY_FILE", c_dec, 1);
     for (int di = 0; !st && di < decodes->n; di++) {
         const ynode_t *d = decodes->kids[di];
         char id[200], th[16], kv[32];
@@ -387,7 +431,8 @@ int cmd_up(int argc, char **argv)
     }
     double end = pdm_now() + (double)timeout;
     int alive = -1;
-    while (pdm_now() < end && (alive = alive_nodes(admin, tok)) < expected) usleep(300000);
+    while (pdm_now() < end && (alive = alive_nodes(admin, tok, curve ? c_srv_pub : NULL,
+                                                              curve ? c_cli : NULL)) < expected) usleep(300000);
     if (alive < expected) {
         fprintf(stderr, "pdmesh up: only %d of %d nodes alive after %ld s; logs in %s; stopping\n",
                 alive < 0 ? 0 : alive, expected, timeout, m.run);

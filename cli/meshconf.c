@@ -78,3 +78,12 @@ out_parser:
     fclose(f);
     return rc;
 }
+
+int cli_mesh_curve_files(const cli_mesh_t *m, char *server_pub, size_t server_len, char *key,
+                         size_t key_len)
+{
+    struct stat st;
+    snprintf(server_pub, server_len, "%s/curve/server.pub", m->run_dir);
+    snprintf(key, key_len, "%s/curve/client.key", m->run_dir);
+    return !stat(server_pub, &st) && !stat(key, &st);
+}

@@ -18,4 +18,9 @@ typedef struct {
  * directory has a pids file). 0 on success; -1 with a sentence in err otherwise. */
 int cli_mesh_config(const char *path, cli_mesh_t *out, char *err, size_t err_len);
 
+/* CURVE files of a mesh started with `curve: true` (run_dir/curve/server.pub and
+ * client.key): 1 with both paths filled when they exist, else 0. */
+int cli_mesh_curve_files(const cli_mesh_t *m, char *server_pub, size_t server_len, char *key,
+                         size_t key_len);
+
 #endif

@@ -47,6 +47,9 @@ static void usage(FILE *f)
             "  --timeout MS          how long to wait for the router (default 5000)\n"
             "  --mesh | --config F   the mesh started by 'pdmesh up [--config F]': its admin\n"
             "                        endpoint and run_dir/admin-token (default config %s)\n"
+            "  --curve-server-key F --curve-key F   CURVE: the router's public key file and\n"
+            "                        this client's key file (else $PDMESH_CURVE_SERVER_KEY_FILE /\n"
+            "                        $PDMESH_CURVE_KEY_FILE, or run_dir/curve with --mesh)\n"
             "\n"
             "exit status: 0 ok, 1 refused/failed, 2 usage, 3 unreachable/no answer, "
             "4 unauthorized\n",
@@ -261,10 +264,11 @@ int main(int argc, char **argv)
 {
     const char *router = getenv("PDMESH_ADMIN_ROUTER");
     const char *token_file = NULL, *config = NULL, *router_opt = NULL;
+    const char *curve_srv = NULL, *curve_key = NULL;
     int json = 0;
     long timeout_ms = 5000;
     if (!router || !*router) router = PDCTL_DEFAULT_ROUTER;
-    enum { O_ROUTER = 256, O_TOKEN_FILE, O_TOKEN, O_TIMEOUT, O_MESH, O_CONFIG };
+    enum { O_ROUTER = 256, O_TOKEN_FILE, O_TOKEN, O_TIMEOUT, O_MESH, O_CONFIG, O_CSRV, O_CKEY };
     static const struct option opts[] = {
         {"router", required_argument, 0, O_ROUTER},
         {"token-file", required_argument, 0, O_TOKEN_FILE},
@@ -273,6 +277,8 @@ int main(int argc, char **argv)
         {"timeout", required_argument, 0, O_TIMEOUT},
         {"mesh", no_argument, 0, O_MESH},
         {"config", required_argument, 0, O_CONFIG},
+        {"curve-server-key", required_argument, 0, O_CSRV},
+        {"curve-key", required_argument, 0, O_CKEY},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     int c;
@@ -282,6 +288,8 @@ int main(int argc, char **argv)
         case O_MESH: config = CLI_MESH_DEFAULT_CONFIG; break;
         case O_CONFIG: config = optarg; break;
         case O_TOKEN_FILE: token_file = optarg; break;
+        case O_CSRV: curve_srv = optarg; break;
+        case O_CKEY: curve_key = optarg; break;
         case O_TOKEN:
             return usage_error("%s", "the admin token is never taken from the command line "
                                "(other users can read it there): use --token-file FILE, "
@@ -314,6 +322,18 @@ int main(int argc, char **argv)
             token_file = mesh_token;
         }
     }
+    /* CURVE: the SDK's admin call reads the key files from the environment */
+    static char mesh_srv[1100], mesh_key[1100];
+    if (config && !curve_srv && !curve_key && !getenv("PDMESH_CURVE_SERVER_KEY_FILE") &&
+        cli_mesh_curve_files(&mesh, mesh_srv, sizeof(mesh_srv), mesh_key, sizeof(mesh_key))) {
+        curve_srv = mesh_srv;
+        curve_key = mesh_key;
+    }
+    if (!curve_srv != !curve_key)
+        return usage_error("%s", "--curve-server-key and --curve-key go together");
+    if (curve_srv && (setenv("PDMESH_CURVE_SERVER_KEY_FILE", curve_srv, 1) ||
+                      setenv("PDMESH_CURVE_KEY_FILE", curve_key, 1)))
+        return usage_error("%s", "cannot set the CURVE environment");
     const char *cmd = argv[optind];
     char **args = argv + optind + 1;
     int nargs = argc - optind - 1;

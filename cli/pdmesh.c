@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/curve.h"
 #include "common/pdm.h"
 #include "cli/cli.h"
 #include "model/model.h"
@@ -31,6 +32,7 @@ static void usage(FILE *f)
             "              [--threads N] [--batch N] [--ctx N] [--kv-dtype f32|f16|q8]\n"
             "              [--stats] [--json]\n"
             "              [--router ENDPOINT | --mesh | --config FILE] [--timeout MS] [--beams N]\n"
+            "              [--curve-server-key F --curve-key F]\n"
             "              (served by a running mesh through libpdmesh)\n"
             "  tokenize    [--special] TEXT|-      print token ids (- reads stdin)\n"
             "  detokenize  ID...|-                 print the text of token ids\n"
@@ -53,6 +55,8 @@ static void usage(FILE *f)
             "              memory of each KV placement (resident, layer-/head-wise offload)\n"
             "  up          [--config deploy/local/default.yaml]   start a local mesh (router,\n"
             "              prefill groups, decode nodes); waits until every node is alive\n"
+            "  keygen      --out PREFIX    a CURVE keypair: PREFIX.key (public + secret, 0600)\n"
+            "              and PREFIX.pub (docs/router.md, CURVE)\n"
             "  down        [--config FILE | --run-dir DIR]     stop it (SIGTERM, then SIGKILL)\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
@@ -611,6 +615,33 @@ static int cmd_make_test_model(int argc, char **argv)
     return 0;
 }
 
+/* pdmesh keygen --out PREFIX: a CURVE keypair for the router or a client (common/curve.h). */
+static int cmd_keygen(int argc, char **argv)
+{
+    const char *out = NULL;
+    static const struct option opts[] = {{"out", required_argument, 0, 'o'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "o:h", opts, NULL)) != -1) {
+        if (c == 'o') out = optarg;
+        else if (c == 'h') {
+            printf("usage: pdmesh keygen --out PREFIX   (writes PREFIX.key 0600 and PREFIX.pub)\n");
+            return 0;
+        } else
+            return cli_usage_error("%s", "invalid option");
+    }
+    if (!out || !*out || optind < argc) return cli_usage_error("%s", "keygen needs --out PREFIX");
+    char pub[PDM_CURVE_KEY_LEN + 1];
+    if (pdm_curve_keygen(out, pub)) {
+        fprintf(stderr, "%s: keygen: %s\n", cli_prog, pdm_error_last());
+        return 1;
+    }
+    printf("%s\n", pub);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -633,5 +664,6 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "plan")) return cmd_plan(argc - 1, argv + 1);
     if (!strcmp(cmd, "up")) return cmd_up(argc - 1, argv + 1);
     if (!strcmp(cmd, "down")) return cmd_down(argc - 1, argv + 1);
+    if (!strcmp(cmd, "keygen")) return cmd_keygen(argc - 1, argv + 1);
     return cli_usage_error("unknown command '%s'", cmd);
 }

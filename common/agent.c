@@ -4,6 +4,7 @@
  * two pipes. See common/agent.h.
  */
 #include "common/agent.h"
+#include "common/curve.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -618,6 +619,10 @@ int pdm_agent_start(const pdm_agent_params_t *p)
     zmq_setsockopt(a->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(a->sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(a->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+    const char *csrv = p->curve_server_key_file, *ckey = p->curve_key_file;
+    pdm_curve_env(&csrv, &ckey);
+    int cst = pdm_curve_client_setup(a->sock, csrv, ckey);
+    if (cst) return cst; /* the message names the key file */
     if (zmq_connect(a->sock, p->endpoint))
         return pdm_error_set(PDM_EINVAL, "agent: cannot connect to %s: %s", p->endpoint,
                              zmq_strerror(errno));

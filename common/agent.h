@@ -28,6 +28,8 @@ typedef struct {
     const char *endpoint;    /* router node socket, e.g. tcp://127.0.0.1:7701 */
     const char *node_id;     /* stable name */
     const char *secret_file; /* NULL: $PDMESH_SECRET_FILE or $PDMESH_SECRET */
+    const char *curve_server_key_file, *curve_key_file; /* CURVE (common/curve.h); NULL:
+                                        * $PDMESH_CURVE_SERVER_KEY_FILE / $PDMESH_CURVE_KEY_FILE */
     int role;
     const char *group;       /* prefill */
     uint32_t rank, group_size;

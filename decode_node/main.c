@@ -309,7 +309,8 @@ int main(int argc, char **argv)
         {"kv-offload-groups", required_argument, 0, 'G'},
         {"router", required_argument, 0, 'R'},    {"node-id", required_argument, 0, 'I'},
         {"secret-file", required_argument, 0, 'K'},
-        {0, 0, 0, 0}};
+        {"curve-server-key", required_argument, 0, 1001},
+        {"curve-key", required_argument, 0, 1002}, {0, 0, 0, 0}};
     pdm_agent_params_t ap;
     pdm_agent_params_default(&ap);
     ap.role = PDM_AGENT_DECODE;
@@ -336,6 +337,8 @@ int main(int argc, char **argv)
         case 'N': if (pdm_parse_long(optarg, 1, PDM_BEAM_MAX_WIDTH, &v)) goto bad; dp.beam.n_best = (int)v; break;
         case 'E': if (pdm_beam_stop_parse(optarg, &dp.beam.early_stopping)) goto bad; break;
         case 'R': ap.endpoint = optarg; break;
+        case 1001: ap.curve_server_key_file = optarg; break;
+        case 1002: ap.curve_key_file = optarg; break;
         case 'I': ap.node_id = optarg; break;
         case 'K': ap.secret_file = optarg; break;
         case 'h':
@@ -345,7 +348,8 @@ int main(int argc, char **argv)
                    "[--early-stopping heuristic|early|never]\n"
                    "       [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR] "
                    "[--kv-offload-groups CTX:G,...]\n"
-                   "       [--router ENDPOINT --node-id NAME [--secret-file F]]\n");
+                   "       [--router ENDPOINT --node-id NAME [--secret-file F]\n"
+                   "        [--curve-server-key F --curve-key F]]\n");
             return 0;
         default: return 2;
         }

@@ -316,7 +316,8 @@ static void usage(FILE *f)
     fprintf(f, "usage: pdmesh-prefill [--model FILE] [--threads N] [--cpu N] [--ctx N]\n"
                "                      [--kv-dtype f32|f16|q8] [--timeout SECONDS]\n"
                "                      [--router ENDPOINT --node-id NAME --group G --rank r\n"
-               "                       --group-size R [--secret-file F]]\n"
+               "                       --group-size R [--secret-file F]\n"
+               "                       [--curve-server-key F --curve-key F]]\n"
                "One rank of a prefill group, driven by JSON lines on stdin/stdout\n"
                "(see pdmesh prefill-run), or by the router's control plane (--router).\n");
 }
@@ -334,7 +335,8 @@ int main(int argc, char **argv)
         {"help", no_argument, 0, 'h'},        {"router", required_argument, 0, 'R'},
         {"node-id", required_argument, 0, 'N'}, {"group", required_argument, 0, 'G'},
         {"rank", required_argument, 0, 'r'},  {"group-size", required_argument, 0, 'g'},
-        {"secret-file", required_argument, 0, 'S'}, {0, 0, 0, 0}};
+        {"secret-file", required_argument, 0, 'S'}, {"curve-server-key", required_argument, 0, 1001},
+        {"curve-key", required_argument, 0, 1002}, {0, 0, 0, 0}};
     pdm_agent_params_t ap;
     pdm_agent_params_default(&ap);
     ap.role = PDM_AGENT_PREFILL;
@@ -363,6 +365,8 @@ int main(int argc, char **argv)
             rp.timeout = d;
             break;
         case 'R': ap.endpoint = optarg; break;
+        case 1001: ap.curve_server_key_file = optarg; break;
+        case 1002: ap.curve_key_file = optarg; break;
         case 'N': ap.node_id = optarg; break;
         case 'G': ap.group = optarg; break;
         case 'S': ap.secret_file = optarg; break;

@@ -23,6 +23,7 @@
 #include <string.h>
 #include <zmq.h>
 
+#include "common/curve.h"
 #include "router/internal.h"
 
 void rt_config_default(rt_config_t *c)
@@ -824,10 +825,14 @@ static void rt_on_tick(uv_timer_t *h)
     rt_drain_all(r);
 }
 
-static void *rt_socket(pdm_router_t *r, const char *ep)
+static void *rt_socket(pdm_router_t *r, const char *ep, const char *curve_secret)
 {
     void *s = zmq_socket(r->zctx, ZMQ_ROUTER);
     if (!s) return NULL;
+    if (curve_secret[0] && pdm_curve_server_setup(s, curve_secret)) {
+        zmq_close(s);
+        return NULL;
+    }
     int one = 1, zero = 0, hwm = 10000, ivl = 10000, ttl = 30000;
     int64_t maxmsg = 2 * (int64_t)PDM_WIRE_MAX_FRAME + 1024; /* frames up to twice the cap get a
                                                              * TOO_LARGE reply; beyond, the
@@ -950,11 +955,16 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     pdm_metric_inc(r->m.retries, NULL, 0);
     pdm_metric_inc(r->m.kv_bytes, NULL, 0);
     r->zctx = zmq_ctx_new();
-    if (!r->zctx || !(r->client_sock = rt_socket(r, cfg->client_ep)) ||
-        !(r->node_sock = rt_socket(r, cfg->node_ep)) || !(r->admin_sock = rt_socket(r, cfg->admin_ep))) {
+    char curve_secret[PDM_CURVE_KEY_LEN + 1] = "";
+    if (r->zctx && (st = rt_curve_start(r, curve_secret))) goto fail; /* ZAP before binds */
+    if (!r->zctx || !(r->client_sock = rt_socket(r, cfg->client_ep, curve_secret)) ||
+        !(r->node_sock = rt_socket(r, cfg->node_ep, curve_secret)) ||
+        !(r->admin_sock = rt_socket(r, cfg->admin_ep, curve_secret))) {
+        explicit_bzero(curve_secret, sizeof(curve_secret));
         st = PDM_EIO;
         goto fail;
     }
+    explicit_bzero(curve_secret, sizeof(curve_secret));
     void *socks[3] = {r->client_sock, r->node_sock, r->admin_sock};
     for (int i = 0; i < 3; i++) {
         int fd;
@@ -1000,6 +1010,7 @@ void rt_router_free(pdm_router_t *r)
     if (r->client_sock) zmq_close(r->client_sock);
     if (r->node_sock) zmq_close(r->node_sock);
     if (r->admin_sock) zmq_close(r->admin_sock);
+    rt_curve_stop(r);
     if (r->zctx) zmq_ctx_term(r->zctx);
     for (int i = 0; i < RT_MAX_NODES; i++) free(r->nodes[i].ucx);
     pdm_metrics_free(r->m.reg);

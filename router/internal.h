@@ -28,6 +28,8 @@ typedef struct {
     const char *model_path;
     const char *secret_file;      /* NULL: $PDMESH_SECRET_FILE / $PDMESH_SECRET */
     const char *admin_token_file; /* NULL: $PDMESH_ADMIN_TOKEN_FILE / $PDMESH_ADMIN_TOKEN */
+    const char *curve_secret_file; /* CURVE on every socket (router/curve.c), or NULL: plain */
+    const char *curve_allow_file;  /* client public keys allowed (Z85, one a line) */
     int heartbeat_ms, lease_ms;
     int queue_max;                /* requests admitted and not yet finished */
     int per_client_max;           /* open requests per client */
@@ -152,6 +154,7 @@ struct pdm_router {
     struct { uint64_t nonce; uint8_t id[8]; double t; } seen[1024]; /* registration replay */
     unsigned seen_next;
     void *zfront;                 /* zfront.c state */
+    struct rt_curve *curve;       /* curve.c: ZAP handler, or NULL */
     struct {
         pdm_metrics_t *reg;
         pdm_metric_t *requests, *ttft, *tpot, *queue, *method, *kv_bytes, *kv_time, *nodes,
@@ -195,6 +198,12 @@ void rt_on_client_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
                         const void *frame, size_t len);
 
 /* core.c: life of the router (main.c) */
+typedef struct rt_curve rt_curve_t;
+/* curve.c: loads the key and allowlist, binds and starts the ZAP handler (no-op without
+ * CURVE flags); secret gets the server's Z85 secret (41 bytes) or stays untouched. */
+int rt_curve_start(pdm_router_t *r, char *secret);
+void rt_curve_stop(pdm_router_t *r);
+
 int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out);
 void rt_router_close(pdm_router_t *r);   /* closes handles (run the loop afterwards) */
 void rt_router_free(pdm_router_t *r);

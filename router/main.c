@@ -63,6 +63,9 @@ static void usage(FILE *f)
             "  --http HOST:PORT | off     the same in one option ([::1]:8080 for IPv6; port 0: any)\n"
             "  --secret-file F           cluster secret (else $PDMESH_SECRET_FILE / $PDMESH_SECRET)\n"
             "  --admin-token-file F      admin token (else $PDMESH_ADMIN_TOKEN_FILE / $PDMESH_ADMIN_TOKEN)\n"
+            "  --curve-secret-file F     CURVE on the client/node/admin sockets with this server\n"
+            "                            key file (mode 0600; see docs/router.md, CURVE)\n"
+            "  --curve-allow F           allowed client public keys (Z85, one a line, # comments)\n"
             "  --heartbeat-ms N --lease-ms N      (1000 / 3000)\n"
             "  --queue-max N             open requests admitted (256)\n"
             "  --per-client-max N        open requests per client (64)\n"
@@ -85,7 +88,7 @@ int main(int argc, char **argv)
     enum {
         O_CLIENT = 1000, O_NODE, O_ADMIN, O_HTTP_HOST, O_HTTP_PORT, O_SECRET, O_TOKEN, O_HB, O_LEASE,
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
-        O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP
+        O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},
@@ -112,6 +115,8 @@ int main(int argc, char **argv)
         {"calibration", required_argument, 0, O_CALIB},
         {"block-tokens", required_argument, 0, O_BLOCK},
         {"group-inflight", required_argument, 0, O_GINF},
+        {"curve-secret-file", required_argument, 0, O_CURVE_SECRET},
+        {"curve-allow", required_argument, 0, O_CURVE_ALLOW},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     int c;
@@ -132,6 +137,8 @@ int main(int argc, char **argv)
         case O_HTTP: if (rt_parse_http(optarg, &cfg)) goto bad; break;
         case O_SECRET: cfg.secret_file = optarg; break;
         case O_TOKEN: cfg.admin_token_file = optarg; break;
+        case O_CURVE_SECRET: cfg.curve_secret_file = optarg; break;
+        case O_CURVE_ALLOW: cfg.curve_allow_file = optarg; break;
         case O_HB: NUM(10, 60000, cfg.heartbeat_ms); break;
         case O_LEASE: NUM(30, 600000, cfg.lease_ms); break;
         case O_QUEUE: NUM(1, 1 << 20, cfg.queue_max); break;

@@ -12,6 +12,7 @@
 #include <time.h>
 #include <zmq.h>
 
+#include "common/curve.h"
 #include "common/pdm.h"
 #include "common/wire.h"
 #include "sdk/client_internal.h"
@@ -88,6 +89,12 @@ int pdm_admin_call(const char *endpoint, const Pdmesh__AdminRequest *req, int ti
     zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof(zero));
     zmq_setsockopt(mon, ZMQ_LINGER, &zero, sizeof(zero));
     zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &maxsz, sizeof(maxsz));
+    const char *csrv = NULL, *ckey = NULL; /* CURVE from the environment (pdmesh_admin.h) */
+    pdm_curve_env(&csrv, &ckey);
+    if (pdm_curve_client_setup(sock, csrv, ckey)) {
+        rc = pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "%s", pdm_error_last());
+        goto err_sock;
+    }
     char mon_ep[64];
     snprintf(mon_ep, sizeof(mon_ep), "inproc://pdmesh-admin-monitor-%p", (void *)sock);
     if (zmq_socket_monitor(sock, mon_ep, ZMQ_EVENT_CONNECTED) < 0 || zmq_connect(mon, mon_ep) < 0) {

@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "common/curve.h"
 #include "common/pdm.h"
 #include "common/wire.h"
 #include "sdk/client_internal.h"
@@ -488,6 +489,14 @@ int pdm_client_create(const char *endpoint, const pdm_client_options_t *opts,
     zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_TIMEOUT, &hb_timeout, sizeof(hb_timeout));
     zmq_setsockopt(c->sock, ZMQ_RECONNECT_IVL, &rivl, sizeof(rivl));
     zmq_setsockopt(c->sock, ZMQ_RECONNECT_IVL_MAX, &rmax, sizeof(rmax));
+    const char *csrv = o.curve_server_key_file, *ckey = o.curve_key_file;
+    pdm_curve_env(&csrv, &ckey);
+    if (pdm_curve_client_setup(c->sock, csrv, ckey)) {
+        status = PDM_CLIENT_EINVALID_ARGUMENT;
+        pdm_client__fail(status, "%s", pdm_error_last());
+        goto err_sock;
+    }
+    c->opt.curve_server_key_file = c->opt.curve_key_file = NULL; /* borrowed: not kept */
     char mon_ep[64];
     snprintf(mon_ep, sizeof(mon_ep), "inproc://pdmesh-client-monitor-%p", (void *)c);
     if (zmq_socket_monitor(c->sock, mon_ep, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) < 0) {

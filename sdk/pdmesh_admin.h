@@ -18,7 +18,9 @@ typedef struct pdm_admin_reply pdm_admin_reply_t;
  * Returns PDM_CLIENT_OK with *out set (release with pdm_admin_reply_free) when a reply came,
  * whether it says ok or not: see pdm_admin_reply_status. Otherwise EUNREACHABLE (no TCP
  * connection could be made), ETIMEOUT (connected, no reply), EPROTOCOL (garbage), or the
- * router's Error reply as its status; the message is in pdm_client_last_error(). */
+ * router's Error reply as its status; the message is in pdm_client_last_error().
+ * CURVE: set from $PDMESH_CURVE_SERVER_KEY_FILE and $PDMESH_CURVE_KEY_FILE when both are set
+ * (common/curve.h; pdctl --curve-server-key/--curve-key set them). */
 int pdm_admin_call(const char *endpoint, const Pdmesh__AdminRequest *req, int timeout_ms,
                    pdm_admin_reply_t **out);
 const Pdmesh__AdminReply *pdm_admin_reply_get(const pdm_admin_reply_t *r);

@@ -101,6 +101,13 @@ typedef struct {
     int max_open_calls;      /* calls open at once on this client (EBUSY beyond); 0 = 1024 */
     size_t max_frame;        /* largest reply accepted, bytes; 0 = 16 MiB */
     size_t max_buffered;     /* stream bytes queued for one slow callback; 0 = 64 MiB */
+    /* CURVE (docs/router.md, "CURVE"): the router's public key file (line 1: Z85 key) and
+     * this client's key file (line 1 public, line 2 secret; mode 0600). Both NULL:
+     * $PDMESH_CURVE_SERVER_KEY_FILE / $PDMESH_CURVE_KEY_FILE, else a plain connection. Read
+     * during pdm_client_create only. A key the router does not allow gets no answer: calls
+     * end with ETIMEOUT (or EUNREACHABLE). */
+    const char *curve_server_key_file;
+    const char *curve_key_file;
 } pdm_client_options_t;
 
 /* Creates a client and starts connecting to `endpoint` (a ZeroMQ endpoint such as

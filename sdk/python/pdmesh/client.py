@@ -122,8 +122,7 @@ class Stream:
 
     def _run(self):
         c = self._client
-        sock = c._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = c._socket()
         sock.setsockopt(zmq.MAXMSGSIZE, c.max_frame)
         mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         try:
@@ -231,23 +230,75 @@ def _result(m, router_id, ttft, total):
                   router_request_id=router_id, ttft=ttft, total=total)
 
 
+def _read_keys(path, secret):
+    """The Z85 keys in a key file (common/curve.h format): '#' lines and blanks skipped."""
+    try:
+        st = os.stat(path)
+        if secret and st.st_mode & 0o077:
+            raise errors.InvalidArgumentError(
+                "CURVE key file %s must not be accessible by group or others (chmod 600)" % path)
+        keys = []
+        with open(path) as f:
+            for line in f:  # Z85 keys may contain '#': a 40-character first word is a key
+                words = line.split()
+                if words and len(words[0]) == 40 and (len(words) == 1 or words[1].startswith("#")):
+                    keys.append(words[0])
+                elif words and not words[0].startswith("#"):
+                    raise errors.InvalidArgumentError("CURVE key file %s: bad line" % path)
+    except OSError as e:
+        raise errors.InvalidArgumentError("CURVE key file %s: %s" % (path, e)) from None
+    if not keys or len(keys) > 2 or any(len(k) != 40 for k in keys):
+        raise errors.InvalidArgumentError("CURVE key file %s: expected one or two Z85 keys" % path)
+    return [k.encode() for k in keys]
+
+
+def _load_curve(server_file, key_file):
+    """(server public, public, secret) as Z85 bytes, or None for a plain connection."""
+    if not server_file and not key_file:
+        return None
+    if not server_file or not key_file:
+        raise errors.InvalidArgumentError("CURVE needs both the server key file and the key file")
+    server = _read_keys(server_file, False)[0]
+    keys = _read_keys(key_file, True)
+    secret = keys[-1]
+    public = zmq.curve_public(secret)
+    if len(keys) == 2 and keys[0] != public:
+        raise errors.InvalidArgumentError("CURVE key file %s: public and secret keys differ" % key_file)
+    return server, public, secret
+
+
 class Client:
     """A client of the router's client socket (default tcp://127.0.0.1:7700, or $PDMESH_ROUTER).
 
     timeout: default seconds per call; connect_timeout: seconds without a TCP connection
-    before a call fails with UnreachableError."""
+    before a call fails with UnreachableError.
+    curve_server_key_file / curve_key_file: CURVE (docs/router.md): the router's public key
+    file and this client's key file (line 1 public, line 2 secret, mode 0600); default
+    $PDMESH_CURVE_SERVER_KEY_FILE / $PDMESH_CURVE_KEY_FILE, else a plain connection. A key the
+    router does not allow gets no answer (TimeoutError_/UnreachableError)."""
 
-    def __init__(self, endpoint=None, timeout=60.0, connect_timeout=3.0, max_frame=16 << 20):
+    def __init__(self, endpoint=None, timeout=60.0, connect_timeout=3.0, max_frame=16 << 20,
+                 curve_server_key_file=None, curve_key_file=None):
         self.endpoint = endpoint or os.environ.get("PDMESH_ROUTER") or DEFAULT_ENDPOINT
         if timeout <= 0 or connect_timeout <= 0:
             raise errors.InvalidArgumentError("timeouts must be positive")
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
         self.max_frame = int(max_frame)
+        self._curve = _load_curve(
+            curve_server_key_file or os.environ.get("PDMESH_CURVE_SERVER_KEY_FILE"),
+            curve_key_file or os.environ.get("PDMESH_CURVE_KEY_FILE"))
         self._ctx = zmq.Context()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
+
+    def _socket(self):
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._curve:
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self._curve
+        return sock
 
     def close(self):
         if not self._closed:
@@ -348,8 +399,7 @@ class Client:
     def ping(self, timeout=None):
         """Round trip to the router; returns seconds. Raises UnreachableError/PdmeshTimeout."""
         timeout = self.timeout if timeout is None else float(timeout)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._socket()
         try:
             sock.connect(self.endpoint)
             nonce = int.from_bytes(os.urandom(8), "big")
