@@ -15,6 +15,9 @@ extern const char *cli_prog;
 int cli_usage_error(const char *fmt, const char *arg);
 /* Print "pdmesh: what: <last error>"; return exit status 1. */
 int cli_runtime_error(const char *what);
+/* Print a JSON object as one line on stdout (the --json output of the commands), then free it. */
+struct cJSON;
+void cli_print_json_line(struct cJSON *obj);
 /* All of stdin, NUL-terminated (malloc'd), or NULL. */
 char *cli_read_stdin(size_t *len_out);
 /* Loads a model that has a tokenizer; returns an exit status (0 on success). */

@@ -222,10 +222,7 @@ int cmd_generate_remote(int argc, char **argv)
             cJSON_AddStringToObject(root, "prefill_method", res.usage.prefill_method);
             cJSON_AddStringToObject(root, "decode_node", res.usage.decode_node);
             cJSON_AddNumberToObject(root, "request_id", (double)res.router_id);
-            char *js = cJSON_PrintUnformatted(root);
-            if (js) printf("%s\n", js);
-            free(js);
-            cJSON_Delete(root);
+            cli_print_json_line(root);
         } else {
             printf("\n");
         }

@@ -80,6 +80,14 @@ int cli_runtime_error(const char *what)
     return 1;
 }
 
+void cli_print_json_line(cJSON *obj)
+{
+    char *js = obj ? cJSON_PrintUnformatted(obj) : NULL;
+    if (js) printf("%s\n", js);
+    free(js);
+    cJSON_Delete(obj);
+}
+
 /* Reads all of stdin into a malloc'd NUL-terminated string. */
 char *cli_read_stdin(size_t *len_out)
 {
@@ -420,10 +428,7 @@ static int cmd_generate(int argc, char **argv)
         cJSON_AddNumberToObject(root, "decode_tokens_per_s", decode_tps);
         cJSON_AddStringToObject(root, "kernels", pdm_model_ctx_ops(ctx)->name);
         cJSON_AddNumberToObject(root, "threads", (double)o.threads);
-        char *js = cJSON_PrintUnformatted(root);
-        if (js) printf("%s\n", js);
-        free(js);
-        cJSON_Delete(root);
+        cli_print_json_line(root);
     } else {
         printf("\n");
     }

@@ -140,10 +140,7 @@ int cmd_plan(int argc, char **argv)
             if (budget > 0) cJSON_AddNumberToObject(r, "max_context_in_budget", maxctx[i]);
             cJSON_AddItemToArray(arr, r);
         }
-        char *s = cJSON_PrintUnformatted(o);
-        printf("%s\n", s);
-        free(s);
-        cJSON_Delete(o);
+        cli_print_json_line(o);
     } else {
         char b[6][32];
         printf("context %ld, %ld sequence(s), KV %s, chunk %ld; MiB (fast = GPU memory in a CUDA "

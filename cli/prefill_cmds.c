@@ -431,10 +431,7 @@ int cmd_prefill_run(int argc, char **argv)
             cJSON_AddNumberToObject(r, "bytes_received", res.rank[i].bytes_received);
             cJSON_AddItemToArray(ranks, r);
         }
-        char *s = cJSON_PrintUnformatted(j);
-        printf("%s\n", s);
-        free(s);
-        cJSON_Delete(j);
+        cli_print_json_line(j);
     } else {
         printf("first token: %d %s\n", res.first_token, text);
         printf("ttft: %.4f s (%s on %d ranks, %zu tokens, %ld cached; %s)\n", res.ttft,
@@ -987,10 +984,7 @@ int cmd_disagg_run(int argc, char **argv)
             }
             if (out[i].offload_json) /* what head-wise offload did on the decode node */
                 cJSON_AddItemToObject(j, "offload", cJSON_Parse(out[i].offload_json));
-            char *s = cJSON_PrintUnformatted(j);
-            printf("%s\n", s);
-            free(s);
-            cJSON_Delete(j);
+            cli_print_json_line(j);
         } else {
             printf("%s\n", out[i].text);
         }
