@@ -8,26 +8,7 @@ model=${PDMESH_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 py=${PYTHON:-python3}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-passed=0
-failed=0
-skipped=0
-
-ok() { passed=$((passed + 1)); echo "ok   $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL $1"; [ -n "${2:-}" ] && echo "     $2"; }
-
-# expect NAME EXPECTED_STATUS CMD...: runs CMD, keeps stdout/stderr in $tmp/out, $tmp/err
-expect() {
-  local name=$1 want=$2
-  shift 2
-  "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" -eq "$want" ]; then ok "$name"; return 0; fi
-  bad "$name" "exit $got, expected $want; stderr: $(head -c 300 "$tmp/err")"
-  return 1
-}
-contains() { # NAME FILE TEXT
-  if grep -qF -- "$3" "$2"; then ok "$1"; else bad "$1" "'$3' not in $2: $(head -c 300 "$2")"; fi
-}
+. "$(dirname "$0")/../lib.sh"
 
 # ---- usage errors: exit 2 with a message ----
 expect "no command" 2 "$bin"

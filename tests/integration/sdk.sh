@@ -31,26 +31,7 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-passed=0
-failed=0
-skipped=0
-ok() { passed=$((passed + 1)); echo "ok   $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL $1"; [ -n "${2:-}" ] && echo "     $2"; }
-skip() { skipped=$((skipped + 1)); echo "skip $1"; }
-
-# expect NAME EXPECTED_STATUS CMD...: stdout/stderr kept in $tmp/out, $tmp/err
-expect() {
-  local name=$1 want=$2
-  shift 2
-  "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" -eq "$want" ]; then ok "$name"; return 0; fi
-  bad "$name" "exit $got, expected $want; stderr: $(head -c 400 "$tmp/err")"
-  return 1
-}
-contains() { # NAME FILE TEXT
-  if grep -qF -- "$3" "$2"; then ok "$1"; else bad "$1" "'$3' not in $2: $(head -c 300 "$2")"; fi
-}
+. "$(dirname "$0")/../lib.sh"
 free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 echo "secret-admin-token-$$-$RANDOM" > "$tmp/token"
