@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # tests/lib.sh - the check helpers the shell test scripts share (sourced; they set $tmp first).
 #   ok NAME / bad NAME [DETAIL] / skip NAME      count and print a result
 #   expect NAME STATUS CMD...                   run CMD (stdout, stderr in $tmp/out, $tmp/err)
