@@ -41,6 +41,7 @@ struct pdm_launch {
     uint64_t next_request;
     uint32_t next_task;
     char transports[128];
+    pdm_prefill_conv_t conv; /* mirror of the group's conversation (conv.c) */
 };
 
 int pdm_launch_decode_pid(const pdm_launch_t *l)
@@ -345,6 +346,7 @@ int pdm_launch_finish(pdm_launch_t *l)
         close(l->proc[i].out_fd);
         free(l->proc[i].buf);
     }
+    pdm_prefill_conv_free(&l->conv);
     free(l);
     if (bad) return pdm_error_set(PDM_EPEER, "%d process(es) did not end cleanly: %s", bad, msg);
     return PDM_OK;
@@ -453,6 +455,8 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
     cJSON_AddStringToObject(cmd, "method", pdm_prefill_method_name(task->method));
     cJSON_AddNumberToObject(cmd, "start", task->start);
     cJSON_AddItemToObject(cmd, "tokens", cJSON_CreateIntArray(task->tokens, task->n_tokens));
+    if (task->prefix && task->start > 0)
+        cJSON_AddItemToObject(cmd, "prefix", cJSON_CreateIntArray(task->prefix, task->start));
     if (task->chunks)
         cJSON_AddItemToObject(cmd, "chunks", cJSON_CreateIntArray(task->chunks, l->n));
     if (task->stream) {
@@ -542,9 +546,19 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
             if (!st) cJSON_Delete(o);
         }
     }
-    if (first_err) return pdm_error_set(first_err, "%s", err_msg);
-    if (!st && res->owner < 0)
+    if (!first_err && !st && res->owner < 0)
         st = pdm_error_set(PDM_EPEER, "prefill task: no rank reported the first token");
+    if (!first_err && !st) { /* the mirror follows the ranks */
+        pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN];
+        int n_prefix, nr = pdm_prefill_conv_plan(&l->conv, task->method, l->n, task->start,
+                                                 task->n_tokens, task->chunks, 0, plan,
+                                                 &n_prefix);
+        if (nr < 0 || pdm_prefill_conv_commit(&l->conv, task->method, l->n, task->start,
+                                              task->tokens, task->n_tokens, plan, nr))
+            pdm_prefill_conv_reset(&l->conv); /* out of step: a smaller view is always safe */
+    }
+    if (first_err || st) pdm_prefill_conv_reset(&l->conv);
+    if (first_err) return pdm_error_set(first_err, "%s", err_msg);
     return st;
 }
 
@@ -675,14 +689,28 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
     for (int i = 0; i < n && !mesh_st; i++) {
         const pdm_launch_request_t *q = &reqs[i];
         const uint64_t id = g.first_id + (uint64_t)i;
-        /* Who computes which tokens: the decode node posts its receives accordingly. */
-        int chunks[PDM_KVT_MAX_RANKS];
-        if (q->chunks)
-            memcpy(chunks, q->chunks, sizeof(int) * (size_t)l->n);
-        else
-            pdm_prefill_split_even(q->n_tokens, l->n, chunks);
-        pdm_prefill_range_t ranges[PDM_PREFILL_MAX_RANGES];
-        int nr = pdm_prefill_plan_ranges(q->method, l->n, 0, q->n_tokens, chunks, 0, ranges);
+        /* Who computes which tokens: the decode node posts its receives accordingly. A
+         * follow-up turn starts after the prefix the group still holds (at least one token
+         * is computed: its logits give the first token). */
+        int32_t start = 0;
+        if (q->reuse_prefix && !q->chunks && q->method != PDM_PREFILL_TSP) {
+            start = PDM_MIN(pdm_prefill_conv_common(&l->conv, q->tokens, q->n_tokens),
+                            q->n_tokens - 1);
+            if (pdm_prefill_method_is_kvr(q->method) &&
+                (pdm_prefill_conv_chain_head(&l->conv, l->n, start) < 0 ||
+                 q->n_tokens - start < l->n))
+                start = 0;
+        }
+        pdm_prefill_range_t ranges[PDM_PREFILL_MAX_PLAN];
+        int n_prefix, nr = pdm_prefill_conv_plan(&l->conv, q->method, l->n, start,
+                                                 q->n_tokens - start, q->chunks, 1, ranges,
+                                                 &n_prefix);
+        if (nr < 0) {
+            snprintf(out[i].error, sizeof(out[i].error), "prefill: %s", pdm_error_last());
+            state[i] = 2;
+            continue;
+        }
+        out[i].cached = start;
         cJSON *cmd = cJSON_CreateObject();
         cJSON_AddStringToObject(cmd, "cmd", "reserve");
         cJSON_AddNumberToObject(cmd, "id", (double)id);
@@ -705,9 +733,9 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
         if (mesh_st || state[i] == 2) continue; /* refused: out[i] says why */
         pdm_prefill_stream_t stream = {.peer = 0, .request_id = id, .attempt = 0,
                                        .max_in_flight = 64};
-        pdm_prefill_task_t task = {.method = q->method, .tokens = q->tokens,
-                                   .n_tokens = q->n_tokens, .chunks = q->chunks,
-                                   .stream = &stream};
+        pdm_prefill_task_t task = {.method = q->method, .start = start, .prefix = q->tokens,
+                                   .tokens = q->tokens + start, .n_tokens = q->n_tokens - start,
+                                   .chunks = q->chunks, .stream = &stream};
         pdm_launch_result_t res;
         t0[i] = pdm_now();
         int st = pdm_launch_task(l, &task, NULL, NULL, &res);

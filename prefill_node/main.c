@@ -9,7 +9,9 @@
  *   <- {"cmd":"group","rank":r,"size":R,"addrs":["<hex>",...]}
  *   rank -> {"event":"ready"}                      (connected, barrier passed)
  *   <- {"cmd":"task","id":n,"method":"kvr-e","start":P,"tokens":[...],"chunks":[...],
- *       "kv_out":"FILE","logits_out":"FILE","top":K}
+ *       "prefix":[...],"kv_out":"FILE","logits_out":"FILE","top":K}
+ *      tokens: the new tokens at positions P..; prefix (optional): the P cached tokens the
+ *      task assumes, checked against the group's conversation (a longer one is cut at P)
  *   rank -> {"event":"result","ok":true,...}      (or "ok":false,"error":"...")
  *   rank -> {"event":"dumped","ok":true}          (only with kv_out)
  *   <- {"cmd":"pingpong","bytes":N,"iters":K}   (ranks 0 and 1: round trips of N bytes)
@@ -138,8 +140,8 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
                         pdm_kvt_group_t *g, pdm_kvt_t *kvt)
 {
     pdm_prefill_task_t task = {0};
-    int32_t *tokens = NULL, *chunks = NULL;
-    int n_tokens = 0, n_chunks = 0, st;
+    int32_t *tokens = NULL, *chunks = NULL, *prefix = NULL;
+    int n_tokens = 0, n_chunks = 0, n_prefix = 0, st;
     const cJSON *id = cJSON_GetObjectItem(cmd, "id"), *method = cJSON_GetObjectItem(cmd, "method");
     const cJSON *start = cJSON_GetObjectItem(cmd, "start"), *top = cJSON_GetObjectItem(cmd, "top");
     const cJSON *kv_out = cJSON_GetObjectItem(cmd, "kv_out");
@@ -157,6 +159,17 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
             free(chunks);
             return;
         }
+    }
+    const cJSON *pj = cJSON_GetObjectItem(cmd, "prefix");
+    if (pj && !cJSON_IsNull(pj)) {
+        if (json_ints(pj, 0, INT32_MAX, &prefix, &n_prefix) || n_prefix != start->valueint) {
+            emit_error("result", "task command: prefix must hold the start cached tokens");
+            free(tokens);
+            free(chunks);
+            free(prefix);
+            return;
+        }
+        task.prefix = prefix;
     }
     st = pdm_prefill_method_parse(method->valuestring, &task.method);
     const cJSON *stream = cJSON_GetObjectItem(cmd, "stream");
@@ -194,6 +207,7 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
         emit_error("result", pdm_error_last());
         free(tokens);
         free(chunks);
+        free(prefix);
         return;
     }
     cJSON *o = cJSON_CreateObject();
@@ -255,6 +269,7 @@ static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_mo
     }
     free(tokens);
     free(chunks);
+    free(prefix);
 }
 
 /* Ranks 0 and 1 bounce a message of `bytes` back and forth `iters` times (after one warm-up

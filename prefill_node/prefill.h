@@ -68,6 +68,59 @@ typedef struct {
 int pdm_prefill_plan_ranges(pdm_prefill_method_t m, int ranks, int32_t start, int32_t n,
                             const int *chunks, int head, pdm_prefill_range_t *out);
 
+/* ---- The group's conversation (prefix reuse) --------------------------------------------- *
+ * What KV a prefill group holds after its tasks: the tokens, the rank that computed each
+ * position, and per rank the prefix [0, held) it holds whole (KV-Runahead passes the prefix
+ * down the chain, so after a chain its last rank holds everything, §4; cp-* leave each rank
+ * only its own shares, context parallelism §3.5). Every rank keeps one; the router and the
+ * launcher keep a mirror built from the same tasks with the same functions, so both ends
+ * compute the same plan for a follow-up turn: which rank streams which cached positions. */
+typedef struct {
+    int32_t n;                       /* positions held: [0, n) */
+    int32_t cap;                     /* capacity of owner and tokens */
+    int8_t *owner;                   /* [cap] rank that computed each position */
+    int32_t *tokens;                 /* [cap] token at each position */
+    int32_t held[PDM_KVT_MAX_RANKS]; /* rank r holds all KV of positions [0, held[r]) */
+    int last_owner;                  /* rank that computed position n - 1 */
+} pdm_prefill_conv_t;
+
+/* Cached positions travel to a decode node as runs of one owner; run i is chunk
+ * PDM_PREFILL_PREFIX_CHUNK + i of the request's plan (new tokens use chunks below it). */
+#define PDM_PREFILL_PREFIX_CHUNK 128
+#define PDM_PREFILL_MAX_PREFIX_RUNS 64
+
+/* Grows the arrays to hold `cap` positions (keeps what is held). */
+int pdm_prefill_conv_reserve(pdm_prefill_conv_t *c, int32_t cap);
+void pdm_prefill_conv_free(pdm_prefill_conv_t *c);
+/* Forgets everything held (a failed task leaves the group's KV incomplete). */
+void pdm_prefill_conv_reset(pdm_prefill_conv_t *c);
+/* Length of the longest common prefix of the held tokens and tokens[0, n). */
+int32_t pdm_prefill_conv_common(const pdm_prefill_conv_t *c, const int32_t *tokens, int32_t n);
+/* KVR: the rank to start a chain continuing at `start` (the first one from the last owner on
+ * that holds all of [0, start)); 0 for start 0; -1 if no rank does (after cp-*). */
+int pdm_prefill_conv_chain_head(const pdm_prefill_conv_t *c, int ranks, int32_t start);
+/* The held positions [0, start) as maximal runs of one owner, in position order, with chunk
+ * ids PDM_PREFILL_PREFIX_CHUNK + i (out may be NULL: count only). Returns the number of
+ * runs, -1 if more than `max`. */
+int pdm_prefill_conv_prefix_runs(const pdm_prefill_conv_t *c, int32_t start,
+                                 pdm_prefill_range_t *out, int max);
+/* The plan of a task continuing the conversation at `start` with `n_new` tokens computed by
+ * method `m` (chunks: KVR/TSP sizes, NULL for an even split): with `with_prefix`, first the
+ * held runs of [0, start) (what a partial prefill streams besides its new tokens), then the
+ * new tokens' ranges (pdm_prefill_plan_ranges, KVR chains starting at the chain head).
+ * `out` holds PDM_PREFILL_MAX_PREFIX_RUNS + PDM_PREFILL_MAX_RANGES. Returns the number of
+ * ranges and sets *n_prefix to how many of them are cached runs; -1 with the error set when
+ * the method cannot continue this conversation. */
+#define PDM_PREFILL_MAX_PLAN (PDM_PREFILL_MAX_PREFIX_RUNS + PDM_PREFILL_MAX_RANGES)
+int pdm_prefill_conv_plan(const pdm_prefill_conv_t *c, pdm_prefill_method_t m, int ranks,
+                          int32_t start, int32_t n_new, const int *chunks, int with_prefix,
+                          pdm_prefill_range_t *out, int *n_prefix);
+/* Records a task that succeeded: the conversation is cut at `start` and continues with the
+ * `n_new` tokens computed as `ranges` (from pdm_prefill_plan_ranges) by method `m`. */
+int pdm_prefill_conv_commit(pdm_prefill_conv_t *c, pdm_prefill_method_t m, int ranks,
+                            int32_t start, const int32_t *tokens, int32_t n_new,
+                            const pdm_prefill_range_t *ranges, int n_ranges);
+
 /* A KVR partition lookup table (§4.2): for each known prompt length the searched chunk sizes
  * as fractions of the length. Stored as JSON by pdmesh partition-search. */
 typedef struct {
@@ -129,12 +182,17 @@ typedef struct {
     uint32_t id;                 /* task id (part of every tag; distinct per task) */
     pdm_prefill_method_t method; /* not AUTO: the caller resolves it first */
     int32_t start;               /* P: tokens of the conversation already cached (0: new) */
+    const int32_t *prefix;       /* NULL, or [start] the cached tokens the task assumes: then
+                                  * they are checked against what the group holds, and a
+                                  * group holding a longer conversation is cut at start */
     const int32_t *tokens;       /* [n_tokens] the T new tokens at positions start.. */
     int32_t n_tokens;
     const int32_t *chunks;       /* KVR only: [size] chunk sizes in chain order (sum n_tokens);
                                   * NULL for an even split */
     const pdm_prefill_stream_t *stream; /* NULL: the KV stays on the group; else every rank
-                                         * streams the KV of its tokens (full prefills only) */
+                                         * streams the KV of its new tokens and, for a
+                                         * partial prefill, its runs of the cached prefix
+                                         * (pdm_prefill_conv_prefix_runs) */
 } pdm_prefill_task_t;
 
 typedef struct {
@@ -277,6 +335,9 @@ typedef struct {
     float length_penalty;        /* beam search only (see decode_node/beam.h) */
     int n_best;                  /* beam search only; 0: 1 */
     const char *early_stopping;  /* beam search only: heuristic|early|never; NULL: heuristic */
+    int reuse_prefix;            /* prefill only what follows the longest prefix the group
+                                  * still holds from the previous task (partial prefill; the
+                                  * ranks stream the cached positions too) */
 } pdm_launch_request_t;
 
 typedef struct {
@@ -291,6 +352,7 @@ typedef struct {
     double step_seconds; /* mean seconds per decode step */
     double kv_seconds;   /* decode node: start -> KV verified */
     double kv_bytes;     /* KV bytes the decode node received */
+    int32_t cached;      /* prompt tokens reused from the group's cache (reuse_prefix) */
     char *offload_json;  /* malloc'd: the decode node's head-wise offload report, or NULL */
     double prefill_wait; /* max over ranks of time blocked in communication (streaming too) */
     char *beam_json;     /* malloc'd, beam search only: {"n_best":[...],"beam":{...}} as the

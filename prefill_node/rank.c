@@ -50,11 +50,8 @@ struct pdm_prefill_rank {
     int act_cap;
     float *logits; /* [n_vocab] */
 
-    /* Group state, identical on every rank. */
-    int32_t seq_len;                  /* tokens of the conversation held by the group */
-    int8_t *owner;                    /* [ctx_tokens] rank that computed each position */
-    int32_t held[PDM_KVT_MAX_RANKS];  /* each rank holds all KV of positions [0, held) */
-    int last_owner;                   /* rank that computed the last token so far */
+    /* Group state, identical on every rank (capacity ctx_tokens). */
+    pdm_prefill_conv_t conv;
 
     /* Message descriptors of the collectives and the CP layout (large: on the heap). */
     pdm_kvt_msg_t *send_msgs, *recv_msgs; /* [PDM_KVT_MAX_RANKS] */
@@ -71,6 +68,8 @@ struct pdm_prefill_rank {
     pdm_kvt_stream_tx_t *tx;
     pdm_prefill_range_t mine[PDM_PREFILL_MAX_RANGES];
     int n_mine;
+    pdm_prefill_range_t prefix_mine[PDM_PREFILL_MAX_PREFIX_RUNS]; /* cached runs it streams */
+    int n_prefix_mine;
 };
 
 void pdm_prefill_rank_params_default(pdm_prefill_rank_params_t *p)
@@ -124,12 +123,13 @@ int pdm_prefill_rank_create(const pdm_model_t *model, pdm_kvt_group_t *group,
     r->hp = &model->hp;
     int st = pdm_kv_cache_create(&model->hp, p->ctx_tokens, p->kv_dtype, &r->cache);
     if (st) goto err;
-    r->owner = calloc((size_t)p->ctx_tokens, 1);
+    if (!st) st = pdm_prefill_conv_reserve(&r->conv, p->ctx_tokens);
+    if (st) goto err;
     r->logits = malloc(sizeof(float) * model->hp.n_vocab);
     r->send_msgs = calloc(PDM_KVT_MAX_RANKS, sizeof(pdm_kvt_msg_t));
     r->recv_msgs = calloc(PDM_KVT_MAX_RANKS, sizeof(pdm_kvt_msg_t));
     r->layout = calloc(1, sizeof(pdm__cp_layout_t));
-    if (!r->owner || !r->logits || !r->send_msgs || !r->recv_msgs || !r->layout) {
+    if (!r->logits || !r->send_msgs || !r->recv_msgs || !r->layout) {
         st = pdm_error_set(PDM_ENOMEM, "prefill rank: out of memory");
         goto err;
     }
@@ -146,7 +146,7 @@ void pdm_prefill_rank_destroy(pdm_prefill_rank_t *r)
     pdm_model_ctx_destroy(r->ctx);
     pdm_kv_cache_destroy(r->cache);
     pdm_act_free(&r->act);
-    free(r->owner);
+    pdm_prefill_conv_free(&r->conv);
     free(r->logits);
     free(r->send_msgs);
     free(r->recv_msgs);
@@ -157,7 +157,7 @@ void pdm_prefill_rank_destroy(pdm_prefill_rank_t *r)
 
 int32_t pdm_prefill_rank_seq_len(const pdm_prefill_rank_t *r)
 {
-    return r->seq_len;
+    return r->conv.n;
 }
 
 /* ---- Helpers ------------------------------------------------------------------------- */
@@ -197,12 +197,12 @@ static int pdm__owned_ranges(const pdm_prefill_rank_t *r, int rank, int32_t lo, 
 {
     int n = 0;
     for (int32_t p = lo; p < hi;) {
-        if (r->owner[p] != rank) {
+        if (r->conv.owner[p] != rank) {
             p++;
             continue;
         }
         int32_t q = p;
-        while (q < hi && r->owner[q] == rank) q++;
+        while (q < hi && r->conv.owner[q] == rank) q++;
         if (n == max) return -1;
         out[n++] = (pdm__range_t){p, q - p};
         p = q;
@@ -371,8 +371,9 @@ static int pdm__stream_layer(pdm_prefill_rank_t *r, int layer)
     const size_t row = pdm__row_bytes(r);
     double t0 = pdm_now();
     int st = PDM_OK;
-    for (int i = 0; i < r->n_mine && !st; i++) {
-        const pdm_prefill_range_t *g = &r->mine[i];
+    for (int i = 0; i < r->n_mine + r->n_prefix_mine && !st; i++) {
+        const pdm_prefill_range_t *g =
+            i < r->n_mine ? &r->mine[i] : &r->prefix_mine[i - r->n_mine];
         if (g->len == 0) continue;
         for (uint32_t h = 0; h < r->hp->n_kv_heads && !st; h++)
             st = pdm_kvt_stream_tx_send_scaled(
@@ -742,7 +743,7 @@ static int pdm__run_cp(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
     else
         st = pdm__run_cp_q(r, t, mine, n_mine, n_local, L);
     if (st) return st;
-    if (r->owner[end - 1] == me)
+    if (r->conv.owner[end - 1] == me)
         PDM__COMPUTE(r, pdm_model_logits(r->ctx, &r->act, n_local - 1, r->logits));
     return PDM_OK;
 }
@@ -759,15 +760,25 @@ static int pdm__validate(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *
         return pdm_error_set(PDM_EINVAL, "prefill: method '%s' must be resolved before a task "
                              "runs", name);
     if (t->n_tokens < 1) return pdm_error_set(PDM_EINVAL, "prefill: a task needs new tokens");
-    if (t->start < 0 || (t->start > 0 && t->start != r->seq_len))
+    /* A task naming its prefix may cut a longer conversation short; one without must
+     * continue exactly where the group stands. */
+    if (t->start < 0 || (t->start > 0 && (t->prefix ? t->start > r->conv.n
+                                                    : t->start != r->conv.n)))
         return pdm_error_set(PDM_ESTATE, "prefill: the task continues a conversation at "
-                             "position %d but the group holds %d tokens", t->start, r->seq_len);
+                             "position %d but the group holds %d tokens", t->start, r->conv.n);
+    if (t->prefix && t->start > 0) {
+        int32_t same = pdm_prefill_conv_common(&r->conv, t->prefix, t->start);
+        if (same < t->start)
+            return pdm_error_set(PDM_ESTATE, "prefill: the task's cached prefix differs from "
+                                 "the group's conversation at position %d (prefix miss)", same);
+    }
     if ((int64_t)t->start + t->n_tokens > r->p.ctx_tokens)
         return pdm_error_set(PDM_EOVERFLOW, "prefill: %d + %d tokens exceed the KV capacity of "
                              "%d (--ctx)", t->start, t->n_tokens, r->p.ctx_tokens);
-    if (t->stream && t->start != 0)
-        return pdm_error_set(PDM_EUNSUPPORTED, "prefill: streaming a partial prefill to a decode "
-                             "node is not supported yet (start must be 0)");
+    if (t->stream && t->start > 0 &&
+        pdm_prefill_conv_prefix_runs(&r->conv, t->start, NULL, PDM_PREFILL_MAX_PREFIX_RUNS) < 0)
+        return pdm_error_set(PDM_EOVERFLOW, "prefill: the cached prefix is split into more than "
+                             "%d runs, too many to stream", PDM_PREFILL_MAX_PREFIX_RUNS);
     if (t->stream && (t->stream->max_in_flight < 1 || t->stream->peer < 0))
         return pdm_error_set(PDM_EINVAL, "prefill: bad stream target");
     for (int32_t i = 0; i < t->n_tokens; i++)
@@ -811,10 +822,7 @@ static int pdm__validate(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *
         }
         /* The chain starts at a rank that holds the whole cached prefix: the previous
          * chain's last rank holds it all (§4: only the last process has the full KV). */
-        *head = -1;
-        for (int j = 0; j < R && *head < 0; j++)
-            if (r->held[(r->last_owner + j) % R] >= t->start) *head = (r->last_owner + j) % R;
-        if (t->start == 0) *head = 0;
+        *head = pdm_prefill_conv_chain_head(&r->conv, R, t->start);
         if (*head < 0)
             return pdm_error_set(PDM_EUNSUPPORTED, "prefill: no rank holds the whole cached "
                                  "prefix of %d tokens, which KV-Runahead needs (it was "
@@ -837,8 +845,7 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     int st = pdm__validate(r, t, chunks, &head);
     if (st) return st;
     if (t->start == 0) {
-        r->seq_len = 0;
-        memset(r->held, 0, sizeof(r->held));
+        pdm_prefill_conv_reset(&r->conv);
         r->cache->scales_fixed = 0; /* q8: a new prompt fixes new scales */
     }
     pdm_kvt_stats_t s0, s1;
@@ -853,13 +860,23 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
                                            ranges);
     int n_local = 0;
     for (int i = 0; i < n_ranges; i++) {
-        memset(r->owner + ranges[i].start, ranges[i].rank, (size_t)ranges[i].len);
+        memset(r->conv.owner + ranges[i].start, ranges[i].rank, (size_t)ranges[i].len);
         if (ranges[i].rank == me) n_local += ranges[i].len;
     }
-    const int owner_rank = r->owner[end - 1];
+    const int owner_rank = r->conv.owner[end - 1];
     r->n_mine = 0;
     for (int i = 0; i < n_ranges; i++)
         if (ranges[i].rank == me) r->mine[r->n_mine++] = ranges[i];
+    /* A partial prefill streamed to a decode node: the cached positions this rank computed
+     * go along (validated above: at most PDM_PREFILL_MAX_PREFIX_RUNS runs). */
+    r->n_prefix_mine = 0;
+    if (t->stream && t->start > 0) {
+        pdm_prefill_range_t runs[PDM_PREFILL_MAX_PREFIX_RUNS];
+        int nr = pdm_prefill_conv_prefix_runs(&r->conv, t->start, runs,
+                                              PDM_PREFILL_MAX_PREFIX_RUNS);
+        for (int i = 0; i < nr; i++)
+            if (runs[i].rank == me) r->prefix_mine[r->n_prefix_mine++] = runs[i];
+    }
     if (t->stream) {
         st = pdm_kvt_stream_tx_create(r->g->kvt, t->stream->peer, t->stream->request_id,
                                       t->stream->attempt, t->stream->max_in_flight,
@@ -870,22 +887,17 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     switch (t->method) {
     case PDM_PREFILL_SINGLE:
         st = pdm__run_single(r, t);
-        r->held[0] = end;
         break;
     case PDM_PREFILL_TSP:
         st = pdm__run_tsp(r, t, chunks);
-        for (int i = 0; i < R; i++) r->held[i] = end; /* everyone gathered everything */
         break;
     case PDM_PREFILL_KVR_E:
     case PDM_PREFILL_KVR_S:
     case PDM_PREFILL_KVR_P:
-        for (int i = 0; i < n_ranges; i++) /* [0, its end) once the chain has passed */
-            r->held[ranges[i].rank] = ranges[i].start + ranges[i].len;
         st = pdm__run_kvr(r, t, chunks, head);
         break;
     default: /* cp-kv, cp-q */
         st = pdm__run_cp(r, t);
-        for (int i = 0; i < R; i++) r->held[i] = 0; /* shares are scattered */
         break;
     }
     uint64_t streamed = 0;
@@ -899,15 +911,14 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
         pdm_kvt_stream_tx_destroy(r->tx);
         r->tx = NULL;
     }
+    if (!st)
+        st = pdm_prefill_conv_commit(&r->conv, t->method, R, t->start, t->tokens, t->n_tokens,
+                                     ranges, n_ranges);
     if (st) {
         /* The group's KV is incomplete now: the conversation cannot continue. */
-        r->seq_len = 0;
-        r->last_owner = 0;
-        memset(r->held, 0, sizeof(r->held));
+        pdm_prefill_conv_reset(&r->conv);
         return st;
     }
-    r->seq_len = end;
-    r->last_owner = owner_rank;
     r->cache->n_tokens = end;
     pdm_kv_cache_fix_scales(r->cache);
     pdm_kvt_stats(r->g->kvt, &s1);
@@ -963,7 +974,7 @@ int pdm_prefill_rank_dump_kv(const pdm_prefill_rank_t *r, const char *path)
     /* Every rank of the group writes the same header and size, then its own rows. */
     int fd = open(path, O_WRONLY | O_CREAT, 0644);
     if (fd < 0) return pdm_error_set(-errno, "%s: %s", path, strerror(errno));
-    const int32_t n_file = r->seq_len;
+    const int32_t n_file = r->conv.n;
     uint8_t header[PDM__KVFILE_HEADER] = "PDMKV001";
     uint32_t f[4] = {hp->n_layers, hp->n_kv_heads, hp->head_dim, (uint32_t)n_file};
     memcpy(header + 8, f, sizeof(f));
@@ -972,10 +983,10 @@ int pdm_prefill_rank_dump_kv(const pdm_prefill_rank_t *r, const char *path)
         ftruncate(fd, pdm__kvfile_offset(hp, n_file, hp->n_layers, 0, 0, 0)) != 0)
         st = pdm_error_set(-errno, "%s: %s", path, strerror(errno));
     pdm__range_t ranges[PDM__MAX_RANGES];
-    int n = st ? 0 : pdm__owned_ranges(r, r->g->rank, 0, r->seq_len, ranges, PDM__MAX_RANGES);
+    int n = st ? 0 : pdm__owned_ranges(r, r->g->rank, 0, r->conv.n, ranges, PDM__MAX_RANGES);
     if (n < 0) st = pdm_error_set(PDM_EOVERFLOW, "KV dump: too many ranges");
     float *buf = NULL;
-    if (!st && !(buf = malloc(sizeof(float) * hp->head_dim * (size_t)PDM_MAX(r->seq_len, 1))))
+    if (!st && !(buf = malloc(sizeof(float) * hp->head_dim * (size_t)PDM_MAX(r->conv.n, 1))))
         st = pdm_error_set(PDM_ENOMEM, "KV dump: out of memory");
     const size_t row = pdm__row_bytes(r);
     for (int i = 0; i < n && !st; i++)

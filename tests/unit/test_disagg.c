@@ -181,6 +181,74 @@ START_TEST(test_disagg_r2) { run_methods(2); }
 END_TEST
 START_TEST(test_disagg_r3) { run_methods(3); }
 END_TEST
+/* Prefix reuse: a follow-up turn prefills only what follows the prefix the group still holds,
+ * the ranks stream the cached positions along, and the decode node's greedy output equals the
+ * engine's on the whole prompt. Turns: a first prompt; a longer one extending it (reuses all
+ * of it); one that leaves it at position 17 (the group's conversation is cut there); a
+ * request with a different start (nothing reused). Then a task naming a prefix the group
+ * does not hold is refused as a miss, and the group keeps serving. */
+static void run_prefix_reuse(int R, pdm_prefill_method_t first, pdm_prefill_method_t next)
+{
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(model_path, &m), 0);
+    const uint32_t vocab = m->hp.n_vocab;
+    const size_t kv_row_bytes = (size_t)m->hp.n_layers * m->hp.n_kv_heads * 2 * m->hp.head_dim *
+                                sizeof(float);
+    pdm_model_free(m);
+    pdm_launch_t *l = start_mesh(model_path, R, "f32", 1 << 16, 60);
+    int32_t turn[4][64];
+    const int lens[4] = {30, 45, 41, 33}, want_cached[4] = {0, 30, 17, 0}, max_new = 8;
+    random_ids(turn[0], 64, vocab, 900 + (uint64_t)R);
+    memcpy(turn[1], turn[0], sizeof(turn[0]));
+    memcpy(turn[2], turn[0], sizeof(turn[0]));
+    random_ids(turn[2] + 17, 64 - 17, vocab, 950 + (uint64_t)R);
+    random_ids(turn[3], 64, vocab, 990 + (uint64_t)R);
+    for (int t = 0; t < 4; t++) {
+        int32_t want[16];
+        int n_want = engine_greedy(model_path, PDM_DT_F32, turn[t], lens[t], max_new, want);
+        pdm_launch_request_t q = {.tokens = turn[t], .n_tokens = lens[t],
+                                  .method = t == 0 ? first : next, .max_new = max_new,
+                                  .reuse_prefix = 1};
+        pdm_sampler_params_default(&q.sp);
+        q.sp.temperature = 0;
+        pdm_launch_response_t out;
+        ck_assert_msg(pdm_launch_generate(l, &q, 1, &out) == 0, "%s", pdm_error_last());
+        const char *mn = pdm_prefill_method_name(q.method);
+        ck_assert_msg(out.ok, "R=%d %s turn %d: %s", R, mn, t, out.error);
+        ck_assert_msg(out.cached == want_cached[t], "R=%d %s turn %d: %d cached tokens, want %d",
+                      R, mn, t, out.cached, want_cached[t]);
+        ck_assert_msg(out.n_tokens == n_want, "R=%d %s turn %d: %d tokens, engine %d", R, mn, t,
+                      out.n_tokens, n_want);
+        for (int k = 0; k < n_want; k++)
+            ck_assert_msg(out.tokens[k] == want[k], "R=%d %s turn %d token %d: %d, engine %d", R,
+                          mn, t, k, out.tokens[k], want[k]);
+        /* The decode node got the whole prompt's KV, cached positions included. */
+        ck_assert_msg(out.kv_bytes == (double)(kv_row_bytes * (size_t)lens[t]),
+                      "R=%d %s turn %d: %.0f KV bytes", R, mn, t, out.kv_bytes);
+        pdm_launch_response_free(&out);
+    }
+    /* A prefix the group does not hold (it holds turn 3 now). */
+    pdm_prefill_task_t miss = {.method = next, .start = 10, .prefix = turn[0],
+                               .tokens = turn[0] + 10, .n_tokens = 20};
+    pdm_launch_result_t res;
+    ck_assert_int_ne(pdm_launch_task(l, &miss, NULL, NULL, &res), 0);
+    ck_assert_msg(strstr(pdm_error_last(), "prefix miss"), "%s", pdm_error_last());
+    pdm_prefill_task_t ok = {.method = next, .start = 10, .prefix = turn[3],
+                             .tokens = turn[3] + 10, .n_tokens = 20};
+    ck_assert_msg(pdm_launch_task(l, &ok, NULL, NULL, &res) == 0, "%s", pdm_error_last());
+    assert_idle(l);
+    ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
+}
+
+START_TEST(test_disagg_prefix_reuse)
+{
+    run_prefix_reuse(1, PDM_PREFILL_SINGLE, PDM_PREFILL_SINGLE);
+    run_prefix_reuse(2, PDM_PREFILL_KVR_E, PDM_PREFILL_KVR_E);
+    run_prefix_reuse(2, PDM_PREFILL_CP_KV, PDM_PREFILL_CP_Q);
+    run_prefix_reuse(3, PDM_PREFILL_KVR_E, PDM_PREFILL_CP_KV);
+}
+END_TEST
+
 /* int8 KV end to end: every method's greedy output equals the single-process q8 engine's,
  * and the stream carries one byte per element. */
 START_TEST(test_disagg_q8_r1) { run_methods_kv(1, "q8", PDM_DT_I8); }
@@ -424,6 +492,7 @@ Suite *suite_disagg(void)
     tcase_add_test(tc, test_disagg_r1);
     tcase_add_test(tc, test_disagg_r2);
     tcase_add_test(tc, test_disagg_r3);
+    tcase_add_test(tc, test_disagg_prefix_reuse);
     tcase_add_test(tc, test_disagg_real_model);
     tcase_add_test(tc, test_disagg_node_full);
     tcase_add_test(tc, test_disagg_dead_prefill_rank);
