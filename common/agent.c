@@ -283,6 +283,8 @@ static void ag_on_router(agent_t *a, pdm_wire_msg_t *m)
         cJSON_AddNumberToObject(o, "start", t->start);
         cJSON_AddNumberToObject(o, "top", 0);
         cJSON_AddItemToObject(o, "tokens", ag_ints(t->tokens, t->n_tokens));
+        if (t->start > 0 && t->n_prefix == t->start)
+            cJSON_AddItemToObject(o, "prefix", ag_ints(t->prefix, t->n_prefix));
         if (t->n_chunks) {
             cJSON *c = cJSON_AddArrayToObject(o, "chunks");
             for (size_t i = 0; i < t->n_chunks; i++)

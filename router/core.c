@@ -45,6 +45,7 @@ void rt_config_default(rt_config_t *c)
     c->local_threshold = 16;
     snprintf(c->method, sizeof(c->method), "auto");
     c->block_tokens = 64;
+    c->prefix_reuse = 1;
     c->max_skew_s = 30;
     c->group_inflight = 2;
     c->http_host = "127.0.0.1";
@@ -105,8 +106,10 @@ void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel)
     if (q->group >= 0) {
         rt_group_t *g = &r->groups[q->group];
         if (q->ranks_done < g->size && g->inflight > 0) g->inflight--;
+        if (q->reuse_pending) g->reuse_pending = 0;
         q->group = -1;
     }
+    q->reuse_pending = 0;
 }
 
 static const char *rt_outcome(int code)
@@ -252,8 +255,12 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
 
 void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg)
 {
-    if (q->group >= 0) /* the retry goes elsewhere (another group or local prefill) */
+    if (q->group >= 0) { /* the retry goes elsewhere (another group or local prefill) */
         r->groups[q->group].suspect_until = pdm_now() + r->cfg.lease_ms / 1e3;
+        /* Its ranks may have dropped their conversation (or never held the one assumed):
+         * forget the mirror, the next task starts afresh. */
+        pdm_prefill_conv_reset(&r->groups[q->group].conv);
+    }
     rt_req_release_nodes(r, q, 1);
     q->retries++;
     pdm_log_warn("router: request %llu attempt %u failed: %s", (unsigned long long)q->id,
@@ -330,6 +337,14 @@ static size_t rt_prefix_slot(const uint8_t *h)
     return ((size_t)h[0] | (size_t)h[1] << 8 | (size_t)h[2] << 16) % RT_PREFIX_SLOTS;
 }
 
+/* A group can take another task: usable, below its queue limit, and no planned partial
+ * prefill waiting for its decode reservation (the ranks must see that task next). */
+static int rt_group_has_room(const pdm_router_t *r, int g)
+{
+    return rt_group_usable(r, g) && r->groups[g].inflight < r->cfg.group_inflight &&
+           !r->groups[g].reuse_pending;
+}
+
 /* The group for a prompt: the usable group that last prefilled its longest known prefix,
  * else the least busy usable group; -1 if none has room. *cached: tokens of that prefix. */
 static int rt_pick_group(pdm_router_t *r, rt_req_t *q, uint32_t *cached)
@@ -338,7 +353,7 @@ static int rt_pick_group(pdm_router_t *r, rt_req_t *q, uint32_t *cached)
     *cached = 0;
     int room = 0; /* no hashing while every group is busy (the queue is scanned often) */
     for (int g = 0; g < RT_MAX_GROUPS && !room; g++)
-        room = rt_group_usable(r, g) && r->groups[g].inflight < r->cfg.group_inflight;
+        room = rt_group_has_room(r, g);
     if (!room) return -1;
     uint8_t (*h)[32] = malloc(sizeof(uint8_t[32]) * MAXB);
     int nb = h ? rt_block_hashes(r, q->prompt, q->n_prompt, h, MAXB) : 0;
@@ -347,15 +362,13 @@ static int rt_pick_group(pdm_router_t *r, rt_req_t *q, uint32_t *cached)
     for (int b = nb - 1; b >= 0 && best < 0; b--) {
         size_t s = rt_prefix_slot(h[b]);
         int g = r->prefix[s].group;
-        if (r->prefix[s].stamp && !memcmp(r->prefix[s].hash, h[b], 32) && rt_group_usable(r, g) &&
-            r->groups[g].inflight < r->cfg.group_inflight) {
+        if (r->prefix[s].stamp && !memcmp(r->prefix[s].hash, h[b], 32) && rt_group_has_room(r, g)) {
             best = g;
             *cached = (uint32_t)(b + 1) * (uint32_t)r->cfg.block_tokens;
-            pdm_metric_inc(r->m.prefix_hits, NULL, 1);
         }
     }
     for (int g = 0; g < RT_MAX_GROUPS && best < 0; g++) {
-        if (!rt_group_usable(r, g) || r->groups[g].inflight >= r->cfg.group_inflight) continue;
+        if (!rt_group_has_room(r, g)) continue;
         if (best < 0 || r->groups[g].inflight < r->groups[best].inflight) best = g;
     }
     if (best >= 0)
@@ -376,6 +389,35 @@ static int rt_any_group_alive(pdm_router_t *r)
     return 0;
 }
 
+/* Prefix reuse: the cached tokens a new task on group `gr` can start after. Only while the
+ * group is idle is its mirror what the ranks hold when the task arrives; at least one block
+ * must be reused and at least one token computed (its logits give the first token). */
+static int32_t rt_reuse_start(const pdm_router_t *r, const rt_group_t *gr, const rt_req_t *q)
+{
+    if (!r->cfg.prefix_reuse || gr->inflight > 0 || gr->reuse_pending) return 0;
+    int32_t k = pdm_prefill_conv_common(&gr->conv, q->prompt, (int32_t)q->n_prompt);
+    k = PDM_MIN(k, (int32_t)q->n_prompt - 1);
+    return k >= r->cfg.block_tokens ? k : 0;
+}
+
+/* Every rank of the request's group finished its task: the mirror follows (conv.c). */
+void rt_group_prefilled(pdm_router_t *r, rt_req_t *q)
+{
+    rt_group_t *gr = &r->groups[q->group];
+    const int32_t start = (int32_t)q->cached_tokens, T = (int32_t)q->n_prompt - start;
+    pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN];
+    int n_prefix;
+    int nr = pdm_prefill_conv_plan(&gr->conv, (pdm_prefill_method_t)q->method_id, (int)gr->size,
+                                   start, T, q->chunks, 0, plan, &n_prefix);
+    if (nr < 0 || pdm_prefill_conv_commit(&gr->conv, (pdm_prefill_method_t)q->method_id,
+                                          (int)gr->size, start, q->prompt + start, T, plan, nr))
+        pdm_prefill_conv_reset(&gr->conv); /* out of step: forget (a smaller view is safe) */
+    if (start > 0) {
+        pdm_metric_inc(r->m.prefix_hits, NULL, 1);
+        pdm_metric_inc(r->m.prefix_tokens, NULL, (double)start);
+    }
+}
+
 /* Sends the DecodeTask of a new attempt. */
 static void rt_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, uint32_t cached)
 {
@@ -390,8 +432,7 @@ static void rt_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, uint32_t cac
     q->started = 0;
     q->t_dispatch = pdm_now();
     q->cached_tokens = 0;
-    (void)cached; /* prefill ranks restart a conversation when they stream (rank.c): the prefix
-                   * steers the choice of group only */
+    (void)cached; /* the hashes chose the group; its mirror says what it really holds */
     snprintf(q->dnode_name, sizeof(q->dnode_name), "%s", n->id);
     const uint32_t remaining = q->max_new - q->n_gen;
     const uint32_t n_in = q->local ? q->n_prompt + q->n_gen : q->n_prompt;
@@ -405,7 +446,7 @@ static void rt_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, uint32_t cac
     t.max_new = remaining;
     int32_t *all = NULL;
     ProtobufCBinaryData addrs[PDM_KVT_MAX_RANKS];
-    Pdmesh__TokenRange rg[PDM_PREFILL_MAX_RANGES], *rgp[PDM_PREFILL_MAX_RANGES];
+    Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rgp[PDM_PREFILL_MAX_PLAN];
     if (q->local) {
         snprintf(q->method, sizeof(q->method), "local");
         q->group_name[0] = 0;
@@ -421,6 +462,7 @@ static void rt_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, uint32_t cac
         t.n_prompt_tokens = n_in;
     } else {
         rt_group_t *gr = &r->groups[g];
+        const int32_t start0 = rt_reuse_start(r, gr, q);
         gr->inflight++;
         snprintf(q->group_name, sizeof(q->group_name), "%s", gr->name);
         for (uint32_t k = 0; k < gr->size; k++) {
@@ -429,23 +471,43 @@ static void rt_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, uint32_t cac
             addrs[k].len = m->ucx_len;
             q->group_epochs[k] = m->epoch;
         }
-        /* Method and partition by prompt length (prefill_node/policy.c: partition table,
-         * calibration, auto). */
+        /* Method and partition by the length to compute and the cached prefix
+         * (prefill_node/policy.c: partition table, calibration, auto; with a prefix auto
+         * picks pass-KV or pass-Q). Where the method cannot continue there, the group
+         * recomputes a little more (KVR needs a token per rank) or, if it cannot continue
+         * the cached conversation at all (tsp; KVR after cp-*), the whole prompt. */
         pdm_prefill_method_t want = PDM_PREFILL_AUTO, m;
         pdm_prefill_method_parse(r->cfg.method, &want);
-        int chunks[PDM_KVT_MAX_RANKS], has = 0;
+        int chunks[PDM_KVT_MAX_RANKS], has = 0, nr = -1, n_prefix = 0;
+        pdm_prefill_range_t pr[PDM_PREFILL_MAX_PLAN];
         char why[256];
-        if (pdm_prefill_resolve(want, &r->model->hp, (int)gr->size, (int32_t)q->n_prompt, 0, NULL,
-                                r->has_table ? &r->table : NULL, r->has_calib ? &r->calib : NULL,
-                                &m, chunks, &has, why, sizeof(why)))
-            m = gr->size == 1 ? PDM_PREFILL_SINGLE : PDM_PREFILL_KVR_E, has = 0;
-        if (!has) pdm_prefill_split_even((int)q->n_prompt, (int)gr->size, chunks);
+        const int32_t starts[3] = {start0, PDM_MIN(start0, (int32_t)(q->n_prompt - gr->size)), 0};
+        int32_t start = 0;
+        for (int c = 0; c < 3; c++) {
+            start = starts[c];
+            if (start < 0 || (start > 0 && start < r->cfg.block_tokens)) continue;
+            const int32_t T = (int32_t)q->n_prompt - start;
+            int rs = pdm_prefill_resolve(want, &r->model->hp, (int)gr->size, T, start, NULL,
+                                         r->has_table ? &r->table : NULL,
+                                         r->has_calib ? &r->calib : NULL, &m, chunks, &has, why,
+                                         sizeof(why));
+            if (rs && start > 0) continue;
+            if (rs) m = gr->size == 1 ? PDM_PREFILL_SINGLE : PDM_PREFILL_KVR_E, has = 0;
+            if (!has) pdm_prefill_split_even(T, (int)gr->size, chunks);
+            nr = pdm_prefill_conv_plan(&gr->conv, m, (int)gr->size, start, T, chunks, 1, pr,
+                                       &n_prefix);
+            if (nr >= 0) break;
+        }
+        if (nr < 0) {
+            rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, pdm_error_last());
+            return;
+        }
         memcpy(q->chunks, chunks, sizeof(chunks));
         q->has_chunks = has;
         q->method_id = (int)m;
+        q->cached_tokens = (uint32_t)start;
+        q->reuse_pending = gr->reuse_pending = start > 0;
         snprintf(q->method, sizeof(q->method), "%s", pdm_prefill_method_name(m));
-        pdm_prefill_range_t pr[PDM_PREFILL_MAX_RANGES];
-        int nr = pdm_prefill_plan_ranges(m, (int)gr->size, 0, (int32_t)q->n_prompt, chunks, 0, pr);
         for (int k = 0; k < nr; k++) {
             pdmesh__token_range__init(&rg[k]);
             rg[k].start = (uint32_t)pr[k].start;
@@ -505,9 +567,13 @@ void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     t.task_id = q->id;
     t.attempt = q->attempt;
     t.method = q->method;
-    t.tokens = q->prompt;
-    t.n_tokens = q->n_prompt;
-    t.start = 0;
+    /* A partial prefill names the cached prefix it assumes; the ranks check it. */
+    t.start = q->cached_tokens;
+    t.tokens = q->prompt + q->cached_tokens;
+    t.n_tokens = q->n_prompt - q->cached_tokens;
+    t.prefix = q->prompt;
+    t.n_prefix = q->cached_tokens;
+    if (q->reuse_pending) g->reuse_pending = q->reuse_pending = 0; /* it goes out now */
     if (q->has_chunks) {
         for (uint32_t k = 0; k < g->size; k++) chunks[k] = (uint32_t)q->chunks[k];
         t.chunks = chunks;
@@ -947,8 +1013,12 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
                                    "Head-wise offload: bytes in the slow tier, per node.", "node",
                                    NULL, 0);
     r->m.prefix_hits = pdm_metrics_add(m, PDM_METRIC_COUNTER, "pdmesh_prefix_hits_total",
-                                       "Requests routed to the group holding their prefix.", NULL,
-                                       NULL, 0);
+                                       "Prefills that reused a prefix cached on their group.",
+                                       NULL, NULL, 0);
+    r->m.prefix_tokens = pdm_metrics_add(m, PDM_METRIC_COUNTER,
+                                         "pdmesh_prefix_cached_tokens_total",
+                                         "Prompt tokens not prefilled again (cached on the group).",
+                                         NULL, NULL, 0);
     pdm_metric_set(r->m.queue, NULL, 0);
     pdm_metric_inc(r->m.requests, "ok", 0);
     pdm_metric_inc(r->m.migrations, NULL, 0);
@@ -1013,6 +1083,7 @@ void rt_router_free(pdm_router_t *r)
     rt_curve_stop(r);
     if (r->zctx) zmq_ctx_term(r->zctx);
     for (int i = 0; i < RT_MAX_NODES; i++) free(r->nodes[i].ucx);
+    for (int g = 0; g < RT_MAX_GROUPS; g++) pdm_prefill_conv_free(&r->groups[g].conv);
     pdm_metrics_free(r->m.reg);
     pdm_model_free(r->model);
     free(r->secret);

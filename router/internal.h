@@ -40,7 +40,9 @@ typedef struct {
     char method[16];              /* prefill method for groups: auto, single, kvr-e, ... */
     const char *partition_table;  /* JSON file (pdmesh partition-search) or NULL */
     const char *calibration;      /* JSON file (pdmesh calibrate) or NULL */
-    int block_tokens;             /* prefix-hash block size */
+    int block_tokens;             /* prefix-hash block size; also the least cached prefix a
+                                   * follow-up turn reuses */
+    int prefix_reuse;             /* partial prefill of follow-up turns (0: route only) */
     double max_skew_s;            /* registration timestamp skew */
     int group_inflight;           /* prefill tasks queued per group */
     const char *http_host;
@@ -84,6 +86,9 @@ typedef struct {
     int inflight;                 /* prefill tasks sent and not finished on all ranks */
     double suspect_until;         /* an attempt through it failed: not used until then (a
                                    * dead rank is declared only when its lease runs out) */
+    pdm_prefill_conv_t conv;      /* mirror of the conversation its ranks hold (conv.c) */
+    int reuse_pending;            /* a partial prefill is planned and its task not sent yet:
+                                   * no other task may overtake it */
 } rt_group_t;
 
 enum { RQ_QUEUED = 0, RQ_RESERVING, RQ_PREFILL, RQ_DECODE };
@@ -121,7 +126,8 @@ typedef struct rt_req {
     int has_chunks, method_id;
     char method[16];
     char group_name[64], dnode_name[RT_NAME_MAX];
-    uint32_t retries, migrations, cached_tokens;
+    uint32_t retries, migrations, cached_tokens; /* cached: prompt tokens reused by the group */
+    int reuse_pending;            /* holds its group's reuse_pending */
 } rt_req_t;
 
 struct pdm_router {
@@ -158,7 +164,8 @@ struct pdm_router {
     struct {
         pdm_metrics_t *reg;
         pdm_metric_t *requests, *ttft, *tpot, *queue, *method, *kv_bytes, *kv_time, *nodes,
-            *migrations, *retries, *offload, *prefix_hits;
+            *migrations, *retries, *offload, *prefix_hits,
+            *prefix_tokens;
     } m;
 };
 
@@ -174,6 +181,7 @@ void rt_req_fail(pdm_router_t *r, rt_req_t *q, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel);
 void rt_send_prefill(pdm_router_t *r, rt_req_t *q);
+void rt_group_prefilled(pdm_router_t *r, rt_req_t *q);
 void rt_send_start(pdm_router_t *r, rt_req_t *q, int32_t first_token);
 int rt_send(void *sock, const uint8_t *ident, size_t ident_len, int type, const ProtobufCMessage *m);
 

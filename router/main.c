@@ -76,7 +76,9 @@ static void usage(FILE *f)
             "                            node (16; 0: always use a prefill group when one is up)\n"
             "  --method M                prefill method for groups (auto)\n"
             "  --partition-table F --calibration F   for kvr-s/kvr-p/auto\n"
-            "  --block-tokens N          prefix-hash block size (64)\n"
+            "  --block-tokens N          prefix-hash block size; least prefix reused (64)\n"
+            "  --prefix-reuse 0|1        follow-up turns prefill only what follows the prefix\n"
+            "                            their group still holds (1)\n"
             "  --group-inflight N        prefill tasks queued per group (2)\n");
 }
 
@@ -88,7 +90,8 @@ int main(int argc, char **argv)
     enum {
         O_CLIENT = 1000, O_NODE, O_ADMIN, O_HTTP_HOST, O_HTTP_PORT, O_SECRET, O_TOKEN, O_HB, O_LEASE,
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
-        O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW
+        O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW,
+        O_PREFIX_REUSE
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},
@@ -114,6 +117,7 @@ int main(int argc, char **argv)
         {"partition-table", required_argument, 0, O_TABLE},
         {"calibration", required_argument, 0, O_CALIB},
         {"block-tokens", required_argument, 0, O_BLOCK},
+        {"prefix-reuse", required_argument, 0, O_PREFIX_REUSE},
         {"group-inflight", required_argument, 0, O_GINF},
         {"curve-secret-file", required_argument, 0, O_CURVE_SECRET},
         {"curve-allow", required_argument, 0, O_CURVE_ALLOW},
@@ -158,6 +162,7 @@ int main(int argc, char **argv)
         case O_TABLE: cfg.partition_table = optarg; break;
         case O_CALIB: cfg.calibration = optarg; break;
         case O_BLOCK: NUM(1, 4096, cfg.block_tokens); break;
+        case O_PREFIX_REUSE: NUM(0, 1, cfg.prefix_reuse); break;
         case O_GINF: NUM(1, 64, cfg.group_inflight); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;

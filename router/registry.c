@@ -109,6 +109,8 @@ static void rt_group_try_wire(pdm_router_t *r, int g)
     }
     gr->wired = 1;
     gr->inflight = 0;
+    gr->reuse_pending = 0;
+    pdm_prefill_conv_reset(&gr->conv); /* fresh ranks hold nothing */
     pdm_log_info("router: prefill group %s wired (%u ranks)", gr->name, gr->size);
 }
 
@@ -396,6 +398,7 @@ void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, c
             /* Every rank finished: the group is free and the request no longer depends on it
              * (a rank dying now does not touch the request). */
             if (r->groups[q->group].inflight > 0) r->groups[q->group].inflight--;
+            rt_group_prefilled(r, q);
             q->group = -1;
         }
         if (first >= 0 && !q->started) rt_send_start(r, q, first);

@@ -181,6 +181,7 @@ static int cmd_gen(void *ctx)
                 cJSON_AddStringToObject(u, "prefill_group", r->usage->prefill_group ? r->usage->prefill_group : "");
                 cJSON_AddStringToObject(u, "decode_node", r->usage->decode_node ? r->usage->decode_node : "");
                 cJSON_AddNumberToObject(u, "attempts", r->usage->attempts);
+                cJSON_AddNumberToObject(u, "cached_tokens", r->usage->cached_tokens);
                 cJSON_AddNumberToObject(u, "kv_bytes", (double)r->usage->kv_bytes);
             }
             if (stream_ && r->request_id >= 1 && r->request_id <= (uint64_t)count) {

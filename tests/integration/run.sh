@@ -108,9 +108,27 @@ ref --prompt "$LONG" -n 16 > "$RUN/c2.ref"
 check "12 concurrent requests from 2 clients all equal the reference" \
   "[ \"\$(jq_ 'sum(1 for x in d if x.get(\"ok\") and x[\"text\"]==open(\"$RUN/c1.ref\").read().rstrip(\"\\n\") and x[\"stream_matches\"])' < $RUN/c1.json)\" = 6 ] && [ \"\$(jq_ 'sum(1 for x in d if x.get(\"ok\") and x[\"text\"]==open(\"$RUN/c2.ref\").read().rstrip(\"\\n\") and x[\"stream_matches\"])' < $RUN/c2.json)\" = 6 ]"
 
+# --- prefix reuse: a follow-up turn prefills only what follows the prefix its group holds;
+# the ranks stream the cached positions too, and the answer equals the engine's ---
+TURN1="$LONG Answer in one sentence."
+TURN2="$LONG Answer in one sentence. The museums are the main reason. Now name one famous museum there and say why people love it."
+gen --prompt "$TURN1" -n 16 > "$RUN/turn1.json"
+gen --prompt "$TURN2" -n 16 --stream > "$RUN/turn2.json"
+ref --prompt "$TURN2" -n 16 > "$RUN/turn2.ref"
+check "follow-up turn reuses the cached prefix (cached_tokens >= 16) and equals pdmesh generate --temp 0" \
+  "[ \"\$(jq_ 'd[0][\"usage\"][\"cached_tokens\"] >= 16 and d[0][\"text\"]==open(\"$RUN/turn2.ref\").read().rstrip(\"\\n\") and d[0][\"stream_matches\"]' < $RUN/turn2.json)\" = True ]"
+gen --prompt "$LONG" -n 16 > "$RUN/turn3.json"
+check "a prompt that leaves the cached conversation midway reuses the common part and equals the engine" \
+  "[ \"\$(jq_ 'd[0][\"usage\"][\"cached_tokens\"] >= 16 and d[0][\"text\"]==open(\"$RUN/c2.ref\").read().rstrip(\"\\n\")' < $RUN/turn3.json)\" = True ]"
+admin --op policy-set --key prefix_reuse --value 0 > /dev/null
+gen --prompt "$TURN2" -n 16 > "$RUN/turn4.json"
+admin --op policy-set --key prefix_reuse --value 1 > /dev/null
+check "with prefix_reuse 0 the whole prompt is prefilled (cached_tokens 0): the same tokens as with reuse" \
+  "[ \"\$(jq_ 'd[0][\"usage\"][\"cached_tokens\"] == 0 and d[0][\"tokens\"]==json.load(open(\"$RUN/turn2.json\"))[\"tokens\"]' < $RUN/turn4.json)\" = True ]"
+
 admin --op stats > "$RUN/stats0.json"
-check "prefix-aware routing: repeated long prompts find their prefix's group (prefix hits counted)" \
-  "jq_ 'd[0][\"text\"]' < $RUN/stats0.json | grep '^pdmesh_prefix_hits_total [1-9]' > /dev/null"
+check "prefix hits and cached tokens counted" \
+  "jq_ 'd[0][\"text\"]' < $RUN/stats0.json | grep '^pdmesh_prefix_hits_total [1-9]' > /dev/null && jq_ 'd[0][\"text\"]' < $RUN/stats0.json | grep '^pdmesh_prefix_cached_tokens_total [1-9]' > /dev/null"
 
 # --- authentication ---
 PDMESH_SECRET_FILE="$RUN/wrong" "$BIN/pdm-rclient" register --ep "$NODE" --node-id intruder --timeout 10 > "$RUN/reg.json"
