@@ -17,6 +17,7 @@
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
 #   make cuda-check  compile every .cu file (what CI runs; no GPU needed)
 #   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated
+#   make bench-prefix  follow-up turns: TTFT with prefix reuse vs whole-prompt prefill
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
 #
 # Variables: OPT (optimisation flags), BUILD (output directory), CC.
@@ -112,7 +113,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test golden-test asan demo golden clean distclean format \
-        integration-test bench-router http-test bench-serve \
+        integration-test bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
         sdk-test
@@ -280,13 +281,17 @@ sim-test:
 bench-sim:
 	python3 bench/sim/sim.py
 
-asan:
-	$(MAKE) --no-print-directory BUILD=build-asan CC=clang OPT="-O1" \
-	  EXTRA_CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined" all
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 CK_DEFAULT_TIMEOUT=600 \
+ASAN_MAKE := $(MAKE) --no-print-directory BUILD=build-asan CC=clang OPT="-O1" VENV=$(abspath $(VENV)) \
+  EXTRA_CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
+ASAN_ENV := ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 UCX_HANDLE_ERRORS=none
+# Unit suites, then the router's integration and CURVE tests on sanitizer builds of every
+# process (each script fails on any sanitizer report in its processes' logs).
+asan: deps model
+	$(ASAN_MAKE) all python-sdk
+	$(ASAN_ENV) CK_DEFAULT_TIMEOUT=600 \
 	  PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=build-asan/bin/pdmesh-prefill \
-	  PDMESH_DECODE_BIN=build-asan/bin/pdmesh-decode \
-	  UCX_HANDLE_ERRORS=none build-asan/bin/pdm-tests
+	  PDMESH_DECODE_BIN=build-asan/bin/pdmesh-decode build-asan/bin/pdm-tests
+	$(ASAN_ENV) $(ASAN_MAKE) integration-test curve-test
 
 include bench/transfer/build.mk bench/decode/build.mk bench/decode-memory/build.mk
 
@@ -301,6 +306,11 @@ bench-transfer: deps model all $(BUILD)/bin/stream_bench
 bench-serve: deps model all
 	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/run.py --bindir $(BUILD)/bin \
+	  --out docs/perf $(if $(BENCH_QUICK),--quick)
+
+# Prefix reuse: follow-up turns with and without partial prefill (docs/perf/prefix.*).
+bench-prefix: deps model all
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/prefix.py --bindir $(BUILD)/bin \
 	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
 # Batched decode throughput beside llama.cpp (docs/perf/decode.*). BENCH_QUICK=1: short run.

@@ -76,6 +76,9 @@ def one_request(port, body, timeout):
             out["ttft"] = first - t0
         n = usage["completion_tokens"] if usage else pieces
         out["tokens"] = n
+        if usage:
+            out["cached"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            out["prompt_tokens"] = usage.get("prompt_tokens")
         if usage and usage.get("pdmesh"):
             out["router_ttft"] = usage["pdmesh"].get("ttft_ms", 0) / 1e3
             out["router_total"] = usage["pdmesh"].get("total_ms", 0) / 1e3
