@@ -409,6 +409,13 @@ static void ag_on_event(agent_t *a, const cJSON *ev)
     }
     if (idd < 0) {
         if (err) pdm_log_warn("agent %s: node: %s: %s", a->p.node_id, name, err);
+        if (!strcmp(name, "ready") && !ok && a->registered) {
+            /* The group did not form (a peer was still busy or gone): registering again
+             * gives this rank a new epoch, so the router breaks the group and wires it
+             * anew once every rank is alive. */
+            a->registered = 0;
+            a->next_register = pdm_now() + 1.0;
+        }
         return;
     }
     ag_task_t *t = ag_task(a, wire);

@@ -7,7 +7,8 @@
  *
  *   rank -> {"event":"hello","address":"<hex UCX worker address>","pid":N}
  *   <- {"cmd":"group","rank":r,"size":R,"addrs":["<hex>",...]}
- *   rank -> {"event":"ready"}                      (connected, barrier passed)
+ *   rank -> {"event":"ready"}                      (connected, barrier passed; a later
+ *                                                  group command re-forms the group)
  *   <- {"cmd":"task","id":n,"method":"kvr-e","start":P,"tokens":[...],"chunks":[...],
  *       "prefix":[...],"kv_out":"FILE","logits_out":"FILE","top":K}
  *      tokens: the new tokens at positions P..; prefix (optional): the P cached tokens the
@@ -465,9 +466,14 @@ int main(int argc, char **argv)
             status = 0;
             break;
         } else if (!strcmp(name->valuestring, "group")) {
-            if (grouped) {
-                emit_error("ready", "already in a group");
-            } else if (handle_group(cmd, kvt, &group, rp.timeout) ||
+            if (grouped) { /* the group re-forms (a rank was replaced): start afresh */
+                pdm_log_info("prefill rank: leaving the group to re-form it");
+                pdm_prefill_rank_destroy(rank);
+                rank = NULL;
+                pdm_kvt_group_fini(&group);
+                grouped = 0;
+            }
+            if (handle_group(cmd, kvt, &group, rp.timeout) ||
                        pdm_prefill_rank_create(model, &group, &rp, &rank)) {
                 emit_error("ready", pdm_error_last());
             } else {

@@ -81,8 +81,6 @@ typedef struct {
     int member[PDM_KVT_MAX_RANKS]; /* node index per rank, -1 while missing */
     uint64_t member_epoch[PDM_KVT_MAX_RANKS];
     int wired;
-    uint64_t broke_at;            /* epoch counter when the group broke: members must register
-                                   * again (a rank cannot re-join a live group) */
     int inflight;                 /* prefill tasks sent and not finished on all ranks */
     double suspect_until;         /* an attempt through it failed: not used until then (a
                                    * dead rank is declared only when its lease runs out) */

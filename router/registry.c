@@ -58,9 +58,9 @@ static void rt_node_lost(pdm_router_t *r, int i, const char *why)
     int g = rt_group_of(r, n);
     if (g >= 0 && r->groups[g].wired) {
         r->groups[g].wired = 0;
-        r->groups[g].broke_at = r->next_epoch;
-        pdm_log_warn("router: prefill group %s broke (%s %s); it re-forms when every rank "
-                     "registers again", r->groups[g].name, n->id, why);
+        pdm_log_warn("router: prefill group %s broke (%s %s); it re-forms when that rank "
+                     "registers again (the other ranks re-join on a new GroupWire)",
+                     r->groups[g].name, n->id, why);
     }
     rt_req_t *next;
     for (rt_req_t *q = r->head; q; q = next) {
@@ -87,8 +87,7 @@ static void rt_group_try_wire(pdm_router_t *r, int g)
     if (gr->wired) return;
     for (uint32_t k = 0; k < gr->size; k++) {
         int i = gr->member[k];
-        if (i < 0 || !r->nodes[i].used || r->nodes[i].dead || r->nodes[i].epoch <= gr->broke_at)
-            return;
+        if (i < 0 || !r->nodes[i].used || r->nodes[i].dead) return;
     }
     ProtobufCBinaryData addrs[PDM_KVT_MAX_RANKS];
     for (uint32_t k = 0; k < gr->size; k++) {

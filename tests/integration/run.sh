@@ -245,6 +245,18 @@ gen --prompt "$LONG" -n 8 --deadline-ms 60000 > "$RUN/pk2.json"
 check "with the group broken, long prompts are prefilled by the decode node" \
   "[ \"\$(jq_ 'd[0].get(\"ok\") and d[0][\"usage\"][\"prefill_method\"]==\"local\"' < $RUN/pk2.json)\" = True ]"
 check "the router is still alive" "kill -0 $ROUTER"
+# The killed rank comes back (same node id, new epoch): the group re-forms with the surviving
+# rank, which re-joins on the new GroupWire without restarting, and serves again.
+wired=$(grep -c "prefill group pa wired" "$RUN/router.log")
+start_prefill 1
+for _ in $(seq 1 300); do
+  [ "$(grep -c "prefill group pa wired" "$RUN/router.log")" -gt "$wired" ] && break
+  sleep 0.1
+done
+sleep 1
+gen --prompt "$LONG" -n 24 --deadline-ms 60000 > "$RUN/pk3.json"
+check "a restarted rank re-forms the group with the survivor; it prefills again, equal to the engine" \
+  "[ \"\$(jq_ 'd[0].get(\"ok\") and d[0][\"usage\"][\"prefill_method\"]==\"kvr-e\" and d[0][\"text\"]==open(\"$RUN/long.ref\").read().rstrip(\"\\n\")' < $RUN/pk3.json)\" = True ]"
 
 # --- pdmesh up / down from a YAML config ---
 Q=$((P + 10))
