@@ -148,6 +148,10 @@ check "without ignore_eos the answer stops early at EOS (finish=eos, < 24 tokens
 check "with ignore_eos it runs to max_tokens (finish=length, 24 tokens, same start, streamed)" \
   "[ \"\$($PY -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(b[\"finish\"]==2 and len(b[\"tokens\"])==24 and b[\"tokens\"][:len(a[\"tokens\"])]==a[\"tokens\"] and b[\"stream_matches\"])' $RUN/eos.json $RUN/noeos.json)\" = True ]"
 
+ref --prompt "$YN" --chat -n 24 --ignore-eos > "$RUN/noeos.ref"
+check "ignore_eos output equals pdmesh generate --ignore-eos --temp 0" \
+  "[ \"\$(jq_ 'd[0][\"text\"]' < $RUN/noeos.json)\" = \"\$(cat $RUN/noeos.ref)\" ]"
+
 # --- metrics: local prefills are counted (group methods in rt_send_prefill) ---
 admin --op stats > "$RUN/stats_m.json"
 check "pdmesh_prefill_method_total counts local prefills" \
