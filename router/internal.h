@@ -101,6 +101,13 @@ typedef struct rt_req {
     char *stops[RT_MAX_STOPS];
     size_t n_stops;
     int ignore_eos;
+    /* beam search (beams > 1; beams.c): not streamed, restarted from the prompt on a retry */
+    uint32_t beams, n_best;
+    float length_penalty;
+    char early_stopping[16];
+    int64_t kv_held;              /* KV tokens this attempt holds in its node's kv_reserved */
+    Pdmesh__Beam **res_beams;     /* the DecodeResult's n-best while rt_req_finish runs */
+    size_t n_res_beams;
     double t_arrival, deadline, t_first, t_last, t_dispatch;
     uint32_t attempt;             /* of the current dispatch, 1-based */
     int dnode;                    /* decode node index, -1 */
@@ -123,13 +130,6 @@ typedef struct rt_req {
     char method[16];
     char group_name[64], dnode_name[RT_NAME_MAX];
     uint32_t retries, migrations, cached_tokens;
-    /* beam search (beams > 1; beams.c): not streamed, restarted from the prompt on a retry */
-    uint32_t beams, n_best;
-    float length_penalty;
-    char early_stopping[16];
-    int64_t kv_held;              /* KV tokens this attempt holds in its node's kv_reserved */
-    Pdmesh__Beam **res_beams;     /* the DecodeResult's n-best while rt_req_finish runs */
-    size_t n_res_beams;
 } rt_req_t;
 
 struct pdm_router {

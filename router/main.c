@@ -86,10 +86,11 @@ int main(int argc, char **argv)
     rt_config_t cfg;
     rt_config_default(&cfg);
     cfg.model_path = pdm_model_default_path();
+    enum { O_MAXBEAMS = 2000 }; /* router/beams.c */
     enum {
         O_CLIENT = 1000, O_NODE, O_ADMIN, O_HTTP_HOST, O_HTTP_PORT, O_SECRET, O_TOKEN, O_HB, O_LEASE,
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
-        O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW, O_MAXBEAMS
+        O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},
