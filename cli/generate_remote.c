@@ -46,6 +46,32 @@ static const char *finish_name(pdm_client_finish_t f)
     return f == PDM_CLIENT_FINISH_LENGTH ? "length" : f == PDM_CLIENT_FINISH_NONE ? "none" : "stop";
 }
 
+/* A beam search's answer: the best beam, then the other hypotheses of the n-best list. */
+static void print_beams(const pdm_client_result_t *res)
+{
+    fputs(res->text, stdout);
+    for (size_t i = 1; i < res->n_beams; i++)
+        printf("\n--- beam %zu (score %.4f, logprob %.4f, %s) ---\n%s", i + 1, res->beams[i].score,
+               res->beams[i].logprob, finish_name(res->beams[i].finish), res->beams[i].text);
+}
+
+/* "beams": [{tokens, text, score, logprob, finish_reason}], best first. */
+static void add_beams_json(cJSON *root, const pdm_client_result_t *res)
+{
+    cJSON *arr = cJSON_AddArrayToObject(root, "beams");
+    for (size_t i = 0; i < res->n_beams; i++) {
+        const pdm_client_beam_t *b = &res->beams[i];
+        cJSON *o = cJSON_CreateObject();
+        cJSON *t = cJSON_AddArrayToObject(o, "tokens");
+        for (size_t k = 0; k < b->n_tokens; k++) cJSON_AddItemToArray(t, cJSON_CreateNumber(b->tokens[k]));
+        cJSON_AddStringToObject(o, "text", b->text ? b->text : "");
+        cJSON_AddNumberToObject(o, "score", b->score);
+        cJSON_AddNumberToObject(o, "logprob", b->logprob);
+        cJSON_AddStringToObject(o, "finish_reason", finish_name(b->finish));
+        cJSON_AddItemToArray(arr, o);
+    }
+}
+
 int cmd_generate_remote(int argc, char **argv)
 {
     const char *router = NULL, *prompt = NULL, *config = NULL;
@@ -53,7 +79,7 @@ int cmd_generate_remote(int argc, char **argv)
     char mesh_srv[1100], mesh_key[1100];
     const char *stops[PDM__REMOTE_MAX_STOPS];
     int n_stops = 0, chat = 0, stats = 0, json = 0;
-    long n_predict = 128, timeout_ms = 120000, beams = 0;
+    long n_predict = 128, timeout_ms = 120000, beams = 0, n_best = 0;
     pdm_client_request_t req;
     pdm_client_request_init(&req);
     req.temperature = 0.8f; /* the local mode's default */
@@ -61,7 +87,8 @@ int cmd_generate_remote(int argc, char **argv)
     req.top_p = 0.95f;
     req.min_p = 0.05f;
     enum { O_TEMP = 256, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_ROUTER, O_TIMEOUT,
-           O_BEAMS, O_LOCAL_ONLY, O_MESH, O_CONFIG, O_CSRV, O_CKEY };
+           O_BEAMS, O_LOCAL_ONLY, O_MESH, O_CONFIG, O_CSRV, O_CKEY, O_NBEST, O_LP, O_ES,
+           O_IGNORE_EOS };
     static const struct option opts[] = {
         {"router", required_argument, 0, O_ROUTER}, {"prompt", required_argument, 0, 'p'},
         {"mesh", no_argument, 0, O_MESH},          {"config", required_argument, 0, O_CONFIG},
@@ -73,6 +100,9 @@ int cmd_generate_remote(int argc, char **argv)
         {"seed", required_argument, 0, O_SEED},    {"stop", required_argument, 0, O_STOP},
         {"timeout", required_argument, 0, O_TIMEOUT},
         {"beams", required_argument, 0, O_BEAMS},  {"model", required_argument, 0, 'm'},
+        {"n-best", required_argument, 0, O_NBEST}, {"length-penalty", required_argument, 0, O_LP},
+        {"early-stopping", required_argument, 0, O_ES},
+        {"ignore-eos", no_argument, 0, O_IGNORE_EOS},
         {"threads", required_argument, 0, O_LOCAL_ONLY},
         {"batch", required_argument, 0, O_LOCAL_ONLY},
         {"ctx", required_argument, 0, O_LOCAL_ONLY},
@@ -146,6 +176,17 @@ int cmd_generate_remote(int argc, char **argv)
             if (pdm_parse_long(optarg, 1, 64, &beams))
                 return cli_usage_error("invalid --beams '%s' (1..64)", optarg);
             break;
+        case O_NBEST:
+            if (pdm_parse_long(optarg, 1, 64, &n_best))
+                return cli_usage_error("invalid --n-best '%s' (1..64)", optarg);
+            break;
+        case O_LP:
+            if (pdm_parse_double(optarg, -100, 100, &dv))
+                return cli_usage_error("invalid --length-penalty '%s' (-100..100)", optarg);
+            req.length_penalty = (float)dv;
+            break;
+        case O_ES: req.early_stopping = optarg; break;
+        case O_IGNORE_EOS: req.ignore_eos = 1; break;
         case O_LOCAL_ONLY:
             return cli_usage_error("%s", "--threads, --batch, --ctx and --kv-dtype apply to "
                                          "local generation only, not with --router");
@@ -194,9 +235,13 @@ int cmd_generate_remote(int argc, char **argv)
     req.stop = stops;
     req.n_stop = (size_t)n_stops;
     req.beams = (uint32_t)beams;
-    req.n_best = beams > 1 ? 1 : 0;
+    req.n_best = beams > 1 ? (uint32_t)(n_best ? n_best : 1) : 0;
+    if (n_best > 1 && beams <= 1) return cli_usage_error("%s", "--n-best needs --beams > 1");
     pdm_client_result_t res;
-    int rc = pdm_client_generate_stream(client, &req, print_chunk, &json, &res);
+    /* a beam search is not streamed: the best beam is printed when the search ends */
+    int rc = beams > 1 ? pdm_client_generate(client, &req, &res)
+                       : pdm_client_generate_stream(client, &req, print_chunk, &json, &res);
+    if (!rc && beams > 1 && !json) print_beams(&res);
     int status = 0;
     if (rc) {
         if (!json && res.n_tokens) printf("\n");
@@ -222,6 +267,7 @@ int cmd_generate_remote(int argc, char **argv)
             cJSON_AddStringToObject(root, "prefill_method", res.usage.prefill_method);
             cJSON_AddStringToObject(root, "decode_node", res.usage.decode_node);
             cJSON_AddNumberToObject(root, "request_id", (double)res.router_id);
+            if (res.n_beams) add_beams_json(root, &res);
             cli_print_json_line(root);
         } else {
             printf("\n");

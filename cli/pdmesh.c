@@ -30,8 +30,10 @@ static void usage(FILE *f)
             "  generate    --prompt TEXT [--chat] [-n N] [--temp T] [--top-k K] [--top-p P]\n"
             "              [--min-p P] [--repeat-penalty R] [--seed S] [--stop STR]...\n"
             "              [--threads N] [--batch N] [--ctx N] [--kv-dtype f32|f16|q8]\n"
-            "              [--stats] [--json]\n"
-            "              [--router ENDPOINT | --mesh | --config FILE] [--timeout MS] [--beams N]\n"
+            "              [--stats] [--json] [--ignore-eos]\n"
+            "              [--router ENDPOINT | --mesh | --config FILE] [--timeout MS]\n"
+            "              [--beams B [--n-best N] [--length-penalty X] [--early-stopping R]]\n"
+            "              [--ignore-eos]\n"
             "              [--curve-server-key F --curve-key F]\n"
             "              (served by a running mesh through libpdmesh)\n"
             "  tokenize    [--special] TEXT|-      print token ids (- reads stdin)\n"
@@ -152,6 +154,7 @@ typedef struct {
     pdm_sampler_params_t sp;
     const char *stops[PDM__MAX_STOPS];
     int n_stops;
+    int ignore_eos; /* end-of-generation tokens do not end it (their text is left out) */
 } gen_opts_t;
 
 /* Length of the longest suffix of text[0..len) that is a proper prefix of a stop string:
@@ -188,7 +191,8 @@ static int cmd_generate(int argc, char **argv)
                     .batch = 512, .ctx = 0, .kv_dtype = PDM_DT_F16};
     pdm_sampler_params_default(&o.sp);
     o.sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
-    enum { O_TEMP = 256, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_BATCH, O_CTX, O_KV };
+    enum { O_TEMP = 256, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_BATCH, O_CTX, O_KV,
+           O_IGNORE_EOS };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"prompt", required_argument, 0, 'p'},
         {"chat", no_argument, 0, 'c'},            {"n-predict", required_argument, 0, 'n'},
@@ -199,6 +203,7 @@ static int cmd_generate(int argc, char **argv)
         {"seed", required_argument, 0, O_SEED},   {"stop", required_argument, 0, O_STOP},
         {"batch", required_argument, 0, O_BATCH}, {"ctx", required_argument, 0, O_CTX},
         {"kv-dtype", required_argument, 0, O_KV}, {"help", no_argument, 0, 'h'},
+        {"ignore-eos", no_argument, 0, O_IGNORE_EOS},
         {0, 0, 0, 0}};
     int c;
     double dv;
@@ -259,6 +264,7 @@ static int cmd_generate(int argc, char **argv)
             o.sp.seed = s;
             break;
         }
+        case O_IGNORE_EOS: o.ignore_eos = 1; break;
         case O_STOP:
             if (o.n_stops == PDM__MAX_STOPS) return cli_usage_error("too many --stop strings%s", "");
             if (!*optarg) return cli_usage_error("empty --stop string%s", "");
@@ -354,11 +360,12 @@ static int cmd_generate(int argc, char **argv)
         if (n_out == 0) t_first = pdm_now();
         out_ids[n_out++] = tok;
         history[n_prompt + n_out - 1] = tok;
-        if (pdm_tokenizer_is_eog(model->tokenizer, tok)) {
+        const int eog = pdm_tokenizer_is_eog(model->tokenizer, tok);
+        if (eog && !o.ignore_eos) {
             finish = "stop";
             break;
         }
-        int pl = pdm_detok_feed(&detok, model->tokenizer, tok, piece, sizeof(piece));
+        int pl = eog ? 0 : pdm_detok_feed(&detok, model->tokenizer, tok, piece, sizeof(piece));
         if (pl < 0) pl = 0;
         if (text_len + (size_t)pl + 1 > text_cap) {
             size_t cap = PDM_MAX(text_cap * 2, text_len + (size_t)pl + 256);

@@ -31,6 +31,10 @@ typedef struct {
     uint64_t wire, task_id;
     uint32_t attempt, skip;
     uint64_t kv_tokens;
+    /* decode: beam search of the DecodeTask, repeated in the loop's start command */
+    uint32_t beams, n_best;
+    float length_penalty;
+    char early_stopping[16];
 } ag_task_t;
 
 typedef struct {
@@ -136,6 +140,7 @@ static void ag_register(agent_t *a)
     cap.max_batch = a->p.max_batch;
     cap.threads = a->p.threads;
     cap.max_prompt = a->p.max_prompt;
+    cap.max_beams = a->p.max_beams;
     r.capacity = &cap;
     r.model_id = (char *)(a->p.model_id ? a->p.model_id : "");
     r.nonce = nonce;
@@ -221,6 +226,77 @@ static void ag_decode_reserved_fail(agent_t *a, uint64_t task_id, uint32_t attem
     r.epoch = a->epoch;
     r.error = &e;
     ag_send(a, PDMESH__MSG_TYPE__MSG_DECODE_RESERVED, &r.base);
+}
+
+/* Beam search (DecodeTask.beams > 1): kept with the task until its DecodeStart. */
+static void ag_task_beams(ag_task_t *rec, const Pdmesh__DecodeTask *t)
+{
+    if (t->beams < 2) return;
+    rec->beams = t->beams;
+    rec->n_best = t->n_best ? t->n_best : 1;
+    rec->length_penalty = t->length_penalty;
+    snprintf(rec->early_stopping, sizeof(rec->early_stopping), "%s",
+             t->early_stopping && t->early_stopping[0] ? t->early_stopping : "heuristic");
+    /* the beam segments of decode_node/beam.h: what the node really holds */
+    uint64_t steps = (t->max_new + 15u) / 16u * 16u;
+    rec->kv_tokens = (uint64_t)(t->local_prefill ? t->n_prompt_tokens : t->n_prompt) +
+                     (uint64_t)t->beams * steps;
+}
+
+/* The start command's beam fields (decode_node/main.c). */
+static void ag_start_beams(const ag_task_t *rec, const Pdmesh__DecodeStart *s, cJSON *o)
+{
+    if (!rec->beams) return;
+    cJSON_AddNumberToObject(o, "beams", rec->beams);
+    cJSON_AddNumberToObject(o, "n_best", rec->n_best);
+    cJSON_AddNumberToObject(o, "length_penalty", rec->length_penalty);
+    cJSON_AddStringToObject(o, "early_stopping", rec->early_stopping);
+    cJSON_AddNumberToObject(o, "prompt_last", s->prompt_last);
+}
+
+/* The done event's "n_best" list as DecodeResult.beams (best first); frees with
+ * ag_beams_free. */
+static void ag_result_beams(const cJSON *ev, Pdmesh__DecodeResult *r)
+{
+    const cJSON *list = cJSON_GetObjectItem(ev, "n_best"), *h;
+    int n = cJSON_IsArray(list) ? cJSON_GetArraySize(list) : 0;
+    if (n <= 0 || n > 64) return;
+    Pdmesh__Beam **bp = calloc((size_t)n, sizeof(*bp));
+    if (!bp) return;
+    size_t k = 0;
+    cJSON_ArrayForEach(h, list)
+    {
+        Pdmesh__Beam *b = calloc(1, sizeof(*b));
+        if (!b) break;
+        pdmesh__beam__init(b);
+        const cJSON *toks = cJSON_GetObjectItem(h, "tokens"), *x;
+        int nt = cJSON_IsArray(toks) ? cJSON_GetArraySize(toks) : 0;
+        if (nt > 0 && (b->tokens = malloc(sizeof(int32_t) * (size_t)nt))) {
+            cJSON_ArrayForEach(x, toks)
+                b->tokens[b->n_tokens++] = (int32_t)(cJSON_IsNumber(x) ? x->valuedouble : -1);
+        }
+        const cJSON *text = cJSON_GetObjectItem(h, "text");
+        b->text = strdup(cJSON_IsString(text) ? text->valuestring : "");
+        const cJSON *v = cJSON_GetObjectItem(h, "score");
+        b->score = cJSON_IsNumber(v) ? v->valuedouble : 0;
+        v = cJSON_GetObjectItem(h, "logprob");
+        b->logprob = cJSON_IsNumber(v) ? v->valuedouble : 0;
+        b->finish = cJSON_IsTrue(cJSON_GetObjectItem(h, "eos")) ? PDMESH__FINISH_REASON__FINISH_EOS
+                                                                 : PDMESH__FINISH_REASON__FINISH_LENGTH;
+        bp[k++] = b;
+    }
+    r->beams = bp;
+    r->n_beams = k;
+}
+
+static void ag_beams_free(Pdmesh__DecodeResult *r)
+{
+    for (size_t i = 0; i < r->n_beams; i++) {
+        free(r->beams[i]->tokens);
+        free(r->beams[i]->text);
+        free(r->beams[i]);
+    }
+    free(r->beams);
 }
 
 static void ag_on_router(agent_t *a, pdm_wire_msg_t *m)
@@ -310,6 +386,7 @@ static void ag_on_router(agent_t *a, pdm_wire_msg_t *m)
             break;
         }
         rec->kv_tokens = (uint64_t)(t->local_prefill ? t->n_prompt_tokens : t->n_prompt) + t->max_new;
+        ag_task_beams(rec, t);
         cJSON *o;
         if (t->local_prefill) {
             o = cJSON_CreateObject();
@@ -336,6 +413,8 @@ static void ag_on_router(agent_t *a, pdm_wire_msg_t *m)
         cJSON_AddNumberToObject(o, "id", (double)wire);
         cJSON_AddNumberToObject(o, "attempt", t->attempt & 15u);
         cJSON_AddNumberToObject(o, "max_new", t->max_new);
+        /* -1: no beam search, whatever the node's --beams default */
+        cJSON_AddNumberToObject(o, "beams", rec->beams ? (double)rec->beams : -1);
         ag_queue_cmd(a, o);
         break;
     }
@@ -360,6 +439,8 @@ static void ag_on_router(agent_t *a, pdm_wire_msg_t *m)
         if (s->deadline_ms) cJSON_AddNumberToObject(o, "timeout", s->deadline_ms / 1000.0);
         cJSON *st = cJSON_AddArrayToObject(o, "stop");
         for (size_t i = 0; i < s->n_stop; i++) cJSON_AddItemToArray(st, cJSON_CreateString(s->stop[i]));
+        if (s->ignore_eos) cJSON_AddBoolToObject(o, "ignore_eos", 1);
+        if (rec) ag_start_beams(rec, s, o);
         ag_queue_cmd(a, o);
         break;
     }
@@ -497,12 +578,14 @@ static void ag_on_event(agent_t *a, const cJSON *ev)
             r.kv_seconds = jnum(ev, "kv_seconds", 0);
             r.step_seconds = jnum(ev, "step_seconds", 0);
             r.kv_bytes = (uint64_t)jnum(ev, "kv_bytes", 0);
+            ag_result_beams(ev, &r);
         } else {
             e.code = err && (strstr(err, "KV") || strstr(err, "kv"))
                          ? PDMESH__ERROR_CODE__ERR_KV_TRANSFER : PDMESH__ERROR_CODE__ERR_INTERNAL;
             r.error = &e;
         }
         ag_send(a, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
+        ag_beams_free(&r);
         free(toks);
         if (t) t->used = 0;
     }

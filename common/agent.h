@@ -36,6 +36,7 @@ typedef struct {
     const char *model_id;
     uint64_t kv_tokens;
     uint32_t max_sequences, max_batch, threads, max_prompt;
+    uint32_t max_beams;      /* decode: widest beam search (0: none) */
     int heartbeat_ms;        /* until the router's RegisterAck says otherwise (1000) */
 } pdm_agent_params_t;
 

@@ -116,6 +116,12 @@ int pdm_decode_node_reserve(pdm_decode_node_t *node, const pdm_decode_reserve_t 
  * following start may pass first_token = -1: the node samples it from the prompt's logits. */
 int pdm_decode_node_reserve_local(pdm_decode_node_t *node, uint64_t id, uint32_t attempt,
                                   const int32_t *tokens, int32_t n_tokens, int32_t max_new);
+/* The same for a beam search of `beams` beams (< 0 or 0: none; the router's local prefill of a
+ * beam request): KV slots as pdm_beam_kv_slots, the prompt's KV once; the following start
+ * needs prompt_last. PDM_EINVAL over PDM_BEAM_MAX_WIDTH or the batch, PDM_EUNSUPPORTED with q8. */
+int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *node, uint64_t id, uint32_t attempt,
+                                        const int32_t *tokens, int32_t n_tokens, int32_t max_new,
+                                        int beams);
 
 typedef struct {
     uint64_t id;
@@ -126,6 +132,7 @@ typedef struct {
     double deadline;            /* pdm_now() seconds; 0: none */
     pdm_beam_params_t beam;     /* beam search (width 0: as reserved); sp is then unused */
     int32_t prompt_last;        /* beam search: the last prompt token (-1: unknown) */
+    int ignore_eos;             /* end-of-generation tokens do not end it (sampling only) */
 } pdm_decode_start_t;
 
 /* Starts generation once the KV has arrived (checked by run_once). */

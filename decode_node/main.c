@@ -13,7 +13,8 @@
  *   <- {"cmd":"start","id":N,"first_token":T,"temp":..,"top_k":..,"top_p":..,"min_p":..,
  *       "repeat_penalty":..,"seed":..,"stop":[...],"timeout":S,
  *       "length_penalty":X,"n_best":N,"early_stopping":"heuristic|early|never",
- *       "prompt_last":T}          beam fields optional; prompt_last required for beams
+ *       "prompt_last":T,"ignore_eos":bool}   beam fields optional; prompt_last required for
+ *                                 beams; ignore_eos: end-of-generation tokens do not end it
  *   node -> {"event":"token","id":N,"token":T,"index":i} ...
  *   node -> {"event":"done","id":N,"finish":"eos|length|stop|deadline|cancelled",
  *            "tokens":[...],"text":"...","kv_seconds":..,"step_seconds":..,"kv_bytes":..,
@@ -209,8 +210,9 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
         if (pdm_decode_node_reserve(node, &rv)) reply("reserved", id, 0, pdm_error_last());
         else reply("reserved", id, 1, NULL);
     } else if (!strcmp(name, "reserve_local")) {
-        /* {"cmd":"reserve_local","id":N,"attempt":A,"tokens":[...],"max_new":M}: this node
-         * prefills the tokens itself (conditional disaggregation, migration). */
+        /* {"cmd":"reserve_local","id":N,"attempt":A,"tokens":[...],"max_new":M,"beams":B}: this
+         * node prefills the tokens itself (conditional disaggregation, migration); beams
+         * optional (> 0: a beam search, started with prompt_last). */
         const cJSON *toks = cJSON_GetObjectItem(cmd, "tokens"), *e;
         int n = cJSON_IsArray(toks) ? cJSON_GetArraySize(toks) : 0;
         int32_t *t = n > 0 ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
@@ -221,8 +223,10 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
         }
         int k = 0;
         cJSON_ArrayForEach(e, toks) t[k++] = cJSON_IsNumber(e) ? (int32_t)e->valuedouble : -1;
-        if (pdm_decode_node_reserve_local(node, (uint64_t)id, (uint32_t)num(cmd, "attempt", 0), t,
-                                          n, (int32_t)num(cmd, "max_new", 0)))
+        if (pdm_decode_node_reserve_local_beams(node, (uint64_t)id,
+                                                (uint32_t)num(cmd, "attempt", 0), t, n,
+                                                (int32_t)num(cmd, "max_new", 0),
+                                                (int)num(cmd, "beams", -1)))
             reply("reserved", id, 0, pdm_error_last());
         else
             reply("reserved", id, 1, NULL);
@@ -254,6 +258,7 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
             return;
         }
         s.prompt_last = (int32_t)num(cmd, "prompt_last", -1);
+        s.ignore_eos = cJSON_IsTrue(cJSON_GetObjectItem(cmd, "ignore_eos"));
         double timeout = num(cmd, "timeout", 0);
         s.deadline = timeout > 0 ? pdm_now() + timeout : 0;
         if (id < 0 || pdm_decode_node_start(node, &s)) {
@@ -374,6 +379,9 @@ int main(int argc, char **argv)
         ap.max_sequences = (uint32_t)dp.max_sequences;
         ap.max_batch = (uint32_t)dp.max_batch;
         ap.threads = (uint32_t)dp.threads;
+        /* the widest beam search this node runs (node.c: at most the batch, none with q8) */
+        ap.max_beams = dp.kv_dtype == PDM_DT_I8 ? 0
+                       : (uint32_t)PDM_MIN(PDM_BEAM_MAX_WIDTH, dp.max_batch);
         if (pdm_agent_start(&ap)) {
             fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
             return 1;

@@ -46,6 +46,7 @@ typedef struct {
     pdm_beam_params_t beam_p;
     pdm_beam_kv_t *beam_kv;    /* segmented response KV over `cache` (the shared prompt) */
     pdm_beam_search_t *beam;
+    int ignore_eos;      /* end-of-generation tokens do not end the sequence */
     int local;           /* prefilled by this node (no KV stream) */
     float *local_logits; /* local: [n_vocab] logits of the last prompt token */
 } pdm__seq_t;
@@ -146,6 +147,20 @@ static pdm__seq_t *pdm__find(pdm_decode_node_t *n, uint64_t id)
     return NULL;
 }
 
+/* Whether this node runs a beam search of `width` beams (0: none). */
+static int pdm__beam_width_check(const pdm_decode_node_t *n, uint64_t id, int width)
+{
+    if (width < 0 || width > PDM_BEAM_MAX_WIDTH || width > n->p.max_batch)
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d beams (at most %d, and "
+                             "at most the batch of %d)", (unsigned long long)id, width,
+                             PDM_BEAM_MAX_WIDTH, n->p.max_batch);
+    if (width && n->p.kv_dtype == PDM_DT_I8)
+        return pdm_error_set(PDM_EUNSUPPORTED, "decode node: request %llu: beam search with "
+                             "--kv-dtype q8 is not supported (the response segments have no "
+                             "per-head scales yet)", (unsigned long long)id);
+    return PDM_OK;
+}
+
 int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
 {
     const pdm_model_hparams_t *hp = &n->model->hp;
@@ -159,14 +174,8 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
                              (unsigned long long)r->id);
     /* Beam search: the prompt once, response segments for every beam (eq. 3). */
     const int width = r->beams < 0 ? 0 : r->beams ? r->beams : n->p.beam.width;
-    if (width < 0 || width > PDM_BEAM_MAX_WIDTH || width > n->p.max_batch)
-        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d beams (at most %d, and "
-                             "at most the batch of %d)", (unsigned long long)r->id, width,
-                             PDM_BEAM_MAX_WIDTH, n->p.max_batch);
-    if (width && n->p.kv_dtype == PDM_DT_I8)
-        return pdm_error_set(PDM_EUNSUPPORTED, "decode node: request %llu: beam search with "
-                             "--kv-dtype q8 is not supported (the response segments have no "
-                             "per-head scales yet)", (unsigned long long)r->id);
+    int st = pdm__beam_width_check(n, r->id, width);
+    if (st) return st;
     const int64_t need = width ? pdm_beam_kv_slots(width, r->n_prompt, r->max_new)
                                : (int64_t)r->n_prompt + r->max_new;
     if (n->kv_used + need > n->p.kv_budget)
@@ -193,7 +202,6 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
                     .chunk = (uint32_t)r->ranges[i].chunk, .token_start = r->ranges[i].start,
                     .n_tokens = r->ranges[i].len};
             }
-    int st;
     /* Head-wise offload: receives land in each head's home tier. Beam searches keep their
      * (shared, prompt-sized) cache resident. */
     if (n->offload && !width) {
@@ -277,6 +285,13 @@ static int pdm__beam_start(pdm_decode_node_t *n, pdm__seq_t *s, const pdm_decode
 int pdm_decode_node_reserve_local(pdm_decode_node_t *n, uint64_t id, uint32_t attempt,
                                   const int32_t *tokens, int32_t n_tokens, int32_t max_new)
 {
+    return pdm_decode_node_reserve_local_beams(n, id, attempt, tokens, n_tokens, max_new, -1);
+}
+
+int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *n, uint64_t id, uint32_t attempt,
+                                        const int32_t *tokens, int32_t n_tokens, int32_t max_new,
+                                        int beams)
+{
     const pdm_model_hparams_t *hp = &n->model->hp;
     if (n_tokens < 1 || max_new < 1 || (int64_t)n_tokens + max_new > (int64_t)hp->n_ctx_train)
         return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d prompt + %d new tokens "
@@ -289,7 +304,12 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, uint64_t id, uint32_t at
     if (pdm__find(n, id))
         return pdm_error_set(PDM_EINVAL, "decode node: request %llu is already held",
                              (unsigned long long)id);
-    const int64_t need = (int64_t)n_tokens + max_new;
+    const int width = beams > 0 ? beams : 0;
+    int st = pdm__beam_width_check(n, id, width);
+    if (st) return st;
+    /* Beam search: the prompt once, response segments for every beam (eq. 3, beam.h). */
+    const int64_t need = width ? pdm_beam_kv_slots(width, n_tokens, max_new)
+                               : (int64_t)n_tokens + max_new;
     if (n->kv_used + need > n->p.kv_budget)
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: request %llu needs %lld KV slots, "
                              "%lld of %lld are free", (unsigned long long)id, (long long)need,
@@ -300,7 +320,7 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, uint64_t id, uint32_t at
     if (!s)
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: %d sequences held",
                              n->p.max_sequences);
-    int st = pdm_kv_cache_create(hp, (int32_t)need, n->p.kv_dtype, &s->cache);
+    st = pdm_kv_cache_create(hp, width ? n_tokens : (int32_t)need, n->p.kv_dtype, &s->cache);
     if (!st) {
         s->kv_slots = need;
         n->kv_used += need;
@@ -318,6 +338,7 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, uint64_t id, uint32_t at
     }
     s->state = SEQ_RESERVED;
     s->local = 1;
+    s->beam_width = width;
     s->id = id;
     s->attempt = attempt;
     s->n_prompt = n_tokens;
@@ -352,6 +373,7 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
     }
     pdm_detok_init(&s->detok, 0);
     s->deadline = st_->deadline;
+    s->ignore_eos = st_->ignore_eos;
     s->next = st_->first_token;
     if (s->local && st_->first_token < 0)
         s->next = pdm_sampler_sample(s->sampler, s->local_logits, NULL, 0);
@@ -425,9 +447,11 @@ static void pdm__beam_done(pdm_decode_node_t *n, pdm__seq_t *s, pdm_decode_event
 static const char *pdm__append(pdm_decode_node_t *n, pdm__seq_t *s, int32_t tok)
 {
     s->tokens[s->n_tokens++] = tok;
-    if (pdm_tokenizer_is_eog(n->model->tokenizer, tok)) return "eos";
+    const int eog = pdm_tokenizer_is_eog(n->model->tokenizer, tok);
+    if (eog && !s->ignore_eos) return "eos";
     char piece[256];
-    int w = pdm_detok_feed(&s->detok, n->model->tokenizer, tok, piece, sizeof(piece));
+    /* ignore_eos: generation goes on past it; its text is left out, as without */
+    int w = eog ? 0 : pdm_detok_feed(&s->detok, n->model->tokenizer, tok, piece, sizeof(piece));
     if (w > 0 && s->text_len + (size_t)w < PDM__TEXT_CAP) {
         memcpy(s->text + s->text_len, piece, (size_t)w);
         s->text_len += (size_t)w;

@@ -78,6 +78,7 @@ static int rt_policies(pdm_router_t *r, rt_policy_t *p)
     p[n++] = (rt_policy_t){"max_tokens", NULL, &c->max_tokens, 1, 1 << 20};
     p[n++] = (rt_policy_t){"default_max_tokens", NULL, &c->default_max_tokens, 1, 1 << 20};
     p[n++] = (rt_policy_t){"max_prompt_tokens", NULL, &c->max_prompt_tokens, 1, 1 << 22};
+    p[n++] = (rt_policy_t){"max_beams", NULL, &c->max_beams, 1, 8};
     p[n++] = (rt_policy_t){"default_deadline_ms", NULL, &c->default_deadline_ms, 1, 3600000};
     p[n++] = (rt_policy_t){"group_inflight", &c->group_inflight, NULL, 1, 64};
     p[n++] = (rt_policy_t){"block_tokens", &c->block_tokens, NULL, 1, 4096};
@@ -232,6 +233,7 @@ void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
             }
             r->limits.max_prompt_tokens = r->cfg.max_prompt_tokens;
             r->limits.max_tokens = r->cfg.max_tokens;
+            r->limits.max_beams = r->cfg.max_beams;
         }
         if (!key[0] || !strcmp(key, "method")) {
             pdmesh__key_value__init(&kv[k]);

@@ -39,7 +39,7 @@ void rt_config_default(rt_config_t *c)
     c->max_prompt_tokens = 4096;
     c->max_tokens = 1024;
     c->default_max_tokens = 128;
-    c->max_beams = 1;
+    c->max_beams = 8; /* the decode node's widest (PDM_BEAM_MAX_WIDTH) */
     c->default_deadline_ms = 120000;
     c->max_attempts = 4;
     c->local_threshold = 16;
@@ -90,8 +90,7 @@ void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel)
         rt_node_t *n = &r->nodes[q->dnode];
         if (n->epoch == q->dnode_epoch) {
             n->tasks--;
-            n->kv_reserved -= (int64_t)(q->local ? q->n_prompt + q->n_gen : q->n_prompt) +
-                              (q->max_new - q->base);
+            n->kv_reserved -= q->kv_held;
             if (n->kv_reserved < 0) n->kv_reserved = 0;
             if (cancel && !n->dead) {
                 Pdmesh__CancelTask c = PDMESH__CANCEL_TASK__INIT;
@@ -249,6 +248,7 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
     }
     pdm_metric_inc(r->m.requests, "ok", 1);
     pdm_router_sink_t sink = q->sink;
+    rt_beams_result(q, &res);
     if (sink.on_result) sink.on_result(sink.ctx, &res);
     rt_req_unlink_free(r, q);
 }
@@ -283,14 +283,14 @@ void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg)
 
 /* ---------------------------------------------------------------- scheduling */
 
-static int rt_pick_decode(pdm_router_t *r, int64_t need)
+static int rt_pick_decode(pdm_router_t *r, const rt_req_t *q, int64_t need)
 {
     int best = -1;
     double best_score = 0, now = pdm_now();
     for (int i = 0; i < RT_MAX_NODES; i++) {
         rt_node_t *n = &r->nodes[i];
         if (!rt_node_usable(r, i) || n->role != PDMESH__ROLE__ROLE_DECODE) continue;
-        if (n->full_until > now) continue;
+        if (n->full_until > now || !rt_beams_node_ok(r, i, q)) continue;
         if (n->max_sequences && n->tasks >= (int)n->max_sequences) continue;
         int64_t free_kv = (int64_t)n->kv_tokens - n->kv_reserved;
         if (n->kv_tokens && free_kv < need) continue;
@@ -437,13 +437,15 @@ static void rt_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, uint32_t cac
     const uint32_t remaining = q->max_new - q->n_gen;
     const uint32_t n_in = q->local ? q->n_prompt + q->n_gen : q->n_prompt;
     n->tasks++;
-    n->kv_reserved += (int64_t)n_in + remaining;
+    q->kv_held = rt_kv_need(q, n_in, remaining);
+    n->kv_reserved += q->kv_held;
     Pdmesh__DecodeTask t = PDMESH__DECODE_TASK__INIT;
     t.task_id = q->id;
     t.attempt = q->attempt;
     t.epoch = n->epoch;
     t.n_prompt = n_in;
     t.max_new = remaining;
+    rt_beams_task(q, &t);
     int32_t *all = NULL;
     ProtobufCBinaryData addrs[PDM_KVT_MAX_RANKS];
     Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rgp[PDM_PREFILL_MAX_PLAN];
@@ -548,10 +550,11 @@ void rt_schedule(pdm_router_t *r)
             g = rt_pick_group(r, q, &cached);
             if (g < 0) continue; /* every group is busy: wait */
         }
-        int64_t need = (int64_t)q->n_prompt + q->max_new;
-        int d = rt_pick_decode(r, need);
+        int64_t need = rt_kv_need(q, q->n_prompt, q->max_new);
+        int d = rt_pick_decode(r, q, need);
         if (d < 0) continue; /* wait for capacity (the deadline bounds the wait) */
-        pdm_metric_inc(r->m.method, g < 0 ? "local" : "group", 0);
+        /* local prefills count here, a group's methods in rt_send_prefill */
+        pdm_metric_inc(r->m.method, "local", g < 0 ? 1 : 0);
         rt_dispatch(r, q, d, g, cached);
     }
 }
@@ -618,6 +621,7 @@ void rt_send_start(pdm_router_t *r, rt_req_t *q, int32_t first_token)
     s.deadline_ms = left > 0 ? (uint32_t)(left * 1e3) + 1 : 1;
     s.ignore_eos = q->ignore_eos;
     s.skip_tokens = 0; /* the router continues at q->base (migration re-prefills delivered tokens) */
+    rt_beams_start(q, &s);
     q->state = RQ_DECODE;
     q->started = 1;
     if (rt_send(r->node_sock, d->ident, d->ident_len, PDMESH__MSG_TYPE__MSG_DECODE_START, &s.base))
@@ -704,9 +708,6 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_NOT_FOUND, PDM_ENOTFOUND,
                          "model \"%.64s\" is not served (this router serves \"%s\")", req->model,
                          r->model_name);
-    if (req->beams > 1 && req->beams > r->cfg.max_beams)
-        return rt_refuse(code, INV, PDM_EINVAL, "beams %u over the limit of %u (beam search is not "
-                         "supported by the decode nodes yet)", req->beams, r->cfg.max_beams);
     uint32_t max_new = req->max_tokens ? req->max_tokens : r->cfg.default_max_tokens;
     if (r->cfg.max_tokens && max_new > r->cfg.max_tokens)
         return rt_refuse(code, INV, PDM_EINVAL, "max_tokens %u over the limit of %u", max_new,
@@ -776,6 +777,13 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         if (q) free(q);
         free(tok);
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
+    }
+    int bst = rt_beams_admit(r, req, q, code);
+    if (bst) {
+        free(q->gen);
+        free(q);
+        free(tok);
+        return bst;
     }
     q->id = ++r->next_id;
     q->client_id = req->request_id;

@@ -72,6 +72,7 @@ typedef struct {
     int tasks;                    /* router-side: attempts assigned and not ended */
     int64_t kv_reserved;          /* router-side: KV tokens of those attempts */
     double full_until;            /* refused a reservation: skip it until then */
+    uint32_t max_beams;           /* decode: widest beam search it runs (Capacity.max_beams) */
 } rt_node_t;
 
 typedef struct {
@@ -103,6 +104,13 @@ typedef struct rt_req {
     char *stops[RT_MAX_STOPS];
     size_t n_stops;
     int ignore_eos;
+    /* beam search (beams > 1; beams.c): not streamed, restarted from the prompt on a retry */
+    uint32_t beams, n_best;
+    float length_penalty;
+    char early_stopping[16];
+    int64_t kv_held;              /* KV tokens this attempt holds in its node's kv_reserved */
+    Pdmesh__Beam **res_beams;     /* the DecodeResult's n-best while rt_req_finish runs */
+    size_t n_res_beams;
     double t_arrival, deadline, t_first, t_last, t_dispatch;
     uint32_t attempt;             /* of the current dispatch, 1-based */
     int dnode;                    /* decode node index, -1 */
@@ -182,6 +190,24 @@ void rt_send_prefill(pdm_router_t *r, rt_req_t *q);
 void rt_group_prefilled(pdm_router_t *r, rt_req_t *q);
 void rt_send_start(pdm_router_t *r, rt_req_t *q, int32_t first_token);
 int rt_send(void *sock, const uint8_t *ident, size_t ident_len, int type, const ProtobufCMessage *m);
+
+/* beams.c: beam search and the other per-request decode options */
+/* Checks and copies a request's beam fields into q (admission). PDM_EINVAL with *code and the
+ * error message set for a bad combination (stream, stop strings, ignore_eos, over the limit). */
+int rt_beams_admit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, rt_req_t *q, int *code);
+/* Whether some usable decode node runs a beam search of this width. */
+int rt_beams_any_node(const pdm_router_t *r, uint32_t beams);
+/* KV tokens an attempt with n_in prompt tokens and `remaining` new tokens reserves on the
+ * decode node (decode_node/beam.h: segments of every beam for a beam search). */
+int64_t rt_kv_need(const rt_req_t *q, uint32_t n_in, uint32_t remaining);
+/* The DecodeTask's beam fields. */
+void rt_beams_task(const rt_req_t *q, Pdmesh__DecodeTask *t);
+/* The DecodeStart's beam fields. */
+void rt_beams_start(const rt_req_t *q, Pdmesh__DecodeStart *s);
+/* The GenerateResult's n-best list from q->res_beams (borrowed). */
+void rt_beams_result(const rt_req_t *q, Pdmesh__GenerateResult *res);
+/* Whether node i can take q (beam width). */
+int rt_beams_node_ok(const pdm_router_t *r, int i, const rt_req_t *q);
 
 /* registry.c */
 void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, const void *frame,

@@ -70,6 +70,7 @@ static void usage(FILE *f)
             "  --queue-max N             open requests admitted (256)\n"
             "  --per-client-max N        open requests per client (64)\n"
             "  --max-prompt-tokens N --max-tokens N --default-max-tokens N   (4096 / 1024 / 128)\n"
+            "  --max-beams N             widest beam search a request may ask for (8, 1: none)\n"
             "  --deadline-ms N           default request deadline (120000)\n"
             "  --max-attempts N          dispatches per request incl. retries/migrations (4, <= 15)\n"
             "  --local-threshold N       prompts shorter than N tokens are prefilled by the decode\n"
@@ -87,6 +88,7 @@ int main(int argc, char **argv)
     rt_config_t cfg;
     rt_config_default(&cfg);
     cfg.model_path = pdm_model_default_path();
+    enum { O_MAXBEAMS = 2000 }; /* router/beams.c */
     enum {
         O_CLIENT = 1000, O_NODE, O_ADMIN, O_HTTP_HOST, O_HTTP_PORT, O_SECRET, O_TOKEN, O_HB, O_LEASE,
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
@@ -111,6 +113,7 @@ int main(int argc, char **argv)
         {"max-tokens", required_argument, 0, O_MAXTOK},
         {"default-max-tokens", required_argument, 0, O_DEFTOK},
         {"deadline-ms", required_argument, 0, O_DEADLINE},
+        {"max-beams", required_argument, 0, O_MAXBEAMS},
         {"max-attempts", required_argument, 0, O_ATTEMPTS},
         {"local-threshold", required_argument, 0, O_LOCAL},
         {"method", required_argument, 0, O_METHOD},
@@ -151,6 +154,7 @@ int main(int argc, char **argv)
         case O_MAXTOK: NUM(1, 1 << 20, cfg.max_tokens); break;
         case O_DEFTOK: NUM(1, 1 << 20, cfg.default_max_tokens); break;
         case O_DEADLINE: NUM(1, 3600000, cfg.default_deadline_ms); break;
+        case O_MAXBEAMS: NUM(1, 8, cfg.max_beams); break;
         case O_ATTEMPTS: NUM(1, 15, cfg.max_attempts); break;
         case O_LOCAL: NUM(0, 1 << 22, cfg.local_threshold); break;
         case O_METHOD: {

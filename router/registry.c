@@ -254,6 +254,7 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
         n->max_batch = m->capacity->max_batch;
         n->threads = m->capacity->threads;
         n->max_prompt = m->capacity->max_prompt;
+        n->max_beams = m->capacity->max_beams;
     }
     n->epoch = ++r->next_epoch;
     n->last_hb = n->registered_at = pdm_now();
@@ -422,6 +423,8 @@ void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, c
             if (rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens)) break; /* fills any gap */
             q->kv_seconds = d->kv_seconds;
             if (d->kv_bytes) q->kv_bytes = d->kv_bytes;
+            q->res_beams = d->beams; /* borrowed until rt_req_finish returns */
+            q->n_res_beams = d->n_beams;
             rt_req_finish(r, q, d->finish);
         } else if (d->error && d->error->code == PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED) {
             rt_req_fail(r, q, PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED, "deadline exceeded on %s",

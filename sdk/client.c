@@ -755,6 +755,7 @@ static int pdmc__pack_request(const pdm_client_request_t *q, uint64_t id, int st
     m.beams = q->beams;
     m.length_penalty = q->length_penalty;
     m.n_best = q->n_best;
+    m.early_stopping = (char *)q->early_stopping;
     m.stream = stream;
     m.model = (char *)q->model;
     m.ignore_eos = q->ignore_eos != 0;
@@ -810,6 +811,7 @@ static int pdmc__fill_result(const Pdmesh__GenerateResult *g, pdm_client_result_
             const Pdmesh__Beam *b = g->beams[i];
             pdm_client_beam_t *o = &r->beams[i];
             o->score = b->score;
+            o->logprob = b->logprob;
             o->finish = (pdm_client_finish_t)b->finish;
             if (!(o->text = pdmc__strdup0(b->text))) return PDM_CLIENT_ENOMEM;
             if (b->n_tokens) {

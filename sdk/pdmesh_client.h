@@ -148,10 +148,16 @@ typedef struct {
     uint32_t max_tokens;             /* 0 = router default */
     const char *const *stop;         /* stop strings (at most 16, none empty) */
     size_t n_stop;
-    uint32_t beams;                  /* 0/1 = no beam search; at most 64 */
-    uint32_t n_best;                 /* beams returned (<= beams) */
-    float length_penalty;
-    int ignore_eos;
+    uint32_t beams;                  /* 0/1 = no beam search; at most 64 (the router's limit,
+                                        default 8, applies). A beam search is not streamed:
+                                        use pdm_client_generate; the result's tokens/text are
+                                        the best beam's and beams[] holds the n best. Stop
+                                        strings and ignore_eos are refused with it. */
+    uint32_t n_best;                 /* beams returned (<= beams; 0: 1) */
+    float length_penalty;            /* score = logprob / length^length_penalty (0: 1) */
+    const char *early_stopping;      /* beam search: NULL/"heuristic", "early" or "never" */
+    int ignore_eos;                  /* generate past end-of-generation tokens (until max_tokens,
+                                        a stop string or the deadline) */
     const char *model;               /* optional: must match the served model */
     uint32_t deadline_ms;            /* router-side deadline; 0 = the call's timeout */
     int timeout_ms;                  /* client-side; 0 = the client's default */
@@ -172,7 +178,8 @@ typedef struct {
     size_t n_tokens;
     char *text;
     double score;                    /* length-penalised log probability */
-    pdm_client_finish_t finish;
+    double logprob;                  /* sum of the tokens' log probabilities */
+    pdm_client_finish_t finish;      /* EOS: ended with end-of-generation; LENGTH: max_tokens */
 } pdm_client_beam_t;
 
 /* The outcome of a call, owned by the caller; release with pdm_client_result_fini. Filled on

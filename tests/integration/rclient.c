@@ -3,7 +3,7 @@
  *
  *   pdm-rclient gen   --ep EP (--prompt TEXT | --tokens 1,2,3) [--chat] [-n N] [--temp T]
  *                     [--stream] [--count K] [--deadline-ms MS] [--timeout S] [--cancel-after N]
- *                     [--stop STRING]
+ *                     [--stop STRING] [--beams B] [--n-best N] [--ignore-eos]
  *   pdm-rclient raw   --ep EP --kind garbage|oversized|unknown|multipart|badproto|ping
  *   pdm-rclient admin --ep EP --op OP [--name N] [--key K] [--value V] [--id R] [--no-token]
  *   pdm-rclient register --ep NODE_EP --node-id ID      (secret from the environment)
@@ -28,6 +28,7 @@
 static const char *stop_arg;
 static const char *ep, *prompt, *tokens_arg, *kind, *op, *name, *key, *value, *node_id;
 static int chat, n_predict = 32, stream_, count = 1, no_token, cancel_after = -1;
+static int beams_, n_best_, ignore_eos_;
 static double temp, timeout_s = 120;
 static unsigned deadline_ms;
 static unsigned long long req_id_arg;
@@ -124,6 +125,9 @@ static int cmd_gen(void *ctx)
         g.max_tokens = (uint32_t)n_predict;
         g.stream = stream_;
         g.deadline_ms = deadline_ms;
+        g.beams = (uint32_t)beams_;
+        g.n_best = (uint32_t)n_best_;
+        g.ignore_eos = ignore_eos_;
         char *stops[1] = {(char *)stop_arg};
         if (stop_arg) {
             g.stop = stops;
@@ -171,6 +175,17 @@ static int cmd_gen(void *ctx)
             cJSON_AddItemToObject(o, "tokens", cJSON_CreateIntArray(r->tokens, (int)r->n_tokens));
             cJSON_AddStringToObject(o, "text", r->text ? r->text : "");
             cJSON_AddNumberToObject(o, "finish", r->finish);
+            cJSON *ba = cJSON_AddArrayToObject(o, "beams");
+            for (size_t b = 0; b < r->n_beams; b++) {
+                cJSON *e = cJSON_CreateObject();
+                cJSON_AddItemToObject(e, "tokens", cJSON_CreateIntArray(r->beams[b]->tokens,
+                                                                       (int)r->beams[b]->n_tokens));
+                cJSON_AddStringToObject(e, "text", r->beams[b]->text ? r->beams[b]->text : "");
+                cJSON_AddNumberToObject(e, "score", r->beams[b]->score);
+                cJSON_AddNumberToObject(e, "logprob", r->beams[b]->logprob);
+                cJSON_AddNumberToObject(e, "finish", r->beams[b]->finish);
+                cJSON_AddItemToArray(ba, e);
+            }
             if (r->usage) {
                 cJSON *u = cJSON_AddObjectToObject(o, "usage");
                 cJSON_AddNumberToObject(u, "prompt_tokens", r->usage->prompt_tokens);
@@ -509,6 +524,8 @@ int main(int argc, char **argv)
         {"value", required_argument, 0, 'v'},  {"id", required_argument, 0, 'i'},
         {"no-token", no_argument, 0, 'x'},     {"node-id", required_argument, 0, 'I'},
         {"cancel-after", required_argument, 0, 'C'}, {"stop", required_argument, 0, 'S'},
+        {"beams", required_argument, 0, 'B'},  {"n-best", required_argument, 0, 'b'},
+        {"ignore-eos", no_argument, 0, 'E'},
         {0, 0, 0, 0}};
     int c;
     optind = 2;
@@ -534,6 +551,9 @@ int main(int argc, char **argv)
         case 'I': node_id = optarg; break;
         case 'C': cancel_after = atoi(optarg); break;
         case 'S': stop_arg = optarg; break;
+        case 'B': beams_ = atoi(optarg); break;
+        case 'b': n_best_ = atoi(optarg); break;
+        case 'E': ignore_eos_ = 1; break;
         default: return 2;
         }
     }

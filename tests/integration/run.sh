@@ -98,6 +98,65 @@ gen --prompt "$LONG" -n 24 --stream --stop "$STOPW" > "$RUN/stop.json"
 check "stop string '$STOPW': finish=stop, text cut before it, stream equals result" \
   "[ \"\$(jq_ 'd[0][\"finish\"]==3 and d[0][\"stream_matches\"] and open(\"$RUN/long.ref\").read().startswith(d[0][\"text\"]) and \"$STOPW\" not in d[0][\"text\"]' < $RUN/stop.json)\" = True ]"
 
+# --- beam search through the router (decode_node/beam.h; router/beams.c) ---
+# The reference is the single-process disaggregated run with the same prefill: a local prefill
+# on the decode node equals one rank's (single); the group's prompts run kvr-e on 2 ranks.
+dref() { "$BIN/pdmesh" disagg-run --threads 1 --beams 4 --n-best 2 --json "$@" 2>/dev/null; }
+same_beams() { # router json, disagg-run json: the n-best token lists equal, best first
+  $PY - "$1" "$2" <<'PYEOF'
+import json, sys
+a = json.load(open(sys.argv[1])); b = json.load(open(sys.argv[2]))
+ra = [x["tokens"] for x in a.get("beams", [])]; rb = [x["tokens"] for x in b["n_best"]]
+sys.exit(0 if a.get("ok") and len(ra) == 2 and ra == rb and a["tokens"] == ra[0] else 1)
+PYEOF
+}
+gen --prompt "$SHORT" -n 24 --beams 4 --n-best 2 > "$RUN/beam_s.json"
+dref --prefill-ranks 1 --method single --prompt "$SHORT" -n 24 > "$RUN/beam_s.ref"
+check "beams 4, n_best 2 (local prefill): the n best equal pdmesh disagg-run --beams 4, best first" \
+  "same_beams $RUN/beam_s.json $RUN/beam_s.ref && [ \"\$(jq_ 'd[0][\"usage\"][\"prefill_method\"]' < $RUN/beam_s.json)\" = local ]"
+gen --prompt "$LONG" -n 24 --beams 4 --n-best 2 > "$RUN/beam_l.json"
+dref --prefill-ranks 2 --method kvr-e --prompt "$LONG" -n 24 > "$RUN/beam_l.ref"
+check "beams 4, n_best 2 (prefill group, kvr-e): the n best equal pdmesh disagg-run --beams 4" \
+  "same_beams $RUN/beam_l.json $RUN/beam_l.ref && [ \"\$(jq_ 'd[0][\"usage\"][\"prefill_method\"]' < $RUN/beam_l.json)\" = kvr-e ]"
+check "a beam result's text is its best beam's" \
+  "[ \"\$(jq_ 'd[0][\"text\"]==d[0][\"beams\"][0][\"text\"] and len(d[0][\"text\"])>0' < $RUN/beam_l.json)\" = True ]"
+gen --prompt "$SHORT" -n 24 --beams 1 > "$RUN/beam1.json"
+check "beams 1 equals greedy (pdmesh generate --temp 0)" \
+  "[ \"\$(jq_ 'd[0][\"text\"]' < $RUN/beam1.json)\" = \"\$(cat $RUN/short.ref)\" ]"
+gen --prompt "$SHORT" -n 24 --beams 4 --stream > "$RUN/beam_st.json"
+check "beam search with stream refused with ERR_INVALID_ARGUMENT" \
+  "[ \"\$(jq_ 'd[0][\"code\"]==4 and \"stream\" in d[0][\"error\"]' < $RUN/beam_st.json)\" = True ]"
+gen --prompt "$SHORT" -n 24 --beams 9 > "$RUN/beam_big.json"
+check "beams over the router's limit (8) refused with ERR_INVALID_ARGUMENT" \
+  "[ \"\$(jq_ 'd[0][\"code\"]==4 and \"limit\" in d[0][\"error\"]' < $RUN/beam_big.json)\" = True ]"
+gen --prompt "$SHORT" -n 24 --beams 2 --stop "the" > "$RUN/beam_stop.json"
+check "beam search with stop strings refused with ERR_INVALID_ARGUMENT" \
+  "[ \"\$(jq_ 'd[0][\"code\"]' < $RUN/beam_stop.json)\" = 4 ]"
+admin --op policy-set --key max_beams --value 2 > /dev/null
+gen --prompt "$SHORT" -n 8 --beams 4 > "$RUN/beam_pol.json"
+admin --op policy-set --key max_beams --value 8 > /dev/null
+check "policy max_beams 2 refuses beams 4" "[ \"\$(jq_ 'd[0][\"code\"]' < $RUN/beam_pol.json)\" = 4 ]"
+gen --prompt "$SHORT" -n 8 > "$RUN/beam_after.json"
+check "the router still serves after refused beam requests" "[ \"\$(jq_ 'd[0][\"ok\"]' < $RUN/beam_after.json)\" = True ]"
+
+# --- ignore_eos: a short chat answer ends with EOS early; with ignore_eos it runs to max ---
+YN="Reply with one word: yes or no."
+gen --prompt "$YN" --chat -n 24 > "$RUN/eos.json"
+gen --prompt "$YN" --chat -n 24 --ignore-eos --stream > "$RUN/noeos.json"
+check "without ignore_eos the answer stops early at EOS (finish=eos, < 24 tokens)" \
+  "[ \"\$(jq_ 'd[0][\"finish\"]==1 and len(d[0][\"tokens\"])<24' < $RUN/eos.json)\" = True ]"
+check "with ignore_eos it runs to max_tokens (finish=length, 24 tokens, same start, streamed)" \
+  "[ \"\$($PY -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(b[\"finish\"]==2 and len(b[\"tokens\"])==24 and b[\"tokens\"][:len(a[\"tokens\"])]==a[\"tokens\"] and b[\"stream_matches\"])' $RUN/eos.json $RUN/noeos.json)\" = True ]"
+
+ref --prompt "$YN" --chat -n 24 --ignore-eos > "$RUN/noeos.ref"
+check "ignore_eos output equals pdmesh generate --ignore-eos --temp 0" \
+  "[ \"\$(jq_ 'd[0][\"text\"]' < $RUN/noeos.json)\" = \"\$(cat $RUN/noeos.ref)\" ]"
+
+# --- metrics: local prefills are counted (group methods in rt_send_prefill) ---
+admin --op stats > "$RUN/stats_m.json"
+check "pdmesh_prefill_method_total counts local prefills" \
+  "jq_ 'd[0][\"text\"]' < $RUN/stats_m.json | grep '^pdmesh_prefill_method_total{method=\"local\"} [1-9]' > /dev/null"
+
 # --- concurrency: 2 clients x 6 requests ---
 gen --prompt "$SHORT" -n 16 --count 6 --stream > "$RUN/c1.json" &
 c1=$!
@@ -211,6 +270,29 @@ check "kill -9 of the decode node ($victim) mid-request: completed on the other 
   "[ \"\$(jq_ 'd[0].get(\"ok\") and d[0][\"usage\"][\"attempts\"]>=2 and d[0][\"stream_matches\"] and len(d[0][\"tokens\"])>0 and d[0][\"usage\"][\"decode_node\"]!=\"$victim\"' < $RUN/mig.json)\" = True ]"
 admin --op stats > "$RUN/stats.json"
 check "metrics count the migration" "jq_ 'd[0][\"text\"]' < $RUN/stats.json | grep '^pdmesh_migrations_total [1-9]' > /dev/null"
+
+# --- kill -9 of the decode node in the middle of a beam search: it restarts from the prompt
+# on another node (no token was streamed) and the n best equal an undisturbed run ---
+start_decode d3
+check "a fourth decode node registers" "wait_nodes 4 60"
+gen --prompt "$STORY" -n 160 --beams 4 --n-best 2 --deadline-ms 90000 > "$RUN/bmig.ref"
+before=$(grep -c "attempt 1 ->" "$RUN/router.log")
+gen --prompt "$STORY" -n 160 --beams 4 --n-best 2 --deadline-ms 90000 > "$RUN/bmig.json" &
+g=$!
+victim=""
+for _ in $(seq 1 200); do
+  if [ "$(grep -c "attempt 1 ->" "$RUN/router.log")" -gt "$before" ]; then
+    victim=$(grep "attempt 1 ->" "$RUN/router.log" | tail -n 1 | grep -o "d[0-9] via" | cut -c1-2)
+    break
+  fi
+  sleep 0.05
+done
+sleep 1
+eval "vp=\${DEC_$victim:-}"
+[ -n "$vp" ] && kill -9 "$vp" && wait "$vp" 2>/dev/null
+wait $g
+check "kill -9 of the decode node ($victim) mid beam search: restarted elsewhere, same n best" \
+  "[ \"\$($PY -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(b.get(\"ok\") and b[\"usage\"][\"attempts\"]>=2 and b[\"usage\"][\"decode_node\"]!=\"$victim\" and [x[\"tokens\"] for x in b[\"beams\"]]==[x[\"tokens\"] for x in a[\"beams\"]] and b[\"tokens\"]==a[\"tokens\"])' $RUN/bmig.ref $RUN/bmig.json)\" = True ]"
 
 # --- kill -9 of a client mid-stream: its request is cancelled, nothing stays open ---
 gen --prompt "$STORY" -n 300 --stream > /dev/null 2>&1 &

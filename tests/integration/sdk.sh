@@ -176,6 +176,17 @@ expect "C SDK: cancel mid-stream" 0 timeout 300 "$bin/pdm-sdk-itest" cancel "$ep
 expect "python: sync, iterator, cancel, typed errors" 0 timeout 600 "$py" tests/integration/sdk_python.py live "$ep" "$tmp/expected.json"
 grep -q FAIL "$tmp/out" && cat "$tmp/out"
 
+# Beam search (local prefill at this threshold): C SDK (pdmesh generate --router) and Python
+# equal the single-process disaggregated run (pdmesh disagg-run --beams, one prefill rank).
+bp=${prompts[0]}
+"$bin/pdmesh" disagg-run --model "$model" --prefill-ranks 1 --method single --threads 1 --beams 4 --n-best 2 -n $n --prompt "$bp" --json > "$tmp/beam.ref" 2>/dev/null
+expect "C SDK: beam search (pdmesh generate --router --beams 4 --n-best 2)" 0 timeout 300 "$bin/pdmesh" generate --router "$ep" --beams 4 --n-best 2 -n $n --prompt "$bp" --json &&
+  { "$py" -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2]))["n_best"]; sys.exit(0 if [x["tokens"] for x in a["beams"]]==[x["tokens"] for x in b] and a["text"]==b[0]["text"] else 1)' "$tmp/out" "$tmp/beam.ref" &&
+    ok "C SDK: the n best equal disagg-run --beams 4, the text is the best beam's" ||
+    bad "C SDK: the n best equal disagg-run --beams 4" "$(head -c 400 "$tmp/out")"; }
+expect "python: beams, ignore_eos" 0 timeout 600 "$py" tests/integration/sdk_python.py beams "$ep" "$bp" $n "$tmp/beam.ref"
+grep -q FAIL "$tmp/out" && cat "$tmp/out"
+
 # pdctl: every command with the right token; rejected without / with a wrong one.
 expect "pdctl nodes" 0 ctl nodes && contains "pdctl nodes lists decode-0" "$tmp/out" "decode-0"
 expect "pdctl nodes --json" 0 ctl --json nodes &&

@@ -3,6 +3,8 @@
     python sdk_python.py live ENDPOINT EXPECTED.json
     python sdk_python.py silent            (binds its own socket that never answers)
     python sdk_python.py unreachable
+    python sdk_python.py beams ENDPOINT PROMPT N DISAGG.json   (pdmesh disagg-run --beams 4
+                                                              --n-best 2 --json of PROMPT)
 
 Exit status 0 when every check holds; each failed check is printed.
 """
@@ -120,6 +122,39 @@ def unreachable():
             check("python unreachable", time.monotonic() - t0 < 3, ex)
 
 
+def beams(endpoint, prompt, n, ref_path):
+    """Beam search through the router equals the single-process disaggregated run; not
+    streamable; refused past the router's limit; ignore_eos runs to max_tokens."""
+    ref = json.load(open(ref_path))["n_best"]
+    with pdmesh.Client(endpoint, timeout=300) as c:
+        r = c.generate(prompt, max_tokens=n, beams=4, n_best=2)
+        check("python beams: the n best equal disagg-run",
+              [b["tokens"] for b in r.beams] == [b["tokens"] for b in ref],
+              (r.beams, ref))
+        check("python beams: text and tokens are the best beam's",
+              r.tokens == ref[0]["tokens"] and r.text == ref[0]["text"], (r.text, ref[0]))
+        check("python beams: score and logprob",
+              all(abs(a["score"] - b["score"]) < 1e-6 and abs(a["logprob"] - b["logprob"]) < 1e-6
+                  for a, b in zip(r.beams, ref)), r.beams)
+        try:
+            for _ in c.stream(prompt, max_tokens=n, beams=4):
+                pass
+            check("python beams + stream refused", False, "streamed")
+        except pdmesh.InvalidArgumentError as ex:
+            check("python beams + stream refused", "stream" in str(ex), ex)
+        try:
+            c.generate(prompt, max_tokens=n, beams=9)
+            check("python beams over the limit refused", False, "served")
+        except pdmesh.InvalidArgumentError as ex:
+            check("python beams over the limit refused", "limit" in str(ex), ex)
+        yn = [{"role": "user", "content": "Reply with one word: yes or no."}]
+        a = c.generate(messages=yn, max_tokens=24)
+        b = c.generate(messages=yn, max_tokens=24, ignore_eos=True)
+        check("python ignore_eos: EOS ends it early without, max_tokens with",
+              a.finish == "eos" and len(a.tokens) < 24 and b.finish == "length" and
+              len(b.tokens) == 24 and b.tokens[:len(a.tokens)] == a.tokens, (a, b))
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "live":
@@ -128,4 +163,6 @@ if __name__ == "__main__":
         silent()
     elif mode == "unreachable":
         unreachable()
+    elif mode == "beams":
+        beams(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     sys.exit(1 if failures else 0)

@@ -7,6 +7,8 @@ processes, ZeroMQ control plane, KV over UCX):
 - 32 concurrent HTTP clients, each output equal to the engine's greedy output, while other
   clients send malformed requests (bad JSON, huge body, absurd max_tokens, unknown path,
   wrong method) and get errors;
+- best_of: a beam search whose best beam is the answer, equal to `pdmesh disagg-run --beams`
+  (not streamable: a 400 with stream);
 - a client that disconnects mid-stream cancels its request (pdmesh_requests_total{outcome=
   "cancelled"});
 - a real Prometheus server scrapes /metrics and its query API returns pdmesh_requests_total;
@@ -164,6 +166,28 @@ def check_concurrent(port, expect):
     print("  32 concurrent clients in %.1fs, all equal to the engine" % (time.time() - t0))
 
 
+def check_best_of(port, bindir, model):
+    """best_of 4 = beam search of width 4 on the decode node; the answer is the best beam,
+    equal to the single-process disaggregated run's (a short prompt: local prefill, which
+    computes the prompt's KV like one prefill rank)."""
+    prompt = PROMPTS[0]
+    out = subprocess.run([os.path.join(bindir, "pdmesh"), "disagg-run", "--prefill-ranks", "1",
+                          "--method", "single", "--threads", "1", "--beams", "4", "--n-best", "1",
+                          "-n", str(N_TOKENS), "--prompt", prompt, "--json", "--model", model],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    best = json.loads(out.stdout)["n_best"][0]["text"]
+    r = call(port, "POST", "/v1/completions",
+             {"prompt": prompt, "max_tokens": N_TOKENS, "best_of": 4}, timeout=300)
+    assert r.status == 200, r
+    text = r.json()["choices"][0]["text"]
+    assert text == best, (text, best)
+    r = call(port, "POST", "/v1/completions",
+             {"prompt": prompt, "max_tokens": N_TOKENS, "best_of": 4, "stream": True})
+    assert r.status == 400 and "best_of" in r.json()["error"]["message"], r
+    print("  best_of 4: %r" % text)
+
+
 def check_cancel(mesh):
     before = mesh.metric("pdmesh_requests_total", 'outcome="cancelled"')
     s = connect(mesh.http_port, timeout=300)
@@ -224,6 +248,8 @@ def main():
                                                os.path.basename(args.model)[:-5])),
         ("32 concurrent clients beside malformed requests",
          lambda: check_concurrent(mesh.http_port, expect)),
+        ("best_of = beam search, the best beam", lambda: check_best_of(mesh.http_port,
+                                                                       args.bindir, args.model)),
         ("disconnect cancels", lambda: check_cancel(mesh)),
         ("prometheus", lambda: check_prometheus(mesh)),
     ]

@@ -95,6 +95,24 @@ static void local_cb(void *arg, const pdm_decode_event_t *ev)
     if (ev->type == PDM_DECODE_EV_ERROR) e->done = -1;
 }
 
+/* The DONE event of a beam search: the best hypothesis and the size of the n-best list. */
+typedef struct {
+    int32_t toks[64];
+    int n, done, n_hyps;
+} beam_events_t;
+
+static void beam_cb(void *arg, const pdm_decode_event_t *ev)
+{
+    beam_events_t *e = arg;
+    if (ev->type == PDM_DECODE_EV_TOKEN) e->done = -2; /* a beam search streams nothing */
+    if (ev->type == PDM_DECODE_EV_ERROR) e->done = -1;
+    if (ev->type != PDM_DECODE_EV_DONE || e->done < 0) return;
+    e->done = 1;
+    e->n = PDM_MIN(ev->n_tokens, 64);
+    memcpy(e->toks, ev->tokens, sizeof(int32_t) * (size_t)e->n);
+    e->n_hyps = ev->beam ? ev->beam->n_hyps : 0;
+}
+
 START_TEST(test_decode_local_prefill)
 {
     char path[600];
@@ -162,6 +180,37 @@ START_TEST(test_decode_local_prefill)
     pdm_decode_node_usage(node, &held, &slots);
     ck_assert_int_eq(held, 0);
     ck_assert_int_eq(slots, 0);
+
+    /* A beam search on a locally prefilled prompt (the router's beam requests on short prompts
+     * and restarts): the reservation counts every beam's response segments (beam.h), so 4
+     * beams do not fit the 64-slot budget; width 1 is greedy decoding. */
+    ck_assert_int_eq(pdm_decode_node_reserve_local_beams(node, 9, 0, prompt, P, NEW, 4),
+                     PDM_EOVERFLOW);
+    ck_assert_int_eq(pdm_decode_node_reserve_local_beams(node, 9, 0, prompt, P, NEW, 1), 0);
+    pdm_decode_node_usage(node, &held, &slots);
+    ck_assert_int_eq(slots, pdm_beam_kv_slots(1, P, NEW));
+    pdm_decode_start_t bs = {.id = 9, .first_token = -1, .prompt_last = prompt[P - 1]};
+    pdm_sampler_params_default(&bs.sp);
+    bs.beam = dp.beam;
+    bs.beam.width = 1;
+    bs.beam.n_best = 1;
+    ck_assert_int_eq(pdm_decode_node_start(node, &bs), 0);
+    beam_events_t be = {0};
+    for (int round = 0; round < 100 && !be.done; round++) pdm_decode_node_run_once(node, beam_cb, &be);
+    ck_assert_int_eq(be.done, 1);
+    ck_assert_int_eq(be.n_hyps, 1);
+    ck_assert_int_eq(be.n, NEW);
+    for (int k = 0; k < NEW; k++) ck_assert_int_eq(be.toks[k], ref[k]);
+    pdm_decode_node_usage(node, &held, &slots);
+    ck_assert_int_eq(held, 0);
+    ck_assert_int_eq(slots, 0);
+    pdm_decode_node_destroy(node);
+    /* q8 KV has no beam search: refused, not hung */
+    dp.kv_dtype = PDM_DT_I8;
+    dp.kv_budget = 4096;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    ck_assert_int_eq(pdm_decode_node_reserve_local_beams(node, 10, 0, prompt, P, NEW, 2),
+                     PDM_EUNSUPPORTED);
     pdm_decode_node_destroy(node);
     pdm_kvt_destroy(kvt);
     free(logits);

@@ -224,7 +224,7 @@ def _result(m, router_id, ttft, total):
              "prefill_group": u.prefill_group, "decode_node": u.decode_node,
              "attempts": u.attempts, "cached_tokens": u.cached_tokens}
     beams = [{"tokens": list(b.tokens), "text": b.text, "score": b.score,
-              "finish": _FINISH.get(b.finish, "none")} for b in m.beams]
+              "logprob": b.logprob, "finish": _FINISH.get(b.finish, "none")} for b in m.beams]
     return Result(text=m.text, tokens=list(m.tokens), finish=_FINISH.get(m.finish, "none"),
                   usage=usage, beams=beams, request_id=m.request_id,
                   router_request_id=router_id, ttft=ttft, total=total)
@@ -318,7 +318,7 @@ class Client:
 
     def _request(self, prompt, prompt_tokens, messages, stream, max_tokens, temperature, top_k,
                  top_p, min_p, repeat_penalty, seed, stop, deadline_ms, beams, n_best,
-                 length_penalty, ignore_eos, model, timeout):
+                 length_penalty, ignore_eos, model, timeout, early_stopping=None):
         if self._closed:
             raise errors.ClosedError("the client is closed")
         given = sum(x is not None for x in (prompt, prompt_tokens, messages))
@@ -340,7 +340,8 @@ class Client:
         req = pb.GenerateRequest(request_id=self._next_id(), max_tokens=max_tokens, stop=stop,
                                  deadline_ms=deadline_ms or int(timeout * 1000), beams=beams,
                                  n_best=n_best, length_penalty=length_penalty, stream=stream,
-                                 ignore_eos=ignore_eos, model=model or "")
+                                 ignore_eos=ignore_eos, model=model or "",
+                                 early_stopping=early_stopping or "")
         req.sampling.CopyFrom(pb.SamplingParams(temperature=temperature, top_k=top_k,
                                                 top_p=top_p, min_p=min_p,
                                                 repeat_penalty=repeat_penalty, seed=seed))
@@ -369,26 +370,31 @@ class Client:
     def stream(self, prompt=None, *, prompt_tokens=None, messages=None, max_tokens=0,
                temperature=0.0, top_k=0, top_p=0.0, min_p=0.0, repeat_penalty=0.0, seed=0,
                stop=None, deadline_ms=0, beams=0, n_best=0, length_penalty=0.0,
-               ignore_eos=False, model=None, timeout=None):
+               ignore_eos=False, model=None, timeout=None, early_stopping=None):
         """A Stream: iterate it for Chunks as the router produces them; its .result holds
         the final Result once iteration ends. .cancel() works from any thread."""
         req, timeout = self._request(prompt, prompt_tokens, messages, True, max_tokens,
                                      temperature, top_k, top_p, min_p, repeat_penalty, seed,
                                      stop, deadline_ms, beams, n_best, length_penalty,
-                                     ignore_eos, model, timeout)
+                                     ignore_eos, model, timeout, early_stopping)
         return Stream(self, req, timeout)
 
     def generate(self, prompt=None, *, prompt_tokens=None, messages=None, max_tokens=0,
                  temperature=0.0, top_k=0, top_p=0.0, min_p=0.0, repeat_penalty=0.0, seed=0,
                  stop=None, deadline_ms=0, beams=0, n_best=0, length_penalty=0.0,
-                 ignore_eos=False, model=None, timeout=None, call=None):
+                 ignore_eos=False, model=None, timeout=None, call=None, early_stopping=None):
         """Blocks until the whole completion is there; returns a Result. Raises a
         PdmeshError subclass on failure. `call`, if given, is a list that receives the
-        Stream object first, so another thread can call .cancel() on it."""
+        Stream object first, so another thread can call .cancel() on it.
+
+        Beam search (beams > 1, at most the router's limit): Result.beams holds the n_best
+        hypotheses, best first ({tokens, text, score, logprob, finish}), and text/tokens are
+        the best one's; early_stopping is "heuristic" (default), "early" or "never". It
+        cannot be streamed, nor combined with stop strings or ignore_eos."""
         req, timeout = self._request(prompt, prompt_tokens, messages, False, max_tokens,
                                      temperature, top_k, top_p, min_p, repeat_penalty, seed,
                                      stop, deadline_ms, beams, n_best, length_penalty,
-                                     ignore_eos, model, timeout)
+                                     ignore_eos, model, timeout, early_stopping)
         s = Stream(self, req, timeout)
         if call is not None:
             call.append(s)
