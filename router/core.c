@@ -346,11 +346,11 @@ static int rt_group_has_room(const pdm_router_t *r, int g)
 }
 
 /* The group for a prompt: the usable group that last prefilled its longest known prefix,
- * else the least busy usable group; -1 if none has room. *cached: tokens of that prefix. */
-static int rt_pick_group(pdm_router_t *r, rt_req_t *q, uint32_t *cached)
+ * else the least busy usable group; -1 if none has room. (What that group still holds, and so
+ * what a task can reuse, its mirror tells: rt_reuse_start.) */
+static int rt_pick_group(pdm_router_t *r, rt_req_t *q)
 {
     enum { MAXB = 256 };
-    *cached = 0;
     int room = 0; /* no hashing while every group is busy (the queue is scanned often) */
     for (int g = 0; g < RT_MAX_GROUPS && !room; g++)
         room = rt_group_has_room(r, g);
@@ -358,14 +358,11 @@ static int rt_pick_group(pdm_router_t *r, rt_req_t *q, uint32_t *cached)
     uint8_t (*h)[32] = malloc(sizeof(uint8_t[32]) * MAXB);
     int nb = h ? rt_block_hashes(r, q->prompt, q->n_prompt, h, MAXB) : 0;
     int best = -1;
-    *cached = 0;
     for (int b = nb - 1; b >= 0 && best < 0; b--) {
         size_t s = rt_prefix_slot(h[b]);
         int g = r->prefix[s].group;
-        if (r->prefix[s].stamp && !memcmp(r->prefix[s].hash, h[b], 32) && rt_group_has_room(r, g)) {
+        if (r->prefix[s].stamp && !memcmp(r->prefix[s].hash, h[b], 32) && rt_group_has_room(r, g))
             best = g;
-            *cached = (uint32_t)(b + 1) * (uint32_t)r->cfg.block_tokens;
-        }
     }
     for (int g = 0; g < RT_MAX_GROUPS && best < 0; g++) {
         if (!rt_group_has_room(r, g)) continue;
@@ -419,7 +416,7 @@ void rt_group_prefilled(pdm_router_t *r, rt_req_t *q)
 }
 
 /* Sends the DecodeTask of a new attempt. */
-static void rt_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, uint32_t cached)
+static void rt_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
 {
     rt_node_t *n = &r->nodes[d];
     q->attempt++;
@@ -432,7 +429,6 @@ static void rt_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, uint32_t cac
     q->started = 0;
     q->t_dispatch = pdm_now();
     q->cached_tokens = 0;
-    (void)cached; /* the hashes chose the group; its mirror says what it really holds */
     snprintf(q->dnode_name, sizeof(q->dnode_name), "%s", n->id);
     const uint32_t remaining = q->max_new - q->n_gen;
     const uint32_t n_in = q->local ? q->n_prompt + q->n_gen : q->n_prompt;
@@ -544,10 +540,9 @@ void rt_schedule(pdm_router_t *r)
         }
         int migrate = q->n_gen > 0;
         int want_local = migrate || q->n_prompt < r->cfg.local_threshold || !rt_any_group_alive(r);
-        uint32_t cached = 0;
         int g = -1;
         if (!want_local) {
-            g = rt_pick_group(r, q, &cached);
+            g = rt_pick_group(r, q);
             if (g < 0) continue; /* every group is busy: wait */
         }
         int64_t need = rt_kv_need(q, q->n_prompt, q->max_new);
@@ -555,7 +550,7 @@ void rt_schedule(pdm_router_t *r)
         if (d < 0) continue; /* wait for capacity (the deadline bounds the wait) */
         /* local prefills count here, a group's methods in rt_send_prefill */
         pdm_metric_inc(r->m.method, "local", g < 0 ? 1 : 0);
-        rt_dispatch(r, q, d, g, cached);
+        rt_dispatch(r, q, d, g);
     }
 }
 

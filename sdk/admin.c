@@ -44,23 +44,16 @@ void pdm_admin_reply_free(pdm_admin_reply_t *r)
     free(r);
 }
 
-/* Drains monitor events; sets *connected on ZMQ_EVENT_CONNECTED. */
-static void pdm__admin_monitor(void *mon, int *connected)
+/* Drains monitor events; sets *connected on ZMQ_EVENT_CONNECTED, and *refused (with why)
+ * when the router refused the security handshake (CURVE key not allowed, or a mismatch). */
+static void pdm__admin_monitor(void *mon, const char *endpoint, int *connected, int *refused,
+                               char *why, size_t why_size)
 {
-    for (;;) {
-        zmq_msg_t ev;
-        zmq_msg_init(&ev);
-        if (zmq_msg_recv(&ev, mon, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&ev);
-            return;
-        }
-        uint16_t event = 0;
-        if (zmq_msg_size(&ev) >= 2) memcpy(&event, zmq_msg_data(&ev), 2);
-        zmq_msg_close(&ev);
-        zmq_msg_init(&ev);
-        zmq_msg_recv(&ev, mon, 0);
-        zmq_msg_close(&ev);
+    uint16_t event;
+    uint32_t value;
+    while (pdm_client__monitor_event(mon, &event, &value)) {
         if (event == ZMQ_EVENT_CONNECTED) *connected = 1;
+        if (pdm_client__handshake_refusal(event, value, endpoint, why, why_size)) *refused = 1;
     }
 }
 
@@ -73,7 +66,8 @@ int pdm_admin_call(const char *endpoint, const Pdmesh__AdminRequest *req, int ti
     size_t len;
     if (pdm_wire_pack(PDMESH__MSG_TYPE__MSG_ADMIN_REQUEST, &req->base, &frame, &len))
         return pdm_client__fail(PDM_CLIENT_ENOMEM, "cannot pack the admin request");
-    int rc = PDM_CLIENT_ESYSTEM, zero = 0, connected = 0;
+    int rc = PDM_CLIENT_ESYSTEM, zero = 0, connected = 0, refused = 0;
+    char why[256] = "";
     int64_t maxsz = 64 << 20;
     void *mon = NULL, *sock = NULL, *ctx = zmq_ctx_new();
     if (!ctx) {
@@ -97,7 +91,8 @@ int pdm_admin_call(const char *endpoint, const Pdmesh__AdminRequest *req, int ti
     }
     char mon_ep[64];
     snprintf(mon_ep, sizeof(mon_ep), "inproc://pdmesh-admin-monitor-%p", (void *)sock);
-    if (zmq_socket_monitor(sock, mon_ep, ZMQ_EVENT_CONNECTED) < 0 || zmq_connect(mon, mon_ep) < 0) {
+    if (zmq_socket_monitor(sock, mon_ep, PDM_CLIENT__MONITOR_EVENTS) < 0 ||
+        zmq_connect(mon, mon_ep) < 0) {
         pdm_client__fail(rc, "socket monitor: %s", zmq_strerror(errno));
         goto err_sock;
     }
@@ -130,7 +125,11 @@ int pdm_admin_call(const char *endpoint, const Pdmesh__AdminRequest *req, int ti
             pdm_client__fail(rc, "zmq_poll: %s", zmq_strerror(errno));
             goto err_mon;
         }
-        pdm__admin_monitor(mon, &connected);
+        pdm__admin_monitor(mon, endpoint, &connected, &refused, why, sizeof(why));
+        if (refused) {
+            rc = pdm_client__fail(PDM_CLIENT_EUNAUTHORIZED, "%s", why);
+            goto err_mon;
+        }
         if (!(items[0].revents & ZMQ_POLLIN)) continue;
         zmq_msg_t m;
         zmq_msg_init(&m);

@@ -71,6 +71,45 @@ int pdm_client__fail(int status, const char *fmt, ...)
     return status;
 }
 
+int pdm_client__monitor_event(void *mon, uint16_t *event, uint32_t *value)
+{
+    zmq_msg_t ev;
+    zmq_msg_init(&ev);
+    if (zmq_msg_recv(&ev, mon, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&ev);
+        return 0;
+    }
+    *event = 0;
+    *value = 0;
+    if (zmq_msg_size(&ev) >= 6) {
+        memcpy(event, zmq_msg_data(&ev), 2);
+        memcpy(value, (const char *)zmq_msg_data(&ev) + 2, 4);
+    }
+    zmq_msg_close(&ev);
+    zmq_msg_init(&ev);
+    zmq_msg_recv(&ev, mon, 0); /* the endpoint frame always follows */
+    zmq_msg_close(&ev);
+    return 1;
+}
+
+int pdm_client__handshake_refusal(uint16_t event, uint32_t value, const char *endpoint,
+                                  char *msg, size_t size)
+{
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+        snprintf(msg, size, "the router at %s refused this client's CURVE key (ZAP status %u: "
+                 "the key is not in its allowlist)", endpoint, value);
+        return PDM_CLIENT_EUNAUTHORIZED;
+    }
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL &&
+        value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH) {
+        snprintf(msg, size, "security mismatch with the router at %s: one side uses CURVE, the "
+                 "other does not (set the router's public key and a client key, or neither)",
+                 endpoint);
+        return PDM_CLIENT_EUNAUTHORIZED;
+    }
+    return 0;
+}
+
 static double pdmc__now(void)
 {
     struct timespec ts;
@@ -139,6 +178,9 @@ struct pdm_client {
     int closing;
     int connected;
     double unreachable_since;   /* when the connection was last lost (or create time) */
+    int refused;                /* the last security handshake failed (CURVE/ZAP) */
+    int handshaken;             /* the current connection completed its handshake */
+    char refused_why[256];
     pdmc_cmd_t *cmd_head, *cmd_tail;
     size_t n_cmds;
     pdmc_call_t *buckets[PDMC_BUCKETS];
@@ -324,30 +366,35 @@ static void pdmc__on_frame(pdm_client_t *c, const void *data, size_t len)
  * handed to ZeroMQ (the router sees a new peer on reconnect), so those calls end now. */
 static void pdmc__on_monitor(pdm_client_t *c)
 {
-    for (;;) {
-        zmq_msg_t ev, addr;
-        zmq_msg_init(&ev);
-        if (zmq_msg_recv(&ev, c->mon, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&ev);
-            return;
-        }
-        uint16_t event = 0;
-        if (zmq_msg_size(&ev) >= 2) memcpy(&event, zmq_msg_data(&ev), 2);
-        zmq_msg_close(&ev);
-        zmq_msg_init(&addr);
-        zmq_msg_recv(&addr, c->mon, 0); /* the endpoint frame always follows */
-        zmq_msg_close(&addr);
+    uint16_t event;
+    uint32_t value;
+    while (pdm_client__monitor_event(c->mon, &event, &value)) {
         pthread_mutex_lock(&c->mu);
-        if (event == ZMQ_EVENT_CONNECTED) {
+        if (pdm_client__handshake_refusal(event, value, c->endpoint, c->refused_why,
+                                          sizeof(c->refused_why))) {
+            /* Refused: every open call ends now (ZeroMQ would retry the handshake forever),
+             * and new calls fail at once until a handshake succeeds. */
+            c->refused = 1;
+            for (int b = 0; b < PDMC_BUCKETS; b++)
+                for (pdmc_call_t *call = c->buckets[b]; call; call = call->next)
+                    pdmc__end(call, PDM_CLIENT_EUNAUTHORIZED, "%s", c->refused_why);
+        } else if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+            c->refused = 0;
+            c->handshaken = 1;
+        } else if (event == ZMQ_EVENT_CONNECTED) {
             c->connected = 1;
         } else if (event == ZMQ_EVENT_DISCONNECTED) {
+            /* Only an established connection (handshake done) can have carried requests;
+             * before that they wait in ZeroMQ's queue for the next attempt (a handshake the
+             * router refuses may show up as a bare disconnect first). */
             c->connected = 0;
             c->unreachable_since = pdmc__now();
-            for (int b = 0; b < PDMC_BUCKETS; b++)
+            for (int b = 0; b < PDMC_BUCKETS && c->handshaken; b++)
                 for (pdmc_call_t *call = c->buckets[b]; call; call = call->next)
                     if (call->sent)
                         pdmc__end(call, PDM_CLIENT_EUNREACHABLE,
                                   "connection to the router at %s lost", c->endpoint);
+            c->handshaken = 0;
         }
         pthread_cond_broadcast(&c->state_cond);
         pthread_mutex_unlock(&c->mu);
@@ -499,7 +546,7 @@ int pdm_client_create(const char *endpoint, const pdm_client_options_t *opts,
     c->opt.curve_server_key_file = c->opt.curve_key_file = NULL; /* borrowed: not kept */
     char mon_ep[64];
     snprintf(mon_ep, sizeof(mon_ep), "inproc://pdmesh-client-monitor-%p", (void *)c);
-    if (zmq_socket_monitor(c->sock, mon_ep, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) < 0) {
+    if (zmq_socket_monitor(c->sock, mon_ep, PDM_CLIENT__MONITOR_EVENTS) < 0) {
         pdm_client__fail(status, "zmq_socket_monitor: %s", zmq_strerror(errno));
         goto err_sock;
     }
@@ -615,6 +662,7 @@ int pdm_client_ping(pdm_client_t *c, int timeout_ms)
         if (got) break;
         double now = pdmc__now(), ua = pdmc__unreachable_at(c);
         if (c->closing) rc = pdm_client__fail(PDM_CLIENT_ECLOSED, "the client was closed");
+        else if (c->refused) rc = pdm_client__fail(PDM_CLIENT_EUNAUTHORIZED, "%s", c->refused_why);
         else if (now >= ua && ua <= deadline)
             rc = pdm_client__fail(PDM_CLIENT_EUNREACHABLE, "router at %s unreachable (no connection "
                             "for %d ms)", c->endpoint, c->opt.connect_timeout_ms);
@@ -951,6 +999,10 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
         }
         if (call.done) break;
         double now = pdmc__now(), ua = pdmc__unreachable_at(c);
+        if (c->refused) {
+            pdmc__end(&call, PDM_CLIENT_EUNAUTHORIZED, "%s", c->refused_why);
+            continue;
+        }
         if (now >= deadline) {
             pdmc__end(&call, c->connected ? PDM_CLIENT_ETIMEOUT : PDM_CLIENT_EUNREACHABLE,
                       "no %s from the router at %s within %d ms%s",

@@ -104,8 +104,9 @@ typedef struct {
     /* CURVE (docs/router.md, "CURVE"): the router's public key file (line 1: Z85 key) and
      * this client's key file (line 1 public, line 2 secret; mode 0600). Both NULL:
      * $PDMESH_CURVE_SERVER_KEY_FILE / $PDMESH_CURVE_KEY_FILE, else a plain connection. Read
-     * during pdm_client_create only. A key the router does not allow gets no answer: calls
-     * end with ETIMEOUT (or EUNREACHABLE). */
+     * during pdm_client_create only. A key the router does not allow (or CURVE on one side
+     * only) fails the security handshake: open and new calls end at once with
+     * EUNAUTHORIZED. */
     const char *curve_server_key_file;
     const char *curve_key_file;
 } pdm_client_options_t;

@@ -124,12 +124,12 @@ class Stream:
         c = self._client
         sock = c._socket()
         sock.setsockopt(zmq.MAXMSGSIZE, c.max_frame)
-        mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        mon = sock.get_monitor_socket(_MONITOR_EVENTS)
         try:
             sock.connect(c.endpoint)
             start = time.monotonic()
             deadline = start + self._timeout
-            connected, ever = False, False
+            connected, ever, handshaken = False, False, False
             sock.send(pack(pb.MSG_GENERATE_REQUEST, self._request), zmq.DONTWAIT)
             text, tokens, first = [], [], 0.0
             poller = zmq.Poller()
@@ -163,12 +163,21 @@ class Stream:
                             ev = recv_monitor_message(mon, zmq.DONTWAIT)
                         except zmq.Again:
                             break
+                        refusal = _handshake_refusal(ev, c.endpoint)
+                        if refusal:
+                            raise errors.UnauthorizedError(refusal, request_id=self.request_id)
                         if ev["event"] == zmq.EVENT_CONNECTED:
                             connected = ever = True
-                        elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                        elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                            handshaken = True
+                        elif ev["event"] == zmq.EVENT_DISCONNECTED and handshaken:
+                            # (before a handshake the request still waits in ZeroMQ's queue;
+                            # a refused handshake may show up as a bare disconnect first)
                             raise errors.UnreachableError(
                                 f"connection to the router at {c.endpoint} lost",
                                 request_id=self.request_id)
+                        elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                            connected = False
                 if sock not in events:
                     continue
                 while True:
@@ -267,6 +276,24 @@ def _load_curve(server_file, key_file):
     return server, public, secret
 
 
+# A refused security handshake (a CURVE key the router's ZAP handler does not allow, or CURVE
+# on one side only) is reported by the socket monitor; ZeroMQ itself would retry silently.
+_MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED |
+                   zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+_MECHANISM_MISMATCH = 0x11000002  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+
+
+def _handshake_refusal(ev, endpoint):
+    """The reason a monitor event means "refused", or None."""
+    if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"the router at {endpoint} refused this client's CURVE key (ZAP status "
+                f"{ev['value']}: the key is not in its allowlist)")
+    if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and ev["value"] == _MECHANISM_MISMATCH:
+        return (f"security mismatch with the router at {endpoint}: one side uses CURVE, the "
+                f"other does not")
+    return None
+
+
 class Client:
     """A client of the router's client socket (default tcp://127.0.0.1:7700, or $PDMESH_ROUTER).
 
@@ -275,7 +302,7 @@ class Client:
     curve_server_key_file / curve_key_file: CURVE (docs/router.md): the router's public key
     file and this client's key file (line 1 public, line 2 secret, mode 0600); default
     $PDMESH_CURVE_SERVER_KEY_FILE / $PDMESH_CURVE_KEY_FILE, else a plain connection. A key the
-    router does not allow gets no answer (TimeoutError_/UnreachableError)."""
+    router does not allow fails with UnauthorizedError."""
 
     def __init__(self, endpoint=None, timeout=60.0, connect_timeout=3.0, max_frame=16 << 20,
                  curve_server_key_file=None, curve_key_file=None):
