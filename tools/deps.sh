@@ -43,7 +43,8 @@ fi
 # pyzmq + grpcio-tools: the Python SDK (sdk/python) and its protobuf module, generated at build
 # time by grpc_tools' protoc (it ships a protoc matching its protobuf runtime; Debian 12 has no
 # protobuf-compiler/python3-protobuf pair newer than 3.21).
-want_py=(numpy gguf pyzmq grpcio-tools openai)
+# kubernetes-validate: offline schema checks of deploy/k8s (tests/deploy/check_k8s.py).
+want_py=(numpy gguf pyzmq grpcio-tools openai kubernetes-validate)
 if [ "$golden" = "--golden" ] || [ "$golden" = "--bench" ]; then
   want_py+=(llama-cpp-python jinja2)
 fi

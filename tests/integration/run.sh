@@ -250,21 +250,25 @@ check "a node stopped with SIGTERM deregisters within 2 s" "[ $gone = 1 ]"
 
 # --- kill -9 of a decode node mid-request: the request migrates ---
 STORY="Write a long story about a dragon who learns to cook. Once upon a time"
+# After the first dispatch following router.log line count $1, waits $2 s and kill -9s the
+# decode node it went to; sets $victim.
+kill_dispatched_decode() {
+  victim=""
+  for _ in $(seq 1 200); do
+    if [ "$(grep -c "attempt 1 ->" "$RUN/router.log")" -gt "$1" ]; then
+      victim=$(grep "attempt 1 ->" "$RUN/router.log" | tail -n 1 | grep -o "d[0-9] via" | cut -c1-2)
+      break
+    fi
+    sleep 0.05
+  done
+  sleep "$2"
+  eval "vp=\${DEC_$victim:-}"
+  [ -n "$vp" ] && kill -9 "$vp" && wait "$vp" 2>/dev/null
+}
 before=$(grep -c "attempt 1 ->" "$RUN/router.log")
 gen --prompt "$STORY" -n 150 --stream --deadline-ms 90000 > "$RUN/mig.json" &
 g=$!
-victim=""
-for _ in $(seq 1 200); do
-  if [ "$(grep -c "attempt 1 ->" "$RUN/router.log")" -gt "$before" ]; then
-    victim=$(grep "attempt 1 ->" "$RUN/router.log" | tail -n 1 | grep -o "d[01] via" | cut -c1-2)
-    break
-  fi
-  sleep 0.05
-done
-sleep 1.5
-eval "vp=\$DEC_$victim"
-kill -9 "$vp"
-wait "$vp" 2>/dev/null
+kill_dispatched_decode "$before" 1.5
 wait $g
 check "kill -9 of the decode node ($victim) mid-request: completed on the other node, no token lost or repeated" \
   "[ \"\$(jq_ 'd[0].get(\"ok\") and d[0][\"usage\"][\"attempts\"]>=2 and d[0][\"stream_matches\"] and len(d[0][\"tokens\"])>0 and d[0][\"usage\"][\"decode_node\"]!=\"$victim\"' < $RUN/mig.json)\" = True ]"
@@ -279,17 +283,7 @@ gen --prompt "$STORY" -n 160 --beams 4 --n-best 2 --deadline-ms 90000 > "$RUN/bm
 before=$(grep -c "attempt 1 ->" "$RUN/router.log")
 gen --prompt "$STORY" -n 160 --beams 4 --n-best 2 --deadline-ms 90000 > "$RUN/bmig.json" &
 g=$!
-victim=""
-for _ in $(seq 1 200); do
-  if [ "$(grep -c "attempt 1 ->" "$RUN/router.log")" -gt "$before" ]; then
-    victim=$(grep "attempt 1 ->" "$RUN/router.log" | tail -n 1 | grep -o "d[0-9] via" | cut -c1-2)
-    break
-  fi
-  sleep 0.05
-done
-sleep 1
-eval "vp=\${DEC_$victim:-}"
-[ -n "$vp" ] && kill -9 "$vp" && wait "$vp" 2>/dev/null
+kill_dispatched_decode "$before" 1
 wait $g
 check "kill -9 of the decode node ($victim) mid beam search: restarted elsewhere, same n best" \
   "[ \"\$($PY -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(b.get(\"ok\") and b[\"usage\"][\"attempts\"]>=2 and b[\"usage\"][\"decode_node\"]!=\"$victim\" and [x[\"tokens\"] for x in b[\"beams\"]]==[x[\"tokens\"] for x in a[\"beams\"]] and b[\"tokens\"]==a[\"tokens\"])' $RUN/bmig.ref $RUN/bmig.json)\" = True ]"

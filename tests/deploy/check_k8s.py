@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""Checks deploy/k8s against the schemas and against the binaries, then runs it.
+
+1. Every manifest validates (strict) against the Kubernetes 1.30 schemas (kubernetes-validate,
+   offline); the kustomization lists every manifest.
+2. Every container's command is one of our binaries, every --flag in its args is in that
+   binary's --help, every $(VAR) in its args is defined in its env, every port it names is
+   declared, and the secret keys it reads are the ones docs/deployment.md tells to create.
+3. The manifests run: each Deployment/StatefulSet replica is started as a local process with
+   exactly its args and env, with only what a cluster would supply substituted (service DNS
+   names and 0.0.0.0 binds -> loopback ports, $(POD_NAME)/$(POD_INDEX), the secret files,
+   eth0 -> lo). The mesh must become ready with the group formed, answer an HTTP completion
+   equal to `pdmesh generate --temp 0`, and the UCX listeners of the prefill and decode
+   processes must lie in the UCX_TCP_PORT_RANGE the network policy opens.
+
+  python3 tests/deploy/check_k8s.py --bindir build/bin [--model FILE]
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import kubernetes_validate
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+K8S = os.path.join(HERE, "..", "..", "deploy", "k8s")
+SECRET_KEYS = {"cluster-secret", "admin-token"}
+passed = failed = 0
+
+
+def check(name, cond, detail=""):
+    global passed, failed
+    if cond:
+        passed += 1
+        print("ok   - " + name)
+    else:
+        failed += 1
+        print("FAIL - %s%s" % (name, (": " + str(detail)) if detail else ""))
+
+
+def load_docs():
+    docs = []
+    for path in sorted(glob.glob(os.path.join(K8S, "*.yaml"))):
+        if os.path.basename(path) == "kustomization.yaml":
+            continue
+        with open(path) as f:
+            for d in yaml.safe_load_all(f):
+                if d:
+                    docs.append((os.path.basename(path), d))
+    return docs
+
+
+def workloads(docs):
+    return [(f, d) for f, d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def static_checks(bindir, docs):
+    for f, d in docs:
+        try:
+            kubernetes_validate.validate(d, "1.30.0", strict=True)
+            ok, why = True, ""
+        except Exception as e:  # ValidationError and schema errors
+            ok, why = False, e
+        check("%s: %s/%s validates (strict, 1.30)" % (f, d["kind"], d["metadata"]["name"]),
+              ok, why)
+    with open(os.path.join(K8S, "kustomization.yaml")) as fh:
+        kust = yaml.safe_load(fh)
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(K8S, "*.yaml"))
+                   if os.path.basename(p) != "kustomization.yaml")
+    check("kustomization lists every manifest", sorted(kust["resources"]) == files,
+          (kust["resources"], files))
+    helps = {}
+    for f, d in workloads(docs):
+        spec = d["spec"]["template"]["spec"]
+        vols = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec["containers"]:
+            b = c["command"][0]
+            path = os.path.join(bindir, b)
+            check("%s: %s runs a pdmesh binary" % (f, b), os.access(path, os.X_OK), path)
+            if b not in helps:
+                r = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=30)
+                helps[b] = r.stdout + r.stderr
+            flags = [a for a in c.get("args", []) if a.startswith("--")]
+            unknown = [a for a in flags if not re.search(re.escape(a) + r"\b", helps[b])]
+            check("%s: every flag of %s is in its --help" % (f, b), not unknown, unknown)
+            env = {e["name"] for e in c.get("env", [])}
+            refs = set(re.findall(r"\$\((\w+)\)", " ".join(c.get("args", []))))
+            check("%s: %s's $(VAR) references are defined" % (f, b), refs <= env, refs - env)
+            named = {p["name"] for p in c.get("ports", [])}
+            probes = [c.get(k, {}).get("httpGet", {}).get("port") for k in
+                      ("readinessProbe", "livenessProbe")]
+            check("%s: %s's probes name declared ports" % (f, b),
+                  all(p is None or p in named for p in probes), probes)
+            for m in c.get("volumeMounts", []):
+                v = vols.get(m["name"])
+                check("%s: %s mounts a declared volume %s" % (f, b, m["name"]), v is not None)
+                if v and "secret" in v:
+                    used = {a.rsplit("/", 1)[1] for a in c["args"]
+                            if a.startswith(m["mountPath"] + "/")}
+                    check("%s: %s reads only the documented secret keys" % (f, b),
+                          used and used <= SECRET_KEYS, used)
+    svc = {d["metadata"]["name"]: d for f, d in docs if d["kind"] == "Service"}
+    router = [d for f, d in workloads(docs) if d["metadata"]["name"] == "pdmesh-router"][0]
+    cports = {p["name"]: p["containerPort"]
+              for p in router["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    check("router Service targets declared container ports",
+          all(p["targetPort"] in cports for p in svc["pdmesh-router"]["spec"]["ports"]))
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    bound = {int(a.rsplit(":", 1)[1]) for a in args if re.match(r"(tcp://)?0\.0\.0\.0:\d+$", a)}
+    check("router binds exactly its declared ports", bound == set(cports.values()),
+          (bound, cports))
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def listening_ports(pid):
+    """TCP ports a process listens on (from /proc/net/tcp{,6} and its fds)."""
+    inodes = set()
+    for fd in glob.glob("/proc/%d/fd/*" % pid):
+        try:
+            t = os.readlink(fd)
+        except OSError:
+            continue
+        if t.startswith("socket:["):
+            inodes.add(t[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                    ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def live_run(bindir, model, docs):
+    tmp = tempfile.mkdtemp(prefix="pdm-k8s-")
+    secrets = os.path.join(tmp, "secrets")
+    os.makedirs(secrets)
+    for k in SECRET_KEYS:
+        with open(os.path.join(secrets, k), "w") as fh:
+            fh.write(os.urandom(16).hex())
+        os.chmod(os.path.join(secrets, k), 0o440)
+    ports = {}  # router's bind ports -> local ports
+    procs = []
+    http_port = None
+    svc_port = {}
+
+    def subst(arg, env):
+        nonlocal http_port
+        arg = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
+        arg = arg.replace("/etc/pdmesh/secrets", secrets)
+        m = re.match(r"(tcp://)?0\.0\.0\.0:(\d+)$", arg)
+        if m:
+            port = ports.setdefault(int(m.group(2)), free_port())
+            if not m.group(1):
+                http_port = port
+            return "%s127.0.0.1:%d" % (m.group(1) or "", port)
+        m = re.match(r"tcp://([a-z0-9-]+):(\d+)$", arg)
+        if m:  # a Service name: the router's port behind it
+            return "tcp://127.0.0.1:%d" % ports.setdefault(svc_port[(m.group(1),
+                                                                     int(m.group(2)))],
+                                                          free_port())
+        return arg
+
+    for f, d in docs:
+        if d["kind"] == "Service":
+            for p in d["spec"].get("ports", []):
+                svc_port[(d["metadata"]["name"], p["port"])] = p["port"]
+    order = sorted(workloads(docs), key=lambda fd: fd[1]["metadata"]["name"] != "pdmesh-router")
+    try:
+        for f, d in order:
+            c = d["spec"]["template"]["spec"]["containers"][0]
+            for i in range(d["spec"].get("replicas", 1)):
+                name = "%s-%d" % (d["metadata"]["name"], i)
+                env = dict(os.environ)
+                env["PDMESH_MODEL"] = model
+                kenv = {"POD_NAME": name, "POD_INDEX": str(i)}
+                for e in c.get("env", []):
+                    if "value" in e:
+                        env[e["name"]] = "lo" if e["value"] == "eth0" else e["value"]
+                    else:
+                        env[e["name"]] = kenv[e["name"]]
+                        kenv[e["name"]] = env[e["name"]]
+                argv = [os.path.join(bindir, c["command"][0])] + \
+                       [subst(a, kenv) for a in c.get("args", [])]
+                log = open(os.path.join(tmp, name + ".log"), "w")
+                procs.append((name, d["metadata"]["name"],
+                              subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL)))
+        check("the router's HTTP port was found in its args", http_port is not None)
+        ready, end = False, time.time() + 120
+        while time.time() < end and not ready:
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % http_port,
+                                            timeout=5) as r:
+                    text = r.read().decode()
+                alive = re.search(r'^pdmesh_nodes\{role_state="prefill_alive"\} (\d+)', text, re.M)
+                dalive = re.search(r'^pdmesh_nodes\{role_state="decode_alive"\} (\d+)', text, re.M)
+                ready = bool(alive and int(alive.group(1)) >= 2 and dalive and
+                             int(dalive.group(1)) >= 1)
+            except OSError:
+                pass
+            if not ready:
+                time.sleep(0.3)
+        check("the mesh of the manifests registers (2 prefill ranks, 1 decode node)", ready)
+        prompt = ("The capital of France is a city that many people visit because of its "
+                  "museums, its food, and its long history.")
+        body = json.dumps({"prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
+        got = None
+        for _ in range(20):  # the group is wired a moment after its ranks register
+            req = urllib.request.Request("http://127.0.0.1:%d/v1/completions" % http_port,
+                                         data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                got = json.loads(r.read())
+            if got["usage"].get("pdmesh", {}).get("prefill_method") not in (None, "local"):
+                break
+            time.sleep(0.5)
+        want = subprocess.run([os.path.join(bindir, "pdmesh"), "generate", "--model", model,
+                               "--temp", "0", "-n", "16", "--prompt", prompt],
+                              capture_output=True, text=True, timeout=300).stdout.rstrip("\n")
+        method = got["usage"].get("pdmesh", {}).get("prefill_method")
+        check("HTTP completion through the prefill group equals pdmesh generate --temp 0",
+              got["choices"][0]["text"] == want and method not in (None, "local"),
+              (got["choices"][0]["text"], want, method))
+        lo, hi = [int(x) for x in [e["value"] for f, d in workloads(docs)
+                                   for e in d["spec"]["template"]["spec"]["containers"][0]
+                                   .get("env", []) if e["name"] == "UCX_TCP_PORT_RANGE"][0]
+                  .split("-")]
+        outside = {}
+        for name, kind, p in procs:
+            if kind == "pdmesh-router":
+                continue
+            lp = listening_ports(p.pid)
+            bad = {x for x in lp if not lo <= x <= hi}
+            if bad or not lp:
+                outside[name] = sorted(lp)
+        check("prefill and decode listen only inside UCX_TCP_PORT_RANGE %d-%d" % (lo, hi),
+              not outside, outside)
+    finally:
+        for name, kind, p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, kind, p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if failed:
+            for log in sorted(glob.glob(os.path.join(tmp, "*.log"))):
+                print("---- " + log)
+                print(open(log).read()[-1500:])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bindir", default="build/bin")
+    ap.add_argument("--model", default=os.environ.get("PDMESH_MODEL",
+                                                      "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    args = ap.parse_args()
+    docs = load_docs()
+    static_checks(args.bindir, docs)
+    live_run(args.bindir, args.model, docs)
+    print("k8s: %d passed, %d failed" % (passed, failed))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
