@@ -112,7 +112,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit curve-test deploy-test golden-test asan demo golden clean distclean format \
+.PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden clean distclean format \
         integration-test bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
@@ -255,7 +255,7 @@ bench-router: $(BINS)
 
 test check: deps model all
 	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test \
-	  curve-test deploy-test
+	  curve-test deploy-test fault-test
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
@@ -264,6 +264,12 @@ sdk-test: all python-sdk
 # CURVE + ZAP allowlist on every router socket against real processes (docs/router.md, CURVE).
 curve-test: all python-sdk
 	BUILD=$(BUILD) PDMESH_MODEL=$(MODEL_FILE) PYTHON=$(VENV)/bin/python tests/integration/curve.sh
+# Faults on a noisy network: the mesh over network namespaces with packet loss, partitions,
+# shaped links (nftables, tc) and a delaying/corrupting proxy (tests/fault/run.py; needs root,
+# skips with a message otherwise).
+fault-test: $(BINS)
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/fault/run.py --bindir $(BUILD)/bin
+
 # deploy/k8s: schemas (offline), consistency with the binaries' flags, and the manifests' own
 # args and env run as local processes (tests/deploy/check_k8s.py, docs/deployment.md).
 deploy-test: $(BINS)

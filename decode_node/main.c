@@ -51,32 +51,6 @@ static pdm_kvoff_params_t offload; /* --kv-fast-budget / --kv-slow-tier / --kv-o
 static int n_ranks;
 static pdm_beam_params_t node_beam; /* --beams, --length-penalty, --n-best, --early-stopping */
 
-/* Peers already connected, by address: a node serving several prefill groups (router mode)
- * connects to each rank once. */
-#define PEER_CACHE 256
-static struct { uint8_t *addr; size_t len; int peer; } peer_cache[PEER_CACHE];
-static int n_peer_cache;
-
-static int connect_cached(pdm_kvt_t *kvt, uint8_t *addr, size_t len, int *peer)
-{
-    for (int i = 0; i < n_peer_cache; i++)
-        if (peer_cache[i].len == len && !memcmp(peer_cache[i].addr, addr, len)) {
-            *peer = peer_cache[i].peer;
-            free(addr);
-            return PDM_OK;
-        }
-    int st = pdm_kvt_connect(kvt, addr, len, peer);
-    if (st || n_peer_cache == PEER_CACHE) {
-        free(addr);
-        return st;
-    }
-    peer_cache[n_peer_cache].addr = addr;
-    peer_cache[n_peer_cache].len = len;
-    peer_cache[n_peer_cache++].peer = *peer;
-    return PDM_OK;
-}
-
-
 static void reply(const char *event, double id, int ok, const char *error)
 {
     cJSON *o = cJSON_CreateObject();
@@ -171,7 +145,8 @@ static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decod
                 reply("connected", -1, 0, "an address is not hex");
                 return;
             }
-            int st = connect_cached(kvt, b, len, &rank_peer[n_ranks]);
+            int st = pdm_kvt_connect_cached(kvt, b, len, &rank_peer[n_ranks]);
+            free(b);
             if (st) {
                 reply("connected", -1, 0, pdm_error_last());
                 return;

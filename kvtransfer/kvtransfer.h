@@ -53,6 +53,10 @@ void pdm_kvt_address(const pdm_kvt_t *kvt, const void **addr, size_t *len);
 
 /* Connects to a peer by its address; *peer receives a small integer naming it. */
 int pdm_kvt_connect(pdm_kvt_t *kvt, const void *addr, size_t len, int *peer);
+/* The live peer already connected to this address, or a new connection (a failed peer is
+ * never returned: a process that comes back on the same address after a partition, or whose
+ * endpoint failed, gets a fresh endpoint). Failed peers' slots are reused once closed. */
+int pdm_kvt_connect_cached(pdm_kvt_t *kvt, const void *addr, size_t len, int *peer);
 /* 1 while the peer has not failed. */
 int pdm_kvt_peer_alive(pdm_kvt_t *kvt, int peer);
 /* Declares a peer failed: closes its endpoint at once and fails its operations. */

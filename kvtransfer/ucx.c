@@ -52,7 +52,10 @@ typedef struct {
     pdm_kvt_stats_t stats; /* traffic with this peer */
     int alive;
     int close_pending; /* failed: the progress thread must close ep */
+    int connecting;    /* the slot is taken by a connect in progress */
     ucs_status_t reason;
+    uint8_t *addr;     /* the worker address it was connected to (pdm_kvt_connect_cached) */
+    size_t addr_len;
 } pdm__peer_t;
 
 struct pdm_kvt {
@@ -420,6 +423,7 @@ void pdm_kvt_destroy(pdm_kvt_t *kvt)
     pthread_mutex_destroy(&kvt->lock);
     pthread_mutex_destroy(&kvt->progress_lock);
     for (int i = 0; kvt->slots && i < kvt->n_slots; i++) free(kvt->slots[i].iov);
+    for (int p = 0; p < kvt->n_peers; p++) free(kvt->peers[p].addr);
     free(kvt->slots);
     free(kvt);
 }
@@ -430,15 +434,39 @@ void pdm_kvt_address(const pdm_kvt_t *kvt, const void **addr, size_t *len)
     *len = kvt->address_len;
 }
 
+/* A peer slot for a new connection (lock held): a failed peer's slot once its endpoint is
+ * closed and no operation refers to it any more, else a new one; -1 if the table is full. */
+static int pdm__peer_slot(pdm_kvt_t *kvt)
+{
+    for (int p = 0; p < kvt->n_peers; p++) {
+        const pdm__peer_t *q = &kvt->peers[p];
+        if (q->alive || q->ep || q->close_pending || q->connecting) continue;
+        int used = 0;
+        for (int i = 0; i < kvt->n_slots && !used; i++)
+            used = kvt->slots[i].state != SLOT_FREE && kvt->slots[i].peer == p;
+        if (!used) return p;
+    }
+    return kvt->n_peers < PDM__KVT_MAX_PEERS ? kvt->n_peers++ : -1;
+}
+
 int pdm_kvt_connect(pdm_kvt_t *kvt, const void *addr, size_t len, int *peer)
 {
     if (!addr || len == 0) return pdm_error_set(PDM_EINVAL, "kvtransfer: empty peer address");
+    uint8_t *copy = malloc(len);
+    if (!copy) return pdm_error_set(PDM_ENOMEM, "kvtransfer: out of memory");
+    memcpy(copy, addr, len);
     pthread_mutex_lock(&kvt->lock);
-    int idx = kvt->n_peers;
+    int idx = pdm__peer_slot(kvt);
+    if (idx >= 0) {
+        free(kvt->peers[idx].addr);
+        kvt->peers[idx] = (pdm__peer_t){.connecting = 1};
+    }
     pthread_mutex_unlock(&kvt->lock);
-    if (idx >= PDM__KVT_MAX_PEERS)
-        return pdm_error_set(PDM_EOVERFLOW, "kvtransfer: more than %d peers",
+    if (idx < 0) {
+        free(copy);
+        return pdm_error_set(PDM_EOVERFLOW, "kvtransfer: more than %d peers connected at once",
                              PDM__KVT_MAX_PEERS);
+    }
     /* UCX does not validate a worker address: a garbled one can crash ucp_ep_create, so
      * callers must only pass addresses they received intact (the control plane checks). */
     ucp_ep_params_t ep = {
@@ -450,15 +478,33 @@ int pdm_kvt_connect(pdm_kvt_t *kvt, const void *addr, size_t len, int *peer)
     };
     ucp_ep_h h;
     ucs_status_t st = ucp_ep_create(kvt->worker, &ep, &h);
-    if (st != UCS_OK)
+    pthread_mutex_lock(&kvt->lock);
+    if (st == UCS_OK)
+        kvt->peers[idx] = (pdm__peer_t){.ep = h, .alive = 1, .addr = copy, .addr_len = len};
+    else
+        kvt->peers[idx].connecting = 0;
+    pthread_mutex_unlock(&kvt->lock);
+    if (st != UCS_OK) {
+        free(copy);
         return pdm_error_set(PDM_EPEER, "kvtransfer: cannot connect to peer: %s",
                              ucs_status_string(st));
-    pthread_mutex_lock(&kvt->lock);
-    kvt->peers[idx] = (pdm__peer_t){.ep = h, .alive = 1};
-    kvt->n_peers = idx + 1;
-    pthread_mutex_unlock(&kvt->lock);
+    }
     *peer = idx;
     return PDM_OK;
+}
+
+int pdm_kvt_connect_cached(pdm_kvt_t *kvt, const void *addr, size_t len, int *peer)
+{
+    pthread_mutex_lock(&kvt->lock);
+    for (int p = 0; p < kvt->n_peers; p++)
+        if (kvt->peers[p].alive && kvt->peers[p].addr_len == len &&
+            !memcmp(kvt->peers[p].addr, addr, len)) {
+            pthread_mutex_unlock(&kvt->lock);
+            *peer = p;
+            return PDM_OK;
+        }
+    pthread_mutex_unlock(&kvt->lock);
+    return pdm_kvt_connect(kvt, addr, len, peer);
 }
 
 int pdm_kvt_peer_alive(pdm_kvt_t *kvt, int peer)

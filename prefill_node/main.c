@@ -77,32 +77,17 @@ static int json_ints(const cJSON *arr, long min, long max, int32_t **out, int *n
 /* The kvt peer of the decode node this rank streams to (-1: none). */
 static int decode_peer = -1;
 
-/* Decode nodes connected so far, by address (router mode: a task names its decode node). */
-#define DECODE_CACHE 64
-static struct { uint8_t *addr; size_t len; int peer; } decode_cache[DECODE_CACHE];
-static int n_decode_cache;
-
+/* The kvt peer of a decode node named by its hex address (router mode: a task names its
+ * decode node; a node that failed and came back gets a fresh endpoint). */
 static int decode_peer_for(pdm_kvt_t *kvt, const char *hex, int *peer)
 {
     uint8_t *a;
     size_t alen;
     if (pdm_hex_decode(hex, &a, &alen))
         return pdm_error_set(PDM_EFORMAT, "task command: decode_addr is not hex");
-    for (int i = 0; i < n_decode_cache; i++)
-        if (decode_cache[i].len == alen && !memcmp(decode_cache[i].addr, a, alen)) {
-            free(a);
-            *peer = decode_cache[i].peer;
-            return PDM_OK;
-        }
-    int st = pdm_kvt_connect(kvt, a, alen, peer);
-    if (st || n_decode_cache == DECODE_CACHE) {
-        free(a);
-        return st;
-    }
-    decode_cache[n_decode_cache].addr = a;
-    decode_cache[n_decode_cache].len = alen;
-    decode_cache[n_decode_cache++].peer = *peer;
-    return PDM_OK;
+    int st = pdm_kvt_connect_cached(kvt, a, alen, peer);
+    free(a);
+    return st;
 }
 
 static int handle_group(const cJSON *cmd, pdm_kvt_t *kvt, pdm_kvt_group_t *g, double timeout)

@@ -17,6 +17,7 @@ packages=(
   libuv1-dev libhttp-parser-dev libssl-dev libyaml-dev
   python3 python3-venv python3-pip
   curl prometheus
+  iproute2 nftables
 )
 if [ "$golden" = "--bench" ]; then packages+=(gnuplot-nox); fi
 
