@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import kubernetes_validate
 import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+from mesh import free_port  # noqa: E402
 K8S = os.path.join(HERE, "..", "..", "deploy", "k8s")
 SECRET_KEYS = {"cluster-secret", "admin-token"}
 passed = failed = 0
@@ -118,14 +119,6 @@ def static_checks(bindir, docs):
     bound = {int(a.rsplit(":", 1)[1]) for a in args if re.match(r"(tcp://)?0\.0\.0\.0:\d+$", a)}
     check("router binds exactly its declared ports", bound == set(cports.values()),
           (bound, cports))
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def listening_ports(pid):
