@@ -37,6 +37,19 @@ int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs
  * NULL (no beam rows). */
 int pdm_decode_step_beams(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs,
                           pdm_beam_kv_t *const *beams, int n);
+/* The same step with the seconds of its phases added to phases[PDM_DECODE_PHASES] (NULL: not
+ * timed), for benchmarks (bench/decode --breakdown). */
+enum {
+    PDM_DECODE_PH_EMBED,
+    PDM_DECODE_PH_ATTN_IN,   /* norm + QKV + RoPE, batched */
+    PDM_DECODE_PH_ATTN,      /* per sequence: KV store + attention */
+    PDM_DECODE_PH_FFN,       /* output projection + FFN, batched */
+    PDM_DECODE_PH_LOGITS,
+    PDM_DECODE_PHASES
+};
+extern const char *const pdm_decode_phase_names[PDM_DECODE_PHASES];
+int pdm_decode_step_timed(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs,
+                          pdm_beam_kv_t *const *beams, int n, double *phases);
 
 /* ---- Static-window KV (Qualcomm's KV manager for static-shape engines) ------------------ *
  * For engines whose graphs take a fixed-size past K/V of S-1 tokens per head: each head's K

@@ -5,13 +5,31 @@
 
 #include "common/pdm.h"
 
+const char *const pdm_decode_phase_names[PDM_DECODE_PHASES] = {
+    "embed", "attn_in", "kv_store_attention", "attn_out_ffn", "logits"};
+
 int pdm_decode_step(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs, int n)
 {
-    return pdm_decode_step_beams(ctx, act, seqs, NULL, n);
+    return pdm_decode_step_timed(ctx, act, seqs, NULL, n, NULL);
 }
 
 int pdm_decode_step_beams(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs,
                           pdm_beam_kv_t *const *beams, int n)
+{
+    return pdm_decode_step_timed(ctx, act, seqs, beams, n, NULL);
+}
+
+/* Adds the time since *t to phases[ph] and restarts the clock (no clock without phases). */
+static void pdm__phase(double *phases, int ph, double *t)
+{
+    if (!phases) return;
+    double now = pdm_now();
+    phases[ph] += now - *t;
+    *t = now;
+}
+
+int pdm_decode_step_timed(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs,
+                          pdm_beam_kv_t *const *beams, int n, double *phases)
 {
     if (n < 1) return PDM_OK;
     if (n > pdm_model_ctx_max_batch(ctx))
@@ -36,13 +54,16 @@ int pdm_decode_step_beams(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t
         tokens[i] = seqs[i].token;
         positions[i] = c->pos0 + c->n_tokens;
     }
+    double t = phases ? pdm_now() : 0;
     int st = pdm_model_embed(ctx, tokens, positions, n, act);
     if (st) return st;
+    pdm__phase(phases, PDM_DECODE_PH_EMBED, &t);
     const pdm_model_hparams_t *hp = &pdm_model_ctx_model(ctx)->hp;
     const size_t qdim = (size_t)hp->n_heads * hp->head_dim;
     const size_t kvdim = (size_t)hp->n_kv_heads * hp->head_dim;
     for (int l = 0; l < (int)hp->n_layers; l++) {
         pdm_model_attn_in(ctx, l, act); /* batched: one matrix product for all sequences */
+        pdm__phase(phases, PDM_DECODE_PH_ATTN_IN, &t);
         for (int i = 0; i < n; i++) {
             /* Row i of the batch, seen as a batch of one against its own cache; the rows of a
              * beam search as one batch against the shared prompt and their segments. */
@@ -71,7 +92,9 @@ int pdm_decode_step_beams(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t
             pdm_kv_cache_view(c, (uint32_t)l, 0, c->n_tokens + 1, &view);
             pdm_model_attention(ctx, l, &row, &view, 1);
         }
+        pdm__phase(phases, PDM_DECODE_PH_ATTN, &t);
         pdm_model_attn_out_ffn(ctx, l, act); /* batched */
+        pdm__phase(phases, PDM_DECODE_PH_FFN, &t);
     }
     /* Logits in one product when the outputs are rows of one array (the decode node's
      * layout), else row by row. */
@@ -88,5 +111,6 @@ int pdm_decode_step_beams(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t
         }
         seqs[i].cache->n_tokens++;
     }
+    pdm__phase(phases, PDM_DECODE_PH_LOGITS, &t);
     return PDM_OK;
 }

@@ -138,64 +138,6 @@ static void cache_copy(pdm_kv_cache_t *dst, const pdm_kv_cache_t *src, int32_t n
     dst->pos0 = src->pos0;
 }
 
-/* Phases of one step: the loop of decode_node/step.c with clocks around each part. */
-enum { PH_EMBED, PH_ATTN_IN, PH_ATTN, PH_FFN, PH_LOGITS, PH_N };
-static const char *const phase_names[PH_N] = {"embed", "attn_in", "kv_store_attention",
-                                              "attn_out_ffn", "logits"};
-
-static int step_timed(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t *seqs, int n,
-                      double ph[PH_N])
-{
-    int32_t tokens[n], positions[n];
-    for (int i = 0; i < n; i++) {
-        tokens[i] = seqs[i].token;
-        positions[i] = seqs[i].cache->pos0 + seqs[i].cache->n_tokens;
-    }
-    double t = pdm_now(), t1;
-    int st = pdm_model_embed(ctx, tokens, positions, n, act);
-    if (st) return st;
-    t1 = pdm_now();
-    ph[PH_EMBED] += t1 - t;
-    t = t1;
-    const pdm_model_hparams_t *hp = &pdm_model_ctx_model(ctx)->hp;
-    const size_t qdim = (size_t)hp->n_heads * hp->head_dim;
-    const size_t kvdim = (size_t)hp->n_kv_heads * hp->head_dim;
-    for (int l = 0; l < (int)hp->n_layers; l++) {
-        pdm_model_attn_in(ctx, l, act);
-        t1 = pdm_now();
-        ph[PH_ATTN_IN] += t1 - t;
-        t = t1;
-        for (int i = 0; i < n; i++) {
-            pdm_kv_cache_t *c = seqs[i].cache;
-            pdm_act_t row = *act;
-            row.n = 1;
-            row.pos = act->pos + i;
-            row.q = act->q + (size_t)i * qdim;
-            row.k = act->k + (size_t)i * kvdim;
-            row.v = act->v + (size_t)i * kvdim;
-            row.o = act->o + (size_t)i * qdim;
-            row.lse = act->lse + (size_t)i * hp->n_heads;
-            pdm_model_kv_store(ctx, c, l, &row, c->n_tokens);
-            pdm_kv_view_t view;
-            pdm_kv_cache_view(c, (uint32_t)l, 0, c->n_tokens + 1, &view);
-            pdm_model_attention(ctx, l, &row, &view, 1);
-        }
-        t1 = pdm_now();
-        ph[PH_ATTN] += t1 - t;
-        t = t1;
-        pdm_model_attn_out_ffn(ctx, l, act);
-        t1 = pdm_now();
-        ph[PH_FFN] += t1 - t;
-        t = t1;
-    }
-    for (int i = 0; i < n; i++) {
-        pdm_model_logits(ctx, act, i, seqs[i].logits);
-        seqs[i].cache->n_tokens++;
-    }
-    ph[PH_LOGITS] += pdm_now() - t;
-    return PDM_OK;
-}
-
 static void fail(const char *what)
 {
     fprintf(stderr, "decode_bench: %s: %s\n", what, pdm_error_last());
@@ -303,18 +245,20 @@ int main(int argc, char **argv)
                        T, C, B, o.steps, med, total / o.steps, (double)B * o.steps / total,
                        pdm_dtype_name(o.kv_dtype));
                 if (o.breakdown) {
-                    double ph[PH_N] = {0};
+                    double ph[PDM_DECODE_PHASES] = {0};
                     for (int s = 0; s < o.warmup + o.steps; s++) {
                         for (int i = 0; i < B; i++)
                             seqs[i].token = (int32_t)(rng(&rs) % hp->n_vocab);
-                        double scratch[PH_N] = {0};
-                        if (step_timed(ctx, &act, seqs, B, s < o.warmup ? scratch : ph))
+                        double scratch[PDM_DECODE_PHASES] = {0};
+                        if (pdm_decode_step_timed(ctx, &act, seqs, NULL, B,
+                                                  s < o.warmup ? scratch : ph))
                             fail("timed step");
                     }
                     printf(",\"phases_s\":{");
                     double sum = 0;
-                    for (int p = 0; p < PH_N; p++) {
-                        printf("%s\"%s\":%.6e", p ? "," : "", phase_names[p], ph[p] / o.steps);
+                    for (int p = 0; p < PDM_DECODE_PHASES; p++) {
+                        printf("%s\"%s\":%.6e", p ? "," : "", pdm_decode_phase_names[p],
+                               ph[p] / o.steps);
                         sum += ph[p] / o.steps;
                     }
                     printf("},\"phases_total_s\":%.6e", sum);
