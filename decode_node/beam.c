@@ -229,7 +229,9 @@ static void pdm__prompt_task(void *arg, int ith, int nth)
                              .q_pos = kv->prompt_pos, .n_q = nr,
                              .k = (const char *)t->view->k[kvh] + off,
                              .v = (const char *)t->view->v[kvh] + off,
-                             .kv_type = t->view->dtype, .k_pos0 = t->view->pos0 + (int32_t)b,
+                             .kv_type = t->view->dtype, .k_scale = t->view->k_scale[kvh],
+                             .v_scale = t->view->v_scale[kvh],
+                             .k_pos0 = t->view->pos0 + (int32_t)b,
                              .n_kv = (int)(e - b), .head_dim = hd,
                              .scale = 1.0f / sqrtf((float)hd), .causal = 1, .o = part,
                              .o_stride = hd, .lse = lse, .lse_stride = 1};
@@ -287,14 +289,25 @@ void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_
         return;
     }
     const int t = kv->n_steps, seg_now = t / PDM_BEAM_STEP;
-    /* 1. This step's K/V of beam b go to row (t % 16) * width + b of the current segment. */
+    /* 1. This step's K/V of beam b go to row (t % 16) * width + b of the current segment.
+     * q8: with the head's scales fixed from the prompt, like every row after the prompt of a
+     * q8 cache (model/kv_quant.c); nothing is re-quantized. */
+    const float *scales = kv->dtype == PDM_DT_I8 ? kv->prompt->scale : NULL;
     for (int b = 0; b < n; b++) {
         size_t off = (size_t)((t % PDM_BEAM_STEP) * kv->width + b) * row_bytes;
         for (uint32_t h = 0; h < hp->n_kv_heads; h++) {
-            ops->kv_store(kv->dtype, rows->k + (size_t)b * kvdim + (size_t)h * hd,
-                          pdm__seg_head(kv, seg_now, (uint32_t)layer, h, 0) + off, hd);
-            ops->kv_store(kv->dtype, rows->v + (size_t)b * kvdim + (size_t)h * hd,
-                          pdm__seg_head(kv, seg_now, (uint32_t)layer, h, 1) + off, hd);
+            const float *k = rows->k + (size_t)b * kvdim + (size_t)h * hd;
+            const float *v = rows->v + (size_t)b * kvdim + (size_t)h * hd;
+            char *kd = pdm__seg_head(kv, seg_now, (uint32_t)layer, h, 0) + off;
+            char *vd = pdm__seg_head(kv, seg_now, (uint32_t)layer, h, 1) + off;
+            if (scales) {
+                const float *s = scales + 2 * ((size_t)layer * hp->n_kv_heads + h);
+                pdm_q8_quantize_row(k, (int8_t *)kd, hd, s[0]);
+                pdm_q8_quantize_row(v, (int8_t *)vd, hd, s[1]);
+            } else {
+                ops->kv_store(kv->dtype, k, kd, hd);
+                ops->kv_store(kv->dtype, v, vd, hd);
+            }
         }
         kv->table[(size_t)b * kv->max_steps + t] = (t % PDM_BEAM_STEP) * kv->width + b;
     }
@@ -311,6 +324,8 @@ void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_
             pdm_kern_attn_t a = {.q = rows->q + (size_t)b * qdim + (size_t)h * group * hd,
                                  .q_stride = hd, .q_pos = kv->pos_tmp, .n_q = group,
                                  .kv_type = kv->dtype, .head_dim = hd,
+                                 .k_scale = prompt_view.k_scale[h],
+                                 .v_scale = prompt_view.v_scale[h],
                                  .scale = 1.0f / sqrtf((float)hd), .causal = 1};
             for (int s = 0; s < n_seg; s++) {
                 a.k = pdm__seg_head(kv, s, (uint32_t)layer, h, 0);

@@ -354,9 +354,8 @@ int main(int argc, char **argv)
         ap.max_sequences = (uint32_t)dp.max_sequences;
         ap.max_batch = (uint32_t)dp.max_batch;
         ap.threads = (uint32_t)dp.threads;
-        /* the widest beam search this node runs (node.c: at most the batch, none with q8) */
-        ap.max_beams = dp.kv_dtype == PDM_DT_I8 ? 0
-                       : (uint32_t)PDM_MIN(PDM_BEAM_MAX_WIDTH, dp.max_batch);
+        /* the widest beam search this node runs (node.c: at most the batch) */
+        ap.max_beams = (uint32_t)PDM_MIN(PDM_BEAM_MAX_WIDTH, dp.max_batch);
         if (pdm_agent_start(&ap)) {
             fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
             return 1;

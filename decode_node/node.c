@@ -154,10 +154,6 @@ static int pdm__beam_width_check(const pdm_decode_node_t *n, uint64_t id, int wi
         return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d beams (at most %d, and "
                              "at most the batch of %d)", (unsigned long long)id, width,
                              PDM_BEAM_MAX_WIDTH, n->p.max_batch);
-    if (width && n->p.kv_dtype == PDM_DT_I8)
-        return pdm_error_set(PDM_EUNSUPPORTED, "decode node: request %llu: beam search with "
-                             "--kv-dtype q8 is not supported (the response segments have no "
-                             "per-head scales yet)", (unsigned long long)id);
     return PDM_OK;
 }
 

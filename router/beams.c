@@ -49,8 +49,7 @@ int rt_beams_admit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, rt_req_t
     if (!rt_beams_any_node(r, req->beams)) {
         *code = PDMESH__ERROR_CODE__ERR_UNAVAILABLE;
         return pdm_error_set(PDM_EUNSUPPORTED, "no decode node runs a beam search of %u beams "
-                             "(nodes with --kv-dtype q8 run none; at most their batch)",
-                             req->beams);
+                             "(at most its batch)", req->beams);
     }
     q->beams = req->beams;
     q->n_best = req->n_best ? req->n_best : 1;

@@ -205,12 +205,30 @@ START_TEST(test_decode_local_prefill)
     ck_assert_int_eq(held, 0);
     ck_assert_int_eq(slots, 0);
     pdm_decode_node_destroy(node);
-    /* q8 KV has no beam search: refused, not hung */
+    /* q8 KV: a beam search of width 1 over int8 segments is the q8 engine's greedy decoding */
+    pdm_kv_cache_t *qc;
+    ck_assert_int_eq(pdm_kv_cache_create(&m->hp, P + NEW, PDM_DT_I8, &qc), 0);
+    int32_t qref[NEW];
+    ck_assert_int_eq(pdm_model_prefill(ctx, qc, prompt, P, logits), 0);
+    for (int k = 0; k < NEW; k++) {
+        int32_t b = 0;
+        for (uint32_t v = 1; v < m->hp.n_vocab; v++)
+            if (logits[v] > logits[b]) b = (int32_t)v;
+        qref[k] = b;
+        if (k + 1 < NEW) ck_assert_int_eq(pdm_model_decode(ctx, qc, b, logits), 0);
+    }
+    pdm_kv_cache_destroy(qc);
     dp.kv_dtype = PDM_DT_I8;
     dp.kv_budget = 4096;
     ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
-    ck_assert_int_eq(pdm_decode_node_reserve_local_beams(node, 10, 0, prompt, P, NEW, 2),
-                     PDM_EUNSUPPORTED);
+    ck_assert_int_eq(pdm_decode_node_reserve_local_beams(node, 10, 0, prompt, P, NEW, 1), 0);
+    bs.id = 10;
+    ck_assert_int_eq(pdm_decode_node_start(node, &bs), 0);
+    beam_events_t qe = {0};
+    for (int round = 0; round < 100 && !qe.done; round++) pdm_decode_node_run_once(node, beam_cb, &qe);
+    ck_assert_int_eq(qe.done, 1);
+    ck_assert_int_eq(qe.n, NEW);
+    for (int k = 0; k < NEW; k++) ck_assert_int_eq(qe.toks[k], qref[k]);
     pdm_decode_node_destroy(node);
     pdm_kvt_destroy(kvt);
     free(logits);
