@@ -85,9 +85,6 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
         (p->kv_dtype != PDM_DT_F16 && p->kv_dtype != PDM_DT_F32 && p->kv_dtype != PDM_DT_I8) ||
         !(p->kv_timeout > 0) || pdm_beam_params_check(&p->beam))
         return pdm_error_set(PDM_EINVAL, "decode node: bad parameters");
-    if (p->offload && p->kv_dtype == PDM_DT_I8)
-        return pdm_error_set(PDM_EUNSUPPORTED, "decode node: head-wise KV offload with "
-                             "--kv-dtype q8 is not supported (the tiers carry no scales yet)");
     pdm_decode_node_t *n = calloc(1, sizeof(*n));
     if (!n) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     n->model = model;

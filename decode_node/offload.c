@@ -515,7 +515,7 @@ void pdm_kvoff_destroy(pdm_kvoff_t *s)
 int pdm_kvoff_create(pdm_kvoff_engine_t *e, const pdm_model_hparams_t *hp, int32_t capacity,
                      pdm_dtype_t dtype, pdm_kvoff_t **out)
 {
-    if (capacity < 1 || (dtype != PDM_DT_F32 && dtype != PDM_DT_F16) ||
+    if (capacity < 1 || (dtype != PDM_DT_F32 && dtype != PDM_DT_F16 && dtype != PDM_DT_I8) ||
         hp->n_kv_heads > PDM_MAX_KV_HEADS)
         return pdm_error_set(PDM_EINVAL, "KV offload: invalid capacity %d or dtype %s",
                              capacity, pdm_dtype_name(dtype));
@@ -550,7 +550,9 @@ int pdm_kvoff_create(pdm_kvoff_engine_t *e, const pdm_model_hparams_t *hp, int32
     s->cache.offload = s;
     s->cache.k = calloc((size_t)L * H, sizeof(void *));
     s->cache.v = calloc((size_t)L * H, sizeof(void *));
-    s->cache.scale = malloc(2 * (size_t)L * H * sizeof(float)); /* 1: not a quantized cache */
+    /* q8: each head's K and V scale, set by the prompt (prefill or the stream's headers);
+     * 1 for the float dtypes */
+    s->cache.scale = malloc(2 * (size_t)L * H * sizeof(float));
     for (size_t i = 0; s->cache.scale && i < 2 * (size_t)L * H; i++) s->cache.scale[i] = 1.0f;
     s->res = calloc(L, sizeof(int));
     s->first = calloc(L + 1, sizeof(int));
@@ -660,6 +662,22 @@ static int pdm__writeback(pdm_kvoff_t *s, int g, int32_t slot, int half)
     return PDM_OK;
 }
 
+/* Stores head h's new K and V row at kd / vd: q8 with the head's fixed scales (nothing is
+ * re-quantized, model/kv_quant.c), else converted to the cache's float dtype. */
+static void pdm__store_row(const pdm_kern_ops_t *ops, const pdm_kv_cache_t *c, int layer, int h,
+                           const pdm_act_t *row, uint32_t hd, void *kd, void *vd)
+{
+    const float *k = row->k + (size_t)h * hd, *v = row->v + (size_t)h * hd;
+    if (c->dtype == PDM_DT_I8) {
+        const float *sc = c->scale + 2 * ((size_t)layer * c->n_kv_heads + (size_t)h);
+        pdm_q8_quantize_row(k, kd, hd, sc[0]);
+        pdm_q8_quantize_row(v, vd, hd, sc[1]);
+    } else {
+        ops->kv_store(c->dtype, k, kd, (int)hd);
+        ops->kv_store(c->dtype, v, vd, (int)hd);
+    }
+}
+
 int pdm_kvoff_attention(pdm_kvoff_t *s, pdm_model_ctx_t *ctx, int layer, pdm_act_t *row)
 {
     pdm_kv_cache_t *c = &s->cache;
@@ -674,14 +692,10 @@ int pdm_kvoff_attention(pdm_kvoff_t *s, pdm_model_ctx_t *ctx, int layer, pdm_act
     const int r = s->res[layer];
     /* Resident heads (Alg. 1 lines 22-23): new row at home, attention over home. */
     if (r > 0) {
-        for (int h = 0; h < r; h++) {
-            ops->kv_store(c->dtype, row->k + (size_t)h * s->hd,
-                          (char *)pdm_kv_cache_k(c, (uint32_t)layer, (uint32_t)h) + off,
-                          (int)s->hd);
-            ops->kv_store(c->dtype, row->v + (size_t)h * s->hd,
-                          (char *)pdm_kv_cache_v(c, (uint32_t)layer, (uint32_t)h) + off,
-                          (int)s->hd);
-        }
+        for (int h = 0; h < r; h++)
+            pdm__store_row(ops, c, layer, h, row, s->hd,
+                           (char *)pdm_kv_cache_k(c, (uint32_t)layer, (uint32_t)h) + off,
+                           (char *)pdm_kv_cache_v(c, (uint32_t)layer, (uint32_t)h) + off);
         pdm_kv_view_t view;
         pdm_kv_cache_view(c, (uint32_t)layer, 0, n + 1, &view);
         pdm_model_attention_heads(ctx, layer, row, &view, 1, 0, r);
@@ -705,10 +719,11 @@ int pdm_kvoff_attention(pdm_kvoff_t *s, pdm_model_ctx_t *ctx, int layer, pdm_act
         pdm_kv_view_t view = {.dtype = c->dtype, .pos0 = c->pos0, .n_tokens = n + 1};
         for (int h = gr->h0; h < gr->h1; h++) {
             char *k = pdm__stage(s, half, h - gr->h0, 0), *v = pdm__stage(s, half, h - gr->h0, 1);
-            ops->kv_store(c->dtype, row->k + (size_t)h * s->hd, k + off, (int)s->hd);
-            ops->kv_store(c->dtype, row->v + (size_t)h * s->hd, v + off, (int)s->hd);
+            pdm__store_row(ops, c, layer, h, row, s->hd, k + off, v + off);
             view.k[h] = k;
             view.v[h] = v;
+            view.k_scale[h] = c->scale[2 * ((size_t)layer * s->H + (size_t)h)];
+            view.v_scale[h] = c->scale[2 * ((size_t)layer * s->H + (size_t)h) + 1];
         }
         pdm_model_attention_heads(ctx, layer, row, &view, 1, gr->h0, gr->h1);
         st = pdm__writeback(s, g, n, half);

@@ -187,6 +187,16 @@ import json,sys
 a=[json.loads(l) for l in open(sys.argv[1])]; b=[json.loads(l) for l in open(sys.argv[2])]
 assert a[0]["token_ids"]==b[0]["token_ids"] and b[0]["offload"]["fast_peak"]<=1000000 and b[0]["offload"]["offloaded_heads"]>0, (a, b)
 ' "$tmp/resident.json" "$tmp/out"; then ok "disagg-run real model offload equal tokens"; else bad "disagg-run real model offload equal tokens" "$(head -c 600 "$tmp/out")"; fi
+    # int8 KV under offload: the scales travel with the heads' rows (the same tokens as q8
+    # all resident)
+    expect "disagg-run real q8 resident" 0 "$bin" disagg-run --model "$model" --prefill-ranks 2 --method kvr-e --random 300 -n 12 --json --kv-dtype q8
+    cp "$tmp/out" "$tmp/resident.json"
+    expect "disagg-run real q8 offload" 0 "$bin" disagg-run --model "$model" --prefill-ranks 2 --method kvr-e --random 300 -n 12 --json --kv-dtype q8 --kv-fast-budget 500000
+    if $py -c '
+import json,sys
+a=[json.loads(l) for l in open(sys.argv[1])]; b=[json.loads(l) for l in open(sys.argv[2])]
+assert a[0]["token_ids"]==b[0]["token_ids"] and b[0]["offload"]["fast_peak"]<=500000 and b[0]["offload"]["offloaded_heads"]>0, (a, b)
+' "$tmp/resident.json" "$tmp/out"; then ok "disagg-run real model q8 offload equal tokens"; else bad "disagg-run real model q8 offload equal tokens" "$(head -c 600 "$tmp/out")"; fi
   fi
   # malformed control input: clear errors, no crash, clean exit at end of input
   printf 'not json\n{"cmd":"nope"}\n{"cmd":"task"}\n{"cmd":"group","rank":5,"size":2,"addrs":["zz","00"]}\n' |

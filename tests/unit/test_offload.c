@@ -207,6 +207,7 @@ START_TEST(tiny_equal_budgets)
         for (int pl = 0; pl < 3; pl++) {
             run_equal(m, &cfgs[c], plens[pl], 1, 6, PDM_DT_F32, 2);
             run_equal(m, &cfgs[c], plens[pl], 2, 5, PDM_DT_F16, 2);
+            run_equal(m, &cfgs[c], plens[pl], 2, 5, PDM_DT_I8, 2); /* scales with the heads */
         }
     pdm_model_free(m);
 }
@@ -235,7 +236,10 @@ START_TEST(real_model_equal)
     ck_assert_int_eq(pdm_model_load(path, &m), 0);
     const cfg_t cfgs[] = {{2, 1, 1, 1}, {50, 2, 0, 0}}; /* the second: one store all resident, the other 6 resident + groups of two */
     const int plen[2] = {150, 90};
-    for (size_t c = 0; c < 2; c++) run_equal(m, &cfgs[c], plen, 2, 5, PDM_DT_F16, 2);
+    for (size_t c = 0; c < 2; c++) {
+        run_equal(m, &cfgs[c], plen, 2, 5, PDM_DT_F16, 2);
+        run_equal(m, &cfgs[c], plen, 2, 5, PDM_DT_I8, 2);
+    }
     pdm_model_free(m);
 }
 END_TEST
