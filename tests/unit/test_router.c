@@ -113,6 +113,22 @@ static void beam_cb(void *arg, const pdm_decode_event_t *ev)
     e->n_hyps = ev->beam ? ev->beam->n_hyps : 0;
 }
 
+/* The engine alone, greedy: n_new tokens after the prompt, with KV of dtype `dt`. */
+static void engine_greedy(pdm_model_ctx_t *ctx, const pdm_model_t *m, const int32_t *prompt,
+                          int n_prompt, int n_new, pdm_dtype_t dt, int32_t *out)
+{
+    pdm_kv_cache_t *c;
+    ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n_prompt + n_new, dt, &c), 0);
+    float *logits = malloc(sizeof(float) * m->hp.n_vocab);
+    ck_assert_int_eq(pdm_model_prefill(ctx, c, prompt, n_prompt, logits), 0);
+    for (int k = 0; k < n_new; k++) {
+        out[k] = pdm_test_argmax(logits, m->hp.n_vocab);
+        if (k + 1 < n_new) ck_assert_int_eq(pdm_model_decode(ctx, c, out[k], logits), 0);
+    }
+    free(logits);
+    pdm_kv_cache_destroy(c);
+}
+
 START_TEST(test_decode_local_prefill)
 {
     char path[600];
@@ -137,18 +153,8 @@ START_TEST(test_decode_local_prefill)
     /* Reference: the engine alone, greedy, f32 KV. */
     pdm_model_ctx_t *ctx;
     ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
-    pdm_kv_cache_t *cache;
-    ck_assert_int_eq(pdm_kv_cache_create(&m->hp, P + NEW, PDM_DT_F32, &cache), 0);
-    float *logits = malloc(sizeof(float) * m->hp.n_vocab);
     int32_t ref[NEW];
-    ck_assert_int_eq(pdm_model_prefill(ctx, cache, prompt, P, logits), 0);
-    for (int k = 0; k < NEW; k++) {
-        int32_t b = 0;
-        for (uint32_t v = 1; v < m->hp.n_vocab; v++)
-            if (logits[v] > logits[b]) b = (int32_t)v;
-        ref[k] = b;
-        if (k + 1 < NEW) ck_assert_int_eq(pdm_model_decode(ctx, cache, b, logits), 0);
-    }
+    engine_greedy(ctx, m, prompt, P, NEW, PDM_DT_F32, ref);
 
     pdm_kvt_t *kvt;
     ck_assert_int_eq(pdm_kvt_create(NULL, &kvt), 0);
@@ -206,18 +212,8 @@ START_TEST(test_decode_local_prefill)
     ck_assert_int_eq(slots, 0);
     pdm_decode_node_destroy(node);
     /* q8 KV: a beam search of width 1 over int8 segments is the q8 engine's greedy decoding */
-    pdm_kv_cache_t *qc;
-    ck_assert_int_eq(pdm_kv_cache_create(&m->hp, P + NEW, PDM_DT_I8, &qc), 0);
     int32_t qref[NEW];
-    ck_assert_int_eq(pdm_model_prefill(ctx, qc, prompt, P, logits), 0);
-    for (int k = 0; k < NEW; k++) {
-        int32_t b = 0;
-        for (uint32_t v = 1; v < m->hp.n_vocab; v++)
-            if (logits[v] > logits[b]) b = (int32_t)v;
-        qref[k] = b;
-        if (k + 1 < NEW) ck_assert_int_eq(pdm_model_decode(ctx, qc, b, logits), 0);
-    }
-    pdm_kv_cache_destroy(qc);
+    engine_greedy(ctx, m, prompt, P, NEW, PDM_DT_I8, qref);
     dp.kv_dtype = PDM_DT_I8;
     dp.kv_budget = 4096;
     ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
@@ -231,8 +227,6 @@ START_TEST(test_decode_local_prefill)
     for (int k = 0; k < NEW; k++) ck_assert_int_eq(qe.toks[k], qref[k]);
     pdm_decode_node_destroy(node);
     pdm_kvt_destroy(kvt);
-    free(logits);
-    pdm_kv_cache_destroy(cache);
     pdm_model_ctx_destroy(ctx);
     pdm_model_free(m);
 }
