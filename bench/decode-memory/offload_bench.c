@@ -5,6 +5,7 @@
  *
  *   offload_bench --model FILE --contexts 4096,32768,131072 [--steps N] [--threads T]
  *                 [--groups 0|G,G,...] [--slow ram|file:DIR] [--budget BYTES]
+ *                 [--kv-dtype f16|q8]   (decode timing; q8 rows with per-head scales)
  *
  * The KV is filled with synthetic values (random f16 rows repeated) instead of prefilling
  * 128K tokens: a decode step's time does not depend on the values. For each context the
@@ -30,7 +31,15 @@ static void fill(pdm_model_ctx_t *ctx, pdm_kv_cache_t *c, int32_t n)
     for (int r = 0; r < PAT; r++) {
         for (uint32_t i = 0; i < c->head_dim; i++)
             src[i] = (float)((double)(pdm_splitmix64(&seed) % 2001) / 1000.0 - 1.0);
-        pdm_model_ctx_ops(ctx)->kv_store(c->dtype, src, pat + (size_t)r * row, (int)c->head_dim);
+        if (c->dtype == PDM_DT_I8) /* values in [-1, 1]: scale 1/127 for every head */
+            pdm_q8_quantize_row(src, (int8_t *)(pat + (size_t)r * row), c->head_dim, 1.0f / 127);
+        else
+            pdm_model_ctx_ops(ctx)->kv_store(c->dtype, src, pat + (size_t)r * row,
+                                             (int)c->head_dim);
+    }
+    if (c->dtype == PDM_DT_I8) {
+        for (size_t i = 0; i < 2 * (size_t)c->n_layers * c->n_kv_heads; i++) c->scale[i] = 1.0f / 127;
+        c->scales_fixed = 1;
     }
     for (uint32_t a = 0; a < c->n_layers * c->n_kv_heads; a++)
         for (int32_t t = 0; t < n; t += PAT) {
@@ -71,6 +80,7 @@ int main(int argc, char **argv)
     const char *groups = "0", *slow = "ram";
     int steps = 5, threads = 1;
     long long table_budget = 256LL << 20;
+    pdm_dtype_t kvt = PDM_DT_F16;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--model")) model_path = argv[i + 1];
         else if (!strcmp(argv[i], "--contexts")) contexts = argv[i + 1];
@@ -79,6 +89,12 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--budget")) table_budget = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--kv-dtype")) {
+            if (pdm_kv_dtype_parse(argv[i + 1], &kvt)) {
+                fprintf(stderr, "offload_bench: %s\n", pdm_error_last());
+                return 2;
+            }
+        }
         else {
             fprintf(stderr, "offload_bench: unknown option %s\n", argv[i]);
             return 2;
@@ -105,13 +121,13 @@ int main(int argc, char **argv)
      * against the allocator: the store is placed at that context and refused just above. */
     {
         pdm_kvplan_row_t rows[4];
-        int n = pdm_kvplan(m, 4096, 1, table_budget, 512, PDM_DT_F16, &base, rows);
+        int n = pdm_kvplan(m, 4096, 1, table_budget, 512, kvt, &base, rows);
         for (int w = 0; w < 3 && w < n; w++) {
             int32_t lo = 0, hi = 1 << 24;
             while (lo < hi) {
                 int32_t mid = lo + (hi - lo + 1) / 2;
                 pdm_kvplan_row_t r[4];
-                int k = pdm_kvplan(m, mid, 1, table_budget, 512, PDM_DT_F16, &base, r);
+                int k = pdm_kvplan(m, mid, 1, table_budget, 512, kvt, &base, r);
                 if (k > w && r[w].kv_fast <= table_budget) lo = mid;
                 else hi = mid - 1;
             }
@@ -124,12 +140,12 @@ int main(int argc, char **argv)
                 pdm_kvoff_engine_t *e;
                 pdm_kvoff_t *s = NULL, *s2 = NULL;
                 if (!pdm_kvoff_engine_create(&p, &e)) {
-                    int ok_at = pdm_kvoff_create(e, hp, lo, PDM_DT_F16, &s) == PDM_OK;
+                    int ok_at = pdm_kvoff_create(e, hp, lo, kvt, &s) == PDM_OK;
                     int group_at = 0;
                     if (s) pdm_kvoff_placement(s, &group_at, NULL, NULL, NULL);
                     pdm_kvoff_destroy(s);
                     /* just above: refused, or only with a smaller group than planned */
-                    int st2 = pdm_kvoff_create(e, hp, lo + 64, PDM_DT_F16, &s2);
+                    int st2 = pdm_kvoff_create(e, hp, lo + 64, kvt, &s2);
                     int group_above = 0;
                     if (s2) pdm_kvoff_placement(s2, &group_above, NULL, NULL, NULL);
                     pdm_kvoff_destroy(s2);
@@ -150,7 +166,7 @@ int main(int argc, char **argv)
         const int32_t n_ctx = atoi(tok);
         const int32_t cap = n_ctx + steps + 2;
         pdm_kv_cache_t *c;
-        if (pdm_kv_cache_create(hp, cap, PDM_DT_F16, &c)) {
+        if (pdm_kv_cache_create(hp, cap, kvt, &c)) {
             fprintf(stderr, "offload_bench: %s\n", pdm_error_last());
             return 1;
         }
@@ -167,11 +183,12 @@ int main(int argc, char **argv)
             p.no_resident = 1;
             p.slow_tier = slow;
             int G = pdm_kvoff_group_for(&p, cap, hp->n_kv_heads);
-            const size_t arr = ((size_t)cap * hp->head_dim * 2 + 63) & ~(size_t)63;
+            const size_t arr =
+                ((size_t)cap * hp->head_dim * pdm_dtype_row_bytes(kvt, 1) + 63) & ~(size_t)63;
             p.fast_budget = (int64_t)(2 * (size_t)G * 2 * arr); /* one group's ping-pong */
             pdm_kvoff_engine_t *e;
             pdm_kvoff_t *s;
-            if (pdm_kvoff_engine_create(&p, &e) || pdm_kvoff_create(e, hp, cap, PDM_DT_F16, &s)) {
+            if (pdm_kvoff_engine_create(&p, &e) || pdm_kvoff_create(e, hp, cap, kvt, &s)) {
                 fprintf(stderr, "offload_bench: %s\n", pdm_error_last());
                 return 1;
             }
@@ -179,11 +196,11 @@ int main(int argc, char **argv)
             double t_off = time_steps(ctx, &act, pdm_kvoff_cache(s), steps, logits);
             pdm_kvoff_stats_t st;
             pdm_kvoff_engine_stats(e, &st);
-            printf("{\"kind\":\"decode\",\"context\":%d,\"group\":%d,\"threads\":%d,\"steps\":%d,"
+            printf("{\"kind\":\"decode\",\"kv_dtype\":\"%s\",\"context\":%d,\"group\":%d,\"threads\":%d,\"steps\":%d,"
                    "\"slow_tier\":\"%s\",\"kv_bytes\":%.0f,\"fast_budget\":%lld,\"fast_peak\":%lld,"
                    "\"resident_s\":%.6f,\"offload_s\":%.6f,\"ratio\":%.3f,\"prefetch_waits\":%lld,"
                    "\"prefetches\":%lld,\"wait_s\":%.6f}\n",
-                   n_ctx, G, threads, steps, slow, kv_bytes, (long long)p.fast_budget,
+                   pdm_dtype_name(kvt), n_ctx, G, threads, steps, slow, kv_bytes, (long long)p.fast_budget,
                    (long long)st.fast.peak, t_res, t_off, t_off / t_res,
                    (long long)st.prefetch_waits, (long long)st.prefetches, st.wait_seconds);
             fflush(stdout);

@@ -12,6 +12,8 @@ docs/perf/decode-memory-offload.{json,md} (+ .png when gnuplot is installed):
 Environment: OFFLOAD_BENCH (binary), PDMESH_MODEL, OFFLOAD_CONTEXTS (default
 4096,32768,131072), OFFLOAD_GROUPS (default 0 = the policy), OFFLOAD_THREADS (1),
 OFFLOAD_SLOW (ram or file:DIR), OFFLOAD_BUDGET (bytes for the table, default 256 MiB),
+OFFLOAD_KV_DTYPE (f16, default, or q8: int8 rows with per-head scales; output
+docs/perf/decode-memory-offload-q8.*),
 PDM_BENCH_QUICK=1 (fewer steps, one run), OFFLOAD_REPEAT (runs per context, default 3), OFFLOAD_OUT (output path without extension),
 PDM_BENCH_LABEL (a note on the machine, e.g.
 "noisy, shared machine").
@@ -33,7 +35,9 @@ BUDGET = os.environ.get("OFFLOAD_BUDGET", str(256 << 20))
 QUICK = os.environ.get("PDM_BENCH_QUICK") == "1"
 REPEAT = int(os.environ.get("OFFLOAD_REPEAT", "1" if QUICK else "3"))
 LABEL = os.environ.get("PDM_BENCH_LABEL", "")
-OUT = os.path.join(ROOT, os.environ.get("OFFLOAD_OUT", "docs/perf/decode-memory-offload"))
+KV_DTYPE = os.environ.get("OFFLOAD_KV_DTYPE", "f16")
+OUT = os.path.join(ROOT, os.environ.get(
+    "OFFLOAD_OUT", "docs/perf/decode-memory-offload" + ("-q8" if KV_DTYPE == "q8" else "")))
 
 
 def steps_for(ctx):
@@ -56,7 +60,8 @@ def main():
         runs = {}
         for rep in range(REPEAT):
             got = run([BIN, "--model", MODEL, "--contexts", str(ctx), "--steps", str(steps_for(ctx)),
-                       "--groups", GROUPS, "--threads", THREADS, "--slow", SLOW, "--budget", BUDGET])
+                       "--groups", GROUPS, "--threads", THREADS, "--slow", SLOW, "--budget", BUDGET,
+                       "--kv-dtype", KV_DTYPE])
             for r in got:
                 if r["kind"] == "decode":
                     runs.setdefault(r["group"], []).append(r)
@@ -70,6 +75,7 @@ def main():
             med["ratio_min"], med["ratio_max"], med["runs"] = rs[0]["ratio"], rs[-1]["ratio"], len(rs)
             rows.append(med)
     data = {"label": LABEL, "model": os.path.basename(MODEL), "threads": int(THREADS),
+            "kv_dtype": KV_DTYPE, "loadavg_after": os.getloadavg(),
             "slow_tier": SLOW, "budget": int(BUDGET), "decode": rows, "max_context": table}
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT + ".json", "w") as f:
@@ -86,7 +92,7 @@ def report(data):
     md = ["# Head-wise KV offload: decode time and longest context", ""]
     if LABEL:
         md += [f"**{LABEL}.**", ""]
-    md += [f"Model {data['model']}, f16 KV, {THREADS} compute thread(s) plus the copy worker, "
+    md += [f"Model {data['model']}, {data.get('kv_dtype', 'f16')} KV, {THREADS} compute thread(s) plus the copy worker, "
            f"slow tier `{SLOW}`. Fast budget for the offload runs: exactly one head group's "
            "ping-pong buffer (no resident heads). KV filled with synthetic values. "
            "Regenerate: `make bench-decode-memory` (see docs/decode-memory.md).", "",
