@@ -12,7 +12,6 @@ prefilled whole). Reported per turn: client TTFT p50 and the cached tokens the r
 
   python3 bench/serve/prefix.py [--bindir build/bin] [--ranks 2] [--out docs/perf] [--quick]
 """
-import argparse
 import json
 import os
 import statistics
@@ -23,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "integration"))
 import loadgen  # noqa: E402
-from mesh import Mesh  # noqa: E402
+from mesh import Mesh, mesh_argparser  # noqa: E402
 
 DOC = ("the river carried small boats past the old mill while children counted clouds and "
        "merchants argued about the price of salt in the market square near the harbour").split()
@@ -64,10 +63,7 @@ def run(args, reuse):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bindir", default="build/bin")
-    ap.add_argument("--model", default=os.environ.get("PDMESH_MODEL",
-                                                      "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap = mesh_argparser()
     ap.add_argument("--out", default="docs/perf")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--quick", action="store_true")

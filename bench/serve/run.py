@@ -15,7 +15,6 @@ own (HTTP + parsing + loopback).
 
   python3 bench/serve/run.py [--quick] [--bindir build/bin] [--out docs/perf]
 Numbers from a shared, noisy machine are labelled as such by the caller (docs)."""
-import argparse
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "integration"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "http"))
 import loadgen  # noqa: E402
-from mesh import Mesh  # noqa: E402
+from mesh import Mesh, mesh_argparser  # noqa: E402
 
 WORDS = ("the river carried small boats past the old mill while children counted clouds and "
          "merchants argued about the price of salt in the market square near the harbour").split()
@@ -188,10 +187,7 @@ unset multiplot
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bindir", default="build/bin")
-    ap.add_argument("--model", default=os.environ.get("PDMESH_MODEL",
-                                                      "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap = mesh_argparser()
     ap.add_argument("--out", default="docs/perf")
     ap.add_argument("--quick", action="store_true", help="short run (about 3 minutes)")
     ap.add_argument("--duration", type=float, default=None)

@@ -15,7 +15,6 @@
 
   python3 tests/deploy/check_k8s.py --bindir build/bin [--model FILE]
 """
-import argparse
 import glob
 import json
 import os
@@ -32,7 +31,7 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
-from mesh import free_port  # noqa: E402
+from mesh import free_port, mesh_argparser  # noqa: E402
 K8S = os.path.join(HERE, "..", "..", "deploy", "k8s")
 SECRET_KEYS = {"cluster-secret", "admin-token"}
 passed = failed = 0
@@ -261,10 +260,7 @@ def live_run(bindir, model, docs):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bindir", default="build/bin")
-    ap.add_argument("--model", default=os.environ.get("PDMESH_MODEL",
-                                                      "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap = mesh_argparser()
     args = ap.parse_args()
     docs = load_docs()
     static_checks(args.bindir, docs)

@@ -24,7 +24,6 @@ Needs root (namespaces, nftables, tc); skips with a message otherwise.
 
   python3 tests/fault/run.py --bindir build/bin [--model FILE]
 """
-import argparse
 import json
 import os
 import random
@@ -36,6 +35,9 @@ import tempfile
 import threading
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
+from mesh import mesh_argparser  # noqa: E402
 
 NET = "10.232.0"
 BR = "pdmfbr"
@@ -245,7 +247,8 @@ def gen(bindir, ep, prompt, n=16, deadline_ms=60000, timeout=90, stream=True):
     if stream:
         argv.append("--stream")
     t0 = time.time()
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 30)
+    # errors="replace": a corrupted reply may carry bytes that are not UTF-8
+    p = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout + 30)
     out = None
     for line in p.stdout.splitlines():
         try:
@@ -256,10 +259,7 @@ def gen(bindir, ep, prompt, n=16, deadline_ms=60000, timeout=90, stream=True):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bindir", default="build/bin")
-    ap.add_argument("--model", default=os.environ.get("PDMESH_MODEL",
-                                                      "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap = mesh_argparser()
     args = ap.parse_args()
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "nft", "tc")):
         print("fault: needs root, ip, nft and tc (network namespaces, nftables); skipped")

@@ -1,6 +1,7 @@
 """A real local mesh for the HTTP tests and the serving benchmark: pdmesh-router (with HTTP),
 one prefill group and one decode node, as separate processes on free loopback ports, the
 nodes registering with the cluster secret from the environment (never a command line)."""
+import argparse
 import json
 import os
 import signal
@@ -17,6 +18,16 @@ def free_port():
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def mesh_argparser(doc=None):
+    """The options every script that starts processes of the mesh takes: where the binaries
+    are and which model they load ($PDMESH_MODEL, else the default model)."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--bindir", default="build/bin")
+    ap.add_argument("--model", default=os.environ.get("PDMESH_MODEL",
+                                                      "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return ap
 
 
 class Mesh:

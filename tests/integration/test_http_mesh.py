@@ -15,7 +15,6 @@ processes, ZeroMQ control plane, KV over UCX):
 - the router shuts down cleanly on SIGTERM.
 
   python3 tests/integration/test_http_mesh.py [--bindir build/bin] [--model FILE]"""
-import argparse
 import json
 import os
 import subprocess
@@ -27,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "http"))
 from httptest import Reader, call, connect, request_bytes, sse_events, wait_for  # noqa: E402
-from mesh import Mesh, reference  # noqa: E402
+from mesh import Mesh, mesh_argparser, reference  # noqa: E402
 
 N_TOKENS = 12
 # Short prompts are prefilled by the decode node (conditional disaggregation), long ones by
@@ -220,10 +219,7 @@ def check_prometheus(mesh):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bindir", default="build/bin")
-    ap.add_argument("--model", default=os.environ.get("PDMESH_MODEL",
-                                                      "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap = mesh_argparser()
     args = ap.parse_args()
     t0 = time.time()
     expect = {p: reference(args.bindir, args.model, p, N_TOKENS)["text"] for p in PROMPTS}
