@@ -42,7 +42,9 @@ LDLIBS := -lucp -lucs -lzmq -lprotobuf-c -lcrypto -lpcre2-8 -lcjson -lxxhash -lm
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := $(AVX2_FLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
 
-COMMON_SRC := common/common.c common/wire.c common/agent.c common/curve.c
+COMMON_SRC := common/common.c common/wire.c common/curve.c
+# Node-only code (the daemons' control-plane link): not in libpdmesh.
+NODE_SRC := common/nodelink.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
@@ -52,7 +54,7 @@ KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/ch
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c prefill_node/conv.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_node/beam.c \
               decode_node/beam_search.c decode_node/offload.c
-LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
+LIB_SRC := $(COMMON_SRC) $(NODE_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
            router/metrics.c
 CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c cli/generate_remote.c \
            cli/meshconf.c
@@ -74,6 +76,7 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
             tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c \
             tests/unit/test_router.c tests/unit/test_sdk.c tests/unit/test_http.c tests/unit/test_curve.c \
+            tests/unit/test_nodeproto.c \
             router/http_openai.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.

@@ -101,19 +101,6 @@ char *pdm_hex_encode(const void *data, size_t len);
  * length or not hex, PDM_ENOMEM. Writes the outputs only on success. */
 int pdm_hex_decode(const char *s, uint8_t **out, size_t *len);
 
-/* ---- Control lines on stdio --------------------------------------------------------------
- * Until the router's control plane drives them, the daemons (pdmesh-prefill, pdmesh-decode)
- * talk to their launcher with one JSON object per line on stdin/stdout. */
-struct cJSON;
-/* Keeps the original stdout as the protocol stream and points file descriptor 1 at stderr,
- * so that anything a library prints (UCX prints its warnings on stdout) cannot corrupt it. */
-int pdm_ctl_open(void);
-void pdm_ctl_close(void);
-/* Writes `obj` as one line and frees it. */
-void pdm_ctl_emit(struct cJSON *obj);
-/* The first line of a daemon: {"event":"hello","address":"<hex>","pid":N}. */
-void pdm_ctl_hello(const void *address, size_t len);
-
 #define PDM_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 #define PDM_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define PDM_MAX(a, b) ((a) > (b) ? (a) : (b))

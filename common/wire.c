@@ -44,6 +44,12 @@ static const struct {
     {PDMESH__MSG_TYPE__MSG_DECODE_RESULT, "DecodeResult", &pdmesh__decode_result__descriptor},
     {PDMESH__MSG_TYPE__MSG_CANCEL_TASK, "CancelTask", &pdmesh__cancel_task__descriptor},
     {PDMESH__MSG_TYPE__MSG_DEREGISTER, "Deregister", &pdmesh__deregister__descriptor},
+    {PDMESH__MSG_TYPE__MSG_GROUP_READY, "GroupReady", &pdmesh__group_ready__descriptor},
+    {PDMESH__MSG_TYPE__MSG_STATS_REQUEST, "StatsRequest", &pdmesh__stats_request__descriptor},
+    {PDMESH__MSG_TYPE__MSG_NODE_STATS, "NodeStats", &pdmesh__node_stats__descriptor},
+    {PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG, "GroupPingPong", &pdmesh__group_ping_pong__descriptor},
+    {PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG_RESULT, "GroupPingPongResult",
+     &pdmesh__group_ping_pong_result__descriptor},
     {PDMESH__MSG_TYPE__MSG_ADMIN_REQUEST, "AdminRequest", &pdmesh__admin_request__descriptor},
     {PDMESH__MSG_TYPE__MSG_ADMIN_REPLY, "AdminReply", &pdmesh__admin_reply__descriptor},
 };

@@ -168,6 +168,7 @@ typedef struct {
     double step_seconds;    /* DONE: mean seconds per decode step of this sequence */
     uint64_t kv_bytes;      /* DONE: KV bytes received */
     const char *error;      /* ERROR: what went wrong (the sequence is released) */
+    int kv_error;           /* ERROR: 1 when the prompt's KV failed to arrive or verify */
     const pdm_beam_report_t *beam; /* DONE of a beam search: n-best list and memory; else NULL */
 } pdm_decode_event_t;
 

@@ -1,283 +1,425 @@
 /*
  * pdmesh-decode - a decode node.
  *
- * Until the router drives it (control plane), a launcher drives it over stdin/stdout with one
- * JSON object per line (pdmesh disagg-run, the tests):
+ * The node connects to a node socket (--router: the router's, or a local harness's such as
+ * pdmesh disagg-run, prefill_node/launch.c) and takes its work as the messages of
+ * proto/pdmesh.proto through its link (common/nodelink.h):
  *
- *   node -> {"event":"hello","address":"<hex UCX worker address>","pid":N}
- *   <- {"cmd":"connect","addrs":["<hex>",...]}        prefill ranks, in rank order
- *   node -> {"event":"connected","ok":true}
- *   <- {"cmd":"reserve","id":N,"attempt":A,"n_prompt":P,"max_new":M,
- *       "ranges":[[start,len,rank,chunk],...],"beams":B}      beams optional (beam.h)
- *   node -> {"event":"reserved","id":N,"ok":true}       (or ok:false, "error": "... full ...")
- *   <- {"cmd":"start","id":N,"first_token":T,"temp":..,"top_k":..,"top_p":..,"min_p":..,
- *       "repeat_penalty":..,"seed":..,"stop":[...],"timeout":S,
- *       "length_penalty":X,"n_best":N,"early_stopping":"heuristic|early|never",
- *       "prompt_last":T,"ignore_eos":bool}   beam fields optional; prompt_last required for
- *                                 beams; ignore_eos: end-of-generation tokens do not end it
- *   node -> {"event":"token","id":N,"token":T,"index":i} ...
- *   node -> {"event":"done","id":N,"finish":"eos|length|stop|deadline|cancelled",
- *            "tokens":[...],"text":"...","kv_seconds":..,"step_seconds":..,"kv_bytes":..,
- *            beam search only: "n_best":[{"tokens":[..],"text":"..","score":..,"logprob":..,
- *            "eos":bool},...], "beam":{"width":..,"length_penalty":..,"early_stopping":"..",
- *            "n_prompt":..,"n_response":..,"kv_prompt_bytes":..,"kv_response_bytes":..,
- *            "kv_bytes_eq2":..,"kv_bytes_eq3":..}}
- *            "offload":{...}}   (with --kv-fast-budget: pdm_kvoff_stats_json, node-wide)
- *        or {"event":"error","id":N,"error":"..."}
- *   <- {"cmd":"cancel","id":N}   <- {"cmd":"quit"}
- *   <- {"cmd":"stats"}  node -> {"event":"stats","held":N,"kv_slots":K,"running":R}
+ *   DecodeTask   -> connect to the prefill ranks, reserve KV, post the receives of every
+ *                   block (or prefill locally)                       -> DecodeReserved
+ *   DecodeStart  -> generate once the KV has arrived and verified    -> DecodeTokens ...,
+ *                                                                       DecodeResult
+ *   CancelTask   -> end the sequence (its DecodeResult says ERR_CANCELLED)
+ *   StatsRequest ->                                                  -> NodeStats
  *
- * The node keeps stepping its batch while it reads commands (poll without blocking when
- * sequences run). Diagnostics go to stderr; fd 1 points at stderr too, the protocol has its
- * own copy of stdout.
+ * A task attempt is known on the node by PDM_LINK_TASK_KEY(task_id, attempt). The node keeps
+ * stepping its batch while it takes messages (it polls without blocking while sequences run).
+ * Diagnostics go to stderr. SIGTERM ends the process cleanly (Deregister first).
  */
-#include <cjson/cJSON.h>
-#include <errno.h>
 #include <getopt.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
-#include "common/agent.h"
+#include "common/nodelink.h"
 #include "common/pdm.h"
 #include "decode_node/decode.h"
 
-#define MAX_LINE (16u << 20)
+#define DN_MAX_TASKS 4096
 
-static int rank_peer[PDM_KVT_MAX_RANKS];
-static pdm_kvoff_params_t offload; /* --kv-fast-budget / --kv-slow-tier / --kv-offload-groups */
-static int n_ranks;
-static pdm_beam_params_t node_beam; /* --beams, --length-penalty, --n-best, --early-stopping */
+/* What a task attempt needs between its DecodeTask and its DecodeResult. */
+typedef struct {
+    int used;
+    uint64_t key;           /* PDM_LINK_TASK_KEY */
+    uint64_t task_id;
+    uint32_t attempt;
+    uint32_t skip;          /* migration: tokens already delivered, not streamed again */
+    /* beam search of the DecodeTask (beams > 1), applied at its DecodeStart */
+    uint32_t beams, n_best;
+    float length_penalty;
+    char early_stopping[16];
+} dn_task_t;
 
-static void reply(const char *event, double id, int ok, const char *error)
+typedef struct {
+    const pdm_model_t *model;
+    pdm_kvt_t *kvt;
+    pdm_decode_node_t *node;
+    pdm_link_t *link;
+    pdm_decode_params_t dp;
+    pdm_kvoff_params_t offload;  /* --kv-fast-budget / --kv-slow-tier / --kv-offload-groups */
+    pdm_beam_params_t beam;      /* --beams, --length-penalty, --n-best, --early-stopping */
+    int rank_peer[PDM_KVT_MAX_RANKS]; /* kvt peers of the last DecodeTask's prefill ranks */
+    int n_ranks;
+    dn_task_t tasks[DN_MAX_TASKS];
+} dn_t;
+
+static dn_task_t *dn_task_find(dn_t *dn, uint64_t key)
 {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "event", event);
-    if (id >= 0) cJSON_AddNumberToObject(o, "id", id);
-    cJSON_AddBoolToObject(o, "ok", ok);
-    if (error) cJSON_AddStringToObject(o, "error", error);
-    pdm_ctl_emit(o);
+    for (int i = 0; i < DN_MAX_TASKS; i++)
+        if (dn->tasks[i].used && dn->tasks[i].key == key) return &dn->tasks[i];
+    return NULL;
 }
 
-/* The n-best list and the segmented cache's memory of a finished beam search. */
-static void add_beam_report(cJSON *o, const pdm_beam_report_t *r)
+static dn_task_t *dn_task_new(dn_t *dn, uint64_t task_id, uint32_t attempt)
 {
-    cJSON *list = cJSON_AddArrayToObject(o, "n_best");
-    for (int h = 0; h < r->n_hyps; h++) {
-        cJSON *e = cJSON_CreateObject();
-        cJSON_AddItemToObject(e, "tokens", cJSON_CreateIntArray(r->hyps[h].tokens,
-                                                                r->hyps[h].n_tokens));
-        cJSON_AddStringToObject(e, "text", r->texts[h]);
-        cJSON_AddNumberToObject(e, "score", r->hyps[h].score);
-        cJSON_AddNumberToObject(e, "logprob", r->hyps[h].logprob);
-        cJSON_AddBoolToObject(e, "eos", r->hyps[h].eos);
-        cJSON_AddItemToArray(list, e);
+    for (int i = 0; i < DN_MAX_TASKS; i++)
+        if (!dn->tasks[i].used) {
+            dn_task_t *t = &dn->tasks[i];
+            memset(t, 0, sizeof(*t));
+            t->used = 1;
+            t->key = PDM_LINK_TASK_KEY(task_id, attempt);
+            t->task_id = task_id;
+            t->attempt = attempt;
+            return t;
+        }
+    return NULL;
+}
+
+static void dn_reserved(dn_t *dn, const Pdmesh__DecodeTask *t, int st)
+{
+    Pdmesh__DecodeReserved r = PDMESH__DECODE_RESERVED__INIT;
+    Pdmesh__Error e = PDMESH__ERROR__INIT;
+    r.task_id = e.task_id = t->task_id;
+    r.attempt = e.attempt = t->attempt;
+    r.epoch = pdm_link_epoch(dn->link);
+    r.ok = !st;
+    if (st) {
+        e.code = st == PDM_EOVERFLOW ? PDMESH__ERROR_CODE__ERR_NODE_FULL
+                                     : PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT;
+        e.message = (char *)pdm_error_last();
+        r.error = &e;
     }
-    cJSON *b = cJSON_AddObjectToObject(o, "beam");
-    cJSON_AddNumberToObject(b, "width", r->width);
-    cJSON_AddNumberToObject(b, "length_penalty", r->length_penalty);
-    cJSON_AddStringToObject(b, "early_stopping", pdm_beam_stop_name(r->early_stopping));
-    cJSON_AddNumberToObject(b, "n_prompt", r->n_prompt);
-    cJSON_AddNumberToObject(b, "n_response", r->n_response);
-    cJSON_AddNumberToObject(b, "kv_prompt_bytes", (double)r->prompt_bytes);
-    cJSON_AddNumberToObject(b, "kv_response_bytes", (double)r->response_bytes);
-    cJSON_AddNumberToObject(b, "kv_bytes_eq2", (double)r->eq2_bytes);
-    cJSON_AddNumberToObject(b, "kv_bytes_eq3", (double)r->eq3_bytes);
+    pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESERVED, &r.base);
 }
 
-static void on_event(void *arg, const pdm_decode_event_t *ev)
+/* Connects the prefill ranks (cached peers) and posts the receives of the plan, or prefills
+ * locally. */
+static int dn_reserve(dn_t *dn, const Pdmesh__DecodeTask *t, const dn_task_t *rec)
 {
-    pdm_decode_node_t *node = arg;
-    cJSON *o = cJSON_CreateObject();
-    switch (ev->type) {
-    case PDM_DECODE_EV_TOKEN:
-        cJSON_AddStringToObject(o, "event", "token");
-        cJSON_AddNumberToObject(o, "id", (double)ev->id);
-        cJSON_AddNumberToObject(o, "token", ev->token);
-        cJSON_AddNumberToObject(o, "index", ev->index);
-        break;
-    case PDM_DECODE_EV_DONE:
-        cJSON_AddStringToObject(o, "event", "done");
-        cJSON_AddNumberToObject(o, "id", (double)ev->id);
-        cJSON_AddStringToObject(o, "finish", ev->finish);
-        cJSON_AddItemToObject(o, "tokens", cJSON_CreateIntArray(ev->tokens, ev->n_tokens));
-        cJSON_AddStringToObject(o, "text", ev->text);
-        cJSON_AddNumberToObject(o, "kv_seconds", ev->kv_seconds);
-        cJSON_AddNumberToObject(o, "step_seconds", ev->step_seconds);
-        cJSON_AddNumberToObject(o, "kv_bytes", (double)ev->kv_bytes);
-        if (ev->beam) add_beam_report(o, ev->beam);
-        pdm_kvoff_stats_t os; /* head-wise offload: what it did so far (node-wide) */
-        if (node && !pdm_decode_node_offload_stats(node, &os))
-            cJSON_AddItemToObject(o, "offload", pdm_kvoff_stats_json(&os, &offload));
-        break;
-    default:
-        cJSON_AddStringToObject(o, "event", "error");
-        cJSON_AddNumberToObject(o, "id", (double)ev->id);
-        cJSON_AddStringToObject(o, "error", ev->error ? ev->error : "failed");
-        break;
+    const uint64_t key = rec->key;
+    const int beams = rec->beams ? (int)rec->beams : -1; /* -1: none, whatever --beams says */
+    if (t->max_new > (1u << 30) || t->n_prompt > (1u << 30))
+        return pdm_error_set(PDM_ERANGE, "DecodeTask: n_prompt or max_new out of range");
+    if (t->local_prefill) {
+        if (!t->n_prompt_tokens)
+            return pdm_error_set(PDM_EINVAL, "DecodeTask: local prefill without prompt tokens");
+        return pdm_decode_node_reserve_local_beams(dn->node, key, t->attempt & 15u,
+                                                   t->prompt_tokens, (int32_t)t->n_prompt_tokens,
+                                                   (int32_t)t->max_new, beams);
     }
-    pdm_ctl_emit(o);
+    if (!t->n_prefill_addresses || t->n_prefill_addresses > PDM_KVT_MAX_RANKS ||
+        !t->n_ranges || t->n_ranges > 1024)
+        return pdm_error_set(PDM_EINVAL, "DecodeTask: needs 1..%d prefill addresses and "
+                             "1..1024 ranges", PDM_KVT_MAX_RANKS);
+    int peers[PDM_KVT_MAX_RANKS];
+    for (size_t i = 0; i < t->n_prefill_addresses; i++) {
+        int st = pdm_kvt_connect_cached(dn->kvt, t->prefill_addresses[i].data,
+                                        t->prefill_addresses[i].len, &peers[i]);
+        if (st) return st;
+    }
+    memcpy(dn->rank_peer, peers, sizeof(int) * t->n_prefill_addresses);
+    dn->n_ranks = (int)t->n_prefill_addresses;
+    pdm_decode_range_t rg[1024];
+    for (size_t i = 0; i < t->n_ranges; i++) {
+        const Pdmesh__TokenRange *x = t->ranges[i];
+        if (x->rank >= t->n_prefill_addresses || x->start > (1u << 30) || x->len > (1u << 30) ||
+            x->chunk > (1u << 20))
+            return pdm_error_set(PDM_EINVAL, "DecodeTask: range %zu names an unknown rank or is "
+                                 "out of range", i);
+        rg[i] = (pdm_decode_range_t){.start = (int32_t)x->start, .len = (int32_t)x->len,
+                                     .peer = peers[x->rank], .chunk = (int)x->chunk};
+    }
+    pdm_decode_reserve_t rv = {.id = key, .attempt = t->attempt & 15u,
+                               .n_prompt = (int32_t)t->n_prompt, .max_new = (int32_t)t->max_new,
+                               .ranges = rg, .n_ranges = (int)t->n_ranges, .beams = beams};
+    return pdm_decode_node_reserve(dn->node, &rv);
 }
 
-static double num(const cJSON *o, const char *key, double def)
+static void dn_on_decode_task(dn_t *dn, const Pdmesh__DecodeTask *t)
 {
-    const cJSON *v = cJSON_GetObjectItem(o, key);
-    return cJSON_IsNumber(v) ? v->valuedouble : def;
+    const uint64_t key = PDM_LINK_TASK_KEY(t->task_id, t->attempt);
+    if (dn_task_find(dn, key)) {
+        dn_reserved(dn, t, pdm_error_set(PDM_EINVAL, "DecodeTask: task %llu attempt %u is "
+                                         "already held", (unsigned long long)t->task_id,
+                                         t->attempt));
+        return;
+    }
+    dn_task_t *rec = dn_task_new(dn, t->task_id, t->attempt);
+    if (!rec) {
+        dn_reserved(dn, t, pdm_error_set(PDM_EOVERFLOW, "decode node full: %d tasks held",
+                                         DN_MAX_TASKS));
+        return;
+    }
+    if (t->beams > 1) {
+        rec->beams = t->beams;
+        rec->n_best = t->n_best ? t->n_best : 1;
+        rec->length_penalty = t->length_penalty;
+        snprintf(rec->early_stopping, sizeof(rec->early_stopping), "%s",
+                 t->early_stopping && t->early_stopping[0] ? t->early_stopping : "heuristic");
+    }
+    int st = dn_reserve(dn, t, rec);
+    if (st) rec->used = 0;
+    dn_reserved(dn, t, st);
 }
 
-static void handle(const cJSON *cmd, const char *name, pdm_kvt_t *kvt, pdm_decode_node_t *node)
+/* DecodeResult of a task that ends with an error (its record is released). */
+static void dn_result_error(dn_t *dn, uint64_t task_id, uint32_t attempt, int code,
+                            const char *msg)
 {
-    double id = num(cmd, "id", -1);
-    if (!strcmp(name, "connect")) {
-        const cJSON *addrs = cJSON_GetObjectItem(cmd, "addrs"), *a;
-        if (!cJSON_IsArray(addrs) || cJSON_GetArraySize(addrs) > PDM_KVT_MAX_RANKS) {
-            reply("connected", -1, 0, "connect needs addrs (at most 64)");
-            return;
-        }
-        n_ranks = 0;
-        cJSON_ArrayForEach(a, addrs)
-        {
-            uint8_t *b;
-            size_t len;
-            if (!cJSON_IsString(a) || pdm_hex_decode(a->valuestring, &b, &len)) {
-                reply("connected", -1, 0, "an address is not hex");
-                return;
-            }
-            int st = pdm_kvt_connect_cached(kvt, b, len, &rank_peer[n_ranks]);
-            free(b);
-            if (st) {
-                reply("connected", -1, 0, pdm_error_last());
-                return;
-            }
-            n_ranks++;
-        }
-        reply("connected", -1, 1, NULL);
-    } else if (!strcmp(name, "reserve")) {
-        const cJSON *ranges = cJSON_GetObjectItem(cmd, "ranges"), *r;
-        int n = cJSON_IsArray(ranges) ? cJSON_GetArraySize(ranges) : 0;
-        if (id < 0 || n < 1 || n > 1024) {
-            reply("reserved", id, 0, "reserve needs id and ranges");
-            return;
-        }
-        pdm_decode_range_t rg[1024];
-        int k = 0;
-        cJSON_ArrayForEach(r, ranges)
-        {
-            int rank = cJSON_IsArray(r) && cJSON_GetArraySize(r) == 4
-                           ? cJSON_GetArrayItem(r, 2)->valueint : -1;
-            if (rank < 0 || rank >= n_ranks) {
-                reply("reserved", id, 0, "a range names an unknown rank");
-                return;
-            }
-            rg[k++] = (pdm_decode_range_t){.start = cJSON_GetArrayItem(r, 0)->valueint,
-                                           .len = cJSON_GetArrayItem(r, 1)->valueint,
-                                           .peer = rank_peer[rank],
-                                           .chunk = cJSON_GetArrayItem(r, 3)->valueint};
-        }
-        pdm_decode_reserve_t rv = {.id = (uint64_t)id,
-                                   .attempt = (uint32_t)num(cmd, "attempt", 0),
-                                   .n_prompt = (int32_t)num(cmd, "n_prompt", 0),
-                                   .max_new = (int32_t)num(cmd, "max_new", 0),
-                                   .ranges = rg, .n_ranges = k,
-                                   .beams = (int)num(cmd, "beams", 0)};
-        if (pdm_decode_node_reserve(node, &rv)) reply("reserved", id, 0, pdm_error_last());
-        else reply("reserved", id, 1, NULL);
-    } else if (!strcmp(name, "reserve_local")) {
-        /* {"cmd":"reserve_local","id":N,"attempt":A,"tokens":[...],"max_new":M,"beams":B}: this
-         * node prefills the tokens itself (conditional disaggregation, migration); beams
-         * optional (> 0: a beam search, started with prompt_last). */
-        const cJSON *toks = cJSON_GetObjectItem(cmd, "tokens"), *e;
-        int n = cJSON_IsArray(toks) ? cJSON_GetArraySize(toks) : 0;
-        int32_t *t = n > 0 ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
-        if (id < 0 || !t) {
-            free(t);
-            reply("reserved", id, 0, "reserve_local needs id and tokens");
-            return;
-        }
-        int k = 0;
-        cJSON_ArrayForEach(e, toks) t[k++] = cJSON_IsNumber(e) ? (int32_t)e->valuedouble : -1;
-        if (pdm_decode_node_reserve_local_beams(node, (uint64_t)id,
-                                                (uint32_t)num(cmd, "attempt", 0), t, n,
-                                                (int32_t)num(cmd, "max_new", 0),
-                                                (int)num(cmd, "beams", -1)))
-            reply("reserved", id, 0, pdm_error_last());
-        else
-            reply("reserved", id, 1, NULL);
-        free(t);
-    } else if (!strcmp(name, "start")) {
-        pdm_decode_start_t s = {.id = (uint64_t)id, .first_token = (int32_t)num(cmd, "first_token", -1)};
-        pdm_sampler_params_default(&s.sp);
-        s.sp.temperature = (float)num(cmd, "temp", s.sp.temperature);
-        s.sp.top_k = (int32_t)num(cmd, "top_k", s.sp.top_k);
-        s.sp.top_p = (float)num(cmd, "top_p", s.sp.top_p);
-        s.sp.min_p = (float)num(cmd, "min_p", s.sp.min_p);
-        s.sp.repeat_penalty = (float)num(cmd, "repeat_penalty", s.sp.repeat_penalty);
-        s.sp.seed = (uint64_t)num(cmd, "seed", (double)s.sp.seed);
-        const char *stops[8];
-        const cJSON *st = cJSON_GetObjectItem(cmd, "stop"), *e;
-        cJSON_ArrayForEach(e, st)
-        {
-            if (s.n_stops < 8 && cJSON_IsString(e)) stops[s.n_stops++] = e->valuestring;
-        }
-        s.stops = stops;
-        /* beam search: the node's defaults, overridden per request */
-        s.beam = node_beam;
-        s.beam.width = (int)num(cmd, "beams", 0);
-        s.beam.length_penalty = (float)num(cmd, "length_penalty", s.beam.length_penalty);
-        s.beam.n_best = (int)num(cmd, "n_best", s.beam.n_best);
-        const cJSON *es = cJSON_GetObjectItem(cmd, "early_stopping");
-        if (cJSON_IsString(es) && pdm_beam_stop_parse(es->valuestring, &s.beam.early_stopping)) {
-            reply("error", id, 0, pdm_error_last());
-            return;
-        }
-        s.prompt_last = (int32_t)num(cmd, "prompt_last", -1);
-        s.ignore_eos = cJSON_IsTrue(cJSON_GetObjectItem(cmd, "ignore_eos"));
-        double timeout = num(cmd, "timeout", 0);
-        s.deadline = timeout > 0 ? pdm_now() + timeout : 0;
-        if (id < 0 || pdm_decode_node_start(node, &s)) {
-            cJSON *o = cJSON_CreateObject();
-            cJSON_AddStringToObject(o, "event", "error");
-            cJSON_AddNumberToObject(o, "id", id);
-            cJSON_AddStringToObject(o, "error", id < 0 ? "start needs an id" : pdm_error_last());
-            pdm_ctl_emit(o);
-        }
-    } else if (!strcmp(name, "stats")) {
-        int held;
-        int64_t slots;
-        pdm_decode_node_usage(node, &held, &slots);
-        cJSON *o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "event", "stats");
-        cJSON_AddBoolToObject(o, "ok", 1);
-        cJSON_AddNumberToObject(o, "held", held);
-        cJSON_AddNumberToObject(o, "kv_slots", (double)slots);
-        cJSON_AddNumberToObject(o, "running", pdm_decode_node_running(node));
-        /* KV received from each prefill rank so far (transfer statistics for metrics). */
-        cJSON *peers = cJSON_AddArrayToObject(o, "ranks");
-        for (int r = 0; r < n_ranks; r++) {
-            pdm_kvt_stats_t ps;
-            if (pdm_kvt_peer_stats(kvt, rank_peer[r], &ps)) continue;
-            cJSON *e = cJSON_CreateObject();
-            cJSON_AddNumberToObject(e, "rank", r);
-            cJSON_AddNumberToObject(e, "bytes_received", (double)ps.bytes_received);
-            cJSON_AddNumberToObject(e, "messages", (double)ps.receives);
-            cJSON_AddItemToArray(peers, e);
-        }
-        pdm_ctl_emit(o);
-    } else if (!strcmp(name, "cancel")) {
-        if (id < 0 || pdm_decode_node_cancel(node, (uint64_t)id))
-            reply("error", id, 0, "cancel: unknown request");
+    Pdmesh__DecodeResult r = PDMESH__DECODE_RESULT__INIT;
+    Pdmesh__Error e = PDMESH__ERROR__INIT;
+    r.task_id = e.task_id = task_id;
+    r.attempt = e.attempt = attempt;
+    r.epoch = pdm_link_epoch(dn->link);
+    e.code = (Pdmesh__ErrorCode)code;
+    e.message = (char *)msg;
+    r.error = &e;
+    pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
+    dn_task_t *rec = dn_task_find(dn, PDM_LINK_TASK_KEY(task_id, attempt));
+    if (rec) rec->used = 0;
+}
+
+static void dn_on_decode_start(dn_t *dn, const Pdmesh__DecodeStart *m)
+{
+    const uint64_t key = PDM_LINK_TASK_KEY(m->task_id, m->attempt);
+    dn_task_t *rec = dn_task_find(dn, key);
+    pdm_decode_start_t s = {.id = key, .first_token = m->first_token};
+    pdm_sampler_params_default(&s.sp);
+    if (m->sampling) { /* the router sends normalized parameters (0 = off already mapped) */
+        s.sp.temperature = m->sampling->temperature;
+        s.sp.top_k = m->sampling->top_k;
+        s.sp.top_p = m->sampling->top_p > 0 ? m->sampling->top_p : 1;
+        s.sp.min_p = m->sampling->min_p;
+        s.sp.repeat_penalty = m->sampling->repeat_penalty > 0 ? m->sampling->repeat_penalty : 1;
+        s.sp.seed = m->sampling->seed;
+    }
+    const char *stops[8];
+    for (size_t i = 0; i < m->n_stop && s.n_stops < 8; i++) stops[s.n_stops++] = m->stop[i];
+    s.stops = stops;
+    s.deadline = m->deadline_ms ? pdm_now() + m->deadline_ms / 1000.0 : 0;
+    s.ignore_eos = m->ignore_eos;
+    s.prompt_last = -1;
+    s.beam = dn->beam;
+    s.beam.width = 0;
+    int st = PDM_OK;
+    if (!rec) {
+        st = pdm_error_set(PDM_ENOTFOUND, "DecodeStart: task %llu attempt %u is not reserved "
+                           "here", (unsigned long long)m->task_id, m->attempt);
     } else {
-        reply("error", id, 0, "unknown command");
+        rec->skip = m->skip_tokens;
+        if (rec->beams) { /* the search picks the first token itself from the last one */
+            s.beam.width = (int)rec->beams;
+            s.beam.n_best = (int)rec->n_best;
+            s.beam.length_penalty = rec->length_penalty;
+            st = pdm_beam_stop_parse(rec->early_stopping, &s.beam.early_stopping);
+            s.prompt_last = m->prompt_last;
+        }
     }
+    if (!st) st = pdm_decode_node_start(dn->node, &s);
+    if (st)
+        dn_result_error(dn, m->task_id, m->attempt, st == PDM_ENOTFOUND || st == PDM_EINVAL
+                                                        ? PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT
+                                                        : PDMESH__ERROR_CODE__ERR_INTERNAL,
+                        pdm_error_last());
+}
+
+static void dn_on_stats(dn_t *dn)
+{
+    Pdmesh__NodeStats s = PDMESH__NODE_STATS__INIT;
+    Pdmesh__Load load = PDMESH__LOAD__INIT;
+    Pdmesh__PeerTraffic traffic[PDM_KVT_MAX_RANKS], *tp[PDM_KVT_MAX_RANKS];
+    int held;
+    int64_t slots;
+    pdm_decode_node_usage(dn->node, &held, &slots);
+    load.running = (uint32_t)pdm_decode_node_running(dn->node);
+    load.held = (uint32_t)held;
+    load.kv_tokens_used = (uint64_t)slots;
+    load.kv_tokens_free = dn->dp.kv_budget > slots ? (uint64_t)(dn->dp.kv_budget - slots) : 0;
+    s.epoch = pdm_link_epoch(dn->link);
+    s.load = &load;
+    s.held = (uint32_t)held;
+    s.kv_slots = (uint64_t)slots;
+    /* KV received from each prefill rank so far (transfer statistics). */
+    for (int r = 0; r < dn->n_ranks; r++) {
+        pdm_kvt_stats_t ps;
+        if (pdm_kvt_peer_stats(dn->kvt, dn->rank_peer[r], &ps)) continue;
+        pdmesh__peer_traffic__init(&traffic[s.n_ranks]);
+        traffic[s.n_ranks].rank = (uint32_t)r;
+        traffic[s.n_ranks].bytes_received = ps.bytes_received;
+        traffic[s.n_ranks].messages = ps.receives;
+        tp[s.n_ranks] = &traffic[s.n_ranks];
+        s.n_ranks++;
+    }
+    s.ranks = tp;
+    pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_NODE_STATS, &s.base);
+}
+
+/* The load the heartbeats report: what the node really holds. */
+static void dn_report_load(dn_t *dn)
+{
+    Pdmesh__Load load = PDMESH__LOAD__INIT;
+    int held;
+    int64_t slots;
+    pdm_decode_node_usage(dn->node, &held, &slots);
+    load.running = (uint32_t)pdm_decode_node_running(dn->node);
+    load.held = (uint32_t)held;
+    load.kv_tokens_used = (uint64_t)slots;
+    load.kv_tokens_free = dn->dp.kv_budget > slots ? (uint64_t)(dn->dp.kv_budget - slots) : 0;
+    pdm_kvoff_stats_t os;
+    if (!pdm_decode_node_offload_stats(dn->node, &os)) load.offload_bytes = (uint64_t)os.slow.used;
+    pdm_link_set_load(dn->link, &load);
+}
+
+static void dn_on_message(dn_t *dn, const pdm_wire_msg_t *m)
+{
+    const ProtobufCMessage *msg = pdm_wire_message(m);
+    switch (pdm_wire_type(m)) {
+    case PDMESH__MSG_TYPE__MSG_DECODE_TASK:
+        dn_on_decode_task(dn, (const Pdmesh__DecodeTask *)msg);
+        break;
+    case PDMESH__MSG_TYPE__MSG_DECODE_START:
+        dn_on_decode_start(dn, (const Pdmesh__DecodeStart *)msg);
+        break;
+    case PDMESH__MSG_TYPE__MSG_CANCEL_TASK: {
+        const Pdmesh__CancelTask *c = (const Pdmesh__CancelTask *)msg;
+        /* unknown (already ended) tasks need no answer */
+        pdm_decode_node_cancel(dn->node, PDM_LINK_TASK_KEY(c->task_id, c->attempt));
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_STATS_REQUEST: dn_on_stats(dn); break;
+    default: break;
+    }
+}
+
+/* ---- events of the batch -> DecodeTokens / DecodeResult ---- */
+
+static void dn_beam_result(const pdm_beam_report_t *br, Pdmesh__DecodeResult *r,
+                           Pdmesh__Beam *beams, Pdmesh__Beam **bp, Pdmesh__BeamReport *rep)
+{
+    int n = PDM_MIN(br->n_hyps, PDM_BEAM_MAX_WIDTH);
+    for (int h = 0; h < n; h++) {
+        pdmesh__beam__init(&beams[h]);
+        beams[h].tokens = br->hyps[h].tokens;
+        beams[h].n_tokens = (size_t)br->hyps[h].n_tokens;
+        beams[h].text = (char *)br->texts[h];
+        beams[h].score = br->hyps[h].score;
+        beams[h].logprob = br->hyps[h].logprob;
+        beams[h].finish = br->hyps[h].eos ? PDMESH__FINISH_REASON__FINISH_EOS
+                                          : PDMESH__FINISH_REASON__FINISH_LENGTH;
+        bp[h] = &beams[h];
+    }
+    r->beams = bp;
+    r->n_beams = (size_t)n;
+    rep->width = (uint32_t)br->width;
+    rep->length_penalty = br->length_penalty;
+    rep->early_stopping = (char *)pdm_beam_stop_name(br->early_stopping);
+    rep->n_prompt = (uint32_t)br->n_prompt;
+    rep->n_response = (uint32_t)br->n_response;
+    rep->kv_prompt_bytes = br->prompt_bytes;
+    rep->kv_response_bytes = br->response_bytes;
+    rep->kv_bytes_eq2 = br->eq2_bytes;
+    rep->kv_bytes_eq3 = br->eq3_bytes;
+    r->beam_report = rep;
+}
+
+static void dn_offload_result(const dn_t *dn, const pdm_kvoff_stats_t *st, Pdmesh__OffloadStats *o)
+{
+    o->fast_budget = (uint64_t)st->fast.budget;
+    o->fast_bytes = (uint64_t)st->fast.used;
+    o->fast_peak = (uint64_t)st->fast.peak;
+    o->slow_tier = (char *)(dn->offload.slow_tier ? dn->offload.slow_tier : "ram");
+    o->slow_bytes = (uint64_t)st->slow.used;
+    o->slow_peak = (uint64_t)st->slow.peak;
+    o->resident_heads = (uint32_t)st->resident_heads;
+    o->offloaded_heads = (uint32_t)st->offloaded_heads;
+    o->group = (uint32_t)st->last_group;
+    o->prefetches = (uint64_t)st->prefetches;
+    o->prefetch_bytes = (uint64_t)st->prefetch_bytes;
+    o->writeback_bytes = (uint64_t)st->writeback_bytes;
+    o->prefetch_waits = (uint64_t)st->prefetch_waits;
+    o->wait_seconds = st->wait_seconds;
+}
+
+static void dn_on_event(void *arg, const pdm_decode_event_t *ev)
+{
+    dn_t *dn = arg;
+    dn_task_t *rec = dn_task_find(dn, ev->id);
+    const uint64_t task_id = rec ? rec->task_id : ev->id / 16;
+    const uint32_t attempt = rec ? rec->attempt : (uint32_t)(ev->id % 16);
+    if (ev->type == PDM_DECODE_EV_TOKEN) {
+        if (rec && (uint32_t)ev->index < rec->skip) return; /* migration: already delivered */
+        Pdmesh__DecodeTokens d = PDMESH__DECODE_TOKENS__INIT;
+        int32_t tok = ev->token;
+        d.task_id = task_id;
+        d.attempt = attempt;
+        d.index = (uint32_t)ev->index;
+        d.tokens = &tok;
+        d.n_tokens = 1;
+        pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_TOKENS, &d.base);
+        return;
+    }
+    if (ev->type != PDM_DECODE_EV_DONE) {
+        dn_result_error(dn, task_id, attempt, ev->kv_error ? PDMESH__ERROR_CODE__ERR_KV_TRANSFER
+                                                           : PDMESH__ERROR_CODE__ERR_INTERNAL,
+                        ev->error ? ev->error : "failed");
+        return;
+    }
+    Pdmesh__DecodeResult r = PDMESH__DECODE_RESULT__INIT;
+    Pdmesh__Error e = PDMESH__ERROR__INIT;
+    Pdmesh__Beam beams[PDM_BEAM_MAX_WIDTH], *bp[PDM_BEAM_MAX_WIDTH];
+    Pdmesh__BeamReport rep = PDMESH__BEAM_REPORT__INIT;
+    Pdmesh__OffloadStats off = PDMESH__OFFLOAD_STATS__INIT;
+    r.task_id = e.task_id = task_id;
+    r.attempt = e.attempt = attempt;
+    r.epoch = pdm_link_epoch(dn->link);
+    r.ok = 1;
+    if (!strcmp(ev->finish, "eos")) r.finish = PDMESH__FINISH_REASON__FINISH_EOS;
+    else if (!strcmp(ev->finish, "length")) r.finish = PDMESH__FINISH_REASON__FINISH_LENGTH;
+    else if (!strcmp(ev->finish, "stop")) r.finish = PDMESH__FINISH_REASON__FINISH_STOP;
+    else { /* deadline, cancelled: not a completion; the tokens so far come along */
+        r.ok = 0;
+        e.code = !strcmp(ev->finish, "deadline") ? PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED
+                                                 : PDMESH__ERROR_CODE__ERR_CANCELLED;
+        e.message = (char *)ev->finish;
+        r.error = &e;
+    }
+    r.tokens = (int32_t *)ev->tokens;
+    r.n_tokens = (size_t)ev->n_tokens;
+    r.text = (char *)(ev->text ? ev->text : "");
+    r.kv_seconds = ev->kv_seconds;
+    r.step_seconds = ev->step_seconds;
+    r.kv_bytes = ev->kv_bytes;
+    if (ev->beam) dn_beam_result(ev->beam, &r, beams, bp, &rep);
+    pdm_kvoff_stats_t os; /* head-wise offload: what it did so far (node-wide) */
+    if (!pdm_decode_node_offload_stats(dn->node, &os)) {
+        dn_offload_result(dn, &os, &off);
+        r.offload = &off;
+    }
+    pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
+    if (rec) rec->used = 0;
+}
+
+static void dn_usage(FILE *f)
+{
+    fprintf(f, "usage: pdmesh-decode --router ENDPOINT --node-id NAME [--secret-file F]\n"
+               "       [--curve-server-key F --curve-key F] [--exit-with-parent]\n"
+               "       [--model FILE] [--threads N] [--batch N] [--max-sequences N]\n"
+               "       [--kv-budget TOKENS] [--kv-dtype f32|f16|q8] [--kv-timeout S]\n"
+               "       [--beams B] [--length-penalty X] [--n-best N] "
+               "[--early-stopping heuristic|early|never]\n"
+               "       [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR] "
+               "[--kv-offload-groups CTX:G,...]\n"
+               "A decode node. It takes its tasks from the node socket at ENDPOINT (the router's,\n"
+               "or pdmesh disagg-run's) as protobuf messages.\n");
 }
 
 int main(int argc, char **argv)
 {
     const char *model_path = pdm_model_default_path();
-    pdm_decode_params_t dp;
-    pdm_decode_params_default(&dp);
+    static dn_t dn; /* the task table is large: not on the stack */
+    pdm_decode_params_default(&dn.dp);
+    pdm_kvoff_params_default(&dn.offload);
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"threads", required_argument, 0, 't'},
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
@@ -289,140 +431,106 @@ int main(int argc, char **argv)
         {"kv-offload-groups", required_argument, 0, 'G'},
         {"router", required_argument, 0, 'R'},    {"node-id", required_argument, 0, 'I'},
         {"secret-file", required_argument, 0, 'K'},
-        {"curve-server-key", required_argument, 0, 1001},
-        {"curve-key", required_argument, 0, 1002}, {0, 0, 0, 0}};
-    pdm_agent_params_t ap;
-    pdm_agent_params_default(&ap);
-    ap.role = PDM_AGENT_DECODE;
+        {"curve-server-key", required_argument, 0, O_CURVE_SERVER},
+        {"curve-key", required_argument, 0, O_CURVE_KEY},
+        {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT}, {0, 0, 0, 0}};
+    pdm_link_params_t lp;
+    pdm_link_params_default(&lp);
+    lp.role = PDMESH__ROLE__ROLE_DECODE;
+    pdm_decode_params_t *dp = &dn.dp;
     int c;
     long v;
     double d;
-    pdm_kvoff_params_default(&offload);
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
-        case 'F': if (pdm_parse_long(optarg, 1, 1L << 50, &v)) goto bad; offload.fast_budget = v; break;
-        case 'S': offload.slow_tier = optarg; break;
-        case 'G': if (pdm_kvoff_parse_groups(optarg, &offload)) goto bad; break;
+        case 'F': if (pdm_parse_long(optarg, 1, 1L << 50, &v)) goto bad; dn.offload.fast_budget = v; break;
+        case 'S': dn.offload.slow_tier = optarg; break;
+        case 'G': if (pdm_kvoff_parse_groups(optarg, &dn.offload)) goto bad; break;
         case 'm': model_path = optarg; break;
-        case 't': if (pdm_parse_long(optarg, 1, 256, &v)) goto bad; dp.threads = (int)v; break;
-        case 'b': if (pdm_parse_long(optarg, 1, 1024, &v)) goto bad; dp.max_batch = (int)v; break;
-        case 's': if (pdm_parse_long(optarg, 1, 4096, &v)) goto bad; dp.max_sequences = (int)v; break;
-        case 'k': if (pdm_parse_long(optarg, 1, 1L << 30, &v)) goto bad; dp.kv_budget = v; break;
+        case 't': if (pdm_parse_long(optarg, 1, 256, &v)) goto bad; dp->threads = (int)v; break;
+        case 'b': if (pdm_parse_long(optarg, 1, 1024, &v)) goto bad; dp->max_batch = (int)v; break;
+        case 's': if (pdm_parse_long(optarg, 1, 4096, &v)) goto bad; dp->max_sequences = (int)v; break;
+        case 'k': if (pdm_parse_long(optarg, 1, 1L << 30, &v)) goto bad; dp->kv_budget = v; break;
         case 'd':
-            if (pdm_kv_dtype_parse(optarg, &dp.kv_dtype)) goto bad;
+            if (pdm_kv_dtype_parse(optarg, &dp->kv_dtype)) goto bad;
             break;
-        case 'o': if (pdm_parse_double(optarg, 0.01, 86400, &d)) goto bad; dp.kv_timeout = d; break;
-        case 'B': if (pdm_parse_long(optarg, 0, PDM_BEAM_MAX_WIDTH, &v)) goto bad; dp.beam.width = (int)v; break;
-        case 'L': if (pdm_parse_double(optarg, -100, 100, &d)) goto bad; dp.beam.length_penalty = (float)d; break;
-        case 'N': if (pdm_parse_long(optarg, 1, PDM_BEAM_MAX_WIDTH, &v)) goto bad; dp.beam.n_best = (int)v; break;
-        case 'E': if (pdm_beam_stop_parse(optarg, &dp.beam.early_stopping)) goto bad; break;
-        case 'R': ap.endpoint = optarg; break;
-        case 1001: ap.curve_server_key_file = optarg; break;
-        case 1002: ap.curve_key_file = optarg; break;
-        case 'I': ap.node_id = optarg; break;
-        case 'K': ap.secret_file = optarg; break;
-        case 'h':
-            printf("usage: pdmesh-decode [--model FILE] [--threads N] [--batch N] "
-                   "[--max-sequences N]\n       [--kv-budget TOKENS] [--kv-dtype f32|f16|q8] "
-                   "[--kv-timeout S]\n       [--beams B] [--length-penalty X] [--n-best N] "
-                   "[--early-stopping heuristic|early|never]\n"
-                   "       [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR] "
-                   "[--kv-offload-groups CTX:G,...]\n"
-                   "       [--router ENDPOINT --node-id NAME [--secret-file F]\n"
-                   "        [--curve-server-key F --curve-key F]]\n");
-            return 0;
-        default: return 2;
+        case 'o': if (pdm_parse_double(optarg, 0.01, 86400, &d)) goto bad; dp->kv_timeout = d; break;
+        case 'B': if (pdm_parse_long(optarg, 0, PDM_BEAM_MAX_WIDTH, &v)) goto bad; dp->beam.width = (int)v; break;
+        case 'L': if (pdm_parse_double(optarg, -100, 100, &d)) goto bad; dp->beam.length_penalty = (float)d; break;
+        case 'N': if (pdm_parse_long(optarg, 1, PDM_BEAM_MAX_WIDTH, &v)) goto bad; dp->beam.n_best = (int)v; break;
+        case 'E': if (pdm_beam_stop_parse(optarg, &dp->beam.early_stopping)) goto bad; break;
+        case 'R': lp.endpoint = optarg; break;
+        case O_CURVE_SERVER: lp.curve_server_key_file = optarg; break;
+        case O_CURVE_KEY: lp.curve_key_file = optarg; break;
+        case O_EXIT_WITH_PARENT: lp.exit_with_parent = 1; break;
+        case 'I': lp.node_id = optarg; break;
+        case 'K': lp.secret_file = optarg; break;
+        case 'h': dn_usage(stdout); return 0;
+        default: dn_usage(stderr); return 2;
         }
     }
-    if (dp.beam.width && dp.beam.n_best > dp.beam.width) goto bad;
-    node_beam = dp.beam;
+    if (dp->beam.width && dp->beam.n_best > dp->beam.width) goto bad;
+    dn.beam = dp->beam;
     if (optind != argc) {
     bad:
         fprintf(stderr, "pdmesh-decode: invalid option value\n");
+        dn_usage(stderr);
         return 2;
     }
-    if (offload.fast_budget > 0) dp.offload = &offload; /* head-wise KV offload */
-    else if (strcmp(offload.slow_tier, "ram")) {
+    if (!lp.endpoint) {
+        fprintf(stderr, "pdmesh-decode: needs --router ENDPOINT and --node-id NAME\n");
+        dn_usage(stderr);
+        return 2;
+    }
+    if (dn.offload.fast_budget > 0) dp->offload = &dn.offload; /* head-wise KV offload */
+    else if (strcmp(dn.offload.slow_tier, "ram")) {
         fprintf(stderr, "pdmesh-decode: --kv-slow-tier needs --kv-fast-budget\n");
         return 2;
     }
-    if (ap.endpoint) {
-        /* Router mode: the agent thread registers and bridges the control plane to this
-         * command loop (common/agent.h). */
-        ap.model_id = model_path;
-        ap.kv_tokens = (uint64_t)dp.kv_budget;
-        ap.max_sequences = (uint32_t)dp.max_sequences;
-        ap.max_batch = (uint32_t)dp.max_batch;
-        ap.threads = (uint32_t)dp.threads;
-        /* the widest beam search this node runs (node.c: at most the batch) */
-        ap.max_beams = (uint32_t)PDM_MIN(PDM_BEAM_MAX_WIDTH, dp.max_batch);
-        if (pdm_agent_start(&ap)) {
-            fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
-            return 1;
-        }
-    }
-    if (pdm_ctl_open()) {
+    lp.model_id = model_path;
+    lp.capacity.kv_tokens = (uint64_t)dp->kv_budget;
+    lp.capacity.max_sequences = (uint32_t)dp->max_sequences;
+    lp.capacity.max_batch = (uint32_t)dp->max_batch;
+    lp.capacity.threads = (uint32_t)dp->threads;
+    /* the widest beam search this node runs (node.c: at most the batch) */
+    lp.capacity.max_beams = (uint32_t)PDM_MIN(PDM_BEAM_MAX_WIDTH, dp->max_batch);
+    /* First, before any library starts a thread: signals are blocked from here on. */
+    if (pdm_link_create(&lp, &dn.link)) {
         fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
         return 1;
     }
-
     pdm_model_t *model = NULL;
-    pdm_kvt_t *kvt = NULL;
-    pdm_decode_node_t *node = NULL;
     int status = 1;
-    if (pdm_model_load(model_path, &model) || pdm_kvt_create(NULL, &kvt) ||
-        pdm_decode_node_create(model, kvt, &dp, &node)) {
-        reply("hello", -1, 0, pdm_error_last());
+    if (pdm_model_load(model_path, &model) || pdm_kvt_create(NULL, &dn.kvt) ||
+        pdm_decode_node_create(model, dn.kvt, dp, &dn.node)) {
+        fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
         goto out;
     }
+    dn.model = model;
     const void *addr;
     size_t alen;
-    pdm_kvt_address(kvt, &addr, &alen);
-    pdm_ctl_hello(addr, alen);
-
-    char *buf = malloc(MAX_LINE + 1);
-    size_t len = 0;
-    int eof = 0, quit = 0;
-    while (buf && !quit) {
-        int held = pdm_decode_node_run_once(node, on_event, node);
-        if (eof && held == 0) break;
-        struct pollfd pfd = {.fd = 0, .events = POLLIN};
-        int timeout_ms = pdm_decode_node_running(node) ? 0 : (held ? 2 : 50);
-        if (eof || poll(&pfd, 1, timeout_ms) <= 0) continue;
-        ssize_t got = read(0, buf + len, MAX_LINE - len);
-        if (got <= 0) {
-            if (got < 0 && errno == EINTR) continue;
-            eof = 1; /* the launcher is gone: finish what runs, then exit */
-            continue;
-        }
-        len += (size_t)got;
-        char *nl;
-        while ((nl = memchr(buf, '\n', len))) {
-            *nl = 0;
-            cJSON *cmd = cJSON_Parse(buf);
-            const cJSON *name = cmd ? cJSON_GetObjectItem(cmd, "cmd") : NULL;
-            if (!cJSON_IsString(name))
-                reply("error", -1, 0, "malformed command (expected a JSON object with \"cmd\")");
-            else if (!strcmp(name->valuestring, "quit"))
-                quit = 1;
-            else
-                handle(cmd, name->valuestring, kvt, node);
-            cJSON_Delete(cmd);
-            size_t used = (size_t)(nl - buf) + 1;
-            memmove(buf, nl + 1, len - used);
-            len -= used;
-        }
-        if (len == MAX_LINE) {
-            reply("error", -1, 0, "command line too long");
-            len = 0;
+    pdm_kvt_address(dn.kvt, &addr, &alen);
+    if (pdm_link_start(dn.link, addr, alen)) {
+        fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
+        goto out;
+    }
+    for (;;) {
+        int held = pdm_decode_node_run_once(dn.node, dn_on_event, &dn);
+        dn_report_load(&dn);
+        int timeout_ms = pdm_decode_node_running(dn.node) ? 0 : (held ? 2 : 50);
+        pdm_wire_msg_t *m;
+        if (pdm_link_recv(dn.link, timeout_ms, &m)) break; /* SIGTERM or refused registration */
+        for (int k = 0; m && k < 256; k++) {     /* every message waiting, then a step */
+            dn_on_message(&dn, m);
+            pdm_wire_msg_free(m);
+            if (pdm_link_recv(dn.link, 0, &m)) break;
         }
     }
-    free(buf);
-    status = 0;
+    status = pdm_link_exit_status(dn.link);
 out:
-    pdm_decode_node_destroy(node);
-    pdm_kvt_destroy(kvt);
+    pdm_decode_node_destroy(dn.node);
+    pdm_link_destroy(dn.link);
+    pdm_kvt_destroy(dn.kvt);
     pdm_model_free(model);
-    pdm_ctl_close();
     return status;
 }

@@ -480,10 +480,12 @@ static void pdm__finish(pdm_decode_node_t *n, pdm__seq_t *s, const char *why,
     pdm__seq_release(n, s);
 }
 
-static void pdm__fail(pdm_decode_node_t *n, pdm__seq_t *s, const char *msg,
+/* kv_error: the prompt's KV failed to arrive or verify (pdm_decode_event_t). */
+static void pdm__fail(pdm_decode_node_t *n, pdm__seq_t *s, const char *msg, int kv_error,
                       pdm_decode_event_cb cb, void *arg)
 {
-    pdm_decode_event_t ev = {.type = PDM_DECODE_EV_ERROR, .id = s->id, .error = msg};
+    pdm_decode_event_t ev = {.type = PDM_DECODE_EV_ERROR, .id = s->id, .error = msg,
+                             .kv_error = kv_error};
     cb(arg, &ev);
     pdm__seq_release(n, s);
 }
@@ -531,13 +533,13 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
             char msg[256];
             snprintf(msg, sizeof(msg), "request %llu: reserved but not started within %.0f s",
                      (unsigned long long)s->id, n->p.kv_timeout);
-            pdm__fail(n, s, msg, cb, arg);
+            pdm__fail(n, s, msg, 0, cb, arg);
             continue;
         }
         if (s->state == SEQ_STARTED && !s->kv_done) {
             int st = s->local ? 1 : pdm_kvt_stream_rx_poll(s->rx);
             if (st < 0) {
-                pdm__fail(n, s, pdm_error_last(), cb, arg);
+                pdm__fail(n, s, pdm_error_last(), 1, cb, arg);
                 continue;
             }
             if (st == 0) {
@@ -545,7 +547,7 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
                     char msg[256];
                     snprintf(msg, sizeof(msg), "request %llu: KV did not arrive within %.0f s",
                              (unsigned long long)s->id, n->p.kv_timeout);
-                    pdm__fail(n, s, msg, cb, arg);
+                    pdm__fail(n, s, msg, 1, cb, arg);
                 }
                 continue;
             }
@@ -608,7 +610,7 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
             pdm__seq_t *s = who[k];
             if (s->state == SEQ_FREE || (k > 0 && who[k - 1] == s)) continue; /* beam rows */
             if (st) {
-                pdm__fail(n, s, pdm_error_last(), cb, arg);
+                pdm__fail(n, s, pdm_error_last(), 0, cb, arg);
                 continue;
             }
             s->step_total += dt;
@@ -616,7 +618,7 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
             if (s->beam) {
                 int parent[PDM_BEAM_MAX_WIDTH], n_next;
                 int rc = pdm_beam_search_advance(s->beam, batch[k].logits, parent, &n_next);
-                if (rc < 0) pdm__fail(n, s, pdm_error_last(), cb, arg);
+                if (rc < 0) pdm__fail(n, s, pdm_error_last(), 0, cb, arg);
                 else if (rc) pdm__finish(n, s, "length", cb, arg);
                 else pdm_beam_kv_reorder(s->beam_kv, parent, n_next);
                 continue;

@@ -1,9 +1,18 @@
 /*
- * launch.c - starts a prefill group of pdmesh-prefill processes on this machine and drives
- * it over the ranks' stdin/stdout (the line protocol described in prefill_node/main.c).
+ * launch.c - the local harness: starts a prefill group of pdmesh-prefill processes (and
+ * optionally a pdmesh-decode node) on this machine and drives them with the router's own
+ * node protocol (proto/pdmesh.proto over ZeroMQ; the daemons cannot tell it from a router).
  *
- * Every read has a deadline (poll on the rank's pipe); a rank that dies closes its pipe and
- * fails the operation at once; stopping sends "quit", waits a grace period, then SIGKILLs.
+ * The harness binds a ROUTER socket on an ipc:// endpoint in a private directory, starts the
+ * daemons with --router pointing at it and a random cluster secret in their environment,
+ * verifies their registrations (HMAC proof), answers heartbeats, wires the group
+ * (GroupWire -> GroupReady) and then sends the same PrefillTask / DecodeTask / DecodeStart /
+ * CancelTask messages as router/ does. What a task does is planned by prefill_node/plan.c,
+ * the planner the router uses.
+ *
+ * Every wait has a deadline; a daemon that exits fails the operation that waits on it at
+ * once (its death is seen by waitpid within 50 ms); stopping sends SIGTERM (the daemons
+ * deregister and exit 0), waits a grace period, then SIGKILLs.
  */
 #include "prefill_node/prefill.h"
 
@@ -11,43 +20,64 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
-#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zmq.h>
 
+#include "common/nodelink.h"
 #include "common/pdm.h"
+#include "common/wire.h"
 
 extern char **environ;
 
+#define LN_GROUP "local"
+#define LN_IDENT_MAX 256
+
 typedef struct {
     pid_t pid;
-    int in_fd;  /* we write commands */
-    int out_fd; /* we read events */
-    char *buf;  /* unread bytes from out_fd */
-    size_t len, cap;
-} pdm__proc_t;
+    int exited;                  /* reaped; status in `status` */
+    int status;
+    char node_id[32];
+    uint8_t ident[LN_IDENT_MAX]; /* ZeroMQ routing identity once registered */
+    size_t ident_len;
+    uint64_t epoch;              /* 0 until registered */
+    uint8_t *ucx;                /* UCX worker address from the registration */
+    size_t ucx_len;
+} ln_proc_t;
+
+/* A message a waiter did not ask for (another daemon's), kept for the next one that does. */
+typedef struct ln_held {
+    struct ln_held *next;
+    int from;
+    pdm_wire_msg_t *msg;
+} ln_held_t;
+
+#define LN_HELD_MAX 65536
 
 struct pdm_launch {
     pdm_launch_params_t p;
-    pdm__proc_t proc[PDM_KVT_MAX_RANKS + 1]; /* ranks, then the decode node if any */
-    int n;                                   /* ranks */
-    int n_procs;                             /* processes started */
+    ln_held_t *held, **held_tail;          /* FIFO of messages kept for later */
+    int n_held;
+    ln_proc_t proc[PDM_KVT_MAX_RANKS + 1]; /* ranks, then the decode node if any */
+    int n;                                 /* ranks */
+    int n_procs;                           /* processes started */
     int has_decode;
+    void *zctx, *sock;                     /* the node socket (ROUTER) */
+    char dir[64];                          /* private: the socket and KV dumps */
+    char endpoint[128];
+    char secret[65];                       /* hex; the daemons get it as $PDMESH_SECRET */
+    uint64_t next_epoch;
     uint64_t next_request;
     uint32_t next_task;
     char transports[128];
-    pdm_prefill_conv_t conv; /* mirror of the group's conversation (conv.c) */
+    pdm_prefill_conv_t conv;               /* mirror of the group's conversation (conv.c) */
 };
-
-int pdm_launch_decode_pid(const pdm_launch_t *l)
-{
-    return l->has_decode ? (int)l->proc[l->n].pid : -1;
-}
 
 void pdm_launch_params_default(pdm_launch_params_t *p)
 {
@@ -67,107 +97,139 @@ int pdm_launch_pid(const pdm_launch_t *l, int rank)
     return rank >= 0 && rank < l->n ? (int)l->proc[rank].pid : -1;
 }
 
+int pdm_launch_decode_pid(const pdm_launch_t *l)
+{
+    return l->has_decode ? (int)l->proc[l->n].pid : -1;
+}
+
 const char *pdm_launch_transports(const pdm_launch_t *l)
 {
     return l->transports;
 }
 
-/* "rank N" or "the decode node" (index -1) for messages. */
-static const char *pdm__who(int rank, char *buf, size_t size)
+/* "rank N" or "the decode node" for messages. */
+static const char *ln_who(const pdm_launch_t *l, int i, char *buf, size_t size)
 {
-    if (rank < 0)
-        snprintf(buf, size, "the decode node");
-    else
-        snprintf(buf, size, "rank %d", rank);
+    if (i >= l->n) snprintf(buf, size, "the decode node");
+    else snprintf(buf, size, "rank %d", i);
     return buf;
 }
 
-/* Starts argv[0] (searched in PATH if it has no '/') with pipes on its stdin and stdout. */
-static int pdm__spawn_argv(char *const *argv, pdm__proc_t *pr)
+/* ---- processes ---- */
+
+/* The daemons' environment: ours, without any secret or CURVE setting of the user's, with
+ * this harness's secret. NULL-terminated, malloc'd (free with ln_env_free). */
+static char **ln_env(const pdm_launch_t *l)
 {
-    int in[2], out[2];
-    if (pipe2(in, O_CLOEXEC)) return pdm_error_set(-errno, "pipe: %s", strerror(errno));
-    if (pipe2(out, O_CLOEXEC)) {
-        close(in[0]);
-        close(in[1]);
-        return pdm_error_set(-errno, "pipe: %s", strerror(errno));
+    size_t n = 0;
+    while (environ[n]) n++;
+    char **env = calloc(n + 2, sizeof(char *));
+    if (!env) return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (strncmp(environ[i], "PDMESH_SECRET", 13) && strncmp(environ[i], "PDMESH_CURVE_", 13))
+            env[k++] = environ[i];
+    size_t len = strlen("PDMESH_SECRET=") + strlen(l->secret) + 1;
+    if (!(env[k] = malloc(len))) {
+        free(env);
+        return NULL;
     }
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-    int err = posix_spawnp(&pr->pid, argv[0], &fa, NULL, argv, environ);
-    posix_spawn_file_actions_destroy(&fa);
-    close(in[0]);
-    close(out[1]);
-    if (err) {
-        close(in[1]);
-        close(out[0]);
-        return pdm_error_set(-err, "cannot start %s: %s", argv[0], strerror(err));
-    }
-    pr->in_fd = in[1];
-    pr->out_fd = out[0];
+    snprintf(env[k], len, "PDMESH_SECRET=%s", l->secret);
+    env[k + 1] = NULL;
+    return env;
+}
+
+static void ln_env_free(char **env)
+{
+    if (!env) return;
+    size_t k = 0;
+    while (env[k + 1]) k++;
+    free(env[k]); /* the one string of ours, last */
+    free(env);
+}
+
+static int ln_spawn_argv(pdm_launch_t *l, char *const *argv, ln_proc_t *pr)
+{
+    char **env = ln_env(l);
+    if (!env) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    int err = posix_spawnp(&pr->pid, argv[0], NULL, NULL, argv, env);
+    ln_env_free(env);
+    if (err) return pdm_error_set(-err, "cannot start %s: %s", argv[0], strerror(err));
     return PDM_OK;
 }
 
-static int pdm__spawn(const pdm_launch_params_t *p, int rank, pdm__proc_t *pr)
+/* The node options every daemon gets: the harness's socket, a node id, exit with us. */
+static int ln_node_args(pdm_launch_t *l, ln_proc_t *pr, char **argv, int a)
 {
-    char threads[16], cpu[16], ctx[16], timeout[32];
+    argv[a++] = "--router";
+    argv[a++] = l->endpoint;
+    argv[a++] = "--node-id";
+    argv[a++] = pr->node_id;
+    argv[a++] = "--exit-with-parent";
+    return a;
+}
+
+static int ln_spawn_rank(pdm_launch_t *l, int rank)
+{
+    const pdm_launch_params_t *p = &l->p;
+    ln_proc_t *pr = &l->proc[rank];
+    snprintf(pr->node_id, sizeof(pr->node_id), "prefill-%s/%d", LN_GROUP, rank);
+    char threads[16], cpu[16], ctx[16], timeout[32], rank_s[16], size_s[16];
     snprintf(threads, sizeof(threads), "%d", p->threads);
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     snprintf(cpu, sizeof(cpu), "%ld", (long)rank % (ncpu > 0 ? ncpu : 1));
     snprintf(ctx, sizeof(ctx), "%d", p->ctx_tokens);
     snprintf(timeout, sizeof(timeout), "%g", p->timeout);
+    snprintf(rank_s, sizeof(rank_s), "%d", rank);
+    snprintf(size_s, sizeof(size_s), "%d", p->ranks);
     /* An optional wrapper in front (network namespaces in benchmarks): words split at
      * spaces, "%d" replaced by the rank. */
-    char wrap_buf[512], *argv[64];
+    char wrap_buf[512], *argv[72];
     int a = 0;
     if (p->wrap && *p->wrap) {
-        char expanded[512];
         size_t o = 0;
-        for (const char *c = p->wrap; *c && o + 12 < sizeof(expanded); c++) {
+        for (const char *c = p->wrap; *c && o + 12 < sizeof(wrap_buf); c++) {
             if (c[0] == '%' && c[1] == 'd') {
-                o += (size_t)snprintf(expanded + o, sizeof(expanded) - o, "%d", rank);
+                o += (size_t)snprintf(wrap_buf + o, sizeof(wrap_buf) - o, "%d", rank);
                 c++;
             } else {
-                expanded[o++] = *c;
+                wrap_buf[o++] = *c;
             }
         }
-        expanded[o] = 0;
-        snprintf(wrap_buf, sizeof(wrap_buf), "%s", expanded);
+        wrap_buf[o] = 0;
         char *save = NULL;
         for (char *w = strtok_r(wrap_buf, " ", &save); w && a < 40; w = strtok_r(NULL, " ", &save))
             argv[a++] = w;
     }
     argv[a++] = (char *)p->bin;
-    argv[a++] = "--model";
-    argv[a++] = (char *)p->model;
-    argv[a++] = "--threads";
-    argv[a++] = threads;
-    argv[a++] = "--ctx";
-    argv[a++] = ctx;
-    argv[a++] = "--kv-dtype";
-    argv[a++] = (char *)p->kv_dtype;
-    argv[a++] = "--timeout";
-    argv[a++] = timeout;
+    a = ln_node_args(l, pr, argv, a);
+    char *rest[] = {"--group", LN_GROUP, "--rank", rank_s, "--group-size", size_s,
+                    "--dump-dir", l->dir, "--model", (char *)p->model, "--threads", threads,
+                    "--ctx", ctx, "--kv-dtype", (char *)p->kv_dtype, "--timeout", timeout};
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(rest); i++) argv[a++] = rest[i];
     if (p->pin) {
         argv[a++] = "--cpu";
         argv[a++] = cpu;
     }
     argv[a] = NULL;
-    return pdm__spawn_argv(argv, pr);
+    return ln_spawn_argv(l, argv, pr);
 }
 
-static int pdm__spawn_decode(const pdm_launch_params_t *p, pdm__proc_t *pr)
+static int ln_spawn_decode(pdm_launch_t *l)
 {
+    const pdm_launch_params_t *p = &l->p;
+    ln_proc_t *pr = &l->proc[l->n];
+    snprintf(pr->node_id, sizeof(pr->node_id), "decode-%s", LN_GROUP);
     char threads[16], batch[16], budget[32];
     snprintf(threads, sizeof(threads), "%d", p->decode_threads > 0 ? p->decode_threads : 1);
     snprintf(batch, sizeof(batch), "%d", p->decode_batch > 0 ? p->decode_batch : 16);
     snprintf(budget, sizeof(budget), "%ld", p->decode_kv_budget > 0 ? p->decode_kv_budget : 1L << 18);
-    char *argv[16] = {(char *)p->decode_bin, "--model", (char *)p->model, "--threads", threads,
-                      "--batch", batch, "--kv-budget", budget, "--kv-dtype",
-                      (char *)(p->decode_kv_dtype ? p->decode_kv_dtype : p->kv_dtype), NULL};
-    int a = 11;
+    char *argv[32] = {(char *)p->decode_bin};
+    int a = ln_node_args(l, pr, argv, 1);
+    char *rest[] = {"--model", (char *)p->model, "--threads", threads, "--batch", batch,
+                    "--kv-budget", budget, "--kv-dtype",
+                    (char *)(p->decode_kv_dtype ? p->decode_kv_dtype : p->kv_dtype)};
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(rest); i++) argv[a++] = rest[i];
     if (p->decode_kv_fast_budget) {
         argv[a++] = "--kv-fast-budget";
         argv[a++] = (char *)p->decode_kv_fast_budget;
@@ -177,175 +239,260 @@ static int pdm__spawn_decode(const pdm_launch_params_t *p, pdm__proc_t *pr)
         argv[a++] = (char *)p->decode_kv_slow_tier;
     }
     argv[a] = NULL;
-    return pdm__spawn_argv(argv, pr);
+    return ln_spawn_argv(l, argv, pr);
 }
 
-/* Reads one line from a rank before the deadline; *line is malloc'd. */
-static int pdm__read_line(pdm__proc_t *pr, int rank, double deadline, char **line)
+/* Reaps the daemons that exited. */
+static void ln_reap(pdm_launch_t *l)
 {
-    for (;;) {
-        char *nl = pr->len ? memchr(pr->buf, '\n', pr->len) : NULL;
-        if (nl) {
-            size_t n = (size_t)(nl - pr->buf);
-            char *s = malloc(n + 1);
-            if (!s) return pdm_error_set(PDM_ENOMEM, "out of memory");
-            memcpy(s, pr->buf, n);
-            s[n] = 0;
-            memmove(pr->buf, nl + 1, pr->len - n - 1);
-            pr->len -= n + 1;
-            *line = s;
-            return PDM_OK;
-        }
-        double left = deadline - pdm_now();
-        char who[32];
-        if (left <= 0)
-            return pdm_error_set(PDM_ETIMEOUT, "%s did not answer in time",
-                                 pdm__who(rank, who, sizeof(who)));
-        struct pollfd pfd = {.fd = pr->out_fd, .events = POLLIN};
-        int pr_st = poll(&pfd, 1, (int)(left * 1000) + 1);
-        if (pr_st < 0 && errno != EINTR) return pdm_error_set(-errno, "poll: %s", strerror(errno));
-        if (pr_st <= 0) continue;
-        if (pr->cap - pr->len < 65536) {
-            size_t cap = pr->cap ? pr->cap * 2 : 1 << 16;
-            if (cap > (256u << 20))
-                return pdm_error_set(PDM_EOVERFLOW, "%s sent a line over 256 MiB",
-                                     pdm__who(rank, who, sizeof(who)));
-            char *b = realloc(pr->buf, cap);
-            if (!b) return pdm_error_set(PDM_ENOMEM, "out of memory");
-            pr->buf = b;
-            pr->cap = cap;
-        }
-        ssize_t got = read(pr->out_fd, pr->buf + pr->len, pr->cap - pr->len);
-        if (got == 0) return pdm_error_set(PDM_EPEER, "%s exited", pdm__who(rank, who, sizeof(who)));
-        if (got < 0 && errno != EINTR && errno != EAGAIN)
-            return pdm_error_set(-errno, "%s: %s", pdm__who(rank, who, sizeof(who)),
-                                 strerror(errno));
-        if (got > 0) pr->len += (size_t)got;
+    for (int i = 0; i < l->n_procs; i++) {
+        ln_proc_t *pr = &l->proc[i];
+        if (pr->exited) continue;
+        if (waitpid(pr->pid, &pr->status, WNOHANG) == pr->pid) pr->exited = 1;
     }
 }
 
-static double pdm__num(const cJSON *o, const char *key);
-
-#define PDM__ANY_TASK UINT64_MAX
-
-/* Reads the next event of a rank as JSON and checks its name and "ok". With a task `id`
- * (not PDM__ANY_TASK), late answers to earlier tasks that the launcher gave up on (they
- * carry another id) are skipped. */
-static int pdm__read_task_event(pdm__proc_t *pr, int rank, const char *event, uint64_t id,
-                                double deadline, cJSON **out)
+/* PDM_EPEER naming the first watched daemon that exited (ranks: 0..n-1; decode: n). */
+static int ln_check_alive(pdm_launch_t *l, int ranks, int decode)
 {
-    for (;;) {
-        char *line = NULL;
-        int st = pdm__read_line(pr, rank, deadline, &line);
-        if (st) return st;
-        cJSON *o = cJSON_Parse(line);
-        free(line);
-        const cJSON *tid = o ? cJSON_GetObjectItem(o, "id") : NULL;
-        if (id != PDM__ANY_TASK && cJSON_IsNumber(tid) && (uint64_t)tid->valuedouble != id) {
-            cJSON_Delete(o); /* a stale answer */
-            continue;
-        }
-        const cJSON *ev = o ? cJSON_GetObjectItem(o, "event") : NULL;
-        const cJSON *ok = o ? cJSON_GetObjectItem(o, "ok") : NULL;
-        const cJSON *err = o ? cJSON_GetObjectItem(o, "error") : NULL;
+    ln_reap(l);
+    for (int i = 0; i < l->n_procs; i++) {
+        if (!l->proc[i].exited || (i < l->n ? !ranks : !decode)) continue;
         char who[32];
-        pdm__who(rank, who, sizeof(who));
-        if (!cJSON_IsString(ev)) {
-            cJSON_Delete(o);
-            return pdm_error_set(PDM_EFORMAT, "%s sent a malformed line", who);
-        }
-        if (cJSON_IsFalse(ok) || strcmp(ev->valuestring, event)) {
-            st = pdm_error_set(PDM_EPEER, "%s: %s", who,
-                               cJSON_IsString(err) ? err->valuestring : "unexpected answer");
-            cJSON_Delete(o);
-            return st;
-        }
-        *out = o;
-        return PDM_OK;
-    }
-}
-
-static int pdm__read_event(pdm__proc_t *pr, int rank, const char *event, double deadline,
-                           cJSON **out)
-{
-    return pdm__read_task_event(pr, rank, event, PDM__ANY_TASK, deadline, out);
-}
-
-/* A number field of a rank's event, 0 when missing (a rank's lines are checked, not
- * trusted). */
-static double pdm__num(const cJSON *o, const char *key)
-{
-    const cJSON *v = cJSON_GetObjectItem(o, key);
-    return cJSON_IsNumber(v) ? v->valuedouble : 0;
-}
-
-static int pdm__write_all(pdm__proc_t *pr, int rank, const char *s)
-{
-    size_t len = strlen(s), off = 0;
-    while (off < len) {
-        ssize_t w = write(pr->in_fd, s + off, len - off);
-        if (w < 0 && errno == EINTR) continue;
-        char who[32];
-        if (w <= 0)
-            return pdm_error_set(PDM_EPEER, "%s does not take commands",
-                                 pdm__who(rank, who, sizeof(who)));
-        off += (size_t)w;
+        return pdm_error_set(PDM_EPEER, "%s exited", ln_who(l, i, who, sizeof(who)));
     }
     return PDM_OK;
 }
 
-static int pdm__send_json(pdm__proc_t *pr, int rank, cJSON *o)
+/* ---- the node socket ---- */
+
+static int ln_send(pdm_launch_t *l, int i, int type, const ProtobufCMessage *m)
 {
-    char *s = cJSON_PrintUnformatted(o);
-    if (!s) return pdm_error_set(PDM_ENOMEM, "out of memory");
-    size_t n = strlen(s);
-    char *line = malloc(n + 2);
-    int st = PDM_ENOMEM;
-    if (line) {
-        memcpy(line, s, n);
-        line[n] = '\n';
-        line[n + 1] = 0;
-        st = pdm__write_all(pr, rank, line);
+    ln_proc_t *pr = &l->proc[i];
+    char who[32];
+    if (!pr->epoch)
+        return pdm_error_set(PDM_ESTATE, "%s is not registered", ln_who(l, i, who, sizeof(who)));
+    int st = pdm_wire_send(l->sock, pr->ident, pr->ident_len, type, m);
+    if (st) return pdm_error_set(st, "%s: %s", ln_who(l, i, who, sizeof(who)), pdm_error_last());
+    return PDM_OK;
+}
+
+static void ln_on_register(pdm_launch_t *l, const uint8_t *ident, size_t ident_len,
+                           const Pdmesh__Register *r)
+{
+    int i = -1;
+    for (int k = 0; k < l->n_procs && i < 0; k++)
+        if (r->node_id && !strcmp(r->node_id, l->proc[k].node_id)) i = k;
+    if (i < 0 || !pdm_auth_verify(l->secret, strlen(l->secret), r->node_id, r->nonce,
+                                  r->timestamp_ms, r->proof.data, r->proof.len)) {
+        pdm_wire_send_error(l->sock, ident, ident_len, PDMESH__ERROR_CODE__ERR_UNAUTHORIZED, 0,
+                            "register: not a node of this harness");
+        return;
     }
-    free(line);
-    free(s);
-    return st;
+    ln_proc_t *pr = &l->proc[i];
+    uint8_t *ucx = malloc(r->ucx_address.len ? r->ucx_address.len : 1);
+    if (!ucx) return;
+    memcpy(ucx, r->ucx_address.data, r->ucx_address.len);
+    free(pr->ucx);
+    pr->ucx = ucx;
+    pr->ucx_len = r->ucx_address.len;
+    memcpy(pr->ident, ident, ident_len);
+    pr->ident_len = ident_len;
+    pr->epoch = ++l->next_epoch;
+    Pdmesh__RegisterAck ack = PDMESH__REGISTER_ACK__INIT;
+    ack.epoch = pr->epoch;
+    ack.heartbeat_ms = 1000;
+    ack.lease_ms = 0; /* the harness keeps no leases: it watches its children */
+    pdm_wire_send(l->sock, ident, ident_len, PDMESH__MSG_TYPE__MSG_REGISTER_ACK, &ack.base);
+}
+
+/* The daemon a frame came from (-1: none registered with this identity). */
+static int ln_sender(const pdm_launch_t *l, const uint8_t *ident, size_t ident_len)
+{
+    for (int i = 0; i < l->n_procs; i++)
+        if (l->proc[i].epoch && l->proc[i].ident_len == ident_len &&
+            !memcmp(l->proc[i].ident, ident, ident_len))
+            return i;
+    return -1;
+}
+
+/* 1 if the caller asked for messages of daemon i (ranks: 0..n-1; decode: n). */
+static int ln_wanted(const pdm_launch_t *l, int i, int ranks, int decode)
+{
+    return i < l->n ? ranks : decode;
+}
+
+static void ln_hold(pdm_launch_t *l, int from, pdm_wire_msg_t *m)
+{
+    ln_held_t *h = malloc(sizeof(*h));
+    if (!h || l->n_held >= LN_HELD_MAX) {
+        pdm_log_warn("harness: dropped a %s nobody waited for", pdm_wire_type_name(pdm_wire_type(m)));
+        free(h);
+        pdm_wire_msg_free(m);
+        return;
+    }
+    *h = (ln_held_t){.from = from, .msg = m};
+    if (!l->held) l->held_tail = &l->held;
+    *l->held_tail = h;
+    l->held_tail = &h->next;
+    l->n_held++;
+}
+
+/* The oldest kept message of a daemon the caller asked for (NULL: none). */
+static pdm_wire_msg_t *ln_take_held(pdm_launch_t *l, int ranks, int decode, int *from)
+{
+    for (ln_held_t **pp = &l->held; *pp; pp = &(*pp)->next) {
+        ln_held_t *h = *pp;
+        if (!ln_wanted(l, h->from, ranks, decode)) continue;
+        *pp = h->next;
+        if (!*pp) l->held_tail = pp;
+        l->n_held--;
+        pdm_wire_msg_t *m = h->msg;
+        *from = h->from;
+        free(h);
+        return m;
+    }
+    return NULL;
+}
+
+/* The next message of the daemons the caller waits on (ranks, decode), before `deadline`:
+ * registrations and heartbeats are answered here, other daemons' messages kept for their
+ * waiter. Returns 1 with *from and *out (free with pdm_wire_msg_free; NULL after a
+ * registration, which the caller may be waiting for), 0 when the deadline passed, or an
+ * error: a daemon waited on exited. */
+static int ln_recv(pdm_launch_t *l, double deadline, int ranks, int decode, int *from,
+                   pdm_wire_msg_t **out)
+{
+    if ((*out = ln_take_held(l, ranks, decode, from))) return 1;
+    for (;;) {
+        int st = ln_check_alive(l, ranks, decode);
+        if (st) return st;
+        double left = deadline - pdm_now();
+        if (left <= 0) return 0;
+        zmq_pollitem_t it = {l->sock, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, (long)PDM_MIN(left * 1000 + 1, 50)) <= 0) continue;
+        uint8_t ident[LN_IDENT_MAX];
+        int il = zmq_recv(l->sock, ident, sizeof(ident), ZMQ_DONTWAIT);
+        if (il < 0) continue;
+        zmq_msg_t frame;
+        zmq_msg_init(&frame);
+        int more = 0;
+        size_t ms = sizeof(more);
+        zmq_getsockopt(l->sock, ZMQ_RCVMORE, &more, &ms);
+        if (!more || zmq_msg_recv(&frame, l->sock, ZMQ_DONTWAIT) < 0 || il > LN_IDENT_MAX) {
+            zmq_msg_close(&frame);
+            continue;
+        }
+        pdm_wire_msg_t *m;
+        st = pdm_wire_unpack_or_reply(l->sock, ident, (size_t)il, zmq_msg_data(&frame),
+                                      zmq_msg_size(&frame), PDM_WIRE_MAX_FRAME, &m);
+        zmq_msg_close(&frame);
+        if (st) {
+            pdm_log_warn("harness: a node sent a frame it cannot take: %s", pdm_error_last());
+            continue;
+        }
+        int type = pdm_wire_type(m);
+        const ProtobufCMessage *msg = pdm_wire_message(m);
+        int i = ln_sender(l, ident, (size_t)il);
+        if (type == PDMESH__MSG_TYPE__MSG_REGISTER) {
+            ln_on_register(l, ident, (size_t)il, (const Pdmesh__Register *)msg);
+            pdm_wire_msg_free(m);
+            *from = -1;
+            *out = NULL; /* the caller may be waiting for it */
+            return 1;
+        } else if (i < 0) {
+            pdm_wire_send_error(l->sock, ident, (size_t)il, PDMESH__ERROR_CODE__ERR_NOT_FOUND, 0,
+                                "%s from a node that is not registered", pdm_wire_type_name(type));
+        } else if (type == PDMESH__MSG_TYPE__MSG_HEARTBEAT) {
+            Pdmesh__HeartbeatAck ack = PDMESH__HEARTBEAT_ACK__INIT;
+            ack.epoch = l->proc[i].epoch;
+            pdm_wire_send(l->sock, ident, (size_t)il, PDMESH__MSG_TYPE__MSG_HEARTBEAT_ACK,
+                          &ack.base);
+        } else if (type == PDMESH__MSG_TYPE__MSG_DEREGISTER) {
+            l->proc[i].epoch = 0;
+        } else if (!ln_wanted(l, i, ranks, decode)) {
+            ln_hold(l, i, m);
+            continue;
+        } else {
+            *from = i;
+            *out = m;
+            return 1;
+        }
+        pdm_wire_msg_free(m);
+    }
+}
+
+/* An Error a daemon sent about task `task_id` (0: about no task, e.g. a refused frame). */
+static int ln_error_for(const pdm_wire_msg_t *m, uint64_t task_id, const Pdmesh__Error **e)
+{
+    if (pdm_wire_type(m) != PDMESH__MSG_TYPE__MSG_ERROR) return 0;
+    *e = (const Pdmesh__Error *)pdm_wire_message(m);
+    return (*e)->task_id == task_id || (*e)->task_id == 0;
+}
+
+static const char *ln_err_text(const Pdmesh__Error *e)
+{
+    return e && e->message && e->message[0] ? e->message : "failed";
+}
+
+/* ---- start and stop ---- */
+
+static void ln_remove_dir(pdm_launch_t *l)
+{
+    if (!l->dir[0]) return;
+    char path[128];
+    snprintf(path, sizeof(path), "%s/node", l->dir);
+    unlink(path);
+    for (uint32_t t = 0; t < l->next_task; t++) { /* KV dumps not taken */
+        snprintf(path, sizeof(path), "%s/kv-%u.bin", l->dir, t);
+        unlink(path);
+    }
+    rmdir(l->dir);
 }
 
 int pdm_launch_finish(pdm_launch_t *l)
 {
     if (!l) return PDM_OK;
-    for (int i = 0; i < l->n_procs; i++) {
-        pdm__write_all(&l->proc[i], i < l->n ? i : -1, "{\"cmd\":\"quit\"}\n");
-        close(l->proc[i].in_fd);
-    }
+    ln_reap(l);
+    for (int i = 0; i < l->n_procs; i++)
+        if (!l->proc[i].exited) kill(l->proc[i].pid, SIGTERM);
     double until = pdm_now() + 5.0;
     int bad = 0;
     char msg[256] = "";
     for (int i = 0; i < l->n_procs; i++) {
-        int status = 0, killed = 0;
-        while (waitpid(l->proc[i].pid, &status, WNOHANG) == 0) {
-            if (pdm_now() > until) {
-                kill(l->proc[i].pid, SIGKILL);
-                waitpid(l->proc[i].pid, &status, 0);
-                killed = 1;
-                break;
+        ln_proc_t *pr = &l->proc[i];
+        int killed = 0;
+        while (!pr->exited) {
+            if (waitpid(pr->pid, &pr->status, WNOHANG) == pr->pid) {
+                pr->exited = 1;
+            } else if (pdm_now() > until) {
+                kill(pr->pid, SIGKILL);
+                waitpid(pr->pid, &pr->status, 0);
+                pr->exited = killed = 1;
+            } else {
+                usleep(2000);
             }
-            usleep(2000);
         }
-        /* A clean quit is exit status 0; anything else (a crash, LeakSanitizer's exit code,
+        /* A clean stop is exit status 0; anything else (a crash, LeakSanitizer's exit code,
          * a process that had to be killed) is reported. */
-        if (killed || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        if (killed || !WIFEXITED(pr->status) || WEXITSTATUS(pr->status) != 0) {
             char who[32];
             if (!bad)
-                snprintf(msg, sizeof(msg), "%s %s", pdm__who(i < l->n ? i : -1, who, sizeof(who)),
-                         killed ? "did not quit" : WIFSIGNALED(status) ? "was killed by a signal"
-                                                                     : "exited with an error");
+                snprintf(msg, sizeof(msg), "%s %s", ln_who(l, i, who, sizeof(who)),
+                         killed ? "did not stop" : WIFSIGNALED(pr->status) ? "was killed by a signal"
+                                                                           : "exited with an error");
             bad++;
         }
-        close(l->proc[i].out_fd);
-        free(l->proc[i].buf);
+        free(pr->ucx);
     }
+    for (ln_held_t *h = l->held, *next; h; h = next) {
+        next = h->next;
+        pdm_wire_msg_free(h->msg);
+        free(h);
+    }
+    if (l->sock) zmq_close(l->sock);
+    if (l->zctx) zmq_ctx_term(l->zctx);
+    ln_remove_dir(l);
     pdm_prefill_conv_free(&l->conv);
     free(l);
     if (bad) return pdm_error_set(PDM_EPEER, "%d process(es) did not end cleanly: %s", bad, msg);
@@ -357,79 +504,125 @@ void pdm_launch_stop(pdm_launch_t *l)
     pdm_launch_finish(l);
 }
 
+static int ln_open_socket(pdm_launch_t *l)
+{
+    snprintf(l->dir, sizeof(l->dir), "/tmp/pdm-launch-XXXXXX");
+    if (!mkdtemp(l->dir)) {
+        l->dir[0] = 0;
+        return pdm_error_set(-errno, "mkdtemp: %s", strerror(errno));
+    }
+    snprintf(l->endpoint, sizeof(l->endpoint), "ipc://%s/node", l->dir);
+    uint8_t raw[32];
+    if (pdm_random_bytes(raw, sizeof(raw))) return pdm_error_set(PDM_EIO, "no random bytes");
+    char *hex = pdm_hex_encode(raw, sizeof(raw));
+    if (!hex) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    snprintf(l->secret, sizeof(l->secret), "%s", hex);
+    free(hex);
+    l->zctx = zmq_ctx_new();
+    l->sock = l->zctx ? zmq_socket(l->zctx, ZMQ_ROUTER) : NULL;
+    if (!l->sock) return pdm_error_set(PDM_EIO, "zmq socket: %s", zmq_strerror(errno));
+    int zero = 0, one = 1, hwm = 100000;
+    int64_t maxmsg = PDM_WIRE_MAX_FRAME + 1024;
+    zmq_setsockopt(l->sock, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_setsockopt(l->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
+    zmq_setsockopt(l->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(l->sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(l->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+    if (zmq_bind(l->sock, l->endpoint))
+        return pdm_error_set(PDM_EIO, "cannot bind %s: %s", l->endpoint, zmq_strerror(errno));
+    return PDM_OK;
+}
+
+/* Waits until every daemon registered. */
+static int ln_wait_registered(pdm_launch_t *l, double deadline)
+{
+    for (;;) {
+        int missing = -1;
+        for (int i = 0; i < l->n_procs && missing < 0; i++)
+            if (!l->proc[i].epoch) missing = i;
+        if (missing < 0) return PDM_OK;
+        int from;
+        pdm_wire_msg_t *m;
+        int st = ln_recv(l, deadline, 1, 1, &from, &m);
+        if (st < 0) return st;
+        char who[32];
+        if (st == 0)
+            return pdm_error_set(PDM_ETIMEOUT, "%s did not register in time",
+                                 ln_who(l, missing, who, sizeof(who)));
+        pdm_wire_msg_free(m); /* nothing else is expected yet (NULL: a registration) */
+    }
+}
+
+/* GroupWire to every rank, then every rank's GroupReady. */
+static int ln_wire_group(pdm_launch_t *l, double deadline)
+{
+    ProtobufCBinaryData addrs[PDM_KVT_MAX_RANKS];
+    for (int i = 0; i < l->n; i++) {
+        addrs[i].data = l->proc[i].ucx;
+        addrs[i].len = l->proc[i].ucx_len;
+    }
+    int st = PDM_OK;
+    for (int i = 0; i < l->n && !st; i++) {
+        Pdmesh__GroupWire w = PDMESH__GROUP_WIRE__INIT;
+        w.epoch = l->proc[i].epoch;
+        w.group = LN_GROUP;
+        w.rank = (uint32_t)i;
+        w.size = (uint32_t)l->n;
+        w.ucx_addresses = addrs;
+        w.n_ucx_addresses = (size_t)l->n;
+        st = ln_send(l, i, PDMESH__MSG_TYPE__MSG_GROUP_WIRE, &w.base);
+    }
+    int ready[PDM_KVT_MAX_RANKS] = {0}, remaining = l->n;
+    while (!st && remaining > 0) {
+        int from;
+        pdm_wire_msg_t *m;
+        int got = ln_recv(l, deadline, 1, 1, &from, &m);
+        if (got < 0) return got;
+        if (got == 0) return pdm_error_set(PDM_ETIMEOUT, "the group did not form in time");
+        if (!m) continue;
+        char who[32];
+        const Pdmesh__Error *e;
+        if (from < l->n && pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_GROUP_READY && !ready[from]) {
+            const Pdmesh__GroupReady *g = (const Pdmesh__GroupReady *)pdm_wire_message(m);
+            if (!g->ok)
+                st = pdm_error_set(PDM_EPEER, "%s: %s", ln_who(l, from, who, sizeof(who)),
+                                   ln_err_text(g->error));
+            if (from == 0 && g->transports)
+                snprintf(l->transports, sizeof(l->transports), "%s", g->transports);
+            ready[from] = 1;
+            remaining--;
+        } else if (ln_error_for(m, 0, &e)) {
+            st = pdm_error_set(PDM_EPEER, "%s: %s", ln_who(l, from, who, sizeof(who)),
+                               ln_err_text(e));
+        }
+        pdm_wire_msg_free(m);
+    }
+    return st;
+}
+
 int pdm_launch_start(const pdm_launch_params_t *p, pdm_launch_t **out)
 {
     if (p->ranks < 1 || p->ranks > PDM_KVT_MAX_RANKS)
         return pdm_error_set(PDM_EINVAL, "--ranks must be 1..%d", PDM_KVT_MAX_RANKS);
-    signal(SIGPIPE, SIG_IGN); /* a dead rank must not kill us through its pipe */
     pdm_launch_t *l = calloc(1, sizeof(*l));
     if (!l) return pdm_error_set(PDM_ENOMEM, "out of memory");
     l->p = *p;
     l->next_task = 1;
-    int st = PDM_OK;
+    int st = ln_open_socket(l);
     for (int i = 0; i < p->ranks && !st; i++) {
-        st = pdm__spawn(p, i, &l->proc[i]);
+        st = ln_spawn_rank(l, i);
         if (!st) l->n_procs = ++l->n;
     }
-    double deadline = pdm_now() + p->timeout;
-    char *decode_addr = NULL;
     if (!st && p->decode_bin) {
-        st = pdm__spawn_decode(p, &l->proc[l->n]);
+        st = ln_spawn_decode(l);
         if (!st) {
             l->n_procs++;
             l->has_decode = 1;
-            cJSON *hello;
-            st = pdm__read_event(&l->proc[l->n], -1, "hello", deadline, &hello);
-            const cJSON *a = st ? NULL : cJSON_GetObjectItem(hello, "address");
-            if (!st && !cJSON_IsString(a))
-                st = pdm_error_set(PDM_EFORMAT, "the decode node sent no address");
-            if (!st) decode_addr = strdup(a->valuestring);
-            if (!st) cJSON_Delete(hello);
         }
     }
-    cJSON *addrs = cJSON_CreateArray();
-    for (int i = 0; i < l->n && !st; i++) {
-        cJSON *hello;
-        st = pdm__read_event(&l->proc[i], i, "hello", deadline, &hello);
-        if (st) break;
-        const cJSON *a = cJSON_GetObjectItem(hello, "address");
-        if (!cJSON_IsString(a))
-            st = pdm_error_set(PDM_EFORMAT, "rank %d sent no address", i);
-        else
-            cJSON_AddItemToArray(addrs, cJSON_CreateString(a->valuestring));
-        cJSON_Delete(hello);
-    }
-    for (int i = 0; i < l->n && !st; i++) {
-        cJSON *cmd = cJSON_CreateObject();
-        cJSON_AddStringToObject(cmd, "cmd", "group");
-        cJSON_AddNumberToObject(cmd, "rank", i);
-        cJSON_AddNumberToObject(cmd, "size", l->n);
-        cJSON_AddItemReferenceToObject(cmd, "addrs", addrs);
-        if (decode_addr) cJSON_AddStringToObject(cmd, "decode_addr", decode_addr);
-        st = pdm__send_json(&l->proc[i], i, cmd);
-        cJSON_Delete(cmd);
-    }
-    for (int i = 0; i < l->n && !st; i++) {
-        cJSON *ready;
-        st = pdm__read_event(&l->proc[i], i, "ready", deadline, &ready);
-        if (st) break;
-        const cJSON *tl = cJSON_GetObjectItem(ready, "transports");
-        if (i == 0 && cJSON_IsString(tl))
-            snprintf(l->transports, sizeof(l->transports), "%s", tl->valuestring);
-        cJSON_Delete(ready);
-    }
-    if (!st && l->has_decode) { /* the decode node connects to every rank */
-        cJSON *cmd = cJSON_CreateObject();
-        cJSON_AddStringToObject(cmd, "cmd", "connect");
-        cJSON_AddItemReferenceToObject(cmd, "addrs", addrs);
-        st = pdm__send_json(&l->proc[l->n], -1, cmd);
-        cJSON_Delete(cmd);
-        cJSON *ok;
-        if (!st) st = pdm__read_event(&l->proc[l->n], -1, "connected", deadline, &ok);
-        if (!st) cJSON_Delete(ok);
-    }
-    free(decode_addr);
-    cJSON_Delete(addrs);
+    double deadline = pdm_now() + p->timeout;
+    if (!st) st = ln_wait_registered(l, deadline);
+    if (!st) st = ln_wire_group(l, deadline);
     if (st) {
         char msg[512];
         snprintf(msg, sizeof(msg), "%s", pdm_error_last());
@@ -440,111 +633,155 @@ int pdm_launch_start(const pdm_launch_params_t *p, pdm_launch_t **out)
     return PDM_OK;
 }
 
+/* ---- prefill tasks ---- */
+
+/* Moves the ranks' KV dump to `to` (a copy when it is on another file system). */
+static int ln_take_dump(const char *from, const char *to)
+{
+    if (!rename(from, to)) return PDM_OK;
+    if (errno != EXDEV) return pdm_error_set(PDM_EIO, "%s: %s", to, strerror(errno));
+    FILE *in = fopen(from, "rb"), *o = in ? fopen(to, "wb") : NULL;
+    int st = PDM_OK;
+    char buf[1 << 16];
+    size_t got;
+    while (o && (got = fread(buf, 1, sizeof(buf), in)) > 0)
+        if (fwrite(buf, 1, got, o) != got) st = PDM_EIO;
+    if (!o || ferror(in) || (o && fclose(o))) st = PDM_EIO;
+    if (in) fclose(in);
+    unlink(from);
+    return st ? pdm_error_set(st, "%s: cannot write the KV file", to) : PDM_OK;
+}
+
+static int ln_write_logits(const char *path, const float *logits, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    int st = !f || fwrite(logits, sizeof(float), n, f) != n;
+    if (f && fclose(f)) st = 1;
+    return st ? pdm_error_set(PDM_EIO, "%s: cannot write logits", path) : PDM_OK;
+}
+
 int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char *kv_out,
                     const char *logits_out, pdm_launch_result_t *res)
 {
     memset(res, 0, sizeof(*res));
     res->owner = -1;
     res->first_token = -1;
-    if (kv_out) unlink(kv_out); /* the ranks create it afresh */
-    cJSON *cmd = cJSON_CreateObject();
-    cJSON_AddStringToObject(cmd, "cmd", "task");
     const uint32_t task_id = task->id ? task->id : l->next_task;
-    cJSON_AddNumberToObject(cmd, "id", task_id);
-    l->next_task = task_id + 1;
-    cJSON_AddStringToObject(cmd, "method", pdm_prefill_method_name(task->method));
-    cJSON_AddNumberToObject(cmd, "start", task->start);
-    cJSON_AddItemToObject(cmd, "tokens", cJSON_CreateIntArray(task->tokens, task->n_tokens));
-    if (task->prefix && task->start > 0)
-        cJSON_AddItemToObject(cmd, "prefix", cJSON_CreateIntArray(task->prefix, task->start));
+    l->next_task = PDM_MAX(l->next_task, task_id + 1);
+    char dump_name[32], dump_path[128];
+    snprintf(dump_name, sizeof(dump_name), "kv-%u.bin", task_id);
+    snprintf(dump_path, sizeof(dump_path), "%s/%s", l->dir, dump_name);
+    unlink(dump_path); /* the ranks create it afresh */
+    uint32_t chunks[PDM_KVT_MAX_RANKS];
     if (task->chunks)
-        cJSON_AddItemToObject(cmd, "chunks", cJSON_CreateIntArray(task->chunks, l->n));
-    if (task->stream) {
-        cJSON *so = cJSON_AddObjectToObject(cmd, "stream");
-        cJSON_AddNumberToObject(so, "request", (double)task->stream->request_id);
-        cJSON_AddNumberToObject(so, "attempt", task->stream->attempt);
-        cJSON_AddNumberToObject(so, "window", task->stream->max_in_flight);
+        for (int i = 0; i < l->n; i++) chunks[i] = (uint32_t)task->chunks[i];
+    Pdmesh__PrefillTask t = PDMESH__PREFILL_TASK__INIT;
+    t.task_id = task_id;
+    t.method = (char *)pdm_prefill_method_name(task->method);
+    t.tokens = (int32_t *)task->tokens;
+    t.n_tokens = (size_t)task->n_tokens;
+    t.start = (uint32_t)task->start;
+    if (task->prefix && task->start > 0) {
+        t.prefix = (int32_t *)task->prefix;
+        t.n_prefix = (size_t)task->start;
     }
-    if (kv_out) cJSON_AddStringToObject(cmd, "kv_out", kv_out);
-    if (logits_out) cJSON_AddStringToObject(cmd, "logits_out", logits_out);
-    cJSON_AddNumberToObject(cmd, "top", 16);
+    if (task->chunks) {
+        t.chunks = chunks;
+        t.n_chunks = (size_t)l->n;
+    }
+    if (task->stream) {
+        if (!l->has_decode) return pdm_error_set(PDM_ESTATE, "the mesh has no decode node");
+        t.decode_address.data = l->proc[l->n].ucx;
+        t.decode_address.len = l->proc[l->n].ucx_len;
+        t.decode_node = l->proc[l->n].node_id;
+        t.stream_window = (uint32_t)task->stream->max_in_flight;
+    }
+    t.top_logits = 16;
+    t.want_logits = logits_out != NULL;
+    t.kv_dump = kv_out ? dump_name : "";
+    t.deadline_ms = (uint32_t)(l->p.timeout * 1000);
     double t0 = pdm_now(), deadline = t0 + l->p.timeout;
     int st = PDM_OK;
-    for (int i = 0; i < l->n && !st; i++) st = pdm__send_json(&l->proc[i], i, cmd);
-    cJSON_Delete(cmd);
+    for (int i = 0; i < l->n && !st; i++) {
+        t.epoch = l->proc[i].epoch;
+        st = ln_send(l, i, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    }
     if (st) return st;
 
     /* Collect results as they come (any order), so the owner's arrival time is its own. */
     int done[PDM_KVT_MAX_RANKS] = {0}, remaining = l->n, first_err = PDM_OK;
     char err_msg[512] = "";
-    while (remaining > 0) {
-        struct pollfd pfd[PDM_KVT_MAX_RANKS];
-        int idx[PDM_KVT_MAX_RANKS], np = 0;
-        for (int i = 0; i < l->n; i++)
-            if (!done[i]) {
-                /* A complete line may already be buffered. */
-                if (l->proc[i].len && memchr(l->proc[i].buf, '\n', l->proc[i].len)) {
-                    np = 0;
-                    idx[np] = i;
-                    pfd[np++] = (struct pollfd){.fd = -1};
-                    break;
-                }
-                idx[np] = i;
-                pfd[np++] = (struct pollfd){.fd = l->proc[i].out_fd, .events = POLLIN};
-            }
-        double left = deadline - pdm_now();
-        if (left <= 0) {
+    while (remaining > 0 && !st) {
+        int from;
+        pdm_wire_msg_t *m;
+        int got = ln_recv(l, deadline, 1, 0, &from, &m);
+        if (got < 0) {
+            st = got;
+            break;
+        }
+        if (got == 0) {
             st = pdm_error_set(PDM_ETIMEOUT, "prefill task: ranks did not finish in %.0f s",
                                l->p.timeout);
             break;
         }
-        if (!(np == 1 && pfd[0].fd == -1) && poll(pfd, (nfds_t)np, (int)(left * 1000) + 1) <= 0)
-            continue;
-        for (int k = 0; k < np; k++) {
-            if (pfd[k].fd != -1 && !pfd[k].revents) continue;
-            int i = idx[k];
-            cJSON *o = NULL;
-            int rst = pdm__read_task_event(&l->proc[i], i, "result", task_id, deadline, &o);
-            double now = pdm_now();
-            done[i] = 1;
+        if (!m) continue;
+        char who[32];
+        const Pdmesh__Error *e;
+        if (from < l->n && pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_PREFILL_RESULT) {
+            const Pdmesh__PrefillResult *r = (const Pdmesh__PrefillResult *)pdm_wire_message(m);
+            if (r->task_id == task_id && !done[from]) { /* else a late answer to a task given up */
+                done[from] = 1;
+                remaining--;
+                if (!r->ok && !first_err) {
+                    first_err = PDM_EPEER;
+                    snprintf(err_msg, sizeof(err_msg), "%s: %s", ln_who(l, from, who, sizeof(who)),
+                             ln_err_text(r->error));
+                } else if (r->ok) {
+                    res->rank[from].n_local = (int)r->n_local;
+                    res->rank[from].t_total = r->seconds;
+                    res->rank[from].t_compute = r->t_compute;
+                    res->rank[from].t_wait = r->t_wait;
+                    res->rank[from].bytes_sent = (double)r->bytes_sent;
+                    res->rank[from].bytes_received = (double)r->bytes_received;
+                    if (kv_out && !r->kv_dumped && !first_err) {
+                        first_err = PDM_EPEER;
+                        snprintf(err_msg, sizeof(err_msg), "%s wrote no KV dump",
+                                 ln_who(l, from, who, sizeof(who)));
+                    }
+                }
+                if (r->ok && r->owner) {
+                    res->owner = from;
+                    res->ttft = pdm_now() - t0;
+                    res->first_token = r->first_token;
+                    size_t k = PDM_MIN(PDM_MIN(r->n_top_ids, r->n_top_logits), 16u);
+                    for (size_t j = 0; j < k; j++) {
+                        res->top_ids[j] = r->top_ids[j];
+                        res->top_logits[j] = r->top_logits[j];
+                    }
+                    res->n_top = (int)k;
+                    if (logits_out && !first_err &&
+                        (r->n_logits == 0 || ln_write_logits(logits_out, r->logits, r->n_logits))) {
+                        first_err = PDM_EIO;
+                        snprintf(err_msg, sizeof(err_msg), "%s", r->n_logits ? pdm_error_last()
+                                 : "the owner rank returned no logits");
+                    }
+                }
+            }
+        } else if (ln_error_for(m, task_id, &e) && from < l->n && !done[from]) {
+            /* the rank refused the message itself (stale epoch, bad frame): no result comes */
+            done[from] = 1;
             remaining--;
-            if (rst) {
-                if (!first_err) {
-                    first_err = rst;
-                    snprintf(err_msg, sizeof(err_msg), "%s", pdm_error_last());
-                }
-                continue;
+            if (!first_err) {
+                first_err = PDM_EPEER;
+                snprintf(err_msg, sizeof(err_msg), "%s: %s", ln_who(l, from, who, sizeof(who)),
+                         ln_err_text(e));
             }
-            res->rank[i].n_local = (int)pdm__num(o, "n_local");
-            res->rank[i].t_total = pdm__num(o, "t_total");
-            res->rank[i].t_compute = pdm__num(o, "t_compute");
-            res->rank[i].t_wait = pdm__num(o, "t_wait");
-            res->rank[i].bytes_sent = pdm__num(o, "bytes_sent");
-            res->rank[i].bytes_received = pdm__num(o, "bytes_received");
-            if (cJSON_IsTrue(cJSON_GetObjectItem(o, "owner"))) {
-                res->owner = i;
-                res->ttft = now - t0;
-                res->first_token = (int)pdm__num(o, "first_token");
-                const cJSON *top = cJSON_GetObjectItem(o, "top"), *e;
-                cJSON_ArrayForEach(e, top)
-                {
-                    if (res->n_top == 16) break;
-                    const cJSON *id = cJSON_GetArrayItem(e, 0), *lg = cJSON_GetArrayItem(e, 1);
-                    if (!cJSON_IsNumber(id) || !cJSON_IsNumber(lg)) break;
-                    res->top_ids[res->n_top] = id->valueint;
-                    res->top_logits[res->n_top] = (float)lg->valuedouble;
-                    res->n_top++;
-                }
-            }
-            cJSON_Delete(o);
         }
+        pdm_wire_msg_free(m);
     }
-    if (!st && !first_err && kv_out) {
-        for (int i = 0; i < l->n && !st; i++) {
-            cJSON *o;
-            st = pdm__read_task_event(&l->proc[i], i, "dumped", task_id, deadline, &o);
-            if (!st) cJSON_Delete(o);
-        }
+    if (!st && !first_err && kv_out && ln_take_dump(dump_path, kv_out)) {
+        first_err = PDM_EIO;
+        snprintf(err_msg, sizeof(err_msg), "%s", pdm_error_last());
     }
     if (!first_err && !st && res->owner < 0)
         st = pdm_error_set(PDM_EPEER, "prefill task: no rank reported the first token");
@@ -565,20 +802,35 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
 int pdm_launch_pingpong(pdm_launch_t *l, size_t bytes, int iters, double *seconds)
 {
     if (l->n < 2) return pdm_error_set(PDM_EINVAL, "pingpong needs two ranks");
-    cJSON *cmd = cJSON_CreateObject();
-    cJSON_AddStringToObject(cmd, "cmd", "pingpong");
-    cJSON_AddNumberToObject(cmd, "bytes", (double)bytes);
-    cJSON_AddNumberToObject(cmd, "iters", iters);
+    Pdmesh__GroupPingPong p = PDMESH__GROUP_PING_PONG__INIT;
+    p.bytes = bytes;
+    p.iters = (uint32_t)iters;
     int st = PDM_OK;
-    for (int i = 0; i < l->n && !st; i++) st = pdm__send_json(&l->proc[i], i, cmd);
-    cJSON_Delete(cmd);
-    double deadline = pdm_now() + l->p.timeout;
     for (int i = 0; i < l->n && !st; i++) {
-        cJSON *o;
-        st = pdm__read_event(&l->proc[i], i, "pingpong", deadline, &o);
-        if (st) break;
-        if (i == 0) *seconds = pdm__num(o, "seconds");
-        cJSON_Delete(o);
+        p.epoch = l->proc[i].epoch;
+        st = ln_send(l, i, PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG, &p.base);
+    }
+    double deadline = pdm_now() + l->p.timeout;
+    int remaining = l->n, done[PDM_KVT_MAX_RANKS] = {0};
+    while (!st && remaining > 0) {
+        int from;
+        pdm_wire_msg_t *m;
+        int got = ln_recv(l, deadline, 1, 0, &from, &m);
+        if (got <= 0) return got ? got : pdm_error_set(PDM_ETIMEOUT, "pingpong: no answer in time");
+        if (!m) continue;
+        if (from < l->n && !done[from] &&
+            pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG_RESULT) {
+            const Pdmesh__GroupPingPongResult *r =
+                (const Pdmesh__GroupPingPongResult *)pdm_wire_message(m);
+            char who[32];
+            if (!r->ok)
+                st = pdm_error_set(PDM_EPEER, "%s: %s", ln_who(l, from, who, sizeof(who)),
+                                   ln_err_text(r->error));
+            if (from == 0) *seconds = r->seconds;
+            done[from] = 1;
+            remaining--;
+        }
+        pdm_wire_msg_free(m);
     }
     return st;
 }
@@ -596,77 +848,217 @@ void pdm_launch_response_free(pdm_launch_response_t *r)
 
 typedef struct {
     pdm_launch_t *l;
-    const pdm_launch_request_t *reqs;
     pdm_launch_response_t *out;
     int n;
     uint64_t first_id;
     int *state;     /* 0 not started, 1 generating, 2 finished */
     double *t0;     /* dispatch time of each request */
-} pdm__gen_t;
+} ln_gen_t;
 
-/* Reads one event of the decode node and applies it; *event receives its name (static). */
-static int pdm__decode_event(pdm__gen_t *g, double deadline, char *name, size_t name_size,
-                             uint64_t *id_out)
+/* The beam search's report as the CLI prints it: {"n_best":[...],"beam":{...}}. */
+static char *ln_beam_json(const Pdmesh__DecodeResult *d)
+{
+    cJSON *j = cJSON_CreateObject(), *list = cJSON_AddArrayToObject(j, "n_best");
+    for (size_t h = 0; h < d->n_beams; h++) {
+        const Pdmesh__Beam *b = d->beams[h];
+        cJSON *e = cJSON_CreateObject();
+        cJSON *toks = cJSON_AddArrayToObject(e, "tokens");
+        for (size_t k = 0; k < b->n_tokens; k++)
+            cJSON_AddItemToArray(toks, cJSON_CreateNumber(b->tokens[k]));
+        cJSON_AddStringToObject(e, "text", b->text ? b->text : "");
+        cJSON_AddNumberToObject(e, "score", b->score);
+        cJSON_AddNumberToObject(e, "logprob", b->logprob);
+        cJSON_AddBoolToObject(e, "eos", b->finish == PDMESH__FINISH_REASON__FINISH_EOS);
+        cJSON_AddItemToArray(list, e);
+    }
+    const Pdmesh__BeamReport *r = d->beam_report;
+    if (r) {
+        cJSON *b = cJSON_AddObjectToObject(j, "beam");
+        cJSON_AddNumberToObject(b, "width", r->width);
+        cJSON_AddNumberToObject(b, "length_penalty", r->length_penalty);
+        cJSON_AddStringToObject(b, "early_stopping", r->early_stopping ? r->early_stopping : "");
+        cJSON_AddNumberToObject(b, "n_prompt", r->n_prompt);
+        cJSON_AddNumberToObject(b, "n_response", r->n_response);
+        cJSON_AddNumberToObject(b, "kv_prompt_bytes", (double)r->kv_prompt_bytes);
+        cJSON_AddNumberToObject(b, "kv_response_bytes", (double)r->kv_response_bytes);
+        cJSON_AddNumberToObject(b, "kv_bytes_eq2", (double)r->kv_bytes_eq2);
+        cJSON_AddNumberToObject(b, "kv_bytes_eq3", (double)r->kv_bytes_eq3);
+    }
+    char *s = cJSON_PrintUnformatted(j);
+    cJSON_Delete(j);
+    return s;
+}
+
+/* The decode node's head-wise offload report as the CLI prints it. */
+static char *ln_offload_json(const Pdmesh__OffloadStats *o)
+{
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "fast_budget", (double)o->fast_budget);
+    cJSON_AddNumberToObject(j, "fast_bytes", (double)o->fast_bytes);
+    cJSON_AddNumberToObject(j, "fast_peak", (double)o->fast_peak);
+    cJSON_AddStringToObject(j, "slow_tier", o->slow_tier ? o->slow_tier : "ram");
+    cJSON_AddNumberToObject(j, "slow_bytes", (double)o->slow_bytes);
+    cJSON_AddNumberToObject(j, "slow_peak", (double)o->slow_peak);
+    cJSON_AddNumberToObject(j, "resident_heads", o->resident_heads);
+    cJSON_AddNumberToObject(j, "offloaded_heads", o->offloaded_heads);
+    cJSON_AddNumberToObject(j, "group", o->group);
+    cJSON_AddNumberToObject(j, "prefetches", (double)o->prefetches);
+    cJSON_AddNumberToObject(j, "prefetch_bytes", (double)o->prefetch_bytes);
+    cJSON_AddNumberToObject(j, "writeback_bytes", (double)o->writeback_bytes);
+    cJSON_AddNumberToObject(j, "prefetch_waits", (double)o->prefetch_waits);
+    cJSON_AddNumberToObject(j, "wait_seconds", o->wait_seconds);
+    char *s = cJSON_PrintUnformatted(j);
+    cJSON_Delete(j);
+    return s;
+}
+
+static const char *ln_finish_name(Pdmesh__FinishReason f)
+{
+    switch (f) {
+    case PDMESH__FINISH_REASON__FINISH_EOS: return "eos";
+    case PDMESH__FINISH_REASON__FINISH_LENGTH: return "length";
+    case PDMESH__FINISH_REASON__FINISH_STOP: return "stop";
+    default: return "?";
+    }
+}
+
+static void ln_apply_result(ln_gen_t *g, int i, const Pdmesh__DecodeResult *d)
+{
+    pdm_launch_response_t *r = &g->out[i];
+    const int code = d->error ? (int)d->error->code : 0;
+    /* a deadline or a cancel ends the generation with what it has (not an error here) */
+    const int ended = !d->ok && (code == PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED ||
+                                 code == PDMESH__ERROR_CODE__ERR_CANCELLED);
+    g->state[i] = 2;
+    if (!d->ok && !ended) {
+        snprintf(r->error, sizeof(r->error), "decode node: %s", ln_err_text(d->error));
+        r->ok = 0;
+        return;
+    }
+    r->tokens = malloc(sizeof(int32_t) * (d->n_tokens ? d->n_tokens : 1));
+    r->n_tokens = 0;
+    for (size_t k = 0; r->tokens && k < d->n_tokens; k++) r->tokens[r->n_tokens++] = d->tokens[k];
+    r->text = strdup(d->text ? d->text : "");
+    snprintf(r->finish, sizeof(r->finish), "%s",
+             ended ? (code == PDMESH__ERROR_CODE__ERR_CANCELLED ? "cancelled" : "deadline")
+                   : ln_finish_name(d->finish));
+    r->total = pdm_now() - g->t0[i];
+    r->step_seconds = d->step_seconds;
+    r->kv_seconds = d->kv_seconds;
+    r->kv_bytes = (double)d->kv_bytes;
+    if (d->n_beams || d->beam_report) r->beam_json = ln_beam_json(d);
+    free(r->offload_json);
+    r->offload_json = d->offload ? ln_offload_json(d->offload) : NULL;
+    r->ok = 1;
+}
+
+/* Reads one message of the decode node and applies it. *reserved_id: the task a
+ * DecodeReserved answered (0 if the message was something else). */
+static int ln_decode_event(ln_gen_t *g, double deadline, uint64_t *reserved_id)
 {
     pdm_launch_t *l = g->l;
-    char *line = NULL;
-    int st = pdm__read_line(&l->proc[l->n], -1, deadline, &line);
-    if (st) return st;
-    cJSON *o = cJSON_Parse(line);
-    free(line);
-    const cJSON *ev = o ? cJSON_GetObjectItem(o, "event") : NULL;
-    if (!cJSON_IsString(ev)) {
-        cJSON_Delete(o);
-        return pdm_error_set(PDM_EFORMAT, "the decode node sent a malformed line");
+    *reserved_id = 0;
+    int from;
+    pdm_wire_msg_t *m;
+    int got = ln_recv(l, deadline, 0, 1, &from, &m);
+    if (got < 0) return got;
+    if (got == 0) return pdm_error_set(PDM_ETIMEOUT, "the decode node did not answer in time");
+    if (from != l->n) { /* a registration, or a late answer of a rank */ /* a late answer of a rank */
+        pdm_wire_msg_free(m);
+        return PDM_OK;
     }
-    snprintf(name, name_size, "%s", ev->valuestring);
-    double idd = pdm__num(o, "id");
-    *id_out = (uint64_t)idd;
-    int i = idd >= (double)g->first_id ? (int)((uint64_t)idd - g->first_id) : -1;
-    pdm_launch_response_t *r = i >= 0 && i < g->n ? &g->out[i] : NULL;
-    const cJSON *err = cJSON_GetObjectItem(o, "error");
-    if (r && !strcmp(name, "done")) {
-        const cJSON *toks = cJSON_GetObjectItem(o, "tokens"), *t;
-        int k = cJSON_GetArraySize(toks);
-        r->tokens = malloc(sizeof(int32_t) * (size_t)(k ? k : 1));
-        r->n_tokens = 0;
-        cJSON_ArrayForEach(t, toks)
-        {
-            if (r->tokens && cJSON_IsNumber(t)) r->tokens[r->n_tokens++] = t->valueint;
+    const ProtobufCMessage *msg = pdm_wire_message(m);
+    uint64_t task_id = 0;
+    switch (pdm_wire_type(m)) {
+    case PDMESH__MSG_TYPE__MSG_DECODE_RESERVED: {
+        const Pdmesh__DecodeReserved *d = (const Pdmesh__DecodeReserved *)msg;
+        task_id = *reserved_id = d->task_id;
+        int i = task_id >= g->first_id ? (int)(task_id - g->first_id) : -1;
+        if (!d->ok && i >= 0 && i < g->n) {
+            snprintf(g->out[i].error, sizeof(g->out[i].error), "decode node: %s",
+                     ln_err_text(d->error));
+            g->out[i].ok = 0;
+            g->state[i] = 2;
         }
-        const cJSON *text = cJSON_GetObjectItem(o, "text"), *fin = cJSON_GetObjectItem(o, "finish");
-        r->text = strdup(cJSON_IsString(text) ? text->valuestring : "");
-        snprintf(r->finish, sizeof(r->finish), "%s", cJSON_IsString(fin) ? fin->valuestring : "?");
-        r->total = pdm_now() - g->t0[i];
-        r->step_seconds = pdm__num(o, "step_seconds");
-        r->kv_seconds = pdm__num(o, "kv_seconds");
-        r->kv_bytes = pdm__num(o, "kv_bytes");
-        cJSON *nb = cJSON_DetachItemFromObject(o, "n_best"), *bm = cJSON_DetachItemFromObject(o, "beam");
-        if (nb || bm) { /* beam search: keep its report for the caller */
-            cJSON *j = cJSON_CreateObject();
-            if (nb) cJSON_AddItemToObject(j, "n_best", nb);
-            if (bm) cJSON_AddItemToObject(j, "beam", bm);
-            r->beam_json = cJSON_PrintUnformatted(j);
-            cJSON_Delete(j);
-        }
-        const cJSON *offl = cJSON_GetObjectItem(o, "offload");
-        free(r->offload_json);
-        r->offload_json = cJSON_IsObject(offl) ? cJSON_PrintUnformatted(offl) : NULL;
-        r->ok = 1;
-        g->state[i] = 2;
-    } else if (r && !strcmp(name, "error") && g->state[i] != 2) {
-        snprintf(r->error, sizeof(r->error), "decode node: %s",
-                 cJSON_IsString(err) ? err->valuestring : "failed");
-        r->ok = 0;
-        g->state[i] = 2;
-    } else if (!strcmp(name, "reserved") && cJSON_IsFalse(cJSON_GetObjectItem(o, "ok")) && r) {
-        snprintf(r->error, sizeof(r->error), "decode node: %s",
-                 cJSON_IsString(err) ? err->valuestring : "reservation refused");
-        r->ok = 0;
-        g->state[i] = 2;
+        break;
     }
-    cJSON_Delete(o);
+    case PDMESH__MSG_TYPE__MSG_DECODE_RESULT: {
+        const Pdmesh__DecodeResult *d = (const Pdmesh__DecodeResult *)msg;
+        int i = d->task_id >= g->first_id ? (int)(d->task_id - g->first_id) : -1;
+        if (i >= 0 && i < g->n && g->state[i] != 2) ln_apply_result(g, i, d);
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_ERROR: { /* the node refused a message about a task */
+        const Pdmesh__Error *e = (const Pdmesh__Error *)msg;
+        int i = e->task_id >= g->first_id ? (int)(e->task_id - g->first_id) : -1;
+        if (i >= 0 && i < g->n && g->state[i] != 2) {
+            snprintf(g->out[i].error, sizeof(g->out[i].error), "decode node: %s", ln_err_text(e));
+            g->state[i] = 2;
+            *reserved_id = e->task_id;
+        }
+        break;
+    }
+    default: break; /* DecodeTokens: the result carries every token */
+    }
+    pdm_wire_msg_free(m);
     return PDM_OK;
+}
+
+static int ln_send_reserve(pdm_launch_t *l, uint64_t id, const pdm_launch_request_t *q,
+                           const pdm_prefill_range_t *ranges, int nr)
+{
+    Pdmesh__DecodeTask t = PDMESH__DECODE_TASK__INIT;
+    Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rp[PDM_PREFILL_MAX_PLAN];
+    ProtobufCBinaryData addrs[PDM_KVT_MAX_RANKS];
+    for (int k = 0; k < nr; k++) {
+        pdmesh__token_range__init(&rg[k]);
+        rg[k].start = (uint32_t)ranges[k].start;
+        rg[k].len = (uint32_t)ranges[k].len;
+        rg[k].rank = (uint32_t)ranges[k].rank;
+        rg[k].chunk = (uint32_t)ranges[k].chunk;
+        rp[k] = &rg[k];
+    }
+    for (int i = 0; i < l->n; i++) {
+        addrs[i].data = l->proc[i].ucx;
+        addrs[i].len = l->proc[i].ucx_len;
+    }
+    t.task_id = id;
+    t.epoch = l->proc[l->n].epoch;
+    t.n_prompt = (uint32_t)q->n_tokens;
+    t.max_new = (uint32_t)q->max_new;
+    t.prefill_addresses = addrs;
+    t.n_prefill_addresses = (size_t)l->n;
+    t.ranges = rp;
+    t.n_ranges = (size_t)nr;
+    t.group = LN_GROUP;
+    if (q->beams > 1) {
+        t.beams = (uint32_t)q->beams;
+        t.length_penalty = q->length_penalty;
+        t.n_best = (uint32_t)(q->n_best > 0 ? q->n_best : 1);
+        t.early_stopping = (char *)(q->early_stopping ? q->early_stopping : "heuristic");
+    }
+    return ln_send(l, l->n, PDMESH__MSG_TYPE__MSG_DECODE_TASK, &t.base);
+}
+
+static int ln_send_start(pdm_launch_t *l, uint64_t id, const pdm_launch_request_t *q,
+                         int32_t first_token)
+{
+    Pdmesh__DecodeStart s = PDMESH__DECODE_START__INIT;
+    Pdmesh__SamplingParams sp = PDMESH__SAMPLING_PARAMS__INIT;
+    sp.temperature = q->sp.temperature;
+    sp.top_k = q->sp.top_k;
+    sp.top_p = q->sp.top_p;
+    sp.min_p = q->sp.min_p;
+    sp.repeat_penalty = q->sp.repeat_penalty;
+    sp.seed = q->sp.seed;
+    s.task_id = id;
+    s.first_token = first_token;
+    s.sampling = &sp;
+    s.stop = (char **)q->stops;
+    s.n_stop = (size_t)q->n_stops;
+    s.deadline_ms = q->timeout > 0 ? (uint32_t)(q->timeout * 1000) : 0;
+    if (q->beams > 1) s.prompt_last = q->tokens[q->n_tokens - 1]; /* the search recomputes it */
+    return ln_send(l, l->n, PDMESH__MSG_TYPE__MSG_DECODE_START, &s.base);
 }
 
 int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n,
@@ -677,21 +1069,19 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
     double t0[n > 0 ? n : 1];
     memset(state, 0, sizeof(state));
     memset(out, 0, sizeof(*out) * (size_t)n);
-    pdm__gen_t g = {.l = l, .reqs = reqs, .out = out, .n = n, .first_id = l->next_request + 1,
-                    .state = state, .t0 = t0};
+    ln_gen_t g = {.l = l, .out = out, .n = n, .first_id = l->next_request + 1, .state = state,
+                  .t0 = t0};
     l->next_request += (uint64_t)n;
     double deadline = pdm_now();
     for (int i = 0; i < n; i++)
         deadline += reqs[i].timeout > 0 ? reqs[i].timeout : l->p.timeout;
     int mesh_st = PDM_OK;
-    char name[32];
     uint64_t ev_id;
     for (int i = 0; i < n && !mesh_st; i++) {
         const pdm_launch_request_t *q = &reqs[i];
         const uint64_t id = g.first_id + (uint64_t)i;
-        /* Who computes which tokens: the decode node posts its receives accordingly. A
-         * follow-up turn starts after the prefix the group still holds (at least one token
-         * is computed: its logits give the first token). */
+        /* Who computes which tokens (the decode node posts its receives accordingly): a
+         * follow-up turn starts after the prefix the group still holds (plan.c). */
         int32_t start = 0;
         if (q->reuse_prefix && !q->chunks && q->method != PDM_PREFILL_TSP) {
             start = PDM_MIN(pdm_prefill_conv_common(&l->conv, q->tokens, q->n_tokens),
@@ -711,71 +1101,33 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
             continue;
         }
         out[i].cached = start;
-        cJSON *cmd = cJSON_CreateObject();
-        cJSON_AddStringToObject(cmd, "cmd", "reserve");
-        cJSON_AddNumberToObject(cmd, "id", (double)id);
-        cJSON_AddNumberToObject(cmd, "attempt", 0);
-        cJSON_AddNumberToObject(cmd, "n_prompt", q->n_tokens);
-        cJSON_AddNumberToObject(cmd, "max_new", q->max_new);
-        cJSON *arr = cJSON_AddArrayToObject(cmd, "ranges");
-        for (int k = 0; k < nr; k++) {
-            int v[4] = {ranges[k].start, ranges[k].len, ranges[k].rank, ranges[k].chunk};
-            cJSON_AddItemToArray(arr, cJSON_CreateIntArray(v, 4));
-        }
-        if (q->beams > 0) cJSON_AddNumberToObject(cmd, "beams", q->beams);
-        mesh_st = pdm__send_json(&l->proc[l->n], -1, cmd);
-        cJSON_Delete(cmd);
+        mesh_st = ln_send_reserve(l, id, q, ranges, nr);
         /* Wait for this reservation's answer; other requests' events are applied meanwhile. */
         while (!mesh_st) {
-            mesh_st = pdm__decode_event(&g, deadline, name, sizeof(name), &ev_id);
-            if (!mesh_st && !strcmp(name, "reserved") && ev_id == id) break;
+            mesh_st = ln_decode_event(&g, deadline, &ev_id);
+            if (!mesh_st && ev_id == id) break;
         }
         if (mesh_st || state[i] == 2) continue; /* refused: out[i] says why */
-        pdm_prefill_stream_t stream = {.peer = 0, .request_id = id, .attempt = 0,
-                                       .max_in_flight = 64};
-        pdm_prefill_task_t task = {.method = q->method, .start = start, .prefix = q->tokens,
-                                   .tokens = q->tokens + start, .n_tokens = q->n_tokens - start,
-                                   .chunks = q->chunks, .stream = &stream};
+        pdm_prefill_stream_t stream = {.max_in_flight = 64};
+        pdm_prefill_task_t task = {.id = (uint32_t)id, .method = q->method, .start = start,
+                                   .prefix = q->tokens, .tokens = q->tokens + start,
+                                   .n_tokens = q->n_tokens - start, .chunks = q->chunks,
+                                   .stream = &stream};
         pdm_launch_result_t res;
         t0[i] = pdm_now();
         int st = pdm_launch_task(l, &task, NULL, NULL, &res);
         if (st) {
             snprintf(out[i].error, sizeof(out[i].error), "prefill: %s", pdm_error_last());
             state[i] = 2;
-            cmd = cJSON_CreateObject(); /* release the reservation at once */
-            cJSON_AddStringToObject(cmd, "cmd", "cancel");
-            cJSON_AddNumberToObject(cmd, "id", (double)id);
-            mesh_st = pdm__send_json(&l->proc[l->n], -1, cmd);
-            cJSON_Delete(cmd);
+            Pdmesh__CancelTask c = PDMESH__CANCEL_TASK__INIT; /* release the reservation */
+            c.task_id = id;
+            mesh_st = ln_send(l, l->n, PDMESH__MSG_TYPE__MSG_CANCEL_TASK, &c.base);
             continue;
         }
         out[i].ttft = res.ttft;
         for (int r = 0; r < l->n; r++)
             out[i].prefill_wait = fmax(out[i].prefill_wait, res.rank[r].t_wait);
-        cmd = cJSON_CreateObject();
-        cJSON_AddStringToObject(cmd, "cmd", "start");
-        cJSON_AddNumberToObject(cmd, "id", (double)id);
-        cJSON_AddNumberToObject(cmd, "first_token", res.first_token);
-        cJSON_AddNumberToObject(cmd, "temp", q->sp.temperature);
-        cJSON_AddNumberToObject(cmd, "top_k", q->sp.top_k);
-        cJSON_AddNumberToObject(cmd, "top_p", q->sp.top_p);
-        cJSON_AddNumberToObject(cmd, "min_p", q->sp.min_p);
-        cJSON_AddNumberToObject(cmd, "repeat_penalty", q->sp.repeat_penalty);
-        cJSON_AddNumberToObject(cmd, "seed", (double)q->sp.seed);
-        if (q->timeout > 0) cJSON_AddNumberToObject(cmd, "timeout", q->timeout);
-        if (q->beams > 0) { /* beam search picks the first token itself from the last one */
-            cJSON_AddNumberToObject(cmd, "beams", q->beams);
-            cJSON_AddNumberToObject(cmd, "length_penalty", q->length_penalty);
-            cJSON_AddNumberToObject(cmd, "n_best", q->n_best > 0 ? q->n_best : 1);
-            cJSON_AddStringToObject(cmd, "early_stopping",
-                                    q->early_stopping ? q->early_stopping : "heuristic");
-            cJSON_AddNumberToObject(cmd, "prompt_last", q->tokens[q->n_tokens - 1]);
-        }
-        cJSON *stops = cJSON_AddArrayToObject(cmd, "stop");
-        for (int k = 0; k < q->n_stops; k++)
-            cJSON_AddItemToArray(stops, cJSON_CreateString(q->stops[k]));
-        mesh_st = pdm__send_json(&l->proc[l->n], -1, cmd);
-        cJSON_Delete(cmd);
+        mesh_st = ln_send_start(l, id, q, res.first_token);
         state[i] = 1;
     }
     /* Collect until every request has ended. */
@@ -783,7 +1135,7 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
         int open_ = 0;
         for (int i = 0; i < n; i++) open_ += state[i] == 1;
         if (!open_ || mesh_st) break;
-        mesh_st = pdm__decode_event(&g, deadline, name, sizeof(name), &ev_id);
+        mesh_st = ln_decode_event(&g, deadline, &ev_id);
     }
     if (mesh_st) {
         char msg[512];
@@ -798,23 +1150,25 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
 int pdm_launch_decode_usage(pdm_launch_t *l, int *held, long *kv_slots)
 {
     if (!l->has_decode) return pdm_error_set(PDM_ESTATE, "the mesh has no decode node");
-    int st = pdm__write_all(&l->proc[l->n], -1, "{\"cmd\":\"stats\"}\n");
+    Pdmesh__StatsRequest q = PDMESH__STATS_REQUEST__INIT;
+    q.epoch = l->proc[l->n].epoch;
+    int st = ln_send(l, l->n, PDMESH__MSG_TYPE__MSG_STATS_REQUEST, &q.base);
     double deadline = pdm_now() + l->p.timeout;
-    /* Events of finished requests may still be queued before the answer: skip them. */
+    /* Messages of finished requests may still be queued before the answer: skip them. */
     while (!st) {
-        char *line = NULL;
-        st = pdm__read_line(&l->proc[l->n], -1, deadline, &line);
-        if (st) break;
-        cJSON *o = cJSON_Parse(line);
-        free(line);
-        const cJSON *ev = o ? cJSON_GetObjectItem(o, "event") : NULL;
-        if (cJSON_IsString(ev) && !strcmp(ev->valuestring, "stats")) {
-            *held = (int)pdm__num(o, "held");
-            *kv_slots = (long)pdm__num(o, "kv_slots");
-            cJSON_Delete(o);
+        int from;
+        pdm_wire_msg_t *m;
+        int got = ln_recv(l, deadline, 0, 1, &from, &m);
+        if (got <= 0) return got ? got : pdm_error_set(PDM_ETIMEOUT, "decode node: no stats");
+        if (!m) continue;
+        if (from == l->n && pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_NODE_STATS) {
+            const Pdmesh__NodeStats *s = (const Pdmesh__NodeStats *)pdm_wire_message(m);
+            *held = (int)s->held;
+            *kv_slots = (long)s->kv_slots;
+            pdm_wire_msg_free(m);
             return PDM_OK;
         }
-        cJSON_Delete(o);
+        pdm_wire_msg_free(m);
     }
     return st;
 }

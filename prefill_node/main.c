@@ -1,283 +1,256 @@
 /*
  * pdmesh-prefill - one rank of a prefill group.
  *
- * Until the router speaks to it (control plane), a rank is driven over its standard input and
- * output by a launcher (pdmesh prefill-run, the tests, the benchmarks), one JSON object per
- * line (prefill_node/launch.c is the other side):
+ * The rank connects to a node socket (--router: the router's, or a local harness's such as
+ * pdmesh prefill-run / disagg-run, prefill_node/launch.c) and takes its work as the messages
+ * of proto/pdmesh.proto through its link (common/nodelink.h):
  *
- *   rank -> {"event":"hello","address":"<hex UCX worker address>","pid":N}
- *   <- {"cmd":"group","rank":r,"size":R,"addrs":["<hex>",...]}
- *   rank -> {"event":"ready"}                      (connected, barrier passed; a later
- *                                                  group command re-forms the group)
- *   <- {"cmd":"task","id":n,"method":"kvr-e","start":P,"tokens":[...],"chunks":[...],
- *       "prefix":[...],"kv_out":"FILE","logits_out":"FILE","top":K}
- *      tokens: the new tokens at positions P..; prefix (optional): the P cached tokens the
- *      task assumes, checked against the group's conversation (a longer one is cut at P)
- *   rank -> {"event":"result","ok":true,...}      (or "ok":false,"error":"...")
- *   rank -> {"event":"dumped","ok":true}          (only with kv_out)
- *   <- {"cmd":"pingpong","bytes":N,"iters":K}   (ranks 0 and 1: round trips of N bytes)
- *   rank -> {"event":"pingpong","ok":true,"seconds":S}  (S per round trip, from rank 0)
- *   <- {"cmd":"quit"}
+ *   GroupWire      -> connect to the other ranks, barrier      -> GroupReady
+ *                     (a later GroupWire re-forms the group: a rank was replaced)
+ *   PrefillTask    -> run this rank's share, stream KV         -> PrefillResult
+ *   GroupPingPong  -> timed round trips between ranks 0 and 1  -> GroupPingPongResult
+ *   StatsRequest   ->                                          -> NodeStats
  *
- * Diagnostics go to stderr. End of input ends the process (its launcher is gone).
+ * A task is checked before anything runs; what the rank cannot do is answered in its result
+ * (ok = false, an Error with a code and a message). Diagnostics go to stderr. SIGTERM ends
+ * the process cleanly (Deregister first).
  */
-#include <cjson/cJSON.h>
 #include <getopt.h>
+#include <limits.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-#include "common/agent.h"
+#include "common/nodelink.h"
 #include "common/pdm.h"
 #include "prefill_node/prefill.h"
 
-#define PDM__MAX_LINE (64u << 20)
+typedef struct {
+    const pdm_model_t *model;
+    pdm_kvt_t *kvt;
+    pdm_link_t *link;
+    pdm_prefill_rank_params_t rp;
+    pdm_kvt_group_t group;
+    pdm_prefill_rank_t *rank;
+    int grouped;
+    const char *dump_dir;       /* --dump-dir: where PrefillTask.kv_dump files go (NULL: off) */
+    const char *group_name;
+} pn_t;
 
-
-
-/* Id of the task being answered (results carry it so that a launcher that gave up on a
- * task can tell its late answers from the next task's); -1 outside tasks. */
-static double current_task = -1;
-
-static void emit_error(const char *event, const char *msg)
+/* The Error code of a failed task, from its status. */
+static int pn_error_code(int st)
 {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "event", event);
-    if (current_task >= 0) cJSON_AddNumberToObject(o, "id", current_task);
-    cJSON_AddBoolToObject(o, "ok", 0);
-    cJSON_AddStringToObject(o, "error", msg);
-    pdm_ctl_emit(o);
+    switch (st) {
+    case PDM_EINVAL:
+    case PDM_EFORMAT:
+    case PDM_ERANGE:
+    case PDM_EUNSUPPORTED:
+    case PDM_ESTATE: return PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT;
+    case PDM_EOVERFLOW: return PDMESH__ERROR_CODE__ERR_NODE_FULL;
+    case PDM_ETIMEOUT: return PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED;
+    case PDM_EPEER:
+    case PDM_ECHECKSUM: return PDMESH__ERROR_CODE__ERR_KV_TRANSFER;
+    default: return PDMESH__ERROR_CODE__ERR_INTERNAL;
+    }
 }
 
-/* Reads an int array field; PDM_EFORMAT if it is not an array of integers in [min, max]. */
-static int json_ints(const cJSON *arr, long min, long max, int32_t **out, int *n)
+static void pn_leave_group(pn_t *pn)
 {
-    if (!cJSON_IsArray(arr)) return PDM_EFORMAT;
-    int count = cJSON_GetArraySize(arr);
-    int32_t *v = malloc(sizeof(int32_t) * (size_t)(count ? count : 1));
-    if (!v) return PDM_ENOMEM;
-    int i = 0;
-    const cJSON *e;
-    cJSON_ArrayForEach(e, arr)
-    {
-        if (!cJSON_IsNumber(e) || e->valuedouble != (double)(long)e->valuedouble ||
-            e->valuedouble < (double)min || e->valuedouble > (double)max) {
-            free(v);
-            return PDM_EFORMAT;
+    if (!pn->grouped) return;
+    pdm_log_info("prefill rank: leaving the group to re-form it");
+    pdm_prefill_rank_destroy(pn->rank);
+    pn->rank = NULL;
+    pdm_kvt_group_fini(&pn->group);
+    pn->grouped = 0;
+}
+
+static void pn_on_group_wire(pn_t *pn, const Pdmesh__GroupWire *w)
+{
+    Pdmesh__GroupReady ready = PDMESH__GROUP_READY__INIT;
+    Pdmesh__Error e = PDMESH__ERROR__INIT;
+    char transports[128] = "";
+    int st = PDM_OK;
+    pn_leave_group(pn);
+    if (w->size < 1 || w->size > PDM_KVT_MAX_RANKS || w->rank >= w->size ||
+        w->n_ucx_addresses != w->size) {
+        st = pdm_error_set(PDM_EFORMAT, "GroupWire: rank %u, size %u and %zu addresses do not "
+                           "make a group", w->rank, w->size, w->n_ucx_addresses);
+    } else {
+        const void *addrs[PDM_KVT_MAX_RANKS];
+        size_t lens[PDM_KVT_MAX_RANKS];
+        for (uint32_t i = 0; i < w->size; i++) {
+            addrs[i] = w->ucx_addresses[i].data;
+            lens[i] = w->ucx_addresses[i].len;
         }
-        v[i++] = (int32_t)e->valuedouble;
+        st = pdm_kvt_group_init(&pn->group, pn->kvt, (int)w->rank, (int)w->size, addrs, lens,
+                                pn->rp.timeout);
+        if (!st && (st = pdm_prefill_rank_create(pn->model, &pn->group, &pn->rp, &pn->rank)))
+            pdm_kvt_group_fini(&pn->group);
     }
-    *out = v;
-    *n = count;
+    ready.epoch = pdm_link_epoch(pn->link);
+    ready.group = (char *)(w->group ? w->group : "");
+    ready.rank = w->rank;
+    if (st) {
+        e.code = pn_error_code(st);
+        e.message = (char *)pdm_error_last();
+        ready.error = &e;
+        pdm_log_warn("prefill rank: the group did not form: %s", e.message);
+    } else {
+        pn->grouped = 1;
+        ready.ok = 1;
+        pdm_kvt_peer_transports(pn->kvt, pn->group.peer[(pn->group.rank + 1) % pn->group.size],
+                                transports, sizeof(transports));
+        ready.transports = transports;
+    }
+    pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_GROUP_READY, &ready.base);
+    /* A group that did not form (a peer was still busy or gone): registering again gives this
+     * rank a new epoch, so the router breaks the group and wires it anew once every rank is
+     * alive. */
+    if (st) pdm_link_reregister(pn->link);
+}
+
+/* The K largest logits, best first (ties: lower id first); K = 0 when out of memory. */
+static uint32_t pn_top_logits(const float *logits, uint32_t n_vocab, uint32_t k, int32_t *ids,
+                              float *values)
+{
+    char *taken = calloc(n_vocab, 1);
+    if (!taken) return 0;
+    for (uint32_t i = 0; i < k; i++) {
+        int32_t best = -1;
+        for (uint32_t v = 0; v < n_vocab; v++)
+            if (!taken[v] && (best < 0 || logits[v] > logits[best])) best = (int32_t)v;
+        taken[best] = 1;
+        ids[i] = best;
+        values[i] = logits[best];
+    }
+    free(taken);
+    return k;
+}
+
+/* Checks a task message and fills `task` (pointing into the message). */
+static int pn_task_from_msg(pn_t *pn, const Pdmesh__PrefillTask *t, pdm_prefill_task_t *task,
+                            pdm_prefill_stream_t *stream)
+{
+    if (!pn->grouped) return pdm_error_set(PDM_ESTATE, "PrefillTask before GroupWire");
+    int st = pdm_prefill_method_parse(t->method ? t->method : "", &task->method);
+    if (st) return st;
+    if (t->n_tokens > INT32_MAX / 2 || t->start > INT32_MAX / 2)
+        return pdm_error_set(PDM_ERANGE, "PrefillTask: too many tokens");
+    for (size_t i = 0; i < t->n_tokens; i++)
+        if (t->tokens[i] < 0) return pdm_error_set(PDM_EFORMAT, "PrefillTask: negative token id");
+    if (t->n_chunks && t->n_chunks != (size_t)pn->group.size)
+        return pdm_error_set(PDM_EFORMAT, "PrefillTask: chunks must hold one size per rank "
+                             "(%zu for %d ranks)", t->n_chunks, pn->group.size);
+    for (size_t i = 0; i < t->n_chunks; i++)
+        if (t->chunks[i] > (uint32_t)INT32_MAX)
+            return pdm_error_set(PDM_ERANGE, "PrefillTask: chunk size out of range");
+    if (t->n_prefix && t->n_prefix != t->start)
+        return pdm_error_set(PDM_EFORMAT, "PrefillTask: prefix must hold the start cached "
+                             "tokens (%zu for start %u)", t->n_prefix, t->start);
+    if (t->kv_dump && t->kv_dump[0]) {
+        if (!pn->dump_dir)
+            return pdm_error_set(PDM_EUNSUPPORTED, "PrefillTask: KV dumps are off on this rank "
+                                 "(start it with --dump-dir DIR)");
+        if (strchr(t->kv_dump, '/') || !strcmp(t->kv_dump, ".") || !strcmp(t->kv_dump, "..") ||
+            strlen(t->kv_dump) > 128)
+            return pdm_error_set(PDM_EINVAL, "PrefillTask: kv_dump must be a plain file name");
+    }
+    task->id = (uint32_t)PDM_LINK_TASK_KEY(t->task_id, t->attempt);
+    task->start = (int32_t)t->start;
+    task->prefix = t->n_prefix ? t->prefix : NULL;
+    task->tokens = t->tokens;
+    task->n_tokens = (int32_t)t->n_tokens;
+    task->chunks = t->n_chunks ? (const int32_t *)t->chunks : NULL;
+    task->stream = NULL;
+    if (t->decode_address.len) {
+        int peer;
+        if ((st = pdm_kvt_connect_cached(pn->kvt, t->decode_address.data, t->decode_address.len,
+                                         &peer)))
+            return st;
+        *stream = (pdm_prefill_stream_t){
+            .peer = peer, .request_id = PDM_LINK_TASK_KEY(t->task_id, t->attempt),
+            .attempt = t->attempt & 15u,
+            .max_in_flight = t->stream_window ? (int)PDM_MIN(t->stream_window, 4096u) : 64};
+        task->stream = stream;
+    }
     return PDM_OK;
 }
 
-/* The kvt peer of the decode node this rank streams to (-1: none). */
-static int decode_peer = -1;
-
-/* The kvt peer of a decode node named by its hex address (router mode: a task names its
- * decode node; a node that failed and came back gets a fresh endpoint). */
-static int decode_peer_for(pdm_kvt_t *kvt, const char *hex, int *peer)
+static void pn_set_running(pn_t *pn, uint32_t running)
 {
-    uint8_t *a;
-    size_t alen;
-    if (pdm_hex_decode(hex, &a, &alen))
-        return pdm_error_set(PDM_EFORMAT, "task command: decode_addr is not hex");
-    int st = pdm_kvt_connect_cached(kvt, a, alen, peer);
-    free(a);
-    return st;
+    Pdmesh__Load load = PDMESH__LOAD__INIT;
+    load.running = running;
+    load.held = running;
+    pdm_link_set_load(pn->link, &load);
 }
 
-static int handle_group(const cJSON *cmd, pdm_kvt_t *kvt, pdm_kvt_group_t *g, double timeout)
+static void pn_on_task(pn_t *pn, const Pdmesh__PrefillTask *t)
 {
-    const cJSON *rank = cJSON_GetObjectItem(cmd, "rank"), *size = cJSON_GetObjectItem(cmd, "size");
-    const cJSON *addrs = cJSON_GetObjectItem(cmd, "addrs");
-    if (!cJSON_IsNumber(rank) || !cJSON_IsNumber(size) || !cJSON_IsArray(addrs) ||
-        cJSON_GetArraySize(addrs) != size->valueint || size->valueint < 1 ||
-        size->valueint > PDM_KVT_MAX_RANKS)
-        return pdm_error_set(PDM_EFORMAT, "group command: bad rank, size or addresses");
-    int R = size->valueint, st = PDM_OK;
-    uint8_t *bufs[PDM_KVT_MAX_RANKS] = {0};
-    size_t lens[PDM_KVT_MAX_RANKS] = {0};
-    for (int i = 0; i < R && !st; i++) {
-        const cJSON *a = cJSON_GetArrayItem(addrs, i);
-        if (!cJSON_IsString(a) || pdm_hex_decode(a->valuestring, &bufs[i], &lens[i]))
-            st = pdm_error_set(PDM_EFORMAT, "group command: address %d is not hex", i);
+    Pdmesh__PrefillResult r = PDMESH__PREFILL_RESULT__INIT;
+    Pdmesh__Error e = PDMESH__ERROR__INIT;
+    pdm_prefill_task_t task;
+    pdm_prefill_stream_t stream;
+    pdm_prefill_result_t res = {0};
+    int32_t top_ids[100];
+    float top_values[100];
+    r.task_id = e.task_id = t->task_id;
+    r.attempt = e.attempt = t->attempt;
+    r.epoch = pdm_link_epoch(pn->link);
+    r.rank = pn->grouped ? (uint32_t)pn->group.rank : 0;
+    r.first_token = -1;
+    pn_set_running(pn, 1);
+    int st = pn_task_from_msg(pn, t, &task, &stream);
+    if (!st) st = pdm_prefill_rank_run(pn->rank, &task, &res);
+    if (!st && t->kv_dump && t->kv_dump[0]) {
+        char path[PATH_MAX];
+        snprintf(path, sizeof(path), "%s/%s", pn->dump_dir, t->kv_dump);
+        if (!(st = pdm_prefill_rank_dump_kv(pn->rank, path))) r.kv_dumped = 1;
     }
-    if (!st)
-        st = pdm_kvt_group_init(g, kvt, rank->valueint, R, (const void *const *)bufs, lens,
-                                timeout);
-    for (int i = 0; i < R; i++) free(bufs[i]);
-    const cJSON *dec = cJSON_GetObjectItem(cmd, "decode_addr");
-    if (!st && cJSON_IsString(dec)) {
-        uint8_t *a;
-        size_t alen;
-        if (pdm_hex_decode(dec->valuestring, &a, &alen))
-            return pdm_error_set(PDM_EFORMAT, "group command: decode_addr is not hex");
-        st = pdm_kvt_connect(kvt, a, alen, &decode_peer);
-        free(a);
-    }
-    return st;
-}
-
-static void handle_task(const cJSON *cmd, pdm_prefill_rank_t *rank, const pdm_model_t *model,
-                        pdm_kvt_group_t *g, pdm_kvt_t *kvt)
-{
-    pdm_prefill_task_t task = {0};
-    int32_t *tokens = NULL, *chunks = NULL, *prefix = NULL;
-    int n_tokens = 0, n_chunks = 0, n_prefix = 0, st;
-    const cJSON *id = cJSON_GetObjectItem(cmd, "id"), *method = cJSON_GetObjectItem(cmd, "method");
-    const cJSON *start = cJSON_GetObjectItem(cmd, "start"), *top = cJSON_GetObjectItem(cmd, "top");
-    const cJSON *kv_out = cJSON_GetObjectItem(cmd, "kv_out");
-    const cJSON *logits_out = cJSON_GetObjectItem(cmd, "logits_out");
-    if (!cJSON_IsNumber(id) || !cJSON_IsString(method) || !cJSON_IsNumber(start) ||
-        json_ints(cJSON_GetObjectItem(cmd, "tokens"), 0, INT32_MAX, &tokens, &n_tokens)) {
-        emit_error("result", "task command: missing or malformed id, method, start or tokens");
-        return;
-    }
-    const cJSON *cj = cJSON_GetObjectItem(cmd, "chunks");
-    if (cj && !cJSON_IsNull(cj)) {
-        if (json_ints(cj, 0, INT32_MAX, &chunks, &n_chunks) || n_chunks != g->size) {
-            emit_error("result", "task command: chunks must hold one size per rank");
-            free(tokens);
-            free(chunks);
-            return;
-        }
-    }
-    const cJSON *pj = cJSON_GetObjectItem(cmd, "prefix");
-    if (pj && !cJSON_IsNull(pj)) {
-        if (json_ints(pj, 0, INT32_MAX, &prefix, &n_prefix) || n_prefix != start->valueint) {
-            emit_error("result", "task command: prefix must hold the start cached tokens");
-            free(tokens);
-            free(chunks);
-            free(prefix);
-            return;
-        }
-        task.prefix = prefix;
-    }
-    st = pdm_prefill_method_parse(method->valuestring, &task.method);
-    const cJSON *stream = cJSON_GetObjectItem(cmd, "stream");
-    pdm_prefill_stream_t target;
-    if (!st && stream && !cJSON_IsNull(stream)) {
-        const cJSON *rq = cJSON_GetObjectItem(stream, "request");
-        const cJSON *at = cJSON_GetObjectItem(stream, "attempt");
-        const cJSON *win = cJSON_GetObjectItem(stream, "window");
-        const cJSON *daddr = cJSON_GetObjectItem(stream, "decode_addr");
-        int peer = decode_peer;
-        if (cJSON_IsString(daddr)) st = decode_peer_for(kvt, daddr->valuestring, &peer);
-        if (st) {
-            /* decode_addr could not be connected: the message is set */
-        } else if (peer < 0)
-            st = pdm_error_set(PDM_ESTATE, "task streams to a decode node but the group has none");
-        else if (!cJSON_IsNumber(rq) || !cJSON_IsNumber(at) || rq->valuedouble < 0 ||
-                 at->valuedouble < 0 || at->valuedouble > 255)
-            st = pdm_error_set(PDM_EFORMAT, "task command: malformed stream target");
-        else {
-            target = (pdm_prefill_stream_t){
-                .peer = peer, .request_id = (uint64_t)rq->valuedouble,
-                .attempt = (uint32_t)at->valuedouble,
-                .max_in_flight = cJSON_IsNumber(win) ? PDM_MAX(1, PDM_MIN(win->valueint, 4096)) : 64};
-            task.stream = &target;
-        }
-    }
-    task.id = (uint32_t)id->valuedouble;
-    task.start = (int32_t)start->valuedouble;
-    task.tokens = tokens;
-    task.n_tokens = n_tokens;
-    task.chunks = chunks;
-    pdm_prefill_result_t res;
-    if (!st) st = pdm_prefill_rank_run(rank, &task, &res);
+    pn_set_running(pn, 0);
     if (st) {
-        emit_error("result", pdm_error_last());
-        free(tokens);
-        free(chunks);
-        free(prefix);
+        e.code = pn_error_code(st);
+        e.message = (char *)pdm_error_last();
+        r.error = &e;
+        pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, &r.base);
         return;
     }
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "event", "result");
-    cJSON_AddNumberToObject(o, "id", current_task);
-    cJSON_AddBoolToObject(o, "ok", 1);
-    cJSON_AddNumberToObject(o, "rank", g->rank);
-    cJSON_AddBoolToObject(o, "owner", res.owner);
-    cJSON_AddNumberToObject(o, "n_local", res.n_local);
-    cJSON_AddNumberToObject(o, "t_total", res.t_total);
-    cJSON_AddNumberToObject(o, "t_compute", res.t_compute);
-    cJSON_AddNumberToObject(o, "t_wait", res.t_wait);
-    cJSON_AddNumberToObject(o, "bytes_sent", (double)res.bytes_sent);
-    cJSON_AddNumberToObject(o, "bytes_received", (double)res.bytes_received);
-    cJSON_AddNumberToObject(o, "bytes_streamed", (double)res.bytes_streamed);
-    int logits_st = PDM_OK;
+    const uint32_t n_vocab = pn->model->hp.n_vocab;
+    r.ok = 1;
+    r.owner = res.owner;
+    r.seconds = res.t_total;
+    r.kv_bytes = res.bytes_streamed;
+    r.n_local = (uint32_t)res.n_local;
+    r.t_compute = res.t_compute;
+    r.t_wait = res.t_wait;
+    r.bytes_sent = res.bytes_sent;
+    r.bytes_received = res.bytes_received;
     if (res.owner) {
-        cJSON_AddNumberToObject(o, "first_token", res.first_token);
-        int k = cJSON_IsNumber(top) ? PDM_MAX(0, PDM_MIN(top->valueint, 100)) : 10;
-        cJSON *arr = cJSON_AddArrayToObject(o, "top");
-        char *taken = calloc(model->hp.n_vocab, 1);
-        for (int i = 0; i < k && taken; i++) {
-            int32_t best = -1;
-            for (uint32_t v = 0; v < model->hp.n_vocab; v++)
-                if (!taken[v] && (best < 0 || res.logits[v] > res.logits[best])) best = (int32_t)v;
-            taken[best] = 1;
-            cJSON *pair = cJSON_CreateArray();
-            cJSON_AddItemToArray(pair, cJSON_CreateNumber(best));
-            cJSON_AddItemToArray(pair, cJSON_CreateNumber(res.logits[best]));
-            cJSON_AddItemToArray(arr, pair);
-        }
-        free(taken);
-        if (cJSON_IsString(logits_out)) {
-            FILE *f = fopen(logits_out->valuestring, "wb");
-            if (!f || fwrite(res.logits, sizeof(float), model->hp.n_vocab, f) !=
-                          model->hp.n_vocab)
-                logits_st = pdm_error_set(PDM_EIO, "%s: cannot write logits",
-                                          logits_out->valuestring);
-            if (f && fclose(f)) logits_st = PDM_EIO;
+        r.first_token = res.first_token;
+        uint32_t k = PDM_MIN(PDM_MIN(t->top_logits, 100u), n_vocab);
+        k = pn_top_logits(res.logits, n_vocab, k, top_ids, top_values);
+        r.top_ids = top_ids;
+        r.n_top_ids = k;
+        r.top_logits = top_values;
+        r.n_top_logits = k;
+        if (t->want_logits) {
+            r.logits = res.logits;
+            r.n_logits = n_vocab;
         }
     }
-    if (logits_st) {
-        cJSON_Delete(o);
-        emit_error("result", pdm_error_last());
-    } else {
-        pdm_ctl_emit(o);
-    }
-    if (cJSON_IsString(kv_out)) {
-        st = pdm_prefill_rank_dump_kv(rank, kv_out->valuestring);
-        if (st) {
-            emit_error("dumped", pdm_error_last());
-        } else {
-            cJSON *d = cJSON_CreateObject();
-            cJSON_AddStringToObject(d, "event", "dumped");
-            cJSON_AddNumberToObject(d, "id", current_task);
-            cJSON_AddBoolToObject(d, "ok", 1);
-            pdm_ctl_emit(d);
-        }
-    }
-    free(tokens);
-    free(chunks);
-    free(prefix);
+    pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, &r.base);
 }
 
 /* Ranks 0 and 1 bounce a message of `bytes` back and forth `iters` times (after one warm-up
  * round); rank 0 reports the mean round-trip time. Other ranks only answer. */
-static void handle_pingpong(const cJSON *cmd, pdm_kvt_group_t *g)
+static int pn_pingpong(pdm_kvt_group_t *g, size_t bytes, int iters, double *seconds)
 {
-    const cJSON *b = cJSON_GetObjectItem(cmd, "bytes"), *it = cJSON_GetObjectItem(cmd, "iters");
-    if (!cJSON_IsNumber(b) || !cJSON_IsNumber(it) || b->valuedouble < 1 ||
-        b->valuedouble > (1 << 30) || it->valueint < 1 || it->valueint > 60000 || g->size < 2) {
-        emit_error("pingpong", "pingpong needs bytes in [1, 1 GiB], iters in [1, 60000] and "
-                               "two ranks");
-        return;
-    }
-    size_t bytes = (size_t)b->valuedouble;
-    int iters = it->valueint, st = PDM_OK;
-    double seconds = 0;
     char *buf = malloc(bytes);
-    if (!buf) {
-        emit_error("pingpong", "out of memory");
-        return;
-    }
+    if (!buf) return pdm_error_set(PDM_ENOMEM, "pingpong: out of memory");
     memset(buf, 1, bytes);
+    int st = PDM_OK;
+    *seconds = 0;
     if (g->rank <= 1) {
         const int other = 1 - g->rank;
         pdm_kvt_iov_t iov = {buf, bytes};
@@ -286,49 +259,87 @@ static void handle_pingpong(const cJSON *cmd, pdm_kvt_group_t *g)
             if (i == 1) t0 = pdm_now();
             pdm_kvt_req_t r;
             double deadline = pdm_kvt_group_deadline(g);
-            if (g->rank == 0) {
-                st = pdm_kvt_group_send(g, other, PDM_KVT_KIND_PING, 0, i, &iov, 1, &r);
-                if (!st) st = pdm_kvt_wait(g->kvt, r, deadline, NULL);
-                if (!st) st = pdm_kvt_group_recv(g, other, PDM_KVT_KIND_PING, 1, i, &iov, 1, &r);
-                if (!st) st = pdm_kvt_wait(g->kvt, r, deadline, NULL);
-            } else {
-                st = pdm_kvt_group_recv(g, other, PDM_KVT_KIND_PING, 0, i, &iov, 1, &r);
-                if (!st) st = pdm_kvt_wait(g->kvt, r, deadline, NULL);
-                if (!st) st = pdm_kvt_group_send(g, other, PDM_KVT_KIND_PING, 1, i, &iov, 1, &r);
+            const int first_send = g->rank == 0;
+            for (int half = 0; half < 2 && !st; half++) {
+                if (half == !first_send)
+                    st = pdm_kvt_group_send(g, other, PDM_KVT_KIND_PING, g->rank, i, &iov, 1, &r);
+                else
+                    st = pdm_kvt_group_recv(g, other, PDM_KVT_KIND_PING, other, i, &iov, 1, &r);
                 if (!st) st = pdm_kvt_wait(g->kvt, r, deadline, NULL);
             }
         }
-        seconds = (pdm_now() - t0) / iters;
+        *seconds = (pdm_now() - t0) / iters;
     }
     free(buf);
-    if (st) {
-        emit_error("pingpong", pdm_error_last());
-        return;
-    }
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "event", "pingpong");
-    cJSON_AddBoolToObject(o, "ok", 1);
-    cJSON_AddNumberToObject(o, "seconds", seconds);
-    pdm_ctl_emit(o);
+    return st;
 }
 
-static void usage(FILE *f)
+static void pn_on_pingpong(pn_t *pn, const Pdmesh__GroupPingPong *p)
 {
-    fprintf(f, "usage: pdmesh-prefill [--model FILE] [--threads N] [--cpu N] [--ctx N]\n"
+    Pdmesh__GroupPingPongResult r = PDMESH__GROUP_PING_PONG_RESULT__INIT;
+    Pdmesh__Error e = PDMESH__ERROR__INIT;
+    int st;
+    r.epoch = pdm_link_epoch(pn->link);
+    r.rank = pn->grouped ? (uint32_t)pn->group.rank : 0;
+    if (!pn->grouped)
+        st = pdm_error_set(PDM_ESTATE, "GroupPingPong before GroupWire");
+    else if (p->bytes < 1 || p->bytes > (1u << 30) || p->iters < 1 || p->iters > 60000 ||
+             pn->group.size < 2)
+        st = pdm_error_set(PDM_EINVAL, "GroupPingPong needs bytes in [1, 1 GiB], iters in "
+                           "[1, 60000] and two ranks");
+    else
+        st = pn_pingpong(&pn->group, (size_t)p->bytes, (int)p->iters, &r.seconds);
+    if (st) {
+        e.code = pn_error_code(st);
+        e.message = (char *)pdm_error_last();
+        r.error = &e;
+    }
+    r.ok = !st;
+    pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG_RESULT, &r.base);
+}
+
+static void pn_on_stats(pn_t *pn)
+{
+    Pdmesh__NodeStats s = PDMESH__NODE_STATS__INIT;
+    Pdmesh__Load load = PDMESH__LOAD__INIT;
+    s.epoch = pdm_link_epoch(pn->link);
+    s.load = &load;
+    pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_NODE_STATS, &s.base);
+}
+
+static void pn_on_message(pn_t *pn, const pdm_wire_msg_t *m)
+{
+    const ProtobufCMessage *msg = pdm_wire_message(m);
+    switch (pdm_wire_type(m)) {
+    case PDMESH__MSG_TYPE__MSG_GROUP_WIRE: pn_on_group_wire(pn, (const Pdmesh__GroupWire *)msg); break;
+    case PDMESH__MSG_TYPE__MSG_PREFILL_TASK: pn_on_task(pn, (const Pdmesh__PrefillTask *)msg); break;
+    case PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG:
+        pn_on_pingpong(pn, (const Pdmesh__GroupPingPong *)msg);
+        break;
+    case PDMESH__MSG_TYPE__MSG_STATS_REQUEST: pn_on_stats(pn); break;
+    default: break; /* CancelTask: a task runs to its end (its deadline bounds it) */
+    }
+}
+
+static void pn_usage(FILE *f)
+{
+    fprintf(f, "usage: pdmesh-prefill --router ENDPOINT --node-id NAME --group G --rank r\n"
+               "                      --group-size R [--secret-file F]\n"
+               "                      [--curve-server-key F --curve-key F]\n"
+               "                      [--model FILE] [--threads N] [--cpu N] [--ctx N]\n"
                "                      [--kv-dtype f32|f16|q8] [--timeout SECONDS]\n"
-               "                      [--router ENDPOINT --node-id NAME --group G --rank r\n"
-               "                       --group-size R [--secret-file F]\n"
-               "                       [--curve-server-key F --curve-key F]]\n"
-               "One rank of a prefill group, driven by JSON lines on stdin/stdout\n"
-               "(see pdmesh prefill-run), or by the router's control plane (--router).\n");
+               "                      [--dump-dir DIR] [--exit-with-parent]\n"
+               "One rank of a prefill group. It takes its tasks from the node socket at ENDPOINT\n"
+               "(the router's, or pdmesh prefill-run's / disagg-run's) as protobuf messages.\n");
 }
 
 int main(int argc, char **argv)
 {
     const char *model_path = pdm_model_default_path();
-    pdm_prefill_rank_params_t rp;
-    pdm_prefill_rank_params_default(&rp);
+    pn_t pn = {0};
+    pdm_prefill_rank_params_default(&pn.rp);
     long cpu = -1;
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_DUMP_DIR, O_EXIT_WITH_PARENT };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"threads", required_argument, 0, 't'},
         {"cpu", required_argument, 0, 'c'},   {"ctx", required_argument, 0, 'x'},
@@ -336,11 +347,14 @@ int main(int argc, char **argv)
         {"help", no_argument, 0, 'h'},        {"router", required_argument, 0, 'R'},
         {"node-id", required_argument, 0, 'N'}, {"group", required_argument, 0, 'G'},
         {"rank", required_argument, 0, 'r'},  {"group-size", required_argument, 0, 'g'},
-        {"secret-file", required_argument, 0, 'S'}, {"curve-server-key", required_argument, 0, 1001},
-        {"curve-key", required_argument, 0, 1002}, {0, 0, 0, 0}};
-    pdm_agent_params_t ap;
-    pdm_agent_params_default(&ap);
-    ap.role = PDM_AGENT_PREFILL;
+        {"secret-file", required_argument, 0, 'S'},
+        {"curve-server-key", required_argument, 0, O_CURVE_SERVER},
+        {"curve-key", required_argument, 0, O_CURVE_KEY},
+        {"dump-dir", required_argument, 0, O_DUMP_DIR},
+        {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT}, {0, 0, 0, 0}};
+    pdm_link_params_t lp;
+    pdm_link_params_default(&lp);
+    lp.role = PDMESH__ROLE__ROLE_PREFILL;
     int c;
     long v;
     double d;
@@ -349,62 +363,60 @@ int main(int argc, char **argv)
         case 'm': model_path = optarg; break;
         case 't':
             if (pdm_parse_long(optarg, 1, 256, &v)) goto bad;
-            rp.threads = (int)v;
+            pn.rp.threads = (int)v;
             break;
         case 'c':
             if (pdm_parse_long(optarg, 0, CPU_SETSIZE - 1, &cpu)) goto bad;
             break;
         case 'x':
             if (pdm_parse_long(optarg, 1, 1 << 22, &v)) goto bad;
-            rp.ctx_tokens = (int)v;
+            pn.rp.ctx_tokens = (int)v;
             break;
         case 'k':
-            if (pdm_kv_dtype_parse(optarg, &rp.kv_dtype)) goto bad;
+            if (pdm_kv_dtype_parse(optarg, &pn.rp.kv_dtype)) goto bad;
             break;
         case 'o':
             if (pdm_parse_double(optarg, 0.001, 86400, &d)) goto bad;
-            rp.timeout = d;
+            pn.rp.timeout = d;
             break;
-        case 'R': ap.endpoint = optarg; break;
-        case 1001: ap.curve_server_key_file = optarg; break;
-        case 1002: ap.curve_key_file = optarg; break;
-        case 'N': ap.node_id = optarg; break;
-        case 'G': ap.group = optarg; break;
-        case 'S': ap.secret_file = optarg; break;
+        case 'R': lp.endpoint = optarg; break;
+        case O_CURVE_SERVER: lp.curve_server_key_file = optarg; break;
+        case O_CURVE_KEY: lp.curve_key_file = optarg; break;
+        case O_DUMP_DIR: pn.dump_dir = optarg; break;
+        case O_EXIT_WITH_PARENT: lp.exit_with_parent = 1; break;
+        case 'N': lp.node_id = optarg; break;
+        case 'G': lp.group = optarg; break;
+        case 'S': lp.secret_file = optarg; break;
         case 'r':
             if (pdm_parse_long(optarg, 0, PDM_KVT_MAX_RANKS - 1, &v)) goto bad;
-            ap.rank = (uint32_t)v;
+            lp.rank = (uint32_t)v;
             break;
         case 'g':
             if (pdm_parse_long(optarg, 1, PDM_KVT_MAX_RANKS, &v)) goto bad;
-            ap.group_size = (uint32_t)v;
+            lp.group_size = (uint32_t)v;
             break;
-        case 'h': usage(stdout); return 0;
-        default: usage(stderr); return 2;
+        case 'h': pn_usage(stdout); return 0;
+        default: pn_usage(stderr); return 2;
         }
     }
     if (optind != argc) {
     bad:
         fprintf(stderr, "pdmesh-prefill: invalid option value\n");
-        usage(stderr);
+        pn_usage(stderr);
         return 2;
     }
-    if (ap.endpoint) {
-        /* Router mode: the agent thread registers this rank and bridges the control plane to
-         * this command loop (common/agent.h). */
-        if (!ap.group || ap.group_size < 1 || ap.rank >= ap.group_size) {
-            fprintf(stderr, "pdmesh-prefill: --router needs --group, --rank and --group-size\n");
-            return 2;
-        }
-        ap.model_id = model_path;
-        ap.threads = (uint32_t)rp.threads;
-        ap.max_prompt = (uint32_t)rp.ctx_tokens;
-        if (pdm_agent_start(&ap)) {
-            fprintf(stderr, "pdmesh-prefill: %s\n", pdm_error_last());
-            return 1;
-        }
+    if (!lp.endpoint || !lp.group || lp.group_size < 1 || lp.rank >= lp.group_size) {
+        fprintf(stderr, "pdmesh-prefill: needs --router, --node-id, --group, --rank and "
+                        "--group-size (rank < group size)\n");
+        pn_usage(stderr);
+        return 2;
     }
-    if (pdm_ctl_open()) {
+    lp.model_id = model_path;
+    lp.capacity.threads = (uint32_t)pn.rp.threads;
+    lp.capacity.max_prompt = (uint32_t)pn.rp.ctx_tokens;
+    pn.group_name = lp.group;
+    /* First, before any library starts a thread: signals are blocked from here on. */
+    if (pdm_link_create(&lp, &pn.link)) {
         fprintf(stderr, "pdmesh-prefill: %s\n", pdm_error_last());
         return 1;
     }
@@ -417,86 +429,32 @@ int main(int argc, char **argv)
     }
 
     pdm_model_t *model = NULL;
-    pdm_kvt_t *kvt = NULL;
-    pdm_kvt_group_t group;
-    pdm_prefill_rank_t *rank = NULL;
-    int grouped = 0, status = 1;
-    if (pdm_model_load(model_path, &model)) {
-        emit_error("hello", pdm_error_last());
+    int status = 1;
+    if (pdm_model_load(model_path, &model) || pdm_kvt_create(NULL, &pn.kvt)) {
+        fprintf(stderr, "pdmesh-prefill: %s\n", pdm_error_last());
         goto out;
     }
-    if (pdm_kvt_create(NULL, &kvt)) {
-        emit_error("hello", pdm_error_last());
-        goto out;
-    }
+    pn.model = model;
     const void *addr;
     size_t alen;
-    pdm_kvt_address(kvt, &addr, &alen);
-    pdm_ctl_hello(addr, alen);
-
-    char *line = NULL;
-    size_t cap = 0;
-    ssize_t n;
-    while ((n = getline(&line, &cap, stdin)) > 0) {
-        if ((size_t)n > PDM__MAX_LINE) {
-            emit_error("error", "command line too long");
-            continue;
-        }
-        cJSON *cmd = cJSON_ParseWithLength(line, (size_t)n);
-        const cJSON *name = cmd ? cJSON_GetObjectItem(cmd, "cmd") : NULL;
-        if (!cJSON_IsString(name)) {
-            emit_error("error", "malformed command (expected a JSON object with \"cmd\")");
-        } else if (!strcmp(name->valuestring, "quit")) {
-            cJSON_Delete(cmd);
-            status = 0;
-            break;
-        } else if (!strcmp(name->valuestring, "group")) {
-            if (grouped) { /* the group re-forms (a rank was replaced): start afresh */
-                pdm_log_info("prefill rank: leaving the group to re-form it");
-                pdm_prefill_rank_destroy(rank);
-                rank = NULL;
-                pdm_kvt_group_fini(&group);
-                grouped = 0;
-            }
-            if (handle_group(cmd, kvt, &group, rp.timeout) ||
-                       pdm_prefill_rank_create(model, &group, &rp, &rank)) {
-                emit_error("ready", pdm_error_last());
-            } else {
-                grouped = 1;
-                cJSON *o = cJSON_CreateObject();
-                cJSON_AddStringToObject(o, "event", "ready");
-                cJSON_AddBoolToObject(o, "ok", 1);
-                char tl[128];
-                pdm_kvt_peer_transports(kvt, group.peer[(group.rank + 1) % group.size], tl,
-                                        sizeof(tl));
-                cJSON_AddStringToObject(o, "transports", tl);
-                pdm_ctl_emit(o);
-            }
-        } else if (!strcmp(name->valuestring, "pingpong")) {
-            if (!grouped)
-                emit_error("pingpong", "pingpong before group");
-            else
-                handle_pingpong(cmd, &group);
-        } else if (!strcmp(name->valuestring, "task")) {
-            const cJSON *tid = cJSON_GetObjectItem(cmd, "id");
-            current_task = cJSON_IsNumber(tid) ? tid->valuedouble : -1;
-            if (!grouped)
-                emit_error("result", "task before group");
-            else
-                handle_task(cmd, rank, model, &group, kvt);
-            current_task = -1;
-        } else {
-            emit_error("error", "unknown command");
-        }
-        cJSON_Delete(cmd);
+    pdm_kvt_address(pn.kvt, &addr, &alen);
+    if (pdm_link_start(pn.link, addr, alen)) {
+        fprintf(stderr, "pdmesh-prefill: %s\n", pdm_error_last());
+        goto out;
     }
-    if (n <= 0) status = 0; /* launcher closed our input: a normal end */
-    free(line);
+    for (;;) {
+        pdm_wire_msg_t *m;
+        if (pdm_link_recv(pn.link, 1000, &m)) break; /* SIGTERM or a refused registration */
+        if (!m) continue;
+        pn_on_message(&pn, m);
+        pdm_wire_msg_free(m);
+    }
+    status = pdm_link_exit_status(pn.link);
 out:
-    pdm_prefill_rank_destroy(rank);
-    if (grouped) pdm_kvt_group_fini(&group);
-    pdm_kvt_destroy(kvt);
+    pdm_prefill_rank_destroy(pn.rank);
+    if (pn.grouped) pdm_kvt_group_fini(&pn.group);
+    pdm_link_destroy(pn.link);
+    pdm_kvt_destroy(pn.kvt);
     pdm_model_free(model);
-    pdm_ctl_close();
     return status;
 }

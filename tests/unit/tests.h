@@ -26,6 +26,7 @@ Suite *suite_router(void);
 Suite *suite_sdk(void);
 Suite *suite_http(void);
 Suite *suite_curve(void);
+Suite *suite_nodeproto(void);
 
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
  * under /tmp). */

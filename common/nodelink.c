@@ -1,0 +1,514 @@
+/*
+ * nodelink.c - a node daemon's control-plane link: one thread owning the DEALER to the node
+ * socket, an inproc PAIR to the daemon's thread. See common/nodelink.h.
+ *
+ * The PAIR carries, link -> daemon, pointers to unpacked messages (pdm_wire_msg_t *; a NULL
+ * pointer means "stop"), and daemon -> link, packed frames to forward (an empty frame only
+ * wakes the thread to look at its flags).
+ */
+#include "common/nodelink.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/curve.h"
+#include "common/pdm.h"
+
+struct pdm_link {
+    pdm_link_params_t p;
+    uint8_t *secret;
+    size_t secret_len;
+    int sig_fd;                  /* SIGTERM / SIGINT */
+    void *zctx;
+    void *dealer;                /* to the node socket (link thread only) */
+    void *pair_link;             /* link thread's end of the inproc pair */
+    void *pair_main;             /* daemon thread's end */
+    char pair_ep[64];
+    uint8_t *addr;               /* UCX worker address */
+    size_t addr_len;
+    pthread_t thread;
+    int started;
+    int closing;                 /* daemon side: "stop" was received */
+    _Atomic uint64_t epoch;
+    atomic_int stop, reregister, exit_status;
+    pthread_mutex_t load_mu;
+    Pdmesh__Load load;
+    /* link thread only */
+    int registered, hb_ms;
+    double next_register, next_heartbeat;
+};
+
+void pdm_link_params_default(pdm_link_params_t *p)
+{
+    memset(p, 0, sizeof(*p));
+    pdmesh__capacity__init(&p->capacity);
+    p->heartbeat_ms = 1000;
+}
+
+static uint64_t pdm__unix_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* ---- link thread ---- */
+
+static void pdm__link_send(pdm_link_t *l, int type, const ProtobufCMessage *m)
+{
+    if (pdm_wire_send(l->dealer, NULL, 0, type, m))
+        pdm_log_warn("node %s: cannot send %s: %s", l->p.node_id, pdm_wire_type_name(type),
+                     pdm_error_last());
+}
+
+static void pdm__link_error(pdm_link_t *l, int code, uint64_t task_id, uint32_t attempt,
+                            const char *text)
+{
+    Pdmesh__Error e = PDMESH__ERROR__INIT;
+    e.code = (Pdmesh__ErrorCode)code;
+    e.message = (char *)text;
+    e.task_id = task_id;
+    e.attempt = attempt;
+    pdm__link_send(l, PDMESH__MSG_TYPE__MSG_ERROR, &e.base);
+}
+
+static void pdm__link_register(pdm_link_t *l)
+{
+    Pdmesh__Register r = PDMESH__REGISTER__INIT;
+    Pdmesh__Capacity cap = l->p.capacity;
+    uint8_t proof[32];
+    uint64_t nonce;
+    pdm_random_bytes(&nonce, sizeof(nonce));
+    r.node_id = (char *)l->p.node_id;
+    r.role = (Pdmesh__Role)l->p.role;
+    r.group = (char *)(l->p.group ? l->p.group : "");
+    r.rank = l->p.rank;
+    r.group_size = l->p.group_size;
+    r.ucx_address.data = l->addr;
+    r.ucx_address.len = l->addr_len;
+    r.capacity = &cap;
+    r.model_id = (char *)(l->p.model_id ? l->p.model_id : "");
+    r.nonce = nonce;
+    r.timestamp_ms = pdm__unix_ms();
+    pdm_auth_proof(l->secret, l->secret_len, l->p.node_id, nonce, r.timestamp_ms, proof);
+    r.proof.data = proof;
+    r.proof.len = sizeof(proof);
+    r.pid = (uint32_t)getpid();
+    pdm__link_send(l, PDMESH__MSG_TYPE__MSG_REGISTER, &r.base);
+    l->next_register = pdm_now() + 1.0;
+}
+
+static void pdm__link_heartbeat(pdm_link_t *l)
+{
+    Pdmesh__Heartbeat h = PDMESH__HEARTBEAT__INIT;
+    Pdmesh__Load load;
+    pthread_mutex_lock(&l->load_mu);
+    load = l->load;
+    pthread_mutex_unlock(&l->load_mu);
+    h.node_id = (char *)l->p.node_id;
+    h.epoch = atomic_load(&l->epoch);
+    h.load = &load;
+    pdm__link_send(l, PDMESH__MSG_TYPE__MSG_HEARTBEAT, &h.base);
+    l->next_heartbeat = pdm_now() + l->hb_ms / 1000.0;
+}
+
+static void pdm__link_deregister(pdm_link_t *l)
+{
+    if (!l->registered) return;
+    Pdmesh__Deregister d = PDMESH__DEREGISTER__INIT;
+    d.node_id = (char *)l->p.node_id;
+    d.epoch = atomic_load(&l->epoch);
+    pdm__link_send(l, PDMESH__MSG_TYPE__MSG_DEREGISTER, &d.base);
+    l->registered = 0;
+}
+
+/* Tells the daemon to stop (a NULL message). */
+static void pdm__link_tell_stop(pdm_link_t *l)
+{
+    void *none = NULL;
+    zmq_send(l->pair_link, &none, sizeof(none), ZMQ_DONTWAIT);
+}
+
+/* 1 if `type` is a message the daemon of this role takes. */
+static int pdm__link_accepts(const pdm_link_t *l, int type)
+{
+    switch (type) {
+    case PDMESH__MSG_TYPE__MSG_STATS_REQUEST:
+    case PDMESH__MSG_TYPE__MSG_CANCEL_TASK: return 1;
+    case PDMESH__MSG_TYPE__MSG_GROUP_WIRE:
+    case PDMESH__MSG_TYPE__MSG_PREFILL_TASK:
+    case PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG: return l->p.role == PDMESH__ROLE__ROLE_PREFILL;
+    case PDMESH__MSG_TYPE__MSG_DECODE_TASK:
+    case PDMESH__MSG_TYPE__MSG_DECODE_START: return l->p.role == PDMESH__ROLE__ROLE_DECODE;
+    default: return 0;
+    }
+}
+
+/* The epoch a message is stamped with (0 when its type carries none, which is then not
+ * checked), and the task it is about. */
+static uint64_t pdm__msg_epoch(int type, const ProtobufCMessage *m, uint64_t *task_id,
+                               uint32_t *attempt)
+{
+    *task_id = 0;
+    *attempt = 0;
+    switch (type) {
+    case PDMESH__MSG_TYPE__MSG_GROUP_WIRE: return ((const Pdmesh__GroupWire *)m)->epoch;
+    case PDMESH__MSG_TYPE__MSG_STATS_REQUEST: return ((const Pdmesh__StatsRequest *)m)->epoch;
+    case PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG: return ((const Pdmesh__GroupPingPong *)m)->epoch;
+    case PDMESH__MSG_TYPE__MSG_PREFILL_TASK: {
+        const Pdmesh__PrefillTask *t = (const Pdmesh__PrefillTask *)m;
+        *task_id = t->task_id;
+        *attempt = t->attempt;
+        return t->epoch;
+    }
+    case PDMESH__MSG_TYPE__MSG_DECODE_TASK: {
+        const Pdmesh__DecodeTask *t = (const Pdmesh__DecodeTask *)m;
+        *task_id = t->task_id;
+        *attempt = t->attempt;
+        return t->epoch;
+    }
+    default: return 0;
+    }
+}
+
+/* The link's own messages: acks and errors from the router. */
+static void pdm__link_on_control(pdm_link_t *l, int type, const ProtobufCMessage *msg)
+{
+    if (type == PDMESH__MSG_TYPE__MSG_REGISTER_ACK) {
+        const Pdmesh__RegisterAck *ack = (const Pdmesh__RegisterAck *)msg;
+        atomic_store(&l->epoch, ack->epoch);
+        l->registered = 1;
+        if (ack->heartbeat_ms >= 10 && ack->heartbeat_ms <= 60000) l->hb_ms = (int)ack->heartbeat_ms;
+        l->next_heartbeat = pdm_now() + l->hb_ms / 1000.0;
+        pdm_log_info("node %s: registered, epoch %llu", l->p.node_id,
+                     (unsigned long long)ack->epoch);
+    } else if (type == PDMESH__MSG_TYPE__MSG_HEARTBEAT_ACK) {
+        if (((const Pdmesh__HeartbeatAck *)msg)->epoch != atomic_load(&l->epoch))
+            l->registered = 0, l->next_register = 0;
+    } else if (type == PDMESH__MSG_TYPE__MSG_ERROR) {
+        const Pdmesh__Error *e = (const Pdmesh__Error *)msg;
+        if (e->code == PDMESH__ERROR_CODE__ERR_UNAUTHORIZED) {
+            fprintf(stderr, "node %s: the router refused the registration: %s\n", l->p.node_id,
+                    e->message ? e->message : "");
+            atomic_store(&l->exit_status, 3);
+            pdm__link_tell_stop(l);
+            return;
+        }
+        if (e->code == PDMESH__ERROR_CODE__ERR_STALE_EPOCH ||
+            e->code == PDMESH__ERROR_CODE__ERR_NOT_FOUND)
+            l->registered = 0, l->next_register = 0;
+        pdm_log_warn("node %s: router error %d: %s", l->p.node_id, e->code,
+                     e->message ? e->message : "");
+    }
+}
+
+/* One frame from the node socket: checked, then the link's own or passed to the daemon. */
+static void pdm__link_on_frame(pdm_link_t *l, const void *frame, size_t len)
+{
+    pdm_wire_msg_t *m;
+    int st = pdm_wire_unpack(frame, len, PDM_WIRE_MAX_FRAME, 0, &m);
+    if (st) {
+        int code = st == PDM_EOVERFLOW      ? PDMESH__ERROR_CODE__ERR_TOO_LARGE
+                   : st == PDM_EUNSUPPORTED ? PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE
+                                            : PDMESH__ERROR_CODE__ERR_BAD_MESSAGE;
+        char why[512];
+        snprintf(why, sizeof(why), "%s", pdm_error_last());
+        pdm_log_warn("node %s: refused a frame: %s", l->p.node_id, why);
+        pdm__link_error(l, code, 0, 0, why);
+        return;
+    }
+    int type = pdm_wire_type(m);
+    const ProtobufCMessage *msg = pdm_wire_message(m);
+    if (type == PDMESH__MSG_TYPE__MSG_REGISTER_ACK || type == PDMESH__MSG_TYPE__MSG_HEARTBEAT_ACK ||
+        type == PDMESH__MSG_TYPE__MSG_ERROR) {
+        pdm__link_on_control(l, type, msg);
+        pdm_wire_msg_free(m);
+        return;
+    }
+    char why[256];
+    uint64_t task_id;
+    uint32_t attempt;
+    uint64_t stamped = pdm__msg_epoch(type, msg, &task_id, &attempt);
+    uint64_t epoch = atomic_load(&l->epoch);
+    if (!pdm__link_accepts(l, type)) {
+        snprintf(why, sizeof(why), "%s is not a message for a %s node", pdm_wire_type_name(type),
+                 l->p.role == PDMESH__ROLE__ROLE_PREFILL ? "prefill" : "decode");
+        pdm__link_error(l, PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE, task_id, attempt, why);
+    } else if (stamped && stamped != epoch) {
+        snprintf(why, sizeof(why), "%s for epoch %llu; this node's epoch is %llu",
+                 pdm_wire_type_name(type), (unsigned long long)stamped, (unsigned long long)epoch);
+        pdm__link_error(l, PDMESH__ERROR_CODE__ERR_STALE_EPOCH, task_id, attempt, why);
+    } else if (zmq_send(l->pair_link, &m, sizeof(m), ZMQ_DONTWAIT) == (int)sizeof(m)) {
+        return; /* the daemon owns it now */
+    } else {
+        pdm__link_error(l, PDMESH__ERROR_CODE__ERR_OVERLOADED, task_id, attempt,
+                        "the node's task queue is full");
+    }
+    pdm_wire_msg_free(m);
+}
+
+/* Frames the daemon sends: forwarded as they are. */
+static void pdm__link_forward(pdm_link_t *l)
+{
+    for (int k = 0; k < 1024; k++) {
+        zmq_msg_t msg;
+        zmq_msg_init(&msg);
+        if (zmq_msg_recv(&msg, l->pair_link, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&msg);
+            return;
+        }
+        if (zmq_msg_size(&msg) && zmq_msg_send(&msg, l->dealer, ZMQ_DONTWAIT) < 0)
+            pdm_log_warn("node %s: a message to the router was dropped: %s", l->p.node_id,
+                         zmq_strerror(errno));
+        zmq_msg_close(&msg);
+    }
+}
+
+static void *pdm__link_main(void *arg)
+{
+    pdm_link_t *l = arg;
+    int signalled = 0;
+    while (!atomic_load(&l->stop)) {
+        if (atomic_exchange(&l->reregister, 0) && l->registered) {
+            l->registered = 0;
+            l->next_register = pdm_now() + 1.0;
+        }
+        double now = pdm_now();
+        if (!signalled && !l->registered && now >= l->next_register) pdm__link_register(l);
+        if (l->registered && now >= l->next_heartbeat) pdm__link_heartbeat(l);
+        zmq_pollitem_t items[3] = {{l->dealer, 0, ZMQ_POLLIN, 0},
+                                   {l->pair_link, 0, ZMQ_POLLIN, 0},
+                                   {NULL, l->sig_fd, ZMQ_POLLIN, 0}};
+        double next = l->registered ? l->next_heartbeat : l->next_register;
+        long timeout = (long)((next - pdm_now()) * 1000) + 1;
+        timeout = PDM_MAX(1, PDM_MIN(timeout, 1000));
+        if (zmq_poll(items, 3, timeout) < 0) {
+            if (errno == ETERM) break;
+            continue;
+        }
+        if (items[2].revents & ZMQ_POLLIN) {
+            struct signalfd_siginfo si;
+            if (read(l->sig_fd, &si, sizeof(si)) > 0 && !signalled) {
+                /* Clean shutdown: the router learns at once (its requests move elsewhere
+                 * without waiting for the lease); the daemon leaves its loop. */
+                signalled = 1;
+                pdm__link_deregister(l);
+                pdm__link_tell_stop(l);
+            }
+        }
+        if (items[1].revents & ZMQ_POLLIN) pdm__link_forward(l);
+        for (int k = 0; k < 1024; k++) {
+            zmq_msg_t msg;
+            zmq_msg_init(&msg);
+            if (zmq_msg_recv(&msg, l->dealer, ZMQ_DONTWAIT) < 0) {
+                zmq_msg_close(&msg);
+                break;
+            }
+            if (!signalled) pdm__link_on_frame(l, zmq_msg_data(&msg), zmq_msg_size(&msg));
+            zmq_msg_close(&msg);
+        }
+    }
+    pdm__link_forward(l); /* the daemon's last results */
+    pdm__link_deregister(l);
+    int linger = 500;
+    zmq_setsockopt(l->dealer, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_close(l->dealer);
+    l->dealer = NULL;
+    return NULL; /* pdm_link_destroy closes the pair after draining it */
+}
+
+/* ---- daemon side ---- */
+
+int pdm_link_create(const pdm_link_params_t *p, pdm_link_t **out)
+{
+    if (!p->endpoint || !p->node_id || !p->node_id[0] || strlen(p->node_id) > 128)
+        return pdm_error_set(PDM_EINVAL, "a node needs --router ENDPOINT and --node-id NAME "
+                             "(at most 128 characters)");
+    pdm_link_t *l = calloc(1, sizeof(*l));
+    if (!l) return pdm_error_set(PDM_ENOMEM, "node link: out of memory");
+    l->p = *p;
+    l->hb_ms = p->heartbeat_ms > 0 ? p->heartbeat_ms : 1000;
+    l->sig_fd = -1;
+    pthread_mutex_init(&l->load_mu, NULL);
+    pdmesh__load__init(&l->load);
+    int st = pdm_auth_load_secret(p->secret_file, &l->secret, &l->secret_len);
+    if (st) {
+        st = pdm_error_set(st, "cluster secret: %s", pdm_error_last());
+        goto err;
+    }
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    if (pthread_sigmask(SIG_BLOCK, &sigs, NULL) ||
+        (l->sig_fd = signalfd(-1, &sigs, SFD_CLOEXEC | SFD_NONBLOCK)) < 0) {
+        st = pdm_error_set(PDM_EIO, "signalfd: %s", strerror(errno));
+        goto err;
+    }
+    if (p->exit_with_parent) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() == 1) kill(getpid(), SIGTERM); /* the parent is already gone */
+    }
+    l->zctx = zmq_ctx_new();
+    l->dealer = l->zctx ? zmq_socket(l->zctx, ZMQ_DEALER) : NULL;
+    l->pair_link = l->zctx ? zmq_socket(l->zctx, ZMQ_PAIR) : NULL;
+    l->pair_main = l->zctx ? zmq_socket(l->zctx, ZMQ_PAIR) : NULL;
+    if (!l->dealer || !l->pair_link || !l->pair_main) {
+        st = pdm_error_set(PDM_EIO, "zmq socket: %s", zmq_strerror(errno));
+        goto err;
+    }
+    int zero = 0, hwm = 100000;
+    int64_t maxmsg = PDM_WIRE_MAX_FRAME + 1024;
+    zmq_setsockopt(l->dealer, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_setsockopt(l->dealer, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(l->dealer, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(l->dealer, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+    for (int i = 0; i < 2; i++) {
+        void *s = i ? l->pair_main : l->pair_link;
+        zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof(zero));
+        zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+        zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    }
+    snprintf(l->pair_ep, sizeof(l->pair_ep), "inproc://pdm-link-%p", (void *)l);
+    if (zmq_bind(l->pair_link, l->pair_ep) || zmq_connect(l->pair_main, l->pair_ep)) {
+        st = pdm_error_set(PDM_EIO, "inproc pair: %s", zmq_strerror(errno));
+        goto err;
+    }
+    const char *csrv = p->curve_server_key_file, *ckey = p->curve_key_file;
+    pdm_curve_env(&csrv, &ckey);
+    if ((st = pdm_curve_client_setup(l->dealer, csrv, ckey))) goto err; /* names the file */
+    if (zmq_connect(l->dealer, p->endpoint)) {
+        st = pdm_error_set(PDM_EINVAL, "cannot connect to %s: %s", p->endpoint,
+                           zmq_strerror(errno));
+        goto err;
+    }
+    *out = l;
+    return PDM_OK;
+err:
+    pdm_link_destroy(l);
+    return st;
+}
+
+int pdm_link_start(pdm_link_t *l, const void *ucx_address, size_t ucx_address_len)
+{
+    if (!(l->addr = malloc(ucx_address_len ? ucx_address_len : 1)))
+        return pdm_error_set(PDM_ENOMEM, "node link: out of memory");
+    memcpy(l->addr, ucx_address, ucx_address_len);
+    l->addr_len = ucx_address_len;
+    if (pthread_create(&l->thread, NULL, pdm__link_main, l))
+        return pdm_error_set(PDM_EIO, "node link: cannot start the thread");
+    l->started = 1;
+    return PDM_OK;
+}
+
+int pdm_link_recv(pdm_link_t *l, int timeout_ms, pdm_wire_msg_t **out)
+{
+    *out = NULL;
+    if (l->closing) return PDM_ECANCELED;
+    zmq_pollitem_t it = {l->pair_main, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&it, 1, timeout_ms) <= 0) return PDM_OK;
+    pdm_wire_msg_t *m;
+    if (zmq_recv(l->pair_main, &m, sizeof(m), ZMQ_DONTWAIT) != (int)sizeof(m)) return PDM_OK;
+    if (!m) {
+        l->closing = 1;
+        return PDM_ECANCELED;
+    }
+    *out = m;
+    return PDM_OK;
+}
+
+int pdm_link_send(pdm_link_t *l, int type, const ProtobufCMessage *msg)
+{
+    uint8_t *buf;
+    size_t len;
+    int st = pdm_wire_pack(type, msg, &buf, &len);
+    if (st) return st;
+    if (zmq_send(l->pair_main, buf, len, ZMQ_DONTWAIT) < 0)
+        st = pdm_error_set(PDM_EOVERFLOW, "node %s: %s dropped: %s", l->p.node_id,
+                           pdm_wire_type_name(type), zmq_strerror(errno));
+    free(buf);
+    if (st) pdm_log_warn("%s", pdm_error_last());
+    return st;
+}
+
+int pdm_link_send_error(pdm_link_t *l, int code, uint64_t task_id, uint32_t attempt,
+                        const char *fmt, ...)
+{
+    char text[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    Pdmesh__Error e = PDMESH__ERROR__INIT;
+    e.code = (Pdmesh__ErrorCode)code;
+    e.message = text;
+    e.task_id = task_id;
+    e.attempt = attempt;
+    return pdm_link_send(l, PDMESH__MSG_TYPE__MSG_ERROR, &e.base);
+}
+
+uint64_t pdm_link_epoch(const pdm_link_t *l)
+{
+    return atomic_load(&((pdm_link_t *)l)->epoch);
+}
+
+void pdm_link_set_load(pdm_link_t *l, const Pdmesh__Load *load)
+{
+    pthread_mutex_lock(&l->load_mu);
+    l->load = *load;
+    pthread_mutex_unlock(&l->load_mu);
+}
+
+static void pdm__link_wake(pdm_link_t *l)
+{
+    zmq_send(l->pair_main, "", 0, ZMQ_DONTWAIT);
+}
+
+void pdm_link_reregister(pdm_link_t *l)
+{
+    atomic_store(&l->reregister, 1);
+    pdm__link_wake(l);
+}
+
+int pdm_link_exit_status(const pdm_link_t *l)
+{
+    return atomic_load(&((pdm_link_t *)l)->exit_status);
+}
+
+void pdm_link_destroy(pdm_link_t *l)
+{
+    if (!l) return;
+    if (l->started) {
+        atomic_store(&l->stop, 1);
+        pdm__link_wake(l);
+        pthread_join(l->thread, NULL);
+    } else if (l->dealer) {
+        zmq_close(l->dealer);
+    }
+    if (l->pair_main) {
+        for (;;) { /* messages the daemon never took */
+            pdm_wire_msg_t *m;
+            if (zmq_recv(l->pair_main, &m, sizeof(m), ZMQ_DONTWAIT) != (int)sizeof(m)) break;
+            pdm_wire_msg_free(m);
+        }
+        zmq_close(l->pair_main);
+    }
+    if (l->pair_link) zmq_close(l->pair_link);
+    if (l->zctx) zmq_ctx_term(l->zctx);
+    if (l->sig_fd >= 0) close(l->sig_fd);
+    pthread_mutex_destroy(&l->load_mu);
+    free(l->secret);
+    free(l->addr);
+    free(l);
+}

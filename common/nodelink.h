@@ -1,0 +1,94 @@
+/*
+ * nodelink.h - a node daemon's link to the control plane (pdmesh-prefill, pdmesh-decode).
+ *
+ * A node daemon takes its tasks only as the protobuf messages of proto/pdmesh.proto over a
+ * ZeroMQ DEALER connected to a node socket: the router's, or a local harness that speaks the
+ * router's side of it (prefill_node/launch.c). The link owns that socket on a thread of its
+ * own, so that a prefill or decode step that takes seconds never delays a heartbeat:
+ *
+ *   - it registers (HMAC proof of the cluster secret), heartbeats with the load the daemon
+ *     last reported, registers again with a new epoch when the router answers
+ *     ERR_STALE_EPOCH / ERR_NOT_FOUND or an ack carries another epoch;
+ *   - it checks every frame before the daemon sees it: over the size cap -> Error
+ *     ERR_TOO_LARGE; not a pdmesh frame or malformed protobuf -> ERR_BAD_MESSAGE; a type that
+ *     is not a message for this role -> ERR_UNKNOWN_TYPE; an epoch other than the current
+ *     one -> ERR_STALE_EPOCH (with the task id). The daemon keeps serving in every case;
+ *   - it hands the daemon the unpacked messages (pdm_link_recv) and forwards what the daemon
+ *     sends (pdm_link_send);
+ *   - SIGTERM / SIGINT (blocked in every thread from pdm_link_create on, read with a
+ *     signalfd): the link sends Deregister and pdm_link_recv returns PDM_ECANCELED, so the
+ *     daemon leaves its loop and frees everything (sanitizer builds check leaks at exit);
+ *   - ERR_UNAUTHORIZED on registration: pdm_link_recv returns PDM_ECANCELED and
+ *     pdm_link_exit_status says 3.
+ *
+ * Threading: every function but the thread's own is called from the daemon's one thread.
+ */
+#ifndef PDM_NODELINK_H
+#define PDM_NODELINK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/wire.h"
+
+typedef struct {
+    const char *endpoint;    /* node socket, e.g. tcp://127.0.0.1:7701 or ipc:///tmp/x/node */
+    const char *node_id;     /* stable name, 1..128 bytes */
+    const char *secret_file; /* NULL: $PDMESH_SECRET_FILE or $PDMESH_SECRET */
+    const char *curve_server_key_file, *curve_key_file; /* CURVE (common/curve.h); NULL:
+                                        * $PDMESH_CURVE_SERVER_KEY_FILE / $PDMESH_CURVE_KEY_FILE */
+    int role;                /* Pdmesh__Role */
+    const char *group;       /* prefill */
+    uint32_t rank, group_size;
+    const char *model_id;
+    Pdmesh__Capacity capacity; /* copied into every Register */
+    int heartbeat_ms;        /* until the router's RegisterAck says otherwise (1000) */
+    int exit_with_parent;    /* SIGTERM to this process when its parent dies (local harness) */
+} pdm_link_params_t;
+
+void pdm_link_params_default(pdm_link_params_t *p);
+
+typedef struct pdm_link pdm_link_t;
+
+/* Checks the parameters, loads the secret, blocks SIGTERM/SIGINT in the calling thread (and
+ * so in every thread it starts later) and connects the socket. Nothing is sent until
+ * pdm_link_start. Call it first in main(), before any library starts threads. */
+int pdm_link_create(const pdm_link_params_t *p, pdm_link_t **out);
+
+/* Starts the thread: registration with this UCX worker address (copied). */
+int pdm_link_start(pdm_link_t *l, const void *ucx_address, size_t ucx_address_len);
+
+/* The next message for the daemon, waiting at most timeout_ms (0: poll). *out is NULL on a
+ * timeout; PDM_ECANCELED when the daemon must stop (signal, refused registration). Free the
+ * message with pdm_wire_msg_free. */
+int pdm_link_recv(pdm_link_t *l, int timeout_ms, pdm_wire_msg_t **out);
+
+/* Sends a message to the node socket's peer (through the link's thread). PDM_EOVERFLOW when
+ * the queue is full (the message is dropped and logged). */
+int pdm_link_send(pdm_link_t *l, int type, const ProtobufCMessage *msg);
+
+/* Sends an Error about a task. */
+int pdm_link_send_error(pdm_link_t *l, int code, uint64_t task_id, uint32_t attempt,
+                        const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+/* The epoch of the current registration (0 before the first ack). */
+uint64_t pdm_link_epoch(const pdm_link_t *l);
+
+/* What the next heartbeats report. */
+void pdm_link_set_load(pdm_link_t *l, const Pdmesh__Load *load);
+
+/* Registers again with a new epoch (a group that failed to form: the router wires it anew). */
+void pdm_link_reregister(pdm_link_t *l);
+
+/* 0, or 3 after the router refused the registration. */
+int pdm_link_exit_status(const pdm_link_t *l);
+
+/* Deregisters (when registered), stops the thread, closes the socket, frees. NULL is fine. */
+void pdm_link_destroy(pdm_link_t *l);
+
+/* Identity of a task attempt on the daemons' side (decode reservations, KV stream tags):
+ * task_id * 16 + (attempt mod 16), so two attempts of one request never share a reservation
+ * or a stream tag. */
+#define PDM_LINK_TASK_KEY(task, attempt) ((uint64_t)(task) * 16u + ((attempt) & 15u))
+
+#endif

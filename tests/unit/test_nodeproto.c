@@ -1,0 +1,445 @@
+/*
+ * test_nodeproto.c - the node daemons' side of the control plane, tested as the router sees
+ * it: the test binds a node socket (ROUTER), starts a real pdmesh-decode / pdmesh-prefill
+ * against it, accepts its registration and then sends it malformed, oversized, unknown,
+ * misrouted and stale-epoch frames. Each must come back as an Error with the right code (or a
+ * typed refusal in the task's own result), and the daemon must keep serving: a well-formed
+ * task afterwards succeeds. SIGTERM must end it with a Deregister and exit status 0.
+ */
+#include <math.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/nodelink.h"
+#include "common/pdm.h"
+#include "common/wire.h"
+#include "model/model.h"
+#include "tests.h"
+
+extern char **environ;
+
+#define SECRET "0123456789abcdef0123456789abcdef"
+#define EPOCH 7
+#define H_ANY (-2) /* h_recv: any message but registrations and heartbeats */
+
+static char model_path[600];
+
+static void make_model(void)
+{
+    snprintf(model_path, sizeof(model_path), "%s/nodeproto-model.gguf", pdm_test_tmpdir());
+    if (access(model_path, R_OK) == 0) return;
+    pdm_testmodel_params_t p;
+    pdm_testmodel_params_default(&p);
+    p.n_layers = 2;
+    p.d_model = 64;
+    p.n_heads = 4;
+    p.n_kv_heads = 2;
+    p.n_ff = 96;
+    p.n_ctx = 256;
+    p.wtype = PDM_DT_F32;
+    p.embtype = PDM_DT_F32;
+    p.seed = 5;
+    if (pdm_testmodel_write(model_path, &p)) abort();
+}
+
+typedef struct {
+    void *ctx, *sock;
+    char dir[64], ep[128];
+    pid_t pid;
+    uint8_t ident[256];
+    size_t ident_len;
+    ProtobufCBinaryData ucx; /* the node's UCX address (copied) */
+} harness_t;
+
+static const char *bin(const char *env, const char *def)
+{
+    const char *v = getenv(env);
+    return v && *v ? v : def;
+}
+
+/* Receives one frame from the node before `seconds`; NULL on timeout. Registrations are
+ * acknowledged (epoch EPOCH) and heartbeats answered on the way unless want_type asks for
+ * them. */
+static pdm_wire_msg_t *h_recv(harness_t *h, int want_type, double seconds)
+{
+    double deadline = pdm_now() + seconds;
+    while (pdm_now() < deadline) {
+        zmq_pollitem_t it = {h->sock, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 50) <= 0) continue;
+        uint8_t ident[256];
+        int il = zmq_recv(h->sock, ident, sizeof(ident), 0);
+        zmq_msg_t f;
+        zmq_msg_init(&f);
+        ck_assert_int_ge(zmq_msg_recv(&f, h->sock, 0), 0);
+        pdm_wire_msg_t *m;
+        ck_assert_msg(pdm_wire_unpack(zmq_msg_data(&f), zmq_msg_size(&f), PDM_WIRE_MAX_FRAME, 0,
+                                      &m) == 0, "the node sent a bad frame: %s", pdm_error_last());
+        zmq_msg_close(&f);
+        int type = pdm_wire_type(m);
+        if (type == want_type || (want_type == H_ANY && type != PDMESH__MSG_TYPE__MSG_REGISTER &&
+                                  type != PDMESH__MSG_TYPE__MSG_HEARTBEAT))
+            return m;
+        if (type == PDMESH__MSG_TYPE__MSG_REGISTER) {
+            const Pdmesh__Register *r = (const Pdmesh__Register *)pdm_wire_message(m);
+            ck_assert(pdm_auth_verify(SECRET, strlen(SECRET), r->node_id, r->nonce,
+                                      r->timestamp_ms, r->proof.data, r->proof.len));
+            memcpy(h->ident, ident, (size_t)il);
+            h->ident_len = (size_t)il;
+            free(h->ucx.data);
+            h->ucx.data = malloc(r->ucx_address.len);
+            memcpy(h->ucx.data, r->ucx_address.data, r->ucx_address.len);
+            h->ucx.len = r->ucx_address.len;
+            Pdmesh__RegisterAck ack = PDMESH__REGISTER_ACK__INIT;
+            ack.epoch = EPOCH;
+            ack.heartbeat_ms = 200;
+            pdm_wire_send(h->sock, ident, (size_t)il, PDMESH__MSG_TYPE__MSG_REGISTER_ACK, &ack.base);
+        } else if (type == PDMESH__MSG_TYPE__MSG_HEARTBEAT) {
+            Pdmesh__HeartbeatAck ack = PDMESH__HEARTBEAT_ACK__INIT;
+            ack.epoch = EPOCH;
+            pdm_wire_send(h->sock, ident, (size_t)il, PDMESH__MSG_TYPE__MSG_HEARTBEAT_ACK, &ack.base);
+        } else {
+            ck_abort_msg("unexpected %s from the node (waiting for %s)", pdm_wire_type_name(type),
+                         pdm_wire_type_name(want_type));
+        }
+        pdm_wire_msg_free(m);
+    }
+    return NULL;
+}
+
+/* Starts a daemon (argv after the node options) and accepts its registration. */
+static void h_start(harness_t *h, const char *const *extra)
+{
+    memset(h, 0, sizeof(*h));
+    snprintf(h->dir, sizeof(h->dir), "/tmp/pdm-np-XXXXXX");
+    ck_assert_ptr_nonnull(mkdtemp(h->dir));
+    snprintf(h->ep, sizeof(h->ep), "ipc://%s/node", h->dir);
+    h->ctx = zmq_ctx_new();
+    h->sock = zmq_socket(h->ctx, ZMQ_ROUTER);
+    int zero = 0;
+    zmq_setsockopt(h->sock, ZMQ_LINGER, &zero, sizeof(zero));
+    ck_assert_int_eq(zmq_bind(h->sock, h->ep), 0);
+    const char *argv[40];
+    int a = 0;
+    for (const char *const *e = extra; *e; e++) argv[a++] = *e;
+    argv[a++] = "--router";
+    argv[a++] = h->ep;
+    argv[a++] = "--model";
+    argv[a++] = model_path;
+    argv[a++] = "--exit-with-parent";
+    argv[a] = NULL;
+    setenv("PDMESH_SECRET", SECRET, 1);
+    ck_assert_int_eq(posix_spawnp(&h->pid, argv[0], NULL, NULL, (char *const *)argv, environ), 0);
+    unsetenv("PDMESH_SECRET");
+    pdm_wire_msg_t *none = h_recv(h, -1, 2.0); /* registration, acked inside */
+    ck_assert_ptr_null(none);
+    ck_assert_msg(h->ident_len > 0, "the node did not register");
+}
+
+static void h_send_raw(harness_t *h, const void *frame, size_t len)
+{
+    ck_assert_int_ge(zmq_send(h->sock, h->ident, h->ident_len, ZMQ_SNDMORE), 0);
+    ck_assert_int_ge(zmq_send(h->sock, frame, len, 0), 0);
+}
+
+static void h_send(harness_t *h, int type, const ProtobufCMessage *m)
+{
+    ck_assert_int_eq(pdm_wire_send(h->sock, h->ident, h->ident_len, type, m), 0);
+}
+
+/* The next message of `type`, within 20 s (fails the test otherwise). */
+static pdm_wire_msg_t *h_expect(harness_t *h, int type)
+{
+    pdm_wire_msg_t *m = h_recv(h, type, 20.0);
+    ck_assert_msg(m != NULL, "no %s from the node", pdm_wire_type_name(type));
+    return m;
+}
+
+static void h_expect_error(harness_t *h, int code, uint64_t task_id, const char *what)
+{
+    pdm_wire_msg_t *m = h_expect(h, PDMESH__MSG_TYPE__MSG_ERROR);
+    const Pdmesh__Error *e = (const Pdmesh__Error *)pdm_wire_message(m);
+    ck_assert_msg((int)e->code == code, "%s: error code %d (%s), want %d", what, e->code,
+                  e->message, code);
+    ck_assert_msg(e->task_id == task_id, "%s: task %llu, want %llu", what,
+                  (unsigned long long)e->task_id, (unsigned long long)task_id);
+    ck_assert(e->message && e->message[0]);
+    pdm_wire_msg_free(m);
+}
+
+/* The frames every daemon refuses in its link, whatever its role. */
+static void h_send_bad_frames(harness_t *h, int foreign_type)
+{
+    h_send_raw(h, "hello", 5);
+    h_expect_error(h, PDMESH__ERROR_CODE__ERR_BAD_MESSAGE, 0, "not a pdmesh frame");
+    uint8_t hdr[12] = {'P', 'D', 1, 0, 0x03, 0xe7, 0, 0, 1, 2, 3, 4}; /* type 999 */
+    h_send_raw(h, hdr, sizeof(hdr));
+    h_expect_error(h, PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE, 0, "unknown type");
+    uint8_t garbage[12] = {'P', 'D', 1, 0, 0, (uint8_t)foreign_type, 0, 0, 0xff, 0xff, 0xff, 0xff};
+    garbage[5] = PDMESH__MSG_TYPE__MSG_DECODE_TASK;
+    h_send_raw(h, garbage, sizeof(garbage));
+    h_expect_error(h, PDMESH__ERROR_CODE__ERR_BAD_MESSAGE, 0, "malformed protobuf");
+    size_t big = PDM_WIRE_MAX_FRAME + 100;
+    uint8_t *huge = calloc(1, big);
+    memcpy(huge, hdr, 8);
+    huge[5] = PDMESH__MSG_TYPE__MSG_DECODE_TASK;
+    h_send_raw(h, huge, big);
+    free(huge);
+    h_expect_error(h, PDMESH__ERROR_CODE__ERR_TOO_LARGE, 0, "oversized frame");
+    Pdmesh__Ping ping = PDMESH__PING__INIT; /* a real message, but not a node's */
+    h_send(h, PDMESH__MSG_TYPE__MSG_PING, &ping.base);
+    h_expect_error(h, PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE, 0, "client message");
+}
+
+/* SIGTERM: Deregister with the current epoch, exit status 0. */
+static void h_stop(harness_t *h)
+{
+    kill(h->pid, SIGTERM);
+    pdm_wire_msg_t *m = h_expect(h, PDMESH__MSG_TYPE__MSG_DEREGISTER);
+    ck_assert_int_eq(((const Pdmesh__Deregister *)pdm_wire_message(m))->epoch, EPOCH);
+    pdm_wire_msg_free(m);
+    int status = 0;
+    double until = pdm_now() + 20;
+    while (waitpid(h->pid, &status, WNOHANG) == 0 && pdm_now() < until) usleep(10000);
+    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the node did not exit cleanly "
+                  "(status %d)", status);
+    zmq_close(h->sock);
+    zmq_ctx_term(h->ctx);
+    char path[128];
+    snprintf(path, sizeof(path), "%s/node", h->dir);
+    unlink(path);
+    rmdir(h->dir);
+    free(h->ucx.data);
+}
+
+START_TEST(test_decode_node_protocol)
+{
+    harness_t h;
+    const char *argv[] = {bin("PDMESH_DECODE_BIN", "build/bin/pdmesh-decode"), "--node-id",
+                          "decode-np", "--kv-budget", "4096", NULL};
+    h_start(&h, argv);
+    h_send_bad_frames(&h, PDMESH__MSG_TYPE__MSG_DECODE_TASK);
+
+    /* a prefill rank's message */
+    Pdmesh__PrefillTask pt = PDMESH__PREFILL_TASK__INIT;
+    pt.task_id = 3;
+    pt.epoch = EPOCH;
+    h_send(&h, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &pt.base);
+    h_expect_error(&h, PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE, 3, "PrefillTask to a decode node");
+
+    /* a previous incarnation's task */
+    int32_t prompt[6] = {5, 9, 17, 33, 2, 70};
+    Pdmesh__DecodeTask t = PDMESH__DECODE_TASK__INIT;
+    t.task_id = 11;
+    t.epoch = EPOCH - 1;
+    t.local_prefill = 1;
+    t.prompt_tokens = prompt;
+    t.n_prompt_tokens = 6;
+    t.n_prompt = 6;
+    t.max_new = 4;
+    h_send(&h, PDMESH__MSG_TYPE__MSG_DECODE_TASK, &t.base);
+    h_expect_error(&h, PDMESH__ERROR_CODE__ERR_STALE_EPOCH, 11, "stale epoch");
+
+    /* a plan that names a rank it does not list: a typed refusal in DecodeReserved */
+    Pdmesh__TokenRange range = PDMESH__TOKEN_RANGE__INIT, *rp = &range;
+    range.len = 6;
+    range.rank = 3;
+    Pdmesh__DecodeTask bad = PDMESH__DECODE_TASK__INIT;
+    bad.task_id = 12;
+    bad.epoch = EPOCH;
+    bad.n_prompt = 6;
+    bad.max_new = 4;
+    bad.prefill_addresses = &h.ucx; /* itself: any reachable worker will do */
+    bad.n_prefill_addresses = 1;
+    bad.ranges = &rp;
+    bad.n_ranges = 1;
+    h_send(&h, PDMESH__MSG_TYPE__MSG_DECODE_TASK, &bad.base);
+    pdm_wire_msg_t *m = h_expect(&h, PDMESH__MSG_TYPE__MSG_DECODE_RESERVED);
+    const Pdmesh__DecodeReserved *dr = (const Pdmesh__DecodeReserved *)pdm_wire_message(m);
+    ck_assert(dr->task_id == 12 && !dr->ok && dr->error &&
+              dr->error->code == PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT);
+    pdm_wire_msg_free(m);
+
+    /* a start for a task it does not hold */
+    Pdmesh__DecodeStart s = PDMESH__DECODE_START__INIT;
+    s.task_id = 99;
+    s.first_token = 1;
+    h_send(&h, PDMESH__MSG_TYPE__MSG_DECODE_START, &s.base);
+    m = h_expect(&h, PDMESH__MSG_TYPE__MSG_DECODE_RESULT);
+    const Pdmesh__DecodeResult *res = (const Pdmesh__DecodeResult *)pdm_wire_message(m);
+    ck_assert(res->task_id == 99 && !res->ok && res->error);
+    pdm_wire_msg_free(m);
+
+    /* and it still serves: a local prefill, 4 tokens */
+    t.epoch = EPOCH;
+    h_send(&h, PDMESH__MSG_TYPE__MSG_DECODE_TASK, &t.base);
+    m = h_expect(&h, PDMESH__MSG_TYPE__MSG_DECODE_RESERVED);
+    dr = (const Pdmesh__DecodeReserved *)pdm_wire_message(m);
+    ck_assert_msg(dr->task_id == 11 && dr->ok, "%s", dr->error ? dr->error->message : "");
+    pdm_wire_msg_free(m);
+    s.task_id = 11;
+    s.first_token = -1;
+    s.ignore_eos = 1;
+    h_send(&h, PDMESH__MSG_TYPE__MSG_DECODE_START, &s.base);
+    int streamed = 0;
+    const Pdmesh__DecodeResult *res2 = NULL;
+    while (!res2) {
+        m = h_recv(&h, H_ANY, 20);
+        ck_assert_msg(m != NULL, "the generation stopped after %d tokens", streamed);
+        if (pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_DECODE_TOKENS) {
+            const Pdmesh__DecodeTokens *dt = (const Pdmesh__DecodeTokens *)pdm_wire_message(m);
+            ck_assert(dt->task_id == 11 && dt->index == (uint32_t)streamed);
+            streamed += (int)dt->n_tokens;
+            pdm_wire_msg_free(m);
+            continue;
+        }
+        ck_assert_int_eq(pdm_wire_type(m), PDMESH__MSG_TYPE__MSG_DECODE_RESULT);
+        res2 = (const Pdmesh__DecodeResult *)pdm_wire_message(m);
+    }
+    ck_assert_msg(res2->task_id == 11 && res2->ok && res2->n_tokens == 4 && streamed == 4 &&
+                  res2->finish == PDMESH__FINISH_REASON__FINISH_LENGTH,
+                  "ok %d, %zu tokens (%d streamed), finish %d", res2->ok, res2->n_tokens, streamed,
+                  res2->finish);
+    pdm_wire_msg_free(m);
+
+    /* nothing stays held */
+    Pdmesh__StatsRequest q = PDMESH__STATS_REQUEST__INIT;
+    q.epoch = EPOCH;
+    h_send(&h, PDMESH__MSG_TYPE__MSG_STATS_REQUEST, &q.base);
+    m = h_expect(&h, PDMESH__MSG_TYPE__MSG_NODE_STATS);
+    const Pdmesh__NodeStats *ns = (const Pdmesh__NodeStats *)pdm_wire_message(m);
+    ck_assert(ns->held == 0 && ns->kv_slots == 0);
+    pdm_wire_msg_free(m);
+    h_stop(&h);
+}
+END_TEST
+
+START_TEST(test_prefill_rank_protocol)
+{
+    harness_t h;
+    const char *argv[] = {bin("PDMESH_PREFILL_BIN", "build/bin/pdmesh-prefill"), "--node-id",
+                          "prefill-np/0", "--group", "np", "--rank", "0", "--group-size", "1",
+                          "--kv-dtype", "f32", "--timeout", "5", NULL};
+    h_start(&h, argv);
+    h_send_bad_frames(&h, PDMESH__MSG_TYPE__MSG_PREFILL_TASK);
+
+    int32_t prompt[7] = {4, 8, 15, 16, 23, 42, 99};
+    Pdmesh__PrefillTask t = PDMESH__PREFILL_TASK__INIT;
+    t.task_id = 21;
+    t.epoch = EPOCH;
+    t.method = "single";
+    t.tokens = prompt;
+    t.n_tokens = 7;
+    t.top_logits = 5;
+    t.want_logits = 1;
+    /* before the group is wired: refused in the result */
+    h_send(&h, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    pdm_wire_msg_t *m = h_expect(&h, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT);
+    const Pdmesh__PrefillResult *r = (const Pdmesh__PrefillResult *)pdm_wire_message(m);
+    ck_assert(r->task_id == 21 && !r->ok && r->error && strstr(r->error->message, "GroupWire"));
+    pdm_wire_msg_free(m);
+
+    /* a GroupWire that is no group: GroupReady says no */
+    Pdmesh__GroupWire w = PDMESH__GROUP_WIRE__INIT;
+    w.epoch = EPOCH;
+    w.group = "np";
+    w.rank = 2;
+    w.size = 1;
+    w.ucx_addresses = &h.ucx;
+    w.n_ucx_addresses = 1;
+    h_send(&h, PDMESH__MSG_TYPE__MSG_GROUP_WIRE, &w.base);
+    m = h_expect(&h, PDMESH__MSG_TYPE__MSG_GROUP_READY);
+    ck_assert(!((const Pdmesh__GroupReady *)pdm_wire_message(m))->ok);
+    pdm_wire_msg_free(m);
+    /* (it registers again: a group that failed to form is re-wired on a new epoch) */
+    usleep(1200000);
+    ck_assert_ptr_null(h_recv(&h, -1, 0.5));
+
+    /* a stale GroupWire, then the right one */
+    w.rank = 0;
+    w.epoch = EPOCH + 5;
+    h_send(&h, PDMESH__MSG_TYPE__MSG_GROUP_WIRE, &w.base);
+    h_expect_error(&h, PDMESH__ERROR_CODE__ERR_STALE_EPOCH, 0, "stale GroupWire");
+    w.epoch = EPOCH;
+    h_send(&h, PDMESH__MSG_TYPE__MSG_GROUP_WIRE, &w.base);
+    m = h_expect(&h, PDMESH__MSG_TYPE__MSG_GROUP_READY);
+    ck_assert(((const Pdmesh__GroupReady *)pdm_wire_message(m))->ok);
+    pdm_wire_msg_free(m);
+
+    /* typed refusals in the result: unknown method, a dump without --dump-dir, chunks that
+     * do not match the group */
+    t.method = "nope";
+    h_send(&h, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    m = h_expect(&h, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT);
+    r = (const Pdmesh__PrefillResult *)pdm_wire_message(m);
+    ck_assert(!r->ok && r->error->code == PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT);
+    pdm_wire_msg_free(m);
+    t.method = "single";
+    t.kv_dump = "../../etc/x";
+    h_send(&h, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    m = h_expect(&h, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT);
+    r = (const Pdmesh__PrefillResult *)pdm_wire_message(m);
+    ck_assert(!r->ok && strstr(r->error->message, "dump-dir"));
+    pdm_wire_msg_free(m);
+    t.kv_dump = "";
+    uint32_t chunks[3] = {2, 2, 3};
+    t.chunks = chunks;
+    t.n_chunks = 3;
+    h_send(&h, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    m = h_expect(&h, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT);
+    r = (const Pdmesh__PrefillResult *)pdm_wire_message(m);
+    ck_assert(!r->ok && strstr(r->error->message, "chunks"));
+    pdm_wire_msg_free(m);
+    t.n_chunks = 0;
+
+    /* and it still serves, equal to the engine */
+    h_send(&h, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    m = h_expect(&h, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT);
+    r = (const Pdmesh__PrefillResult *)pdm_wire_message(m);
+    ck_assert_msg(r->ok && r->owner && r->n_top_ids == 5 && r->n_logits > 0, "%s",
+                  r->error ? r->error->message : "");
+    pdm_model_t *model;
+    pdm_model_ctx_t *ctx;
+    pdm_kv_cache_t *cache;
+    ck_assert_int_eq(pdm_model_load(model_path, &model), 0);
+    ck_assert_int_eq(r->n_logits, model->hp.n_vocab);
+    ck_assert_int_eq(pdm_model_ctx_create(model, 1, 64, &ctx), 0);
+    ck_assert_int_eq(pdm_kv_cache_create(&model->hp, 16, PDM_DT_F32, &cache), 0);
+    float *logits = malloc(sizeof(float) * model->hp.n_vocab);
+    ck_assert_int_eq(pdm_model_prefill(ctx, cache, prompt, 7, logits), 0);
+    ck_assert_int_eq(r->first_token, pdm_test_argmax(logits, model->hp.n_vocab));
+    ck_assert_int_eq(r->top_ids[0], r->first_token);
+    for (uint32_t v = 0; v < model->hp.n_vocab; v++)
+        ck_assert_msg(fabsf(r->logits[v] - logits[v]) <= 1e-3f * fmaxf(1, fabsf(logits[v])),
+                      "logit %u: %g vs %g", v, r->logits[v], logits[v]);
+    free(logits);
+    pdm_kv_cache_destroy(cache);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(model);
+    pdm_wire_msg_free(m);
+    h_stop(&h);
+}
+END_TEST
+
+static void setup(void)
+{
+    make_model();
+    setenv("UCX_HANDLE_ERRORS", "none", 0);
+}
+
+Suite *suite_nodeproto(void)
+{
+    Suite *s = suite_create("nodeproto");
+    TCase *tc = tcase_create("daemons");
+    tcase_add_unchecked_fixture(tc, setup, NULL);
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_decode_node_protocol);
+    tcase_add_test(tc, test_prefill_rank_protocol);
+    suite_add_tcase(s, tc);
+    return s;
+}
