@@ -177,18 +177,6 @@ struct pdm_router {
 
 /* core.c */
 void rt_schedule(pdm_router_t *r);
-void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg);
-rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id);
-/* Delivers tokens [index, index + n) (duplicates and gaps ignored); 1 if that ended the request
- * (a stop string), and q is gone. */
-int rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int32_t *toks, size_t n);
-void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish);
-void rt_req_fail(pdm_router_t *r, rt_req_t *q, int code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel);
-void rt_send_prefill(pdm_router_t *r, rt_req_t *q);
-void rt_group_prefilled(pdm_router_t *r, rt_req_t *q);
-void rt_send_start(pdm_router_t *r, rt_req_t *q, int32_t first_token);
 int rt_send(void *sock, const uint8_t *ident, size_t ident_len, int type, const ProtobufCMessage *m);
 
 /* beams.c: beam search and the other per-request decode options */
