@@ -176,7 +176,6 @@ struct pdm_router {
 };
 
 /* core.c */
-void rt_schedule(pdm_router_t *r);
 int rt_send(void *sock, const uint8_t *ident, size_t ident_len, int type, const ProtobufCMessage *m);
 
 /* beams.c: beam search and the other per-request decode options */
