@@ -16,8 +16,13 @@
 
 #include "common/curve.h"
 #include "router/internal.h"
+#include "router/admin.h"
+#include "router/core.h"
+#include "router/curve.h"
+#include "router/registry.h"
 #include "router/request.h"
 #include "router/schedule.h"
+#include "router/zfront.h"
 
 void rt_config_default(rt_config_t *c)
 {
@@ -43,13 +48,6 @@ void rt_config_default(rt_config_t *c)
     c->group_inflight = 2;
     c->http_host = "127.0.0.1";
     c->http_port = 8080;
-}
-
-int rt_send(void *sock, const uint8_t *ident, size_t ident_len, int type, const ProtobufCMessage *m)
-{
-    int st = pdm_wire_send(sock, ident, ident_len, type, m);
-    if (st) pdm_log_warn("router: %s", pdm_error_last());
-    return st;
 }
 
 /* ---------------------------------------------------------------- sockets and loop */

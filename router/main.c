@@ -9,8 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "router/core.h"
 #include "router/http.h"
-#include "router/internal.h"
 
 static pdm_router_t *g_router;
 static uv_signal_t g_sig[2];

@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "router/internal.h"
+#include "router/registry.h"
 #include "router/request.h"
 
 static uint64_t rt_unix_ms(void)
@@ -28,13 +29,6 @@ static uint64_t rt_unix_ms(void)
 const char *rt_node_state(const rt_node_t *n)
 {
     return n->dead ? "dead" : n->draining ? "draining" : "alive";
-}
-
-int rt_node_usable(const pdm_router_t *r, int i)
-{
-    if (i < 0 || i >= RT_MAX_NODES) return 0;
-    const rt_node_t *n = &r->nodes[i];
-    return n->used && !n->dead && !n->draining;
 }
 
 int rt_group_usable(const pdm_router_t *r, int g)

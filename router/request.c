@@ -50,6 +50,7 @@
 #include <string.h>
 
 #include "router/internal.h"
+#include "router/beams.h"
 #include "router/request.h"
 
 static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg);

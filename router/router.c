@@ -10,6 +10,8 @@
 #include <string.h>
 
 #include "router/internal.h"
+#include "router/beams.h"
+#include "router/registry.h"
 #include "router/request.h"
 
 static int rt_refuse(int *code, int c, int st, const char *fmt, ...) __attribute__((format(printf, 4, 5)));

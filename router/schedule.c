@@ -9,6 +9,8 @@
 #include <string.h>
 
 #include "router/internal.h"
+#include "router/beams.h"
+#include "router/registry.h"
 #include "router/request.h"
 #include "router/schedule.h"
 

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "router/internal.h"
+#include "router/zfront.h"
 
 typedef struct rt_zc {
     struct rt_zc *next, *prev;
