@@ -1,7 +1,7 @@
 /*
  * core.c - the router's life and loop: configuration, the ZeroMQ sockets on the libuv loop,
  * start-up and shutdown (ARCHITECTURE.md "Control plane"). The front ends enter through
- * router.c, where a request goes is schedule.c's choice, its life request.c's.
+ * api.c, where a request goes is schedule.c's choice, its life request.c's.
  *
  * Sockets: three ROUTER sockets (client, node, admin). Each socket's ZMQ_FD is watched with a
  * uv_poll; ZeroMQ signals that fd edge-triggered, so every callback - and a uv_check after

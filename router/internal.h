@@ -5,13 +5,13 @@
  *
  *   main.c -> core.c        configuration, sockets and loop, start-up and shutdown
  *     core.c -> zfront.c    the ZeroMQ client front end      ]
- *               admin.c     the admin socket (pdctl)         ] -> router.c, the front-end API
+ *               admin.c     the admin socket (pdctl)         ] -> api.c, the front-end API
  *               http.c      the HTTP front end (via main.c)  ]    (router/router.h)
  *               curve.c     CURVE / ZAP
  *               schedule.c  dispatch policy: which decode node and group
  *               registry.c  membership: nodes, groups, epochs, leases; the node socket
- *     router.c, schedule.c, registry.c -> request.c   the request state machine
- *     request.c, router.c, schedule.c -> beams.c      beam search's request fields
+ *     api.c, schedule.c, registry.c -> request.c      the request state machine
+ *     request.c, api.c, schedule.c -> beams.c         beam search's request fields
  *   and everyone -> internal.h (types, rt_send, rt_node_usable).
  */
 #ifndef PDM_ROUTER_INTERNAL_H

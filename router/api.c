@@ -1,5 +1,5 @@
 /*
- * router.c - the router's interface to its front ends (router/router.h): admission of a
+ * api.c - the router's interface to its front ends (router/router.h): admission of a
  * GenerateRequest (limits, tokenization, chat template, sampling and beam checks) into the
  * request state machine, cancellation, readiness, and the read-only accessors. Called by
  * zfront.c, admin.c and http.c on the loop thread.
