@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include "router/internal.h"
+#include "router/admin.h"
+#include "router/registry.h"
 
 static int rt_token_ok(const pdm_router_t *r, const char *tok)
 {

@@ -16,6 +16,7 @@
 
 #include "decode_node/beam.h"
 #include "router/internal.h"
+#include "router/beams.h"
 
 int rt_beams_admit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, rt_req_t *q, int *code)
 {

@@ -20,9 +20,12 @@
 
 #include "common/curve.h"
 #include "router/internal.h"
+#include "router/curve.h"
 
 #define RT_CURVE_ALLOW_MAX 4096
 #define RT_ZAP_EP "inproc://zeromq.zap.01"
+
+typedef struct rt_curve rt_curve_t;
 
 struct rt_curve {
     void *rep;

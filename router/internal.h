@@ -1,7 +1,18 @@
 /*
- * internal.h - state shared by the router's files (core.c: sockets, requests, scheduling;
- * registry.c: nodes, groups, control plane; admin.c: admin socket; zfront.c: the ZeroMQ client
- * front end). Everything runs on the router's one libuv loop thread.
+ * internal.h - the state shared by the router's files, all on the router's one libuv loop
+ * thread. Each file declares what it offers the others in its own header, and the files call
+ * one way only (a file calls those below it, never back):
+ *
+ *   main.c -> core.c        configuration, sockets and loop, start-up and shutdown
+ *     core.c -> zfront.c    the ZeroMQ client front end      ]
+ *               admin.c     the admin socket (pdctl)         ] -> api.c, the front-end API
+ *               http.c      the HTTP front end (via main.c)  ]    (router/router.h)
+ *               curve.c     CURVE / ZAP
+ *               schedule.c  dispatch policy: which decode node and group
+ *               registry.c  membership: nodes, groups, epochs, leases; the node socket
+ *     api.c, schedule.c, registry.c -> request.c      the request state machine
+ *     request.c, api.c, schedule.c -> beams.c         beam search's request fields
+ *   and everyone -> internal.h (types, rt_send, rt_node_usable).
  */
 #ifndef PDM_ROUTER_INTERNAL_H
 #define PDM_ROUTER_INTERNAL_H
@@ -48,8 +59,6 @@ typedef struct {
     const char *http_host;
     int http_port;                /* -1: no HTTP */
 } rt_config_t;
-
-void rt_config_default(rt_config_t *c);
 
 typedef struct {
     int used;
@@ -175,69 +184,23 @@ struct pdm_router {
     } m;
 };
 
-/* core.c */
-void rt_schedule(pdm_router_t *r);
-void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg);
-rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id);
-/* Delivers tokens [index, index + n) (duplicates and gaps ignored); 1 if that ended the request
- * (a stop string), and q is gone. */
-int rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int32_t *toks, size_t n);
-void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish);
-void rt_req_fail(pdm_router_t *r, rt_req_t *q, int code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel);
-void rt_send_prefill(pdm_router_t *r, rt_req_t *q);
-void rt_group_prefilled(pdm_router_t *r, rt_req_t *q);
-void rt_send_start(pdm_router_t *r, rt_req_t *q, int32_t first_token);
-int rt_send(void *sock, const uint8_t *ident, size_t ident_len, int type, const ProtobufCMessage *m);
+/* Sends one message to a peer of a ROUTER socket; a failure is logged here (once) and
+ * returned (PDM_EPEER: the peer is gone). */
+static inline int rt_send(void *sock, const uint8_t *ident, size_t ident_len, int type,
+                          const ProtobufCMessage *m)
+{
+    int st = pdm_wire_send(sock, ident, ident_len, type, m);
+    if (st) pdm_log_warn("router: %s", pdm_error_last());
+    return st;
+}
 
-/* beams.c: beam search and the other per-request decode options */
-/* Checks and copies a request's beam fields into q (admission). PDM_EINVAL with *code and the
- * error message set for a bad combination (stream, stop strings, ignore_eos, over the limit). */
-int rt_beams_admit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, rt_req_t *q, int *code);
-/* Whether some usable decode node runs a beam search of this width. */
-int rt_beams_any_node(const pdm_router_t *r, uint32_t beams);
-/* KV tokens an attempt with n_in prompt tokens and `remaining` new tokens reserves on the
- * decode node (decode_node/beam.h: segments of every beam for a beam search). */
-int64_t rt_kv_need(const rt_req_t *q, uint32_t n_in, uint32_t remaining);
-/* The DecodeTask's beam fields. */
-void rt_beams_task(const rt_req_t *q, Pdmesh__DecodeTask *t);
-/* The DecodeStart's beam fields. */
-void rt_beams_start(const rt_req_t *q, Pdmesh__DecodeStart *s);
-/* The GenerateResult's n-best list from q->res_beams (borrowed). */
-void rt_beams_result(const rt_req_t *q, Pdmesh__GenerateResult *res);
-/* Whether node i can take q (beam width). */
-int rt_beams_node_ok(const pdm_router_t *r, int i, const rt_req_t *q);
-
-/* registry.c */
-void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, const void *frame,
-                      size_t len);
-void rt_registry_tick(pdm_router_t *r);
-int rt_node_usable(const pdm_router_t *r, int i);
-int rt_group_usable(const pdm_router_t *r, int g);
-void rt_node_metrics(pdm_router_t *r);
-const char *rt_node_state(const rt_node_t *n);
-
-/* admin.c */
-void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
-                       const void *frame, size_t len);
-
-/* zfront.c */
-int rt_zfront_init(pdm_router_t *r);
-void rt_zfront_fini(pdm_router_t *r);
-void rt_zfront_sweep(pdm_router_t *r);
-void rt_on_client_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
-                        const void *frame, size_t len);
-
-/* core.c: life of the router (main.c) */
-typedef struct rt_curve rt_curve_t;
-/* curve.c: loads the key and allowlist, binds and starts the ZAP handler (no-op without
- * CURVE flags); secret gets the server's Z85 secret (41 bytes) or stays untouched. */
-int rt_curve_start(pdm_router_t *r, char *secret);
-void rt_curve_stop(pdm_router_t *r);
-
-int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out);
-void rt_router_close(pdm_router_t *r);   /* closes handles (run the loop afterwards) */
-void rt_router_free(pdm_router_t *r);
+/* Whether node i may be given new work: registered, alive (its lease holds) and not
+ * draining. */
+static inline int rt_node_usable(const pdm_router_t *r, int i)
+{
+    if (i < 0 || i >= RT_MAX_NODES) return 0;
+    const rt_node_t *n = &r->nodes[i];
+    return n->used && !n->dead && !n->draining;
+}
 
 #endif

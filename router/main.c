@@ -9,15 +9,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "router/core.h"
 #include "router/http.h"
-#include "router/internal.h"
 
 static pdm_router_t *g_router;
 static uv_signal_t g_sig[2];
 static int g_stopping;
 static pdm_http_t *g_http;
 
-static void on_signal(uv_signal_t *h, int signum)
+static void rt_on_signal(uv_signal_t *h, int signum)
 {
     if (g_stopping) return;
     g_stopping = 1;
@@ -52,7 +52,7 @@ static int rt_parse_http(const char *arg, rt_config_t *cfg)
     return 0;
 }
 
-static void usage(FILE *f)
+static void rt_usage(FILE *f)
 {
     fprintf(f,
             "usage: pdmesh-router [options]\n"
@@ -168,8 +168,8 @@ int main(int argc, char **argv)
         case O_BLOCK: NUM(1, 4096, cfg.block_tokens); break;
         case O_PREFIX_REUSE: NUM(0, 1, cfg.prefix_reuse); break;
         case O_GINF: NUM(1, 64, cfg.group_inflight); break;
-        case 'h': usage(stdout); return 0;
-        default: usage(stderr); return 2;
+        case 'h': rt_usage(stdout); return 0;
+        default: rt_usage(stderr); return 2;
         }
 #undef NUM
     }
@@ -193,8 +193,8 @@ int main(int argc, char **argv)
     }
     uv_signal_init(&loop, &g_sig[0]);
     uv_signal_init(&loop, &g_sig[1]);
-    uv_signal_start(&g_sig[0], on_signal, SIGINT);
-    uv_signal_start(&g_sig[1], on_signal, SIGTERM);
+    uv_signal_start(&g_sig[0], rt_on_signal, SIGINT);
+    uv_signal_start(&g_sig[1], rt_on_signal, SIGTERM);
 
     /* The HTTP front end (router/http.c) on the same loop, after the core is up and before
      * the loop runs (--http-port -1: none). */
@@ -203,7 +203,7 @@ int main(int argc, char **argv)
                                 .max_connections = 256, .idle_timeout = 30};
         if (pdm_http_start(g_router, &hc, &g_http)) {
             fprintf(stderr, "pdmesh-router: HTTP: %s\n", pdm_error_last());
-            on_signal(&g_sig[0], 0);
+            rt_on_signal(&g_sig[0], 0);
             uv_run(&loop, UV_RUN_DEFAULT);
             rt_router_free(g_router);
             uv_loop_close(&loop);

@@ -1,6 +1,9 @@
 /*
  * registry.c - nodes and prefill groups: registration with an HMAC proof, epochs, heartbeats,
- * leases, group wiring, and the control-plane messages of running tasks.
+ * leases, deregistration and group wiring; and the node socket's dispatcher, which checks a
+ * message's sender and epoch and hands the messages about tasks to the request state machine
+ * (request.c). A node that is lost is reported to it as an event (rt_req_on_node_lost); the
+ * registry never walks the requests itself.
  *
  * Epochs: every registration gets a new epoch from one router-wide counter. Messages that carry
  * an epoch must carry the sender's current one; anything else is answered ERR_STALE_EPOCH and
@@ -13,6 +16,8 @@
 #include <time.h>
 
 #include "router/internal.h"
+#include "router/registry.h"
+#include "router/request.h"
 
 static uint64_t rt_unix_ms(void)
 {
@@ -24,13 +29,6 @@ static uint64_t rt_unix_ms(void)
 const char *rt_node_state(const rt_node_t *n)
 {
     return n->dead ? "dead" : n->draining ? "draining" : "alive";
-}
-
-int rt_node_usable(const pdm_router_t *r, int i)
-{
-    if (i < 0 || i >= RT_MAX_NODES) return 0;
-    const rt_node_t *n = &r->nodes[i];
-    return n->used && !n->dead && !n->draining;
 }
 
 int rt_group_usable(const pdm_router_t *r, int g)
@@ -51,7 +49,8 @@ static int rt_group_of(pdm_router_t *r, const rt_node_t *n)
     return -1;
 }
 
-/* Fails every attempt that involves node i (dead, re-registered or deregistered). */
+/* Node i is gone (dead, re-registered or deregistered): its group is no longer wired, and the
+ * request state machine fails every attempt that involved either. */
 static void rt_node_lost(pdm_router_t *r, int i, const char *why)
 {
     rt_node_t *n = &r->nodes[i];
@@ -62,23 +61,7 @@ static void rt_node_lost(pdm_router_t *r, int i, const char *why)
                      "registers again (the other ranks re-join on a new GroupWire)",
                      r->groups[g].name, n->id, why);
     }
-    rt_req_t *next;
-    for (rt_req_t *q = r->head; q; q = next) {
-        next = q->next;
-        if (q->state == RQ_QUEUED) continue;
-        int hit = q->dnode == i || (g >= 0 && q->group == g);
-        if (!hit) continue;
-        char msg[256];
-        snprintf(msg, sizeof(msg), "%s %s %s", n->role == PDMESH__ROLE__ROLE_DECODE ? "decode node"
-                 : "prefill rank", n->id, why);
-        if (q->dnode == i) q->dnode_epoch = 0; /* do not count or cancel on the lost node */
-        if (q->dnode == i) n->tasks = PDM_MAX(0, n->tasks - 1);
-        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, msg);
-    }
-    if (n->role == PDMESH__ROLE__ROLE_DECODE) {
-        n->tasks = 0;
-        n->kv_reserved = 0;
-    }
+    rt_req_on_node_lost(r, i, g, why);
 }
 
 static void rt_group_try_wire(pdm_router_t *r, int g)
@@ -297,24 +280,6 @@ static int rt_check_sender(pdm_router_t *r, const uint8_t *ident, size_t ident_l
     return i;
 }
 
-/* The request a task message is about, if it is the current attempt on that node. */
-static rt_req_t *rt_task_req(pdm_router_t *r, int node, uint64_t task_id, uint32_t attempt)
-{
-    rt_req_t *q = rt_req_find(r, task_id);
-    if (!q || q->attempt != attempt || q->state == RQ_QUEUED) return NULL;
-    const rt_node_t *n = &r->nodes[node];
-    if (n->role == PDMESH__ROLE__ROLE_DECODE) return q->dnode == node ? q : NULL;
-    if (q->group < 0) return NULL;
-    const rt_group_t *g = &r->groups[q->group];
-    return n->rank < g->size && g->member[n->rank] == node &&
-                   q->group_epochs[n->rank] == n->epoch ? q : NULL;
-}
-
-static const char *rt_err_text(const Pdmesh__Error *e)
-{
-    return e && e->message && e->message[0] ? e->message : "failed";
-}
-
 void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, const void *frame,
                       size_t len)
 {
@@ -358,85 +323,28 @@ void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, c
         Pdmesh__DecodeReserved *d = (Pdmesh__DecodeReserved *)msg;
         if ((i = rt_check_sender(r, ident, ident_len, d->epoch, 1, "reserved")) < 0) break;
         r->nodes[i].last_hb = now;
-        rt_req_t *q = rt_task_req(r, i, d->task_id, d->attempt);
-        if (!q || q->state != RQ_RESERVING) break;
-        if (!d->ok) {
-            if (d->error && d->error->code == PDMESH__ERROR_CODE__ERR_NODE_FULL) {
-                /* Not a failure of the request: try another node (or this one later). */
-                r->nodes[i].full_until = now + 0.5;
-                rt_req_release_nodes(r, q, 0);
-                q->state = RQ_QUEUED;
-                if (q->attempt >= 15)
-                    rt_req_fail(r, q, PDMESH__ERROR_CODE__ERR_OVERLOADED,
-                                "no decode node has room: %s", rt_err_text(d->error));
-            } else {
-                rt_attempt_failed(r, q, d->error ? (int)d->error->code : PDMESH__ERROR_CODE__ERR_INTERNAL,
-                                  rt_err_text(d->error));
-            }
-            break;
-        }
-        if (q->local) rt_send_start(r, q, -1);
-        else rt_send_prefill(r, q);
+        rt_req_on_reserved(r, i, d);
         break;
     }
     case PDMESH__MSG_TYPE__MSG_PREFILL_RESULT: {
-        Pdmesh__PrefillResult p = *(Pdmesh__PrefillResult *)msg;
-        if ((i = rt_check_sender(r, ident, ident_len, p.epoch, 1, "prefill result")) < 0) break;
+        Pdmesh__PrefillResult *p = (Pdmesh__PrefillResult *)msg;
+        if ((i = rt_check_sender(r, ident, ident_len, p->epoch, 1, "prefill result")) < 0) break;
         r->nodes[i].last_hb = now;
-        rt_req_t *q = rt_task_req(r, i, p.task_id, p.attempt);
-        if (!q || (q->state != RQ_PREFILL && q->state != RQ_DECODE)) break;
-        if (!p.ok) {
-            char m2[512];
-            snprintf(m2, sizeof(m2), "prefill rank %s: %s", r->nodes[i].id, rt_err_text(p.error));
-            rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_KV_TRANSFER, m2);
-            break;
-        }
-        q->ranks_done++;
-        q->kv_bytes += p.kv_bytes;
-        int32_t first = p.first_token;
-        if (q->group >= 0 && q->ranks_done == r->groups[q->group].size) {
-            /* Every rank finished: the group is free and the request no longer depends on it
-             * (a rank dying now does not touch the request). */
-            if (r->groups[q->group].inflight > 0) r->groups[q->group].inflight--;
-            rt_group_prefilled(r, q);
-            q->group = -1;
-        }
-        if (first >= 0 && !q->started) rt_send_start(r, q, first);
+        rt_req_on_prefill_result(r, i, p);
         break;
     }
     case PDMESH__MSG_TYPE__MSG_DECODE_TOKENS: {
         Pdmesh__DecodeTokens *d = (Pdmesh__DecodeTokens *)msg;
         if ((i = rt_check_sender(r, ident, ident_len, 0, 0, "tokens")) < 0) break;
         r->nodes[i].last_hb = now;
-        rt_req_t *q = rt_task_req(r, i, d->task_id, d->attempt);
-        if (!q || q->state != RQ_DECODE) break;
-        rt_req_tokens(r, q, q->base + d->index, d->tokens, d->n_tokens);
+        rt_req_on_tokens(r, i, d);
         break;
     }
     case PDMESH__MSG_TYPE__MSG_DECODE_RESULT: {
         Pdmesh__DecodeResult *d = (Pdmesh__DecodeResult *)msg;
         if ((i = rt_check_sender(r, ident, ident_len, d->epoch, 1, "decode result")) < 0) break;
         r->nodes[i].last_hb = now;
-        rt_req_t *q = rt_task_req(r, i, d->task_id, d->attempt);
-        if (!q || q->state == RQ_QUEUED) break;
-        if (d->ok) {
-            if (rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens)) break; /* fills any gap */
-            q->kv_seconds = d->kv_seconds;
-            if (d->kv_bytes) q->kv_bytes = d->kv_bytes;
-            q->res_beams = d->beams; /* borrowed until rt_req_finish returns */
-            q->n_res_beams = d->n_beams;
-            rt_req_finish(r, q, d->finish);
-        } else if (d->error && d->error->code == PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED) {
-            rt_req_fail(r, q, PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED, "deadline exceeded on %s",
-                        r->nodes[i].id);
-        } else {
-            char m2[512];
-            snprintf(m2, sizeof(m2), "decode node %s: %s", r->nodes[i].id, rt_err_text(d->error));
-            q->dnode_epoch = r->nodes[i].epoch; /* released normally: the node dropped it */
-            rt_req_release_nodes(r, q, 0);
-            rt_attempt_failed(r, q, d->error ? (int)d->error->code : PDMESH__ERROR_CODE__ERR_INTERNAL,
-                              m2);
-        }
+        rt_req_on_decode_result(r, i, d);
         break;
     }
     case PDMESH__MSG_TYPE__MSG_PING: {

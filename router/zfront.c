@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "router/internal.h"
+#include "router/zfront.h"
 
 typedef struct rt_zc {
     struct rt_zc *next, *prev;
@@ -55,7 +56,8 @@ static void rt_zc_send(rt_zc_t *c, int type, const ProtobufCMessage *m)
     else if (st) pdm_log_warn("router: client: %s", pdm_error_last());
 }
 
-static void zc_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, size_t n, const char *text)
+static void rt_zc_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, size_t n,
+                            const char *text)
 {
     rt_zc_t *c = ctx;
     if (!c->stream) return;
@@ -68,14 +70,14 @@ static void zc_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, size_
     rt_zc_send(c, PDMESH__MSG_TYPE__MSG_TOKEN_CHUNK, &t.base);
 }
 
-static void zc_on_result(void *ctx, const Pdmesh__GenerateResult *res)
+static void rt_zc_on_result(void *ctx, const Pdmesh__GenerateResult *res)
 {
     rt_zc_t *c = ctx;
     rt_zc_send(c, PDMESH__MSG_TYPE__MSG_GENERATE_RESULT, &res->base);
     rt_zc_free(c->r, c);
 }
 
-static void zc_on_error(void *ctx, int code, const char *message)
+static void rt_zc_on_error(void *ctx, int code, const char *message)
 {
     rt_zc_t *c = ctx;
     if (!c->gone)
@@ -140,7 +142,7 @@ void rt_on_client_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
         char *hex = pdm_hex_encode(ident, PDM_MIN(ident_len, 40));
         snprintf(client + 4, sizeof(client) - 4, "%s", hex ? hex : "?");
         free(hex);
-        pdm_router_sink_t sink = {c, zc_on_tokens, zc_on_result, zc_on_error};
+        pdm_router_sink_t sink = {c, rt_zc_on_tokens, rt_zc_on_result, rt_zc_on_error};
         int code = 0;
         if (pdm_router_submit(r, g, client, &sink, &c->router_id, &code)) {
             pdm_wire_send_error(s, ident, ident_len, code, g->request_id, "%s", pdm_error_last());

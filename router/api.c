@@ -1,0 +1,207 @@
+/*
+ * api.c - the router's interface to its front ends (router/router.h): admission of a
+ * GenerateRequest (limits, tokenization, chat template, sampling and beam checks) into the
+ * request state machine, cancellation, readiness, and the read-only accessors. Called by
+ * zfront.c, admin.c and http.c on the loop thread.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router/internal.h"
+#include "router/beams.h"
+#include "router/registry.h"
+#include "router/request.h"
+
+static int rt_refuse(int *code, int c, int st, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static int rt_refuse(int *code, int c, int st, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    *code = c;
+    return pdm_error_set(st, "%s", msg);
+}
+
+int pdm_router_render_chat(pdm_router_t *r, const Pdmesh__ChatMessage *const *msgs, size_t n,
+                           int32_t **out, size_t *n_out)
+{
+    if (!r->model || !r->model->tokenizer) return pdm_error_set(PDM_ESTATE, "no tokenizer");
+    if (n == 0 || n > 256) return pdm_error_set(PDM_EINVAL, "chat needs 1 to 256 messages");
+    const char *roles[256], *contents[256];
+    for (size_t i = 0; i < n; i++) {
+        roles[i] = msgs[i]->role ? msgs[i]->role : "";
+        contents[i] = msgs[i]->content ? msgs[i]->content : "";
+        if (strcmp(roles[i], "system") && strcmp(roles[i], "user") && strcmp(roles[i], "assistant"))
+            return pdm_error_set(PDM_EINVAL, "chat role \"%.32s\" is not system, user or assistant",
+                                 roles[i]);
+    }
+    char *text = pdm_tokenizer_chat_render(r->model->tokenizer, roles, contents, (int)n, 1);
+    if (!text) return pdm_error_set(PDM_EUNSUPPORTED, "cannot apply the chat template");
+    size_t len = strlen(text), need = 0;
+    int32_t *ids = malloc(sizeof(int32_t) * (len + 8));
+    int st = ids ? pdm_tokenizer_encode(r->model->tokenizer, text, len,
+                                        PDM_TOKENIZE_ADD_BOS | PDM_TOKENIZE_SPECIAL, ids, len + 8, &need)
+                 : PDM_ENOMEM;
+    free(text);
+    if (st) {
+        free(ids);
+        return pdm_error_set(st, "cannot tokenize the chat");
+    }
+    *out = ids;
+    *n_out = need;
+    return PDM_OK;
+}
+
+static int rt_tokenize(pdm_router_t *r, const char *text, int32_t **out, size_t *n_out)
+{
+    size_t len = strlen(text), need = 0;
+    int32_t *ids = malloc(sizeof(int32_t) * (len + 8));
+    if (!ids) return PDM_ENOMEM;
+    int st = pdm_tokenizer_encode(r->model->tokenizer, text, len, PDM_TOKENIZE_ADD_BOS, ids,
+                                  len + 8, &need);
+    if (st) {
+        free(ids);
+        return st;
+    }
+    *out = ids;
+    *n_out = need;
+    return PDM_OK;
+}
+
+static int rt_has_decode(const pdm_router_t *r)
+{
+    for (int i = 0; i < RT_MAX_NODES; i++)
+        if (rt_node_usable(r, i) && r->nodes[i].role == PDMESH__ROLE__ROLE_DECODE) return 1;
+    return 0;
+}
+
+int pdm_router_ready(const pdm_router_t *r) { return rt_has_decode(r); }
+
+int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const char *client,
+                      const pdm_router_sink_t *sink, uint64_t *id, int *code)
+{
+    const int INV = PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT;
+    int kinds = (req->prompt && req->prompt[0]) + (req->n_prompt_tokens > 0) + (req->n_messages > 0);
+    if (kinds != 1)
+        return rt_refuse(code, INV, PDM_EINVAL, "give exactly one of prompt, prompt_tokens or messages");
+    if (req->model && req->model[0] && strcmp(req->model, r->model_name))
+        return rt_refuse(code, PDMESH__ERROR_CODE__ERR_NOT_FOUND, PDM_ENOTFOUND,
+                         "model \"%.64s\" is not served (this router serves \"%s\")", req->model,
+                         r->model_name);
+    uint32_t max_new = req->max_tokens ? req->max_tokens : r->cfg.default_max_tokens;
+    if (r->cfg.max_tokens && max_new > r->cfg.max_tokens)
+        return rt_refuse(code, INV, PDM_EINVAL, "max_tokens %u over the limit of %u", max_new,
+                         r->cfg.max_tokens);
+    if (req->n_stop > RT_MAX_STOPS)
+        return rt_refuse(code, INV, PDM_EINVAL, "at most %d stop strings", RT_MAX_STOPS);
+    for (size_t i = 0; i < req->n_stop; i++)
+        if (!req->stop[i] || strlen(req->stop[i]) > 256)
+            return rt_refuse(code, INV, PDM_EINVAL, "a stop string is longer than 256 bytes");
+    if (req->deadline_ms > 3600u * 1000u)
+        return rt_refuse(code, INV, PDM_EINVAL, "deadline_ms over one hour");
+    pdm_sampler_params_t sp;
+    pdm_sampler_params_default(&sp);
+    const Pdmesh__SamplingParams *s = req->sampling;
+    sp.temperature = s ? s->temperature : 0;
+    sp.top_k = s && s->top_k > 0 ? s->top_k : 0;
+    sp.top_p = s && s->top_p > 0 && s->top_p < 1 ? s->top_p : 1;
+    sp.min_p = s ? s->min_p : 0;
+    sp.repeat_penalty = s && s->repeat_penalty > 0 ? s->repeat_penalty : 1;
+    sp.seed = s && s->seed ? s->seed : sp.seed;
+    if (pdm_sampler_params_check(&sp))
+        return rt_refuse(code, INV, PDM_EINVAL, "sampling: %s", pdm_error_last());
+    int open_ = 0;
+    for (rt_req_t *q = r->head; q; q = q->next) open_ += !strcmp(q->client, client ? client : "");
+    if (r->cfg.per_client_max && open_ >= r->cfg.per_client_max)
+        return rt_refuse(code, PDMESH__ERROR_CODE__ERR_OVERLOADED, PDM_EOVERFLOW,
+                         "this client already has %d open requests (the limit)", open_);
+    if (r->n_req >= r->cfg.queue_max) {
+        pdm_metric_inc(r->m.requests, "overloaded", 1);
+        return rt_refuse(code, PDMESH__ERROR_CODE__ERR_OVERLOADED, PDM_EOVERFLOW,
+                         "overloaded: %d requests are open (the admission limit)", r->n_req);
+    }
+    if (!rt_has_decode(r))
+        return rt_refuse(code, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, PDM_ESTATE,
+                         "no decode node is available");
+    int32_t *tok = NULL;
+    size_t n = 0;
+    if (req->n_prompt_tokens) {
+        if (req->n_prompt_tokens > r->cfg.max_prompt_tokens)
+            return rt_refuse(code, INV, PDM_EINVAL, "%zu prompt tokens over the limit of %u",
+                             req->n_prompt_tokens, r->cfg.max_prompt_tokens);
+        for (size_t i = 0; i < req->n_prompt_tokens; i++)
+            if (req->prompt_tokens[i] < 0 || (uint32_t)req->prompt_tokens[i] >= r->model->hp.n_vocab)
+                return rt_refuse(code, INV, PDM_EINVAL, "prompt token %d is outside the vocabulary",
+                                 req->prompt_tokens[i]);
+        tok = malloc(sizeof(int32_t) * req->n_prompt_tokens);
+        if (!tok) return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
+        memcpy(tok, req->prompt_tokens, sizeof(int32_t) * req->n_prompt_tokens);
+        n = req->n_prompt_tokens;
+    } else {
+        if (req->prompt && strlen(req->prompt) > (size_t)r->cfg.max_prompt_tokens * 64)
+            return rt_refuse(code, INV, PDM_EINVAL, "prompt text too long");
+        int st = req->prompt && req->prompt[0] ? rt_tokenize(r, req->prompt, &tok, &n)
+                             : pdm_router_render_chat(r, (const Pdmesh__ChatMessage *const *)req->messages,
+                                                      req->n_messages, &tok, &n);
+        if (st) return rt_refuse(code, INV, PDM_EINVAL, "prompt: %s", pdm_error_last());
+    }
+    if (n == 0 || n > r->cfg.max_prompt_tokens || n + max_new > r->model->hp.n_ctx_train) {
+        free(tok);
+        return rt_refuse(code, INV, PDM_EINVAL, "%zu prompt tokens + %u new tokens do not fit "
+                         "(prompt limit %u, context %u)", n, max_new, r->cfg.max_prompt_tokens,
+                         r->model->hp.n_ctx_train);
+    }
+    rt_req_t *q = calloc(1, sizeof(*q));
+    if (q) q->gen = malloc(sizeof(int32_t) * max_new);
+    if (!q || !q->gen) {
+        if (q) free(q);
+        free(tok);
+        return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
+    }
+    int bst = rt_beams_admit(r, req, q, code);
+    if (bst) {
+        free(q->gen);
+        free(q);
+        free(tok);
+        return bst;
+    }
+    q->id = ++r->next_id;
+    q->client_id = req->request_id;
+    q->sink = *sink;
+    snprintf(q->client, sizeof(q->client), "%s", client ? client : "");
+    q->prompt = tok;
+    q->n_prompt = (uint32_t)n;
+    q->max_new = max_new;
+    q->sp = sp;
+    for (size_t i = 0; i < req->n_stop; i++)
+        if (req->stop[i][0]) q->stops[q->n_stops++] = strdup(req->stop[i]);
+    q->ignore_eos = req->ignore_eos;
+    q->t_arrival = pdm_now();
+    q->deadline = q->t_arrival + (req->deadline_ms ? req->deadline_ms : r->cfg.default_deadline_ms) / 1e3;
+    q->dnode = q->group = -1;
+    pdm_detok_init(&q->detok, 0);
+    rt_req_enqueue(r, q);
+    *id = q->id;
+    return PDM_OK;
+}
+
+int pdm_router_cancel(pdm_router_t *r, uint64_t id)
+{
+    rt_req_t *q = rt_req_find(r, id);
+    if (!q) return pdm_error_set(PDM_ENOTFOUND, "request %llu is not open", (unsigned long long)id);
+    rt_req_fail(r, q, PDMESH__ERROR_CODE__ERR_CANCELLED, "cancelled");
+    return PDM_OK;
+}
+
+uv_loop_t *pdm_router_loop(pdm_router_t *r) { return r->loop; }
+const char *pdm_router_model_name(const pdm_router_t *r) { return r->model_name; }
+const pdm_router_limits_t *pdm_router_limits(const pdm_router_t *r) { return &r->limits; }
+struct pdm_metrics *pdm_router_metrics(pdm_router_t *r)
+{
+    rt_node_metrics(r);
+    return r->m.reg;
+}

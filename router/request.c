@@ -1,0 +1,636 @@
+/*
+ * request.c - the request state machine: a request's life from admission to its one end
+ * through its sink (ARCHITECTURE.md "Request lifecycle"). It is the only file that moves a
+ * request between states; the others send it events.
+ *
+ * States (rt_req_t.state):
+ *   QUEUED     admitted (rt_req_enqueue) or sent back by a failed attempt; waits for the
+ *              scheduler (schedule.c) to pick a decode node and, unless prefilled locally, a
+ *              prefill group.
+ *   RESERVING  DecodeTask sent; the decode node reserves KV for the attempt.
+ *   PREFILL    PrefillTask sent to every rank of the group; the ranks stream the KV to the
+ *              decode node and each answers PrefillResult.
+ *   DECODE     DecodeStart sent (with the first token); DecodeTokens flow back, then one
+ *              DecodeResult.
+ *   ended      exactly once, through sink.on_result (rt_req_finish) or sink.on_error
+ *              (rt_req_fail); the request is freed then.
+ * Local prefill (conditional disaggregation, no group, every migration) skips PREFILL: the
+ * decode node prefills the prompt itself after DecodeStart(first_token -1).
+ *
+ * Events, transitions and what is sent (router -> decode node D, prefill ranks P):
+ *   schedule.c rt_req_dispatch      QUEUED -> RESERVING                     DecodeTask to D
+ *   schedule.c rt_req_finish        QUEUED -> ended (all tokens were delivered before a failure)
+ *   D DecodeReserved ok             RESERVING -> PREFILL                     PrefillTask to P
+ *                                   RESERVING -> DECODE (local prefill)      DecodeStart to D
+ *   D DecodeReserved ERR_NODE_FULL  RESERVING -> QUEUED, not a failure (D skipped for 0.5 s;
+ *                                   after 15 dispatches -> ended, OVERLOADED)
+ *   P PrefillResult ok              ranks_done++; the last rank frees the group; the rank
+ *                                   that carries the first token: -> DECODE  DecodeStart to D
+ *   D DecodeTokens                  DECODE: tokens delivered (a stop string ends the request)
+ *   D DecodeResult ok               -> ended (on_result)
+ *   D DecodeResult deadline         -> ended (on_error DEADLINE_EXCEEDED)
+ *   D DecodeReserved / P PrefillResult / D DecodeResult error, a send that fails, or
+ *   registry.c rt_req_on_node_lost  attempt failed (below)
+ *   core.c rt_req_expire (tick)     any state -> ended (on_error DEADLINE_EXCEEDED)
+ *   pdm_router_cancel, shutdown     any state -> ended (rt_req_fail)          CancelTask to D
+ * An attempt failed: its group is suspected for a lease and its conversation mirror
+ * forgotten, its nodes released (CancelTask to D, unless D is lost or reported the failure
+ * itself), and the request goes back to QUEUED; once cfg.max_attempts attempts have failed
+ * it ends instead (UNAVAILABLE, or DEADLINE_EXCEEDED if that was the last error). Counted as
+ * a migration if tokens were delivered, else a retry. Tokens already delivered are never sent again: a
+ * migrated request is prefilled locally on the new decode node with prompt + delivered
+ * tokens and continues at completion index n_gen.
+ * Task messages count only for the request's current attempt on the node (or group rank, by
+ * epoch) that holds it; anything else is stale and dropped. registry.c checks the sender and
+ * its epoch before it hands a message here.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router/internal.h"
+#include "router/beams.h"
+#include "router/request.h"
+
+static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg);
+
+rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id)
+{
+    for (rt_req_t *q = r->head; q; q = q->next)
+        if (q->id == id) return q;
+    return NULL;
+}
+
+static void rt_req_unlink_free(pdm_router_t *r, rt_req_t *q)
+{
+    if (q->prev) q->prev->next = q->next;
+    else r->head = q->next;
+    if (q->next) q->next->prev = q->prev;
+    else r->tail = q->prev;
+    r->n_req--;
+    free(q->prompt);
+    free(q->gen);
+    free(q->text);
+    for (size_t i = 0; i < q->n_stops; i++) free(q->stops[i]);
+    free(q);
+    pdm_metric_set(r->m.queue, NULL, r->n_req);
+}
+
+void rt_req_enqueue(pdm_router_t *r, rt_req_t *q)
+{
+    q->prev = r->tail;
+    if (r->tail) r->tail->next = q;
+    else r->head = q;
+    r->tail = q;
+    r->n_req++;
+    pdm_metric_set(r->m.queue, NULL, r->n_req);
+}
+
+/* Gives back what the current attempt holds; cancel: tell the decode node to drop it. */
+static void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel)
+{
+    if (q->dnode >= 0) {
+        rt_node_t *n = &r->nodes[q->dnode];
+        if (n->epoch == q->dnode_epoch) {
+            n->tasks--;
+            n->kv_reserved -= q->kv_held;
+            if (n->kv_reserved < 0) n->kv_reserved = 0;
+            if (cancel && !n->dead) {
+                Pdmesh__CancelTask c = PDMESH__CANCEL_TASK__INIT;
+                c.task_id = q->id;
+                c.attempt = q->attempt;
+                rt_send(r->node_sock, n->ident, n->ident_len, PDMESH__MSG_TYPE__MSG_CANCEL_TASK,
+                        &c.base);
+            }
+        }
+        q->dnode = -1;
+    }
+    if (q->group >= 0) {
+        rt_group_t *g = &r->groups[q->group];
+        if (q->ranks_done < g->size && g->inflight > 0) g->inflight--;
+        if (q->reuse_pending) g->reuse_pending = 0;
+        q->group = -1;
+    }
+    q->reuse_pending = 0;
+}
+
+static const char *rt_outcome(int code)
+{
+    switch (code) {
+    case PDMESH__ERROR_CODE__ERR_CANCELLED: return "cancelled";
+    case PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED: return "deadline";
+    case PDMESH__ERROR_CODE__ERR_OVERLOADED: return "overloaded";
+    case PDMESH__ERROR_CODE__ERR_UNAVAILABLE: return "unavailable";
+    case PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT: return "invalid";
+    default: return "error";
+    }
+}
+
+void rt_req_fail(pdm_router_t *r, rt_req_t *q, int code, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    rt_req_release_nodes(r, q, 1);
+    pdm_metric_inc(r->m.requests, rt_outcome(code), 1);
+    pdm_log_info("router: request %llu ends: %s", (unsigned long long)q->id, msg);
+    pdm_router_sink_t sink = q->sink;
+    rt_req_unlink_free(r, q);
+    if (sink.on_error) sink.on_error(sink.ctx, code, msg);
+}
+
+/* Longest stop-string match position in text (or text_len) and the hold-back length. */
+static size_t rt_stop_cut(const rt_req_t *q, size_t *hold)
+{
+    size_t cut = q->text_len, maxlen = 0;
+    for (size_t i = 0; i < q->n_stops; i++) {
+        size_t l = strlen(q->stops[i]);
+        maxlen = PDM_MAX(maxlen, l);
+        char *hit = q->text ? strstr(q->text, q->stops[i]) : NULL;
+        if (hit && (size_t)(hit - q->text) < cut) cut = (size_t)(hit - q->text);
+    }
+    *hold = maxlen ? maxlen - 1 : 0;
+    return cut;
+}
+
+static int rt_text_append(rt_req_t *q, const char *s, size_t n)
+{
+    if (q->text_len + n + 1 > q->text_cap) {
+        size_t cap = PDM_MAX(q->text_cap * 2, q->text_len + n + 256);
+        char *t = realloc(q->text, cap);
+        if (!t) return PDM_ENOMEM;
+        q->text = t;
+        q->text_cap = cap;
+    }
+    memcpy(q->text + q->text_len, s, n);
+    q->text_len += n;
+    q->text[q->text_len] = 0;
+    return PDM_OK;
+}
+
+/* Delivers tokens [index, index + n) (duplicates and gaps ignored); 1 if that ended the request
+ * (a stop string), and q is gone. */
+static int rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int32_t *toks,
+                         size_t n)
+{
+    uint32_t first = q->n_gen;
+    for (size_t k = 0; k < n; k++) {
+        uint32_t idx = index + (uint32_t)k;
+        if (idx < q->n_gen) continue;     /* already delivered (migration, duplicates) */
+        if (idx > q->n_gen || q->n_gen >= q->max_new) break; /* a gap: the result fills it */
+        int32_t t = toks[k];
+        if (t < 0 || !r->model || (uint32_t)t >= r->model->hp.n_vocab) break;
+        q->gen[q->n_gen++] = t;
+        char piece[256];
+        int w = pdm_detok_feed(&q->detok, r->model->tokenizer, t, piece, sizeof(piece));
+        if (w > 0) rt_text_append(q, piece, (size_t)w);
+    }
+    if (q->n_gen == first) return 0;
+    double now = pdm_now();
+    if (first == 0) {
+        q->t_first = now;
+        pdm_metric_observe(r->m.ttft, NULL, now - q->t_arrival);
+    }
+    q->t_last = now;
+    size_t hold, cut = rt_stop_cut(q, &hold);
+    size_t safe = q->text_len > hold ? q->text_len - hold : 0;
+    safe = PDM_MIN(safe, cut);
+    char *chunk = NULL;
+    if (safe > q->text_sent) chunk = strndup(q->text + q->text_sent, safe - q->text_sent);
+    if (safe > q->text_sent) q->text_sent = safe;
+    if (q->sink.on_tokens)
+        q->sink.on_tokens(q->sink.ctx, first, q->gen + first, q->n_gen - first, chunk ? chunk : "");
+    free(chunk);
+    if (cut < q->text_len) {
+        /* A stop string the decode node could not see (it began before a migration): end
+         * the request here and release the node. */
+        rt_req_release_nodes(r, q, 1);
+        rt_req_finish(r, q, PDMESH__FINISH_REASON__FINISH_STOP);
+        return 1;
+    }
+    return 0;
+}
+
+void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
+{
+    rt_req_release_nodes(r, q, 0);
+    char tail[16];
+    int w = pdm_detok_flush(&q->detok, tail, sizeof(tail));
+    if (w > 0) rt_text_append(q, tail, (size_t)w);
+    size_t hold, cut = rt_stop_cut(q, &hold);
+    if (cut < q->text_len) {
+        q->text_len = cut;
+        q->text[cut] = 0;
+        finish = PDMESH__FINISH_REASON__FINISH_STOP;
+    }
+    if (q->text_len > q->text_sent && q->sink.on_tokens) /* text held back for stop strings */
+        q->sink.on_tokens(q->sink.ctx, q->n_gen, NULL, 0, q->text + q->text_sent);
+    double now = pdm_now();
+    Pdmesh__GenerateResult res = PDMESH__GENERATE_RESULT__INIT;
+    Pdmesh__Usage u = PDMESH__USAGE__INIT;
+    res.request_id = q->client_id;
+    res.finish = finish;
+    res.tokens = q->gen;
+    res.n_tokens = q->n_gen;
+    res.text = q->text ? q->text : "";
+    u.prompt_tokens = q->n_prompt;
+    u.completion_tokens = q->n_gen;
+    u.ttft_ms = q->t_first > 0 ? (q->t_first - q->t_arrival) * 1e3 : 0;
+    u.tpot_ms = q->n_gen > 1 ? (q->t_last - q->t_first) * 1e3 / (q->n_gen - 1) : 0;
+    u.total_ms = (now - q->t_arrival) * 1e3;
+    u.kv_bytes = q->kv_bytes;
+    u.prefill_method = q->method;
+    u.prefill_group = q->group_name;
+    u.decode_node = q->dnode_name;
+    u.attempts = q->attempt;
+    u.cached_tokens = q->cached_tokens;
+    res.usage = &u;
+    if (q->n_gen > 1) pdm_metric_observe(r->m.tpot, NULL, u.tpot_ms / 1e3);
+    if (q->kv_bytes) {
+        pdm_metric_inc(r->m.kv_bytes, NULL, (double)q->kv_bytes);
+        pdm_metric_observe(r->m.kv_time, NULL, q->kv_seconds);
+    }
+    pdm_metric_inc(r->m.requests, "ok", 1);
+    pdm_router_sink_t sink = q->sink;
+    rt_beams_result(q, &res);
+    if (sink.on_result) sink.on_result(sink.ctx, &res);
+    rt_req_unlink_free(r, q);
+}
+
+/* The current attempt failed (msg says why): back to QUEUED, or the request ends when it has
+ * used its attempts. */
+static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg)
+{
+    if (q->group >= 0) { /* the retry goes elsewhere (another group or local prefill) */
+        r->groups[q->group].suspect_until = pdm_now() + r->cfg.lease_ms / 1e3;
+        /* Its ranks may have dropped their conversation (or never held the one assumed):
+         * forget the mirror, the next task starts afresh. */
+        pdm_prefill_conv_reset(&r->groups[q->group].conv);
+    }
+    rt_req_release_nodes(r, q, 1);
+    q->retries++;
+    pdm_log_warn("router: request %llu attempt %u failed: %s", (unsigned long long)q->id,
+                 q->attempt, msg);
+    if ((int)q->retries >= r->cfg.max_attempts || q->attempt >= 15) {
+        rt_req_fail(r, q, code == PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED ? code
+                                                                             : PDMESH__ERROR_CODE__ERR_UNAVAILABLE,
+                    "request failed after %u attempts; last: %s", q->attempt, msg);
+        return;
+    }
+    if (q->n_gen > 0) {
+        q->migrations++;
+        pdm_metric_inc(r->m.migrations, NULL, 1);
+    } else {
+        pdm_metric_inc(r->m.retries, NULL, 1);
+    }
+    q->state = RQ_QUEUED;
+    q->started = 0;
+}
+
+/* ---------------------------------------------------------------- dispatch and tasks */
+
+/* Prefix reuse: the cached tokens a new task on group `gr` can start after. Only while the
+ * group is idle is its mirror what the ranks hold when the task arrives; at least one block
+ * must be reused and at least one token computed (its logits give the first token). */
+static int32_t rt_reuse_start(const pdm_router_t *r, const rt_group_t *gr, const rt_req_t *q)
+{
+    if (!r->cfg.prefix_reuse || gr->inflight > 0 || gr->reuse_pending) return 0;
+    int32_t k = pdm_prefill_conv_common(&gr->conv, q->prompt, (int32_t)q->n_prompt);
+    k = PDM_MIN(k, (int32_t)q->n_prompt - 1);
+    return k >= r->cfg.block_tokens ? k : 0;
+}
+
+/* Every rank of the request's group finished its task: the mirror follows (conv.c). */
+static void rt_group_prefilled(pdm_router_t *r, rt_req_t *q)
+{
+    rt_group_t *gr = &r->groups[q->group];
+    const int32_t start = (int32_t)q->cached_tokens, T = (int32_t)q->n_prompt - start;
+    pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN];
+    int n_prefix;
+    int nr = pdm_prefill_conv_plan(&gr->conv, (pdm_prefill_method_t)q->method_id, (int)gr->size,
+                                   start, T, q->chunks, 0, plan, &n_prefix);
+    if (nr < 0 || pdm_prefill_conv_commit(&gr->conv, (pdm_prefill_method_t)q->method_id,
+                                          (int)gr->size, start, q->prompt + start, T, plan, nr))
+        pdm_prefill_conv_reset(&gr->conv); /* out of step: forget (a smaller view is safe) */
+    if (start > 0) {
+        pdm_metric_inc(r->m.prefix_hits, NULL, 1);
+        pdm_metric_inc(r->m.prefix_tokens, NULL, (double)start);
+    }
+}
+
+void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
+{
+    rt_node_t *n = &r->nodes[d];
+    q->attempt++;
+    q->dnode = d;
+    q->dnode_epoch = n->epoch;
+    q->group = g;
+    q->local = g < 0;
+    q->base = q->n_gen;
+    q->ranks_done = 0;
+    q->started = 0;
+    q->t_dispatch = pdm_now();
+    q->cached_tokens = 0;
+    snprintf(q->dnode_name, sizeof(q->dnode_name), "%s", n->id);
+    const uint32_t remaining = q->max_new - q->n_gen;
+    const uint32_t n_in = q->local ? q->n_prompt + q->n_gen : q->n_prompt;
+    n->tasks++;
+    q->kv_held = rt_kv_need(q, n_in, remaining);
+    n->kv_reserved += q->kv_held;
+    Pdmesh__DecodeTask t = PDMESH__DECODE_TASK__INIT;
+    t.task_id = q->id;
+    t.attempt = q->attempt;
+    t.epoch = n->epoch;
+    t.n_prompt = n_in;
+    t.max_new = remaining;
+    rt_beams_task(q, &t);
+    int32_t *all = NULL;
+    ProtobufCBinaryData addrs[PDM_KVT_MAX_RANKS];
+    Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rgp[PDM_PREFILL_MAX_PLAN];
+    if (q->local) {
+        snprintf(q->method, sizeof(q->method), "local");
+        q->group_name[0] = 0;
+        all = malloc(sizeof(int32_t) * (n_in ? n_in : 1));
+        if (!all) {
+            rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, "out of memory");
+            return;
+        }
+        memcpy(all, q->prompt, sizeof(int32_t) * q->n_prompt);
+        memcpy(all + q->n_prompt, q->gen, sizeof(int32_t) * q->n_gen);
+        t.local_prefill = 1;
+        t.prompt_tokens = all;
+        t.n_prompt_tokens = n_in;
+    } else {
+        rt_group_t *gr = &r->groups[g];
+        const int32_t start0 = rt_reuse_start(r, gr, q);
+        gr->inflight++;
+        snprintf(q->group_name, sizeof(q->group_name), "%s", gr->name);
+        for (uint32_t k = 0; k < gr->size; k++) {
+            rt_node_t *m = &r->nodes[gr->member[k]];
+            addrs[k].data = m->ucx;
+            addrs[k].len = m->ucx_len;
+            q->group_epochs[k] = m->epoch;
+        }
+        /* Method and partition by the length to compute and the cached prefix
+         * (prefill_node/policy.c: partition table, calibration, auto; with a prefix auto
+         * picks pass-KV or pass-Q). Where the method cannot continue there, the group
+         * recomputes a little more (KVR needs a token per rank) or, if it cannot continue
+         * the cached conversation at all (tsp; KVR after cp-*), the whole prompt. */
+        pdm_prefill_method_t want = PDM_PREFILL_AUTO, m;
+        pdm_prefill_method_parse(r->cfg.method, &want);
+        int chunks[PDM_KVT_MAX_RANKS], has = 0, nr = -1, n_prefix = 0;
+        pdm_prefill_range_t pr[PDM_PREFILL_MAX_PLAN];
+        char why[256];
+        const int32_t starts[3] = {start0, PDM_MIN(start0, (int32_t)(q->n_prompt - gr->size)), 0};
+        int32_t start = 0;
+        for (int c = 0; c < 3; c++) {
+            start = starts[c];
+            if (start < 0 || (start > 0 && start < r->cfg.block_tokens)) continue;
+            const int32_t T = (int32_t)q->n_prompt - start;
+            int rs = pdm_prefill_resolve(want, &r->model->hp, (int)gr->size, T, start, NULL,
+                                         r->has_table ? &r->table : NULL,
+                                         r->has_calib ? &r->calib : NULL, &m, chunks, &has, why,
+                                         sizeof(why));
+            if (rs && start > 0) continue;
+            if (rs) m = gr->size == 1 ? PDM_PREFILL_SINGLE : PDM_PREFILL_KVR_E, has = 0;
+            if (!has) pdm_prefill_split_even(T, (int)gr->size, chunks);
+            nr = pdm_prefill_conv_plan(&gr->conv, m, (int)gr->size, start, T, chunks, 1, pr,
+                                       &n_prefix);
+            if (nr >= 0) break;
+        }
+        if (nr < 0) {
+            rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, pdm_error_last());
+            return;
+        }
+        memcpy(q->chunks, chunks, sizeof(chunks));
+        q->has_chunks = has;
+        q->method_id = (int)m;
+        q->cached_tokens = (uint32_t)start;
+        q->reuse_pending = gr->reuse_pending = start > 0;
+        snprintf(q->method, sizeof(q->method), "%s", pdm_prefill_method_name(m));
+        for (int k = 0; k < nr; k++) {
+            pdmesh__token_range__init(&rg[k]);
+            rg[k].start = (uint32_t)pr[k].start;
+            rg[k].len = (uint32_t)pr[k].len;
+            rg[k].rank = (uint32_t)pr[k].rank;
+            rg[k].chunk = (uint32_t)pr[k].chunk;
+            rgp[k] = &rg[k];
+        }
+        t.prefill_addresses = addrs;
+        t.n_prefill_addresses = gr->size;
+        t.ranges = rgp;
+        t.n_ranges = (size_t)nr;
+        t.group = gr->name;
+    }
+    q->state = RQ_RESERVING;
+    pdm_log_info("router: request %llu attempt %u -> %s via %s", (unsigned long long)q->id,
+                 q->attempt, n->id, q->local ? "local prefill" : q->group_name);
+    int st = rt_send(r->node_sock, n->ident, n->ident_len, PDMESH__MSG_TYPE__MSG_DECODE_TASK, &t.base);
+    free(all);
+    if (st) rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, "cannot reach the decode node");
+}
+
+/* RESERVING -> PREFILL: the reservation is in place, the ranks may send the KV. */
+static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
+{
+    rt_group_t *g = &r->groups[q->group];
+    rt_node_t *d = &r->nodes[q->dnode];
+    Pdmesh__PrefillTask t = PDMESH__PREFILL_TASK__INIT;
+    Pdmesh__SamplingParams sp = PDMESH__SAMPLING_PARAMS__INIT;
+    uint32_t chunks[PDM_KVT_MAX_RANKS];
+    t.task_id = q->id;
+    t.attempt = q->attempt;
+    t.method = q->method;
+    /* A partial prefill names the cached prefix it assumes; the ranks check it. */
+    t.start = q->cached_tokens;
+    t.tokens = q->prompt + q->cached_tokens;
+    t.n_tokens = q->n_prompt - q->cached_tokens;
+    t.prefix = q->prompt;
+    t.n_prefix = q->cached_tokens;
+    if (q->reuse_pending) g->reuse_pending = q->reuse_pending = 0; /* it goes out now */
+    if (q->has_chunks) {
+        for (uint32_t k = 0; k < g->size; k++) chunks[k] = (uint32_t)q->chunks[k];
+        t.chunks = chunks;
+        t.n_chunks = g->size;
+    }
+    t.decode_address.data = d->ucx;
+    t.decode_address.len = d->ucx_len;
+    t.decode_node = d->id;
+    t.sampling = &sp;
+    double left = q->deadline - pdm_now();
+    t.deadline_ms = left > 0 ? (uint32_t)(left * 1e3) : 1;
+    q->state = RQ_PREFILL;
+    pdm_metric_inc(r->m.method, q->method, 1);
+    for (uint32_t k = 0; k < g->size; k++) {
+        rt_node_t *m = &r->nodes[g->member[k]];
+        t.epoch = m->epoch;
+        if (rt_send(r->node_sock, m->ident, m->ident_len, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base)) {
+            rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, "cannot reach a prefill rank");
+            return;
+        }
+    }
+}
+
+/* -> DECODE: the decode node may start (first_token -1: it prefills locally). */
+static void rt_send_start(pdm_router_t *r, rt_req_t *q, int32_t first_token)
+{
+    rt_node_t *d = &r->nodes[q->dnode];
+    Pdmesh__DecodeStart s = PDMESH__DECODE_START__INIT;
+    Pdmesh__SamplingParams sp = PDMESH__SAMPLING_PARAMS__INIT;
+    sp.temperature = q->sp.temperature;
+    sp.top_k = q->sp.top_k;
+    sp.top_p = q->sp.top_p;
+    sp.min_p = q->sp.min_p;
+    sp.repeat_penalty = q->sp.repeat_penalty;
+    sp.seed = q->sp.seed;
+    s.task_id = q->id;
+    s.attempt = q->attempt;
+    s.first_token = first_token;
+    s.sampling = &sp;
+    s.stop = q->stops;
+    s.n_stop = q->n_stops;
+    double left = q->deadline - pdm_now();
+    s.deadline_ms = left > 0 ? (uint32_t)(left * 1e3) + 1 : 1;
+    s.ignore_eos = q->ignore_eos;
+    s.skip_tokens = 0; /* the router continues at q->base (migration re-prefills delivered tokens) */
+    rt_beams_start(q, &s);
+    q->state = RQ_DECODE;
+    q->started = 1;
+    if (rt_send(r->node_sock, d->ident, d->ident_len, PDMESH__MSG_TYPE__MSG_DECODE_START, &s.base))
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, "cannot reach the decode node");
+}
+
+/* ---------------------------------------------------------------- events from nodes */
+
+/* The request a task message is about, if it is the current attempt on that node. */
+static rt_req_t *rt_task_req(pdm_router_t *r, int node, uint64_t task_id, uint32_t attempt)
+{
+    rt_req_t *q = rt_req_find(r, task_id);
+    if (!q || q->attempt != attempt || q->state == RQ_QUEUED) return NULL;
+    const rt_node_t *n = &r->nodes[node];
+    if (n->role == PDMESH__ROLE__ROLE_DECODE) return q->dnode == node ? q : NULL;
+    if (q->group < 0) return NULL;
+    const rt_group_t *g = &r->groups[q->group];
+    return n->rank < g->size && g->member[n->rank] == node &&
+                   q->group_epochs[n->rank] == n->epoch ? q : NULL;
+}
+
+static const char *rt_err_text(const Pdmesh__Error *e)
+{
+    return e && e->message && e->message[0] ? e->message : "failed";
+}
+
+void rt_req_on_reserved(pdm_router_t *r, int node, const Pdmesh__DecodeReserved *d)
+{
+    rt_req_t *q = rt_task_req(r, node, d->task_id, d->attempt);
+    if (!q || q->state != RQ_RESERVING) return;
+    if (!d->ok) {
+        if (d->error && d->error->code == PDMESH__ERROR_CODE__ERR_NODE_FULL) {
+            /* Not a failure of the request: try another node (or this one later). */
+            r->nodes[node].full_until = pdm_now() + 0.5;
+            rt_req_release_nodes(r, q, 0);
+            q->state = RQ_QUEUED;
+            if (q->attempt >= 15)
+                rt_req_fail(r, q, PDMESH__ERROR_CODE__ERR_OVERLOADED,
+                            "no decode node has room: %s", rt_err_text(d->error));
+        } else {
+            rt_attempt_failed(r, q, d->error ? (int)d->error->code : PDMESH__ERROR_CODE__ERR_INTERNAL,
+                              rt_err_text(d->error));
+        }
+        return;
+    }
+    if (q->local) rt_send_start(r, q, -1);
+    else rt_send_prefill(r, q);
+}
+
+void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillResult *p)
+{
+    rt_req_t *q = rt_task_req(r, node, p->task_id, p->attempt);
+    if (!q || (q->state != RQ_PREFILL && q->state != RQ_DECODE)) return;
+    if (!p->ok) {
+        char m2[512];
+        snprintf(m2, sizeof(m2), "prefill rank %s: %s", r->nodes[node].id, rt_err_text(p->error));
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_KV_TRANSFER, m2);
+        return;
+    }
+    q->ranks_done++;
+    q->kv_bytes += p->kv_bytes;
+    int32_t first = p->first_token;
+    if (q->group >= 0 && q->ranks_done == r->groups[q->group].size) {
+        /* Every rank finished: the group is free and the request no longer depends on it
+         * (a rank dying now does not touch the request). */
+        if (r->groups[q->group].inflight > 0) r->groups[q->group].inflight--;
+        rt_group_prefilled(r, q);
+        q->group = -1;
+    }
+    if (first >= 0 && !q->started) rt_send_start(r, q, first);
+}
+
+void rt_req_on_tokens(pdm_router_t *r, int node, const Pdmesh__DecodeTokens *d)
+{
+    rt_req_t *q = rt_task_req(r, node, d->task_id, d->attempt);
+    if (!q || q->state != RQ_DECODE) return;
+    rt_req_tokens(r, q, q->base + d->index, d->tokens, d->n_tokens);
+}
+
+void rt_req_on_decode_result(pdm_router_t *r, int node, const Pdmesh__DecodeResult *d)
+{
+    rt_req_t *q = rt_task_req(r, node, d->task_id, d->attempt);
+    if (!q || q->state == RQ_QUEUED) return;
+    if (d->ok) {
+        if (rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens)) return; /* fills any gap */
+        q->kv_seconds = d->kv_seconds;
+        if (d->kv_bytes) q->kv_bytes = d->kv_bytes;
+        q->res_beams = d->beams; /* borrowed until rt_req_finish returns */
+        q->n_res_beams = d->n_beams;
+        rt_req_finish(r, q, d->finish);
+    } else if (d->error && d->error->code == PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED) {
+        rt_req_fail(r, q, PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED, "deadline exceeded on %s",
+                    r->nodes[node].id);
+    } else {
+        char m2[512];
+        snprintf(m2, sizeof(m2), "decode node %s: %s", r->nodes[node].id, rt_err_text(d->error));
+        q->dnode_epoch = r->nodes[node].epoch; /* released normally: the node dropped it */
+        rt_req_release_nodes(r, q, 0);
+        rt_attempt_failed(r, q, d->error ? (int)d->error->code : PDMESH__ERROR_CODE__ERR_INTERNAL,
+                          m2);
+    }
+}
+
+void rt_req_on_node_lost(pdm_router_t *r, int node, int group, const char *why)
+{
+    rt_node_t *n = &r->nodes[node];
+    rt_req_t *next;
+    for (rt_req_t *q = r->head; q; q = next) {
+        next = q->next;
+        if (q->state == RQ_QUEUED) continue;
+        int hit = q->dnode == node || (group >= 0 && q->group == group);
+        if (!hit) continue;
+        char msg[256];
+        snprintf(msg, sizeof(msg), "%s %s %s", n->role == PDMESH__ROLE__ROLE_DECODE ? "decode node"
+                 : "prefill rank", n->id, why);
+        if (q->dnode == node) q->dnode_epoch = 0; /* do not count or cancel on the lost node */
+        if (q->dnode == node) n->tasks = PDM_MAX(0, n->tasks - 1);
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, msg);
+    }
+    if (n->role == PDMESH__ROLE__ROLE_DECODE) {
+        n->tasks = 0;
+        n->kv_reserved = 0;
+    }
+}
+
+void rt_req_expire(pdm_router_t *r)
+{
+    double now = pdm_now();
+    rt_req_t *next;
+    for (rt_req_t *q = r->head; q; q = next) {
+        next = q->next;
+        if (now > q->deadline)
+            rt_req_fail(r, q, PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED,
+                        "deadline exceeded after %.0f ms (%u of %u tokens generated)",
+                        (now - q->t_arrival) * 1e3, q->n_gen, q->max_new);
+    }
+}

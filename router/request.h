@@ -1,0 +1,45 @@
+/*
+ * request.h - the router's request state machine (router/request.c; its states and events
+ * are documented there). Internal to the router: every call runs on the loop thread. A
+ * function that ends a request (on_result or on_error called, q freed) says so; after it the
+ * caller must not touch q.
+ */
+#ifndef PDM_ROUTER_REQUEST_H
+#define PDM_ROUTER_REQUEST_H
+
+#include "router/internal.h"
+
+/* The open request with router id `id`, or NULL. */
+rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id);
+
+/* Admits q, filled in by the front-end API and QUEUED: the router owns it from now on. */
+void rt_req_enqueue(pdm_router_t *r, rt_req_t *q);
+
+/* QUEUED -> RESERVING: a new attempt on decode node d, prefilled by group g (-1: locally);
+ * sends the DecodeTask. A failure to plan or send is a failed attempt (q may have ended). */
+void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g);
+
+/* Ends q with success: flushes the text held back for stop strings, calls sink.on_result and
+ * frees q. */
+void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish);
+
+/* Ends q with an error (code: Pdmesh__ErrorCode): cancels its attempt on the decode node,
+ * calls sink.on_error with the formatted message and frees q. */
+void rt_req_fail(pdm_router_t *r, rt_req_t *q, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* Ends every request past its deadline (DEADLINE_EXCEEDED). */
+void rt_req_expire(pdm_router_t *r);
+
+/* Messages of node `node` about a task, its sender and epoch already checked (registry.c).
+ * One that is not about its request's current attempt there is dropped. */
+void rt_req_on_reserved(pdm_router_t *r, int node, const Pdmesh__DecodeReserved *d);
+void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillResult *p);
+void rt_req_on_tokens(pdm_router_t *r, int node, const Pdmesh__DecodeTokens *d);
+void rt_req_on_decode_result(pdm_router_t *r, int node, const Pdmesh__DecodeResult *d);
+
+/* Node `node` is gone (dead, deregistered or registered again; why says which), and with it
+ * its prefill group `group` (-1: none): every attempt on either fails. */
+void rt_req_on_node_lost(pdm_router_t *r, int node, int group, const char *why);
+
+#endif

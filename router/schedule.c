@@ -1,0 +1,144 @@
+/*
+ * schedule.c - dispatch policy: where each QUEUED request goes next. A decode node by free KV
+ * and load (ARCHITECTURE.md); a prefill group by the prefix it last prefilled (salted SHA-256
+ * block keys), else the least busy one; local prefill on the decode node for short prompts,
+ * migrations, and while no group is usable. The chosen pair goes to the request state machine
+ * (rt_req_dispatch), which plans the attempt and sends its tasks.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "router/internal.h"
+#include "router/beams.h"
+#include "router/registry.h"
+#include "router/request.h"
+#include "router/schedule.h"
+
+static int rt_pick_decode(pdm_router_t *r, const rt_req_t *q, int64_t need)
+{
+    int best = -1;
+    double best_score = 0, now = pdm_now();
+    for (int i = 0; i < RT_MAX_NODES; i++) {
+        rt_node_t *n = &r->nodes[i];
+        if (!rt_node_usable(r, i) || n->role != PDMESH__ROLE__ROLE_DECODE) continue;
+        if (n->full_until > now || !rt_beams_node_ok(r, i, q)) continue;
+        if (n->max_sequences && n->tasks >= (int)n->max_sequences) continue;
+        int64_t free_kv = (int64_t)n->kv_tokens - n->kv_reserved;
+        if (n->kv_tokens && free_kv < need) continue;
+        /* Most free KV, then fewest running sequences (ARCHITECTURE.md: decode node by free
+         * KV capacity and load). */
+        double score = (double)free_kv - 512.0 * (n->tasks + n->running);
+        if (best < 0 || score > best_score) best = i, best_score = score;
+    }
+    return best;
+}
+
+/* SHA-256 block keys with tagged fields (PITFALLS.md: cache keys): a domain tag, the router's
+ * random salt, the model id, the parent block's key and the block's tokens, each
+ * length-prefixed. Block i's key names the whole prefix up to the end of block i. */
+static int rt_block_hashes(pdm_router_t *r, const int32_t *tok, uint32_t n, uint8_t (*out)[32],
+                           int max)
+{
+    int bt = r->cfg.block_tokens > 0 ? r->cfg.block_tokens : 64, k = 0;
+    uint8_t parent[32] = {0};
+    static const char tag[] = "pdmesh-prefix-v1";
+    uint32_t mlen = (uint32_t)strlen(r->model_name), tlen = (uint32_t)bt;
+    size_t cap = sizeof(tag) + 16 + 4 + mlen + 32 + 4 + sizeof(int32_t) * (size_t)bt;
+    uint8_t *buf = malloc(cap);
+    if (!buf) return 0;
+    for (uint32_t s = 0; s + (uint32_t)bt <= n && k < max; s += (uint32_t)bt) {
+        size_t o = 0;
+        memcpy(buf + o, tag, sizeof(tag)), o += sizeof(tag);
+        memcpy(buf + o, r->prefix_salt, 16), o += 16;
+        memcpy(buf + o, &mlen, 4), o += 4;
+        memcpy(buf + o, r->model_name, mlen), o += mlen;
+        memcpy(buf + o, parent, 32), o += 32;
+        memcpy(buf + o, &tlen, 4), o += 4;
+        memcpy(buf + o, tok + s, sizeof(int32_t) * (size_t)bt), o += sizeof(int32_t) * (size_t)bt;
+        pdm_sha256(buf, o, out[k]);
+        memcpy(parent, out[k], 32);
+        k++;
+    }
+    free(buf);
+    return k;
+}
+
+static size_t rt_prefix_slot(const uint8_t *h)
+{
+    return ((size_t)h[0] | (size_t)h[1] << 8 | (size_t)h[2] << 16) % RT_PREFIX_SLOTS;
+}
+
+/* A group can take another task: usable, below its queue limit, and no planned partial
+ * prefill waiting for its decode reservation (the ranks must see that task next). */
+static int rt_group_has_room(const pdm_router_t *r, int g)
+{
+    return rt_group_usable(r, g) && r->groups[g].inflight < r->cfg.group_inflight &&
+           !r->groups[g].reuse_pending;
+}
+
+/* The group for a prompt: the usable group that last prefilled its longest known prefix,
+ * else the least busy usable group; -1 if none has room. (What that group still holds, and so
+ * what a task can reuse, its mirror tells: rt_reuse_start.) */
+static int rt_pick_group(pdm_router_t *r, rt_req_t *q)
+{
+    enum { MAXB = 256 };
+    int room = 0; /* no hashing while every group is busy (the queue is scanned often) */
+    for (int g = 0; g < RT_MAX_GROUPS && !room; g++)
+        room = rt_group_has_room(r, g);
+    if (!room) return -1;
+    uint8_t (*h)[32] = malloc(sizeof(uint8_t[32]) * MAXB);
+    int nb = h ? rt_block_hashes(r, q->prompt, q->n_prompt, h, MAXB) : 0;
+    int best = -1;
+    for (int b = nb - 1; b >= 0 && best < 0; b--) {
+        size_t s = rt_prefix_slot(h[b]);
+        int g = r->prefix[s].group;
+        if (r->prefix[s].stamp && !memcmp(r->prefix[s].hash, h[b], 32) && rt_group_has_room(r, g))
+            best = g;
+    }
+    for (int g = 0; g < RT_MAX_GROUPS && best < 0; g++) {
+        if (!rt_group_has_room(r, g)) continue;
+        if (best < 0 || r->groups[g].inflight < r->groups[best].inflight) best = g;
+    }
+    if (best >= 0)
+        for (int b = 0; b < nb; b++) {
+            size_t s = rt_prefix_slot(h[b]);
+            memcpy(r->prefix[s].hash, h[b], 32);
+            r->prefix[s].group = best;
+            r->prefix[s].stamp = ++r->prefix_stamp;
+        }
+    free(h);
+    return best;
+}
+
+static int rt_any_group_alive(pdm_router_t *r)
+{
+    for (int g = 0; g < RT_MAX_GROUPS; g++)
+        if (rt_group_usable(r, g)) return 1;
+    return 0;
+}
+
+void rt_schedule(pdm_router_t *r)
+{
+    rt_req_t *next;
+    for (rt_req_t *q = r->head; q; q = next) {
+        next = q->next;
+        if (q->state != RQ_QUEUED) continue;
+        if (q->n_gen >= q->max_new) { /* everything was delivered before the node failed */
+            rt_req_finish(r, q, PDMESH__FINISH_REASON__FINISH_LENGTH);
+            continue;
+        }
+        int migrate = q->n_gen > 0;
+        int want_local = migrate || q->n_prompt < r->cfg.local_threshold || !rt_any_group_alive(r);
+        int g = -1;
+        if (!want_local) {
+            g = rt_pick_group(r, q);
+            if (g < 0) continue; /* every group is busy: wait */
+        }
+        int64_t need = rt_kv_need(q, q->n_prompt, q->max_new);
+        int d = rt_pick_decode(r, q, need);
+        if (d < 0) continue; /* wait for capacity (the deadline bounds the wait) */
+        /* local prefills count here, a group's methods in rt_send_prefill */
+        pdm_metric_inc(r->m.method, "local", g < 0 ? 1 : 0);
+        rt_req_dispatch(r, q, d, g);
+    }
+}
