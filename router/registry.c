@@ -280,6 +280,11 @@ static int rt_check_sender(pdm_router_t *r, const uint8_t *ident, size_t ident_l
     return i;
 }
 
+static const char *rt_str(const char *s)
+{
+    return s ? s : "";
+}
+
 void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, const void *frame,
                       size_t len)
 {
@@ -347,6 +352,28 @@ void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, c
         rt_req_on_decode_result(r, i, d);
         break;
     }
+    case PDMESH__MSG_TYPE__MSG_GROUP_READY: {
+        Pdmesh__GroupReady *g = (Pdmesh__GroupReady *)msg;
+        if ((i = rt_check_sender(r, ident, ident_len, g->epoch, 1, "group ready")) < 0) break;
+        r->nodes[i].last_hb = now;
+        if (!g->ok) /* the rank registers again, which re-wires the group */
+            pdm_log_warn("router: %s did not join group %s: %s", r->nodes[i].id, rt_str(g->group),
+                         g->error && g->error->message ? g->error->message : "failed");
+        else
+            pdm_log_info("router: %s joined group %s (%s)", r->nodes[i].id, rt_str(g->group),
+                         rt_str(g->transports));
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_ERROR: { /* a node refused a frame; never answered (no loops) */
+        Pdmesh__Error *e = (Pdmesh__Error *)msg;
+        if ((i = rt_check_sender(r, ident, ident_len, 0, 0, "error")) < 0) break;
+        pdm_log_warn("router: %s: error %d: %s", r->nodes[i].id, e->code, rt_str(e->message));
+        if (e->task_id) rt_req_on_task_error(r, i, e);
+        break;
+    }
+    case PDMESH__MSG_TYPE__MSG_NODE_STATS:
+    case PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG_RESULT:
+        break; /* answers to requests of a local harness; the router sends none */
     case PDMESH__MSG_TYPE__MSG_PING: {
         Pdmesh__Ping *p = (Pdmesh__Ping *)msg;
         Pdmesh__Ping pong = PDMESH__PING__INIT;

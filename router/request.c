@@ -546,6 +546,15 @@ void rt_req_on_reserved(pdm_router_t *r, int node, const Pdmesh__DecodeReserved 
     else rt_send_prefill(r, q);
 }
 
+void rt_req_on_task_error(pdm_router_t *r, int node, const Pdmesh__Error *e)
+{
+    rt_req_t *q = rt_task_req(r, node, e->task_id, e->attempt);
+    if (!q || q->state == RQ_QUEUED) return;
+    char m2[512];
+    snprintf(m2, sizeof(m2), "%s refused the task: %s", r->nodes[node].id, rt_err_text(e));
+    rt_attempt_failed(r, q, e->code ? (int)e->code : PDMESH__ERROR_CODE__ERR_INTERNAL, m2);
+}
+
 void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillResult *p)
 {
     rt_req_t *q = rt_task_req(r, node, p->task_id, p->attempt);

@@ -37,6 +37,9 @@ void rt_req_on_reserved(pdm_router_t *r, int node, const Pdmesh__DecodeReserved 
 void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillResult *p);
 void rt_req_on_tokens(pdm_router_t *r, int node, const Pdmesh__DecodeTokens *d);
 void rt_req_on_decode_result(pdm_router_t *r, int node, const Pdmesh__DecodeResult *d);
+/* A node refused a message about a task (stale epoch, malformed, not for its role): the
+ * attempt fails and is retried while the request's deadline allows. */
+void rt_req_on_task_error(pdm_router_t *r, int node, const Pdmesh__Error *e);
 
 /* Node `node` is gone (dead, deregistered or registered again; why says which), and with it
  * its prefill group `group` (-1: none): every attempt on either fails. */
