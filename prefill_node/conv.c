@@ -1,13 +1,15 @@
 /*
- * conv.c - the KV a prefill group holds for its conversation, as pure bookkeeping shared by
- * the ranks (rank.c), the router's mirror (router/core.c) and the launcher's (launch.c).
+ * conv.c - the KV a prefill group holds for its conversation (conv.h), as pure bookkeeping
+ * shared by the ranks (rank.c), the router's mirror (router/core.c) and the launcher's
+ * (launch.c).
  *
  * A follow-up turn reuses the cached prefix (partial prefill, KV-Runahead §4 / context
- * parallelism §3.5 "persistent KV"): the group computes only the new tokens, and when the KV
+ * parallelism §3.2 "persistent KV"): the group computes only the new tokens, and when the KV
  * goes to a decode node every rank also streams the cached positions it computed. Both ends
- * derive that plan from this state, so they agree without another round trip.
+ * derive that plan from this state, so they agree without another
+ * round trip. Uses plan.c (ranges of a task); plan.c knows nothing of conversations.
  */
-#include "prefill_node/prefill.h"
+#include "prefill_node/conv.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -98,7 +100,7 @@ int pdm_prefill_conv_plan(const pdm_prefill_conv_t *c, pdm_prefill_method_t m, i
                                  "more than %d runs", PDM_PREFILL_MAX_PREFIX_RUNS), -1;
         *n_prefix = n;
     }
-    int even[PDM_KVT_MAX_RANKS];
+    int even[PDM_PREFILL_MAX_RANKS];
     if (!chunks) {
         pdm_prefill_split_even(n_new, ranks, even);
         chunks = even;
@@ -111,13 +113,13 @@ int pdm_prefill_conv_commit(pdm_prefill_conv_t *c, pdm_prefill_method_t m, int r
                             const pdm_prefill_range_t *ranges, int n_ranges)
 {
     const int32_t end = start + n_new;
-    if (start < 0 || start > c->n || n_new < 1 || ranks < 1 || ranks > PDM_KVT_MAX_RANKS)
+    if (start < 0 || start > c->n || n_new < 1 || ranks < 1 || ranks > PDM_PREFILL_MAX_RANKS)
         return pdm_error_set(PDM_EINVAL, "prefix cache: a task at %d + %d does not continue "
                              "%d held tokens", start, n_new, c->n);
     int st = pdm_prefill_conv_reserve(c, end);
     if (st) return st;
     /* Positions from start on are recomputed: nobody holds a prefix longer than start. */
-    for (int i = 0; i < PDM_KVT_MAX_RANKS; i++) c->held[i] = PDM_MIN(c->held[i], start);
+    for (int i = 0; i < PDM_PREFILL_MAX_RANKS; i++) c->held[i] = PDM_MIN(c->held[i], start);
     memcpy(c->tokens + start, tokens, sizeof(int32_t) * (size_t)n_new);
     for (int i = 0; i < n_ranges; i++) {
         if (ranges[i].len <= 0) continue;

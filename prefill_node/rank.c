@@ -80,30 +80,6 @@ void pdm_prefill_rank_params_default(pdm_prefill_rank_params_t *p)
     p->timeout = 30.0;
 }
 
-static const char *const pdm__method_names[PDM_PREFILL_METHOD_COUNT_] = {
-    "single", "tsp", "kvr-e", "kvr-s", "kvr-p", "cp-kv", "cp-q", "auto"};
-
-const char *pdm_prefill_method_name(pdm_prefill_method_t m)
-{
-    return (unsigned)m < PDM_PREFILL_METHOD_COUNT_ ? pdm__method_names[m] : "?";
-}
-
-int pdm_prefill_method_parse(const char *name, pdm_prefill_method_t *out)
-{
-    for (int m = 0; m < PDM_PREFILL_METHOD_COUNT_; m++)
-        if (name && !strcmp(name, pdm__method_names[m])) {
-            *out = (pdm_prefill_method_t)m;
-            return PDM_OK;
-        }
-    return pdm_error_set(PDM_EINVAL, "unknown prefill method '%s' (single, tsp, kvr-e, kvr-s, "
-                         "kvr-p, cp-kv, cp-q, auto)", name ? name : "");
-}
-
-void pdm_prefill_split_even(int n, int r, int *chunks)
-{
-    for (int i = 0; i < r; i++) chunks[i] = n / r + (i >= r - n % r ? 1 : 0);
-}
-
 int pdm_prefill_rank_create(const pdm_model_t *model, pdm_kvt_group_t *group,
                             const pdm_prefill_rank_params_t *p, pdm_prefill_rank_t **out)
 {
