@@ -6,7 +6,7 @@
  * A follow-up turn reuses the cached prefix (partial prefill, KV-Runahead §4 / context
  * parallelism §3.2 "persistent KV"): the group computes only the new tokens, and when the KV
  * goes to a decode node every rank also streams the cached positions it computed. Both ends
- * derive that plan from this state, so they agree without another
+ * derive where the turn starts and that plan from this state, so they agree without another
  * round trip. Uses plan.c (ranges of a task); plan.c knows nothing of conversations.
  */
 #include "prefill_node/conv.h"
@@ -75,6 +75,24 @@ int pdm_prefill_conv_prefix_runs(const pdm_prefill_conv_t *c, int32_t start,
         p = q;
     }
     return n;
+}
+
+int32_t pdm_prefill_conv_followup_start(const pdm_prefill_conv_t *c,
+                                        const pdm_prefill_followup_params_t *p)
+{
+    if (!p->reuse || p->explicit_chunks || p->n_tokens < 1 || p->method == PDM_PREFILL_TSP)
+        return 0;
+    /* At least one token is computed: its logits give the first token. */
+    int32_t start = PDM_MIN(pdm_prefill_conv_common(c, p->tokens, p->n_tokens), p->n_tokens - 1);
+    if (pdm_prefill_method_is_kvr(p->method)) {
+        /* A token per rank; the chain starts at a rank that holds all of [0, start). */
+        start = PDM_MIN(start, p->n_tokens - p->ranks);
+        if (start > 0 && pdm_prefill_conv_chain_head(c, p->ranks, start) < 0) return 0;
+    }
+    if (start > 0 &&
+        pdm_prefill_conv_prefix_runs(c, start, NULL, PDM_PREFILL_MAX_PREFIX_RUNS) < 0)
+        return 0;
+    return start >= PDM_MAX(p->min_cached, 1) ? start : 0;
 }
 
 int pdm_prefill_conv_plan(const pdm_prefill_conv_t *c, pdm_prefill_method_t m, int ranks,

@@ -10,7 +10,8 @@
  * chain, so after a chain its last rank holds everything, §4; cp-* leave each rank only its
  * own shares, context parallelism §3.5). Every rank keeps one; the router and the launcher
  * keep a mirror built from the same tasks with the same functions, so both ends compute the
- * same plan for a follow-up turn: which rank streams which cached positions. Pure bookkeeping like plan.h: no I/O, no UCX.
+ * same plan for a follow-up turn: where it starts, which rank streams which cached
+ * positions. Pure bookkeeping like plan.h: no I/O, no UCX.
  */
 #ifndef PDM_PREFILL_CONV_H
 #define PDM_PREFILL_CONV_H
@@ -48,6 +49,42 @@ int pdm_prefill_conv_chain_head(const pdm_prefill_conv_t *c, int ranks, int32_t 
  * runs, -1 if more than `max`. */
 int pdm_prefill_conv_prefix_runs(const pdm_prefill_conv_t *c, int32_t start,
                                  pdm_prefill_range_t *out, int max);
+
+/* What a follow-up turn asks for (pdm_prefill_conv_followup_start). */
+typedef struct {
+    pdm_prefill_method_t method; /* the method asked for; AUTO allowed: with a cached prefix
+                                  * pdm_prefill_resolve makes it single (1 rank) or cp-kv /
+                                  * cp-q, which continue anywhere */
+    int ranks;                   /* ranks of the group */
+    const int32_t *tokens;       /* [n_tokens] the turn's whole prompt, from position 0 */
+    int32_t n_tokens;
+    int32_t min_cached;          /* reuse only a prefix of at least this many tokens (the
+                                  * router: its block_tokens; the launcher: 1) */
+    int explicit_chunks;         /* the caller gives KVR chunk sizes for the whole prompt, so
+                                  * the task must start at 0 */
+    int reuse;                   /* 0: no reuse. The caller sets it only while the mirror is
+                                  * what the ranks will hold when the task arrives (the
+                                  * router: reuse enabled, group idle, no reuse pending) */
+} pdm_prefill_followup_params_t;
+
+/* Where a follow-up turn starts: the number P of the prompt's first tokens the group reuses
+ * from `c` (it computes positions [P, n_tokens)); 0 means "prefill the whole prompt". The one
+ * rule for the router and the launcher. P is the longest common prefix of the held tokens
+ * and the prompt, then cut down until every condition below holds, or 0 when it cannot be:
+ *   - reuse is on and no explicit chunks are given;
+ *   - at least one token is computed: P <= n_tokens - 1 (its logits give the first token);
+ *   - tsp has no partial prefill: 0;
+ *   - kvr-*: at least one new token per rank, P <= n_tokens - ranks (a shorter P keeps the
+ *     rest of the reuse; the task names its prefix, so the ranks cut their conversation
+ *     there), and some rank holds the whole [0, P) to head the chain
+ *     (pdm_prefill_conv_chain_head; not after cp-*): else 0;
+ *   - the cached prefix streams to a decode node in at most PDM_PREFILL_MAX_PREFIX_RUNS runs
+ *     of one owner: else 0;
+ *   - P >= min_cached (at least 1): else 0.
+ * A method that resolves differently at P (kvr-s needs a table entry for exactly
+ * n_tokens - P) is the caller's to retry at 0. Never fails; reads `c` only. */
+int32_t pdm_prefill_conv_followup_start(const pdm_prefill_conv_t *c,
+                                        const pdm_prefill_followup_params_t *p);
 
 /* The plan of a task continuing the conversation at `start` with `n_new` tokens computed by
  * method `m` (chunks: KVR/TSP sizes, NULL for an even split): with `with_prefix`, first the

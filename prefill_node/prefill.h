@@ -5,8 +5,8 @@
  *   plan.h              the planner, pure: methods, even split, ranges of a task, partition
  *                       table lookup, calibration type, method choice (auto). No I/O, no UCX.
  *   conv.h              the group's conversation (prefix reuse), pure: the mirror the router,
- *                       the launcher and the ranks keep, and the plan of a task continuing
- *                       it.
+ *                       the launcher and the ranks keep, where a follow-up turn starts, and
+ *                       the plan of a task continuing it.
  *   plan_io.h           partition tables and calibration as JSON files.
  *   task.h              a prefill task, its stream target and result, rank parameters (types).
  *   rank.h              one rank of a prefill group (kvtransfer, model): create, run, destroy.
