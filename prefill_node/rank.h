@@ -7,6 +7,10 @@
  * new tokens after P cached ones (context-parallelism §3.2). Every rank tracks the same
  * deterministic group state (conv.h: who owns which position, which rank holds which
  * prefix), so no extra messages are needed to agree on it.
+ *
+ * The methods' per-layer schedules each live in a file named for them: tsp.c (KV-Runahead
+ * §4.1), kvr.c (KV-Runahead §4), ring_pass_kv.c and ring_pass_q.c (context parallelism
+ * §3.5.2-3.5.3, sharing ring.c); rank.c validates a task and dispatches it.
  */
 #ifndef PDM_PREFILL_RANK_H
 #define PDM_PREFILL_RANK_H
