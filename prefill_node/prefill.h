@@ -11,6 +11,7 @@
  *   task.h              a prefill task, its stream target and result, rank parameters (types).
  *   rank.h              one rank of a prefill group (kvtransfer, model): create, run, destroy.
  *   kvfile.h            KV files: a conversation's whole KV in f32, for comparisons.
+ *   partition_search.h  the KV-Runahead §4.2 partition search (Fig. 6).
  *   launch.h            a group of pdmesh-prefill processes (and a decode node) on this
  *                       machine.
  *
@@ -22,6 +23,7 @@
 #include "prefill_node/conv.h"
 #include "prefill_node/kvfile.h"
 #include "prefill_node/launch.h"
+#include "prefill_node/partition_search.h"
 #include "prefill_node/plan.h"
 #include "prefill_node/plan_io.h"
 #include "prefill_node/rank.h"

@@ -748,6 +748,68 @@ START_TEST(test_followup_plannable)
 }
 END_TEST
 
+/* ---- The partition search (partition_search.h) on a synthetic TTFT ------------------------ */
+
+typedef struct {
+    int ranks, target[8], calls;
+    int fail;
+} synth_ttft_t;
+
+/* A convex TTFT with its minimum at `target` (what a measured curve looks like, §4.2). */
+static double synth_ttft(void *data, const int *chunks)
+{
+    synth_ttft_t *s = data;
+    s->calls++;
+    if (s->fail) return INFINITY;
+    double t = 1;
+    for (int r = 0; r < s->ranks; r++) t += fabs((double)chunks[r] - s->target[r]) * 1e-3;
+    return t;
+}
+
+START_TEST(test_partition_search)
+{
+    int best[8], evals;
+    /* p = 2: the boundary search (Fig. 6a) ends within min_stride of the optimum. */
+    synth_ttft_t two = {.ranks = 2, .target = {700, 324}};
+    pdm_partition_search_params_t p = {.ranks = 2, .n_tokens = 1024, .min_stride = 8,
+                                       .measure = synth_ttft, .data = &two};
+    double t = pdm_partition_search(&p, best, &evals);
+    ck_assert_int_eq(best[0] + best[1], 1024);
+    ck_assert_int_le(abs(best[0] - 700), 8);
+    ck_assert_double_eq_tol(t, synth_ttft(&two, best), 1e-12);
+    ck_assert_int_eq(evals, two.calls - 1);
+    ck_assert_int_lt(evals, 40);
+    /* p = 3 and 4: the hierarchical grid search (Fig. 6b-d). */
+    synth_ttft_t three = {.ranks = 3, .target = {200, 300, 400}};
+    p = (pdm_partition_search_params_t){.ranks = 3, .n_tokens = 900, .min_stride = 8,
+                                        .measure = synth_ttft, .data = &three};
+    pdm_partition_search(&p, best, &evals);
+    ck_assert_int_eq(best[0] + best[1] + best[2], 900);
+    ck_assert_int_le(abs(best[0] - 200), 16);
+    ck_assert_int_le(abs(best[2] - 400), 16);
+    ck_assert_int_eq(evals, three.calls);
+    synth_ttft_t four = {.ranks = 4, .target = {400, 250, 200, 150}};
+    p = (pdm_partition_search_params_t){.ranks = 4, .n_tokens = 1000, .min_stride = 4,
+                                        .measure = synth_ttft, .data = &four};
+    pdm_partition_search(&p, best, &evals);
+    for (int r = 0; r < 4; r++) ck_assert_int_le(abs(best[r] - four.target[r]), 16);
+    /* Every run failing: +inf, and the even split. */
+    synth_ttft_t fail = {.ranks = 3, .fail = 1};
+    p = (pdm_partition_search_params_t){.ranks = 3, .n_tokens = 30, .min_stride = 4,
+                                        .measure = synth_ttft, .data = &fail};
+    ck_assert(isinf(pdm_partition_search(&p, best, &evals)));
+    ck_assert_int_eq(best[0], 10);
+    ck_assert_int_eq(best[2], 10);
+    /* One rank: the single partition, measured once. */
+    synth_ttft_t one = {.ranks = 1, .target = {5}};
+    p = (pdm_partition_search_params_t){.ranks = 1, .n_tokens = 5, .min_stride = 1,
+                                        .measure = synth_ttft, .data = &one};
+    ck_assert_double_eq_tol(pdm_partition_search(&p, best, &evals), 1, 1e-12);
+    ck_assert_int_eq(evals, 1);
+    ck_assert_int_eq(best[0], 5);
+}
+END_TEST
+
 static void setup_model(void)
 {
     make_model();
@@ -787,6 +849,7 @@ Suite *suite_prefill(void)
     tcase_add_test(plan, test_followup_kvr);
     tcase_add_test(plan, test_followup_cp);
     tcase_add_test(plan, test_followup_plannable);
+    tcase_add_test(plan, test_partition_search);
     suite_add_tcase(s, plan);
     return s;
 }
