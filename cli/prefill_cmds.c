@@ -462,93 +462,22 @@ out_model:
 typedef struct {
     pdm_launch_t *l;
     const int32_t *ids;
-    int n, ranks, reps, evaluations;
+    int n, reps;
 } search_ctx_t;
 
-/* Median TTFT of KVR with the given chunk sizes (+inf if the run fails). */
-static double measure_kvr(search_ctx_t *s, const int *chunks)
+/* The partition search's measurement (pdm_partition_measure_cb): median TTFT of KVR with
+ * the given chunk sizes over the group, +inf if the run fails. */
+static double measure_kvr(void *data, const int *chunks)
 {
+    const search_ctx_t *s = data;
     pdm_launch_result_t res = {0};
     double ttfts[64];
-    s->evaluations++;
     if (run_measured(s->l, PDM_PREFILL_KVR_S, s->ids, s->n, 0, chunks, s->reps, NULL, NULL,
                      &res, ttfts)) {
         fprintf(stderr, "%s: partition-search: %s\n", cli_prog, pdm_error_last());
         return INFINITY;
     }
     return res.ttft;
-}
-
-/* Chunk sizes from chain boundaries 0 < b[0] < ... < b[R-2] < n. */
-static int boundaries_to_chunks(const int *b, int ranks, int n, int *chunks)
-{
-    int prev = 0;
-    for (int i = 0; i < ranks - 1; i++) {
-        if (b[i] <= prev || b[i] >= n) return -1;
-        chunks[i] = b[i] - prev;
-        prev = b[i];
-    }
-    chunks[ranks - 1] = n - prev;
-    return chunks[ranks - 1] >= 1 ? 0 : -1;
-}
-
-/* KV-Runahead §4.2: for two ranks a search on the single boundary, narrowing towards the
- * side where TTFT decreases (Fig. 6a); for more ranks a hierarchical grid search over all
- * boundaries with 5 (R <= 3) or 3 points per dimension, zooming in around the best point with
- * half the stride at every level (Fig. 6b-d). Returns the best TTFT, chunks in `best`. */
-static double search_partition(search_ctx_t *s, int min_stride, int *best)
-{
-    const int R = s->ranks, n = s->n;
-    int b[PDM_KVT_MAX_RANKS], chunks[PDM_KVT_MAX_RANKS];
-    pdm_prefill_split_even(n, R, chunks);
-    for (int i = 0, acc = 0; i < R - 1; i++) b[i] = (acc += chunks[i]);
-    memcpy(best, chunks, sizeof(int) * (size_t)R);
-    double best_t = measure_kvr(s, chunks);
-    if (R == 1) return best_t;
-    if (R == 2) {
-        int lo = 1, hi = n - 1;
-        while (hi - lo > min_stride) {
-            int mid = lo + (hi - lo) / 2, step = PDM_MAX(1, min_stride / 2);
-            int c1[2] = {mid, n - mid}, c2[2] = {mid + step, n - mid - step};
-            if (c2[1] < 1) break;
-            double t1 = measure_kvr(s, c1), t2 = measure_kvr(s, c2);
-            if (t1 < best_t) best_t = t1, memcpy(best, c1, sizeof(c1));
-            if (t2 < best_t) best_t = t2, memcpy(best, c2, sizeof(c2));
-            if (t2 < t1)
-                lo = mid; /* TTFT still falls as rank 0 takes more */
-            else
-                hi = mid + step;
-        }
-        return best_t;
-    }
-    const int points = R <= 3 ? 5 : 3, half = points / 2;
-    int stride = PDM_MAX(min_stride, n / (2 * R));
-    int center[PDM_KVT_MAX_RANKS];
-    memcpy(center, b, sizeof(int) * (size_t)(R - 1));
-    for (;;) {
-        int total = 1;
-        for (int d = 0; d < R - 1; d++) total *= points;
-        int level_best[PDM_KVT_MAX_RANKS];
-        memcpy(level_best, center, sizeof(int) * (size_t)(R - 1));
-        for (int g = 0; g < total; g++) {
-            int code = g, cand[PDM_KVT_MAX_RANKS];
-            for (int d = 0; d < R - 1; d++) {
-                cand[d] = center[d] + (code % points - half) * stride;
-                code /= points;
-            }
-            if (boundaries_to_chunks(cand, R, n, chunks)) continue;
-            double t = measure_kvr(s, chunks);
-            if (t < best_t) {
-                best_t = t;
-                memcpy(best, chunks, sizeof(int) * (size_t)R);
-                memcpy(level_best, cand, sizeof(int) * (size_t)(R - 1));
-            }
-        }
-        memcpy(center, level_best, sizeof(int) * (size_t)(R - 1));
-        if (stride <= min_stride) break;
-        stride = PDM_MAX(min_stride, stride / 2);
-    }
-    return best_t;
 }
 
 int cmd_partition_search(int argc, char **argv)
@@ -610,10 +539,14 @@ int cmd_partition_search(int argc, char **argv)
         int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
         uint64_t seed = o.seed + (uint64_t)n;
         for (int k = 0; ids && k < n; k++) ids[k] = (int32_t)(pdm_splitmix64(&seed) % model->hp.n_vocab);
-        search_ctx_t s = {.l = l, .ids = ids, .n = n, .ranks = o.lp.ranks, .reps = (int)reps};
-        int best[PDM_KVT_MAX_RANKS];
+        search_ctx_t s = {.l = l, .ids = ids, .n = n, .reps = (int)reps};
+        pdm_partition_search_params_t sp = {.ranks = o.lp.ranks, .n_tokens = n,
+                                            .min_stride = (int)min_stride,
+                                            .measure = measure_kvr, .data = &s};
+        int best[PDM_KVT_MAX_RANKS], evaluations = 0;
         double t0 = pdm_now();
-        double best_t = ids && n >= o.lp.ranks ? search_partition(&s, (int)min_stride, best) : INFINITY;
+        double best_t = ids && n >= o.lp.ranks ? pdm_partition_search(&sp, best, &evaluations)
+                                               : INFINITY;
         /* cp-kv at the same length, for auto's KVR-versus-CP choice. */
         double cp_t = 0, ttfts[64];
         pdm_launch_result_t res = {0};
@@ -636,7 +569,7 @@ int cmd_partition_search(int argc, char **argv)
         printf("length %d: partition", n);
         for (int r = 0; r < o.lp.ranks; r++) printf(" %d", best[r]);
         printf("  ttft %.4f s  (cp-kv %.4f s)  %d runs in %.1f s\n", best_t, cp_t,
-               s.evaluations, pdm_now() - t0);
+               evaluations, pdm_now() - t0);
         fflush(stdout);
     }
     pdm_launch_stop(l);

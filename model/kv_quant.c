@@ -14,7 +14,7 @@
  * rows of the same layer exist. The prompt of a q8 cache is therefore prefilled layer by
  * layer over all its tokens: QKV of every chunk, scales from their absolute maxima, store,
  * then attention and FFN of every chunk. Distributed prefill does the same per rank with an
- * all-reduce (max) of the maxima (prefill_node/rank.c).
+ * all-reduce (max) of the maxima (prefill_node/rank_steps.c).
  */
 #include "model.h"
 #include "model_internal.h"

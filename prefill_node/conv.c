@@ -1,13 +1,15 @@
 /*
- * conv.c - the KV a prefill group holds for its conversation, as pure bookkeeping shared by
- * the ranks (rank.c), the router's mirror (router/core.c) and the launcher's (launch.c).
+ * conv.c - the KV a prefill group holds for its conversation (conv.h), as pure bookkeeping
+ * shared by the ranks (rank.c), the router's mirror (router/core.c) and the launcher's
+ * (launch.c).
  *
  * A follow-up turn reuses the cached prefix (partial prefill, KV-Runahead §4 / context
- * parallelism §3.5 "persistent KV"): the group computes only the new tokens, and when the KV
+ * parallelism §3.2 "persistent KV"): the group computes only the new tokens, and when the KV
  * goes to a decode node every rank also streams the cached positions it computed. Both ends
- * derive that plan from this state, so they agree without another round trip.
+ * derive where the turn starts and that plan from this state, so they agree without another
+ * round trip. Uses plan.c (ranges of a task); plan.c knows nothing of conversations.
  */
-#include "prefill_node/prefill.h"
+#include "prefill_node/conv.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -75,6 +77,24 @@ int pdm_prefill_conv_prefix_runs(const pdm_prefill_conv_t *c, int32_t start,
     return n;
 }
 
+int32_t pdm_prefill_conv_followup_start(const pdm_prefill_conv_t *c,
+                                        const pdm_prefill_followup_params_t *p)
+{
+    if (!p->reuse || p->explicit_chunks || p->n_tokens < 1 || p->method == PDM_PREFILL_TSP)
+        return 0;
+    /* At least one token is computed: its logits give the first token. */
+    int32_t start = PDM_MIN(pdm_prefill_conv_common(c, p->tokens, p->n_tokens), p->n_tokens - 1);
+    if (pdm_prefill_method_is_kvr(p->method)) {
+        /* A token per rank; the chain starts at a rank that holds all of [0, start). */
+        start = PDM_MIN(start, p->n_tokens - p->ranks);
+        if (start > 0 && pdm_prefill_conv_chain_head(c, p->ranks, start) < 0) return 0;
+    }
+    if (start > 0 &&
+        pdm_prefill_conv_prefix_runs(c, start, NULL, PDM_PREFILL_MAX_PREFIX_RUNS) < 0)
+        return 0;
+    return start >= PDM_MAX(p->min_cached, 1) ? start : 0;
+}
+
 int pdm_prefill_conv_plan(const pdm_prefill_conv_t *c, pdm_prefill_method_t m, int ranks,
                           int32_t start, int32_t n_new, const int *chunks, int with_prefix,
                           pdm_prefill_range_t *out, int *n_prefix)
@@ -98,7 +118,7 @@ int pdm_prefill_conv_plan(const pdm_prefill_conv_t *c, pdm_prefill_method_t m, i
                                  "more than %d runs", PDM_PREFILL_MAX_PREFIX_RUNS), -1;
         *n_prefix = n;
     }
-    int even[PDM_KVT_MAX_RANKS];
+    int even[PDM_PREFILL_MAX_RANKS];
     if (!chunks) {
         pdm_prefill_split_even(n_new, ranks, even);
         chunks = even;
@@ -111,13 +131,13 @@ int pdm_prefill_conv_commit(pdm_prefill_conv_t *c, pdm_prefill_method_t m, int r
                             const pdm_prefill_range_t *ranges, int n_ranges)
 {
     const int32_t end = start + n_new;
-    if (start < 0 || start > c->n || n_new < 1 || ranks < 1 || ranks > PDM_KVT_MAX_RANKS)
+    if (start < 0 || start > c->n || n_new < 1 || ranks < 1 || ranks > PDM_PREFILL_MAX_RANKS)
         return pdm_error_set(PDM_EINVAL, "prefix cache: a task at %d + %d does not continue "
                              "%d held tokens", start, n_new, c->n);
     int st = pdm_prefill_conv_reserve(c, end);
     if (st) return st;
     /* Positions from start on are recomputed: nobody holds a prefix longer than start. */
-    for (int i = 0; i < PDM_KVT_MAX_RANKS; i++) c->held[i] = PDM_MIN(c->held[i], start);
+    for (int i = 0; i < PDM_PREFILL_MAX_RANKS; i++) c->held[i] = PDM_MIN(c->held[i], start);
     memcpy(c->tokens + start, tokens, sizeof(int32_t) * (size_t)n_new);
     for (int i = 0; i < n_ranges; i++) {
         if (ranges[i].len <= 0) continue;

@@ -2,7 +2,7 @@
 """bench/sim: a cost-model simulator of pdmesh's prefill methods (TTFT prediction).
 
 Predicts the time to first token of one prompt prefilled by R ranks with the methods of
-prefill_node/rank.c -- single, tsp, kvr-e, kvr-s, cp-kv (pass-KV), cp-q (pass-Q) -- for
+prefill_node/ -- single, tsp, kvr-e, kvr-s, cp-kv (pass-KV), cp-q (pass-Q) -- for
 R = 1..64 and 1K..1M tokens, and sets the predictions beside
   - pdmesh's own measurements (docs/perf/prefill.json from bench/prefill/run.py, R = 2),
   - KV-Runahead (Cho et al., ICML 2024; /work/shared/seeds/kv-runahead.md): TSP vs KVR-S on a
@@ -22,7 +22,8 @@ Model (the same for every method; see docs/perf/sim.md for the full list of assu
     transfer at a time per direction);
   - collectives (TSP all-gather, pass-Q All2All: direct sends to every other rank) finish for
     rank i at max(posts) + latency + max(max_j egress bytes_j, ingress bytes_i) / bandwidth;
-  - the simulation is an event timeline per layer and rank that follows rank.c step by step
+  - the simulation is an event timeline per layer and rank that follows the method files
+    of prefill_node/ (tsp.c, kvr.c, ring_pass_kv.c, ring_pass_q.c) step by step
     (which waits precede which computation, which sends are asynchronous); attention work per
     block is an exact closed-form count of query-key pairs (no per-token loops).
 
@@ -82,7 +83,7 @@ class Hw:
     """Rates and link of one rank.  lin / attn: FLOP/s; bw: bytes/s per direction per rank;
     lat: seconds per message; overhead: fixed seconds per prefill; mask: 'causal' (pdmesh's
     flash attention skips masked keys) or 'dense' (the masked rectangle is computed); wire:
-    'pdmesh' (Q and partial outputs in f32, as rank.c sends them) or 'paper' (bf16 Q/O);
+    'pdmesh' (Q and partial outputs in f32, as ring_pass_q.c sends them) or 'paper' (bf16 Q/O);
     kv_bytes: bytes per KV element on the wire (f16 = 2)."""
 
     def __init__(self, name, lin, attn, bw, lat, overhead=0.0, mask="causal", wire="pdmesh",
@@ -197,7 +198,7 @@ class Cost:
         self.s_merge = 3 * m["nh"] * m["hd"] / hw.lin  # per query row merged (lse rescale + add)
         self.t_logits = 2 * m["d"] * m["vocab"] / hw.lin
         self.kv_tok = 2 * m["nkv"] * m["hd"] * hw.kv_bytes  # K and V bytes per token per layer
-        if hw.wire == "pdmesh":  # rank.c: f32 Q rows + int32 positions; f32 O + f32 lse
+        if hw.wire == "pdmesh":  # ring_pass_q.c: f32 Q rows + int32 positions; f32 O + f32 lse
             self.q_tok = m["nh"] * m["hd"] * 4 + 4
             self.o_tok = m["nh"] * (m["hd"] + 1) * 4
         else:  # the paper's bf16 activations (lse kept in f32)

@@ -582,6 +582,234 @@ START_TEST(test_choose_cp)
 }
 END_TEST
 
+/* ---- The planner: where a follow-up turn starts (conv.h) ---------------------------------- */
+
+/* One task of `n` tokens at `start` by method `m`, recorded as the ranks record it. */
+static void conv_turn(pdm_prefill_conv_t *c, pdm_prefill_method_t m, int ranks, int32_t start,
+                      const int32_t *tokens, int32_t n)
+{
+    pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN];
+    int n_prefix;
+    int nr = pdm_prefill_conv_plan(c, m, ranks, start, n - start, NULL, 0, plan, &n_prefix);
+    ck_assert_msg(nr > 0, "%s", pdm_error_last());
+    ck_assert_int_eq(pdm_prefill_conv_commit(c, m, ranks, start, tokens + start, n - start, plan,
+                                             nr), 0);
+}
+
+static int32_t followup(const pdm_prefill_conv_t *c, pdm_prefill_method_t m, int ranks,
+                        const int32_t *tokens, int32_t n, int32_t min_cached)
+{
+    pdm_prefill_followup_params_t p = {.method = m, .ranks = ranks, .tokens = tokens,
+                                       .n_tokens = n, .min_cached = min_cached, .reuse = 1};
+    return pdm_prefill_conv_followup_start(c, &p);
+}
+
+/* single (and auto on one rank): the whole common prefix, but one token is always computed;
+ * reuse off, explicit chunks, a short match under min_cached or a different start: 0. */
+START_TEST(test_followup_single)
+{
+    int32_t tok[64], other[64];
+    for (int i = 0; i < 64; i++) tok[i] = 100 + i, other[i] = i < 17 ? tok[i] : 500 + i;
+    pdm_prefill_conv_t c = {0};
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_SINGLE, 1, tok, 30, 1), 0); /* nothing held */
+    conv_turn(&c, PDM_PREFILL_SINGLE, 1, 0, tok, 30);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_SINGLE, 1, tok, 45, 1), 30);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_AUTO, 1, tok, 45, 1), 30);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_SINGLE, 1, tok, 30, 1), 29); /* same prompt */
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_SINGLE, 1, tok, 12, 1), 11); /* shorter one */
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_SINGLE, 1, other, 41, 1), 17);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_SINGLE, 1, other + 1, 41, 1), 0);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_SINGLE, 1, other, 41, 18), 0); /* block size */
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_SINGLE, 1, other, 41, 17), 17);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_SINGLE, 1, tok, 1, 1), 0);
+    pdm_prefill_followup_params_t p = {.method = PDM_PREFILL_SINGLE, .ranks = 1, .tokens = tok,
+                                       .n_tokens = 45, .min_cached = 1, .reuse = 0};
+    ck_assert_int_eq(pdm_prefill_conv_followup_start(&c, &p), 0);
+    p.reuse = 1;
+    p.explicit_chunks = 1;
+    ck_assert_int_eq(pdm_prefill_conv_followup_start(&c, &p), 0);
+    pdm_prefill_conv_free(&c);
+}
+END_TEST
+
+/* tsp has no partial prefill: always 0, whatever the group holds. */
+START_TEST(test_followup_tsp)
+{
+    int32_t tok[64];
+    for (int i = 0; i < 64; i++) tok[i] = 7 * i + 1;
+    pdm_prefill_conv_t c = {0};
+    conv_turn(&c, PDM_PREFILL_TSP, 2, 0, tok, 30);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_TSP, 2, tok, 45, 1), 0);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_CP_KV, 2, tok, 45, 1), 30); /* all hold it */
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_KVR_E, 2, tok, 45, 1), 30);
+    pdm_prefill_conv_free(&c);
+}
+END_TEST
+
+/* kvr-*: a chain needs a rank holding the whole prefix (none after cp-*) and a new token per
+ * rank (the start moves back to n - ranks, keeping the rest of the reuse). */
+START_TEST(test_followup_kvr)
+{
+    int32_t tok[64];
+    for (int i = 0; i < 64; i++) tok[i] = 3 * i + 2;
+    pdm_prefill_conv_t c = {0};
+    conv_turn(&c, PDM_PREFILL_KVR_E, 3, 0, tok, 30); /* ranks hold [0,10) [0,20) [0,30) */
+    const pdm_prefill_method_t kvr[3] = {PDM_PREFILL_KVR_E, PDM_PREFILL_KVR_S,
+                                         PDM_PREFILL_KVR_P};
+    for (int k = 0; k < 3; k++) {
+        ck_assert_int_eq(followup(&c, kvr[k], 3, tok, 45, 1), 30);
+        ck_assert_int_eq(followup(&c, kvr[k], 3, tok, 31, 1), 28); /* 3 new tokens */
+        ck_assert_int_eq(followup(&c, kvr[k], 3, tok, 30, 1), 27);
+        ck_assert_int_eq(followup(&c, kvr[k], 3, tok, 31, 29), 0); /* 28 < min_cached */
+        ck_assert_int_eq(followup(&c, kvr[k], 3, tok, 3, 1), 0);
+    }
+    ck_assert_int_eq(pdm_prefill_conv_chain_head(&c, 3, 28), 2);
+    /* The same prompt on a group that continued with cp-kv: no rank holds [0, 45). */
+    conv_turn(&c, PDM_PREFILL_CP_KV, 3, 30, tok, 45);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_KVR_E, 3, tok, 60, 1), 0);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_CP_Q, 3, tok, 60, 1), 45);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_AUTO, 3, tok, 60, 1), 45);
+    /* Explicit chunks are sizes for the whole prompt. */
+    pdm_prefill_conv_reset(&c);
+    conv_turn(&c, PDM_PREFILL_KVR_E, 3, 0, tok, 30);
+    pdm_prefill_followup_params_t p = {.method = PDM_PREFILL_KVR_S, .ranks = 3, .tokens = tok,
+                                       .n_tokens = 45, .min_cached = 1, .explicit_chunks = 1,
+                                       .reuse = 1};
+    ck_assert_int_eq(pdm_prefill_conv_followup_start(&c, &p), 0);
+    pdm_prefill_conv_free(&c);
+}
+END_TEST
+
+/* cp-kv / cp-q continue after any method; a prefix too fragmented to stream in
+ * PDM_PREFILL_MAX_PREFIX_RUNS runs is not reused. */
+START_TEST(test_followup_cp)
+{
+    int32_t tok[1024];
+    for (int i = 0; i < 1024; i++) tok[i] = i;
+    pdm_prefill_conv_t c = {0};
+    conv_turn(&c, PDM_PREFILL_CP_KV, 2, 0, tok, 30);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_CP_KV, 2, tok, 45, 1), 30);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_CP_Q, 2, tok, 31, 1), 30); /* 1 new token */
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_CP_Q, 2, tok, 45, 64), 0);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_KVR_P, 2, tok, 45, 1), 0);
+    /* Turns of 8 tokens on 4 ranks: 2N = 8 chunks of one token, 7 runs each. */
+    int32_t n = 30;
+    while (pdm_prefill_conv_prefix_runs(&c, n, NULL, PDM_PREFILL_MAX_PREFIX_RUNS) >= 0) {
+        conv_turn(&c, PDM_PREFILL_CP_Q, 4, n, tok, n + 8);
+        n += 8;
+    }
+    ck_assert_int_lt(n + 8, 1024);
+    ck_assert_int_eq(followup(&c, PDM_PREFILL_CP_KV, 4, tok, n + 8, 1), 0);
+    pdm_prefill_conv_free(&c);
+}
+END_TEST
+
+/* Whatever the history, a start the rule returns is one the planner can run: the mirror's
+ * plan with the cached runs succeeds, the prefix matches, KVR keeps a token per rank. */
+START_TEST(test_followup_plannable)
+{
+    const pdm_prefill_method_t all[6] = {PDM_PREFILL_TSP, PDM_PREFILL_KVR_E, PDM_PREFILL_KVR_P,
+                                         PDM_PREFILL_CP_KV, PDM_PREFILL_CP_Q, PDM_PREFILL_AUTO};
+    uint64_t seed = 42;
+    int32_t tok[400];
+    for (int i = 0; i < 400; i++) tok[i] = (int32_t)(pdm_splitmix64(&seed) % 5);
+    for (int ranks = 1; ranks <= 4; ranks++) {
+        pdm_prefill_conv_t c = {0};
+        for (int turn = 0; turn < 60; turn++) {
+            const int32_t n = 4 + (int32_t)(pdm_splitmix64(&seed) % 300);
+            if (turn % 7 == 6) tok[pdm_splitmix64(&seed) % 400] ^= 1; /* a new prompt */
+            const int32_t min_cached = 1 + (int32_t)(pdm_splitmix64(&seed) % 8);
+            for (int k = 0; k < 6; k++) {
+                pdm_prefill_method_t m = ranks == 1 ? PDM_PREFILL_SINGLE : all[k];
+                int32_t P = followup(&c, m, ranks, tok, n, min_cached);
+                if (P == 0) continue;
+                ck_assert_int_ge(P, min_cached);
+                ck_assert_int_lt(P, n);
+                ck_assert_int_le(P, pdm_prefill_conv_common(&c, tok, n));
+                ck_assert(m != PDM_PREFILL_TSP);
+                if (pdm_prefill_method_is_kvr(m)) ck_assert_int_ge(n - P, ranks);
+                if (m == PDM_PREFILL_AUTO) m = PDM_PREFILL_CP_KV; /* auto with a prefix */
+                pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN];
+                int n_prefix;
+                ck_assert_msg(pdm_prefill_conv_plan(&c, m, ranks, P, n - P, NULL, 1, plan,
+                                                    &n_prefix) > 0,
+                              "ranks %d turn %d %s at %d: %s", ranks, turn,
+                              pdm_prefill_method_name(m), P, pdm_error_last());
+            }
+            /* The turn itself, by a method that can continue where the rule says. */
+            const pdm_prefill_method_t m =
+                ranks == 1 ? PDM_PREFILL_SINGLE : all[pdm_splitmix64(&seed) % 6];
+            const pdm_prefill_method_t run = m == PDM_PREFILL_AUTO ? PDM_PREFILL_CP_Q : m;
+            if (n < ranks) continue;
+            conv_turn(&c, run, ranks, followup(&c, run, ranks, tok, n, 1), tok, n);
+        }
+        pdm_prefill_conv_free(&c);
+    }
+}
+END_TEST
+
+/* ---- The partition search (partition_search.h) on a synthetic TTFT ------------------------ */
+
+typedef struct {
+    int ranks, target[8], calls;
+    int fail;
+} synth_ttft_t;
+
+/* A convex TTFT with its minimum at `target` (what a measured curve looks like, §4.2). */
+static double synth_ttft(void *data, const int *chunks)
+{
+    synth_ttft_t *s = data;
+    s->calls++;
+    if (s->fail) return INFINITY;
+    double t = 1;
+    for (int r = 0; r < s->ranks; r++) t += fabs((double)chunks[r] - s->target[r]) * 1e-3;
+    return t;
+}
+
+START_TEST(test_partition_search)
+{
+    int best[8], evals;
+    /* p = 2: the boundary search (Fig. 6a) ends within min_stride of the optimum. */
+    synth_ttft_t two = {.ranks = 2, .target = {700, 324}};
+    pdm_partition_search_params_t p = {.ranks = 2, .n_tokens = 1024, .min_stride = 8,
+                                       .measure = synth_ttft, .data = &two};
+    double t = pdm_partition_search(&p, best, &evals);
+    ck_assert_int_eq(best[0] + best[1], 1024);
+    ck_assert_int_le(abs(best[0] - 700), 8);
+    ck_assert_double_eq_tol(t, synth_ttft(&two, best), 1e-12);
+    ck_assert_int_eq(evals, two.calls - 1);
+    ck_assert_int_lt(evals, 40);
+    /* p = 3 and 4: the hierarchical grid search (Fig. 6b-d). */
+    synth_ttft_t three = {.ranks = 3, .target = {200, 300, 400}};
+    p = (pdm_partition_search_params_t){.ranks = 3, .n_tokens = 900, .min_stride = 8,
+                                        .measure = synth_ttft, .data = &three};
+    pdm_partition_search(&p, best, &evals);
+    ck_assert_int_eq(best[0] + best[1] + best[2], 900);
+    ck_assert_int_le(abs(best[0] - 200), 16);
+    ck_assert_int_le(abs(best[2] - 400), 16);
+    ck_assert_int_eq(evals, three.calls);
+    synth_ttft_t four = {.ranks = 4, .target = {400, 250, 200, 150}};
+    p = (pdm_partition_search_params_t){.ranks = 4, .n_tokens = 1000, .min_stride = 4,
+                                        .measure = synth_ttft, .data = &four};
+    pdm_partition_search(&p, best, &evals);
+    for (int r = 0; r < 4; r++) ck_assert_int_le(abs(best[r] - four.target[r]), 16);
+    /* Every run failing: +inf, and the even split. */
+    synth_ttft_t fail = {.ranks = 3, .fail = 1};
+    p = (pdm_partition_search_params_t){.ranks = 3, .n_tokens = 30, .min_stride = 4,
+                                        .measure = synth_ttft, .data = &fail};
+    ck_assert(isinf(pdm_partition_search(&p, best, &evals)));
+    ck_assert_int_eq(best[0], 10);
+    ck_assert_int_eq(best[2], 10);
+    /* One rank: the single partition, measured once. */
+    synth_ttft_t one = {.ranks = 1, .target = {5}};
+    p = (pdm_partition_search_params_t){.ranks = 1, .n_tokens = 5, .min_stride = 1,
+                                        .measure = synth_ttft, .data = &one};
+    ck_assert_double_eq_tol(pdm_partition_search(&p, best, &evals), 1, 1e-12);
+    ck_assert_int_eq(evals, 1);
+    ck_assert_int_eq(best[0], 5);
+}
+END_TEST
+
 static void setup_model(void)
 {
     make_model();
@@ -614,5 +842,14 @@ Suite *suite_prefill(void)
     tcase_add_test(q8, test_group_q8_r2);
     tcase_add_test(q8, test_group_q8_r3);
     suite_add_tcase(s, q8);
+    TCase *plan = tcase_create("plan"); /* pure planning: no processes, no model */
+    tcase_set_timeout(plan, 30);
+    tcase_add_test(plan, test_followup_single);
+    tcase_add_test(plan, test_followup_tsp);
+    tcase_add_test(plan, test_followup_kvr);
+    tcase_add_test(plan, test_followup_cp);
+    tcase_add_test(plan, test_followup_plannable);
+    tcase_add_test(plan, test_partition_search);
+    suite_add_tcase(s, plan);
     return s;
 }

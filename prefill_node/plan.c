@@ -1,52 +1,41 @@
 /*
- * policy.c - how a prefill is split: KVR partition tables (KV-Runahead §4.2), calibration
- * of compute and bandwidth, and the pass-KV / pass-Q choice (context parallelism §3.4).
+ * plan.c - the prefill planner (plan.h): method names, the even split, who computes which
+ * tokens, the KVR partition lookup table (KV-Runahead §4.2), and the method choice of `auto`
+ * (context parallelism §3.4, Alg. 1 and 5). Pure: no I/O, no UCX, no model weights; the
+ * router, the launcher and the ranks link the same code.
  */
-#include "prefill_node/prefill.h"
+#include "prefill_node/plan.h"
 
-#include <cjson/cJSON.h>
-#include <errno.h>
 #include <math.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "common/pdm.h"
 
-/* Reads a whole small JSON file. */
-static int pdm__json_load(const char *path, cJSON **out)
+/* ---- Methods ---------------------------------------------------------------------------- */
+
+static const char *const pdm__method_names[PDM_PREFILL_METHOD_COUNT_] = {
+    "single", "tsp", "kvr-e", "kvr-s", "kvr-p", "cp-kv", "cp-q", "auto"};
+
+const char *pdm_prefill_method_name(pdm_prefill_method_t m)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f) return pdm_error_set(-errno, "%s: %s", path, strerror(errno));
-    char *buf = malloc(1 << 20);
-    size_t n = buf ? fread(buf, 1, (1 << 20) - 1, f) : 0;
-    int big = !feof(f);
-    fclose(f);
-    if (!buf) return pdm_error_set(PDM_ENOMEM, "out of memory");
-    if (big) {
-        free(buf);
-        return pdm_error_set(PDM_EFORMAT, "%s: larger than 1 MiB", path);
-    }
-    buf[n] = 0;
-    cJSON *o = cJSON_Parse(buf);
-    free(buf);
-    if (!o) return pdm_error_set(PDM_EFORMAT, "%s: not valid JSON", path);
-    *out = o;
-    return PDM_OK;
+    return (unsigned)m < PDM_PREFILL_METHOD_COUNT_ ? pdm__method_names[m] : "?";
 }
 
-static int pdm__json_save(const char *path, cJSON *o)
+int pdm_prefill_method_parse(const char *name, pdm_prefill_method_t *out)
 {
-    char *s = cJSON_Print(o);
-    cJSON_Delete(o);
-    if (!s) return pdm_error_set(PDM_ENOMEM, "out of memory");
-    FILE *f = fopen(path, "wb");
-    int st = PDM_OK;
-    if (!f || fputs(s, f) < 0 || fputc('\n', f) < 0)
-        st = pdm_error_set(PDM_EIO, "%s: cannot write", path);
-    if (f && fclose(f) && !st) st = pdm_error_set(PDM_EIO, "%s: cannot write", path);
-    free(s);
-    return st;
+    for (int m = 0; m < PDM_PREFILL_METHOD_COUNT_; m++)
+        if (name && !strcmp(name, pdm__method_names[m])) {
+            *out = (pdm_prefill_method_t)m;
+            return PDM_OK;
+        }
+    return pdm_error_set(PDM_EINVAL, "unknown prefill method '%s' (single, tsp, kvr-e, kvr-s, "
+                         "kvr-p, cp-kv, cp-q, auto)", name ? name : "");
+}
+
+void pdm_prefill_split_even(int n, int r, int *chunks)
+{
+    for (int i = 0; i < r; i++) chunks[i] = n / r + (i >= r - n % r ? 1 : 0);
 }
 
 /* ---- Who computes what ---------------------------------------------------------------- */
@@ -78,12 +67,12 @@ int pdm_prefill_plan_ranges(pdm_prefill_method_t m, int ranks, int32_t start, in
     return count;
 }
 
-/* ---- Partition tables ------------------------------------------------------------------ */
+/* ---- Partition tables (KV-Runahead §4.2) ----------------------------------------------- */
 
 int pdm_partition_table_put(pdm_partition_table_t *t, int length, const int *chunks, double ttft,
                             double ttft_cp)
 {
-    if (length < 1 || t->ranks < 1 || t->ranks > PDM_KVT_MAX_RANKS)
+    if (length < 1 || t->ranks < 1 || t->ranks > PDM_PREFILL_MAX_RANKS)
         return pdm_error_set(PDM_EINVAL, "partition table: bad entry");
     int i = 0;
     while (i < t->n_entries && t->entries[i].length < length) i++;
@@ -108,7 +97,7 @@ static int pdm__fracs_to_chunks(const double *frac, int ranks, int n, int *chunk
     if (n < ranks)
         return pdm_error_set(PDM_EINVAL, "a prompt of %d tokens cannot be split over %d ranks",
                              n, ranks);
-    double rem[PDM_KVT_MAX_RANKS];
+    double rem[PDM_PREFILL_MAX_RANKS];
     int sum = 0;
     for (int r = 0; r < ranks; r++) {
         double x = frac[r] * n;
@@ -154,7 +143,7 @@ int pdm_partition_table_lookup(const pdm_partition_table_t *t, int length, int e
         return pdm_error_set(PDM_ENOTFOUND, "no searched partition for %d tokens (kvr-s needs "
                              "one: run pdmesh partition-search, or use kvr-p)", length);
     /* §4.2: interpolate the two nearest known entries (clamped at the ends). */
-    double frac[PDM_KVT_MAX_RANKS];
+    double frac[PDM_PREFILL_MAX_RANKS];
     if (hi == 0 || hi == t->n_entries) {
         const int e = hi == 0 ? 0 : t->n_entries - 1;
         memcpy(frac, t->entries[e].frac, sizeof(frac));
@@ -167,68 +156,6 @@ int pdm_partition_table_lookup(const pdm_partition_table_t *t, int length, int e
     return pdm__fracs_to_chunks(frac, t->ranks, length, chunks);
 }
 
-int pdm_partition_table_load(const char *path, pdm_partition_table_t *t)
-{
-    cJSON *o;
-    int st = pdm__json_load(path, &o);
-    if (st) return st;
-    memset(t, 0, sizeof(*t));
-    const cJSON *ranks = cJSON_GetObjectItem(o, "ranks"), *entries = cJSON_GetObjectItem(o, "entries");
-    if (!cJSON_IsNumber(ranks) || ranks->valueint < 1 || ranks->valueint > PDM_KVT_MAX_RANKS ||
-        !cJSON_IsArray(entries)) {
-        cJSON_Delete(o);
-        return pdm_error_set(PDM_EFORMAT, "%s: a partition table needs \"ranks\" and "
-                             "\"entries\"", path);
-    }
-    t->ranks = ranks->valueint;
-    const cJSON *e;
-    cJSON_ArrayForEach(e, entries)
-    {
-        const cJSON *len = cJSON_GetObjectItem(e, "length"), *ch = cJSON_GetObjectItem(e, "chunks");
-        const cJSON *ttft = cJSON_GetObjectItem(e, "ttft");
-        const cJSON *ttft_cp = cJSON_GetObjectItem(e, "ttft_cp_kv");
-        int chunks[PDM_KVT_MAX_RANKS], n = 0, bad = !cJSON_IsNumber(len) || !cJSON_IsArray(ch) ||
-                                                   cJSON_GetArraySize(ch) != t->ranks;
-        long sum = 0;
-        const cJSON *c;
-        if (!bad) cJSON_ArrayForEach(c, ch)
-            {
-                if (!cJSON_IsNumber(c) || c->valueint < 1) bad = 1;
-                else sum += (chunks[n++] = c->valueint);
-            }
-        if (bad || sum != len->valueint) {
-            cJSON_Delete(o);
-            return pdm_error_set(PDM_EFORMAT, "%s: entry %d is malformed (chunks must be %d "
-                                 "positive sizes summing to length)", path, t->n_entries,
-                                 t->ranks);
-        }
-        st = pdm_partition_table_put(t, len->valueint, chunks,
-                                     cJSON_IsNumber(ttft) ? ttft->valuedouble : 0,
-                                     cJSON_IsNumber(ttft_cp) ? ttft_cp->valuedouble : 0);
-        if (st) break;
-    }
-    cJSON_Delete(o);
-    return st;
-}
-
-int pdm_partition_table_save(const char *path, const pdm_partition_table_t *t)
-{
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddNumberToObject(o, "ranks", t->ranks);
-    cJSON *arr = cJSON_AddArrayToObject(o, "entries");
-    for (int i = 0; i < t->n_entries; i++) {
-        int chunks[PDM_KVT_MAX_RANKS];
-        pdm__fracs_to_chunks(t->entries[i].frac, t->ranks, t->entries[i].length, chunks);
-        cJSON *e = cJSON_CreateObject();
-        cJSON_AddNumberToObject(e, "length", t->entries[i].length);
-        cJSON_AddItemToObject(e, "chunks", cJSON_CreateIntArray(chunks, t->ranks));
-        cJSON_AddNumberToObject(e, "ttft", t->entries[i].ttft);
-        if (t->entries[i].ttft_cp > 0)
-            cJSON_AddNumberToObject(e, "ttft_cp_kv", t->entries[i].ttft_cp);
-        cJSON_AddItemToArray(arr, e);
-    }
-    return pdm__json_save(path, o);
-}
 
 void pdm_partition_table_ttft(const pdm_partition_table_t *t, int length, double *kvr,
                               double *cp)
@@ -251,38 +178,6 @@ void pdm_partition_table_ttft(const pdm_partition_table_t *t, int length, double
     *kvr = (1 - w) * t->entries[hi - 1].ttft + w * t->entries[hi].ttft;
     if (t->entries[hi - 1].ttft_cp > 0 && t->entries[hi].ttft_cp > 0)
         *cp = (1 - w) * t->entries[hi - 1].ttft_cp + w * t->entries[hi].ttft_cp;
-}
-
-/* ---- Calibration ------------------------------------------------------------------------ */
-
-int pdm_calibration_load(const char *path, pdm_calibration_t *c)
-{
-    cJSON *o;
-    int st = pdm__json_load(path, &o);
-    if (st) return st;
-    const cJSON *f = cJSON_GetObjectItem(o, "flops"), *bw = cJSON_GetObjectItem(o, "bandwidth");
-    const cJSON *lat = cJSON_GetObjectItem(o, "latency");
-    memset(c, 0, sizeof(*c));
-    if (!cJSON_IsNumber(f) || !cJSON_IsNumber(bw) || !(f->valuedouble > 0) ||
-        !(bw->valuedouble > 0)) {
-        cJSON_Delete(o);
-        return pdm_error_set(PDM_EFORMAT, "%s: calibration needs positive \"flops\" and "
-                             "\"bandwidth\" (run pdmesh calibrate)", path);
-    }
-    c->flops = f->valuedouble;
-    c->bandwidth = bw->valuedouble;
-    c->latency = cJSON_IsNumber(lat) ? lat->valuedouble : 0;
-    cJSON_Delete(o);
-    return PDM_OK;
-}
-
-int pdm_calibration_save(const char *path, const pdm_calibration_t *c)
-{
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddNumberToObject(o, "flops", c->flops);
-    cJSON_AddNumberToObject(o, "bandwidth", c->bandwidth);
-    cJSON_AddNumberToObject(o, "latency", c->latency);
-    return pdm__json_save(path, o);
 }
 
 /* ---- pass-KV or pass-Q (context parallelism §3.4, Alg. 1 and 5) ------------------------ */

@@ -1,0 +1,65 @@
+/*
+ * task.h - one prefill task as every rank of a group runs it: the task, where its KV is
+ * streamed, its result on a rank, and the parameters a rank runs tasks under. Shared by the
+ * rank (rank.h), the launcher that sends tasks (launch.h) and pdmesh-prefill's line protocol
+ * (main.c). Types only.
+ */
+#ifndef PDM_PREFILL_TASK_H
+#define PDM_PREFILL_TASK_H
+
+#include <stdint.h>
+
+#include "model/model.h" /* pdm_dtype_t */
+#include "prefill_node/plan.h"
+
+/* A rank of a prefill group (rank.h). */
+typedef struct pdm_prefill_rank pdm_prefill_rank_t;
+
+typedef struct {
+    int threads;            /* compute threads of this rank */
+    int ctx_tokens;         /* KV capacity (maximum P + T) */
+    pdm_dtype_t kv_dtype;   /* F32, F16 or I8 (q8, per-head scales all-reduced per layer):
+                             * cache and wire format */
+    double timeout;         /* seconds per communication step */
+} pdm_prefill_rank_params_t;
+
+/* Streaming of the KV a rank computes to a decode node, layer by layer as it becomes final
+ * (kvtransfer.h, "KV streaming"). */
+typedef struct {
+    int peer;             /* kvt peer of the decode node */
+    uint64_t request_id;
+    uint32_t attempt;
+    int max_in_flight;    /* blocks outstanding per rank (flow control) */
+} pdm_prefill_stream_t;
+
+/* One prefill task, identical on every rank of the group. */
+typedef struct {
+    uint32_t id;                 /* task id (part of every tag; distinct per task) */
+    pdm_prefill_method_t method; /* not AUTO: the caller resolves it first */
+    int32_t start;               /* P: tokens of the conversation already cached (0: new) */
+    const int32_t *prefix;       /* NULL, or [start] the cached tokens the task assumes: then
+                                  * they are checked against what the group holds, and a
+                                  * group holding a longer conversation is cut at start */
+    const int32_t *tokens;       /* [n_tokens] the T new tokens at positions start.. */
+    int32_t n_tokens;
+    const int32_t *chunks;       /* KVR only: [size] chunk sizes in chain order (sum n_tokens);
+                                  * NULL for an even split */
+    const pdm_prefill_stream_t *stream; /* NULL: the KV stays on the group; else every rank
+                                         * streams the KV of its new tokens and, for a
+                                         * partial prefill, its runs of the cached prefix
+                                         * (pdm_prefill_conv_prefix_runs) */
+} pdm_prefill_task_t;
+
+typedef struct {
+    int owner;             /* 1 on the rank that computed the last token */
+    float *logits;         /* owner only: [n_vocab] of the last token (owned by the rank) */
+    int32_t first_token;   /* owner only: greedy first token */
+    int32_t n_local;       /* new tokens this rank computed */
+    double t_total;        /* seconds from start to end of the task on this rank */
+    double t_compute;      /* seconds in model steps */
+    double t_wait;         /* seconds blocked on communication */
+    uint64_t bytes_sent, bytes_received;
+    uint64_t bytes_streamed; /* KV sent to the decode node */
+} pdm_prefill_result_t;
+
+#endif /* PDM_PREFILL_TASK_H */
