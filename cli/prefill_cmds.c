@@ -690,7 +690,9 @@ int cmd_disagg_run(int argc, char **argv)
     pdm_sampler_params_default(&sp);
     sp.temperature = 0; /* greedy unless asked */
     enum { D_N = 2000, D_TEMP, D_SEED, D_STOP, D_DBATCH, D_DTHREADS, D_TOPK, D_TOPP, D_BEAMS,
-           D_LPEN, D_NBEST, D_ESTOP, D_FAST, D_SLOW };
+           D_LPEN, D_NBEST, D_ESTOP, D_FAST, D_SLOW, D_REUSE, D_BLOCK };
+    int reuse_prefix = 0;
+    long block_tokens = 64; /* the router's default --block-tokens */
     long beams = 0, n_best = 1;
     double length_penalty = 1.0;
     const char *early_stopping = "heuristic";
@@ -718,6 +720,8 @@ int cmd_disagg_run(int argc, char **argv)
         {"early-stopping", required_argument, 0, D_ESTOP},
         {"kv-fast-budget", required_argument, 0, D_FAST},
         {"kv-slow-tier", required_argument, 0, D_SLOW},
+        {"reuse-prefix", no_argument, 0, D_REUSE},
+        {"block-tokens", required_argument, 0, D_BLOCK},
         {"threads", required_argument, 0, O_THREADS},
         {"pin", no_argument, 0, O_PIN},
         {"ctx", required_argument, 0, O_CTX},
@@ -792,6 +796,11 @@ int cmd_disagg_run(int argc, char **argv)
             early_stopping = pdm_beam_stop_name(es);
             break;
         }
+        case D_REUSE: reuse_prefix = 1; break;
+        case D_BLOCK:
+            if (pdm_parse_long(optarg, 1, 4096, &block_tokens))
+                return cli_usage_error("invalid --block-tokens '%s'", optarg);
+            break;
         case D_FAST:
             if (pdm_parse_long(optarg, 1, 1L << 50, &v)) return cli_usage_error("bad --kv-fast-budget '%s'", optarg);
             kv_fast = optarg;
@@ -861,7 +870,9 @@ int cmd_disagg_run(int argc, char **argv)
                                          .sp = sp, .stops = stops, .n_stops = n_stops,
                                          .beams = (int)beams,
                                          .length_penalty = (float)length_penalty,
-                                         .n_best = (int)n_best, .early_stopping = early_stopping};
+                                         .n_best = (int)n_best, .early_stopping = early_stopping,
+                                         .reuse_prefix = reuse_prefix,
+                                         .min_cached = (int32_t)block_tokens};
         if (has_chunks) {
             int *copy = malloc(sizeof(int) * (size_t)o.lp.ranks);
             if (!copy) goto out;
@@ -896,8 +907,15 @@ int cmd_disagg_run(int argc, char **argv)
         if (json) {
             cJSON *j = cJSON_CreateObject();
             cJSON_AddNumberToObject(j, "prompt", i);
-            cJSON_AddStringToObject(j, "method", pdm_prefill_method_name(reqs[i].method));
+            cJSON_AddStringToObject(j, "method", pdm_prefill_method_name(out[i].method));
             cJSON_AddNumberToObject(j, "prefill_ranks", o.lp.ranks);
+            cJSON_AddNumberToObject(j, "cached_tokens", out[i].cached);
+            cJSON *pr = cJSON_AddArrayToObject(j, "prefill_ranges"); /* the plan (Usage's) */
+            for (int k = 0; k < out[i].n_ranges; k++) {
+                const pdm_prefill_range_t *x = &out[i].ranges[k];
+                int rv[4] = {x->start, x->len, x->rank, x->chunk};
+                cJSON_AddItemToArray(pr, cJSON_CreateIntArray(rv, 4));
+            }
             cJSON_AddNumberToObject(j, "prompt_tokens", reqs[i].n_tokens);
             cJSON_AddItemToObject(j, "token_ids", cJSON_CreateIntArray(out[i].tokens, out[i].n_tokens));
             cJSON_AddStringToObject(j, "text", out[i].text);

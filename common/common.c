@@ -36,10 +36,14 @@ static _Thread_local int pdm__err_status;
 
 int pdm_error_set(int status, const char *fmt, ...)
 {
+    /* Formatted apart first: callers wrap the last message ("%s", pdm_error_last()), and
+     * vsnprintf must not read the buffer it writes. */
+    char msg[sizeof(pdm__err_msg)];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(pdm__err_msg, sizeof(pdm__err_msg), fmt, ap);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
+    memcpy(pdm__err_msg, msg, sizeof(msg));
     pdm__err_status = status;
     return status;
 }

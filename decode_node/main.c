@@ -115,7 +115,7 @@ static int dn_reserve(dn_t *dn, const Pdmesh__DecodeTask *t, const dn_task_t *re
     for (size_t i = 0; i < t->n_prefill_addresses; i++) {
         int st = pdm_kvt_connect_cached(dn->kvt, t->prefill_addresses[i].data,
                                         t->prefill_addresses[i].len, &peers[i]);
-        if (st) return st;
+        if (st) return pdm_error_set(st, "prefill rank %zu: %s", i, pdm_error_last());
     }
     memcpy(dn->rank_peer, peers, sizeof(int) * t->n_prefill_addresses);
     dn->n_ranks = (int)t->n_prefill_addresses;

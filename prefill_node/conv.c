@@ -11,6 +11,7 @@
  */
 #include "prefill_node/conv.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -163,4 +164,45 @@ int pdm_prefill_conv_commit(pdm_prefill_conv_t *c, pdm_prefill_method_t m, int r
     c->n = end;
     c->last_owner = c->owner[end - 1];
     return PDM_OK;
+}
+
+int pdm_prefill_conv_plan_task(const pdm_prefill_conv_t *c,
+                               const pdm_prefill_task_plan_params_t *p,
+                               pdm_prefill_task_plan_t *out)
+{
+    const int ranks = p->followup.ranks;
+    const int32_t n = p->followup.n_tokens;
+    if (ranks < 1 || ranks > PDM_PREFILL_MAX_RANKS || n < 1)
+        return pdm_error_set(PDM_EINVAL, "plan: %d tokens on %d ranks", n, ranks);
+    pdm_prefill_followup_params_t fp = p->followup;
+    fp.explicit_chunks = p->chunks != NULL;
+    const int32_t start0 = pdm_prefill_conv_followup_start(c, &fp);
+    for (int k = 0; k < 2; k++) {
+        const int32_t start = k ? 0 : start0;
+        if (k && !start0) break; /* 0 was tried already */
+        const int32_t T = n - start;
+        pdm_prefill_method_t m;
+        int st = pdm_prefill_resolve(p->followup.method, p->hp, ranks, T, start, p->chunks,
+                                     p->table, p->calib, &m, out->chunks, &out->has_chunks,
+                                     out->why, sizeof(out->why));
+        if (st && start > 0) continue;
+        if (st) {
+            if (!p->fallback) return st;
+            m = ranks == 1 ? PDM_PREFILL_SINGLE : PDM_PREFILL_KVR_E;
+            out->has_chunks = 0;
+            snprintf(out->why, sizeof(out->why), "fallback (%s)", pdm_error_last());
+        }
+        if (!out->has_chunks) pdm_prefill_split_even(T, ranks, out->chunks);
+        int nr = pdm_prefill_conv_plan(c, m, ranks, start, T, out->chunks, 1, out->ranges,
+                                       &out->n_prefix);
+        if (nr < 0) {
+            if (start > 0) continue;
+            return PDM_EINVAL; /* conv_plan's message stays the calling thread's */
+        }
+        out->method = m;
+        out->start = start;
+        out->n_ranges = nr;
+        return PDM_OK;
+    }
+    return pdm_error_set(PDM_EINVAL, "plan: no method can run this task");
 }

@@ -103,4 +103,42 @@ int pdm_prefill_conv_commit(pdm_prefill_conv_t *c, pdm_prefill_method_t m, int r
                             int32_t start, const int32_t *tokens, int32_t n_new,
                             const pdm_prefill_range_t *ranges, int n_ranges);
 
+/* ---- The plan of a task: one function for the router and the local harness ------------ */
+
+typedef struct {
+    pdm_prefill_followup_params_t followup; /* where it may start; .method is the method asked
+                                             * for (AUTO allowed); .explicit_chunks is set
+                                             * from `chunks` */
+    const pdm_model_hparams_t *hp;          /* the model's shapes (used by AUTO) */
+    const int *chunks;                      /* KVR chunk sizes for the whole prompt, or NULL */
+    const pdm_partition_table_t *table;     /* KVR-P / KVR-S / AUTO, or NULL */
+    const pdm_calibration_t *calib;         /* AUTO with a cached prefix, or NULL */
+    int fallback;                           /* a method that cannot run this task falls back
+                                             * to kvr-e (single on one rank) instead of failing
+                                             * (the router's policy; the harness runs what it
+                                             * is told or fails) */
+} pdm_prefill_task_plan_params_t;
+
+typedef struct {
+    pdm_prefill_method_t method;            /* resolved */
+    int32_t start;                          /* P: cached tokens the task continues after */
+    int chunks[PDM_PREFILL_MAX_RANKS];      /* chunk sizes of the T = n_tokens - P new tokens */
+    int has_chunks;                         /* the chunks came from the caller or the table */
+    char why[160];                          /* why this method (pdm_prefill_resolve) */
+    pdm_prefill_range_t ranges[PDM_PREFILL_MAX_PLAN]; /* who streams which tokens: the cached
+                                             * runs, then the new tokens (pdm_prefill_conv_plan) */
+    int n_ranges, n_prefix;
+} pdm_prefill_task_plan_t;
+
+/* Plans a group task for a prompt on a group whose conversation is `c`: where it starts
+ * (pdm_prefill_conv_followup_start), the method and partition at that start
+ * (pdm_prefill_resolve; a start the method cannot continue from, such as kvr-s without a
+ * table entry for n - P, is retried at 0) and the ranges (pdm_prefill_conv_plan). The router
+ * (router/request.c) and the local harness (prefill_node/launch.c) both plan with it, so a
+ * request plans the same whichever of them runs it. Pure: reads `c`, no I/O. On error
+ * (nothing can run: the message says why) *out is undefined. */
+int pdm_prefill_conv_plan_task(const pdm_prefill_conv_t *c,
+                               const pdm_prefill_task_plan_params_t *p,
+                               pdm_prefill_task_plan_t *out);
+
 #endif /* PDM_PREFILL_CONV_H */

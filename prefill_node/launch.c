@@ -1080,27 +1080,33 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
     for (int i = 0; i < n && !mesh_st; i++) {
         const pdm_launch_request_t *q = &reqs[i];
         const uint64_t id = g.first_id + (uint64_t)i;
-        /* Who computes which tokens (the decode node posts its receives accordingly): a
-         * follow-up turn starts after the prefix the group still holds (plan.c). */
-        int32_t start = 0;
-        if (q->reuse_prefix && !q->chunks && q->method != PDM_PREFILL_TSP) {
-            start = PDM_MIN(pdm_prefill_conv_common(&l->conv, q->tokens, q->n_tokens),
-                            q->n_tokens - 1);
-            if (pdm_prefill_method_is_kvr(q->method) &&
-                (pdm_prefill_conv_chain_head(&l->conv, l->n, start) < 0 ||
-                 q->n_tokens - start < l->n))
-                start = 0;
-        }
-        pdm_prefill_range_t ranges[PDM_PREFILL_MAX_PLAN];
-        int n_prefix, nr = pdm_prefill_conv_plan(&l->conv, q->method, l->n, start,
-                                                 q->n_tokens - start, q->chunks, 1, ranges,
-                                                 &n_prefix);
-        if (nr < 0) {
+        /* Where it starts, who computes which tokens (the decode node posts its receives
+         * accordingly): the router's planner (conv.c), on this group's mirror. The method
+         * was resolved by the caller; the harness runs it or fails. */
+        pdm_prefill_task_plan_params_t pp = {
+            .followup = {.method = q->method, .ranks = l->n, .tokens = q->tokens,
+                         .n_tokens = q->n_tokens,
+                         .min_cached = q->min_cached > 0 ? q->min_cached : 1,
+                         .reuse = q->reuse_prefix},
+            .chunks = q->chunks};
+        pdm_prefill_task_plan_t plan;
+        if (ln_check_alive(l, 1, 0)) { /* as the router, never dispatch to a broken group */
             snprintf(out[i].error, sizeof(out[i].error), "prefill: %s", pdm_error_last());
             state[i] = 2;
             continue;
         }
+        if (pdm_prefill_conv_plan_task(&l->conv, &pp, &plan)) {
+            snprintf(out[i].error, sizeof(out[i].error), "prefill: %s", pdm_error_last());
+            state[i] = 2;
+            continue;
+        }
+        const int32_t start = plan.start;
+        const pdm_prefill_range_t *ranges = plan.ranges;
+        const int nr = plan.n_ranges;
         out[i].cached = start;
+        out[i].method = plan.method;
+        memcpy(out[i].ranges, plan.ranges, sizeof(pdm_prefill_range_t) * (size_t)nr);
+        out[i].n_ranges = nr;
         mesh_st = ln_send_reserve(l, id, q, ranges, nr);
         /* Wait for this reservation's answer; other requests' events are applied meanwhile. */
         while (!mesh_st) {
@@ -1109,9 +1115,10 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
         }
         if (mesh_st || state[i] == 2) continue; /* refused: out[i] says why */
         pdm_prefill_stream_t stream = {.max_in_flight = 64};
-        pdm_prefill_task_t task = {.id = (uint32_t)id, .method = q->method, .start = start,
+        pdm_prefill_task_t task = {.id = (uint32_t)id, .method = plan.method, .start = start,
                                    .prefix = q->tokens, .tokens = q->tokens + start,
-                                   .n_tokens = q->n_tokens - start, .chunks = q->chunks,
+                                   .n_tokens = q->n_tokens - start,
+                                   .chunks = plan.has_chunks ? plan.chunks : NULL,
                                    .stream = &stream};
         pdm_launch_result_t res;
         t0[i] = pdm_now();

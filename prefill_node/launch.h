@@ -11,6 +11,7 @@
 
 #include "kvtransfer/kvtransfer.h"
 #include "model/model.h"
+#include "prefill_node/conv.h"
 #include "prefill_node/plan.h"
 #include "prefill_node/task.h"
 
@@ -94,6 +95,8 @@ typedef struct {
     int reuse_prefix;            /* prefill only what follows the longest prefix the group
                                   * still holds from the previous task (partial prefill; the
                                   * ranks stream the cached positions too) */
+    int32_t min_cached;          /* with reuse_prefix: the shortest prefix worth reusing (the
+                                  * router's block_tokens); 0: any (1 token) */
 } pdm_launch_request_t;
 
 typedef struct {
@@ -113,6 +116,10 @@ typedef struct {
     double prefill_wait; /* max over ranks of time blocked in communication (streaming too) */
     char *beam_json;     /* malloc'd, beam search only: {"n_best":[...],"beam":{...}} as the
                           * decode node reported them; else NULL */
+    pdm_prefill_method_t method; /* the method the task ran (the planner's) */
+    pdm_prefill_range_t ranges[PDM_PREFILL_MAX_PLAN]; /* the plan: who computed or held which
+                                                       * prompt tokens (as the router's Usage) */
+    int n_ranges;
 } pdm_launch_response_t;
 
 /* Runs `n` requests end to end: for each, the decode node reserves KV and posts its receives,

@@ -143,6 +143,8 @@ typedef struct rt_req {
     char group_name[64], dnode_name[RT_NAME_MAX];
     uint32_t retries, migrations, cached_tokens; /* cached: prompt tokens reused by the group */
     int reuse_pending;            /* holds its group's reuse_pending */
+    pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN]; /* the group attempt's ranges (Usage) */
+    int n_plan;
 } rt_req_t;
 
 struct pdm_router {

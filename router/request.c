@@ -247,6 +247,17 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
     u.decode_node = q->dnode_name;
     u.attempts = q->attempt;
     u.cached_tokens = q->cached_tokens;
+    Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rgp[PDM_PREFILL_MAX_PLAN];
+    for (int k = 0; k < q->n_plan; k++) {
+        pdmesh__token_range__init(&rg[k]);
+        rg[k].start = (uint32_t)q->plan[k].start;
+        rg[k].len = (uint32_t)q->plan[k].len;
+        rg[k].rank = (uint32_t)q->plan[k].rank;
+        rg[k].chunk = (uint32_t)q->plan[k].chunk;
+        rgp[k] = &rg[k];
+    }
+    u.prefill_ranges = rgp;
+    u.n_prefill_ranges = (size_t)q->n_plan;
     res.usage = &u;
     if (q->n_gen > 1) pdm_metric_observe(r->m.tpot, NULL, u.tpot_ms / 1e3);
     if (q->kv_bytes) {
@@ -292,17 +303,6 @@ static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char
 
 /* ---------------------------------------------------------------- dispatch and tasks */
 
-/* Prefix reuse: the cached tokens a new task on group `gr` can start after. Only while the
- * group is idle is its mirror what the ranks hold when the task arrives; at least one block
- * must be reused and at least one token computed (its logits give the first token). */
-static int32_t rt_reuse_start(const pdm_router_t *r, const rt_group_t *gr, const rt_req_t *q)
-{
-    if (!r->cfg.prefix_reuse || gr->inflight > 0 || gr->reuse_pending) return 0;
-    int32_t k = pdm_prefill_conv_common(&gr->conv, q->prompt, (int32_t)q->n_prompt);
-    k = PDM_MIN(k, (int32_t)q->n_prompt - 1);
-    return k >= r->cfg.block_tokens ? k : 0;
-}
-
 /* Every rank of the request's group finished its task: the mirror follows (conv.c). */
 static void rt_group_prefilled(pdm_router_t *r, rt_req_t *q)
 {
@@ -334,6 +334,7 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
     q->started = 0;
     q->t_dispatch = pdm_now();
     q->cached_tokens = 0;
+    q->n_plan = 0;
     snprintf(q->dnode_name, sizeof(q->dnode_name), "%s", n->id);
     const uint32_t remaining = q->max_new - q->n_gen;
     const uint32_t n_in = q->local ? q->n_prompt + q->n_gen : q->n_prompt;
@@ -365,7 +366,6 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
         t.n_prompt_tokens = n_in;
     } else {
         rt_group_t *gr = &r->groups[g];
-        const int32_t start0 = rt_reuse_start(r, gr, q);
         gr->inflight++;
         snprintf(q->group_name, sizeof(q->group_name), "%s", gr->name);
         for (uint32_t k = 0; k < gr->size; k++) {
@@ -374,49 +374,37 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
             addrs[k].len = m->ucx_len;
             q->group_epochs[k] = m->epoch;
         }
-        /* Method and partition by the length to compute and the cached prefix
-         * (prefill_node/policy.c: partition table, calibration, auto; with a prefix auto
-         * picks pass-KV or pass-Q). Where the method cannot continue there, the group
-         * recomputes a little more (KVR needs a token per rank) or, if it cannot continue
-         * the cached conversation at all (tsp; KVR after cp-*), the whole prompt. */
-        pdm_prefill_method_t want = PDM_PREFILL_AUTO, m;
+        /* Where it starts, the method and partition, who computes what: the planner the
+         * harness uses too (conv.c). Prefix reuse only while the group is idle: only then is
+         * its mirror what the ranks hold when the task arrives. */
+        pdm_prefill_method_t want = PDM_PREFILL_AUTO;
         pdm_prefill_method_parse(r->cfg.method, &want);
-        int chunks[PDM_KVT_MAX_RANKS], has = 0, nr = -1, n_prefix = 0;
-        pdm_prefill_range_t pr[PDM_PREFILL_MAX_PLAN];
-        char why[256];
-        const int32_t starts[3] = {start0, PDM_MIN(start0, (int32_t)(q->n_prompt - gr->size)), 0};
-        int32_t start = 0;
-        for (int c = 0; c < 3; c++) {
-            start = starts[c];
-            if (start < 0 || (start > 0 && start < r->cfg.block_tokens)) continue;
-            const int32_t T = (int32_t)q->n_prompt - start;
-            int rs = pdm_prefill_resolve(want, &r->model->hp, (int)gr->size, T, start, NULL,
-                                         r->has_table ? &r->table : NULL,
-                                         r->has_calib ? &r->calib : NULL, &m, chunks, &has, why,
-                                         sizeof(why));
-            if (rs && start > 0) continue;
-            if (rs) m = gr->size == 1 ? PDM_PREFILL_SINGLE : PDM_PREFILL_KVR_E, has = 0;
-            if (!has) pdm_prefill_split_even(T, (int)gr->size, chunks);
-            nr = pdm_prefill_conv_plan(&gr->conv, m, (int)gr->size, start, T, chunks, 1, pr,
-                                       &n_prefix);
-            if (nr >= 0) break;
-        }
-        if (nr < 0) {
+        pdm_prefill_task_plan_params_t pp = {
+            .followup = {.method = want, .ranks = (int)gr->size, .tokens = q->prompt,
+                         .n_tokens = (int32_t)q->n_prompt, .min_cached = r->cfg.block_tokens,
+                         .reuse = r->cfg.prefix_reuse && gr->inflight == 1 && !gr->reuse_pending},
+            .hp = &r->model->hp, .table = r->has_table ? &r->table : NULL,
+            .calib = r->has_calib ? &r->calib : NULL, .fallback = 1};
+        pdm_prefill_task_plan_t plan_, *plan = &plan_;
+        if (pdm_prefill_conv_plan_task(&gr->conv, &pp, plan)) {
             rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, pdm_error_last());
             return;
         }
-        memcpy(q->chunks, chunks, sizeof(chunks));
-        q->has_chunks = has;
-        q->method_id = (int)m;
-        q->cached_tokens = (uint32_t)start;
-        q->reuse_pending = gr->reuse_pending = start > 0;
-        snprintf(q->method, sizeof(q->method), "%s", pdm_prefill_method_name(m));
+        memcpy(q->chunks, plan->chunks, sizeof(q->chunks));
+        q->has_chunks = plan->has_chunks;
+        q->method_id = (int)plan->method;
+        q->cached_tokens = (uint32_t)plan->start;
+        q->reuse_pending = gr->reuse_pending = plan->start > 0;
+        snprintf(q->method, sizeof(q->method), "%s", pdm_prefill_method_name(plan->method));
+        const int nr = plan->n_ranges;
+        memcpy(q->plan, plan->ranges, sizeof(pdm_prefill_range_t) * (size_t)nr);
+        q->n_plan = nr;
         for (int k = 0; k < nr; k++) {
             pdmesh__token_range__init(&rg[k]);
-            rg[k].start = (uint32_t)pr[k].start;
-            rg[k].len = (uint32_t)pr[k].len;
-            rg[k].rank = (uint32_t)pr[k].rank;
-            rg[k].chunk = (uint32_t)pr[k].chunk;
+            rg[k].start = (uint32_t)plan->ranges[k].start;
+            rg[k].len = (uint32_t)plan->ranges[k].len;
+            rg[k].rank = (uint32_t)plan->ranges[k].rank;
+            rg[k].chunk = (uint32_t)plan->ranges[k].chunk;
             rgp[k] = &rg[k];
         }
         t.prefill_addresses = addrs;

@@ -78,7 +78,7 @@ static int rt_group_has_room(const pdm_router_t *r, int g)
 
 /* The group for a prompt: the usable group that last prefilled its longest known prefix,
  * else the least busy usable group; -1 if none has room. (What that group still holds, and so
- * what a task can reuse, its mirror tells: rt_reuse_start.) */
+ * what a task can reuse, its mirror tells: pdm_prefill_conv_plan_task in request.c.) */
 static int rt_pick_group(pdm_router_t *r, rt_req_t *q)
 {
     enum { MAXB = 256 };

@@ -197,6 +197,12 @@ static int cmd_gen(void *ctx)
                 cJSON_AddStringToObject(u, "decode_node", r->usage->decode_node ? r->usage->decode_node : "");
                 cJSON_AddNumberToObject(u, "attempts", r->usage->attempts);
                 cJSON_AddNumberToObject(u, "cached_tokens", r->usage->cached_tokens);
+                cJSON *pr = cJSON_AddArrayToObject(u, "prefill_ranges");
+                for (size_t k = 0; k < r->usage->n_prefill_ranges; k++) {
+                    const Pdmesh__TokenRange *x = r->usage->prefill_ranges[k];
+                    int v[4] = {(int)x->start, (int)x->len, (int)x->rank, (int)x->chunk};
+                    cJSON_AddItemToArray(pr, cJSON_CreateIntArray(v, 4));
+                }
                 cJSON_AddNumberToObject(u, "kv_bytes", (double)r->usage->kv_bytes);
             }
             if (stream_ && r->request_id >= 1 && r->request_id <= (uint64_t)count) {
