@@ -873,7 +873,7 @@ int cmd_disagg_run(int argc, char **argv)
                                          .n_best = (int)n_best, .early_stopping = early_stopping,
                                          .reuse_prefix = reuse_prefix,
                                          .min_cached = (int32_t)block_tokens};
-        if (has_chunks) {
+        if (partition && has_chunks) { /* else the planner splits (kvr-e), as the router */
             int *copy = malloc(sizeof(int) * (size_t)o.lp.ranks);
             if (!copy) goto out;
             memcpy(copy, chunks, sizeof(int) * (size_t)o.lp.ranks);
