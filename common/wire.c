@@ -257,43 +257,28 @@ int pdm_auth_verify(const void *secret, size_t secret_len, const char *node_id, 
 
 int pdm_auth_load_secret(const char *path, uint8_t **out, size_t *len)
 {
-    const char *file = getenv("PDMESH_SECRET_FILE");
-    if (!file || !*file) file = path;
-    uint8_t *buf = NULL;
-    size_t n = 0;
-    if (file && *file) {
-        FILE *f = fopen(file, "rb");
-        if (!f) return pdm_error_set(PDM_EIO, "cannot open secret file %s: %s", file, strerror(errno));
-        buf = malloc(4097);
-        if (!buf) {
-            fclose(f);
-            return pdm_error_set(PDM_ENOMEM, "out of memory");
-        }
-        n = fread(buf, 1, 4097, f);
-        fclose(f);
-        if (n > 4096) {
-            free(buf);
-            return pdm_error_set(PDM_ERANGE, "secret file %s is over 4096 bytes", file);
-        }
-    } else {
-        const char *env = getenv("PDMESH_SECRET");
-        if (!env || !*env)
-            return pdm_error_set(PDM_ENOTFOUND, "no cluster secret: set PDMESH_SECRET_FILE or "
-                                                "PDMESH_SECRET, or give a secret file");
-        n = strlen(env);
-        if (n > 4096) return pdm_error_set(PDM_ERANGE, "PDMESH_SECRET is over 4096 bytes");
-        buf = malloc(n + 1);
-        if (!buf) return pdm_error_set(PDM_ENOMEM, "out of memory");
-        memcpy(buf, env, n);
-    }
-    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r')) n--;
-    if (n < 16) {
-        free(buf);
-        return pdm_error_set(PDM_EINVAL, "cluster secret too short (%zu bytes, need at least 16)", n);
-    }
-    *out = buf;
-    *len = n;
-    return PDM_OK;
+    const pdm_secret_source_t src = {.what = "cluster secret",
+                                     .file = path,
+                                     .file_option = "--secret-file FILE",
+                                     .env_file = "PDMESH_SECRET_FILE",
+                                     .env_value = "PDMESH_SECRET",
+                                     .min_len = 16,
+                                     .binary = 1};
+    char *secret;
+    int st = pdm_secret_load(&src, &secret, len);
+    if (!st) *out = (uint8_t *)secret;
+    return st;
+}
+
+int pdm_auth_load_admin_token(const char *path, const char *file_option, char **out)
+{
+    const pdm_secret_source_t src = {.what = "admin token",
+                                     .file = path,
+                                     .file_option = file_option,
+                                     .env_file = "PDMESH_ADMIN_TOKEN_FILE",
+                                     .env_value = "PDMESH_ADMIN_TOKEN",
+                                     .min_len = PDM_AUTH_ADMIN_TOKEN_MIN};
+    return pdm_secret_load(&src, out, NULL);
 }
 
 void pdm_sha256(const void *data, size_t len, uint8_t out[32])
