@@ -756,8 +756,8 @@ int cmd_disagg_run(int argc, char **argv)
     pdm_sampler_params_t sp;
     pdm_sampler_params_default(&sp);
     sp.temperature = 0; /* greedy unless asked */
-    enum { D_N = 2000, D_TEMP, D_SEED, D_STOP, D_DBATCH, D_DTHREADS, D_TOPK, D_TOPP, D_BEAMS,
-           D_LPEN, D_NBEST, D_ESTOP, D_FAST, D_SLOW };
+    enum { D_N = 2000, D_STOP, D_DBATCH, D_DTHREADS, D_BEAMS, D_LPEN, D_NBEST, D_ESTOP, D_FAST,
+           D_SLOW };
     long beams = 0, n_best = 1;
     double length_penalty = 1.0;
     const char *early_stopping = "heuristic";
@@ -772,10 +772,7 @@ int cmd_disagg_run(int argc, char **argv)
         {"random", required_argument, 0, O_RANDOM},
         {"length", required_argument, 0, O_LENGTH},
         {"n-predict", required_argument, 0, D_N},
-        {"temp", required_argument, 0, D_TEMP},
-        {"top-k", required_argument, 0, D_TOPK},
-        {"top-p", required_argument, 0, D_TOPP},
-        {"seed", required_argument, 0, D_SEED},
+        CLI_SAMPLING_LONG_OPTS,
         {"stop", required_argument, 0, D_STOP},
         {"decode-batch", required_argument, 0, D_DBATCH},
         {"decode-threads", required_argument, 0, D_DTHREADS},
@@ -795,7 +792,6 @@ int cmd_disagg_run(int argc, char **argv)
         {0, 0, 0, 0}};
     int c;
     long v;
-    double d;
     optind = 1;
     while ((c = getopt_long(argc, argv, "n:", opts, NULL)) != -1) {
         if (c == O_PROMPT) {
@@ -811,28 +807,15 @@ int cmd_disagg_run(int argc, char **argv)
         int g = group_opt(&o, c, optarg, &json);
         if (g < 0) return cli_usage_error("invalid value '%s'", optarg);
         if (g) continue;
+        int sampling = cli_sampling_flag_parse(c, optarg, &sp);
+        if (sampling < 0) return 2;
+        if (sampling) continue;
         switch (c) {
         case O_METHOD: method_name = optarg; break;
         case O_PARTITION: partition = optarg; break;
         case 'n':
         case D_N:
             if (pdm_parse_long(optarg, 1, 1 << 20, &n_new)) return cli_usage_error("bad -n '%s'", optarg);
-            break;
-        case D_TEMP:
-            if (pdm_parse_double(optarg, 0, 100, &d)) return cli_usage_error("bad --temp '%s'", optarg);
-            sp.temperature = (float)d;
-            break;
-        case D_TOPK:
-            if (pdm_parse_long(optarg, 0, 1 << 20, &v)) return cli_usage_error("bad --top-k '%s'", optarg);
-            sp.top_k = (int32_t)v;
-            break;
-        case D_TOPP:
-            if (pdm_parse_double(optarg, 0, 1, &d)) return cli_usage_error("bad --top-p '%s'", optarg);
-            sp.top_p = (float)d;
-            break;
-        case D_SEED:
-            if (pdm_parse_long(optarg, 0, LONG_MAX, &v)) return cli_usage_error("bad --seed '%s'", optarg);
-            sp.seed = (uint64_t)v;
             break;
         case D_STOP:
             if (n_stops == 8) return cli_usage_error("%s", "at most 8 stop strings");
