@@ -114,39 +114,6 @@ static int group_opt(group_opts_t *o, int c, const char *arg, int *json)
     }
 }
 
-static char *read_file(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        pdm_error_set(PDM_EIO, "%s: cannot open", path);
-        return NULL;
-    }
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    for (size_t got; buf && (got = fread(buf + n, 1, cap - n - 1, f)) > 0;) {
-        n += got;
-        if (cap - n < 2) {
-            if (cap > (64u << 20)) break;
-            char *b = realloc(buf, cap * 2);
-            if (!b) {
-                free(buf);
-                buf = NULL;
-                break;
-            }
-            buf = b;
-            cap *= 2;
-        }
-    }
-    fclose(f);
-    if (!buf) {
-        pdm_error_set(PDM_ENOMEM, "out of memory");
-        return NULL;
-    }
-    buf[n] = 0;
-    *len = n;
-    return buf;
-}
-
 /* The prompt's token ids (malloc'd). Exit status on error. */
 static int prompt_tokens(const group_opts_t *o, const pdm_model_t *model, int32_t **ids_out,
                          size_t *n_out)
@@ -164,7 +131,8 @@ static int prompt_tokens(const group_opts_t *o, const pdm_model_t *model, int32_
         char *text = NULL, *rendered = NULL;
         size_t len = 0;
         if (o->prompt_file) {
-            if (!(text = read_file(o->prompt_file, &len))) return cli_runtime_error("prompt");
+            if (pdm_file_read(o->prompt_file, 128u << 20, &text, &len))
+                return cli_runtime_error("prompt");
         } else if (o->prompt) {
             text = strdup(o->prompt);
             len = strlen(o->prompt);
