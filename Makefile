@@ -14,6 +14,8 @@
 #   make bench-decode-memory-beam  beam widths 1/2/4/8: KV memory (eq. 2 vs 3) and latency
 #   make bench-decode-memory  head-wise KV offload vs all resident (docs/perf/decode-memory-offload.md)
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
+#   make format   clang-format the sources in place (.clang-format); make format-check lists
+#                 the files that differ (not part of make test)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
 #   make cuda-check  compile every .cu file (what CI runs; no GPU needed)
 #   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated
@@ -114,6 +116,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden clean distclean format \
+        format-check \
         integration-test bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
@@ -401,8 +404,23 @@ golden: model
 	$(VENV)/bin/python tests/golden/make_golden.py --model $(MODEL_FILE) \
 	  --out tests/golden/golden.json
 
+# Formatting with the committed .clang-format: every C/CUDA source and header of the tree
+# (not build output). `make format` rewrites them in place; `make format-check` only lists the
+# files whose formatting differs and fails if there are any (not part of `make test`).
+FORMAT_DIRS := common kernels model kvtransfer prefill_node decode_node router sdk cli tests bench \
+               tools
+FORMAT_SRC = $(shell find $(FORMAT_DIRS) \( -name '*.c' -o -name '*.h' -o -name '*.cu' \
+                                          -o -name '*.inc' \) -type f | sort)
+CLANG_FORMAT ?= clang-format
+
 format:
-	clang-format -i $(LIB_SRC) $(CLI_SRC) $(TEST_SRC) */*.h kernels/*.h
+	$(CLANG_FORMAT) -i --style=file $(FORMAT_SRC)
+
+format-check:
+	@n=0; for f in $(FORMAT_SRC); do \
+	  $(CLANG_FORMAT) --style=file "$$f" | cmp -s "$$f" - || { echo "$$f"; n=$$((n + 1)); }; \
+	done; \
+	if [ $$n -gt 0 ]; then echo "format-check: $$n files differ from .clang-format (make format)"; exit 1; fi
 
 clean:
 	rm -rf $(BUILD) build-asan build-cuda build-cuda-check

@@ -110,8 +110,8 @@ int pdm_secret_load(const pdm_secret_source_t *src, char **out, size_t *len)
     }
     n = pdm__secret_trim(buf, n);
     if (n < src->min_len)
-        st = pdm_error_set(PDM_EINVAL, "%s%s: too short (%zu bytes, need at least %zu)", what,
-                           from, n, src->min_len);
+        st = pdm_error_set(PDM_EINVAL, "%s%s: too short (%zu bytes, need at least %zu)", what, from,
+                           n, src->min_len);
     else if (!src->binary && memchr(buf, 0, n))
         st = pdm_error_set(PDM_EINVAL, "%s%s: contains a NUL byte", what, from);
     if (st) {
