@@ -44,7 +44,11 @@ LDLIBS := -lucp -lucs -lzmq -lprotobuf-c -lcrypto -lpcre2-8 -lcjson -lxxhash -lm
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := $(AVX2_FLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
 
-COMMON_SRC := common/common.c common/file.c common/wire.c common/agent.c common/curve.c
+# common/: COMMON_SRC goes into libpdmesh too (SDK_LIB_SRC); COMMON_NODE_SRC is what only the
+# router, the daemons and the CLI use (the node agent, registration proofs and the cluster
+# secret, the daemons' stdio control lines).
+COMMON_SRC := common/common.c common/file.c common/wire.c common/curve.c
+COMMON_NODE_SRC := common/agent.c common/auth.c common/ctl.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
@@ -54,7 +58,7 @@ KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/ch
 PREFILL_SRC := prefill_node/rank.c prefill_node/launch.c prefill_node/policy.c prefill_node/conv.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_node/beam.c \
               decode_node/beam_search.c decode_node/offload.c
-LIB_SRC := $(COMMON_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
+LIB_SRC := $(COMMON_SRC) $(COMMON_NODE_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
            router/metrics.c
 CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c cli/generate_remote.c \
            cli/sampling.c \

@@ -1,5 +1,6 @@
 /*
- * common.c - status strings, thread-local error messages, logging and clocks.
+ * common.c - status strings, thread-local error messages, logging, clocks, number and hex
+ * parsing. The daemons' stdio control lines are in common/ctl.c.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "pdm.h"
@@ -13,7 +14,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <cjson/cJSON.h>
 
 const char *pdm_strerror(int status)
 {
@@ -160,46 +160,4 @@ int pdm_hex_decode(const char *s, uint8_t **out, size_t *len)
     *out = b;
     *len = n / 2;
     return PDM_OK;
-}
-
-/* ---- Control lines on stdio -------------------------------------------------------------- */
-
-static FILE *pdm__ctl;
-
-int pdm_ctl_open(void)
-{
-    int fd = dup(1);
-    if (fd < 0 || !(pdm__ctl = fdopen(fd, "w")) || dup2(2, 1) < 0) {
-        if (fd >= 0 && !pdm__ctl) close(fd);
-        return pdm_error_set(PDM_EIO, "cannot set up the protocol stream on stdout");
-    }
-    return PDM_OK;
-}
-
-void pdm_ctl_close(void)
-{
-    if (pdm__ctl) fclose(pdm__ctl);
-    pdm__ctl = NULL;
-}
-
-void pdm_ctl_emit(cJSON *obj)
-{
-    char *s = cJSON_PrintUnformatted(obj);
-    if (s && pdm__ctl) {
-        fprintf(pdm__ctl, "%s\n", s);
-        fflush(pdm__ctl);
-    }
-    free(s);
-    cJSON_Delete(obj);
-}
-
-void pdm_ctl_hello(const void *address, size_t len)
-{
-    char *hex = pdm_hex_encode(address, len);
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "event", "hello");
-    cJSON_AddStringToObject(o, "address", hex ? hex : "");
-    cJSON_AddNumberToObject(o, "pid", (double)getpid());
-    pdm_ctl_emit(o);
-    free(hex);
 }

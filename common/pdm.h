@@ -134,7 +134,7 @@ typedef struct {
  * src->min_len, or a NUL byte in a text secret), PDM_ENOMEM. */
 int pdm_secret_load(const pdm_secret_source_t *src, char **out, size_t *len);
 
-/* ---- Control lines on stdio --------------------------------------------------------------
+/* ---- Control lines on stdio (common/ctl.c; node-only, not in libpdmesh) -------------------
  * Until the router's control plane drives them, the daemons (pdmesh-prefill, pdmesh-decode)
  * talk to their launcher with one JSON object per line on stdin/stdout. */
 struct cJSON;

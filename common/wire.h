@@ -60,7 +60,8 @@ int pdm_wire_send_error(void *zsock, const void *ident, size_t ident_len, int co
                         uint64_t request_id, const char *fmt, ...)
     __attribute__((format(printf, 6, 7)));
 
-/* ---- authentication (OpenSSL) ---- */
+/* ---- authentication (OpenSSL; common/auth.c, node-only: not in libpdmesh) ----
+ * pdm_auth_load_admin_token and pdm_random_bytes (common/wire.c) are in libpdmesh. */
 
 /* proof = HMAC-SHA256(secret, node_id || 0x00 || nonce (8 bytes BE) || timestamp_ms (8 BE)). */
 void pdm_auth_proof(const void *secret, size_t secret_len, const char *node_id, uint64_t nonce,
