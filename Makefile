@@ -14,6 +14,8 @@
 #   make bench-decode-memory-beam  beam widths 1/2/4/8: KV memory (eq. 2 vs 3) and latency
 #   make bench-decode-memory  head-wise KV offload vs all resident (docs/perf/decode-memory-offload.md)
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
+#   make format   clang-format the sources in place (.clang-format); make format-check lists
+#                 the files that differ (not part of make test)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
 #   make cuda-check  compile every .cu file (what CI runs; no GPU needed)
 #   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated
@@ -42,9 +44,11 @@ LDLIBS := -lucp -lucs -lzmq -lprotobuf-c -lcrypto -lpcre2-8 -lcjson -lxxhash -lm
 AVX2_FLAGS := -mavx2 -mfma -mf16c
 AVX512_FLAGS := $(AVX2_FLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16
 
-COMMON_SRC := common/common.c common/wire.c common/curve.c
-# Node-only code (the daemons' control-plane link): not in libpdmesh.
-NODE_SRC := common/nodelink.c
+# common/: COMMON_SRC goes into libpdmesh too (SDK_LIB_SRC); COMMON_NODE_SRC is what only the
+# router, the daemons and the CLI use (the daemons' control-plane link, registration proofs
+# and the cluster secret).
+COMMON_SRC := common/common.c common/file.c common/wire.c common/curve.c
+COMMON_NODE_SRC := common/nodelink.c common/auth.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
@@ -58,9 +62,10 @@ PREFILL_SRC := prefill_node/plan.c prefill_node/plan_io.c prefill_node/conv.c \
                prefill_node/partition_search.c prefill_node/launch.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_node/beam.c \
               decode_node/beam_search.c decode_node/offload.c
-LIB_SRC := $(COMMON_SRC) $(NODE_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
+LIB_SRC := $(COMMON_SRC) $(COMMON_NODE_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
            router/metrics.c
 CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c cli/generate_remote.c \
+           cli/sampling.c \
            cli/meshconf.c
 # libpdmesh (sdk/): the client SDK, standalone (common + generated protobuf code inside).
 SDK_SRC := sdk/client.c sdk/admin.c
@@ -120,6 +125,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden clean distclean format \
+        format-check \
         integration-test bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
@@ -407,8 +413,23 @@ golden: model
 	$(VENV)/bin/python tests/golden/make_golden.py --model $(MODEL_FILE) \
 	  --out tests/golden/golden.json
 
+# Formatting with the committed .clang-format: every C/CUDA source and header of the tree
+# (not build output). `make format` rewrites them in place; `make format-check` only lists the
+# files whose formatting differs and fails if there are any (not part of `make test`).
+FORMAT_DIRS := common kernels model kvtransfer prefill_node decode_node router sdk cli tests bench \
+               tools
+FORMAT_SRC = $(shell find $(FORMAT_DIRS) \( -name '*.c' -o -name '*.h' -o -name '*.cu' \
+                                          -o -name '*.inc' \) -type f | sort)
+CLANG_FORMAT ?= clang-format
+
 format:
-	clang-format -i $(LIB_SRC) $(CLI_SRC) $(TEST_SRC) */*.h kernels/*.h
+	$(CLANG_FORMAT) -i --style=file $(FORMAT_SRC)
+
+format-check:
+	@n=0; for f in $(FORMAT_SRC); do \
+	  $(CLANG_FORMAT) --style=file "$$f" | cmp -s "$$f" - || { echo "$$f"; n=$$((n + 1)); }; \
+	done; \
+	if [ $$n -gt 0 ]; then echo "format-check: $$n files differ from .clang-format (make format)"; exit 1; fi
 
 clean:
 	rm -rf $(BUILD) build-asan build-cuda build-cuda-check

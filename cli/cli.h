@@ -26,6 +26,30 @@ int cli_load_model(const char *path, pdm_model_t **model);
 int cli_tokenize_alloc(const pdm_tokenizer_t *tok, const char *text, size_t len, int flags,
                        int32_t **ids_out, size_t *n_out);
 
+/* ---- Sampling flags: one parser and one set of limits for every generating command -------
+ * Add CLI_SAMPLING_LONG_OPTS to a getopt_long option table and pass each option to
+ * cli_sampling_flag_parse. The limits are the router's (pdm_sampler_params_check):
+ * --temp [0, 100], --top-k [0, INT32_MAX], --top-p (0, 1], --min-p [0, 1],
+ * --repeat-penalty (0, 100], --seed any decimal uint64. */
+enum {
+    CLI_OPT_TEMP = 3000,
+    CLI_OPT_TOP_K,
+    CLI_OPT_TOP_P,
+    CLI_OPT_MIN_P,
+    CLI_OPT_REPEAT_PENALTY,
+    CLI_OPT_SEED
+};
+#define CLI_SAMPLING_LONG_OPTS                                                                 \
+    {"temp", required_argument, 0, CLI_OPT_TEMP}, {"top-k", required_argument, 0, CLI_OPT_TOP_K}, \
+        {"top-p", required_argument, 0, CLI_OPT_TOP_P},                                        \
+        {"min-p", required_argument, 0, CLI_OPT_MIN_P},                                        \
+        {"repeat-penalty", required_argument, 0, CLI_OPT_REPEAT_PENALTY},                      \
+        {"seed", required_argument, 0, CLI_OPT_SEED}
+/* Stores the value of sampling option `opt_id` into *sp: 1 when done, 0 when opt_id is not a
+ * sampling option (sp unchanged), -1 when the value is invalid (a usage error naming the flag
+ * and its range has been printed; exit with status 2; sp unchanged). */
+int cli_sampling_flag_parse(int opt_id, const char *arg, pdm_sampler_params_t *sp);
+
 int cmd_prefill_run(int argc, char **argv);
 int cmd_partition_search(int argc, char **argv);
 int cmd_calibrate(int argc, char **argv);

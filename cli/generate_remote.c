@@ -82,22 +82,18 @@ int cmd_generate_remote(int argc, char **argv)
     long n_predict = 128, timeout_ms = 120000, beams = 0, n_best = 0;
     pdm_client_request_t req;
     pdm_client_request_init(&req);
-    req.temperature = 0.8f; /* the local mode's default */
-    req.top_k = 40;
-    req.top_p = 0.95f;
-    req.min_p = 0.05f;
-    enum { O_TEMP = 256, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_ROUTER, O_TIMEOUT,
-           O_BEAMS, O_LOCAL_ONLY, O_MESH, O_CONFIG, O_CSRV, O_CKEY, O_NBEST, O_LP, O_ES,
-           O_IGNORE_EOS };
+    pdm_sampler_params_t sp; /* the local mode's defaults, copied into req after parsing */
+    pdm_sampler_params_default(&sp);
+    sp.repeat_penalty = 0; /* unset: the router's default (off) */
+    sp.seed = 0;           /* unset: the router picks one */
+    enum { O_STOP = 256, O_ROUTER, O_TIMEOUT, O_BEAMS, O_LOCAL_ONLY, O_MESH, O_CONFIG, O_CSRV,
+           O_CKEY, O_NBEST, O_LP, O_ES, O_IGNORE_EOS };
     static const struct option opts[] = {
         {"router", required_argument, 0, O_ROUTER}, {"prompt", required_argument, 0, 'p'},
         {"mesh", no_argument, 0, O_MESH},          {"config", required_argument, 0, O_CONFIG},
         {"chat", no_argument, 0, 'c'},             {"n-predict", required_argument, 0, 'n'},
         {"stats", no_argument, 0, 's'},            {"json", no_argument, 0, 'j'},
-        {"temp", required_argument, 0, O_TEMP},    {"top-k", required_argument, 0, O_TOPK},
-        {"top-p", required_argument, 0, O_TOPP},   {"min-p", required_argument, 0, O_MINP},
-        {"repeat-penalty", required_argument, 0, O_REP},
-        {"seed", required_argument, 0, O_SEED},    {"stop", required_argument, 0, O_STOP},
+        CLI_SAMPLING_LONG_OPTS,                    {"stop", required_argument, 0, O_STOP},
         {"timeout", required_argument, 0, O_TIMEOUT},
         {"beams", required_argument, 0, O_BEAMS},  {"model", required_argument, 0, 'm'},
         {"n-best", required_argument, 0, O_NBEST}, {"length-penalty", required_argument, 0, O_LP},
@@ -112,9 +108,11 @@ int cmd_generate_remote(int argc, char **argv)
         {0, 0, 0, 0}};
     int c;
     double dv;
-    long lv;
     optind = 1;
     while ((c = getopt_long(argc, argv, "m:p:cn:sj", opts, NULL)) != -1) {
+        int sampling = cli_sampling_flag_parse(c, optarg, &sp);
+        if (sampling < 0) return 2;
+        if (sampling) continue;
         switch (c) {
         case O_ROUTER: router = optarg; break;
         case O_CSRV: curve_srv = optarg; break;
@@ -130,38 +128,6 @@ int cmd_generate_remote(int argc, char **argv)
             if (pdm_parse_long(optarg, 1, 1 << 20, &n_predict))
                 return cli_usage_error("invalid -n '%s' (1..1048576 with --router)", optarg);
             break;
-        case O_TEMP:
-            if (pdm_parse_double(optarg, 0, 100, &dv))
-                return cli_usage_error("invalid --temp '%s' (0..100)", optarg);
-            req.temperature = (float)dv;
-            break;
-        case O_TOPK:
-            if (pdm_parse_long(optarg, 0, 1 << 30, &lv))
-                return cli_usage_error("invalid --top-k '%s' (>= 0)", optarg);
-            req.top_k = (int32_t)lv;
-            break;
-        case O_TOPP:
-            if (pdm_parse_double(optarg, 1e-9, 1, &dv))
-                return cli_usage_error("invalid --top-p '%s' (0..1]", optarg);
-            req.top_p = (float)dv;
-            break;
-        case O_MINP:
-            if (pdm_parse_double(optarg, 0, 1, &dv))
-                return cli_usage_error("invalid --min-p '%s' (0..1)", optarg);
-            req.min_p = (float)dv;
-            break;
-        case O_REP:
-            if (pdm_parse_double(optarg, 1e-6, 100, &dv))
-                return cli_usage_error("invalid --repeat-penalty '%s' (0..100]", optarg);
-            req.repeat_penalty = (float)dv;
-            break;
-        case O_SEED: {
-            char *end;
-            unsigned long long s = strtoull(optarg, &end, 10);
-            if (!*optarg || *end) return cli_usage_error("invalid --seed '%s'", optarg);
-            req.seed = s;
-            break;
-        }
         case O_STOP:
             if (n_stops == PDM__REMOTE_MAX_STOPS)
                 return cli_usage_error("too many --stop strings%s", "");
@@ -195,6 +161,12 @@ int cmd_generate_remote(int argc, char **argv)
     }
     if (optind < argc) return cli_usage_error("unexpected argument '%s'", argv[optind]);
     if (!prompt) return cli_usage_error("%s", "generate needs --prompt TEXT");
+    req.temperature = sp.temperature;
+    req.top_k = sp.top_k;
+    req.top_p = sp.top_p;
+    req.min_p = sp.min_p;
+    req.repeat_penalty = sp.repeat_penalty;
+    req.seed = sp.seed;
     cli_mesh_t mesh;
     if (router && config)
         return cli_usage_error("%s", "give either --router ENDPOINT or --mesh/--config FILE");

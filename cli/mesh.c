@@ -14,12 +14,12 @@
 #include <sys/types.h>
 #include <unistd.h>
 #include <yaml.h>
-#include <zmq.h>
 
 #include "cli/cli.h"
 #include "common/curve.h"
 #include "common/pdm.h"
 #include "common/wire.h"
+#include "sdk/pdmesh_admin.h"
 
 /* ---- a small YAML tree (maps, sequences, scalars) --------------------------------------- */
 
@@ -174,51 +174,32 @@ static int write_secret(const char *path, size_t bytes)
     return st ? pdm_error_set(st, "%s: cannot write", path) : PDM_OK;
 }
 
-/* Nodes alive according to the router's admin socket, -1 when it does not answer. */
-static int alive_nodes(const char *admin_ep, const char *token, const char *curve_srv,
-                       const char *curve_key)
+/* Nodes alive according to the router's admin socket (the SDK's admin call, CURVE from the
+ * environment), -1 when it does not answer. */
+static int alive_nodes(const char *admin_ep, const char *token)
 {
-    void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_DEALER);
-    int zero = 0, n = -1;
-    zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof(zero));
-    if (!pdm_curve_client_setup(s, curve_srv, curve_key) && !zmq_connect(s, admin_ep)) {
-        Pdmesh__AdminRequest a = PDMESH__ADMIN_REQUEST__INIT;
-        a.op = PDMESH__ADMIN_OP__ADMIN_NODES;
-        a.token = (char *)token;
-        pdm_wire_send(s, NULL, 0, PDMESH__MSG_TYPE__MSG_ADMIN_REQUEST, &a.base);
-        zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
-        if (zmq_poll(&it, 1, 1000) > 0) {
-            zmq_msg_t msg;
-            zmq_msg_init(&msg);
-            pdm_wire_msg_t *w = NULL;
-            if (zmq_msg_recv(&msg, s, 0) >= 0 &&
-                !pdm_wire_unpack(zmq_msg_data(&msg), zmq_msg_size(&msg), 16u << 20, 0, &w) &&
-                pdm_wire_type(w) == PDMESH__MSG_TYPE__MSG_ADMIN_REPLY) {
-                Pdmesh__AdminReply *r = (Pdmesh__AdminReply *)pdm_wire_message(w);
-                n = 0;
-                for (size_t i = 0; r->ok && i < r->n_nodes; i++) n += !strcmp(r->nodes[i]->state, "alive");
-            }
-            pdm_wire_msg_free(w);
-            zmq_msg_close(&msg);
-        }
-    }
-    zmq_close(s);
-    zmq_ctx_term(ctx);
+    Pdmesh__AdminRequest a = PDMESH__ADMIN_REQUEST__INIT;
+    a.op = PDMESH__ADMIN_OP__ADMIN_NODES;
+    a.token = (char *)token;
+    pdm_admin_reply_t *reply;
+    if (pdm_admin_call(admin_ep, &a, 1000, &reply)) return -1;
+    const Pdmesh__AdminReply *r = pdm_admin_reply_get(reply);
+    int n = 0;
+    for (size_t i = 0; r->ok && i < r->n_nodes; i++) n += !strcmp(r->nodes[i]->state, "alive");
+    pdm_admin_reply_free(reply);
     return n;
 }
 
 static int pid_alive(int pid)
 {
     if (kill(pid, 0)) return 0;
-    char path[64], buf[256];
+    char path[64], *stat;
     snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-    FILE *f = fopen(path, "r");
-    if (!f) return 0;
-    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    char *p = strrchr(buf, ')');
-    return !(p && p[1] == ' ' && p[2] == 'Z'); /* a zombie has exited */
+    if (pdm_file_read(path, 4096, &stat, NULL)) return 0;
+    char *p = strrchr(stat, ')');
+    int zombie = p && p[1] == ' ' && p[2] == 'Z'; /* a zombie has exited */
+    free(stat);
+    return !zombie;
 }
 
 static int stop_all(const char *run, double grace)
@@ -422,17 +403,15 @@ int cmd_up(int argc, char **argv)
         stop_all(m.run, 5);
         return 1;
     }
-    /* Ready when the router reports every node alive. */
-    char tok[256] = {0};
-    FILE *tf = fopen(token, "r");
-    if (tf) {
-        if (!fgets(tok, sizeof(tok), tf)) tok[0] = 0;
-        fclose(tf);
-    }
+    /* Ready when the router reports every node alive; pdmesh generate/pdctl's client key. */
+    if (curve) setenv("PDMESH_CURVE_KEY_FILE", c_cli, 1);
+    char *tok = NULL;
+    if (pdm_admin_load_token(token, &tok))
+        fprintf(stderr, "pdmesh up: %s\n", pdm_client_last_error());
     double end = pdm_now() + (double)timeout;
     int alive = -1;
-    while (pdm_now() < end && (alive = alive_nodes(admin, tok, curve ? c_srv_pub : NULL,
-                                                              curve ? c_cli : NULL)) < expected) usleep(300000);
+    while (tok && pdm_now() < end && (alive = alive_nodes(admin, tok)) < expected) usleep(300000);
+    free(tok);
     if (alive < expected) {
         fprintf(stderr, "pdmesh up: only %d of %d nodes alive after %ld s; logs in %s; stopping\n",
                 alive < 0 ? 0 : alive, expected, timeout, m.run);

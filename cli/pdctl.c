@@ -230,36 +230,6 @@ static void print_human(const Pdmesh__AdminReply *a, Pdmesh__AdminOp op)
     }
 }
 
-/* Reads a whole file (the partition table) into a malloc'ed string. */
-static char *read_file(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 4096, len = 0, got;
-    char *buf = malloc(cap);
-    while (buf && (got = fread(buf + len, 1, cap - len - 1, f)) > 0) {
-        len += got;
-        if (len + 1 == cap) {
-            if (cap >= (64u << 20)) { /* far beyond any table */
-                free(buf);
-                buf = NULL;
-                break;
-            }
-            char *nb = realloc(buf, cap * 2);
-            if (!nb) {
-                free(buf);
-                buf = NULL;
-                break;
-            }
-            buf = nb;
-            cap *= 2;
-        }
-    }
-    fclose(f);
-    if (buf) buf[len] = 0;
-    return buf;
-}
-
 int main(int argc, char **argv)
 {
     const char *router = getenv("PDMESH_ADMIN_ROUTER");
@@ -372,8 +342,8 @@ int main(int argc, char **argv)
             req.op = PDMESH__ADMIN_OP__ADMIN_LUT_SHOW;
         } else if (nargs == 2 && !strcmp(args[0], "load")) {
             req.op = PDMESH__ADMIN_OP__ADMIN_LUT_LOAD;
-            if (!(lut_text = read_file(args[1]))) {
-                fprintf(stderr, "pdctl: cannot read the table %s\n", args[1]);
+            if (pdm_file_read(args[1], 64u << 20, &lut_text, NULL)) { /* far beyond any table */
+                fprintf(stderr, "pdctl: cannot read the table: %s\n", pdm_error_last());
                 return 1;
             }
             cJSON *t = cJSON_Parse(lut_text);

@@ -48,7 +48,8 @@ static void usage(FILE *f)
             "              [--min-stride N] [--threads N] [--pin]   KVR-S lookup table\n"
             "  calibrate   [--length N] [--out FILE] [--pin]  achieved compute and link speed\n"
             "  disagg-run  --prefill-ranks R --method M (--prompt TEXT|--prompt-file F|--random N)...\n"
-            "              [-n N] [--temp T] [--stop S] [--chat] [--decode-batch N]\n"
+            "              [-n N] [--temp T] [--top-k K] [--top-p P] [--min-p P]\n"
+            "              [--repeat-penalty R] [--seed S] [--stop S] [--chat] [--decode-batch N]\n"
             "              [--kv-dtype f32|f16|q8] [--json]\n"
             "              [--beams B] [--length-penalty X] [--n-best N] [--early-stopping R]\n"
             "              [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR]\n"
@@ -192,25 +193,23 @@ static int cmd_generate(int argc, char **argv)
                     .batch = 512, .ctx = 0, .kv_dtype = PDM_DT_F16};
     pdm_sampler_params_default(&o.sp);
     o.sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
-    enum { O_TEMP = 256, O_TOPK, O_TOPP, O_MINP, O_REP, O_SEED, O_STOP, O_BATCH, O_CTX, O_KV,
-           O_IGNORE_EOS };
+    enum { O_STOP = 256, O_BATCH, O_CTX, O_KV, O_IGNORE_EOS };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"prompt", required_argument, 0, 'p'},
         {"chat", no_argument, 0, 'c'},            {"n-predict", required_argument, 0, 'n'},
         {"threads", required_argument, 0, 't'},   {"stats", no_argument, 0, 's'},
-        {"json", no_argument, 0, 'j'},            {"temp", required_argument, 0, O_TEMP},
-        {"top-k", required_argument, 0, O_TOPK},  {"top-p", required_argument, 0, O_TOPP},
-        {"min-p", required_argument, 0, O_MINP},  {"repeat-penalty", required_argument, 0, O_REP},
-        {"seed", required_argument, 0, O_SEED},   {"stop", required_argument, 0, O_STOP},
+        {"json", no_argument, 0, 'j'},            CLI_SAMPLING_LONG_OPTS,
+        {"stop", required_argument, 0, O_STOP},
         {"batch", required_argument, 0, O_BATCH}, {"ctx", required_argument, 0, O_CTX},
         {"kv-dtype", required_argument, 0, O_KV}, {"help", no_argument, 0, 'h'},
         {"ignore-eos", no_argument, 0, O_IGNORE_EOS},
         {0, 0, 0, 0}};
     int c;
-    double dv;
-    long lv;
     optind = 1;
     while ((c = getopt_long(argc, argv, "m:p:cn:t:sjh", opts, NULL)) != -1) {
+        int sampling = cli_sampling_flag_parse(c, optarg, &o.sp);
+        if (sampling < 0) return 2;
+        if (sampling) continue;
         switch (c) {
         case 'm': o.model_path = optarg; break;
         case 'p': o.prompt = optarg; break;
@@ -233,38 +232,6 @@ static int cmd_generate(int argc, char **argv)
             if (pdm_parse_long(optarg, 1, 1 << 24, &o.ctx))
                 return cli_usage_error("invalid --ctx '%s'", optarg);
             break;
-        case O_TEMP:
-            if (pdm_parse_double(optarg, 0, 100, &dv))
-                return cli_usage_error("invalid --temp '%s' (0..100)", optarg);
-            o.sp.temperature = (float)dv;
-            break;
-        case O_TOPK:
-            if (pdm_parse_long(optarg, 0, 1 << 30, &lv))
-                return cli_usage_error("invalid --top-k '%s' (>= 0)", optarg);
-            o.sp.top_k = (int32_t)lv;
-            break;
-        case O_TOPP:
-            if (pdm_parse_double(optarg, 1e-9, 1, &dv))
-                return cli_usage_error("invalid --top-p '%s' (0..1]", optarg);
-            o.sp.top_p = (float)dv;
-            break;
-        case O_MINP:
-            if (pdm_parse_double(optarg, 0, 1, &dv))
-                return cli_usage_error("invalid --min-p '%s' (0..1)", optarg);
-            o.sp.min_p = (float)dv;
-            break;
-        case O_REP:
-            if (pdm_parse_double(optarg, 1e-6, 100, &dv))
-                return cli_usage_error("invalid --repeat-penalty '%s' (0..100]", optarg);
-            o.sp.repeat_penalty = (float)dv;
-            break;
-        case O_SEED: {
-            char *end;
-            unsigned long long s = strtoull(optarg, &end, 10);
-            if (!*optarg || *end) return cli_usage_error("invalid --seed '%s'", optarg);
-            o.sp.seed = s;
-            break;
-        }
         case O_IGNORE_EOS: o.ignore_eos = 1; break;
         case O_STOP:
             if (o.n_stops == PDM__MAX_STOPS) return cli_usage_error("too many --stop strings%s", "");

@@ -114,39 +114,6 @@ static int group_opt(group_opts_t *o, int c, const char *arg, int *json)
     }
 }
 
-static char *read_file(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        pdm_error_set(PDM_EIO, "%s: cannot open", path);
-        return NULL;
-    }
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    for (size_t got; buf && (got = fread(buf + n, 1, cap - n - 1, f)) > 0;) {
-        n += got;
-        if (cap - n < 2) {
-            if (cap > (64u << 20)) break;
-            char *b = realloc(buf, cap * 2);
-            if (!b) {
-                free(buf);
-                buf = NULL;
-                break;
-            }
-            buf = b;
-            cap *= 2;
-        }
-    }
-    fclose(f);
-    if (!buf) {
-        pdm_error_set(PDM_ENOMEM, "out of memory");
-        return NULL;
-    }
-    buf[n] = 0;
-    *len = n;
-    return buf;
-}
-
 /* The prompt's token ids (malloc'd). Exit status on error. */
 static int prompt_tokens(const group_opts_t *o, const pdm_model_t *model, int32_t **ids_out,
                          size_t *n_out)
@@ -164,7 +131,8 @@ static int prompt_tokens(const group_opts_t *o, const pdm_model_t *model, int32_
         char *text = NULL, *rendered = NULL;
         size_t len = 0;
         if (o->prompt_file) {
-            if (!(text = read_file(o->prompt_file, &len))) return cli_runtime_error("prompt");
+            if (pdm_file_read(o->prompt_file, 128u << 20, &text, &len))
+                return cli_runtime_error("prompt");
         } else if (o->prompt) {
             text = strdup(o->prompt);
             len = strlen(o->prompt);
@@ -689,8 +657,8 @@ int cmd_disagg_run(int argc, char **argv)
     pdm_sampler_params_t sp;
     pdm_sampler_params_default(&sp);
     sp.temperature = 0; /* greedy unless asked */
-    enum { D_N = 2000, D_TEMP, D_SEED, D_STOP, D_DBATCH, D_DTHREADS, D_TOPK, D_TOPP, D_BEAMS,
-           D_LPEN, D_NBEST, D_ESTOP, D_FAST, D_SLOW, D_REUSE, D_BLOCK };
+    enum { D_N = 2000, D_STOP, D_DBATCH, D_DTHREADS, D_BEAMS, D_LPEN, D_NBEST, D_ESTOP, D_FAST,
+           D_SLOW, D_REUSE, D_BLOCK };
     int reuse_prefix = 0;
     long block_tokens = 64; /* the router's default --block-tokens */
     long beams = 0, n_best = 1;
@@ -707,10 +675,7 @@ int cmd_disagg_run(int argc, char **argv)
         {"random", required_argument, 0, O_RANDOM},
         {"length", required_argument, 0, O_LENGTH},
         {"n-predict", required_argument, 0, D_N},
-        {"temp", required_argument, 0, D_TEMP},
-        {"top-k", required_argument, 0, D_TOPK},
-        {"top-p", required_argument, 0, D_TOPP},
-        {"seed", required_argument, 0, D_SEED},
+        CLI_SAMPLING_LONG_OPTS,
         {"stop", required_argument, 0, D_STOP},
         {"decode-batch", required_argument, 0, D_DBATCH},
         {"decode-threads", required_argument, 0, D_DTHREADS},
@@ -732,7 +697,6 @@ int cmd_disagg_run(int argc, char **argv)
         {0, 0, 0, 0}};
     int c;
     long v;
-    double d;
     optind = 1;
     while ((c = getopt_long(argc, argv, "n:", opts, NULL)) != -1) {
         if (c == O_PROMPT) {
@@ -748,28 +712,15 @@ int cmd_disagg_run(int argc, char **argv)
         int g = group_opt(&o, c, optarg, &json);
         if (g < 0) return cli_usage_error("invalid value '%s'", optarg);
         if (g) continue;
+        int sampling = cli_sampling_flag_parse(c, optarg, &sp);
+        if (sampling < 0) return 2;
+        if (sampling) continue;
         switch (c) {
         case O_METHOD: method_name = optarg; break;
         case O_PARTITION: partition = optarg; break;
         case 'n':
         case D_N:
             if (pdm_parse_long(optarg, 1, 1 << 20, &n_new)) return cli_usage_error("bad -n '%s'", optarg);
-            break;
-        case D_TEMP:
-            if (pdm_parse_double(optarg, 0, 100, &d)) return cli_usage_error("bad --temp '%s'", optarg);
-            sp.temperature = (float)d;
-            break;
-        case D_TOPK:
-            if (pdm_parse_long(optarg, 0, 1 << 20, &v)) return cli_usage_error("bad --top-k '%s'", optarg);
-            sp.top_k = (int32_t)v;
-            break;
-        case D_TOPP:
-            if (pdm_parse_double(optarg, 0, 1, &d)) return cli_usage_error("bad --top-p '%s'", optarg);
-            sp.top_p = (float)d;
-            break;
-        case D_SEED:
-            if (pdm_parse_long(optarg, 0, LONG_MAX, &v)) return cli_usage_error("bad --seed '%s'", optarg);
-            sp.seed = (uint64_t)v;
             break;
         case D_STOP:
             if (n_stops == 8) return cli_usage_error("%s", "at most 8 stop strings");

@@ -1,5 +1,6 @@
 /*
- * common.c - status strings, thread-local error messages, logging and clocks.
+ * common.c - status strings, thread-local error messages, logging, clocks, number and hex
+ * parsing.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "pdm.h"
@@ -164,4 +165,3 @@ int pdm_hex_decode(const char *s, uint8_t **out, size_t *len)
     *len = n / 2;
     return PDM_OK;
 }
-

@@ -343,10 +343,7 @@ int pdm_link_create(const pdm_link_params_t *p, pdm_link_t **out)
     pthread_mutex_init(&l->load_mu, NULL);
     pdmesh__load__init(&l->load);
     int st = pdm_auth_load_secret(p->secret_file, &l->secret, &l->secret_len);
-    if (st) {
-        st = pdm_error_set(st, "cluster secret: %s", pdm_error_last());
-        goto err;
-    }
+    if (st) goto err; /* the message names the secret and its sources */
     sigset_t sigs;
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGTERM);

@@ -101,6 +101,39 @@ char *pdm_hex_encode(const void *data, size_t len);
  * length or not hex, PDM_ENOMEM. Writes the outputs only on success. */
 int pdm_hex_decode(const char *s, uint8_t **out, size_t *len);
 
+/* ---- Files and secrets (common/file.c) ----------------------------------------------------- */
+
+/* Reads the whole file `path` into a malloc'd buffer with a NUL byte after the data (so text
+ * can be used as a C string; binary data may hold NULs, *len counts the bytes without the
+ * terminator). Refuses files over max_bytes. Works on files of unknown size (/proc, pipes).
+ * PDM_EIO (cannot open or read; the message names the path and the reason), PDM_ERANGE (over
+ * max_bytes), PDM_ENOMEM. Writes *data and *len only on success; len may be NULL. */
+int pdm_file_read(const char *path, size_t max_bytes, char **data, size_t *len);
+
+/* The size limit of every secret and token, from a file or the environment. */
+#define PDM_SECRET_MAX 4096
+
+/* Where a secret comes from (see pdm_secret_load). */
+typedef struct {
+    const char *what;        /* named in errors: "cluster secret", "admin token" */
+    const char *file;        /* 1st: a file from an option or config; NULL/"" = not given */
+    const char *file_option; /* the option's name for messages ("--secret-file FILE"), or NULL */
+    const char *env_file;    /* 2nd: the name of a variable holding a file path, or NULL */
+    const char *env_value;   /* 3rd: the name of a variable holding the value itself, or NULL */
+    size_t min_len;          /* the shortest value accepted (after trimming) */
+    int binary;              /* 1: may contain NUL bytes (an HMAC key); 0: text (a token) */
+} pdm_secret_source_t;
+
+/* Loads a secret: the first configured of src->file, the file named by $src->env_file, the
+ * value of $src->env_value (precedence file option > env file > env value; empty strings count
+ * as not configured). At most PDM_SECRET_MAX bytes; trailing CR/LF characters are stripped,
+ * nothing else. No file-mode check is made (none of the loaders this replaced made one).
+ * On success *out is malloc'd and NUL-terminated, *len (may be NULL) its length.
+ * Errors name the secret and the source: PDM_ENOTFOUND (nothing configured; the message lists
+ * the sources), PDM_EIO (file unreadable), PDM_ERANGE (too long), PDM_EINVAL (shorter than
+ * src->min_len, or a NUL byte in a text secret), PDM_ENOMEM. */
+int pdm_secret_load(const pdm_secret_source_t *src, char **out, size_t *len);
+
 #define PDM_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 #define PDM_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define PDM_MAX(a, b) ((a) > (b) ? (a) : (b))

@@ -1,13 +1,11 @@
 /*
- * Message framing (8-byte header + protobuf), budgeted unpacking, ZeroMQ send helpers, and the
- * HMAC / SHA-256 primitives of the control plane. See common/wire.h and proto/pdmesh.proto.
+ * Message framing (8-byte header + protobuf), budgeted unpacking, ZeroMQ send helpers, the
+ * admin token loader and random bytes. See common/wire.h and proto/pdmesh.proto. The HMAC /
+ * SHA-256 primitives (node-only) are in common/auth.c.
  */
 #include "common/wire.h"
 
 #include <errno.h>
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -229,83 +227,17 @@ int pdm_wire_send_error(void *zsock, const void *ident, size_t ident_len, int co
     return pdm_wire_send(zsock, ident, ident_len, PDMESH__MSG_TYPE__MSG_ERROR, &e.base);
 }
 
-/* ---- authentication ---- */
+/* ---- the admin token and random bytes (the SDK uses both) ---- */
 
-static size_t pdm__proof_input(const char *node_id, uint64_t nonce, uint64_t ts, uint8_t *buf,
-                               size_t cap)
+int pdm_auth_load_admin_token(const char *path, const char *file_option, char **out)
 {
-    size_t n = strlen(node_id);
-    if (n + 17 > cap) n = cap - 17;
-    memcpy(buf, node_id, n);
-    buf[n++] = 0;
-    for (int i = 7; i >= 0; i--) buf[n++] = (uint8_t)(nonce >> (8 * i));
-    for (int i = 7; i >= 0; i--) buf[n++] = (uint8_t)(ts >> (8 * i));
-    return n;
-}
-
-void pdm_auth_proof(const void *secret, size_t secret_len, const char *node_id, uint64_t nonce,
-                    uint64_t timestamp_ms, uint8_t out[32])
-{
-    uint8_t in[512];
-    size_t n = pdm__proof_input(node_id, nonce, timestamp_ms, in, sizeof(in));
-    unsigned int olen = 32;
-    HMAC(EVP_sha256(), secret, (int)secret_len, in, n, out, &olen);
-}
-
-int pdm_auth_verify(const void *secret, size_t secret_len, const char *node_id, uint64_t nonce,
-                    uint64_t timestamp_ms, const void *proof, size_t proof_len)
-{
-    if (proof_len != 32) return 0;
-    uint8_t want[32];
-    pdm_auth_proof(secret, secret_len, node_id, nonce, timestamp_ms, want);
-    return CRYPTO_memcmp(want, proof, 32) == 0;
-}
-
-int pdm_auth_load_secret(const char *path, uint8_t **out, size_t *len)
-{
-    const char *file = getenv("PDMESH_SECRET_FILE");
-    if (!file || !*file) file = path;
-    uint8_t *buf = NULL;
-    size_t n = 0;
-    if (file && *file) {
-        FILE *f = fopen(file, "rb");
-        if (!f) return pdm_error_set(PDM_EIO, "cannot open secret file %s: %s", file, strerror(errno));
-        buf = malloc(4097);
-        if (!buf) {
-            fclose(f);
-            return pdm_error_set(PDM_ENOMEM, "out of memory");
-        }
-        n = fread(buf, 1, 4097, f);
-        fclose(f);
-        if (n > 4096) {
-            free(buf);
-            return pdm_error_set(PDM_ERANGE, "secret file %s is over 4096 bytes", file);
-        }
-    } else {
-        const char *env = getenv("PDMESH_SECRET");
-        if (!env || !*env)
-            return pdm_error_set(PDM_ENOTFOUND, "no cluster secret: set PDMESH_SECRET_FILE or "
-                                                "PDMESH_SECRET, or give a secret file");
-        n = strlen(env);
-        if (n > 4096) return pdm_error_set(PDM_ERANGE, "PDMESH_SECRET is over 4096 bytes");
-        buf = malloc(n + 1);
-        if (!buf) return pdm_error_set(PDM_ENOMEM, "out of memory");
-        memcpy(buf, env, n);
-    }
-    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r')) n--;
-    if (n < 16) {
-        free(buf);
-        return pdm_error_set(PDM_EINVAL, "cluster secret too short (%zu bytes, need at least 16)", n);
-    }
-    *out = buf;
-    *len = n;
-    return PDM_OK;
-}
-
-void pdm_sha256(const void *data, size_t len, uint8_t out[32])
-{
-    unsigned int olen = 32;
-    EVP_Digest(data, len, out, &olen, EVP_sha256(), NULL);
+    const pdm_secret_source_t src = {.what = "admin token",
+                                     .file = path,
+                                     .file_option = file_option,
+                                     .env_file = "PDMESH_ADMIN_TOKEN_FILE",
+                                     .env_value = "PDMESH_ADMIN_TOKEN",
+                                     .min_len = PDM_AUTH_ADMIN_TOKEN_MIN};
+    return pdm_secret_load(&src, out, NULL);
 }
 
 int pdm_random_bytes(void *buf, size_t len)

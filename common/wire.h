@@ -60,7 +60,8 @@ int pdm_wire_send_error(void *zsock, const void *ident, size_t ident_len, int co
                         uint64_t request_id, const char *fmt, ...)
     __attribute__((format(printf, 6, 7)));
 
-/* ---- authentication (OpenSSL) ---- */
+/* ---- authentication (OpenSSL; common/auth.c, node-only: not in libpdmesh) ----
+ * pdm_auth_load_admin_token and pdm_random_bytes (common/wire.c) are in libpdmesh. */
 
 /* proof = HMAC-SHA256(secret, node_id || 0x00 || nonce (8 bytes BE) || timestamp_ms (8 BE)). */
 void pdm_auth_proof(const void *secret, size_t secret_len, const char *node_id, uint64_t nonce,
@@ -68,10 +69,18 @@ void pdm_auth_proof(const void *secret, size_t secret_len, const char *node_id, 
 /* Constant-time check of a proof; 1 if it matches. */
 int pdm_auth_verify(const void *secret, size_t secret_len, const char *node_id, uint64_t nonce,
                     uint64_t timestamp_ms, const void *proof, size_t proof_len);
-/* Reads the cluster secret: the file named by $PDMESH_SECRET_FILE or `path`, else the value of
- * $PDMESH_SECRET. Never from a command-line value. Trailing newlines are stripped; at least
- * 16 bytes required. *out is malloc'ed. PDM_ENOTFOUND when none is configured. */
+/* Reads the cluster secret with pdm_secret_load (common/pdm.h): the file `path` (an option),
+ * else the file named by $PDMESH_SECRET_FILE, else the value of $PDMESH_SECRET. Never from a
+ * command-line value. Trailing CR/LF stripped; 16 to PDM_SECRET_MAX bytes. *out is malloc'ed.
+ * PDM_ENOTFOUND when none is configured. */
 int pdm_auth_load_secret(const char *path, uint8_t **out, size_t *len);
+/* The shortest admin token the router and the SDK accept. */
+#define PDM_AUTH_ADMIN_TOKEN_MIN 8
+/* Reads the admin token (text) with pdm_secret_load: the file `path`, else the file named by
+ * $PDMESH_ADMIN_TOKEN_FILE, else $PDMESH_ADMIN_TOKEN; PDM_AUTH_ADMIN_TOKEN_MIN to
+ * PDM_SECRET_MAX bytes, no NUL. `file_option` names the caller's option in the message when
+ * none is configured (PDM_ENOTFOUND). *out is malloc'ed. */
+int pdm_auth_load_admin_token(const char *path, const char *file_option, char **out);
 /* SHA-256 of data. */
 void pdm_sha256(const void *data, size_t len, uint8_t out[32]);
 /* Random bytes from the OS (getrandom). */

@@ -227,6 +227,12 @@ typedef struct {
     uint64_t seed;
 } pdm_sampler_params_t;
 
+/* The limits pdm_sampler_params_check enforces (the router checks every request with it, and
+ * the CLIs' sampling flags use the same bounds): temperature [0, MAX], top_k >= 0,
+ * top_p (0, 1], min_p [0, 1], repeat_penalty (0, MAX]. */
+#define PDM_SAMPLER_TEMPERATURE_MAX 100.0f
+#define PDM_SAMPLER_REPEAT_PENALTY_MAX 100.0f
+
 void pdm_sampler_params_default(pdm_sampler_params_t *p);
 /* PDM_EINVAL with a message naming the bad parameter. */
 int pdm_sampler_params_check(const pdm_sampler_params_t *p);

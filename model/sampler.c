@@ -34,16 +34,17 @@ void pdm_sampler_params_default(pdm_sampler_params_t *p)
 
 int pdm_sampler_params_check(const pdm_sampler_params_t *p)
 {
-    if (!(p->temperature >= 0.0f) || p->temperature > 100.0f)
-        return pdm_error_set(PDM_EINVAL, "temperature %g is outside [0, 100]", p->temperature);
+    if (!(p->temperature >= 0.0f) || p->temperature > PDM_SAMPLER_TEMPERATURE_MAX)
+        return pdm_error_set(PDM_EINVAL, "temperature %g is outside [0, %g]", p->temperature,
+                             PDM_SAMPLER_TEMPERATURE_MAX);
     if (p->top_k < 0) return pdm_error_set(PDM_EINVAL, "top-k %d is negative", p->top_k);
     if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
         return pdm_error_set(PDM_EINVAL, "top-p %g is outside (0, 1]", p->top_p);
     if (!(p->min_p >= 0.0f && p->min_p <= 1.0f))
         return pdm_error_set(PDM_EINVAL, "min-p %g is outside [0, 1]", p->min_p);
-    if (!(p->repeat_penalty > 0.0f) || p->repeat_penalty > 100.0f)
-        return pdm_error_set(PDM_EINVAL, "repeat penalty %g is outside (0, 100]",
-                             p->repeat_penalty);
+    if (!(p->repeat_penalty > 0.0f) || p->repeat_penalty > PDM_SAMPLER_REPEAT_PENALTY_MAX)
+        return pdm_error_set(PDM_EINVAL, "repeat penalty %g is outside (0, %g]",
+                             p->repeat_penalty, PDM_SAMPLER_REPEAT_PENALTY_MAX);
     if (p->repeat_last_n < 0)
         return pdm_error_set(PDM_EINVAL, "repeat-last-n %d is negative", p->repeat_last_n);
     return PDM_OK;

@@ -16,18 +16,9 @@
 /* Reads a whole small JSON file. */
 static int pdm__json_load(const char *path, cJSON **out)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f) return pdm_error_set(-errno, "%s: %s", path, strerror(errno));
-    char *buf = malloc(1 << 20);
-    size_t n = buf ? fread(buf, 1, (1 << 20) - 1, f) : 0;
-    int big = !feof(f);
-    fclose(f);
-    if (!buf) return pdm_error_set(PDM_ENOMEM, "out of memory");
-    if (big) {
-        free(buf);
-        return pdm_error_set(PDM_EFORMAT, "%s: larger than 1 MiB", path);
-    }
-    buf[n] = 0;
+    char *buf;
+    int st = pdm_file_read(path, 1u << 20, &buf, NULL);
+    if (st) return st;
     cJSON *o = cJSON_Parse(buf);
     free(buf);
     if (!o) return pdm_error_set(PDM_EFORMAT, "%s: not valid JSON", path);

@@ -88,17 +88,6 @@ static int rt_policies(pdm_router_t *r, rt_policy_t *p)
     return n;
 }
 
-static char *rt_read_file(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    char *buf = malloc(1 << 20);
-    size_t n = buf ? fread(buf, 1, (1 << 20) - 1, f) : 0;
-    fclose(f);
-    if (buf) buf[n] = 0;
-    return buf;
-}
-
 void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
                        const void *frame, size_t len)
 {
@@ -292,7 +281,8 @@ void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
             rep.text = "{}";
             break;
         }
-        if (pdm_partition_table_save(path, &r->table) || !(text = rt_read_file(path))) {
+        if (pdm_partition_table_save(path, &r->table) ||
+            pdm_file_read(path, 1u << 20, &text, NULL)) {
             unlink(path);
             rt_admin_error(r, ident, ident_len, PDMESH__ERROR_CODE__ERR_INTERNAL, "cannot render the table");
             goto done;

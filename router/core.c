@@ -142,29 +142,12 @@ static void *rt_socket(pdm_router_t *r, const char *ep, const char *curve_secret
     return s;
 }
 
+/* The admin token (common/wire.h); none configured: NULL, every admin call is refused. */
 static int rt_load_token(const char *path, char **out)
 {
-    const char *file = getenv("PDMESH_ADMIN_TOKEN_FILE");
-    if (!file) file = path;
-    if (file) {
-        FILE *f = fopen(file, "rb");
-        if (!f) return pdm_error_set(PDM_EIO, "admin token file %s: %s", file, strerror(errno));
-        char buf[512];
-        size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-        fclose(f);
-        buf[n] = 0;
-        while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r')) buf[--n] = 0;
-        if (n < 8) return pdm_error_set(PDM_EINVAL, "admin token in %s: at least 8 bytes", file);
-        *out = strdup(buf);
-        return *out ? PDM_OK : PDM_ENOMEM;
-    }
-    const char *env = getenv("PDMESH_ADMIN_TOKEN");
-    if (env && strlen(env) >= 8) {
-        *out = strdup(env);
-        return *out ? PDM_OK : PDM_ENOMEM;
-    }
-    *out = NULL; /* no token configured: every admin call is refused */
-    return PDM_OK;
+    int st = pdm_auth_load_admin_token(path, "--admin-token-file FILE", out);
+    if (st == PDM_ENOTFOUND) *out = NULL;
+    return st == PDM_ENOTFOUND ? PDM_OK : st;
 }
 
 int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out)
@@ -180,11 +163,7 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     r->limits.max_tokens = cfg->max_tokens;
     r->limits.max_beams = cfg->max_beams;
     int st = pdm_auth_load_secret(cfg->secret_file, &r->secret, &r->secret_len);
-    if (st) {
-        pdm_error_set(st, "cluster secret: %s (set PDMESH_SECRET_FILE or PDMESH_SECRET)",
-                      pdm_error_last());
-        goto fail;
-    }
+    if (st) goto fail; /* the message names the secret and its sources */
     if ((st = rt_load_token(cfg->admin_token_file, &r->admin_token))) goto fail;
     if ((st = pdm_random_bytes(r->prefix_salt, sizeof(r->prefix_salt)))) goto fail;
     if ((st = pdm_model_load(cfg->model_path, &r->model))) goto fail;

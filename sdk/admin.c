@@ -191,42 +191,11 @@ err_frame:
 
 int pdm_admin_load_token(const char *path, char **out)
 {
-    const char *file = path && *path ? path : getenv("PDMESH_ADMIN_TOKEN_FILE");
-    char *buf = NULL;
-    size_t n = 0;
-    if (file && *file) {
-        FILE *f = fopen(file, "rb");
-        if (!f)
-            return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "cannot open token file %s: %s",
-                                    file, strerror(errno));
-        buf = malloc(4097);
-        if (!buf) {
-            fclose(f);
-            return pdm_client__fail(PDM_CLIENT_ENOMEM, "out of memory");
-        }
-        n = fread(buf, 1, 4097, f);
-        fclose(f);
-        if (n > 4096) {
-            free(buf);
-            return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "token file %s is over 4096 "
-                                    "bytes", file);
-        }
-        buf[n] = 0;
-    } else {
-        const char *env = getenv("PDMESH_ADMIN_TOKEN");
-        if (!env || !*env)
-            return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "no admin token: use "
-                                    "--token-file FILE, $PDMESH_ADMIN_TOKEN_FILE or "
-                                    "$PDMESH_ADMIN_TOKEN");
-        if (!(buf = strdup(env))) return pdm_client__fail(PDM_CLIENT_ENOMEM, "out of memory");
-        n = strlen(buf);
-    }
-    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r')) buf[--n] = 0;
-    if (!n || memchr(buf, 0, n)) {
-        free(buf);
-        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "the admin token is empty or "
-                                "contains a NUL byte");
-    }
-    *out = buf;
+    if (!out) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "pdm_admin_load_token: no out");
+    int st = pdm_auth_load_admin_token(path, "--token-file FILE", out);
+    if (st)
+        return pdm_client__fail(st == PDM_ENOMEM ? PDM_CLIENT_ENOMEM
+                                                 : PDM_CLIENT_EINVALID_ARGUMENT,
+                                "%s", pdm_error_last());
     return PDM_CLIENT_OK;
 }

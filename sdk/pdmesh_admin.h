@@ -29,10 +29,11 @@ const Pdmesh__AdminReply *pdm_admin_reply_get(const pdm_admin_reply_t *r);
 int pdm_admin_reply_status(const pdm_admin_reply_t *r);
 void pdm_admin_reply_free(pdm_admin_reply_t *r);
 
-/* Reads the admin token: the file `path` if given, else the file $PDMESH_ADMIN_TOKEN_FILE,
- * else $PDMESH_ADMIN_TOKEN. Never from a command-line value. Trailing newlines are stripped.
- * *out is malloc'ed. EINVALID_ARGUMENT (with a message) when none is configured or the file
- * cannot be read. */
+/* Reads the admin token (the one loader, common/wire.h pdm_auth_load_admin_token): the file
+ * `path` if given, else the file $PDMESH_ADMIN_TOKEN_FILE, else $PDMESH_ADMIN_TOKEN. Never
+ * from a command-line value. Trailing CR/LF stripped; 8 to 4096 bytes, no NUL byte.
+ * *out is malloc'ed. EINVALID_ARGUMENT (with a message naming the source) when none is
+ * configured or the token cannot be read or is unusable. */
 int pdm_admin_load_token(const char *path, char **out);
 
 #endif

@@ -1,7 +1,9 @@
 /*
- * test_common.c - status strings, thread-local error messages, number parsing.
+ * test_common.c - status strings, thread-local error messages, number parsing, files and
+ * secrets.
  */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -149,6 +151,149 @@ START_TEST(test_auth)
     unsetenv("PDMESH_SECRET");
     ck_assert_int_eq(pdm_auth_load_secret(NULL, &s, &n), PDM_ENOTFOUND);
     ck_assert_int_eq(pdm_auth_load_secret("/nonexistent/secret", &s, &n), PDM_EIO);
+    /* the --secret-file option wins over $PDMESH_SECRET_FILE (it used to be the other way) */
+    setenv("PDMESH_SECRET_FILE", "/nonexistent/env-secret", 1);
+    ck_assert_int_eq(pdm_auth_load_secret("/nonexistent/opt-secret", &s, &n), PDM_EIO);
+    ck_assert(strstr(pdm_error_last(), "opt-secret") && strstr(pdm_error_last(), "cluster secret"));
+    unsetenv("PDMESH_SECRET_FILE");
+}
+END_TEST
+
+/* Writes `text` (len bytes) to a file in the test directory; returns its path (static, valid
+ * for the next 7 calls). */
+static const char *write_tmp(const char *name, const void *text, size_t len)
+{
+    static char path[8][512];
+    static int next;
+    char *p = path[next++ % 8];
+    snprintf(p, sizeof(path[0]), "%s/%s", pdm_test_tmpdir(), name);
+    FILE *f = fopen(p, "wb");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_uint_eq(fwrite(text, 1, len, f), len);
+    fclose(f);
+    return p;
+}
+
+START_TEST(test_file_read)
+{
+    char *data;
+    size_t len;
+    const char *p = write_tmp("ten", "0123456789", 10);
+    ck_assert_int_eq(pdm_file_read(p, 10, &data, &len), PDM_OK);
+    ck_assert_uint_eq(len, 10);
+    ck_assert_str_eq(data, "0123456789"); /* NUL-terminated */
+    free(data);
+    ck_assert_int_eq(pdm_file_read(p, 9, &data, &len), PDM_ERANGE);
+    ck_assert(strstr(pdm_error_last(), p) && strstr(pdm_error_last(), "9 bytes"));
+    /* a file larger than the first read chunk grows the buffer; embedded NULs are kept */
+    size_t big_len = 100000;
+    char *big = malloc(big_len);
+    for (size_t i = 0; i < big_len; i++) big[i] = (char)(i % 251);
+    p = write_tmp("big", big, big_len);
+    ck_assert_int_eq(pdm_file_read(p, big_len, &data, &len), PDM_OK);
+    ck_assert_uint_eq(len, big_len);
+    ck_assert_int_eq(memcmp(data, big, big_len), 0);
+    ck_assert_int_eq(data[len], 0);
+    free(data);
+    ck_assert_int_eq(pdm_file_read(p, big_len - 1, &data, &len), PDM_ERANGE);
+    free(big);
+    p = write_tmp("empty", "", 0);
+    ck_assert_int_eq(pdm_file_read(p, 0, &data, &len), PDM_OK);
+    ck_assert_uint_eq(len, 0);
+    free(data);
+    /* files of unknown size */
+    ck_assert_int_eq(pdm_file_read("/proc/self/stat", 4096, &data, NULL), PDM_OK);
+    ck_assert(strlen(data) > 0);
+    free(data);
+    data = (char *)"untouched";
+    ck_assert_int_eq(pdm_file_read("/nonexistent/file", 10, &data, &len), PDM_EIO);
+    ck_assert_str_eq(data, "untouched");
+    ck_assert(strstr(pdm_error_last(), "/nonexistent/file"));
+}
+END_TEST
+
+START_TEST(test_secret_load)
+{
+    pdm_secret_source_t src = {.what = "test secret", .file_option = "--secret-file FILE",
+                               .env_file = "PDM_TEST_SECRET_FILE",
+                               .env_value = "PDM_TEST_SECRET", .min_len = 8};
+    char *s;
+    size_t n;
+    const char *opt_file = write_tmp("opt", "from-the-option\r\n\n", 18);
+    const char *env_file = write_tmp("env", "from-the-env-file\n", 18);
+    /* precedence: file option > env file > env value */
+    setenv("PDM_TEST_SECRET_FILE", env_file, 1);
+    setenv("PDM_TEST_SECRET", "from-the-env-value", 1);
+    src.file = opt_file;
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_OK);
+    ck_assert_str_eq(s, "from-the-option"); /* trailing CR/LF stripped */
+    ck_assert_uint_eq(n, 15);
+    free(s);
+    src.file = ""; /* empty = not given */
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_OK);
+    ck_assert_str_eq(s, "from-the-env-file");
+    free(s);
+    setenv("PDM_TEST_SECRET_FILE", "", 1);
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_OK);
+    ck_assert_str_eq(s, "from-the-env-value");
+    free(s);
+    /* only the first configured source is read, even when it is broken */
+    setenv("PDM_TEST_SECRET_FILE", "/nonexistent/secret", 1);
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_EIO);
+    ck_assert(strstr(pdm_error_last(), "test secret from $PDM_TEST_SECRET_FILE"));
+    ck_assert(strstr(pdm_error_last(), "/nonexistent/secret"));
+    unsetenv("PDM_TEST_SECRET_FILE");
+    /* only the trailing line end is trimmed */
+    setenv("PDM_TEST_SECRET", "  spaced  token \n", 1);
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_OK);
+    ck_assert_str_eq(s, "  spaced  token ");
+    free(s);
+    /* limits: min_len after trimming, PDM_SECRET_MAX from a file and from the environment */
+    setenv("PDM_TEST_SECRET", "1234567\n", 1);
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_EINVAL);
+    ck_assert(strstr(pdm_error_last(), "$PDM_TEST_SECRET") && strstr(pdm_error_last(), "short"));
+    char *big = malloc(PDM_SECRET_MAX + 2);
+    memset(big, 'x', PDM_SECRET_MAX + 1);
+    big[PDM_SECRET_MAX + 1] = 0;
+    setenv("PDM_TEST_SECRET", big, 1);
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_ERANGE);
+    src.file = write_tmp("big", big, PDM_SECRET_MAX + 1);
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_ERANGE);
+    ck_assert(strstr(pdm_error_last(), "test secret") && strstr(pdm_error_last(), src.file));
+    src.file = write_tmp("max", big, PDM_SECRET_MAX);
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_OK);
+    ck_assert_uint_eq(n, PDM_SECRET_MAX);
+    free(s);
+    free(big);
+    /* NUL bytes: refused in text secrets, kept in binary ones */
+    src.file = write_tmp("nul", "abcd\0efgh", 9);
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_EINVAL);
+    src.binary = 1;
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_OK);
+    ck_assert_uint_eq(n, 9);
+    ck_assert_int_eq(memcmp(s, "abcd\0efgh", 9), 0);
+    free(s);
+    /* nothing configured: the message lists the sources */
+    src.file = NULL;
+    unsetenv("PDM_TEST_SECRET");
+    ck_assert_int_eq(pdm_secret_load(&src, &s, &n), PDM_ENOTFOUND);
+    ck_assert(strstr(pdm_error_last(), "--secret-file FILE") &&
+              strstr(pdm_error_last(), "$PDM_TEST_SECRET_FILE") &&
+              strstr(pdm_error_last(), "$PDM_TEST_SECRET"));
+    /* the admin token: at least 8 bytes, the same precedence */
+    unsetenv("PDMESH_ADMIN_TOKEN_FILE");
+    setenv("PDMESH_ADMIN_TOKEN", "1234567", 1);
+    ck_assert_int_eq(pdm_auth_load_admin_token(NULL, "--token-file FILE", &s), PDM_EINVAL);
+    setenv("PDMESH_ADMIN_TOKEN", "12345678", 1);
+    ck_assert_int_eq(pdm_auth_load_admin_token(NULL, "--token-file FILE", &s), PDM_OK);
+    ck_assert_str_eq(s, "12345678");
+    free(s);
+    setenv("PDMESH_ADMIN_TOKEN_FILE", env_file, 1);
+    ck_assert_int_eq(pdm_auth_load_admin_token(opt_file, NULL, &s), PDM_OK);
+    ck_assert_str_eq(s, "from-the-option");
+    free(s);
+    unsetenv("PDMESH_ADMIN_TOKEN_FILE");
+    unsetenv("PDMESH_ADMIN_TOKEN");
 }
 END_TEST
 
@@ -161,6 +306,8 @@ Suite *suite_common(void)
     tcase_add_test(tc, test_hex_roundtrip);
     tcase_add_test(tc, test_wire);
     tcase_add_test(tc, test_auth);
+    tcase_add_test(tc, test_file_read);
+    tcase_add_test(tc, test_secret_load);
     suite_add_tcase(s, tc);
     return s;
 }
