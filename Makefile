@@ -64,7 +64,7 @@ DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_
               decode_node/beam_search.c decode_node/offload.c
 LIB_SRC := $(COMMON_SRC) $(COMMON_NODE_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
            router/metrics.c
-CLI_SRC := cli/pdmesh.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c cli/generate_remote.c \
+CLI_SRC := cli/pdmesh.c cli/cli.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c cli/generate_remote.c \
            cli/sampling.c \
            cli/meshconf.c
 # libpdmesh (sdk/): the client SDK, standalone (common + generated protobuf code inside).
@@ -217,9 +217,11 @@ $(BUILD)/bin/pdmesh-decode: $(DECODED_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
+# The router links what it uses: the planner, the tokenizer, metrics; no UCX (it moves no KV).
+ROUTER_LDLIBS := $(filter-out -lucp -lucs,$(LDLIBS))
 $(BUILD)/bin/pdmesh-router: $(ROUTER_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -luv -lhttp_parser
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(ROUTER_LDLIBS) -luv -lhttp_parser
 
 $(BUILD)/bin/pdm-http-fake: $(HTTP_FAKE_OBJ) $(LIB)
 	@mkdir -p $(dir $@)

@@ -23,7 +23,8 @@
 #include "common/pdm.h"
 #include "common/wire.h"
 #include "model/model.h"
-#include "prefill_node/prefill.h"
+#include "prefill_node/conv.h"    /* the planner (pure; the router links no UCX) */
+#include "prefill_node/plan_io.h"
 #include "router/metrics.h"
 #include "router/router.h"
 
@@ -88,8 +89,8 @@ typedef struct {
     int used;
     char name[64];
     uint32_t size;
-    int member[PDM_KVT_MAX_RANKS]; /* node index per rank, -1 while missing */
-    uint64_t member_epoch[PDM_KVT_MAX_RANKS];
+    int member[PDM_PREFILL_MAX_RANKS]; /* node index per rank, -1 while missing */
+    uint64_t member_epoch[PDM_PREFILL_MAX_RANKS];
     int wired;
     int inflight;                 /* prefill tasks sent and not finished on all ranks */
     double suspect_until;         /* an attempt through it failed: not used until then (a
@@ -125,7 +126,7 @@ typedef struct rt_req {
     int dnode;                    /* decode node index, -1 */
     uint64_t dnode_epoch;
     int group;                    /* group index, -1 (local prefill) */
-    uint64_t group_epochs[PDM_KVT_MAX_RANKS];
+    uint64_t group_epochs[PDM_PREFILL_MAX_RANKS];
     int local;
     uint32_t base;                /* completion index of this attempt's token 0 */
     uint32_t ranks_done;
@@ -137,7 +138,7 @@ typedef struct rt_req {
     pdm_detok_t detok;
     uint64_t kv_bytes;
     double kv_seconds;
-    int chunks[PDM_KVT_MAX_RANKS]; /* partition of the current group attempt */
+    int chunks[PDM_PREFILL_MAX_RANKS]; /* partition of the current group attempt */
     int has_chunks, method_id;
     char method[16];
     char group_name[64], dnode_name[RT_NAME_MAX];

@@ -72,7 +72,7 @@ static void rt_group_try_wire(pdm_router_t *r, int g)
         int i = gr->member[k];
         if (i < 0 || !r->nodes[i].used || r->nodes[i].dead) return;
     }
-    ProtobufCBinaryData addrs[PDM_KVT_MAX_RANKS];
+    ProtobufCBinaryData addrs[PDM_PREFILL_MAX_RANKS];
     for (uint32_t k = 0; k < gr->size; k++) {
         addrs[k].data = r->nodes[gr->member[k]].ucx;
         addrs[k].len = r->nodes[gr->member[k]].ucx_len;
@@ -152,10 +152,10 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
     int g = -1;
     if (m->role == PDMESH__ROLE__ROLE_PREFILL) {
         if (!m->group || !m->group[0] || strlen(m->group) >= 64 || m->group_size < 1 ||
-            m->group_size > PDM_KVT_MAX_RANKS || m->rank >= m->group_size) {
+            m->group_size > PDM_PREFILL_MAX_RANKS || m->rank >= m->group_size) {
             pdm_wire_send_error(s, ident, ident_len, INV, 0,
                                 "register: prefill needs group (1..63 bytes), group_size "
-                                "1..%d and rank < group_size", PDM_KVT_MAX_RANKS);
+                                "1..%d and rank < group_size", PDM_PREFILL_MAX_RANKS);
             return;
         }
         for (int k = 0; k < RT_MAX_GROUPS && g < 0; k++)
@@ -204,7 +204,7 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
         gr->used = 1;
         snprintf(gr->name, sizeof(gr->name), "%s", m->group);
         gr->size = m->group_size;
-        for (int k = 0; k < PDM_KVT_MAX_RANKS; k++) gr->member[k] = -1;
+        for (int k = 0; k < PDM_PREFILL_MAX_RANKS; k++) gr->member[k] = -1;
     }
     int draining = 0;
     if (i >= 0) {

@@ -349,7 +349,7 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
     t.max_new = remaining;
     rt_beams_task(q, &t);
     int32_t *all = NULL;
-    ProtobufCBinaryData addrs[PDM_KVT_MAX_RANKS];
+    ProtobufCBinaryData addrs[PDM_PREFILL_MAX_RANKS];
     Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rgp[PDM_PREFILL_MAX_PLAN];
     if (q->local) {
         snprintf(q->method, sizeof(q->method), "local");
@@ -428,7 +428,7 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     rt_node_t *d = &r->nodes[q->dnode];
     Pdmesh__PrefillTask t = PDMESH__PREFILL_TASK__INIT;
     Pdmesh__SamplingParams sp = PDMESH__SAMPLING_PARAMS__INIT;
-    uint32_t chunks[PDM_KVT_MAX_RANKS];
+    uint32_t chunks[PDM_PREFILL_MAX_RANKS];
     t.task_id = q->id;
     t.attempt = q->attempt;
     t.method = q->method;
