@@ -25,7 +25,7 @@
 #include "common/pdm.h"
 #include "decode_node/decode.h"
 
-#define DN_MAX_TASKS 4096
+#define PDM__MAX_TASKS 4096
 
 /* What a task attempt needs between its DecodeTask and its DecodeResult. */
 typedef struct {
@@ -38,7 +38,7 @@ typedef struct {
     uint32_t beams, n_best;
     float length_penalty;
     char early_stopping[16];
-} dn_task_t;
+} pdm__task_t;
 
 typedef struct {
     const pdm_model_t *model;
@@ -50,21 +50,21 @@ typedef struct {
     pdm_beam_params_t beam;      /* --beams, --length-penalty, --n-best, --early-stopping */
     int rank_peer[PDM_KVT_MAX_RANKS]; /* kvt peers of the last DecodeTask's prefill ranks */
     int n_ranks;
-    dn_task_t tasks[DN_MAX_TASKS];
-} dn_t;
+    pdm__task_t tasks[PDM__MAX_TASKS];
+} pdm__daemon_t;
 
-static dn_task_t *dn_task_find(dn_t *dn, uint64_t key)
+static pdm__task_t *pdm__task_find(pdm__daemon_t *dn, uint64_t key)
 {
-    for (int i = 0; i < DN_MAX_TASKS; i++)
+    for (int i = 0; i < PDM__MAX_TASKS; i++)
         if (dn->tasks[i].used && dn->tasks[i].key == key) return &dn->tasks[i];
     return NULL;
 }
 
-static dn_task_t *dn_task_new(dn_t *dn, uint64_t task_id, uint32_t attempt)
+static pdm__task_t *pdm__task_new(pdm__daemon_t *dn, uint64_t task_id, uint32_t attempt)
 {
-    for (int i = 0; i < DN_MAX_TASKS; i++)
+    for (int i = 0; i < PDM__MAX_TASKS; i++)
         if (!dn->tasks[i].used) {
-            dn_task_t *t = &dn->tasks[i];
+            pdm__task_t *t = &dn->tasks[i];
             memset(t, 0, sizeof(*t));
             t->used = 1;
             t->key = PDM_LINK_TASK_KEY(task_id, attempt);
@@ -75,7 +75,7 @@ static dn_task_t *dn_task_new(dn_t *dn, uint64_t task_id, uint32_t attempt)
     return NULL;
 }
 
-static void dn_reserved(dn_t *dn, const Pdmesh__DecodeTask *t, int st)
+static void pdm__reserved(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, int st)
 {
     Pdmesh__DecodeReserved r = PDMESH__DECODE_RESERVED__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
@@ -94,7 +94,7 @@ static void dn_reserved(dn_t *dn, const Pdmesh__DecodeTask *t, int st)
 
 /* Connects the prefill ranks (cached peers) and posts the receives of the plan, or prefills
  * locally. */
-static int dn_reserve(dn_t *dn, const Pdmesh__DecodeTask *t, const dn_task_t *rec)
+static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pdm__task_t *rec)
 {
     const uint64_t key = rec->key;
     const int beams = rec->beams ? (int)rec->beams : -1; /* -1: none, whatever --beams says */
@@ -135,19 +135,19 @@ static int dn_reserve(dn_t *dn, const Pdmesh__DecodeTask *t, const dn_task_t *re
     return pdm_decode_node_reserve(dn->node, &rv);
 }
 
-static void dn_on_decode_task(dn_t *dn, const Pdmesh__DecodeTask *t)
+static void pdm__on_decode_task(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t)
 {
     const uint64_t key = PDM_LINK_TASK_KEY(t->task_id, t->attempt);
-    if (dn_task_find(dn, key)) {
-        dn_reserved(dn, t, pdm_error_set(PDM_EINVAL, "DecodeTask: task %llu attempt %u is "
+    if (pdm__task_find(dn, key)) {
+        pdm__reserved(dn, t, pdm_error_set(PDM_EINVAL, "DecodeTask: task %llu attempt %u is "
                                          "already held", (unsigned long long)t->task_id,
                                          t->attempt));
         return;
     }
-    dn_task_t *rec = dn_task_new(dn, t->task_id, t->attempt);
+    pdm__task_t *rec = pdm__task_new(dn, t->task_id, t->attempt);
     if (!rec) {
-        dn_reserved(dn, t, pdm_error_set(PDM_EOVERFLOW, "decode node full: %d tasks held",
-                                         DN_MAX_TASKS));
+        pdm__reserved(dn, t, pdm_error_set(PDM_EOVERFLOW, "decode node full: %d tasks held",
+                                         PDM__MAX_TASKS));
         return;
     }
     if (t->beams > 1) {
@@ -157,13 +157,13 @@ static void dn_on_decode_task(dn_t *dn, const Pdmesh__DecodeTask *t)
         snprintf(rec->early_stopping, sizeof(rec->early_stopping), "%s",
                  t->early_stopping && t->early_stopping[0] ? t->early_stopping : "heuristic");
     }
-    int st = dn_reserve(dn, t, rec);
+    int st = pdm__reserve(dn, t, rec);
     if (st) rec->used = 0;
-    dn_reserved(dn, t, st);
+    pdm__reserved(dn, t, st);
 }
 
 /* DecodeResult of a task that ends with an error (its record is released). */
-static void dn_result_error(dn_t *dn, uint64_t task_id, uint32_t attempt, int code,
+static void pdm__result_error(pdm__daemon_t *dn, uint64_t task_id, uint32_t attempt, int code,
                             const char *msg)
 {
     Pdmesh__DecodeResult r = PDMESH__DECODE_RESULT__INIT;
@@ -175,14 +175,14 @@ static void dn_result_error(dn_t *dn, uint64_t task_id, uint32_t attempt, int co
     e.message = (char *)msg;
     r.error = &e;
     pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
-    dn_task_t *rec = dn_task_find(dn, PDM_LINK_TASK_KEY(task_id, attempt));
+    pdm__task_t *rec = pdm__task_find(dn, PDM_LINK_TASK_KEY(task_id, attempt));
     if (rec) rec->used = 0;
 }
 
-static void dn_on_decode_start(dn_t *dn, const Pdmesh__DecodeStart *m)
+static void pdm__on_decode_start(pdm__daemon_t *dn, const Pdmesh__DecodeStart *m)
 {
     const uint64_t key = PDM_LINK_TASK_KEY(m->task_id, m->attempt);
-    dn_task_t *rec = dn_task_find(dn, key);
+    pdm__task_t *rec = pdm__task_find(dn, key);
     pdm_decode_start_t s = {.id = key, .first_token = m->first_token};
     pdm_sampler_params_default(&s.sp);
     if (m->sampling) { /* the router sends normalized parameters (0 = off already mapped) */
@@ -217,13 +217,13 @@ static void dn_on_decode_start(dn_t *dn, const Pdmesh__DecodeStart *m)
     }
     if (!st) st = pdm_decode_node_start(dn->node, &s);
     if (st)
-        dn_result_error(dn, m->task_id, m->attempt, st == PDM_ENOTFOUND || st == PDM_EINVAL
+        pdm__result_error(dn, m->task_id, m->attempt, st == PDM_ENOTFOUND || st == PDM_EINVAL
                                                         ? PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT
                                                         : PDMESH__ERROR_CODE__ERR_INTERNAL,
                         pdm_error_last());
 }
 
-static void dn_on_stats(dn_t *dn)
+static void pdm__on_stats(pdm__daemon_t *dn)
 {
     Pdmesh__NodeStats s = PDMESH__NODE_STATS__INIT;
     Pdmesh__Load load = PDMESH__LOAD__INIT;
@@ -255,7 +255,7 @@ static void dn_on_stats(dn_t *dn)
 }
 
 /* The load the heartbeats report: what the node really holds. */
-static void dn_report_load(dn_t *dn)
+static void pdm__report_load(pdm__daemon_t *dn)
 {
     Pdmesh__Load load = PDMESH__LOAD__INIT;
     int held;
@@ -270,15 +270,15 @@ static void dn_report_load(dn_t *dn)
     pdm_link_set_load(dn->link, &load);
 }
 
-static void dn_on_message(dn_t *dn, const pdm_wire_msg_t *m)
+static void pdm__on_message(pdm__daemon_t *dn, const pdm_wire_msg_t *m)
 {
     const ProtobufCMessage *msg = pdm_wire_message(m);
     switch (pdm_wire_type(m)) {
     case PDMESH__MSG_TYPE__MSG_DECODE_TASK:
-        dn_on_decode_task(dn, (const Pdmesh__DecodeTask *)msg);
+        pdm__on_decode_task(dn, (const Pdmesh__DecodeTask *)msg);
         break;
     case PDMESH__MSG_TYPE__MSG_DECODE_START:
-        dn_on_decode_start(dn, (const Pdmesh__DecodeStart *)msg);
+        pdm__on_decode_start(dn, (const Pdmesh__DecodeStart *)msg);
         break;
     case PDMESH__MSG_TYPE__MSG_CANCEL_TASK: {
         const Pdmesh__CancelTask *c = (const Pdmesh__CancelTask *)msg;
@@ -286,14 +286,14 @@ static void dn_on_message(dn_t *dn, const pdm_wire_msg_t *m)
         pdm_decode_node_cancel(dn->node, PDM_LINK_TASK_KEY(c->task_id, c->attempt));
         break;
     }
-    case PDMESH__MSG_TYPE__MSG_STATS_REQUEST: dn_on_stats(dn); break;
+    case PDMESH__MSG_TYPE__MSG_STATS_REQUEST: pdm__on_stats(dn); break;
     default: break;
     }
 }
 
 /* ---- events of the batch -> DecodeTokens / DecodeResult ---- */
 
-static void dn_beam_result(const pdm_beam_report_t *br, Pdmesh__DecodeResult *r,
+static void pdm__beam_result(const pdm_beam_report_t *br, Pdmesh__DecodeResult *r,
                            Pdmesh__Beam *beams, Pdmesh__Beam **bp, Pdmesh__BeamReport *rep)
 {
     int n = PDM_MIN(br->n_hyps, PDM_BEAM_MAX_WIDTH);
@@ -322,7 +322,7 @@ static void dn_beam_result(const pdm_beam_report_t *br, Pdmesh__DecodeResult *r,
     r->beam_report = rep;
 }
 
-static void dn_offload_result(const dn_t *dn, const pdm_kvoff_stats_t *st, Pdmesh__OffloadStats *o)
+static void pdm__offload_result(const pdm__daemon_t *dn, const pdm_kvoff_stats_t *st, Pdmesh__OffloadStats *o)
 {
     o->fast_budget = (uint64_t)st->fast.budget;
     o->fast_bytes = (uint64_t)st->fast.used;
@@ -340,10 +340,10 @@ static void dn_offload_result(const dn_t *dn, const pdm_kvoff_stats_t *st, Pdmes
     o->wait_seconds = st->wait_seconds;
 }
 
-static void dn_on_event(void *arg, const pdm_decode_event_t *ev)
+static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
 {
-    dn_t *dn = arg;
-    dn_task_t *rec = dn_task_find(dn, ev->id);
+    pdm__daemon_t *dn = arg;
+    pdm__task_t *rec = pdm__task_find(dn, ev->id);
     const uint64_t task_id = rec ? rec->task_id : ev->id / 16;
     const uint32_t attempt = rec ? rec->attempt : (uint32_t)(ev->id % 16);
     if (ev->type == PDM_DECODE_EV_TOKEN) {
@@ -359,7 +359,7 @@ static void dn_on_event(void *arg, const pdm_decode_event_t *ev)
         return;
     }
     if (ev->type != PDM_DECODE_EV_DONE) {
-        dn_result_error(dn, task_id, attempt, ev->kv_error ? PDMESH__ERROR_CODE__ERR_KV_TRANSFER
+        pdm__result_error(dn, task_id, attempt, ev->kv_error ? PDMESH__ERROR_CODE__ERR_KV_TRANSFER
                                                            : PDMESH__ERROR_CODE__ERR_INTERNAL,
                         ev->error ? ev->error : "failed");
         return;
@@ -389,17 +389,17 @@ static void dn_on_event(void *arg, const pdm_decode_event_t *ev)
     r.kv_seconds = ev->kv_seconds;
     r.step_seconds = ev->step_seconds;
     r.kv_bytes = ev->kv_bytes;
-    if (ev->beam) dn_beam_result(ev->beam, &r, beams, bp, &rep);
+    if (ev->beam) pdm__beam_result(ev->beam, &r, beams, bp, &rep);
     pdm_kvoff_stats_t os; /* head-wise offload: what it did so far (node-wide) */
     if (!pdm_decode_node_offload_stats(dn->node, &os)) {
-        dn_offload_result(dn, &os, &off);
+        pdm__offload_result(dn, &os, &off);
         r.offload = &off;
     }
     pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
     if (rec) rec->used = 0;
 }
 
-static void dn_usage(FILE *f)
+static void pdm__usage(FILE *f)
 {
     fprintf(f, "usage: pdmesh-decode --router ENDPOINT --node-id NAME [--secret-file F]\n"
                "       [--curve-server-key F --curve-key F] [--exit-with-parent]\n"
@@ -416,7 +416,7 @@ static void dn_usage(FILE *f)
 int main(int argc, char **argv)
 {
     const char *model_path = pdm_model_default_path();
-    static dn_t dn; /* the task table is large: not on the stack */
+    static pdm__daemon_t dn; /* the task table is large: not on the stack */
     pdm_decode_params_default(&dn.dp);
     pdm_kvoff_params_default(&dn.offload);
     enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT };
@@ -465,8 +465,8 @@ int main(int argc, char **argv)
         case O_EXIT_WITH_PARENT: lp.exit_with_parent = 1; break;
         case 'I': lp.node_id = optarg; break;
         case 'K': lp.secret_file = optarg; break;
-        case 'h': dn_usage(stdout); return 0;
-        default: dn_usage(stderr); return 2;
+        case 'h': pdm__usage(stdout); return 0;
+        default: pdm__usage(stderr); return 2;
         }
     }
     if (dp->beam.width && dp->beam.n_best > dp->beam.width) goto bad;
@@ -474,12 +474,12 @@ int main(int argc, char **argv)
     if (optind != argc) {
     bad:
         fprintf(stderr, "pdmesh-decode: invalid option value\n");
-        dn_usage(stderr);
+        pdm__usage(stderr);
         return 2;
     }
     if (!lp.endpoint) {
         fprintf(stderr, "pdmesh-decode: needs --router ENDPOINT and --node-id NAME\n");
-        dn_usage(stderr);
+        pdm__usage(stderr);
         return 2;
     }
     if (dn.offload.fast_budget > 0) dp->offload = &dn.offload; /* head-wise KV offload */
@@ -515,13 +515,13 @@ int main(int argc, char **argv)
         goto out;
     }
     for (;;) {
-        int held = pdm_decode_node_run_once(dn.node, dn_on_event, &dn);
-        dn_report_load(&dn);
+        int held = pdm_decode_node_run_once(dn.node, pdm__on_event, &dn);
+        pdm__report_load(&dn);
         int timeout_ms = pdm_decode_node_running(dn.node) ? 0 : (held ? 2 : 50);
         pdm_wire_msg_t *m;
         if (pdm_link_recv(dn.link, timeout_ms, &m)) break; /* SIGTERM or refused registration */
         for (int k = 0; m && k < 256; k++) {     /* every message waiting, then a step */
-            dn_on_message(&dn, m);
+            pdm__on_message(&dn, m);
             pdm_wire_msg_free(m);
             if (pdm_link_recv(dn.link, 0, &m)) break;
         }

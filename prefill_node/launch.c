@@ -36,35 +36,35 @@
 
 extern char **environ;
 
-#define LN_GROUP "local"
-#define LN_IDENT_MAX 256
+#define PDM__GROUP "local"
+#define PDM__IDENT_MAX 256
 
 typedef struct {
     pid_t pid;
     int exited;                  /* reaped; status in `status` */
     int status;
     char node_id[32];
-    uint8_t ident[LN_IDENT_MAX]; /* ZeroMQ routing identity once registered */
+    uint8_t ident[PDM__IDENT_MAX]; /* ZeroMQ routing identity once registered */
     size_t ident_len;
     uint64_t epoch;              /* 0 until registered */
     uint8_t *ucx;                /* UCX worker address from the registration */
     size_t ucx_len;
-} ln_proc_t;
+} pdm__proc_t;
 
 /* A message a waiter did not ask for (another daemon's), kept for the next one that does. */
-typedef struct ln_held {
-    struct ln_held *next;
+typedef struct pdm__held {
+    struct pdm__held *next;
     int from;
     pdm_wire_msg_t *msg;
-} ln_held_t;
+} pdm__held_t;
 
-#define LN_HELD_MAX 65536
+#define PDM__HELD_MAX 65536
 
 struct pdm_launch {
     pdm_launch_params_t p;
-    ln_held_t *held, **held_tail;          /* FIFO of messages kept for later */
+    pdm__held_t *held, **held_tail;          /* FIFO of messages kept for later */
     int n_held;
-    ln_proc_t proc[PDM_KVT_MAX_RANKS + 1]; /* ranks, then the decode node if any */
+    pdm__proc_t proc[PDM_KVT_MAX_RANKS + 1]; /* ranks, then the decode node if any */
     int n;                                 /* ranks */
     int n_procs;                           /* processes started */
     int has_decode;
@@ -108,7 +108,7 @@ const char *pdm_launch_transports(const pdm_launch_t *l)
 }
 
 /* "rank N" or "the decode node" for messages. */
-static const char *ln_who(const pdm_launch_t *l, int i, char *buf, size_t size)
+static const char *pdm__who(const pdm_launch_t *l, int i, char *buf, size_t size)
 {
     if (i >= l->n) snprintf(buf, size, "the decode node");
     else snprintf(buf, size, "rank %d", i);
@@ -118,8 +118,8 @@ static const char *ln_who(const pdm_launch_t *l, int i, char *buf, size_t size)
 /* ---- processes ---- */
 
 /* The daemons' environment: ours, without any secret or CURVE setting of the user's, with
- * this harness's secret. NULL-terminated, malloc'd (free with ln_env_free). */
-static char **ln_env(const pdm_launch_t *l)
+ * this harness's secret. NULL-terminated, malloc'd (free with pdm__env_free). */
+static char **pdm__env(const pdm_launch_t *l)
 {
     size_t n = 0;
     while (environ[n]) n++;
@@ -139,7 +139,7 @@ static char **ln_env(const pdm_launch_t *l)
     return env;
 }
 
-static void ln_env_free(char **env)
+static void pdm__env_free(char **env)
 {
     if (!env) return;
     size_t k = 0;
@@ -148,18 +148,18 @@ static void ln_env_free(char **env)
     free(env);
 }
 
-static int ln_spawn_argv(pdm_launch_t *l, char *const *argv, ln_proc_t *pr)
+static int pdm__spawn_argv(pdm_launch_t *l, char *const *argv, pdm__proc_t *pr)
 {
-    char **env = ln_env(l);
+    char **env = pdm__env(l);
     if (!env) return pdm_error_set(PDM_ENOMEM, "out of memory");
     int err = posix_spawnp(&pr->pid, argv[0], NULL, NULL, argv, env);
-    ln_env_free(env);
+    pdm__env_free(env);
     if (err) return pdm_error_set(-err, "cannot start %s: %s", argv[0], strerror(err));
     return PDM_OK;
 }
 
 /* The node options every daemon gets: the harness's socket, a node id, exit with us. */
-static int ln_node_args(pdm_launch_t *l, ln_proc_t *pr, char **argv, int a)
+static int pdm__node_args(pdm_launch_t *l, pdm__proc_t *pr, char **argv, int a)
 {
     argv[a++] = "--router";
     argv[a++] = l->endpoint;
@@ -169,11 +169,11 @@ static int ln_node_args(pdm_launch_t *l, ln_proc_t *pr, char **argv, int a)
     return a;
 }
 
-static int ln_spawn_rank(pdm_launch_t *l, int rank)
+static int pdm__spawn_rank(pdm_launch_t *l, int rank)
 {
     const pdm_launch_params_t *p = &l->p;
-    ln_proc_t *pr = &l->proc[rank];
-    snprintf(pr->node_id, sizeof(pr->node_id), "prefill-%s/%d", LN_GROUP, rank);
+    pdm__proc_t *pr = &l->proc[rank];
+    snprintf(pr->node_id, sizeof(pr->node_id), "prefill-%s/%d", PDM__GROUP, rank);
     char threads[16], cpu[16], ctx[16], timeout[32], rank_s[16], size_s[16];
     snprintf(threads, sizeof(threads), "%d", p->threads);
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
@@ -202,8 +202,8 @@ static int ln_spawn_rank(pdm_launch_t *l, int rank)
             argv[a++] = w;
     }
     argv[a++] = (char *)p->bin;
-    a = ln_node_args(l, pr, argv, a);
-    char *rest[] = {"--group", LN_GROUP, "--rank", rank_s, "--group-size", size_s,
+    a = pdm__node_args(l, pr, argv, a);
+    char *rest[] = {"--group", PDM__GROUP, "--rank", rank_s, "--group-size", size_s,
                     "--dump-dir", l->dir, "--model", (char *)p->model, "--threads", threads,
                     "--ctx", ctx, "--kv-dtype", (char *)p->kv_dtype, "--timeout", timeout};
     for (size_t i = 0; i < PDM_ARRAY_SIZE(rest); i++) argv[a++] = rest[i];
@@ -212,20 +212,20 @@ static int ln_spawn_rank(pdm_launch_t *l, int rank)
         argv[a++] = cpu;
     }
     argv[a] = NULL;
-    return ln_spawn_argv(l, argv, pr);
+    return pdm__spawn_argv(l, argv, pr);
 }
 
-static int ln_spawn_decode(pdm_launch_t *l)
+static int pdm__spawn_decode(pdm_launch_t *l)
 {
     const pdm_launch_params_t *p = &l->p;
-    ln_proc_t *pr = &l->proc[l->n];
-    snprintf(pr->node_id, sizeof(pr->node_id), "decode-%s", LN_GROUP);
+    pdm__proc_t *pr = &l->proc[l->n];
+    snprintf(pr->node_id, sizeof(pr->node_id), "decode-%s", PDM__GROUP);
     char threads[16], batch[16], budget[32];
     snprintf(threads, sizeof(threads), "%d", p->decode_threads > 0 ? p->decode_threads : 1);
     snprintf(batch, sizeof(batch), "%d", p->decode_batch > 0 ? p->decode_batch : 16);
     snprintf(budget, sizeof(budget), "%ld", p->decode_kv_budget > 0 ? p->decode_kv_budget : 1L << 18);
     char *argv[32] = {(char *)p->decode_bin};
-    int a = ln_node_args(l, pr, argv, 1);
+    int a = pdm__node_args(l, pr, argv, 1);
     char *rest[] = {"--model", (char *)p->model, "--threads", threads, "--batch", batch,
                     "--kv-budget", budget, "--kv-dtype",
                     (char *)(p->decode_kv_dtype ? p->decode_kv_dtype : p->kv_dtype)};
@@ -239,45 +239,45 @@ static int ln_spawn_decode(pdm_launch_t *l)
         argv[a++] = (char *)p->decode_kv_slow_tier;
     }
     argv[a] = NULL;
-    return ln_spawn_argv(l, argv, pr);
+    return pdm__spawn_argv(l, argv, pr);
 }
 
 /* Reaps the daemons that exited. */
-static void ln_reap(pdm_launch_t *l)
+static void pdm__reap(pdm_launch_t *l)
 {
     for (int i = 0; i < l->n_procs; i++) {
-        ln_proc_t *pr = &l->proc[i];
+        pdm__proc_t *pr = &l->proc[i];
         if (pr->exited) continue;
         if (waitpid(pr->pid, &pr->status, WNOHANG) == pr->pid) pr->exited = 1;
     }
 }
 
 /* PDM_EPEER naming the first watched daemon that exited (ranks: 0..n-1; decode: n). */
-static int ln_check_alive(pdm_launch_t *l, int ranks, int decode)
+static int pdm__check_alive(pdm_launch_t *l, int ranks, int decode)
 {
-    ln_reap(l);
+    pdm__reap(l);
     for (int i = 0; i < l->n_procs; i++) {
         if (!l->proc[i].exited || (i < l->n ? !ranks : !decode)) continue;
         char who[32];
-        return pdm_error_set(PDM_EPEER, "%s exited", ln_who(l, i, who, sizeof(who)));
+        return pdm_error_set(PDM_EPEER, "%s exited", pdm__who(l, i, who, sizeof(who)));
     }
     return PDM_OK;
 }
 
 /* ---- the node socket ---- */
 
-static int ln_send(pdm_launch_t *l, int i, int type, const ProtobufCMessage *m)
+static int pdm__send(pdm_launch_t *l, int i, int type, const ProtobufCMessage *m)
 {
-    ln_proc_t *pr = &l->proc[i];
+    pdm__proc_t *pr = &l->proc[i];
     char who[32];
     if (!pr->epoch)
-        return pdm_error_set(PDM_ESTATE, "%s is not registered", ln_who(l, i, who, sizeof(who)));
+        return pdm_error_set(PDM_ESTATE, "%s is not registered", pdm__who(l, i, who, sizeof(who)));
     int st = pdm_wire_send(l->sock, pr->ident, pr->ident_len, type, m);
-    if (st) return pdm_error_set(st, "%s: %s", ln_who(l, i, who, sizeof(who)), pdm_error_last());
+    if (st) return pdm_error_set(st, "%s: %s", pdm__who(l, i, who, sizeof(who)), pdm_error_last());
     return PDM_OK;
 }
 
-static void ln_on_register(pdm_launch_t *l, const uint8_t *ident, size_t ident_len,
+static void pdm__on_register(pdm_launch_t *l, const uint8_t *ident, size_t ident_len,
                            const Pdmesh__Register *r)
 {
     int i = -1;
@@ -289,7 +289,7 @@ static void ln_on_register(pdm_launch_t *l, const uint8_t *ident, size_t ident_l
                             "register: not a node of this harness");
         return;
     }
-    ln_proc_t *pr = &l->proc[i];
+    pdm__proc_t *pr = &l->proc[i];
     uint8_t *ucx = malloc(r->ucx_address.len ? r->ucx_address.len : 1);
     if (!ucx) return;
     memcpy(ucx, r->ucx_address.data, r->ucx_address.len);
@@ -307,7 +307,7 @@ static void ln_on_register(pdm_launch_t *l, const uint8_t *ident, size_t ident_l
 }
 
 /* The daemon a frame came from (-1: none registered with this identity). */
-static int ln_sender(const pdm_launch_t *l, const uint8_t *ident, size_t ident_len)
+static int pdm__sender(const pdm_launch_t *l, const uint8_t *ident, size_t ident_len)
 {
     for (int i = 0; i < l->n_procs; i++)
         if (l->proc[i].epoch && l->proc[i].ident_len == ident_len &&
@@ -317,21 +317,21 @@ static int ln_sender(const pdm_launch_t *l, const uint8_t *ident, size_t ident_l
 }
 
 /* 1 if the caller asked for messages of daemon i (ranks: 0..n-1; decode: n). */
-static int ln_wanted(const pdm_launch_t *l, int i, int ranks, int decode)
+static int pdm__wanted(const pdm_launch_t *l, int i, int ranks, int decode)
 {
     return i < l->n ? ranks : decode;
 }
 
-static void ln_hold(pdm_launch_t *l, int from, pdm_wire_msg_t *m)
+static void pdm__hold(pdm_launch_t *l, int from, pdm_wire_msg_t *m)
 {
-    ln_held_t *h = malloc(sizeof(*h));
-    if (!h || l->n_held >= LN_HELD_MAX) {
+    pdm__held_t *h = malloc(sizeof(*h));
+    if (!h || l->n_held >= PDM__HELD_MAX) {
         pdm_log_warn("harness: dropped a %s nobody waited for", pdm_wire_type_name(pdm_wire_type(m)));
         free(h);
         pdm_wire_msg_free(m);
         return;
     }
-    *h = (ln_held_t){.from = from, .msg = m};
+    *h = (pdm__held_t){.from = from, .msg = m};
     if (!l->held) l->held_tail = &l->held;
     *l->held_tail = h;
     l->held_tail = &h->next;
@@ -339,11 +339,11 @@ static void ln_hold(pdm_launch_t *l, int from, pdm_wire_msg_t *m)
 }
 
 /* The oldest kept message of a daemon the caller asked for (NULL: none). */
-static pdm_wire_msg_t *ln_take_held(pdm_launch_t *l, int ranks, int decode, int *from)
+static pdm_wire_msg_t *pdm__take_held(pdm_launch_t *l, int ranks, int decode, int *from)
 {
-    for (ln_held_t **pp = &l->held; *pp; pp = &(*pp)->next) {
-        ln_held_t *h = *pp;
-        if (!ln_wanted(l, h->from, ranks, decode)) continue;
+    for (pdm__held_t **pp = &l->held; *pp; pp = &(*pp)->next) {
+        pdm__held_t *h = *pp;
+        if (!pdm__wanted(l, h->from, ranks, decode)) continue;
         *pp = h->next;
         if (!*pp) l->held_tail = pp;
         l->n_held--;
@@ -360,18 +360,18 @@ static pdm_wire_msg_t *ln_take_held(pdm_launch_t *l, int ranks, int decode, int 
  * waiter. Returns 1 with *from and *out (free with pdm_wire_msg_free; NULL after a
  * registration, which the caller may be waiting for), 0 when the deadline passed, or an
  * error: a daemon waited on exited. */
-static int ln_recv(pdm_launch_t *l, double deadline, int ranks, int decode, int *from,
+static int pdm__recv(pdm_launch_t *l, double deadline, int ranks, int decode, int *from,
                    pdm_wire_msg_t **out)
 {
-    if ((*out = ln_take_held(l, ranks, decode, from))) return 1;
+    if ((*out = pdm__take_held(l, ranks, decode, from))) return 1;
     for (;;) {
-        int st = ln_check_alive(l, ranks, decode);
+        int st = pdm__check_alive(l, ranks, decode);
         if (st) return st;
         double left = deadline - pdm_now();
         if (left <= 0) return 0;
         zmq_pollitem_t it = {l->sock, 0, ZMQ_POLLIN, 0};
         if (zmq_poll(&it, 1, (long)PDM_MIN(left * 1000 + 1, 50)) <= 0) continue;
-        uint8_t ident[LN_IDENT_MAX];
+        uint8_t ident[PDM__IDENT_MAX];
         int il = zmq_recv(l->sock, ident, sizeof(ident), ZMQ_DONTWAIT);
         if (il < 0) continue;
         zmq_msg_t frame;
@@ -379,7 +379,7 @@ static int ln_recv(pdm_launch_t *l, double deadline, int ranks, int decode, int 
         int more = 0;
         size_t ms = sizeof(more);
         zmq_getsockopt(l->sock, ZMQ_RCVMORE, &more, &ms);
-        if (!more || zmq_msg_recv(&frame, l->sock, ZMQ_DONTWAIT) < 0 || il > LN_IDENT_MAX) {
+        if (!more || zmq_msg_recv(&frame, l->sock, ZMQ_DONTWAIT) < 0 || il > PDM__IDENT_MAX) {
             zmq_msg_close(&frame);
             continue;
         }
@@ -393,9 +393,9 @@ static int ln_recv(pdm_launch_t *l, double deadline, int ranks, int decode, int 
         }
         int type = pdm_wire_type(m);
         const ProtobufCMessage *msg = pdm_wire_message(m);
-        int i = ln_sender(l, ident, (size_t)il);
+        int i = pdm__sender(l, ident, (size_t)il);
         if (type == PDMESH__MSG_TYPE__MSG_REGISTER) {
-            ln_on_register(l, ident, (size_t)il, (const Pdmesh__Register *)msg);
+            pdm__on_register(l, ident, (size_t)il, (const Pdmesh__Register *)msg);
             pdm_wire_msg_free(m);
             *from = -1;
             *out = NULL; /* the caller may be waiting for it */
@@ -410,8 +410,8 @@ static int ln_recv(pdm_launch_t *l, double deadline, int ranks, int decode, int 
                           &ack.base);
         } else if (type == PDMESH__MSG_TYPE__MSG_DEREGISTER) {
             l->proc[i].epoch = 0;
-        } else if (!ln_wanted(l, i, ranks, decode)) {
-            ln_hold(l, i, m);
+        } else if (!pdm__wanted(l, i, ranks, decode)) {
+            pdm__hold(l, i, m);
             continue;
         } else {
             *from = i;
@@ -423,21 +423,21 @@ static int ln_recv(pdm_launch_t *l, double deadline, int ranks, int decode, int 
 }
 
 /* An Error a daemon sent about task `task_id` (0: about no task, e.g. a refused frame). */
-static int ln_error_for(const pdm_wire_msg_t *m, uint64_t task_id, const Pdmesh__Error **e)
+static int pdm__error_for(const pdm_wire_msg_t *m, uint64_t task_id, const Pdmesh__Error **e)
 {
     if (pdm_wire_type(m) != PDMESH__MSG_TYPE__MSG_ERROR) return 0;
     *e = (const Pdmesh__Error *)pdm_wire_message(m);
     return (*e)->task_id == task_id || (*e)->task_id == 0;
 }
 
-static const char *ln_err_text(const Pdmesh__Error *e)
+static const char *pdm__err_text(const Pdmesh__Error *e)
 {
     return e && e->message && e->message[0] ? e->message : "failed";
 }
 
 /* ---- start and stop ---- */
 
-static void ln_remove_dir(pdm_launch_t *l)
+static void pdm__remove_dir(pdm_launch_t *l)
 {
     if (!l->dir[0]) return;
     char path[128];
@@ -453,14 +453,14 @@ static void ln_remove_dir(pdm_launch_t *l)
 int pdm_launch_finish(pdm_launch_t *l)
 {
     if (!l) return PDM_OK;
-    ln_reap(l);
+    pdm__reap(l);
     for (int i = 0; i < l->n_procs; i++)
         if (!l->proc[i].exited) kill(l->proc[i].pid, SIGTERM);
     double until = pdm_now() + 5.0;
     int bad = 0;
     char msg[256] = "";
     for (int i = 0; i < l->n_procs; i++) {
-        ln_proc_t *pr = &l->proc[i];
+        pdm__proc_t *pr = &l->proc[i];
         int killed = 0;
         while (!pr->exited) {
             if (waitpid(pr->pid, &pr->status, WNOHANG) == pr->pid) {
@@ -478,21 +478,21 @@ int pdm_launch_finish(pdm_launch_t *l)
         if (killed || !WIFEXITED(pr->status) || WEXITSTATUS(pr->status) != 0) {
             char who[32];
             if (!bad)
-                snprintf(msg, sizeof(msg), "%s %s", ln_who(l, i, who, sizeof(who)),
+                snprintf(msg, sizeof(msg), "%s %s", pdm__who(l, i, who, sizeof(who)),
                          killed ? "did not stop" : WIFSIGNALED(pr->status) ? "was killed by a signal"
                                                                            : "exited with an error");
             bad++;
         }
         free(pr->ucx);
     }
-    for (ln_held_t *h = l->held, *next; h; h = next) {
+    for (pdm__held_t *h = l->held, *next; h; h = next) {
         next = h->next;
         pdm_wire_msg_free(h->msg);
         free(h);
     }
     if (l->sock) zmq_close(l->sock);
     if (l->zctx) zmq_ctx_term(l->zctx);
-    ln_remove_dir(l);
+    pdm__remove_dir(l);
     pdm_prefill_conv_free(&l->conv);
     free(l);
     if (bad) return pdm_error_set(PDM_EPEER, "%d process(es) did not end cleanly: %s", bad, msg);
@@ -504,7 +504,7 @@ void pdm_launch_stop(pdm_launch_t *l)
     pdm_launch_finish(l);
 }
 
-static int ln_open_socket(pdm_launch_t *l)
+static int pdm__open_socket(pdm_launch_t *l)
 {
     snprintf(l->dir, sizeof(l->dir), "/tmp/pdm-launch-XXXXXX");
     if (!mkdtemp(l->dir)) {
@@ -534,7 +534,7 @@ static int ln_open_socket(pdm_launch_t *l)
 }
 
 /* Waits until every daemon registered. */
-static int ln_wait_registered(pdm_launch_t *l, double deadline)
+static int pdm__wait_registered(pdm_launch_t *l, double deadline)
 {
     for (;;) {
         int missing = -1;
@@ -543,18 +543,18 @@ static int ln_wait_registered(pdm_launch_t *l, double deadline)
         if (missing < 0) return PDM_OK;
         int from;
         pdm_wire_msg_t *m;
-        int st = ln_recv(l, deadline, 1, 1, &from, &m);
+        int st = pdm__recv(l, deadline, 1, 1, &from, &m);
         if (st < 0) return st;
         char who[32];
         if (st == 0)
             return pdm_error_set(PDM_ETIMEOUT, "%s did not register in time",
-                                 ln_who(l, missing, who, sizeof(who)));
+                                 pdm__who(l, missing, who, sizeof(who)));
         pdm_wire_msg_free(m); /* nothing else is expected yet (NULL: a registration) */
     }
 }
 
 /* GroupWire to every rank, then every rank's GroupReady. */
-static int ln_wire_group(pdm_launch_t *l, double deadline)
+static int pdm__wire_group(pdm_launch_t *l, double deadline)
 {
     ProtobufCBinaryData addrs[PDM_KVT_MAX_RANKS];
     for (int i = 0; i < l->n; i++) {
@@ -565,18 +565,18 @@ static int ln_wire_group(pdm_launch_t *l, double deadline)
     for (int i = 0; i < l->n && !st; i++) {
         Pdmesh__GroupWire w = PDMESH__GROUP_WIRE__INIT;
         w.epoch = l->proc[i].epoch;
-        w.group = LN_GROUP;
+        w.group = PDM__GROUP;
         w.rank = (uint32_t)i;
         w.size = (uint32_t)l->n;
         w.ucx_addresses = addrs;
         w.n_ucx_addresses = (size_t)l->n;
-        st = ln_send(l, i, PDMESH__MSG_TYPE__MSG_GROUP_WIRE, &w.base);
+        st = pdm__send(l, i, PDMESH__MSG_TYPE__MSG_GROUP_WIRE, &w.base);
     }
     int ready[PDM_KVT_MAX_RANKS] = {0}, remaining = l->n;
     while (!st && remaining > 0) {
         int from;
         pdm_wire_msg_t *m;
-        int got = ln_recv(l, deadline, 1, 1, &from, &m);
+        int got = pdm__recv(l, deadline, 1, 1, &from, &m);
         if (got < 0) return got;
         if (got == 0) return pdm_error_set(PDM_ETIMEOUT, "the group did not form in time");
         if (!m) continue;
@@ -585,15 +585,15 @@ static int ln_wire_group(pdm_launch_t *l, double deadline)
         if (from < l->n && pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_GROUP_READY && !ready[from]) {
             const Pdmesh__GroupReady *g = (const Pdmesh__GroupReady *)pdm_wire_message(m);
             if (!g->ok)
-                st = pdm_error_set(PDM_EPEER, "%s: %s", ln_who(l, from, who, sizeof(who)),
-                                   ln_err_text(g->error));
+                st = pdm_error_set(PDM_EPEER, "%s: %s", pdm__who(l, from, who, sizeof(who)),
+                                   pdm__err_text(g->error));
             if (from == 0 && g->transports)
                 snprintf(l->transports, sizeof(l->transports), "%s", g->transports);
             ready[from] = 1;
             remaining--;
-        } else if (ln_error_for(m, 0, &e)) {
-            st = pdm_error_set(PDM_EPEER, "%s: %s", ln_who(l, from, who, sizeof(who)),
-                               ln_err_text(e));
+        } else if (pdm__error_for(m, 0, &e)) {
+            st = pdm_error_set(PDM_EPEER, "%s: %s", pdm__who(l, from, who, sizeof(who)),
+                               pdm__err_text(e));
         }
         pdm_wire_msg_free(m);
     }
@@ -608,21 +608,21 @@ int pdm_launch_start(const pdm_launch_params_t *p, pdm_launch_t **out)
     if (!l) return pdm_error_set(PDM_ENOMEM, "out of memory");
     l->p = *p;
     l->next_task = 1;
-    int st = ln_open_socket(l);
+    int st = pdm__open_socket(l);
     for (int i = 0; i < p->ranks && !st; i++) {
-        st = ln_spawn_rank(l, i);
+        st = pdm__spawn_rank(l, i);
         if (!st) l->n_procs = ++l->n;
     }
     if (!st && p->decode_bin) {
-        st = ln_spawn_decode(l);
+        st = pdm__spawn_decode(l);
         if (!st) {
             l->n_procs++;
             l->has_decode = 1;
         }
     }
     double deadline = pdm_now() + p->timeout;
-    if (!st) st = ln_wait_registered(l, deadline);
-    if (!st) st = ln_wire_group(l, deadline);
+    if (!st) st = pdm__wait_registered(l, deadline);
+    if (!st) st = pdm__wire_group(l, deadline);
     if (st) {
         char msg[512];
         snprintf(msg, sizeof(msg), "%s", pdm_error_last());
@@ -636,7 +636,7 @@ int pdm_launch_start(const pdm_launch_params_t *p, pdm_launch_t **out)
 /* ---- prefill tasks ---- */
 
 /* Moves the ranks' KV dump to `to` (a copy when it is on another file system). */
-static int ln_take_dump(const char *from, const char *to)
+static int pdm__take_dump(const char *from, const char *to)
 {
     if (!rename(from, to)) return PDM_OK;
     if (errno != EXDEV) return pdm_error_set(PDM_EIO, "%s: %s", to, strerror(errno));
@@ -652,7 +652,7 @@ static int ln_take_dump(const char *from, const char *to)
     return st ? pdm_error_set(st, "%s: cannot write the KV file", to) : PDM_OK;
 }
 
-static int ln_write_logits(const char *path, const float *logits, size_t n)
+static int pdm__write_logits(const char *path, const float *logits, size_t n)
 {
     FILE *f = fopen(path, "wb");
     int st = !f || fwrite(logits, sizeof(float), n, f) != n;
@@ -704,7 +704,7 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
     int st = PDM_OK;
     for (int i = 0; i < l->n && !st; i++) {
         t.epoch = l->proc[i].epoch;
-        st = ln_send(l, i, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+        st = pdm__send(l, i, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
     }
     if (st) return st;
 
@@ -714,7 +714,7 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
     while (remaining > 0 && !st) {
         int from;
         pdm_wire_msg_t *m;
-        int got = ln_recv(l, deadline, 1, 0, &from, &m);
+        int got = pdm__recv(l, deadline, 1, 0, &from, &m);
         if (got < 0) {
             st = got;
             break;
@@ -734,8 +734,8 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
                 remaining--;
                 if (!r->ok && !first_err) {
                     first_err = PDM_EPEER;
-                    snprintf(err_msg, sizeof(err_msg), "%s: %s", ln_who(l, from, who, sizeof(who)),
-                             ln_err_text(r->error));
+                    snprintf(err_msg, sizeof(err_msg), "%s: %s", pdm__who(l, from, who, sizeof(who)),
+                             pdm__err_text(r->error));
                 } else if (r->ok) {
                     res->rank[from].n_local = (int)r->n_local;
                     res->rank[from].t_total = r->seconds;
@@ -746,7 +746,7 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
                     if (kv_out && !r->kv_dumped && !first_err) {
                         first_err = PDM_EPEER;
                         snprintf(err_msg, sizeof(err_msg), "%s wrote no KV dump",
-                                 ln_who(l, from, who, sizeof(who)));
+                                 pdm__who(l, from, who, sizeof(who)));
                     }
                 }
                 if (r->ok && r->owner) {
@@ -760,26 +760,26 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
                     }
                     res->n_top = (int)k;
                     if (logits_out && !first_err &&
-                        (r->n_logits == 0 || ln_write_logits(logits_out, r->logits, r->n_logits))) {
+                        (r->n_logits == 0 || pdm__write_logits(logits_out, r->logits, r->n_logits))) {
                         first_err = PDM_EIO;
                         snprintf(err_msg, sizeof(err_msg), "%s", r->n_logits ? pdm_error_last()
                                  : "the owner rank returned no logits");
                     }
                 }
             }
-        } else if (ln_error_for(m, task_id, &e) && from < l->n && !done[from]) {
+        } else if (pdm__error_for(m, task_id, &e) && from < l->n && !done[from]) {
             /* the rank refused the message itself (stale epoch, bad frame): no result comes */
             done[from] = 1;
             remaining--;
             if (!first_err) {
                 first_err = PDM_EPEER;
-                snprintf(err_msg, sizeof(err_msg), "%s: %s", ln_who(l, from, who, sizeof(who)),
-                         ln_err_text(e));
+                snprintf(err_msg, sizeof(err_msg), "%s: %s", pdm__who(l, from, who, sizeof(who)),
+                         pdm__err_text(e));
             }
         }
         pdm_wire_msg_free(m);
     }
-    if (!st && !first_err && kv_out && ln_take_dump(dump_path, kv_out)) {
+    if (!st && !first_err && kv_out && pdm__take_dump(dump_path, kv_out)) {
         first_err = PDM_EIO;
         snprintf(err_msg, sizeof(err_msg), "%s", pdm_error_last());
     }
@@ -808,14 +808,14 @@ int pdm_launch_pingpong(pdm_launch_t *l, size_t bytes, int iters, double *second
     int st = PDM_OK;
     for (int i = 0; i < l->n && !st; i++) {
         p.epoch = l->proc[i].epoch;
-        st = ln_send(l, i, PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG, &p.base);
+        st = pdm__send(l, i, PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG, &p.base);
     }
     double deadline = pdm_now() + l->p.timeout;
     int remaining = l->n, done[PDM_KVT_MAX_RANKS] = {0};
     while (!st && remaining > 0) {
         int from;
         pdm_wire_msg_t *m;
-        int got = ln_recv(l, deadline, 1, 0, &from, &m);
+        int got = pdm__recv(l, deadline, 1, 0, &from, &m);
         if (got <= 0) return got ? got : pdm_error_set(PDM_ETIMEOUT, "pingpong: no answer in time");
         if (!m) continue;
         if (from < l->n && !done[from] &&
@@ -824,8 +824,8 @@ int pdm_launch_pingpong(pdm_launch_t *l, size_t bytes, int iters, double *second
                 (const Pdmesh__GroupPingPongResult *)pdm_wire_message(m);
             char who[32];
             if (!r->ok)
-                st = pdm_error_set(PDM_EPEER, "%s: %s", ln_who(l, from, who, sizeof(who)),
-                                   ln_err_text(r->error));
+                st = pdm_error_set(PDM_EPEER, "%s: %s", pdm__who(l, from, who, sizeof(who)),
+                                   pdm__err_text(r->error));
             if (from == 0) *seconds = r->seconds;
             done[from] = 1;
             remaining--;
@@ -853,10 +853,10 @@ typedef struct {
     uint64_t first_id;
     int *state;     /* 0 not started, 1 generating, 2 finished */
     double *t0;     /* dispatch time of each request */
-} ln_gen_t;
+} pdm__gen_t;
 
 /* The beam search's report as the CLI prints it: {"n_best":[...],"beam":{...}}. */
-static char *ln_beam_json(const Pdmesh__DecodeResult *d)
+static char *pdm__beam_json(const Pdmesh__DecodeResult *d)
 {
     cJSON *j = cJSON_CreateObject(), *list = cJSON_AddArrayToObject(j, "n_best");
     for (size_t h = 0; h < d->n_beams; h++) {
@@ -890,7 +890,7 @@ static char *ln_beam_json(const Pdmesh__DecodeResult *d)
 }
 
 /* The decode node's head-wise offload report as the CLI prints it. */
-static char *ln_offload_json(const Pdmesh__OffloadStats *o)
+static char *pdm__offload_json(const Pdmesh__OffloadStats *o)
 {
     cJSON *j = cJSON_CreateObject();
     cJSON_AddNumberToObject(j, "fast_budget", (double)o->fast_budget);
@@ -912,7 +912,7 @@ static char *ln_offload_json(const Pdmesh__OffloadStats *o)
     return s;
 }
 
-static const char *ln_finish_name(Pdmesh__FinishReason f)
+static const char *pdm__finish_name(Pdmesh__FinishReason f)
 {
     switch (f) {
     case PDMESH__FINISH_REASON__FINISH_EOS: return "eos";
@@ -922,7 +922,7 @@ static const char *ln_finish_name(Pdmesh__FinishReason f)
     }
 }
 
-static void ln_apply_result(ln_gen_t *g, int i, const Pdmesh__DecodeResult *d)
+static void pdm__apply_result(pdm__gen_t *g, int i, const Pdmesh__DecodeResult *d)
 {
     pdm_launch_response_t *r = &g->out[i];
     const int code = d->error ? (int)d->error->code : 0;
@@ -931,7 +931,7 @@ static void ln_apply_result(ln_gen_t *g, int i, const Pdmesh__DecodeResult *d)
                                  code == PDMESH__ERROR_CODE__ERR_CANCELLED);
     g->state[i] = 2;
     if (!d->ok && !ended) {
-        snprintf(r->error, sizeof(r->error), "decode node: %s", ln_err_text(d->error));
+        snprintf(r->error, sizeof(r->error), "decode node: %s", pdm__err_text(d->error));
         r->ok = 0;
         return;
     }
@@ -941,26 +941,26 @@ static void ln_apply_result(ln_gen_t *g, int i, const Pdmesh__DecodeResult *d)
     r->text = strdup(d->text ? d->text : "");
     snprintf(r->finish, sizeof(r->finish), "%s",
              ended ? (code == PDMESH__ERROR_CODE__ERR_CANCELLED ? "cancelled" : "deadline")
-                   : ln_finish_name(d->finish));
+                   : pdm__finish_name(d->finish));
     r->total = pdm_now() - g->t0[i];
     r->step_seconds = d->step_seconds;
     r->kv_seconds = d->kv_seconds;
     r->kv_bytes = (double)d->kv_bytes;
-    if (d->n_beams || d->beam_report) r->beam_json = ln_beam_json(d);
+    if (d->n_beams || d->beam_report) r->beam_json = pdm__beam_json(d);
     free(r->offload_json);
-    r->offload_json = d->offload ? ln_offload_json(d->offload) : NULL;
+    r->offload_json = d->offload ? pdm__offload_json(d->offload) : NULL;
     r->ok = 1;
 }
 
 /* Reads one message of the decode node and applies it. *reserved_id: the task a
  * DecodeReserved answered (0 if the message was something else). */
-static int ln_decode_event(ln_gen_t *g, double deadline, uint64_t *reserved_id)
+static int pdm__decode_event(pdm__gen_t *g, double deadline, uint64_t *reserved_id)
 {
     pdm_launch_t *l = g->l;
     *reserved_id = 0;
     int from;
     pdm_wire_msg_t *m;
-    int got = ln_recv(l, deadline, 0, 1, &from, &m);
+    int got = pdm__recv(l, deadline, 0, 1, &from, &m);
     if (got < 0) return got;
     if (got == 0) return pdm_error_set(PDM_ETIMEOUT, "the decode node did not answer in time");
     if (from != l->n) { /* a registration, or a late answer of a rank */ /* a late answer of a rank */
@@ -976,7 +976,7 @@ static int ln_decode_event(ln_gen_t *g, double deadline, uint64_t *reserved_id)
         int i = task_id >= g->first_id ? (int)(task_id - g->first_id) : -1;
         if (!d->ok && i >= 0 && i < g->n) {
             snprintf(g->out[i].error, sizeof(g->out[i].error), "decode node: %s",
-                     ln_err_text(d->error));
+                     pdm__err_text(d->error));
             g->out[i].ok = 0;
             g->state[i] = 2;
         }
@@ -985,14 +985,14 @@ static int ln_decode_event(ln_gen_t *g, double deadline, uint64_t *reserved_id)
     case PDMESH__MSG_TYPE__MSG_DECODE_RESULT: {
         const Pdmesh__DecodeResult *d = (const Pdmesh__DecodeResult *)msg;
         int i = d->task_id >= g->first_id ? (int)(d->task_id - g->first_id) : -1;
-        if (i >= 0 && i < g->n && g->state[i] != 2) ln_apply_result(g, i, d);
+        if (i >= 0 && i < g->n && g->state[i] != 2) pdm__apply_result(g, i, d);
         break;
     }
     case PDMESH__MSG_TYPE__MSG_ERROR: { /* the node refused a message about a task */
         const Pdmesh__Error *e = (const Pdmesh__Error *)msg;
         int i = e->task_id >= g->first_id ? (int)(e->task_id - g->first_id) : -1;
         if (i >= 0 && i < g->n && g->state[i] != 2) {
-            snprintf(g->out[i].error, sizeof(g->out[i].error), "decode node: %s", ln_err_text(e));
+            snprintf(g->out[i].error, sizeof(g->out[i].error), "decode node: %s", pdm__err_text(e));
             g->state[i] = 2;
             *reserved_id = e->task_id;
         }
@@ -1004,7 +1004,7 @@ static int ln_decode_event(ln_gen_t *g, double deadline, uint64_t *reserved_id)
     return PDM_OK;
 }
 
-static int ln_send_reserve(pdm_launch_t *l, uint64_t id, const pdm_launch_request_t *q,
+static int pdm__send_reserve(pdm_launch_t *l, uint64_t id, const pdm_launch_request_t *q,
                            const pdm_prefill_range_t *ranges, int nr)
 {
     Pdmesh__DecodeTask t = PDMESH__DECODE_TASK__INIT;
@@ -1030,17 +1030,17 @@ static int ln_send_reserve(pdm_launch_t *l, uint64_t id, const pdm_launch_reques
     t.n_prefill_addresses = (size_t)l->n;
     t.ranges = rp;
     t.n_ranges = (size_t)nr;
-    t.group = LN_GROUP;
+    t.group = PDM__GROUP;
     if (q->beams > 1) {
         t.beams = (uint32_t)q->beams;
         t.length_penalty = q->length_penalty;
         t.n_best = (uint32_t)(q->n_best > 0 ? q->n_best : 1);
         t.early_stopping = (char *)(q->early_stopping ? q->early_stopping : "heuristic");
     }
-    return ln_send(l, l->n, PDMESH__MSG_TYPE__MSG_DECODE_TASK, &t.base);
+    return pdm__send(l, l->n, PDMESH__MSG_TYPE__MSG_DECODE_TASK, &t.base);
 }
 
-static int ln_send_start(pdm_launch_t *l, uint64_t id, const pdm_launch_request_t *q,
+static int pdm__send_start(pdm_launch_t *l, uint64_t id, const pdm_launch_request_t *q,
                          int32_t first_token)
 {
     Pdmesh__DecodeStart s = PDMESH__DECODE_START__INIT;
@@ -1058,7 +1058,7 @@ static int ln_send_start(pdm_launch_t *l, uint64_t id, const pdm_launch_request_
     s.n_stop = (size_t)q->n_stops;
     s.deadline_ms = q->timeout > 0 ? (uint32_t)(q->timeout * 1000) : 0;
     if (q->beams > 1) s.prompt_last = q->tokens[q->n_tokens - 1]; /* the search recomputes it */
-    return ln_send(l, l->n, PDMESH__MSG_TYPE__MSG_DECODE_START, &s.base);
+    return pdm__send(l, l->n, PDMESH__MSG_TYPE__MSG_DECODE_START, &s.base);
 }
 
 int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n,
@@ -1069,7 +1069,7 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
     double t0[n > 0 ? n : 1];
     memset(state, 0, sizeof(state));
     memset(out, 0, sizeof(*out) * (size_t)n);
-    ln_gen_t g = {.l = l, .out = out, .n = n, .first_id = l->next_request + 1, .state = state,
+    pdm__gen_t g = {.l = l, .out = out, .n = n, .first_id = l->next_request + 1, .state = state,
                   .t0 = t0};
     l->next_request += (uint64_t)n;
     double deadline = pdm_now();
@@ -1090,7 +1090,7 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
                          .reuse = q->reuse_prefix},
             .chunks = q->chunks};
         pdm_prefill_task_plan_t plan;
-        if (ln_check_alive(l, 1, 0)) { /* as the router, never dispatch to a broken group */
+        if (pdm__check_alive(l, 1, 0)) { /* as the router, never dispatch to a broken group */
             snprintf(out[i].error, sizeof(out[i].error), "prefill: %s", pdm_error_last());
             state[i] = 2;
             continue;
@@ -1107,10 +1107,10 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
         out[i].method = plan.method;
         memcpy(out[i].ranges, plan.ranges, sizeof(pdm_prefill_range_t) * (size_t)nr);
         out[i].n_ranges = nr;
-        mesh_st = ln_send_reserve(l, id, q, ranges, nr);
+        mesh_st = pdm__send_reserve(l, id, q, ranges, nr);
         /* Wait for this reservation's answer; other requests' events are applied meanwhile. */
         while (!mesh_st) {
-            mesh_st = ln_decode_event(&g, deadline, &ev_id);
+            mesh_st = pdm__decode_event(&g, deadline, &ev_id);
             if (!mesh_st && ev_id == id) break;
         }
         if (mesh_st || state[i] == 2) continue; /* refused: out[i] says why */
@@ -1128,13 +1128,13 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
             state[i] = 2;
             Pdmesh__CancelTask c = PDMESH__CANCEL_TASK__INIT; /* release the reservation */
             c.task_id = id;
-            mesh_st = ln_send(l, l->n, PDMESH__MSG_TYPE__MSG_CANCEL_TASK, &c.base);
+            mesh_st = pdm__send(l, l->n, PDMESH__MSG_TYPE__MSG_CANCEL_TASK, &c.base);
             continue;
         }
         out[i].ttft = res.ttft;
         for (int r = 0; r < l->n; r++)
             out[i].prefill_wait = fmax(out[i].prefill_wait, res.rank[r].t_wait);
-        mesh_st = ln_send_start(l, id, q, res.first_token);
+        mesh_st = pdm__send_start(l, id, q, res.first_token);
         state[i] = 1;
     }
     /* Collect until every request has ended. */
@@ -1142,7 +1142,7 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
         int open_ = 0;
         for (int i = 0; i < n; i++) open_ += state[i] == 1;
         if (!open_ || mesh_st) break;
-        mesh_st = ln_decode_event(&g, deadline, &ev_id);
+        mesh_st = pdm__decode_event(&g, deadline, &ev_id);
     }
     if (mesh_st) {
         char msg[512];
@@ -1159,13 +1159,13 @@ int pdm_launch_decode_usage(pdm_launch_t *l, int *held, long *kv_slots)
     if (!l->has_decode) return pdm_error_set(PDM_ESTATE, "the mesh has no decode node");
     Pdmesh__StatsRequest q = PDMESH__STATS_REQUEST__INIT;
     q.epoch = l->proc[l->n].epoch;
-    int st = ln_send(l, l->n, PDMESH__MSG_TYPE__MSG_STATS_REQUEST, &q.base);
+    int st = pdm__send(l, l->n, PDMESH__MSG_TYPE__MSG_STATS_REQUEST, &q.base);
     double deadline = pdm_now() + l->p.timeout;
     /* Messages of finished requests may still be queued before the answer: skip them. */
     while (!st) {
         int from;
         pdm_wire_msg_t *m;
-        int got = ln_recv(l, deadline, 0, 1, &from, &m);
+        int got = pdm__recv(l, deadline, 0, 1, &from, &m);
         if (got <= 0) return got ? got : pdm_error_set(PDM_ETIMEOUT, "decode node: no stats");
         if (!m) continue;
         if (from == l->n && pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_NODE_STATS) {

@@ -37,10 +37,10 @@ typedef struct {
     int grouped;
     const char *dump_dir;       /* --dump-dir: where PrefillTask.kv_dump files go (NULL: off) */
     const char *group_name;
-} pn_t;
+} pdm__daemon_t;
 
 /* The Error code of a failed task, from its status. */
-static int pn_error_code(int st)
+static int pdm__error_code(int st)
 {
     switch (st) {
     case PDM_EINVAL:
@@ -56,7 +56,7 @@ static int pn_error_code(int st)
     }
 }
 
-static void pn_leave_group(pn_t *pn)
+static void pdm__leave_group(pdm__daemon_t *pn)
 {
     if (!pn->grouped) return;
     pdm_log_info("prefill rank: leaving the group to re-form it");
@@ -66,13 +66,13 @@ static void pn_leave_group(pn_t *pn)
     pn->grouped = 0;
 }
 
-static void pn_on_group_wire(pn_t *pn, const Pdmesh__GroupWire *w)
+static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
 {
     Pdmesh__GroupReady ready = PDMESH__GROUP_READY__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
     char transports[128] = "";
     int st = PDM_OK;
-    pn_leave_group(pn);
+    pdm__leave_group(pn);
     if (w->size < 1 || w->size > PDM_KVT_MAX_RANKS || w->rank >= w->size ||
         w->n_ucx_addresses != w->size) {
         st = pdm_error_set(PDM_EFORMAT, "GroupWire: rank %u, size %u and %zu addresses do not "
@@ -93,7 +93,7 @@ static void pn_on_group_wire(pn_t *pn, const Pdmesh__GroupWire *w)
     ready.group = (char *)(w->group ? w->group : "");
     ready.rank = w->rank;
     if (st) {
-        e.code = pn_error_code(st);
+        e.code = pdm__error_code(st);
         e.message = (char *)pdm_error_last();
         ready.error = &e;
         pdm_log_warn("prefill rank: the group did not form: %s", e.message);
@@ -112,7 +112,7 @@ static void pn_on_group_wire(pn_t *pn, const Pdmesh__GroupWire *w)
 }
 
 /* The K largest logits, best first (ties: lower id first); K = 0 when out of memory. */
-static uint32_t pn_top_logits(const float *logits, uint32_t n_vocab, uint32_t k, int32_t *ids,
+static uint32_t pdm__top_logits(const float *logits, uint32_t n_vocab, uint32_t k, int32_t *ids,
                               float *values)
 {
     char *taken = calloc(n_vocab, 1);
@@ -130,7 +130,7 @@ static uint32_t pn_top_logits(const float *logits, uint32_t n_vocab, uint32_t k,
 }
 
 /* Checks a task message and fills `task` (pointing into the message). */
-static int pn_task_from_msg(pn_t *pn, const Pdmesh__PrefillTask *t, pdm_prefill_task_t *task,
+static int pdm__task_from_msg(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, pdm_prefill_task_t *task,
                             pdm_prefill_stream_t *stream)
 {
     if (!pn->grouped) return pdm_error_set(PDM_ESTATE, "PrefillTask before GroupWire");
@@ -178,7 +178,7 @@ static int pn_task_from_msg(pn_t *pn, const Pdmesh__PrefillTask *t, pdm_prefill_
     return PDM_OK;
 }
 
-static void pn_set_running(pn_t *pn, uint32_t running)
+static void pdm__set_running(pdm__daemon_t *pn, uint32_t running)
 {
     Pdmesh__Load load = PDMESH__LOAD__INIT;
     load.running = running;
@@ -186,7 +186,7 @@ static void pn_set_running(pn_t *pn, uint32_t running)
     pdm_link_set_load(pn->link, &load);
 }
 
-static void pn_on_task(pn_t *pn, const Pdmesh__PrefillTask *t)
+static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t)
 {
     Pdmesh__PrefillResult r = PDMESH__PREFILL_RESULT__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
@@ -200,17 +200,17 @@ static void pn_on_task(pn_t *pn, const Pdmesh__PrefillTask *t)
     r.epoch = pdm_link_epoch(pn->link);
     r.rank = pn->grouped ? (uint32_t)pn->group.rank : 0;
     r.first_token = -1;
-    pn_set_running(pn, 1);
-    int st = pn_task_from_msg(pn, t, &task, &stream);
+    pdm__set_running(pn, 1);
+    int st = pdm__task_from_msg(pn, t, &task, &stream);
     if (!st) st = pdm_prefill_rank_run(pn->rank, &task, &res);
     if (!st && t->kv_dump && t->kv_dump[0]) {
         char path[PATH_MAX];
         snprintf(path, sizeof(path), "%s/%s", pn->dump_dir, t->kv_dump);
         if (!(st = pdm_prefill_rank_dump_kv(pn->rank, path))) r.kv_dumped = 1;
     }
-    pn_set_running(pn, 0);
+    pdm__set_running(pn, 0);
     if (st) {
-        e.code = pn_error_code(st);
+        e.code = pdm__error_code(st);
         e.message = (char *)pdm_error_last();
         r.error = &e;
         pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, &r.base);
@@ -229,7 +229,7 @@ static void pn_on_task(pn_t *pn, const Pdmesh__PrefillTask *t)
     if (res.owner) {
         r.first_token = res.first_token;
         uint32_t k = PDM_MIN(PDM_MIN(t->top_logits, 100u), n_vocab);
-        k = pn_top_logits(res.logits, n_vocab, k, top_ids, top_values);
+        k = pdm__top_logits(res.logits, n_vocab, k, top_ids, top_values);
         r.top_ids = top_ids;
         r.n_top_ids = k;
         r.top_logits = top_values;
@@ -244,7 +244,7 @@ static void pn_on_task(pn_t *pn, const Pdmesh__PrefillTask *t)
 
 /* Ranks 0 and 1 bounce a message of `bytes` back and forth `iters` times (after one warm-up
  * round); rank 0 reports the mean round-trip time. Other ranks only answer. */
-static int pn_pingpong(pdm_kvt_group_t *g, size_t bytes, int iters, double *seconds)
+static int pdm__pingpong(pdm_kvt_group_t *g, size_t bytes, int iters, double *seconds)
 {
     char *buf = malloc(bytes);
     if (!buf) return pdm_error_set(PDM_ENOMEM, "pingpong: out of memory");
@@ -274,7 +274,7 @@ static int pn_pingpong(pdm_kvt_group_t *g, size_t bytes, int iters, double *seco
     return st;
 }
 
-static void pn_on_pingpong(pn_t *pn, const Pdmesh__GroupPingPong *p)
+static void pdm__on_pingpong(pdm__daemon_t *pn, const Pdmesh__GroupPingPong *p)
 {
     Pdmesh__GroupPingPongResult r = PDMESH__GROUP_PING_PONG_RESULT__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
@@ -288,9 +288,9 @@ static void pn_on_pingpong(pn_t *pn, const Pdmesh__GroupPingPong *p)
         st = pdm_error_set(PDM_EINVAL, "GroupPingPong needs bytes in [1, 1 GiB], iters in "
                            "[1, 60000] and two ranks");
     else
-        st = pn_pingpong(&pn->group, (size_t)p->bytes, (int)p->iters, &r.seconds);
+        st = pdm__pingpong(&pn->group, (size_t)p->bytes, (int)p->iters, &r.seconds);
     if (st) {
-        e.code = pn_error_code(st);
+        e.code = pdm__error_code(st);
         e.message = (char *)pdm_error_last();
         r.error = &e;
     }
@@ -298,7 +298,7 @@ static void pn_on_pingpong(pn_t *pn, const Pdmesh__GroupPingPong *p)
     pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG_RESULT, &r.base);
 }
 
-static void pn_on_stats(pn_t *pn)
+static void pdm__on_stats(pdm__daemon_t *pn)
 {
     Pdmesh__NodeStats s = PDMESH__NODE_STATS__INIT;
     Pdmesh__Load load = PDMESH__LOAD__INIT;
@@ -307,21 +307,21 @@ static void pn_on_stats(pn_t *pn)
     pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_NODE_STATS, &s.base);
 }
 
-static void pn_on_message(pn_t *pn, const pdm_wire_msg_t *m)
+static void pdm__on_message(pdm__daemon_t *pn, const pdm_wire_msg_t *m)
 {
     const ProtobufCMessage *msg = pdm_wire_message(m);
     switch (pdm_wire_type(m)) {
-    case PDMESH__MSG_TYPE__MSG_GROUP_WIRE: pn_on_group_wire(pn, (const Pdmesh__GroupWire *)msg); break;
-    case PDMESH__MSG_TYPE__MSG_PREFILL_TASK: pn_on_task(pn, (const Pdmesh__PrefillTask *)msg); break;
+    case PDMESH__MSG_TYPE__MSG_GROUP_WIRE: pdm__on_group_wire(pn, (const Pdmesh__GroupWire *)msg); break;
+    case PDMESH__MSG_TYPE__MSG_PREFILL_TASK: pdm__on_task(pn, (const Pdmesh__PrefillTask *)msg); break;
     case PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG:
-        pn_on_pingpong(pn, (const Pdmesh__GroupPingPong *)msg);
+        pdm__on_pingpong(pn, (const Pdmesh__GroupPingPong *)msg);
         break;
-    case PDMESH__MSG_TYPE__MSG_STATS_REQUEST: pn_on_stats(pn); break;
+    case PDMESH__MSG_TYPE__MSG_STATS_REQUEST: pdm__on_stats(pn); break;
     default: break; /* CancelTask: a task runs to its end (its deadline bounds it) */
     }
 }
 
-static void pn_usage(FILE *f)
+static void pdm__usage(FILE *f)
 {
     fprintf(f, "usage: pdmesh-prefill --router ENDPOINT --node-id NAME --group G --rank r\n"
                "                      --group-size R [--secret-file F]\n"
@@ -336,7 +336,7 @@ static void pn_usage(FILE *f)
 int main(int argc, char **argv)
 {
     const char *model_path = pdm_model_default_path();
-    pn_t pn = {0};
+    pdm__daemon_t pn = {0};
     pdm_prefill_rank_params_default(&pn.rp);
     long cpu = -1;
     enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_DUMP_DIR, O_EXIT_WITH_PARENT };
@@ -395,20 +395,20 @@ int main(int argc, char **argv)
             if (pdm_parse_long(optarg, 1, PDM_KVT_MAX_RANKS, &v)) goto bad;
             lp.group_size = (uint32_t)v;
             break;
-        case 'h': pn_usage(stdout); return 0;
-        default: pn_usage(stderr); return 2;
+        case 'h': pdm__usage(stdout); return 0;
+        default: pdm__usage(stderr); return 2;
         }
     }
     if (optind != argc) {
     bad:
         fprintf(stderr, "pdmesh-prefill: invalid option value\n");
-        pn_usage(stderr);
+        pdm__usage(stderr);
         return 2;
     }
     if (!lp.endpoint || !lp.group || lp.group_size < 1 || lp.rank >= lp.group_size) {
         fprintf(stderr, "pdmesh-prefill: needs --router, --node-id, --group, --rank and "
                         "--group-size (rank < group size)\n");
-        pn_usage(stderr);
+        pdm__usage(stderr);
         return 2;
     }
     lp.model_id = model_path;
@@ -446,7 +446,7 @@ int main(int argc, char **argv)
         pdm_wire_msg_t *m;
         if (pdm_link_recv(pn.link, 1000, &m)) break; /* SIGTERM or a refused registration */
         if (!m) continue;
-        pn_on_message(&pn, m);
+        pdm__on_message(&pn, m);
         pdm_wire_msg_free(m);
     }
     status = pdm_link_exit_status(pn.link);
