@@ -219,9 +219,7 @@ static void pdm__link_on_frame(pdm_link_t *l, const void *frame, size_t len)
     pdm_wire_msg_t *m;
     int st = pdm_wire_unpack(frame, len, PDM_WIRE_MAX_FRAME, 0, &m);
     if (st) {
-        int code = st == PDM_EOVERFLOW      ? PDMESH__ERROR_CODE__ERR_TOO_LARGE
-                   : st == PDM_EUNSUPPORTED ? PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE
-                                            : PDMESH__ERROR_CODE__ERR_BAD_MESSAGE;
+        int code = pdm_wire_refusal_code(st);
         char why[512];
         snprintf(why, sizeof(why), "%s", pdm_error_last());
         pdm_log_warn("node %s: refused a frame: %s", l->p.node_id, why);

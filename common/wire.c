@@ -175,14 +175,19 @@ void pdm_wire_msg_free(pdm_wire_msg_t *m)
     free(m);
 }
 
+int pdm_wire_refusal_code(int unpack_status)
+{
+    return unpack_status == PDM_EOVERFLOW      ? PDMESH__ERROR_CODE__ERR_TOO_LARGE
+           : unpack_status == PDM_EUNSUPPORTED ? PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE
+                                               : PDMESH__ERROR_CODE__ERR_BAD_MESSAGE;
+}
+
 int pdm_wire_unpack_or_reply(void *zsock, const void *ident, size_t ident_len, const void *frame,
                              size_t len, size_t cap, pdm_wire_msg_t **out)
 {
     int st = pdm_wire_unpack(frame, len, cap, 0, out);
     if (st) {
-        int code = st == PDM_EOVERFLOW      ? PDMESH__ERROR_CODE__ERR_TOO_LARGE
-                   : st == PDM_EUNSUPPORTED ? PDMESH__ERROR_CODE__ERR_UNKNOWN_TYPE
-                                            : PDMESH__ERROR_CODE__ERR_BAD_MESSAGE;
+        int code = pdm_wire_refusal_code(st);
         char why[512];
         snprintf(why, sizeof(why), "%s", pdm_error_last());
         pdm_wire_send_error(zsock, ident, ident_len, code, 0, "%s", why);

@@ -44,6 +44,10 @@ int pdm_wire_type(const pdm_wire_msg_t *m);
 ProtobufCMessage *pdm_wire_message(const pdm_wire_msg_t *m);
 void pdm_wire_msg_free(pdm_wire_msg_t *m);
 
+/* The Error code that tells a peer why its frame was refused, from pdm_wire_unpack's status:
+ * ERR_TOO_LARGE, ERR_UNKNOWN_TYPE or ERR_BAD_MESSAGE. */
+int pdm_wire_refusal_code(int unpack_status);
+
 /* For servers: pdm_wire_unpack, and when the frame is refused, an Error reply to `ident` on
  * `zsock` whose code says why (ERR_TOO_LARGE, ERR_UNKNOWN_TYPE, ERR_BAD_MESSAGE). Returns the
  * unpack status. */

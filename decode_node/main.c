@@ -223,22 +223,31 @@ static void pdm__on_decode_start(pdm__daemon_t *dn, const Pdmesh__DecodeStart *m
                         pdm_error_last());
 }
 
-static void pdm__on_stats(pdm__daemon_t *dn)
+/* What the node holds now: sequences, KV slots, bytes in the offload tier. */
+static void pdm__load(pdm__daemon_t *dn, Pdmesh__Load *load)
 {
-    Pdmesh__NodeStats s = PDMESH__NODE_STATS__INIT;
-    Pdmesh__Load load = PDMESH__LOAD__INIT;
-    Pdmesh__PeerTraffic traffic[PDM_KVT_MAX_RANKS], *tp[PDM_KVT_MAX_RANKS];
     int held;
     int64_t slots;
     pdm_decode_node_usage(dn->node, &held, &slots);
-    load.running = (uint32_t)pdm_decode_node_running(dn->node);
-    load.held = (uint32_t)held;
-    load.kv_tokens_used = (uint64_t)slots;
-    load.kv_tokens_free = dn->dp.kv_budget > slots ? (uint64_t)(dn->dp.kv_budget - slots) : 0;
+    pdmesh__load__init(load);
+    load->running = (uint32_t)pdm_decode_node_running(dn->node);
+    load->held = (uint32_t)held;
+    load->kv_tokens_used = (uint64_t)slots;
+    load->kv_tokens_free = dn->dp.kv_budget > slots ? (uint64_t)(dn->dp.kv_budget - slots) : 0;
+    pdm_kvoff_stats_t os;
+    if (!pdm_decode_node_offload_stats(dn->node, &os)) load->offload_bytes = (uint64_t)os.slow.used;
+}
+
+static void pdm__on_stats(pdm__daemon_t *dn)
+{
+    Pdmesh__NodeStats s = PDMESH__NODE_STATS__INIT;
+    Pdmesh__Load load;
+    Pdmesh__PeerTraffic traffic[PDM_KVT_MAX_RANKS], *tp[PDM_KVT_MAX_RANKS];
+    pdm__load(dn, &load);
     s.epoch = pdm_link_epoch(dn->link);
     s.load = &load;
-    s.held = (uint32_t)held;
-    s.kv_slots = (uint64_t)slots;
+    s.held = load.held;
+    s.kv_slots = load.kv_tokens_used;
     /* KV received from each prefill rank so far (transfer statistics). */
     for (int r = 0; r < dn->n_ranks; r++) {
         pdm_kvt_stats_t ps;
@@ -254,19 +263,15 @@ static void pdm__on_stats(pdm__daemon_t *dn)
     pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_NODE_STATS, &s.base);
 }
 
-/* The load the heartbeats report: what the node really holds. */
+/* The load the heartbeats report (refreshed every 50 ms: the heartbeat is seconds apart). */
 static void pdm__report_load(pdm__daemon_t *dn)
 {
-    Pdmesh__Load load = PDMESH__LOAD__INIT;
-    int held;
-    int64_t slots;
-    pdm_decode_node_usage(dn->node, &held, &slots);
-    load.running = (uint32_t)pdm_decode_node_running(dn->node);
-    load.held = (uint32_t)held;
-    load.kv_tokens_used = (uint64_t)slots;
-    load.kv_tokens_free = dn->dp.kv_budget > slots ? (uint64_t)(dn->dp.kv_budget - slots) : 0;
-    pdm_kvoff_stats_t os;
-    if (!pdm_decode_node_offload_stats(dn->node, &os)) load.offload_bytes = (uint64_t)os.slow.used;
+    static double next;
+    double now = pdm_now();
+    if (now < next) return;
+    next = now + 0.05;
+    Pdmesh__Load load;
+    pdm__load(dn, &load);
     pdm_link_set_load(dn->link, &load);
 }
 

@@ -1010,14 +1010,7 @@ static int pdm__send_reserve(pdm_launch_t *l, uint64_t id, const pdm_launch_requ
     Pdmesh__DecodeTask t = PDMESH__DECODE_TASK__INIT;
     Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rp[PDM_PREFILL_MAX_PLAN];
     ProtobufCBinaryData addrs[PDM_KVT_MAX_RANKS];
-    for (int k = 0; k < nr; k++) {
-        pdmesh__token_range__init(&rg[k]);
-        rg[k].start = (uint32_t)ranges[k].start;
-        rg[k].len = (uint32_t)ranges[k].len;
-        rg[k].rank = (uint32_t)ranges[k].rank;
-        rg[k].chunk = (uint32_t)ranges[k].chunk;
-        rp[k] = &rg[k];
-    }
+    pdm_prefill_ranges_to_wire(ranges, nr, rg, rp);
     for (int i = 0; i < l->n; i++) {
         addrs[i].data = l->proc[i].ucx;
         addrs[i].len = l->proc[i].ucx_len;

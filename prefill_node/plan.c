@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "common/pdm.h"
+#include "proto/pdmesh.pb-c.h"
 
 /* ---- Methods ---------------------------------------------------------------------------- */
 
@@ -279,4 +280,17 @@ int pdm_prefill_resolve(pdm_prefill_method_t method, const pdm_model_hparams_t *
     }
     *out = method;
     return PDM_OK;
+}
+
+void pdm_prefill_ranges_to_wire(const pdm_prefill_range_t *ranges, int n,
+                                struct Pdmesh__TokenRange *msgs, struct Pdmesh__TokenRange **ptrs)
+{
+    for (int k = 0; k < n; k++) {
+        pdmesh__token_range__init(&msgs[k]);
+        msgs[k].start = (uint32_t)ranges[k].start;
+        msgs[k].len = (uint32_t)ranges[k].len;
+        msgs[k].rank = (uint32_t)ranges[k].rank;
+        msgs[k].chunk = (uint32_t)ranges[k].chunk;
+        ptrs[k] = &msgs[k];
+    }
 }

@@ -65,6 +65,12 @@ typedef struct {
     int chunk;          /* index of the range in the task (part of streamed blocks' tags) */
 } pdm_prefill_range_t;
 
+/* The ranges as the protocol's TokenRange messages (DecodeTask.ranges, Usage.prefill_ranges):
+ * fills msgs[0..n) and ptrs[0..n) (ptrs[i] = &msgs[i]), both the caller's. */
+struct Pdmesh__TokenRange;
+void pdm_prefill_ranges_to_wire(const pdm_prefill_range_t *ranges, int n,
+                                struct Pdmesh__TokenRange *msgs, struct Pdmesh__TokenRange **ptrs);
+
 #define PDM_PREFILL_MAX_RANGES (2 * PDM_PREFILL_MAX_RANKS)
 
 /* The ranges of [start, start + n) in position order: single: one range on rank 0; tsp:

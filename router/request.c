@@ -248,14 +248,7 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
     u.attempts = q->attempt;
     u.cached_tokens = q->cached_tokens;
     Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rgp[PDM_PREFILL_MAX_PLAN];
-    for (int k = 0; k < q->n_plan; k++) {
-        pdmesh__token_range__init(&rg[k]);
-        rg[k].start = (uint32_t)q->plan[k].start;
-        rg[k].len = (uint32_t)q->plan[k].len;
-        rg[k].rank = (uint32_t)q->plan[k].rank;
-        rg[k].chunk = (uint32_t)q->plan[k].chunk;
-        rgp[k] = &rg[k];
-    }
+    pdm_prefill_ranges_to_wire(q->plan, q->n_plan, rg, rgp);
     u.prefill_ranges = rgp;
     u.n_prefill_ranges = (size_t)q->n_plan;
     res.usage = &u;
@@ -399,14 +392,7 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
         const int nr = plan->n_ranges;
         memcpy(q->plan, plan->ranges, sizeof(pdm_prefill_range_t) * (size_t)nr);
         q->n_plan = nr;
-        for (int k = 0; k < nr; k++) {
-            pdmesh__token_range__init(&rg[k]);
-            rg[k].start = (uint32_t)plan->ranges[k].start;
-            rg[k].len = (uint32_t)plan->ranges[k].len;
-            rg[k].rank = (uint32_t)plan->ranges[k].rank;
-            rg[k].chunk = (uint32_t)plan->ranges[k].chunk;
-            rgp[k] = &rg[k];
-        }
+        pdm_prefill_ranges_to_wire(plan->ranges, nr, rg, rgp);
         t.prefill_addresses = addrs;
         t.n_prefill_addresses = gr->size;
         t.ranges = rgp;
