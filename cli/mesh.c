@@ -353,7 +353,7 @@ int cmd_up(int argc, char **argv)
                   (char *)method, "--curve-secret-file", c_srv_key, "--curve-allow", c_allow, NULL};
     if (!curve) ra[PDM_ARRAY_SIZE(ra) - 5] = NULL;
     st = spawn(&m, "router", ra);
-    if (curve) { /* the nodes take their keys from the environment (common/agent.c) */
+    if (curve) { /* the nodes take their keys from the environment (common/nodelink.c) */
         setenv("PDMESH_CURVE_SERVER_KEY_FILE", c_srv_pub, 1);
         setenv("PDMESH_CURVE_KEY_FILE", c_pre, 1);
     } else {

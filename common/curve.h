@@ -1,6 +1,6 @@
 /*
- * curve.h - ZeroMQ CURVE key files and socket set-up shared by the router, the node agent, the
- * SDK and the CLI (docs/router.md, "CURVE").
+ * curve.h - ZeroMQ CURVE key files and socket set-up shared by the router, the node link
+ * (common/nodelink.c), the SDK and the CLI (docs/router.md, "CURVE").
  *
  * Key file format: line 1 the Z85 public key (40 characters), line 2 the Z85 secret key; a
  * file with one line holds either a public key (a ".pub" file, what clients are given as the
