@@ -46,6 +46,7 @@ struct pdm_link {
     Pdmesh__Load load;
     /* link thread only */
     int registered, hb_ms;
+    int quitting;                /* signalled or refused: no more registrations */
     double next_register, next_heartbeat;
 };
 
@@ -202,6 +203,7 @@ static void pdm__link_on_control(pdm_link_t *l, int type, const ProtobufCMessage
             fprintf(stderr, "node %s: the router refused the registration: %s\n", l->p.node_id,
                     e->message ? e->message : "");
             atomic_store(&l->exit_status, 3);
+            l->quitting = 1;
             pdm__link_tell_stop(l);
             return;
         }
@@ -276,14 +278,13 @@ static void pdm__link_forward(pdm_link_t *l)
 static void *pdm__link_main(void *arg)
 {
     pdm_link_t *l = arg;
-    int signalled = 0;
     while (!atomic_load(&l->stop)) {
         if (atomic_exchange(&l->reregister, 0) && l->registered) {
             l->registered = 0;
             l->next_register = pdm_now() + 1.0;
         }
         double now = pdm_now();
-        if (!signalled && !l->registered && now >= l->next_register) pdm__link_register(l);
+        if (!l->quitting && !l->registered && now >= l->next_register) pdm__link_register(l);
         if (l->registered && now >= l->next_heartbeat) pdm__link_heartbeat(l);
         zmq_pollitem_t items[3] = {{l->dealer, 0, ZMQ_POLLIN, 0},
                                    {l->pair_link, 0, ZMQ_POLLIN, 0},
@@ -297,10 +298,10 @@ static void *pdm__link_main(void *arg)
         }
         if (items[2].revents & ZMQ_POLLIN) {
             struct signalfd_siginfo si;
-            if (read(l->sig_fd, &si, sizeof(si)) > 0 && !signalled) {
+            if (read(l->sig_fd, &si, sizeof(si)) > 0 && !l->quitting) {
                 /* Clean shutdown: the router learns at once (its requests move elsewhere
                  * without waiting for the lease); the daemon leaves its loop. */
-                signalled = 1;
+                l->quitting = 1;
                 pdm__link_deregister(l);
                 pdm__link_tell_stop(l);
             }
@@ -313,7 +314,7 @@ static void *pdm__link_main(void *arg)
                 zmq_msg_close(&msg);
                 break;
             }
-            if (!signalled) pdm__link_on_frame(l, zmq_msg_data(&msg), zmq_msg_size(&msg));
+            if (!l->quitting) pdm__link_on_frame(l, zmq_msg_data(&msg), zmq_msg_size(&msg));
             zmq_msg_close(&msg);
         }
     }
