@@ -1,7 +1,9 @@
 /*
  * launch.h - a group of pdmesh-prefill processes on this machine (and optionally a decode
  * node), driven from one process: the harness of pdmesh prefill-run, partition-search,
- * calibrate, disagg-run and the tests.
+ * calibrate, disagg-run and the tests. It speaks the router's side of the node protocol
+ * (proto/pdmesh.proto) to the daemons and plans tasks with the router's planner
+ * (pdm_prefill_conv_plan_task), so a request does what it would do through the router.
  */
 #ifndef PDM_PREFILL_LAUNCH_H
 #define PDM_PREFILL_LAUNCH_H
@@ -43,12 +45,14 @@ void pdm_launch_params_default(pdm_launch_params_t *p);
 
 typedef struct pdm_launch pdm_launch_t;
 
-/* Spawns the ranks, passes every rank the others' UCX addresses and waits until the group is
- * connected. On error every spawned process is stopped. */
+/* Binds a node socket (ipc:// in a private directory), spawns the daemons against it with a
+ * random cluster secret, accepts their registrations, wires the group (GroupWire ->
+ * GroupReady from every rank). On error every spawned process is stopped. */
 int pdm_launch_start(const pdm_launch_params_t *p, pdm_launch_t **out);
-/* Stops the ranks (quit, then SIGKILL after a grace period) and reaps them. */
+/* Stops the daemons (SIGTERM: they deregister and exit; SIGKILL after a grace period) and
+ * reaps them. */
 void pdm_launch_stop(pdm_launch_t *l);
-/* The same, and PDM_EPEER unless every process exited with status 0 after "quit" (a crash,
+/* The same, and PDM_EPEER unless every process exited with status 0 after SIGTERM (a crash,
  * a sanitizer's error exit such as LeakSanitizer's, or a process that had to be killed). */
 int pdm_launch_finish(pdm_launch_t *l);
 /* Process id of a rank (tests kill ranks to check failure handling). */
