@@ -42,11 +42,14 @@ struct pdm_link {
     int closing;                 /* daemon side: "stop" was received */
     _Atomic uint64_t epoch;
     atomic_int stop, reregister, exit_status;
+    atomic_uint orphans;         /* generations of work orphaned (pdm_link_orphans) */
     pthread_mutex_t load_mu;
     Pdmesh__Load load;
     /* link thread only */
     int registered, hb_ms;
     int quitting;                /* signalled or refused: no more registrations */
+    int lease_ms;                /* the router's lease (RegisterAck); 0: 3 heartbeats */
+    double last_ack;             /* last RegisterAck / HeartbeatAck */
     double next_register, next_heartbeat;
 };
 
@@ -141,6 +144,12 @@ static void pdm__link_tell_stop(pdm_link_t *l)
     zmq_send(l->pair_link, &none, sizeof(none), ZMQ_DONTWAIT);
 }
 
+/* Wakes the daemon (an empty message: pdm_link_recv returns with no message). */
+static void pdm__link_tell_wake(pdm_link_t *l)
+{
+    zmq_send(l->pair_link, "", 0, ZMQ_DONTWAIT);
+}
+
 /* 1 if `type` is a message the daemon of this role takes. */
 static int pdm__link_accepts(const pdm_link_t *l, int type)
 {
@@ -188,8 +197,12 @@ static void pdm__link_on_control(pdm_link_t *l, int type, const ProtobufCMessage
 {
     if (type == PDMESH__MSG_TYPE__MSG_REGISTER_ACK) {
         const Pdmesh__RegisterAck *ack = (const Pdmesh__RegisterAck *)msg;
-        atomic_store(&l->epoch, ack->epoch);
+        /* A new epoch after an earlier one: the router forgot this node (it restarted, or
+         * its lease of the node ran out), so whatever it gave the node before is nobody's. */
+        if (atomic_exchange(&l->epoch, ack->epoch) != 0) atomic_fetch_add(&l->orphans, 1);
         l->registered = 1;
+        l->last_ack = pdm_now();
+        l->lease_ms = ack->lease_ms >= 30 && ack->lease_ms <= 600000 ? (int)ack->lease_ms : 0;
         if (ack->heartbeat_ms >= 10 && ack->heartbeat_ms <= 60000) l->hb_ms = (int)ack->heartbeat_ms;
         l->next_heartbeat = pdm_now() + l->hb_ms / 1000.0;
         pdm_log_info("node %s: registered, epoch %llu", l->p.node_id,
@@ -197,6 +210,8 @@ static void pdm__link_on_control(pdm_link_t *l, int type, const ProtobufCMessage
     } else if (type == PDMESH__MSG_TYPE__MSG_HEARTBEAT_ACK) {
         if (((const Pdmesh__HeartbeatAck *)msg)->epoch != atomic_load(&l->epoch))
             l->registered = 0, l->next_register = 0;
+        else
+            l->last_ack = pdm_now();
     } else if (type == PDMESH__MSG_TYPE__MSG_ERROR) {
         const Pdmesh__Error *e = (const Pdmesh__Error *)msg;
         if (e->code == PDMESH__ERROR_CODE__ERR_UNAUTHORIZED) {
@@ -284,6 +299,18 @@ static void *pdm__link_main(void *arg)
             l->next_register = pdm_now() + 1.0;
         }
         double now = pdm_now();
+        /* The router's lease, seen from here: no ack for that long and the router is gone
+         * (crashed, partitioned). Its tasks are orphans: the daemon frees them now instead
+         * of finishing work nobody will read; registering again finds the next router. */
+        const double lease = (l->lease_ms ? l->lease_ms : 3 * l->hb_ms) / 1000.0;
+        if (l->registered && now - l->last_ack > lease) {
+            pdm_log_warn("node %s: no answer from the router for %.1f s: its tasks are dropped",
+                         l->p.node_id, now - l->last_ack);
+            l->registered = 0;
+            l->next_register = 0;
+            atomic_fetch_add(&l->orphans, 1);
+            pdm__link_tell_wake(l);
+        }
         if (!l->quitting && !l->registered && now >= l->next_register) pdm__link_register(l);
         if (l->registered && now >= l->next_heartbeat) pdm__link_heartbeat(l);
         zmq_pollitem_t items[3] = {{l->dealer, 0, ZMQ_POLLIN, 0},
@@ -415,6 +442,7 @@ int pdm_link_recv(pdm_link_t *l, int timeout_ms, pdm_wire_msg_t **out)
     zmq_pollitem_t it = {l->pair_main, 0, ZMQ_POLLIN, 0};
     if (zmq_poll(&it, 1, timeout_ms) <= 0) return PDM_OK;
     pdm_wire_msg_t *m;
+    /* an empty message is a wake-up (pdm__link_tell_wake): no message */
     if (zmq_recv(l->pair_main, &m, sizeof(m), ZMQ_DONTWAIT) != (int)sizeof(m)) return PDM_OK;
     if (!m) {
         l->closing = 1;
@@ -452,6 +480,11 @@ int pdm_link_send_error(pdm_link_t *l, int code, uint64_t task_id, uint32_t atte
     e.task_id = task_id;
     e.attempt = attempt;
     return pdm_link_send(l, PDMESH__MSG_TYPE__MSG_ERROR, &e.base);
+}
+
+unsigned pdm_link_orphans(const pdm_link_t *l)
+{
+    return atomic_load(&((pdm_link_t *)l)->orphans);
 }
 
 uint64_t pdm_link_epoch(const pdm_link_t *l)
@@ -493,10 +526,11 @@ void pdm_link_destroy(pdm_link_t *l)
         zmq_close(l->dealer);
     }
     if (l->pair_main) {
-        for (;;) { /* messages the daemon never took */
+        for (;;) { /* messages the daemon never took (wake-ups are empty) */
             pdm_wire_msg_t *m;
-            if (zmq_recv(l->pair_main, &m, sizeof(m), ZMQ_DONTWAIT) != (int)sizeof(m)) break;
-            pdm_wire_msg_free(m);
+            int got = zmq_recv(l->pair_main, &m, sizeof(m), ZMQ_DONTWAIT);
+            if (got < 0) break;
+            if (got == (int)sizeof(m)) pdm_wire_msg_free(m);
         }
         zmq_close(l->pair_main);
     }

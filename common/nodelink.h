@@ -19,7 +19,12 @@
  *     signalfd): the link sends Deregister and pdm_link_recv returns PDM_ECANCELED, so the
  *     daemon leaves its loop and frees everything (sanitizer builds check leaks at exit);
  *   - ERR_UNAUTHORIZED on registration: pdm_link_recv returns PDM_ECANCELED and
- *     pdm_link_exit_status says 3.
+ *     pdm_link_exit_status says 3;
+ *   - the router's loss: no ack for the router's lease (RegisterAck.lease_ms; 0: three
+ *     heartbeats), or a registration acknowledged with a new epoch (the router restarted or
+ *     expired this node), orphans every task the node holds: pdm_link_orphans counts these
+ *     events and the daemon drops the work of earlier generations, so a dead router's
+ *     requests free their KV within a lease instead of running to max_tokens.
  *
  * Threading: every function but the thread's own is called from the daemon's one thread.
  */
@@ -70,6 +75,10 @@ int pdm_link_send(pdm_link_t *l, int type, const ProtobufCMessage *msg);
 /* Sends an Error about a task. */
 int pdm_link_send_error(pdm_link_t *l, int code, uint64_t task_id, uint32_t attempt,
                         const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+/* How many times the node's work was orphaned (see above); the daemon compares it with the
+ * value it saw last. */
+unsigned pdm_link_orphans(const pdm_link_t *l);
 
 /* The epoch of the current registration (0 before the first ack). */
 uint64_t pdm_link_epoch(const pdm_link_t *l);

@@ -34,6 +34,7 @@ typedef struct {
     uint64_t task_id;
     uint32_t attempt;
     uint32_t skip;          /* migration: tokens already delivered, not streamed again */
+    int orphan;             /* its router is gone: cancelled, nothing more is sent */
     /* beam search of the DecodeTask (beams > 1), applied at its DecodeStart */
     uint32_t beams, n_best;
     float length_penalty;
@@ -48,6 +49,7 @@ typedef struct {
     pdm_decode_params_t dp;
     pdm_kvoff_params_t offload;  /* --kv-fast-budget / --kv-slow-tier / --kv-offload-groups */
     pdm_beam_params_t beam;      /* --beams, --length-penalty, --n-best, --early-stopping */
+    unsigned orphans_seen;       /* pdm_link_orphans when the tasks were last checked */
     int rank_peer[PDM_KVT_MAX_RANKS]; /* kvt peers of the last DecodeTask's prefill ranks */
     int n_ranks;
     pdm__task_t tasks[PDM__MAX_TASKS];
@@ -275,6 +277,30 @@ static void pdm__report_load(pdm__daemon_t *dn)
     pdm_link_set_load(dn->link, &load);
 }
 
+static void pdm__on_event(void *arg, const pdm_decode_event_t *ev);
+
+/* The router that gave the node its tasks is gone (common/nodelink.h): cancel them all and
+ * release their KV at once, sending nothing about them (a restarted router numbers its
+ * requests afresh, and must not take an old task's end for one of its own). */
+static void pdm__drop_orphans(pdm__daemon_t *dn)
+{
+    unsigned now = pdm_link_orphans(dn->link);
+    if (now == dn->orphans_seen) return;
+    dn->orphans_seen = now;
+    int n = 0;
+    for (int i = 0; i < PDM__MAX_TASKS; i++)
+        if (dn->tasks[i].used && !dn->tasks[i].orphan) {
+            dn->tasks[i].orphan = 1;
+            pdm_decode_node_cancel(dn->node, dn->tasks[i].key);
+            n++;
+        }
+    if (!n) return;
+    pdm_decode_node_run_once(dn->node, pdm__on_event, dn); /* cancelled ones end here */
+    for (int i = 0; i < PDM__MAX_TASKS; i++) /* reserved but never started, or failed */
+        if (dn->tasks[i].used && dn->tasks[i].orphan) dn->tasks[i].used = 0;
+    pdm_log_warn("decode node: dropped %d task(s) of a router that is gone", n);
+}
+
 static void pdm__on_message(pdm__daemon_t *dn, const pdm_wire_msg_t *m)
 {
     const ProtobufCMessage *msg = pdm_wire_message(m);
@@ -349,6 +375,10 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
 {
     pdm__daemon_t *dn = arg;
     pdm__task_t *rec = pdm__task_find(dn, ev->id);
+    if (rec && rec->orphan) { /* its router is gone: end it quietly */
+        if (ev->type != PDM_DECODE_EV_TOKEN) rec->used = 0;
+        return;
+    }
     const uint64_t task_id = rec ? rec->task_id : ev->id / 16;
     const uint32_t attempt = rec ? rec->attempt : (uint32_t)(ev->id % 16);
     if (ev->type == PDM_DECODE_EV_TOKEN) {
@@ -525,6 +555,7 @@ int main(int argc, char **argv)
         int timeout_ms = pdm_decode_node_running(dn.node) ? 0 : (held ? 2 : 50);
         pdm_wire_msg_t *m;
         if (pdm_link_recv(dn.link, timeout_ms, &m)) break; /* SIGTERM or refused registration */
+        pdm__drop_orphans(&dn); /* before any task of the next router */
         for (int k = 0; m && k < 256; k++) {     /* every message waiting, then a step */
             pdm__on_message(&dn, m);
             pdm_wire_msg_free(m);

@@ -322,6 +322,10 @@ static int cmd_admin(void *ctx)
         cJSON_AddNumberToObject(n, "role", r->nodes[i]->role);
         cJSON_AddNumberToObject(n, "epoch", (double)r->nodes[i]->epoch);
         cJSON_AddNumberToObject(n, "pid", r->nodes[i]->pid);
+        if (r->nodes[i]->load) { /* what the node's last heartbeat reported */
+            cJSON_AddNumberToObject(n, "held", r->nodes[i]->load->held);
+            cJSON_AddNumberToObject(n, "kv_used", (double)r->nodes[i]->load->kv_tokens_used);
+        }
         cJSON_AddItemToArray(nodes, n);
     }
     cJSON *vals = cJSON_AddObjectToObject(j, "values");

@@ -360,6 +360,38 @@ gen --prompt "$LONG" -n 24 --deadline-ms 60000 > "$RUN/pk3.json"
 check "a restarted rank re-forms the group with the survivor; it prefills again, equal to the engine" \
   "[ \"\$(jq_ 'd[0].get(\"ok\") and d[0][\"usage\"][\"prefill_method\"]==\"kvr-e\" and d[0][\"text\"]==open(\"$RUN/long.ref\").read().rstrip(\"\\n\")' < $RUN/pk3.json)\" = True ]"
 
+# --- a router killed mid-generation: the nodes drop its requests (their KV) within a lease,
+# instead of generating them to max_tokens for nobody; the restarted router serves ---
+gen --prompt "$LONG" -n 400 --ignore-eos --count 2 --timeout 60 > /dev/null 2>&1 &
+og=$!
+for _ in $(seq 1 200); do
+  [ "$(admin --op nodes 2>/dev/null | jq_ 'sum(x.get("held", 0) for x in d[0]["nodes"] if x["role"] == 2)' 2>/dev/null)" -gt 0 ] 2>/dev/null && break
+  sleep 0.1
+done
+held_before=$(admin --op nodes | jq_ 'sum(x.get("held", 0) for x in d[0]["nodes"] if x["role"] == 2)')
+kill -9 "$ROUTER"; wait "$ROUTER" 2>/dev/null
+t_kill=$(date +%s.%N)
+start_router
+orphan_s=""
+for _ in $(seq 1 300); do # the decode nodes register with the new router ...
+  [ "$(admin --op nodes 2>/dev/null | jq_ 'sum(1 for x in d[0]["nodes"] if x["role"] == 2 and x["state"] == "alive")' 2>/dev/null)" -ge 1 ] 2>/dev/null && break
+  sleep 0.1
+done
+sleep 1.5 # ... and their heartbeats report what they hold
+for _ in $(seq 1 100); do
+  [ "$(admin --op nodes 2>/dev/null | jq_ 'sum(x.get("held", 0) for x in d[0]["nodes"] if x["role"] == 2)' 2>/dev/null)" = 0 ] &&
+    { orphan_s=$($PY -c "import time; print(round(time.time() - $t_kill, 1))"); break; }
+  sleep 0.1
+done
+kill "$og" 2>/dev/null; wait "$og" 2>/dev/null
+check "a router killed mid-generation: its decode nodes dropped its $held_before requests within 7 s (${orphan_s:-never} s after the kill)" \
+  "[ \"$held_before\" -gt 0 ] && [ -n \"$orphan_s\" ] && $PY -c 'import sys; sys.exit(0 if $orphan_s < 7 else 1)'"
+wait_nodes 3 30
+gen --prompt "$SHORT" -n 8 > "$RUN/after_kill.json"
+ref --prompt "$SHORT" -n 8 > "$RUN/after_kill.ref"
+check "the restarted router serves, equal to the engine" \
+  "[ \"\$(jq_ 'd[0].get(\"ok\") and d[0][\"text\"]==open(\"$RUN/after_kill.ref\").read().rstrip(\"\\n\")' < $RUN/after_kill.json)\" = True ]"
+
 # --- pdmesh up / down from a YAML config ---
 Q=$((P + 10))
 cat > "$RUN/up.yaml" <<EOF
