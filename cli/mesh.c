@@ -286,6 +286,8 @@ int cmd_up(int argc, char **argv)
     if (!st) st = y_int(rt, "local_threshold", 16, 0, 1 << 22, &local_thr);
     if (!st) st = y_int(y, "start_timeout", 120, 1, 3600, &timeout);
     const char *method = y_str(rt, "method", "auto");
+    /* The nodes' KV plane: loopback for a mesh on this machine unless the file says where. */
+    const char *kv_iface = y_str(y, "kv_interface", getenv("UCX_NET_DEVICES") ? NULL : "lo");
     const ynode_t *groups = y_get(y, "prefill_groups"), *decodes = y_get(y, "decode_nodes");
     if (!st && (!decodes || decodes->kind != 2 || decodes->n < 1))
         st = pdm_error_set(PDM_EINVAL, "config: decode_nodes must list at least one node");
@@ -376,7 +378,7 @@ int cmd_up(int argc, char **argv)
             snprintf(th, sizeof(th), "%ld", threads);
             char *pa[] = {b_pre, "--model", (char *)model, "--router", (char *)node, "--node-id", id,
                           "--group", (char *)gname, "--rank", rk, "--group-size", sz, "--threads",
-                          th, NULL};
+                          th, kv_iface ? "--kv-interface" : NULL, (char *)kv_iface, NULL};
             st = spawn(&m, id, pa);
             expected++;
         }
@@ -392,7 +394,8 @@ int cmd_up(int argc, char **argv)
         snprintf(th, sizeof(th), "%ld", threads);
         snprintf(kv, sizeof(kv), "%ld", budget);
         char *da[] = {b_dec, "--model", (char *)model, "--router", (char *)node, "--node-id", id,
-                      "--threads", th, "--kv-budget", kv, NULL};
+                      "--threads", th, "--kv-budget", kv, kv_iface ? "--kv-interface" : NULL,
+                      (char *)kv_iface, NULL};
         if (!st) st = spawn(&m, id, da);
         expected++;
     }

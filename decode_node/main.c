@@ -437,7 +437,7 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
 static void pdm__usage(FILE *f)
 {
     fprintf(f, "usage: pdmesh-decode --router ENDPOINT --node-id NAME [--secret-file F]\n"
-               "       [--curve-server-key F --curve-key F] [--exit-with-parent]\n"
+               "       [--curve-server-key F --curve-key F] [--exit-with-parent] [--kv-interface DEV]\n"
                "       [--model FILE] [--threads N] [--batch N] [--max-sequences N]\n"
                "       [--kv-budget TOKENS] [--kv-dtype f32|f16|q8] [--kv-timeout S]\n"
                "       [--beams B] [--length-penalty X] [--n-best N] "
@@ -454,7 +454,7 @@ int main(int argc, char **argv)
     static pdm__daemon_t dn; /* the task table is large: not on the stack */
     pdm_decode_params_default(&dn.dp);
     pdm_kvoff_params_default(&dn.offload);
-    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT };
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"threads", required_argument, 0, 't'},
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
@@ -468,7 +468,9 @@ int main(int argc, char **argv)
         {"secret-file", required_argument, 0, 'K'},
         {"curve-server-key", required_argument, 0, O_CURVE_SERVER},
         {"curve-key", required_argument, 0, O_CURVE_KEY},
-        {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT}, {0, 0, 0, 0}};
+        {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT},
+        {"kv-interface", required_argument, 0, O_KV_IFACE}, {0, 0, 0, 0}};
+    const char *kv_iface = NULL;
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
     lp.role = PDMESH__ROLE__ROLE_DECODE;
@@ -498,6 +500,7 @@ int main(int argc, char **argv)
         case O_CURVE_SERVER: lp.curve_server_key_file = optarg; break;
         case O_CURVE_KEY: lp.curve_key_file = optarg; break;
         case O_EXIT_WITH_PARENT: lp.exit_with_parent = 1; break;
+        case O_KV_IFACE: kv_iface = optarg; break;
         case 'I': lp.node_id = optarg; break;
         case 'K': lp.secret_file = optarg; break;
         case 'h': pdm__usage(stdout); return 0;
@@ -536,7 +539,8 @@ int main(int argc, char **argv)
     }
     pdm_model_t *model = NULL;
     int status = 1;
-    if (pdm_model_load(model_path, &model) || pdm_kvt_create(NULL, &dn.kvt) ||
+    if (pdm_model_load(model_path, &model) || pdm_kvt_listen_on(kv_iface) ||
+        pdm_kvt_create(NULL, &dn.kvt) ||
         pdm_decode_node_create(model, dn.kvt, dp, &dn.node)) {
         fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
         goto out;

@@ -42,6 +42,12 @@ typedef struct {
 
 void pdm_kvt_params_default(pdm_kvt_params_t *p);
 
+/* Where the KV plane listens, for the pdm_kvt_create calls that follow: `devices` is a UCX
+ * device list ("lo", "eth0", "mlx5_0:1,eth0") and becomes UCX_NET_DEVICES; NULL leaves UCX's
+ * choice (UCX_NET_DEVICES if set, else every interface: the transport is reachable from
+ * anywhere that can reach the machine). PDM_EINVAL for a malformed list. */
+int pdm_kvt_listen_on(const char *devices);
+
 /* Creates the endpoint (UCX context, worker, progress thread). Transport selection follows
  * the usual UCX_* environment variables (UCX_TLS, UCX_NET_DEVICES, ...). */
 int pdm_kvt_create(const pdm_kvt_params_t *p, pdm_kvt_t **out);

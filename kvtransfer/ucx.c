@@ -286,6 +286,24 @@ static void *pdm__progress_main(void *arg)
     return NULL;
 }
 
+int pdm_kvt_listen_on(const char *devices)
+{
+    if (!devices) {
+        if (!getenv("UCX_NET_DEVICES"))
+            pdm_log_info("kvtransfer: the KV plane listens on every interface (--kv-interface "
+                         "or UCX_NET_DEVICES restricts it)");
+        return PDM_OK;
+    }
+    size_t n = strlen(devices);
+    if (!n || n > 256 || strspn(devices, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                          "0123456789,:._-") != n)
+        return pdm_error_set(PDM_EINVAL, "--kv-interface '%s': not a device list such as lo, "
+                             "eth0 or mlx5_0:1,eth0", devices);
+    if (setenv("UCX_NET_DEVICES", devices, 1))
+        return pdm_error_set(PDM_ENOMEM, "kvtransfer: cannot set UCX_NET_DEVICES");
+    return PDM_OK;
+}
+
 int pdm_kvt_create(const pdm_kvt_params_t *params, pdm_kvt_t **out)
 {
     pdm_kvt_params_t p;

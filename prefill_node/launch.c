@@ -158,7 +158,8 @@ static int pdm__spawn_argv(pdm_launch_t *l, char *const *argv, pdm__proc_t *pr)
     return PDM_OK;
 }
 
-/* The node options every daemon gets: the harness's socket, a node id, exit with us. */
+/* The node options every daemon gets: the harness's socket, a node id, exit with us, and
+ * where the KV plane listens. */
 static int pdm__node_args(pdm_launch_t *l, pdm__proc_t *pr, char **argv, int a)
 {
     argv[a++] = "--router";
@@ -166,6 +167,12 @@ static int pdm__node_args(pdm_launch_t *l, pdm__proc_t *pr, char **argv, int a)
     argv[a++] = "--node-id";
     argv[a++] = pr->node_id;
     argv[a++] = "--exit-with-parent";
+    /* A local mesh keeps its KV plane on loopback, unless the caller chose the devices (the
+     * environment, or a wrapper such as the namespace benchmarks' "env UCX_NET_DEVICES=..."). */
+    if (!getenv("UCX_NET_DEVICES") && !(l->p.wrap && *l->p.wrap)) {
+        argv[a++] = "--kv-interface";
+        argv[a++] = "lo";
+    }
     return a;
 }
 

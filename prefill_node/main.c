@@ -328,7 +328,7 @@ static void pdm__usage(FILE *f)
                "                      [--curve-server-key F --curve-key F]\n"
                "                      [--model FILE] [--threads N] [--cpu N] [--ctx N]\n"
                "                      [--kv-dtype f32|f16|q8] [--timeout SECONDS]\n"
-               "                      [--dump-dir DIR] [--exit-with-parent]\n"
+               "                      [--dump-dir DIR] [--exit-with-parent] [--kv-interface DEV]\n"
                "One rank of a prefill group. It takes its tasks from the node socket at ENDPOINT\n"
                "(the router's, or pdmesh prefill-run's / disagg-run's) as protobuf messages.\n");
 }
@@ -339,7 +339,7 @@ int main(int argc, char **argv)
     pdm__daemon_t pn = {0};
     pdm_prefill_rank_params_default(&pn.rp);
     long cpu = -1;
-    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_DUMP_DIR, O_EXIT_WITH_PARENT };
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_DUMP_DIR, O_EXIT_WITH_PARENT, O_KV_IFACE };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"threads", required_argument, 0, 't'},
         {"cpu", required_argument, 0, 'c'},   {"ctx", required_argument, 0, 'x'},
@@ -351,10 +351,12 @@ int main(int argc, char **argv)
         {"curve-server-key", required_argument, 0, O_CURVE_SERVER},
         {"curve-key", required_argument, 0, O_CURVE_KEY},
         {"dump-dir", required_argument, 0, O_DUMP_DIR},
-        {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT}, {0, 0, 0, 0}};
+        {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT},
+        {"kv-interface", required_argument, 0, O_KV_IFACE}, {0, 0, 0, 0}};
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
     lp.role = PDMESH__ROLE__ROLE_PREFILL;
+    const char *kv_iface = NULL;
     int c;
     long v;
     double d;
@@ -384,6 +386,7 @@ int main(int argc, char **argv)
         case O_CURVE_KEY: lp.curve_key_file = optarg; break;
         case O_DUMP_DIR: pn.dump_dir = optarg; break;
         case O_EXIT_WITH_PARENT: lp.exit_with_parent = 1; break;
+        case O_KV_IFACE: kv_iface = optarg; break;
         case 'N': lp.node_id = optarg; break;
         case 'G': lp.group = optarg; break;
         case 'S': lp.secret_file = optarg; break;
@@ -430,7 +433,8 @@ int main(int argc, char **argv)
 
     pdm_model_t *model = NULL;
     int status = 1;
-    if (pdm_model_load(model_path, &model) || pdm_kvt_create(NULL, &pn.kvt)) {
+    if (pdm_model_load(model_path, &model) || pdm_kvt_listen_on(kv_iface) ||
+        pdm_kvt_create(NULL, &pn.kvt)) {
         fprintf(stderr, "pdmesh-prefill: %s\n", pdm_error_last());
         goto out;
     }

@@ -410,6 +410,12 @@ check "pdmesh up starts router + group of 2 + decode node and waits until ready"
 "$BIN/pdm-rclient" gen --ep "tcp://127.0.0.1:$Q" --prompt "$SHORT" -n 8 --timeout 60 > "$RUN/up.json"
 check "the mesh started by pdmesh up serves a request" "[ \"\$(jq_ 'd[0][\"ok\"]' < $RUN/up.json)\" = True ]"
 mesh_pids=$(awk '{print $2}' "$RUN/mesh/pids" 2>/dev/null)
+# the KV plane of a local mesh listens on loopback only (issue 18, item 4): every listening
+# TCP socket of the mesh's processes is on 127.0.0.1
+socks=$(ss -ltnpH 2>/dev/null | grep -E "pid=($(echo $mesh_pids | tr ' ' '|')),")
+check "pdmesh up: the nodes' KV plane listens on loopback only ($(echo "$socks" | grep -c .) sockets)" \
+  "[ -n \"\$socks\" ] && ! echo \"\$socks\" | awk '{print \$4}' | grep -v '^127\.0\.0\.1:' | grep -q ."
+
 "$BIN/pdmesh" down --config "$RUN/up.yaml" > /dev/null 2>&1
 left=0  # a zombie (exited, not yet reaped by init) counts as stopped
 for p in $mesh_pids; do
