@@ -117,6 +117,8 @@ typedef struct {
     const pdm_decode_range_t *ranges; /* cover [0, n_prompt) */
     int n_ranges;
     int beams;                        /* beam width (0: the node's default; -1: none) */
+    const uint8_t *kv_key;            /* [PDM_KVT_KEY_BYTES] the request's KV key, or NULL:
+                                       * blocks are not authenticated */
 } pdm_decode_reserve_t;
 
 /* Reserves KV for n_prompt + max_new tokens and posts the receives of every block of the

@@ -131,9 +131,12 @@ static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pd
         rg[i] = (pdm_decode_range_t){.start = (int32_t)x->start, .len = (int32_t)x->len,
                                      .peer = peers[x->rank], .chunk = (int)x->chunk};
     }
+    if (t->kv_key.len && t->kv_key.len != PDM_KVT_KEY_BYTES)
+        return pdm_error_set(PDM_EINVAL, "DecodeTask: kv_key must be %d bytes", PDM_KVT_KEY_BYTES);
     pdm_decode_reserve_t rv = {.id = key, .attempt = t->attempt & 15u,
                                .n_prompt = (int32_t)t->n_prompt, .max_new = (int32_t)t->max_new,
-                               .ranges = rg, .n_ranges = (int)t->n_ranges, .beams = beams};
+                               .ranges = rg, .n_ranges = (int)t->n_ranges, .beams = beams,
+                               .kv_key = t->kv_key.len ? t->kv_key.data : NULL};
     return pdm_decode_node_reserve(dn->node, &rv);
 }
 

@@ -219,7 +219,7 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
             /* q8: the blocks' headers carry each head's scales, fixed at prefill; response
              * rows are appended with them (no re-quantization) */
             .scales = n->p.kv_dtype == PDM_DT_I8 ? s->cache->scale : NULL, .blocks = blocks,
-            .n_blocks = (int)nb};
+            .n_blocks = (int)nb, .key = r->kv_key};
         st = pdm_kvt_stream_rx_start(n->kvt, &rp, &s->rx);
     }
     free(blocks);

@@ -183,8 +183,9 @@ double pdm_kvt_group_deadline(const pdm_kvt_group_t *g);
  * header, its K rows and its V rows (three contiguous messages under one block tag). The
  * decode node posts tagged receives for every block it expects: the header into its own
  * table and the rows straight into their final place in its KV cache (no intermediate copy).
- * A block is accepted only if its header names the right request, attempt, layer, head, range, dtype and row size and the
- * XXH3-64 of its rows matches; the request is accepted only when every (layer, head, token) is
+ * A block is accepted only if its header names the right request, attempt, layer, head, range, dtype and row size, the
+ * XXH3-64 of its rows matches and, on a keyed stream, its MAC verifies (a forged block fails
+ * the request: it may have landed in the reserved, not yet used, destination); the request is accepted only when every (layer, head, token) is
  * covered exactly once. Blocks of another attempt carry another tag, so they can never land in
  * this attempt's memory; they are drained and counted as stale. */
 
@@ -206,7 +207,16 @@ typedef struct {
     uint64_t checksum;   /* XXH3-64 of the K rows then the V rows, seed = request_id */
     float v_scale;       /* quantization scale of int8 KV's V rows; 1 otherwise */
     uint8_t reserved[4];
+    uint8_t mac[16];     /* HMAC-SHA256 (truncated) of this header with mac zeroed, keyed by the
+                          * request's KV key; it covers the rows through `checksum`. All zero
+                          * on an unkeyed stream */
 } pdm_kvt_block_header_t;
+
+/* A request's KV key: 32 random bytes the router gives both ends of one request attempt over
+ * the authenticated control plane (DecodeTask.kv_key, PrefillTask.kv_key). A receiver with a
+ * key accepts only blocks whose header MAC it verifies, so a peer that was not introduced for
+ * the request cannot place KV in it, even knowing the tags and the checksum. */
+#define PDM_KVT_KEY_BYTES 32
 
 #define PDM_KVT_DTYPE_I8 24 /* int8 KV ("q8", kernels.h PDM_DT_I8): rows carry scales */
 
@@ -258,6 +268,8 @@ typedef struct {
                                       * a head must carry the same ones); NULL otherwise */
     const pdm_kvt_stream_block_t *blocks;
     int n_blocks;
+    const uint8_t *key;              /* [PDM_KVT_KEY_BYTES] the request's KV key (copied), or
+                                      * NULL: blocks are not authenticated */
 } pdm_kvt_stream_rx_params_t;
 
 typedef struct pdm_kvt_stream_rx pdm_kvt_stream_rx_t;
@@ -267,6 +279,7 @@ typedef struct {
     int blocks;          /* blocks accepted */
     int stale;           /* messages of other attempts drained */
     int duplicates;      /* extra messages of this attempt drained */
+    int forged;          /* blocks refused because their MAC did not verify (keyed streams) */
     double seconds;      /* from start to the last block */
 } pdm_kvt_stream_stats_t;
 
@@ -302,6 +315,8 @@ int pdm_kvt_stream_tx_send_scaled(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint3
                                   uint32_t chunk, int32_t token_start, int32_t n_tokens,
                                   uint16_t dtype, float k_scale, float v_scale,
                                   const void *k_rows, const void *v_rows, size_t row_bytes);
+/* Authenticates every block sent from now on with the request's KV key (copied; NULL: none). */
+void pdm_kvt_stream_tx_set_key(pdm_kvt_stream_tx_t *tx, const uint8_t *key);
 /* Waits for every block sent (until `deadline`). */
 int pdm_kvt_stream_tx_finish(pdm_kvt_stream_tx_t *tx, double deadline);
 /* Bytes handed to the transport so far. */

@@ -12,9 +12,13 @@
 #include "kvtransfer/kvtransfer.h"
 
 #include <math.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
 #include "common/pdm.h"
 
 /* ---- Receiver ----------------------------------------------------------------------------- */
@@ -30,7 +34,21 @@ struct pdm_kvt_stream_rx {
     uint8_t *scale_seen;              /* int8 KV: [n_layers * n_kv_heads] scales recorded */
     pdm_kvt_stream_stats_t stats;
     double t0;
+    int keyed;
+    uint8_t key[PDM_KVT_KEY_BYTES];
 };
+
+/* The header's MAC: HMAC-SHA256 of the header with its mac field zeroed, first 16 bytes. */
+static void pdm__block_mac(const uint8_t key[PDM_KVT_KEY_BYTES], const pdm_kvt_block_header_t *h,
+                           uint8_t out[16])
+{
+    pdm_kvt_block_header_t c = *h;
+    memset(c.mac, 0, sizeof(c.mac));
+    uint8_t full[32];
+    unsigned int len = sizeof(full);
+    HMAC(EVP_sha256(), key, PDM_KVT_KEY_BYTES, (const uint8_t *)&c, sizeof(c), full, &len);
+    memcpy(out, full, 16);
+}
 
 /* Checks that the plan covers every (layer, head, token) exactly once. */
 static int pdm__plan_check(const pdm_kvt_stream_rx_params_t *p)
@@ -97,6 +115,9 @@ int pdm_kvt_stream_rx_start(pdm_kvt_t *kvt, const pdm_kvt_stream_rx_params_t *p,
     if (!rx) return pdm_error_set(PDM_ENOMEM, "stream: out of memory");
     rx->kvt = kvt;
     rx->p = *p;
+    rx->p.key = NULL; /* copied below: the caller's buffer need not outlive the call */
+    rx->keyed = p->key != NULL;
+    if (p->key) memcpy(rx->key, p->key, PDM_KVT_KEY_BYTES);
     rx->t0 = pdm_now();
     rx->blocks = malloc(sizeof(*rx->blocks) * (size_t)p->n_blocks);
     rx->headers = calloc((size_t)p->n_blocks, sizeof(*rx->headers));
@@ -142,7 +163,7 @@ int pdm_kvt_stream_rx_start(pdm_kvt_t *kvt, const pdm_kvt_stream_rx_params_t *p,
     return PDM_OK;
 }
 
-_Static_assert(sizeof(pdm_kvt_block_header_t) == 64, "KV block header is 64 bytes");
+_Static_assert(sizeof(pdm_kvt_block_header_t) == 80, "KV block header is 80 bytes (version 2: MAC)");
 
 /* Names of the KV dtypes a stream carries (kvtransfer does not depend on kernels/). */
 static const char *pdm__dtype_name(unsigned dtype)
@@ -173,7 +194,7 @@ static int pdm__verify(pdm_kvt_stream_rx_t *rx, int b)
                              blk->token_start, blk->n_tokens, blk->peer, pdm__dtype_name(h->dtype),
                              pdm__dtype_name(p->dtype));
     if (got[PDM_KVT_PIECE_HEADER] != sizeof(*h) || got[PDM_KVT_PIECE_K] != len ||
-        got[PDM_KVT_PIECE_V] != len || h->magic != PDM_KVT_BLOCK_MAGIC || h->version != 1 ||
+        got[PDM_KVT_PIECE_V] != len || h->magic != PDM_KVT_BLOCK_MAGIC || h->version != 2 ||
         h->request_id != p->request_id || h->attempt != p->attempt || h->layer != blk->layer ||
         h->head != blk->head || h->chunk != blk->chunk || h->token_start != blk->token_start ||
         h->n_tokens != blk->n_tokens || h->row_bytes != p->row_bytes || h->dtype != p->dtype)
@@ -184,6 +205,18 @@ static int pdm__verify(pdm_kvt_stream_rx_t *rx, int b)
                              blk->token_start, blk->n_tokens, blk->peer, bytes,
                              (unsigned long long)h->request_id, h->attempt, h->layer, h->head,
                              h->token_start, h->n_tokens, h->dtype);
+    if (rx->keyed) { /* only a peer introduced for this request holds the key */
+        uint8_t want[16];
+        pdm__block_mac(rx->key, h, want);
+        if (CRYPTO_memcmp(want, h->mac, sizeof(want))) {
+            rx->stats.forged++;
+            return pdm_error_set(PDM_ECHECKSUM, "stream: request %llu: block layer %u head %u "
+                                 "tokens %d+%d from peer %d is forged (its MAC does not verify "
+                                 "with the request's KV key); block rejected",
+                                 (unsigned long long)p->request_id, blk->layer, blk->head,
+                                 blk->token_start, blk->n_tokens, blk->peer);
+        }
+    }
     size_t hi = (size_t)blk->layer * p->n_kv_heads + blk->head;
     size_t off = (size_t)blk->token_start * p->row_bytes;
     uint64_t sum = pdm_kvt_block_checksum(p->request_id, (const char *)p->k[hi] + off,
@@ -332,7 +365,15 @@ struct pdm_kvt_stream_tx {
     pdm_kvt_req_t *reqs;             /* [max_in_flight * PIECES] */
     pdm_kvt_block_header_t *headers; /* header of each in-flight send (must outlive it) */
     uint64_t bytes;
+    int keyed;
+    uint8_t key[PDM_KVT_KEY_BYTES];
 };
+
+void pdm_kvt_stream_tx_set_key(pdm_kvt_stream_tx_t *tx, const uint8_t *key)
+{
+    tx->keyed = key != NULL;
+    if (key) memcpy(tx->key, key, PDM_KVT_KEY_BYTES);
+}
 
 int pdm_kvt_stream_tx_create(pdm_kvt_t *kvt, int peer, uint64_t request_id, uint32_t attempt,
                              int max_in_flight, double timeout, pdm_kvt_stream_tx_t **out)
@@ -399,7 +440,7 @@ int pdm_kvt_stream_tx_send_scaled(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint3
     pdm_kvt_block_header_t *h = &tx->headers[slot];
     *h = (pdm_kvt_block_header_t){
         .magic = PDM_KVT_BLOCK_MAGIC,
-        .version = 1,
+        .version = 2,
         .dtype = dtype,
         .request_id = tx->request_id,
         .attempt = tx->attempt,
@@ -413,6 +454,7 @@ int pdm_kvt_stream_tx_send_scaled(pdm_kvt_stream_tx_t *tx, uint32_t layer, uint3
         .chunk = chunk,
         .checksum = pdm_kvt_block_checksum(tx->request_id, k_rows, v_rows, len),
     };
+    if (tx->keyed) pdm__block_mac(tx->key, h, h->mac);
     const pdm_kvt_iov_t piece[PDM_KVT_PIECES] = {[PDM_KVT_PIECE_HEADER] = {h, sizeof(*h)},
                                                  [PDM_KVT_PIECE_K] = {(void *)k_rows, len},
                                                  [PDM_KVT_PIECE_V] = {(void *)v_rows, len}};

@@ -702,6 +702,10 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
         t.decode_address.len = l->proc[l->n].ucx_len;
         t.decode_node = l->proc[l->n].node_id;
         t.stream_window = (uint32_t)task->stream->max_in_flight;
+        if (task->stream->key) {
+            t.kv_key.data = (uint8_t *)task->stream->key;
+            t.kv_key.len = PDM_KVT_KEY_BYTES;
+        }
     }
     t.top_logits = 16;
     t.want_logits = logits_out != NULL;
@@ -1012,7 +1016,7 @@ static int pdm__decode_event(pdm__gen_t *g, double deadline, uint64_t *reserved_
 }
 
 static int pdm__send_reserve(pdm_launch_t *l, uint64_t id, const pdm_launch_request_t *q,
-                           const pdm_prefill_range_t *ranges, int nr)
+                           const pdm_prefill_range_t *ranges, int nr, const uint8_t *kv_key)
 {
     Pdmesh__DecodeTask t = PDMESH__DECODE_TASK__INIT;
     Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rp[PDM_PREFILL_MAX_PLAN];
@@ -1031,6 +1035,8 @@ static int pdm__send_reserve(pdm_launch_t *l, uint64_t id, const pdm_launch_requ
     t.ranges = rp;
     t.n_ranges = (size_t)nr;
     t.group = PDM__GROUP;
+    t.kv_key.data = (uint8_t *)kv_key;
+    t.kv_key.len = PDM_KVT_KEY_BYTES;
     if (q->beams > 1) {
         t.beams = (uint32_t)q->beams;
         t.length_penalty = q->length_penalty;
@@ -1107,14 +1113,19 @@ int pdm_launch_generate(pdm_launch_t *l, const pdm_launch_request_t *reqs, int n
         out[i].method = plan.method;
         memcpy(out[i].ranges, plan.ranges, sizeof(pdm_prefill_range_t) * (size_t)nr);
         out[i].n_ranges = nr;
-        mesh_st = pdm__send_reserve(l, id, q, ranges, nr);
+        uint8_t kv_key[PDM_KVT_KEY_BYTES]; /* as the router: a fresh key per request */
+        if (pdm_random_bytes(kv_key, sizeof(kv_key))) {
+            mesh_st = pdm_error_set(PDM_EIO, "no random bytes");
+            break;
+        }
+        mesh_st = pdm__send_reserve(l, id, q, ranges, nr, kv_key);
         /* Wait for this reservation's answer; other requests' events are applied meanwhile. */
         while (!mesh_st) {
             mesh_st = pdm__decode_event(&g, deadline, &ev_id);
             if (!mesh_st && ev_id == id) break;
         }
         if (mesh_st || state[i] == 2) continue; /* refused: out[i] says why */
-        pdm_prefill_stream_t stream = {.max_in_flight = 64};
+        pdm_prefill_stream_t stream = {.max_in_flight = 64, .key = kv_key};
         pdm_prefill_task_t task = {.id = (uint32_t)id, .method = plan.method, .start = start,
                                    .prefix = q->tokens, .tokens = q->tokens + start,
                                    .n_tokens = q->n_tokens - start,

@@ -164,6 +164,9 @@ static int pdm__task_from_msg(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, p
     task->n_tokens = (int32_t)t->n_tokens;
     task->chunks = t->n_chunks ? (const int32_t *)t->chunks : NULL;
     task->stream = NULL;
+    if (t->kv_key.len && t->kv_key.len != PDM_KVT_KEY_BYTES)
+        return pdm_error_set(PDM_EFORMAT, "PrefillTask: kv_key must be %d bytes",
+                             PDM_KVT_KEY_BYTES);
     if (t->decode_address.len) {
         int peer;
         if ((st = pdm_kvt_connect_cached(pn->kvt, t->decode_address.data, t->decode_address.len,
@@ -172,7 +175,8 @@ static int pdm__task_from_msg(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, p
         *stream = (pdm_prefill_stream_t){
             .peer = peer, .request_id = PDM_LINK_TASK_KEY(t->task_id, t->attempt),
             .attempt = t->attempt & 15u,
-            .max_in_flight = t->stream_window ? (int)PDM_MIN(t->stream_window, 4096u) : 64};
+            .max_in_flight = t->stream_window ? (int)PDM_MIN(t->stream_window, 4096u) : 64,
+            .key = t->kv_key.len ? t->kv_key.data : NULL};
         task->stream = stream;
     }
     return PDM_OK;

@@ -225,6 +225,7 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
                                       t->stream->attempt, t->stream->max_in_flight,
                                       r->p.timeout, &r->tx);
         if (st) return st;
+        pdm_kvt_stream_tx_set_key(r->tx, t->stream->key);
     }
 
     switch (t->method) {

@@ -30,6 +30,8 @@ typedef struct {
     uint64_t request_id;
     uint32_t attempt;
     int max_in_flight;    /* blocks outstanding per rank (flow control) */
+    const uint8_t *key;   /* [PDM_KVT_KEY_BYTES] the request's KV key (every block carries a
+                           * MAC with it), or NULL: unauthenticated */
 } pdm_prefill_stream_t;
 
 /* One prefill task, identical on every rank of the group. */

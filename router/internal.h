@@ -146,6 +146,7 @@ typedef struct rt_req {
     int reuse_pending;            /* holds its group's reuse_pending */
     pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN]; /* the group attempt's ranges (Usage) */
     int n_plan;
+    uint8_t kv_key[32];           /* the group attempt's KV key (DecodeTask/PrefillTask.kv_key) */
 } rt_req_t;
 
 struct pdm_router {

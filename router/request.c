@@ -393,6 +393,14 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
         memcpy(q->plan, plan->ranges, sizeof(pdm_prefill_range_t) * (size_t)nr);
         q->n_plan = nr;
         pdm_prefill_ranges_to_wire(plan->ranges, nr, rg, rgp);
+        /* A fresh KV key for the attempt: the decode node takes blocks only from the ranks
+         * that hold it (kvtransfer.h). */
+        if (pdm_random_bytes(q->kv_key, sizeof(q->kv_key))) {
+            rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, "no random bytes");
+            return;
+        }
+        t.kv_key.data = q->kv_key;
+        t.kv_key.len = sizeof(q->kv_key);
         t.prefill_addresses = addrs;
         t.n_prefill_addresses = gr->size;
         t.ranges = rgp;
@@ -433,6 +441,8 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     t.decode_address.data = d->ucx;
     t.decode_address.len = d->ucx_len;
     t.decode_node = d->id;
+    t.kv_key.data = q->kv_key;
+    t.kv_key.len = sizeof(q->kv_key);
     t.sampling = &sp;
     double left = q->deadline - pdm_now();
     t.deadline_ms = left > 0 ? (uint32_t)(left * 1e3) : 1;

@@ -40,15 +40,21 @@ typedef struct {
     int elem;      /* bytes per element (2: f16, 4: f32) */
     int reps, warmup, window;
     int stream, raw;
+    int keyed;     /* --key 1: the request's KV key, a MAC on every block header */
     double timeout;
 } opts_t;
+
+/* The benchmark's KV key (the mesh draws one per request attempt). */
+static const uint8_t bench_key[PDM_KVT_KEY_BYTES] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                     14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24,
+                                                     25, 26, 27, 28, 29, 30, 31, 32};
 
 static void usage(void)
 {
     fprintf(stderr,
             "usage: stream_bench [--tokens T] [--chunks C] [--layers L] [--heads H]\n"
             "                    [--head-dim D] [--dtype f16|f32] [--reps N] [--warmup N]\n"
-            "                    [--window W] [--mode stream|raw|both] [--timeout S]\n"
+            "                    [--window W] [--mode stream|raw|both] [--timeout S] [--key 0|1]\n"
             "Defaults: 4096 tokens, 1 chunk, 30 layers, 3 heads, head_dim 64, f16, 5 reps,\n"
             "1 warm-up, window 64, both modes. Transport from UCX_TLS as in pdmesh.\n");
 }
@@ -78,6 +84,7 @@ static int parse(int argc, char **argv, opts_t *o)
         else if (!strcmp(a, "--warmup")) o->warmup = atoi(v);
         else if (!strcmp(a, "--window")) o->window = atoi(v);
         else if (!strcmp(a, "--timeout")) o->timeout = atof(v);
+        else if (!strcmp(a, "--key")) o->keyed = atoi(v) != 0;
         else if (!strcmp(a, "--dtype")) {
             if (!strcmp(v, "f16")) o->elem = 2;
             else if (!strcmp(v, "f32")) o->elem = 4;
@@ -224,6 +231,7 @@ static int sender_rep(const opts_t *o, pdm_kvt_t *kvt, int peer, const kv_t *kv,
         pdm_kvt_stream_tx_t *tx;
         if (pdm_kvt_stream_tx_create(kvt, peer, (uint64_t)rep + 1, 0, o->window, o->timeout, &tx))
             return -1;
+        pdm_kvt_stream_tx_set_key(tx, o->keyed ? bench_key : NULL);
         int st = 0;
         for (int l = 0; l < o->layers && !st; l++)
             for (int h = 0; h < o->heads && !st; h++)
@@ -310,6 +318,7 @@ static int receiver_rep(const opts_t *o, pdm_kvt_t *kvt, int peer, const kv_t *k
             .v = kv->v,
             .blocks = blocks,
             .n_blocks = n_blocks,
+            .key = o->keyed ? bench_key : NULL,
         };
         st = pdm_kvt_stream_rx_start(kvt, &p, &rx);
     } else {

@@ -343,6 +343,58 @@ static void stream_send(stream_fix_t *f, uint32_t attempt, int skip, int max_in_
     pdm_kvt_stream_tx_destroy(tx);
 }
 
+/* Keyed streams (the request's KV key): blocks MACed with the key land and verify; a sender
+ * that was not given the key (an unintroduced peer that knows the tags and can compute the
+ * checksum) is refused and counted, and so is an unkeyed sender. */
+static void stream_send_keyed(stream_fix_t *f, const uint8_t *key)
+{
+    pdm_kvt_stream_tx_t *tx;
+    ck_assert_int_eq(pdm_kvt_stream_tx_create(f->p.a, f->p.a_to_b, 77, 1, 4, 5, &tx), 0);
+    pdm_kvt_stream_tx_set_key(tx, key);
+    for (int b = 0; b < f->rx.n_blocks; b++) {
+        const pdm_kvt_stream_block_t *blk = &f->plan[b];
+        int hi = (int)(blk->layer * S_HEADS + blk->head);
+        ck_assert_int_eq(pdm_kvt_stream_tx_send(tx, blk->layer, blk->head, blk->chunk,
+                                                blk->token_start, blk->n_tokens, 1, 1.0f,
+                                                f->src_k[hi] + blk->token_start * S_ROW,
+                                                f->src_v[hi] + blk->token_start * S_ROW, S_ROW),
+                         0);
+    }
+    ck_assert_int_eq(pdm_kvt_stream_tx_finish(tx, pdm_now() + 5), 0);
+    pdm_kvt_stream_tx_destroy(tx);
+}
+
+START_TEST(test_stream_forged_blocks)
+{
+    uint8_t key[PDM_KVT_KEY_BYTES], other[PDM_KVT_KEY_BYTES];
+    for (int i = 0; i < PDM_KVT_KEY_BYTES; i++) key[i] = (uint8_t)(i * 7 + 1), other[i] = key[i];
+    other[5] ^= 1; /* one bit off */
+    for (int round = 0; round < 3; round++) { /* the key, another key, no key */
+        stream_fix_t f;
+        stream_setup(&f, 1);
+        f.rx.key = key;
+        pdm_kvt_stream_rx_t *rx;
+        ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0);
+        stream_send_keyed(&f, round == 0 ? key : round == 1 ? other : NULL);
+        int st = pdm_kvt_stream_rx_wait(rx, pdm_now() + 5);
+        pdm_kvt_stream_stats_t ss;
+        pdm_kvt_stream_rx_stats(rx, &ss);
+        if (round == 0) {
+            ck_assert_msg(st == 0, "%s", pdm_error_last());
+            ck_assert(memcmp(f.src_k, f.dst_k, sizeof(f.src_k)) == 0);
+            ck_assert_int_eq(ss.forged, 0);
+        } else {
+            ck_assert_int_eq(st, PDM_ECHECKSUM);
+            ck_assert_msg(strstr(pdm_error_last(), "forged"), "%s", pdm_error_last());
+            ck_assert_int_eq(ss.forged, 1); /* the first bad block ends the request */
+            ck_assert_int_eq(ss.blocks, 0);
+        }
+        pdm_kvt_stream_rx_destroy(rx);
+        pair_close(&f.p);
+    }
+}
+END_TEST
+
 START_TEST(test_stream_lands_in_place)
 {
     stream_fix_t f;
@@ -406,7 +458,7 @@ START_TEST(test_stream_corrupt_block)
     pdm_kvt_stream_rx_t *rx;
     ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0);
     /* Block 3 travels with a bit flipped after its checksum was computed. */
-    pdm_kvt_block_header_t h = {.magic = PDM_KVT_BLOCK_MAGIC, .version = 1, .dtype = 1,
+    pdm_kvt_block_header_t h = {.magic = PDM_KVT_BLOCK_MAGIC, .version = 2, .dtype = 1,
                                 .request_id = 77, .attempt = 1, .layer = 1, .head = 0,
                                 .chunk = 1, .token_start = 6, .n_tokens = 4, .row_bytes = S_ROW,
                                 .scale = 1};
@@ -496,6 +548,7 @@ Suite *suite_kvtransfer(void)
     tcase_add_test(tc, test_kvt_bounded);
     tcase_add_test(tc, test_kvt_group_patterns);
     tcase_add_test(tc, test_stream_lands_in_place);
+    tcase_add_test(tc, test_stream_forged_blocks);
     tcase_add_test(tc, test_stream_q8_scales);
     tcase_add_test(tc, test_stream_plan_checked);
     tcase_add_test(tc, test_stream_corrupt_block);
