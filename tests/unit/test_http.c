@@ -213,7 +213,8 @@ START_TEST(test_http_utf8_sanitize)
         char *e = pdm_http__error_json(404, "model_not_found", cases[i].in);
         cJSON *j = cJSON_Parse(e);
         ck_assert_msg(j != NULL, "case %zu: %s", i, e);
-        const char *m = cJSON_GetObjectItem(cJSON_GetObjectItem(j, "error"), "message")->valuestring;
+        cJSON *err = cJSON_GetObjectItem(j, "error");
+        const char *m = cJSON_GetObjectItem(err, "message")->valuestring;
         ck_assert_str_eq(m, cases[i].out);
         cJSON_Delete(j);
         free(e);
