@@ -295,6 +295,7 @@ deploy-test: $(BINS)
 # against the engine's greedy output, a real Prometheus scrape (docs/http.md).
 http-test: $(BINS)
 	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_fake.py
+	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_abuse.py
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_http_mesh.py \
 	  --bindir $(BUILD)/bin
 

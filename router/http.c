@@ -2,12 +2,25 @@
  * http.c - the router's OpenAI-compatible HTTP/1.1 server (libuv + http-parser).
  *
  * One connection is a small state machine:
- *   READING  parsing a request (the idle timer runs until a whole request has arrived);
+ *   READING  parsing a request; one timer holds its deadline: the head deadline (request line
+ *            and headers) from the connection's open or the request's first byte, then the
+ *            body deadline; between keep-alive requests the idle timeout. A request that
+ *            misses its deadline gets 408; a connection that sent nothing is closed quietly;
  *   BUSY     a request is being answered (a generation in the router, or a response being
  *            written); bytes that arrive meanwhile are pipelined requests, kept in a bounded
  *            buffer and parsed once the answer is complete, so answers keep request order;
  *   CLOSING  the last answer is being written, then a half-close (FIN) and a short linger that
  *            discards input, so the client reads the answer instead of a reset.
+ *
+ * Admission (on_connection) keeps the front end fair when clients hold connections without
+ * using them: a connection that has not begun a request is "idle" and sits on a list, oldest
+ * first; a new connection over its peer's share (source address, IPv6 per /64) or over the
+ * slots takes the oldest idle connection's slot (of that peer, or of anyone). Only when none
+ * is idle is it refused: accepted, answered 429 (its peer's share) or 503 (no slot) with a
+ * JSON body, then closed gracefully like any answer, so a client that already sent its
+ * request reads the refusal instead of a reset. Refusals use a small budget of their own;
+ * beyond it a connection is closed at once (counted as "overflow").
+ *
  * A client that disconnects while its request runs cancels it (pdm_router_cancel). The
  * generation's context (gen_t) outlives the connection when needed: the router's sink always
  * ends it exactly once, and a gen without a connection just frees itself then.
@@ -26,6 +39,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include "common/pdm.h"
@@ -39,8 +53,23 @@
 #define HTTP_PIPELINE_CAP (64u << 10)      /* bytes buffered while a request is answered */
 #define HTTP_WRITE_QUEUE_CAP (8u << 20)    /* unsent bytes before a slow reader is dropped */
 #define HTTP_LINGER_MS 2000
-#define HTTP_DEFAULT_MAX_CONNS 256
+#define HTTP_DEFAULT_PER_PEER 256      /* connections per peer (at most half the slots) */
 #define HTTP_DEFAULT_IDLE_S 30.0
+#define HTTP_DEFAULT_HEAD_S 5.0
+#define HTTP_DEFAULT_BODY_S 15.0
+#define HTTP_FD_RESERVE 256            /* fds at least left to ZeroMQ, UCX and files */
+#define HTTP_PEER_BUCKETS 1024
+#define HTTP_PEER_KEY 17               /* address family, then up to 16 address bytes */
+
+/* Connections from one source address (IPv6: one /64), for the per-peer share. */
+typedef struct peer {
+    struct peer *next;                 /* hash chain */
+    unsigned char key[HTTP_PEER_KEY];
+    int conns;                         /* served connections (refusals not counted) */
+} peer_t;
+
+/* What the connection's timer is waiting for while READING. */
+enum deadline { DL_IDLE, DL_HEAD, DL_BODY };
 
 typedef struct conn conn_t;
 
@@ -71,7 +100,13 @@ struct conn {
     int writes;              /* uv_write requests in flight */
     int shut;                /* shutdown requested */
     int aborting;            /* conn_abort_soon: the timer closes it on the next loop turn */
-    char peer[64];
+    int refused;             /* answered 429/503 at admission; uses the refusal budget */
+    int served;              /* at least one answer sent (idle then means keep-alive idle) */
+    enum deadline deadline;  /* READING: which deadline the timer holds */
+    conn_t *idle_prev, *idle_next; /* on the idle list (no request begun) */
+    int idle;
+    peer_t *peer;            /* NULL for refused connections */
+    char peer_name[64];
 
     http_parser parser;
     int in_message;          /* between message begin and complete */
@@ -102,22 +137,31 @@ struct pdm_http {
     int handles;             /* listener + connections; freed at 0 after stop */
     int stopping;
     int port;
-    int max_conns;
-    uint64_t idle_ms;
+    int max_conns;           /* served connections */
+    int max_refusing;        /* connections being answered 429/503 at once */
+    int per_peer_max;        /* 0: none */
+    uint64_t idle_ms, head_ms, body_ms;
     size_t max_body;
-    conn_t *conns;
-    int n_conns;
+    conn_t *conns;           /* every open connection, refused ones too */
+    int n_conns;             /* served connections */
+    int n_refusing;
+    conn_t *idle_head, *idle_tail; /* idle connections, oldest first */
+    peer_t *peers[HTTP_PEER_BUCKETS];
     uint64_t next_request_id;
     long started;
     http_parser_settings settings;
     pdm_metric_t *m_responses;   /* pdmesh_http_responses_total{code} */
     pdm_metric_t *m_conns;       /* pdmesh_http_connections */
+    pdm_metric_t *m_refusals;    /* pdmesh_http_refusals_total{reason} */
+    pdm_metric_t *m_idle_closed; /* pdmesh_http_idle_closed_total{reason} */
     char read_buf[HTTP_READ_BUF];
 };
 
 static void conn_feed(conn_t *c, const char *data, size_t len);
 static void conn_close_now(conn_t *c);
-static void idle_arm(conn_t *c);
+static void deadline_arm(conn_t *c, enum deadline kind);
+static void idle_push(conn_t *c);
+static void idle_remove(conn_t *c);
 static int conn_read_start(conn_t *c);
 
 /* ------------------------------------------------------------------ writing */
@@ -139,7 +183,7 @@ static void on_write(uv_write_t *req, int status)
     c->writes--;
     if (c->closed) return;
     if (status < 0) {
-        pdm_log_debug("http %s: write failed: %s", c->peer, uv_strerror(status));
+        pdm_log_debug("http %s: write failed: %s", c->peer_name, uv_strerror(status));
         conn_close_now(c);
         return;
     }
@@ -206,7 +250,9 @@ static void conn_finish(conn_t *c)
         return;
     }
     c->state = C_READING;
-    idle_arm(c);
+    c->served = 1;
+    deadline_arm(c, DL_IDLE);
+    idle_push(c);
     if (!c->reading && conn_read_start(c) != 0) {
         conn_close_now(c);
         return;
@@ -225,6 +271,7 @@ static void conn_finish(conn_t *c)
 static void conn_respond(conn_t *c, int status, const char *ctype, const char *body,
                          size_t body_len, const char *extra)
 {
+    idle_remove(c); /* an answer to bytes that never began a request (a parse error) */
     if (status >= 400 && c->reject) c->keep_alive = 0;
     size_t hlen;
     char *head = str_printf(&hlen,
@@ -257,6 +304,100 @@ static void conn_respond_error(conn_t *c, int status, const char *code, const ch
     free(body);
 }
 
+/* ------------------------------------------------------------------ peers */
+
+/* The peer key of an address: IPv4 (also IPv4-mapped IPv6) whole, IPv6 its /64, which one
+ * host can usually fill with addresses of its own. */
+static void peer_key(const struct sockaddr_storage *ss, unsigned char key[HTTP_PEER_KEY])
+{
+    memset(key, 0, HTTP_PEER_KEY);
+    if (ss->ss_family == AF_INET) {
+        key[0] = 4;
+        memcpy(key + 1, &((const struct sockaddr_in *)ss)->sin_addr, 4);
+    } else if (ss->ss_family == AF_INET6) {
+        const unsigned char *a = ((const struct sockaddr_in6 *)ss)->sin6_addr.s6_addr;
+        static const unsigned char mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+        if (!memcmp(a, mapped, 12)) {
+            key[0] = 4;
+            memcpy(key + 1, a + 12, 4);
+        } else {
+            key[0] = 6;
+            memcpy(key + 1, a, 8);
+        }
+    }
+}
+
+static peer_t **peer_slot(pdm_http_t *h, const unsigned char key[HTTP_PEER_KEY])
+{
+    uint32_t x = 2166136261u; /* FNV-1a */
+    for (int i = 0; i < HTTP_PEER_KEY; i++) x = (x ^ key[i]) * 16777619u;
+    peer_t **pp = &h->peers[x % HTTP_PEER_BUCKETS];
+    while (*pp && memcmp((*pp)->key, key, HTTP_PEER_KEY)) pp = &(*pp)->next;
+    return pp;
+}
+
+/* The peer of `key`, created with no connections if new; NULL when out of memory. */
+static peer_t *peer_get(pdm_http_t *h, const unsigned char key[HTTP_PEER_KEY])
+{
+    peer_t **pp = peer_slot(h, key);
+    if (*pp) return *pp;
+    peer_t *p = calloc(1, sizeof(*p));
+    if (!p) return NULL;
+    memcpy(p->key, key, HTTP_PEER_KEY);
+    *pp = p;
+    return p;
+}
+
+/* Drops one connection of `p` (may be NULL); the peer is freed with its last connection. */
+static void peer_release(pdm_http_t *h, peer_t *p)
+{
+    if (!p || --p->conns > 0) return;
+    peer_t **pp = peer_slot(h, p->key);
+    *pp = p->next;
+    free(p);
+}
+
+/* ------------------------------------------------------------------ idle list */
+
+/* A READING connection that has not begun a request goes to the tail (the newest). */
+static void idle_push(conn_t *c)
+{
+    pdm_http_t *h = c->http;
+    if (c->idle || c->closed || c->refused || c->in_message) return;
+    c->idle = 1;
+    c->idle_next = NULL;
+    c->idle_prev = h->idle_tail;
+    if (h->idle_tail) h->idle_tail->idle_next = c;
+    else h->idle_head = c;
+    h->idle_tail = c;
+}
+
+static void idle_remove(conn_t *c)
+{
+    pdm_http_t *h = c->http;
+    if (!c->idle) return;
+    c->idle = 0;
+    if (c->idle_prev) c->idle_prev->idle_next = c->idle_next;
+    else h->idle_head = c->idle_next;
+    if (c->idle_next) c->idle_next->idle_prev = c->idle_prev;
+    else h->idle_tail = c->idle_prev;
+    c->idle_prev = c->idle_next = NULL;
+}
+
+/* Closes the oldest idle connection (of peer `p` only, unless NULL) whose answers are all
+ * written, to give its slot to a new connection. Returns 1 if one was closed. */
+static int idle_reclaim(pdm_http_t *h, peer_t *p)
+{
+    for (conn_t *c = h->idle_head; c; c = c->idle_next) {
+        if (c->writes || (p && c->peer != p)) continue;
+        pdm_log_debug("http %s: idle connection closed for a new one", c->peer_name);
+        if (h->m_idle_closed) pdm_metric_inc(h->m_idle_closed, "reclaimed", 1);
+        conn_close_now(c);
+        return 1;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ closing */
 
 static void http_maybe_free(pdm_http_t *h)
@@ -285,8 +426,15 @@ static void conn_close_now(conn_t *c)
     if (c->prev) c->prev->next = c->next;
     else h->conns = c->next;
     if (c->next) c->next->prev = c->prev;
-    h->n_conns--;
-    if (h->m_conns) pdm_metric_set(h->m_conns, NULL, h->n_conns);
+    idle_remove(c);
+    if (c->refused) {
+        h->n_refusing--;
+    } else {
+        h->n_conns--;
+        if (h->m_conns) pdm_metric_set(h->m_conns, NULL, h->n_conns);
+    }
+    peer_release(h, c->peer);
+    c->peer = NULL;
     gen_t *g = c->gen;
     c->gen = NULL;
     uv_timer_stop(&c->timer);
@@ -294,7 +442,7 @@ static void conn_close_now(conn_t *c)
     uv_close((uv_handle_t *)&c->tcp, on_conn_handle_closed);
     if (g) {
         g->conn = NULL; /* the sink frees g when the router ends it (maybe inside cancel) */
-        pdm_log_debug("http %s: client gone, cancelling request %llu", c->peer,
+        pdm_log_debug("http %s: client gone, cancelling request %llu", c->peer_name,
                       (unsigned long long)g->router_id);
         pdm_router_cancel(h->router, g->router_id);
     }
@@ -342,26 +490,47 @@ static void conn_abort_soon(conn_t *c)
     uv_timer_start(&c->timer, on_abort_timer, 0, 0);
 }
 
-/* ------------------------------------------------------------------ idle timer */
+/* ------------------------------------------------------------------ deadlines */
 
-static void on_idle_timeout(uv_timer_t *t)
+static void count_refusal(pdm_http_t *h, const char *reason)
 {
-    conn_t *c = t->data;
-    if (c->closed || c->state != C_READING) return;
-    if (c->in_message) {
-        /* A request started but never finished (slow or stuck client). */
-        c->keep_alive = 0;
-        c->reject = 408;
-        conn_respond_error(c, 408, "request_timeout",
-                           "the request was not completed within the idle timeout");
-        return;
-    }
-    conn_close_now(c);
+    if (h->m_refusals) pdm_metric_inc(h->m_refusals, reason, 1);
 }
 
-static void idle_arm(conn_t *c)
+/* The READING deadline expired: a request begun gets 408; a connection that sent nothing of
+ * a request is closed quietly. */
+static void on_deadline(uv_timer_t *t)
 {
-    if (!c->closed && !c->aborting) uv_timer_start(&c->timer, on_idle_timeout, c->http->idle_ms, 0);
+    conn_t *c = t->data;
+    pdm_http_t *h = c->http;
+    if (c->closed || c->state != C_READING) return;
+    if (!c->in_message) {
+        if (h->m_idle_closed) pdm_metric_inc(h->m_idle_closed, c->served ? "idle_timeout"
+                                                                          : "no_request", 1);
+        conn_close_now(c);
+        return;
+    }
+    int body = c->deadline == DL_BODY;
+    char msg[128];
+    snprintf(msg, sizeof(msg), "the request %s did not arrive within %.3g s",
+             body ? "body" : "line and headers",
+             (double)(body ? h->body_ms : h->head_ms) / 1000.0);
+    pdm_log_debug("http %s: %s", c->peer_name, msg);
+    count_refusal(h, body ? "body_timeout" : "head_timeout");
+    c->state = C_BUSY;
+    c->keep_alive = 0;
+    c->reject = 408;
+    c->minor = 1;
+    conn_respond_error(c, 408, "request_timeout", msg);
+}
+
+static void deadline_arm(conn_t *c, enum deadline kind)
+{
+    if (c->closed || c->aborting) return;
+    pdm_http_t *h = c->http;
+    c->deadline = kind;
+    uint64_t ms = kind == DL_IDLE ? h->idle_ms : kind == DL_HEAD ? h->head_ms : h->body_ms;
+    uv_timer_start(&c->timer, on_deadline, ms, 0);
 }
 
 /* ------------------------------------------------------------------ generation sink */
@@ -385,7 +554,7 @@ static void conn_write_chunk(conn_t *c, const char *data, size_t len)
     }
     conn_write(c, buf, n);
     if (!c->closed && uv_stream_get_write_queue_size((uv_stream_t *)&c->tcp) > HTTP_WRITE_QUEUE_CAP) {
-        pdm_log_warn("http %s: client reads too slowly; dropping it", c->peer);
+        pdm_log_warn("http %s: client reads too slowly; dropping it", c->peer_name);
         conn_abort_soon(c);
     }
 }
@@ -540,7 +709,7 @@ static void handle_generate(conn_t *c, int chat)
 
     pdm_router_sink_t sink = {g, gen_on_tokens, gen_on_result, gen_on_error};
     char client[80];
-    snprintf(client, sizeof(client), "http:%s", c->peer);
+    snprintf(client, sizeof(client), "http:%s", c->peer_name);
     uint64_t id = 0;
     int code = 0;
     pdm_error_clear();
@@ -667,6 +836,10 @@ static int on_message_begin(http_parser *p)
 {
     conn_t *c = p->data;
     c->in_message = 1;
+    idle_remove(c);
+    /* A new connection's head deadline runs from its open, a keep-alive request's from its
+     * first byte. */
+    if (c->deadline == DL_IDLE) deadline_arm(c, DL_HEAD);
     c->reject = 0;
     c->url_len = 0;
     c->url[0] = 0;
@@ -732,6 +905,8 @@ static int on_headers_complete(http_parser *p)
         c->reject = 413;
         return -1;
     }
+    if ((p->flags & F_CHUNKED) || (p->content_length != ULLONG_MAX && p->content_length > 0))
+        deadline_arm(c, DL_BODY);
     if (c->expect_continue && p->http_major == 1 && p->http_minor >= 1) {
         static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
         char *b = malloc(sizeof(cont));
@@ -869,37 +1044,94 @@ static int conn_read_start(conn_t *c)
     return st;
 }
 
-static void on_reject_closed(uv_handle_t *handle)
+/* The last resort when even the refusal budget is spent: a short 503 if the socket takes it at
+ * once, then the close (a client that already sent its request may see a reset). */
+static void conn_drop_overflow(conn_t *c)
 {
-    free(handle);
+    static const char busy[] =
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        "Retry-After: 1\r\nConnection: close\r\nContent-Length: 105\r\n\r\n"
+        "{\"error\":{\"message\":\"too many open connections\",\"type\":\"server_error\","
+        "\"param\":null,\"code\":\"too_many_connections\"}}";
+    uv_buf_t b = uv_buf_init((char *)busy, sizeof(busy) - 1);
+    uv_try_write((uv_stream_t *)&c->tcp, &b, 1);
+    count_refusal(c->http, "overflow");
+    count_response(c, 503);
+    c->refused = 1; /* not counted as served: conn_close_now balances the refusal count */
+    c->http->n_refusing++;
+    conn_close_now(c);
+}
+
+/* Answers a connection that may not be served with `status` and closes it gracefully (the
+ * answer, FIN, then the linger that reads what the client still sends). */
+static void conn_refuse(conn_t *c, int status, const char *code, const char *reason,
+                        const char *message)
+{
+    pdm_http_t *h = c->http;
+    if (h->n_refusing >= h->max_refusing) {
+        conn_drop_overflow(c);
+        return;
+    }
+    c->refused = 1;
+    h->n_refusing++;
+    count_refusal(h, reason);
+    pdm_log_debug("http %s: refused: %s", c->peer_name, message);
+    c->state = C_BUSY;
+    c->keep_alive = 0;
+    c->minor = 1;
+    conn_respond_error(c, status, code, message);
+}
+
+/* Admits an accepted connection: within its peer's share and the slots, taking an idle
+ * connection's slot if needed (see the top of this file), else refused. */
+static void conn_admit(conn_t *c, const struct sockaddr_storage *ss)
+{
+    pdm_http_t *h = c->http;
+    unsigned char key[HTTP_PEER_KEY];
+    peer_key(ss, key);
+    peer_t *p = peer_get(h, key);
+    if (!p) {
+        conn_refuse(c, 503, "too_many_connections", "connections", "out of memory");
+        return;
+    }
+    /* Counted before reclaiming, so that closing the peer's last idle connection does not
+     * free the peer. */
+    c->peer = p;
+    p->conns++;
+    h->n_conns++;
+    if (h->per_peer_max > 0 && p->conns > h->per_peer_max && !idle_reclaim(h, p)) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "too many open connections from your address (the limit is "
+                 "%d; close idle ones or reuse them)", h->per_peer_max);
+        h->n_conns--;
+        peer_release(h, p);
+        c->peer = NULL;
+        conn_refuse(c, 429, "too_many_connections_per_peer", "peer_connections", msg);
+        return;
+    }
+    if (h->n_conns > h->max_conns && !idle_reclaim(h, NULL)) {
+        h->n_conns--;
+        peer_release(h, p);
+        c->peer = NULL;
+        conn_refuse(c, 503, "too_many_connections", "connections", "too many open connections");
+        return;
+    }
+    if (h->m_conns) pdm_metric_set(h->m_conns, NULL, h->n_conns);
+    c->state = C_READING;
+    if (conn_read_start(c) != 0) {
+        conn_close_now(c);
+        return;
+    }
+    deadline_arm(c, DL_HEAD);
+    idle_push(c);
 }
 
 static void on_connection(uv_stream_t *server, int status)
 {
     pdm_http_t *h = server->data;
     if (status < 0 || h->stopping) return;
-    if (h->n_conns >= h->max_conns) {
-        /* Over the bound: a short 503 written without queueing, then close. */
-        uv_tcp_t *t = malloc(sizeof(*t));
-        if (!t) return;
-        uv_tcp_init(h->loop, t);
-        if (uv_accept(server, (uv_stream_t *)t) == 0) {
-            static const char body[] =
-                "{\"error\":{\"message\":\"too many open connections\",\"type\":"
-                "\"server_error\",\"param\":null,\"code\":\"too_many_connections\"}}";
-            char busy[512];
-            int n = snprintf(busy, sizeof(busy),
-                             "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                             "Retry-After: 1\r\nConnection: close\r\nContent-Length: %zu\r\n\r\n%s",
-                             sizeof(body) - 1, body);
-            uv_buf_t b = uv_buf_init(busy, (unsigned)n);
-            uv_try_write((uv_stream_t *)t, &b, 1);
-        }
-        uv_close((uv_handle_t *)t, on_reject_closed);
-        return;
-    }
     conn_t *c = calloc(1, sizeof(*c));
-    if (!c) return;
+    if (!c) return; /* libuv stops accepting until the next call; the kernel keeps the backlog */
     c->http = h;
     uv_tcp_init(h->loop, &c->tcp);
     uv_timer_init(h->loop, &c->timer);
@@ -910,11 +1142,12 @@ static void on_connection(uv_stream_t *server, int status)
     c->next = h->conns;
     if (h->conns) h->conns->prev = c;
     h->conns = c;
-    h->n_conns++;
-    if (h->m_conns) pdm_metric_set(h->m_conns, NULL, h->n_conns);
+    /* Counted as refusing until admitted, so that closing it here balances the counts. */
+    c->refused = 1;
+    h->n_refusing++;
     http_parser_init(&c->parser, HTTP_REQUEST);
     c->parser.data = c;
-    c->state = C_READING;
+    c->state = C_BUSY;
     c->minor = 1;
     if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) {
         conn_close_now(c);
@@ -922,19 +1155,18 @@ static void on_connection(uv_stream_t *server, int status)
     }
     uv_tcp_nodelay(&c->tcp, 1);
     struct sockaddr_storage ss;
+    memset(&ss, 0, sizeof(ss));
     int sl = sizeof(ss);
-    snprintf(c->peer, sizeof(c->peer), "?");
+    snprintf(c->peer_name, sizeof(c->peer_name), "?");
     if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &sl) == 0) {
         if (ss.ss_family == AF_INET)
-            uv_ip4_name((struct sockaddr_in *)&ss, c->peer, sizeof(c->peer));
+            uv_ip4_name((struct sockaddr_in *)&ss, c->peer_name, sizeof(c->peer_name));
         else if (ss.ss_family == AF_INET6)
-            uv_ip6_name((struct sockaddr_in6 *)&ss, c->peer, sizeof(c->peer));
+            uv_ip6_name((struct sockaddr_in6 *)&ss, c->peer_name, sizeof(c->peer_name));
     }
-    if (conn_read_start(c) != 0) {
-        conn_close_now(c);
-        return;
-    }
-    idle_arm(c);
+    c->refused = 0;
+    h->n_refusing--;
+    conn_admit(c, &ss);
 }
 
 /* ------------------------------------------------------------------ public */
@@ -944,6 +1176,22 @@ static void on_listener_closed(uv_handle_t *handle)
     pdm_http_t *h = handle->data;
     h->handles--;
     http_maybe_free(h);
+}
+
+int pdm_http_default_slots(long nofile)
+{
+    long reserve = nofile / 4 > HTTP_FD_RESERVE ? nofile / 4 : HTTP_FD_RESERVE;
+    long avail = nofile - reserve;
+    long slots = avail * 8 / 9; /* and slots / 8 for refusals (pdm_http_start) */
+    if (slots < 16) slots = 16;
+    if (slots > 65536) slots = 65536;
+    return (int)slots;
+}
+
+static uint64_t http_ms(double seconds, double fallback)
+{
+    uint64_t ms = (uint64_t)((seconds > 0 ? seconds : fallback) * 1000.0);
+    return ms ? ms : 1;
 }
 
 int pdm_http_start(pdm_router_t *r, const pdm_http_config_t *cfg, pdm_http_t **out)
@@ -963,10 +1211,26 @@ int pdm_http_start(pdm_router_t *r, const pdm_http_config_t *cfg, pdm_http_t **o
     if (!h) return pdm_error_set(PDM_ENOMEM, "http: out of memory");
     h->router = r;
     h->loop = pdm_router_loop(r);
-    h->max_conns = cfg && cfg->max_connections > 0 ? cfg->max_connections : HTTP_DEFAULT_MAX_CONNS;
-    double idle = cfg && cfg->idle_timeout > 0 ? cfg->idle_timeout : HTTP_DEFAULT_IDLE_S;
-    h->idle_ms = (uint64_t)(idle * 1000.0);
-    if (h->idle_ms == 0) h->idle_ms = 1;
+    struct rlimit rl;
+    long nofile = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY
+                      ? (long)rl.rlim_cur : 1024;
+    h->max_conns = cfg && cfg->max_connections > 0 ? cfg->max_connections
+                                                   : pdm_http_default_slots(nofile);
+    h->max_refusing = h->max_conns / 8 > 64 ? h->max_conns / 8 : 64;
+    if ((long)h->max_conns + h->max_refusing + HTTP_FD_RESERVE > nofile)
+        pdm_log_warn("http: %d connection slots and %d for refusals leave fewer than %d of the "
+                     "%ld file descriptors (ulimit -n) to the rest of the router",
+                     h->max_conns, h->max_refusing, HTTP_FD_RESERVE, nofile);
+    int per_peer = cfg ? cfg->max_connections_per_peer : 0;
+    if (per_peer == 0) {
+        per_peer = h->max_conns / 2 < HTTP_DEFAULT_PER_PEER ? h->max_conns / 2
+                                                            : HTTP_DEFAULT_PER_PEER;
+        if (per_peer < 1) per_peer = 1;
+    }
+    h->per_peer_max = per_peer > 0 ? per_peer : 0;
+    h->idle_ms = http_ms(cfg ? cfg->idle_timeout : 0, HTTP_DEFAULT_IDLE_S);
+    h->head_ms = http_ms(cfg ? cfg->head_timeout : 0, HTTP_DEFAULT_HEAD_S);
+    h->body_ms = http_ms(cfg ? cfg->body_timeout : 0, HTTP_DEFAULT_BODY_S);
     const pdm_router_limits_t *lim = pdm_router_limits(r);
     h->max_body = lim && lim->max_body_bytes ? lim->max_body_bytes : PDM_HTTP_MAX_BODY_DEFAULT;
     h->started = (long)time(NULL);
@@ -985,6 +1249,15 @@ int pdm_http_start(pdm_router_t *r, const pdm_http_config_t *cfg, pdm_http_t **o
                                          "HTTP responses by status code", "code", NULL, 0);
         h->m_conns = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_http_connections",
                                      "Open HTTP connections", NULL, NULL, 0);
+        h->m_refusals = pdm_metrics_add(
+            m, PDM_METRIC_COUNTER, "pdmesh_http_refusals_total",
+            "HTTP connections or requests refused by the front end's limits (connections: 503, "
+            "peer_connections: 429, head_timeout/body_timeout: 408, overflow: closed)",
+            "reason", NULL, 0);
+        h->m_idle_closed = pdm_metrics_add(
+            m, PDM_METRIC_COUNTER, "pdmesh_http_idle_closed_total",
+            "Idle HTTP connections closed (reclaimed: for a new connection; idle_timeout: "
+            "keep-alive; no_request: nothing sent within the head deadline)", "reason", NULL, 0);
     }
 
     int st = uv_tcp_init(h->loop, &h->listener);
@@ -1008,7 +1281,10 @@ int pdm_http_start(pdm_router_t *r, const pdm_http_config_t *cfg, pdm_http_t **o
     uv_tcp_getsockname(&h->listener, (struct sockaddr *)&bound, &bl);
     h->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
                                                 : ((struct sockaddr_in *)&bound)->sin_port);
-    pdm_log_info("http: listening on %s:%d", host, h->port);
+    pdm_log_info("http: listening on %s:%d; %d connection slots (fd limit %ld), %d per peer%s, "
+                 "head %.3g s, body %.3g s, idle %.3g s", host, h->port, h->max_conns, nofile,
+                 h->per_peer_max, h->per_peer_max ? "" : " (no limit)", h->head_ms / 1000.0,
+                 h->body_ms / 1000.0, h->idle_ms / 1000.0);
     *out = h;
     return PDM_OK;
 }

@@ -51,7 +51,12 @@ const char *pdm_http__code_name(int code);
 const char *pdm_http__type_for_status(int status);
 const char *pdm_http__reason(int status);
 
-/* {"error":{"message":..,"type":..,"param":null,"code":..}} as a malloc'ed string. */
+/* s[0..len) as valid UTF-8: each ill-formed sequence (its longest well-formed prefix, or one
+ * byte) becomes U+FFFD. Returns a malloc'ed NUL-terminated string, NULL when out of memory. */
+char *pdm_http__utf8_sanitize(const char *s, size_t len);
+
+/* {"error":{"message":..,"type":..,"param":null,"code":..}} as a malloc'ed string; the
+ * message is sanitized (pdm_http__utf8_sanitize) since it may quote the client. */
 char *pdm_http__error_json(int status, const char *code, const char *message);
 
 /* OpenAI finish_reason of a FinishReason ("stop", "length"), NULL for FINISH_NONE. */

@@ -522,15 +522,69 @@ const char *pdm_http__reason(int status)
     }
 }
 
+/* Length of the well-formed UTF-8 sequence at s[0..len) (Unicode table 3-7: no overlong
+ * forms, surrogates or code points over U+10FFFF), or minus the length of its longest
+ * well-formed prefix (the "maximal subpart" one U+FFFD replaces), at least 1. */
+static int utf8_sequence(const unsigned char *s, size_t len)
+{
+    unsigned char b = s[0];
+    if (b < 0x80) return 1;
+    int n;
+    unsigned char lo = 0x80, hi = 0xBF; /* range of the second byte */
+    if (b >= 0xC2 && b <= 0xDF) n = 2;
+    else if (b >= 0xE0 && b <= 0xEF) {
+        n = 3;
+        if (b == 0xE0) lo = 0xA0;
+        if (b == 0xED) hi = 0x9F;
+    } else if (b >= 0xF0 && b <= 0xF4) {
+        n = 4;
+        if (b == 0xF0) lo = 0x90;
+        if (b == 0xF4) hi = 0x8F;
+    } else
+        return -1;
+    for (int i = 1; i < n; i++) {
+        unsigned char lo_i = i == 1 ? lo : 0x80, hi_i = i == 1 ? hi : 0xBF;
+        if ((size_t)i >= len || s[i] < lo_i || s[i] > hi_i) return -i;
+    }
+    return n;
+}
+
+char *pdm_http__utf8_sanitize(const char *s, size_t len)
+{
+    char *out = malloc(len * 3 + 1); /* each invalid byte becomes at most 3 bytes */
+    if (!out) return NULL;
+    const unsigned char *in = (const unsigned char *)s;
+    size_t o = 0;
+    for (size_t i = 0; i < len;) {
+        int n = utf8_sequence(in + i, len - i);
+        if (n > 0) {
+            memcpy(out + o, in + i, (size_t)n);
+            o += (size_t)n;
+            i += (size_t)n;
+        } else {
+            memcpy(out + o, "\xEF\xBF\xBD", 3); /* U+FFFD */
+            o += 3;
+            i += (size_t)-n;
+        }
+    }
+    out[o] = 0;
+    return out;
+}
+
+/* Every error body goes through here, and its message may quote the client (a model name, a
+ * role, a path): it is made valid UTF-8 so that the body stays valid JSON. */
 char *pdm_http__error_json(int status, const char *code, const char *message)
 {
+    char *clean = pdm_http__utf8_sanitize(message ? message : "", message ? strlen(message) : 0);
     cJSON *root = cJSON_CreateObject();
     cJSON *e = cJSON_AddObjectToObject(root, "error");
-    if (!e) {
+    if (!e || !clean) {
+        free(clean);
         cJSON_Delete(root);
         return NULL;
     }
-    cJSON_AddStringToObject(e, "message", message ? message : "");
+    cJSON_AddStringToObject(e, "message", clean);
+    free(clean);
     cJSON_AddStringToObject(e, "type", pdm_http__type_for_status(status));
     cJSON_AddNullToObject(e, "param");
     cJSON_AddStringToObject(e, "code", code ? code : "error");

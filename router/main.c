@@ -61,6 +61,13 @@ static void rt_usage(FILE *f)
             "  --http-host H --http-port P        OpenAI-compatible HTTP (default 127.0.0.1:8080,\n"
             "                            -1: off)\n"
             "  --http HOST:PORT | off     the same in one option ([::1]:8080 for IPv6; port 0: any)\n"
+            "  --http-max-conns N        HTTP connections served at once (0: from ulimit -n, the\n"
+            "                            default; see docs/http.md, Abusive clients)\n"
+            "  --http-max-conns-per-peer N   per source address (IPv6: /64) (0: half the slots,\n"
+            "                            at most 256; -1: no limit, e.g. behind a proxy)\n"
+            "  --http-head-timeout-ms N  request line and headers within (5000; else 408)\n"
+            "  --http-body-timeout-ms N  request body within, after the headers (15000; else 408)\n"
+            "  --http-idle-timeout-ms N  keep-alive connection idle between requests (30000)\n"
             "  --secret-file F           cluster secret (else $PDMESH_SECRET_FILE / $PDMESH_SECRET)\n"
             "  --admin-token-file F      admin token (else $PDMESH_ADMIN_TOKEN_FILE / $PDMESH_ADMIN_TOKEN)\n"
             "  --curve-secret-file F     CURVE on the client/node/admin sockets with this server\n"
@@ -87,13 +94,14 @@ int main(int argc, char **argv)
 {
     rt_config_t cfg;
     rt_config_default(&cfg);
+    pdm_http_config_t http_cfg = {0}; /* zeros: router/http.h's defaults */
     cfg.model_path = pdm_model_default_path();
     enum { O_MAXBEAMS = 2000 }; /* router/beams.c */
     enum {
         O_CLIENT = 1000, O_NODE, O_ADMIN, O_HTTP_HOST, O_HTTP_PORT, O_SECRET, O_TOKEN, O_HB, O_LEASE,
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
         O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW,
-        O_PREFIX_REUSE
+        O_PREFIX_REUSE, O_HTTP_CONNS, O_HTTP_PER_PEER, O_HTTP_HEAD, O_HTTP_BODY, O_HTTP_IDLE
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},
@@ -103,6 +111,11 @@ int main(int argc, char **argv)
         {"http-host", required_argument, 0, O_HTTP_HOST},
         {"http-port", required_argument, 0, O_HTTP_PORT},
         {"http", required_argument, 0, O_HTTP},
+        {"http-max-conns", required_argument, 0, O_HTTP_CONNS},
+        {"http-max-conns-per-peer", required_argument, 0, O_HTTP_PER_PEER},
+        {"http-head-timeout-ms", required_argument, 0, O_HTTP_HEAD},
+        {"http-body-timeout-ms", required_argument, 0, O_HTTP_BODY},
+        {"http-idle-timeout-ms", required_argument, 0, O_HTTP_IDLE},
         {"secret-file", required_argument, 0, O_SECRET},
         {"admin-token-file", required_argument, 0, O_TOKEN},
         {"heartbeat-ms", required_argument, 0, O_HB},
@@ -142,6 +155,20 @@ int main(int argc, char **argv)
         case O_HTTP_HOST: cfg.http_host = optarg; break;
         case O_HTTP_PORT: NUM(-1, 65535, cfg.http_port); break;
         case O_HTTP: if (rt_parse_http(optarg, &cfg)) goto bad; break;
+        case O_HTTP_CONNS: NUM(0, 1 << 20, http_cfg.max_connections); break;
+        case O_HTTP_PER_PEER: NUM(-1, 1 << 20, http_cfg.max_connections_per_peer); break;
+        case O_HTTP_HEAD:
+            if (pdm_parse_long(optarg, 1, 3600000, &v)) goto bad;
+            http_cfg.head_timeout = v / 1000.0;
+            break;
+        case O_HTTP_BODY:
+            if (pdm_parse_long(optarg, 1, 3600000, &v)) goto bad;
+            http_cfg.body_timeout = v / 1000.0;
+            break;
+        case O_HTTP_IDLE:
+            if (pdm_parse_long(optarg, 1, 3600000, &v)) goto bad;
+            http_cfg.idle_timeout = v / 1000.0;
+            break;
         case O_SECRET: cfg.secret_file = optarg; break;
         case O_TOKEN: cfg.admin_token_file = optarg; break;
         case O_CURVE_SECRET: cfg.curve_secret_file = optarg; break;
@@ -199,9 +226,9 @@ int main(int argc, char **argv)
     /* The HTTP front end (router/http.c) on the same loop, after the core is up and before
      * the loop runs (--http-port -1: none). */
     if (cfg.http_port >= 0) {
-        pdm_http_config_t hc = {.host = cfg.http_host, .port = cfg.http_port,
-                                .max_connections = 256, .idle_timeout = 30};
-        if (pdm_http_start(g_router, &hc, &g_http)) {
+        http_cfg.host = cfg.http_host;
+        http_cfg.port = cfg.http_port;
+        if (pdm_http_start(g_router, &http_cfg, &g_http)) {
             fprintf(stderr, "pdmesh-router: HTTP: %s\n", pdm_error_last());
             rt_on_signal(&g_sig[0], 0);
             uv_run(&loop, UV_RUN_DEFAULT);

@@ -16,7 +16,8 @@
  *   anything else     the prompt's words, cycled, one per token every 2 ms, up to max_tokens
  * Events are printed on stdout, one per line: "port N", "submit ID", "cancel ID", "end ID".
  *
- *   pdm-http-fake [--port N] [--max-conns N] [--idle S] [--max-body BYTES] [--not-ready]
+ *   pdm-http-fake [--port N] [--max-conns N] [--max-conns-per-peer N] [--idle S]
+ *                 [--head-timeout S] [--body-timeout S] [--max-body BYTES] [--not-ready]
  * SIGTERM/SIGINT stop the server (pdm_http_stop) and the program exits when the loop is empty.
  */
 #include <cjson/cJSON.h>
@@ -287,6 +288,12 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--port") && i + 1 < argc) cfg.port = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--max-conns") && i + 1 < argc) cfg.max_connections = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--idle") && i + 1 < argc) cfg.idle_timeout = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--max-conns-per-peer") && i + 1 < argc)
+            cfg.max_connections_per_peer = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--head-timeout") && i + 1 < argc)
+            cfg.head_timeout = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--body-timeout") && i + 1 < argc)
+            cfg.body_timeout = atof(argv[++i]);
         else if (!strcmp(argv[i], "--max-body") && i + 1 < argc)
             r.limits.max_body_bytes = (size_t)atol(argv[++i]);
         else if (!strcmp(argv[i], "--not-ready")) r.ready = 0;

@@ -386,29 +386,101 @@ def test_limits(f):
 
 
 def test_connection_bound_and_idle():
-    g = Fake("--max-conns", "4", "--idle", "0.5")
+    g = Fake("--max-conns", "4", "--max-conns-per-peer", "-1", "--idle", "0.5",
+             "--head-timeout", "0.5", "--body-timeout", "0.5")
     try:
+        # four requests running: no idle slot to take, a fifth connection gets a clean 503
+        busy = [connect(g.port) for _ in range(4)]
+        for s in busy:
+            s.sendall(request_bytes("POST", "/v1/completions", {"prompt": "SLOW", "max_tokens": 50}))
+        wait_for(lambda: len(g.events("submit")) == 4, 10, "four requests")
+        extra = connect(g.port)
+        extra.sendall(request_bytes("GET", "/healthz"))
+        rd = Reader(extra)
+        r = rd.response()
+        assert r.status == 503 and r.json()["error"]["code"] == "too_many_connections", r
+        assert r.headers["connection"] == "close" and rd.closed(), r.headers
+        extra.close()
+        for s in busy:
+            s.close()
+        wait_for(lambda: len(g.events("cancel")) == 4, 10, "the cancels")
+        # four idle connections: a new one takes the oldest one's slot
         held = [connect(g.port) for _ in range(4)]
         time.sleep(0.1)
-        extra = connect(g.port)
-        r = Reader(extra).response()
-        assert r.status == 503 and r.json()["error"]["code"] == "too_many_connections", r
-        extra.close()
-        # idle connections are closed after the idle timeout
-        assert all(Reader(s).closed(timeout=5) for s in held), "idle connections stayed open"
+        assert call(g.port, "GET", "/healthz").status == 200
+        assert Reader(held[0]).closed(timeout=2), "the oldest idle connection stayed open"
+        # idle connections are closed quietly after the head deadline (nothing sent) or the
+        # idle timeout (after a response)
+        assert all(Reader(s).closed(timeout=5) for s in held[1:]), "idle connections stayed open"
         for s in held:
             s.close()
-        # a request left unfinished gets 408, then the close
         s = connect(g.port)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"pro")
+        s.sendall(request_bytes("GET", "/healthz"))
         rd = Reader(s)
-        r = rd.response()
-        assert r.status == 408, r
-        assert rd.closed()
+        assert rd.response().status == 200
+        assert rd.closed(timeout=5), "a keep-alive connection outlived the idle timeout"
         s.close()
+        # a request left unfinished gets 408, then the close
+        for head in (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"pro",
+                     b"GET /healthz HTTP/1.1\r\nHost: x\r\n"):
+            s = connect(g.port)
+            s.sendall(head)
+            rd = Reader(s)
+            r = rd.response()
+            assert r.status == 408 and r.json()["error"]["code"] == "request_timeout", r
+            assert rd.closed()
+            s.close()
         assert call(g.port, "GET", "/healthz").status == 200
+        m = call(g.port, "GET", "/metrics").body
+        for line in ('pdmesh_http_responses_total{code="503"} 1',
+                     'pdmesh_http_responses_total{code="408"} 2',
+                     'pdmesh_http_refusals_total{reason="connections"} 1',
+                     'pdmesh_http_refusals_total{reason="head_timeout"} 1',
+                     'pdmesh_http_refusals_total{reason="body_timeout"} 1',
+                     'pdmesh_http_idle_closed_total{reason="reclaimed"} 1'):
+            assert line in m, (line, m)
     finally:
         g.stop()
+
+
+def test_invalid_utf8(f):
+    """Every error that quotes the client stays valid JSON when the client sent invalid UTF-8
+    (each ill-formed sequence becomes U+FFFD)."""
+    bad = b"\xff\xfe\xc0\xaf\xed\xa0\x80\xe2\x82"
+
+    def body_with(template):
+        return json.dumps(template).encode().replace(b"@BAD@", bad)
+
+    cases = [
+        ("POST", "/v1/completions", body_with({"prompt": "a", "model": "@BAD@"}), 404),
+        ("POST", "/v1/chat/completions",
+         body_with({"messages": [{"role": "@BAD@", "content": "x"}]}), 400),
+        ("POST", "/v1/chat/completions",
+         body_with({"model": "@BAD@", "messages": [{"role": "user", "content": "x"}]}), 404),
+        ("GET", b"/v1/models/" + bad, None, 404),
+        ("GET", b"/nope" + bad, None, 404),
+        ("DELETE", b"/v1/" + bad, None, 404),
+        ("POST", "/v1/completions", body_with({"prompt": "@BAD@", "max_tokens": 10**12}), 400),
+        ("POST", "/v1/completions", b'{"prompt": "a", "model": "\\ud800"}', 400),  # cJSON: not JSON
+    ]
+    for method, path, body, status in cases:
+        if isinstance(path, str):
+            path = path.encode()
+        head = b"%s %s HTTP/1.1\r\nHost: x\r\n" % (method.encode(), path)
+        if body is not None:
+            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        s = connect(f.port)
+        s.sendall(head + b"\r\n" + (body or b""))
+        rd = Reader(s)
+        st, headers = rd.head()
+        raw = rd._exact(int(headers["content-length"]))
+        s.close()
+        assert st == status, (path, body, st, raw)
+        text = raw.decode("utf-8")  # strict: raises on invalid UTF-8
+        e = json.loads(text)["error"]
+        assert e["message"], (path, e)
+        if b"@BAD@" in (body or b"") or bad in path:
+            assert "\ufffd" in e["message"], (path, body, e)
 
 
 def test_concurrent_with_abuse(f):

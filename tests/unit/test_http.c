@@ -187,6 +187,51 @@ START_TEST(test_http_responses)
 }
 END_TEST
 
+/* Ill-formed UTF-8 becomes U+FFFD (one per maximal subpart), well-formed text is unchanged,
+ * and an error body quoting it is valid JSON. */
+START_TEST(test_http_utf8_sanitize)
+{
+    static const struct {
+        const char *in, *out;
+    } cases[] = {
+        {"plain", "plain"},
+        {"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"},
+        {"\xff\xfe", "\xef\xbf\xbd\xef\xbf\xbd"},
+        {"a\xc3", "a\xef\xbf\xbd"},                         /* truncated at the end */
+        {"\xc0\xaf", "\xef\xbf\xbd\xef\xbf\xbd"},             /* overlong '/' */
+        {"\xe0\x80\xaf", "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"}, /* overlong, 3 bytes */
+        {"\xed\xa0\x80", "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"}, /* a surrogate */
+        {"\xf4\x90\x80\x80", "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"}, /* > U+10FFFF */
+        {"\xe2\x82x", "\xef\xbf\xbdx"},                       /* maximal subpart: one U+FFFD */
+        {"\xf0\x9f\x98", "\xef\xbf\xbd"},
+        {"\x80z", "\xef\xbf\xbdz"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char *o = pdm_http__utf8_sanitize(cases[i].in, strlen(cases[i].in));
+        ck_assert_msg(o && !strcmp(o, cases[i].out), "case %zu", i);
+        free(o);
+        char *e = pdm_http__error_json(404, "model_not_found", cases[i].in);
+        cJSON *j = cJSON_Parse(e);
+        ck_assert_msg(j != NULL, "case %zu: %s", i, e);
+        cJSON *err = cJSON_GetObjectItem(j, "error");
+        const char *m = cJSON_GetObjectItem(err, "message")->valuestring;
+        ck_assert_str_eq(m, cases[i].out);
+        cJSON_Delete(j);
+        free(e);
+    }
+    /* every byte value, alone and after a lead byte: always valid output */
+    for (int a = 0; a < 256; a++)
+        for (int b = 1; b < 256; b++) {
+            char in[3] = {(char)(a ? a : 'x'), (char)b, 0};
+            char *o = pdm_http__utf8_sanitize(in, 2);
+            char *again = pdm_http__utf8_sanitize(o, strlen(o));
+            ck_assert_str_eq(o, again); /* the output is well-formed: a fixed point */
+            free(again);
+            free(o);
+        }
+}
+END_TEST
+
 Suite *suite_http(void)
 {
     Suite *s = suite_create("http");
@@ -195,6 +240,7 @@ Suite *suite_http(void)
     tcase_add_test(tc, test_http_parse_refusals);
     tcase_add_test(tc, test_http_parse_fuzz);
     tcase_add_test(tc, test_http_responses);
+    tcase_add_test(tc, test_http_utf8_sanitize);
     suite_add_tcase(s, tc);
     return s;
 }
