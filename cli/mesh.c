@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <yaml.h>
 
@@ -132,32 +133,200 @@ static int y_int(const ynode_t *m, const char *key, long def, long lo, long hi, 
 
 /* ---- processes -------------------------------------------------------------------------- */
 
+/* One process of the mesh: how to (re)start it. */
+typedef struct {
+    char name[200];
+    char *argv[40];             /* strdup'ed */
+    const char *curve_key;      /* $PDMESH_CURVE_KEY_FILE in its environment, or NULL */
+    const char *curve_server;   /* $PDMESH_CURVE_SERVER_KEY_FILE, or NULL */
+    pid_t pid;
+    int restarts;
+    int last_status;            /* wait status of its last exit (-1: none yet) */
+    double started, restart_at; /* restart_at > 0: waiting out its backoff */
+} mesh_proc_t;
+
+#define MESH_MAX_PROCS 256
+
 typedef struct {
     char run[1024];
     char bin[1024];
-    FILE *pids;
+    mesh_proc_t procs[MESH_MAX_PROCS];
+    int n;
 } mesh_t;
 
-static int spawn(mesh_t *m, const char *name, char *const argv[])
+static int mesh_add(mesh_t *m, const char *name, char *const argv[], const char *curve_key,
+                    const char *curve_server)
 {
-    char log[1200];
-    snprintf(log, sizeof(log), "%s/%s.log", m->run, name);
-    for (char *p = log + strlen(m->run) + 1; *p; p++)
-        if (*p == '/') *p = '_';
+    if (m->n == MESH_MAX_PROCS) return pdm_error_set(PDM_ERANGE, "at most %d processes",
+                                                     MESH_MAX_PROCS);
+    mesh_proc_t *p = &m->procs[m->n++];
+    memset(p, 0, sizeof(*p));
+    snprintf(p->name, sizeof(p->name), "%s", name);
+    for (int i = 0; argv[i] && i < 39; i++)
+        if (!(p->argv[i] = strdup(argv[i]))) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    p->curve_key = curve_key;
+    p->curve_server = curve_server;
+    p->last_status = -1;
+    return PDM_OK;
+}
+
+/* Starts one process: its log is run/NAME.log (appended: a restart keeps the history). */
+static int mesh_start(mesh_t *m, mesh_proc_t *p)
+{
+    char log[1300];
+    snprintf(log, sizeof(log), "%s/%s.log", m->run, p->name);
+    for (char *c = log + strlen(m->run) + 1; *c; c++)
+        if (*c == '/') *c = '_';
+    pid_t pid = fork();
+    if (pid < 0) return pdm_error_set(PDM_EIO, "fork: %s", strerror(errno));
+    if (pid == 0) {
+        setpgid(0, 0);
+        signal(SIGTERM, SIG_DFL);
+        signal(SIGINT, SIG_DFL);
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        int nul = open("/dev/null", O_RDONLY);
+        if (fd >= 0) dup2(fd, 1), dup2(fd, 2);
+        if (nul >= 0) dup2(nul, 0);
+        if (p->curve_key) setenv("PDMESH_CURVE_KEY_FILE", p->curve_key, 1);
+        if (p->curve_server) setenv("PDMESH_CURVE_SERVER_KEY_FILE", p->curve_server, 1);
+        execv(p->argv[0], p->argv);
+        fprintf(stderr, "exec %s: %s\n", p->argv[0], strerror(errno));
+        _exit(127);
+    }
+    p->pid = pid;
+    p->started = pdm_now();
+    p->restart_at = 0;
+    return PDM_OK;
+}
+
+/* run/pids ("NAME PID", what pdmesh down stops) and run/status ("NAME PID RESTARTS
+ * LAST_EXIT"), each replaced whole (rename) so a reader never sees half a file. */
+static void mesh_write_state(const mesh_t *m)
+{
+    static const char *const files[2] = {"pids", "status"};
+    for (int k = 0; k < 2; k++) {
+        char path[1100], tmp[1110];
+        snprintf(path, sizeof(path), "%s/%s", m->run, files[k]);
+        snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+        FILE *f = fopen(tmp, "w");
+        if (!f) continue;
+        for (int i = 0; i < m->n; i++) {
+            const mesh_proc_t *p = &m->procs[i];
+            if (k == 0) {
+                fprintf(f, "%s %d\n", p->name, (int)p->pid);
+            } else {
+                char last[32] = "-";
+                if (p->last_status >= 0 && WIFEXITED(p->last_status))
+                    snprintf(last, sizeof(last), "exit:%d", WEXITSTATUS(p->last_status));
+                else if (p->last_status >= 0 && WIFSIGNALED(p->last_status))
+                    snprintf(last, sizeof(last), "signal:%d", WTERMSIG(p->last_status));
+                fprintf(f, "%s %d %d %s\n", p->name, (int)p->pid, p->restarts, last);
+            }
+        }
+        if (fclose(f) == 0) rename(tmp, path);
+    }
+}
+
+static volatile sig_atomic_t mesh_stopping;
+static void mesh_on_term(int sig)
+{
+    (void)sig;
+    mesh_stopping = 1;
+}
+
+/* The supervisor (its own process, started by pdmesh up): starts every process, restarts one
+ * that exits with exponential backoff (0.5 s doubling to 30 s; back to 0.5 s once it ran a
+ * minute), keeps run/pids and run/status current. SIGTERM (pdmesh down): stops the processes
+ * (SIGTERM, SIGKILL after 10 s) in reverse order and exits. */
+static void mesh_supervise(mesh_t *m)
+{
+    signal(SIGTERM, mesh_on_term);
+    signal(SIGINT, mesh_on_term);
+    for (int i = 0; i < m->n && !mesh_stopping; i++) {
+        if (mesh_start(m, &m->procs[i])) fprintf(stderr, "supervisor: %s\n", pdm_error_last());
+        if (i == 0) usleep(300000); /* the router binds first */
+    }
+    mesh_write_state(m);
+    while (!mesh_stopping) {
+        int status;
+        pid_t pid;
+        int changed = 0;
+        while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+            for (int i = 0; i < m->n; i++) {
+                mesh_proc_t *p = &m->procs[i];
+                if (p->pid != pid) continue;
+                double ran = pdm_now() - p->started;
+                double backoff = ran > 60 ? 0.5 : PDM_MIN(30.0, 0.5 * (double)(1 << PDM_MIN(p->restarts, 6)));
+                if (ran > 60) p->restarts = 0;
+                p->last_status = status;
+                p->pid = 0;
+                p->restart_at = pdm_now() + backoff;
+                fprintf(stderr, "supervisor: %s (pid %d) ended after %.1f s; restart in %.1f s\n",
+                        p->name, (int)pid, ran, backoff);
+                changed = 1;
+            }
+        }
+        for (int i = 0; i < m->n && !mesh_stopping; i++) {
+            mesh_proc_t *p = &m->procs[i];
+            if (p->pid || !p->restart_at || pdm_now() < p->restart_at) continue;
+            if (mesh_start(m, p)) {
+                fprintf(stderr, "supervisor: %s\n", pdm_error_last());
+                p->restart_at = pdm_now() + 5;
+                continue;
+            }
+            p->restarts++;
+            changed = 1;
+        }
+        if (changed) mesh_write_state(m);
+        usleep(50000);
+    }
+    for (int i = m->n - 1; i >= 0; i--)
+        if (m->procs[i].pid) kill(m->procs[i].pid, SIGTERM);
+    double end = pdm_now() + 10;
+    for (;;) {
+        int left = 0;
+        for (int i = 0; i < m->n; i++) {
+            mesh_proc_t *p = &m->procs[i];
+            if (p->pid && waitpid(p->pid, NULL, WNOHANG) == p->pid) p->pid = 0;
+            left += p->pid != 0;
+        }
+        if (!left) break;
+        if (pdm_now() > end) {
+            for (int i = 0; i < m->n; i++)
+                if (m->procs[i].pid) kill(m->procs[i].pid, SIGKILL), waitpid(m->procs[i].pid, NULL, 0);
+            break;
+        }
+        usleep(50000);
+    }
+    mesh_write_state(m);
+    _exit(0);
+}
+
+/* Forks the supervisor, detached (its own session; log run/supervisor.log); writes its pid
+ * to run/supervisor.pid. */
+static int mesh_start_supervisor(mesh_t *m)
+{
+    char log[1100], pidf[1100];
+    snprintf(log, sizeof(log), "%s/supervisor.log", m->run);
+    snprintf(pidf, sizeof(pidf), "%s/supervisor.pid", m->run);
+    fflush(NULL);
     pid_t pid = fork();
     if (pid < 0) return pdm_error_set(PDM_EIO, "fork: %s", strerror(errno));
     if (pid == 0) {
         setsid(); /* outlives `pdmesh up`; `pdmesh down` stops it */
-        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        int nul = open("/dev/null", O_RDONLY);
-        if (fd >= 0) dup2(fd, 1), dup2(fd, 2);
-        if (nul >= 0) dup2(nul, 0);
-        execv(argv[0], argv);
-        fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
-        _exit(127);
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        int nul = open("/dev/null", O_RDWR);
+        if (fd >= 0) dup2(fd, 2);
+        if (nul >= 0) dup2(nul, 0), dup2(nul, 1);
+        mesh_supervise(m);
     }
-    fprintf(m->pids, "%s %d\n", name, (int)pid);
-    fflush(m->pids);
+    FILE *f = fopen(pidf, "w");
+    if (!f || fprintf(f, "%d\n", (int)pid) < 0 || fclose(f))
+        return pdm_error_set(PDM_EIO, "%s: cannot write", pidf);
+    /* pdmesh up reports readiness only once the pids file exists */
+    char pids[1100];
+    snprintf(pids, sizeof(pids), "%s/pids", m->run);
+    for (int i = 0; i < 100 && access(pids, F_OK); i++) usleep(50000);
     return PDM_OK;
 }
 
@@ -205,6 +374,21 @@ static int pid_alive(int pid)
 static int stop_all(const char *run, double grace)
 {
     char path[1100];
+    /* The supervisor first: it stops its processes itself, and must not restart them. */
+    snprintf(path, sizeof(path), "%s/supervisor.pid", run);
+    char *txt;
+    long sup = 0;
+    if (!pdm_file_read(path, 64, &txt, NULL)) {
+        sup = strtol(txt, NULL, 10);
+        free(txt);
+    }
+    if (sup > 1 && pid_alive((int)sup)) {
+        kill((pid_t)sup, SIGTERM);
+        double end = pdm_now() + grace + 2;
+        while (pid_alive((int)sup) && pdm_now() < end) usleep(100000);
+        if (pid_alive((int)sup)) kill((pid_t)sup, SIGKILL);
+    }
+    unlink(path);
     snprintf(path, sizeof(path), "%s/pids", run);
     FILE *f = fopen(path, "r");
     if (!f) return pdm_error_set(PDM_ENOTFOUND, "%s: no mesh is running there", path);
@@ -229,6 +413,8 @@ static int stop_all(const char *run, double grace)
         }
         usleep(100000);
     }
+    unlink(path);
+    snprintf(path, sizeof(path), "%s/status", run);
     unlink(path);
     return PDM_OK;
 }
@@ -272,7 +458,8 @@ int cmd_up(int argc, char **argv)
     }
     ynode_t *y;
     if (y_load(config, &y)) return cli_runtime_error("up: config");
-    mesh_t m = {0};
+    static mesh_t m; /* the process table is large */
+    memset(&m, 0, sizeof(m));
     const ynode_t *rt = y_get(y, "router");
     const char *model = y_str(y, "model", pdm_model_default_path());
     snprintf(m.run, sizeof(m.run), "%s", y_str(y, "run_dir", "run/mesh"));
@@ -336,7 +523,6 @@ int cmd_up(int argc, char **argv)
         unlink(c_cli); /* no stale client key makes generate --mesh / pdctl --mesh use CURVE */
         unlink(c_srv_pub);
     }
-    if (!st && !(m.pids = fopen(path, "w"))) st = pdm_error_set(PDM_EIO, "%s: cannot write", path);
     if (st) {
         y_free(y);
         return cli_runtime_error("up");
@@ -354,15 +540,10 @@ int cmd_up(int argc, char **argv)
                   "--admin-token-file", token, "--local-threshold", s_local, "--method",
                   (char *)method, "--curve-secret-file", c_srv_key, "--curve-allow", c_allow, NULL};
     if (!curve) ra[PDM_ARRAY_SIZE(ra) - 5] = NULL;
-    st = spawn(&m, "router", ra);
-    if (curve) { /* the nodes take their keys from the environment (common/nodelink.c) */
-        setenv("PDMESH_CURVE_SERVER_KEY_FILE", c_srv_pub, 1);
-        setenv("PDMESH_CURVE_KEY_FILE", c_pre, 1);
-    } else {
-        unsetenv("PDMESH_CURVE_SERVER_KEY_FILE");
-        unsetenv("PDMESH_CURVE_KEY_FILE");
-    }
-    usleep(300000);
+    st = mesh_add(&m, "router", ra, NULL, NULL);
+    /* the nodes take their keys from the environment (common/nodelink.c) */
+    unsetenv("PDMESH_CURVE_SERVER_KEY_FILE");
+    unsetenv("PDMESH_CURVE_KEY_FILE");
     int expected = 0;
     for (int gi = 0; !st && groups && gi < groups->n; gi++) {
         const ynode_t *g = groups->kids[gi];
@@ -379,11 +560,10 @@ int cmd_up(int argc, char **argv)
             char *pa[] = {b_pre, "--model", (char *)model, "--router", (char *)node, "--node-id", id,
                           "--group", (char *)gname, "--rank", rk, "--group-size", sz, "--threads",
                           th, kv_iface ? "--kv-interface" : NULL, (char *)kv_iface, NULL};
-            st = spawn(&m, id, pa);
+            st = mesh_add(&m, id, pa, curve ? c_pre : NULL, curve ? c_srv_pub : NULL);
             expected++;
         }
     }
-    if (curve) setenv("PDMESH_CURVE_KEY_FILE", c_dec, 1);
     for (int di = 0; !st && di < decodes->n; di++) {
         const ynode_t *d = decodes->kids[di];
         char id[200], th[16], kv[32];
@@ -396,10 +576,10 @@ int cmd_up(int argc, char **argv)
         char *da[] = {b_dec, "--model", (char *)model, "--router", (char *)node, "--node-id", id,
                       "--threads", th, "--kv-budget", kv, kv_iface ? "--kv-interface" : NULL,
                       (char *)kv_iface, NULL};
-        if (!st) st = spawn(&m, id, da);
+        if (!st) st = mesh_add(&m, id, da, curve ? c_dec : NULL, curve ? c_srv_pub : NULL);
         expected++;
     }
-    fclose(m.pids);
+    if (!st) st = mesh_start_supervisor(&m);
     if (st) {
         fprintf(stderr, "pdmesh up: %s\n", pdm_error_last());
         y_free(y);
@@ -407,7 +587,10 @@ int cmd_up(int argc, char **argv)
         return 1;
     }
     /* Ready when the router reports every node alive; pdmesh generate/pdctl's client key. */
-    if (curve) setenv("PDMESH_CURVE_KEY_FILE", c_cli, 1);
+    if (curve) {
+        setenv("PDMESH_CURVE_SERVER_KEY_FILE", c_srv_pub, 1);
+        setenv("PDMESH_CURVE_KEY_FILE", c_cli, 1);
+    }
     char *tok = NULL;
     if (pdm_admin_load_token(token, &tok))
         fprintf(stderr, "pdmesh up: %s\n", pdm_client_last_error());
@@ -430,7 +613,8 @@ int cmd_up(int argc, char **argv)
     return 0;
 }
 
-int cmd_down(int argc, char **argv)
+/* The run directory of `pdmesh down|status [--config FILE | --run-dir DIR]`. */
+static int mesh_run_dir(int argc, char **argv, const char *what, char *dir, size_t cap)
 {
     const char *config = "deploy/local/default.yaml", *run = NULL;
     static const struct option opts[] = {{"config", required_argument, 0, 'c'},
@@ -440,18 +624,54 @@ int cmd_down(int argc, char **argv)
     while ((c = getopt_long(argc, argv, "c:r:", opts, NULL)) != -1) {
         if (c == 'c') config = optarg;
         else if (c == 'r') run = optarg;
-        else return cli_usage_error("down: unknown option%s", "");
+        else return cli_usage_error("%s: unknown option", what);
+    }
+    if (run) {
+        snprintf(dir, cap, "%s", run);
+        return 0;
     }
     ynode_t *y = NULL;
+    if (y_load(config, &y)) return cli_runtime_error(what);
+    snprintf(dir, cap, "%s", y_str(y, "run_dir", "run/mesh"));
+    y_free(y);
+    return 0;
+}
+
+int cmd_down(int argc, char **argv)
+{
     char dir[1024];
-    if (run) {
-        snprintf(dir, sizeof(dir), "%s", run);
-    } else {
-        if (y_load(config, &y)) return cli_runtime_error("down: config");
-        snprintf(dir, sizeof(dir), "%s", y_str(y, "run_dir", "run/mesh"));
-        y_free(y);
-    }
+    int rc = mesh_run_dir(argc, argv, "down", dir, sizeof(dir));
+    if (rc) return rc;
     if (stop_all(dir, 10)) return cli_runtime_error("down");
     printf("pdmesh: mesh in %s stopped\n", dir);
+    return 0;
+}
+
+int cmd_status(int argc, char **argv)
+{
+    char dir[1024], path[1100];
+    int rc = mesh_run_dir(argc, argv, "status", dir, sizeof(dir));
+    if (rc) return rc;
+    snprintf(path, sizeof(path), "%s/status", dir);
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "%s: no mesh is running from %s\n", cli_prog, dir);
+        return 1;
+    }
+    snprintf(path, sizeof(path), "%s/supervisor.pid", dir);
+    char *txt;
+    long sup = 0;
+    if (!pdm_file_read(path, 64, &txt, NULL)) {
+        sup = strtol(txt, NULL, 10);
+        free(txt);
+    }
+    printf("supervisor %ld %s\n", sup, sup > 1 && pid_alive((int)sup) ? "alive" : "gone");
+    printf("%-24s %8s %6s %9s %s\n", "process", "pid", "state", "restarts", "last exit");
+    char name[256], last[64];
+    int pid, restarts;
+    while (fscanf(f, "%255s %d %d %63s", name, &pid, &restarts, last) == 4)
+        printf("%-24s %8d %6s %9d %s\n", name, pid, pid > 1 && pid_alive(pid) ? "up" : "down",
+               restarts, last);
+    fclose(f);
     return 0;
 }

@@ -61,6 +61,7 @@ static void usage(FILE *f)
             "  keygen      --out PREFIX    a CURVE keypair: PREFIX.key (public + secret, 0600)\n"
             "              and PREFIX.pub (docs/router.md, CURVE)\n"
             "  down        [--config FILE | --run-dir DIR]     stop it (SIGTERM, then SIGKILL)\n"
+            "  status      [--config FILE | --run-dir DIR]     its processes, restarts, last exits\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
             "\n"
@@ -568,6 +569,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "plan")) return cmd_plan(argc - 1, argv + 1);
     if (!strcmp(cmd, "up")) return cmd_up(argc - 1, argv + 1);
     if (!strcmp(cmd, "down")) return cmd_down(argc - 1, argv + 1);
+    if (!strcmp(cmd, "status")) return cmd_status(argc - 1, argv + 1);
     if (!strcmp(cmd, "keygen")) return cmd_keygen(argc - 1, argv + 1);
     return cli_usage_error("unknown command '%s'", cmd);
 }

@@ -409,7 +409,23 @@ EOF
 check "pdmesh up starts router + group of 2 + decode node and waits until ready" "grep -q 'mesh up: 3 nodes' $RUN/up.out"
 "$BIN/pdm-rclient" gen --ep "tcp://127.0.0.1:$Q" --prompt "$SHORT" -n 8 --timeout 60 > "$RUN/up.json"
 check "the mesh started by pdmesh up serves a request" "[ \"\$(jq_ 'd[0][\"ok\"]' < $RUN/up.json)\" = True ]"
-mesh_pids=$(awk '{print $2}' "$RUN/mesh/pids" 2>/dev/null)
+# a node that dies is restarted by pdmesh up's supervisor and serves again (issue 18, item 6)
+UPADMIN="tcp://127.0.0.1:$((Q + 2))"
+uadmin() { PDMESH_ADMIN_TOKEN="$(cat "$RUN/mesh/admin-token")" "$BIN/pdm-rclient" admin --ep "$UPADMIN" --timeout 10 "$@"; }
+dn_pid=$(awk '$1 == "dn" {print $2}' "$RUN/mesh/pids")
+kill -9 "$dn_pid"
+t_kill=$(date +%s.%N)
+restart_s=""
+for _ in $(seq 1 300); do
+  [ "$(uadmin --op nodes 2>/dev/null | jq_ 'sum(1 for x in d[0]["nodes"] if x["id"] == "dn" and x["state"] == "alive" and x["pid"] != '"$dn_pid"')' 2>/dev/null)" = 1 ] &&
+    { restart_s=$($PY -c "import time; print(round(time.time() - $t_kill, 1))"); break; }
+  sleep 0.1
+done
+"$BIN/pdm-rclient" gen --ep "tcp://127.0.0.1:$Q" --prompt "$SHORT" -n 8 --timeout 60 > "$RUN/up2.json"
+"$BIN/pdmesh" status --config "$RUN/up.yaml" > "$RUN/status.out" 2>&1
+check "pdmesh up restarts a killed decode node: alive again in the router after ${restart_s:-never} s, serving; pdmesh status shows the restart" \
+  "[ -n \"$restart_s\" ] && [ \"\$(jq_ 'd[0][\"ok\"]' < $RUN/up2.json)\" = True ] && grep -Eq '^dn +[0-9]+ +up +1 +signal:9' $RUN/status.out"
+mesh_pids="$(awk '{print $2}' "$RUN/mesh/pids" 2>/dev/null) $(cat "$RUN/mesh/supervisor.pid" 2>/dev/null)"
 # the KV plane of a local mesh listens on loopback only (issue 18, item 4): every listening
 # TCP socket of the mesh's processes is on 127.0.0.1
 socks=$(ss -ltnpH 2>/dev/null | grep -E "pid=($(echo $mesh_pids | tr ' ' '|')),")
@@ -422,7 +438,7 @@ for p in $mesh_pids; do
   st=$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)
   [ -n "$st" ] && [ "$st" != Z ] && left=$((left + 1))
 done
-check "pdmesh down stops every process of the mesh" "[ $left = 0 ] && [ -n \"$mesh_pids\" ]"
+check "pdmesh down stops every process of the mesh, its supervisor too" "[ $left = 0 ] && [ -n \"$mesh_pids\" ]"
 
 # --- a registration proof is good once (replay refused) ---
 "$BIN/pdm-rclient" register --ep "$NODE" --node-id replay-test --timeout 10 > "$RUN/reg1.json"
