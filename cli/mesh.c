@@ -371,17 +371,23 @@ static int pid_alive(int pid)
     return !zombie;
 }
 
+/* The supervisor's pid from run/supervisor.pid, 0 if none. */
+static long mesh_supervisor_pid(const char *run)
+{
+    char path[1100], *txt;
+    snprintf(path, sizeof(path), "%s/supervisor.pid", run);
+    if (pdm_file_read(path, 64, &txt, NULL)) return 0;
+    long pid = strtol(txt, NULL, 10);
+    free(txt);
+    return pid;
+}
+
 static int stop_all(const char *run, double grace)
 {
     char path[1100];
     /* The supervisor first: it stops its processes itself, and must not restart them. */
     snprintf(path, sizeof(path), "%s/supervisor.pid", run);
-    char *txt;
-    long sup = 0;
-    if (!pdm_file_read(path, 64, &txt, NULL)) {
-        sup = strtol(txt, NULL, 10);
-        free(txt);
-    }
+    long sup = mesh_supervisor_pid(run);
     if (sup > 1 && pid_alive((int)sup)) {
         kill((pid_t)sup, SIGTERM);
         double end = pdm_now() + grace + 2;
@@ -658,13 +664,7 @@ int cmd_status(int argc, char **argv)
         fprintf(stderr, "%s: no mesh is running from %s\n", cli_prog, dir);
         return 1;
     }
-    snprintf(path, sizeof(path), "%s/supervisor.pid", dir);
-    char *txt;
-    long sup = 0;
-    if (!pdm_file_read(path, 64, &txt, NULL)) {
-        sup = strtol(txt, NULL, 10);
-        free(txt);
-    }
+    long sup = mesh_supervisor_pid(dir);
     printf("supervisor %ld %s\n", sup, sup > 1 && pid_alive((int)sup) ? "alive" : "gone");
     printf("%-24s %8s %6s %9s %s\n", "process", "pid", "state", "restarts", "last exit");
     char name[256], last[64];

@@ -323,12 +323,15 @@ START_TEST(test_stream_q8_scales)
 }
 END_TEST
 
-/* Sends every planned block except `skip` (-1: none) from attempt `attempt`. */
-static void stream_send(stream_fix_t *f, uint32_t attempt, int skip, int max_in_flight)
+/* Sends every planned block except `skip` (-1: none) from attempt `attempt`, MACed with `key`
+ * (NULL: an unkeyed stream). */
+static void stream_send(stream_fix_t *f, uint32_t attempt, int skip, int max_in_flight,
+                        const uint8_t *key)
 {
     pdm_kvt_stream_tx_t *tx;
     ck_assert_int_eq(pdm_kvt_stream_tx_create(f->p.a, f->p.a_to_b, 77, attempt, max_in_flight, 5,
                                               &tx), 0);
+    pdm_kvt_stream_tx_set_key(tx, key);
     for (int b = 0; b < f->rx.n_blocks; b++) {
         if (b == skip) continue;
         const pdm_kvt_stream_block_t *blk = &f->plan[b];
@@ -346,24 +349,6 @@ static void stream_send(stream_fix_t *f, uint32_t attempt, int skip, int max_in_
 /* Keyed streams (the request's KV key): blocks MACed with the key land and verify; a sender
  * that was not given the key (an unintroduced peer that knows the tags and can compute the
  * checksum) is refused and counted, and so is an unkeyed sender. */
-static void stream_send_keyed(stream_fix_t *f, const uint8_t *key)
-{
-    pdm_kvt_stream_tx_t *tx;
-    ck_assert_int_eq(pdm_kvt_stream_tx_create(f->p.a, f->p.a_to_b, 77, 1, 4, 5, &tx), 0);
-    pdm_kvt_stream_tx_set_key(tx, key);
-    for (int b = 0; b < f->rx.n_blocks; b++) {
-        const pdm_kvt_stream_block_t *blk = &f->plan[b];
-        int hi = (int)(blk->layer * S_HEADS + blk->head);
-        ck_assert_int_eq(pdm_kvt_stream_tx_send(tx, blk->layer, blk->head, blk->chunk,
-                                                blk->token_start, blk->n_tokens, 1, 1.0f,
-                                                f->src_k[hi] + blk->token_start * S_ROW,
-                                                f->src_v[hi] + blk->token_start * S_ROW, S_ROW),
-                         0);
-    }
-    ck_assert_int_eq(pdm_kvt_stream_tx_finish(tx, pdm_now() + 5), 0);
-    pdm_kvt_stream_tx_destroy(tx);
-}
-
 START_TEST(test_stream_forged_blocks)
 {
     uint8_t key[PDM_KVT_KEY_BYTES], other[PDM_KVT_KEY_BYTES];
@@ -375,7 +360,7 @@ START_TEST(test_stream_forged_blocks)
         f.rx.key = key;
         pdm_kvt_stream_rx_t *rx;
         ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0);
-        stream_send_keyed(&f, round == 0 ? key : round == 1 ? other : NULL);
+        stream_send(&f, 1, -1, 4, round == 0 ? key : round == 1 ? other : NULL);
         int st = pdm_kvt_stream_rx_wait(rx, pdm_now() + 5);
         pdm_kvt_stream_stats_t ss;
         pdm_kvt_stream_rx_stats(rx, &ss);
@@ -401,7 +386,7 @@ START_TEST(test_stream_lands_in_place)
     stream_setup(&f, 1);
     pdm_kvt_stream_rx_t *rx;
     ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0);
-    stream_send(&f, 1, -1, 3); /* 8 blocks through a window of 3 */
+    stream_send(&f, 1, -1, 3, NULL); /* 8 blocks through a window of 3 */
     ck_assert_msg(pdm_kvt_stream_rx_wait(rx, pdm_now() + 5) == 0, "%s", pdm_error_last());
     ck_assert(memcmp(f.src_k, f.dst_k, sizeof(f.src_k)) == 0);
     ck_assert(memcmp(f.src_v, f.dst_v, sizeof(f.src_v)) == 0);
@@ -476,7 +461,7 @@ START_TEST(test_stream_corrupt_block)
                                        &iov[i], 1, &r), 0);
         ck_assert_int_eq(pdm_kvt_wait(f.p.a, r, pdm_now() + 5, NULL), 0);
     }
-    stream_send(&f, 1, 5, 4); /* the rest, correct (plan index 5 = layer 1, head 0, chunk 1) */
+    stream_send(&f, 1, 5, 4, NULL); /* the rest, correct (plan index 5 = layer 1, head 0, chunk 1) */
     ck_assert_int_eq(pdm_kvt_stream_rx_wait(rx, pdm_now() + 5), PDM_ECHECKSUM);
     ck_assert_msg(strstr(pdm_error_last(), "layer 1 head 0 tokens 6+4") != NULL, "%s",
                   pdm_error_last());
@@ -491,7 +476,7 @@ START_TEST(test_stream_missing_block)
     stream_setup(&f, 1);
     pdm_kvt_stream_rx_t *rx;
     ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0);
-    stream_send(&f, 1, 6, 4);
+    stream_send(&f, 1, 6, 4, NULL);
     double t0 = pdm_now();
     ck_assert_int_eq(pdm_kvt_stream_rx_wait(rx, t0 + 0.3), PDM_ETIMEOUT);
     ck_assert(pdm_now() - t0 < 4);
@@ -516,8 +501,8 @@ START_TEST(test_stream_duplicate_and_stale)
     ck_assert_int_eq(pdm_kvt_stream_tx_send(old, 0, 0, 0, 0, 6, 1, 1.0f, junk, junk, S_ROW), 0);
     ck_assert_int_eq(pdm_kvt_stream_tx_finish(old, pdm_now() + 5), 0);
     pdm_kvt_stream_tx_destroy(old);
-    stream_send(&f, 2, -1, 4);
-    stream_send(&f, 2, -1, 4); /* everything a second time: duplicates */
+    stream_send(&f, 2, -1, 4, NULL);
+    stream_send(&f, 2, -1, 4, NULL); /* everything a second time: duplicates */
     ck_assert_msg(pdm_kvt_stream_rx_wait(rx, pdm_now() + 5) == 0, "%s", pdm_error_last());
     ck_assert(memcmp(f.src_k, f.dst_k, sizeof(f.src_k)) == 0);
     ck_assert_int_eq(pdm_kvt_stream_rx_drain(rx), 8);
