@@ -18,11 +18,13 @@
 #                 the files that differ (not part of make test)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
 #   make cuda-check  compile every .cu file (what CI runs; no GPU needed)
+#   make image    the container image pdmesh:dev from deploy/Containerfile on a local Debian 12
+#                 base (debootstrap, no registry; root; docs/deployment.md)
 #   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated
 #   make bench-prefix  follow-up turns: TTFT with prefix reuse vs whole-prompt prefill
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
 #
-# Variables: OPT (optimisation flags), BUILD (output directory), CC.
+# Variables: OPT (optimisation flags), BUILD (output directory), CC, IMAGE (make image's tag).
 
 CC ?= cc
 OPT ?= -O2
@@ -30,6 +32,7 @@ BUILD ?= build
 PYTHON ?= python3
 MODEL_FILE := models/SmolLM2-135M-Instruct.Q4_1.gguf
 VENV := $(BUILD)/venv
+IMAGE ?= pdmesh:dev
 
 WARN := -Wall -Wextra -Wstrict-prototypes -Wshadow -Wpointer-arith -Wno-unused-parameter -Werror
 CFLAGS_BASE := -std=c17 -D_GNU_SOURCE $(WARN) -g -fno-omit-frame-pointer -pthread -MMD -MP -I. \
@@ -129,7 +132,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
         integration-test bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
-        sdk-test
+        sdk-test image
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS) $(SDK_A) $(SDK_SO) $(SDK_BINS)
 
@@ -289,6 +292,11 @@ fault-test: $(BINS)
 # args and env run as local processes (tests/deploy/check_k8s.py, docs/deployment.md).
 deploy-test: $(BINS)
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/deploy/check_k8s.py --bindir $(BUILD)/bin
+
+# The container image (deploy/Containerfile) built with buildah on a Debian 12 base made by
+# debootstrap and cached in /var/tmp/pdmesh-image-cache (tools/image.sh; no registry).
+image: deps
+	tools/image.sh $(IMAGE)
 
 # The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
 # mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients
