@@ -132,7 +132,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
         integration-test bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
-        sdk-test image
+        sdk-test image container-test
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS) $(SDK_A) $(SDK_SO) $(SDK_BINS)
 
@@ -297,6 +297,19 @@ deploy-test: $(BINS)
 # debootstrap and cached in /var/tmp/pdmesh-image-cache (tools/image.sh; no registry).
 image: deps
 	tools/image.sh $(IMAGE)
+
+# The mesh of deploy/k8s as containers of that image on a CNI bridge network: HTTP and SDK
+# completions, UCX over TCP between containers, a decode container killed mid-stream and
+# restarted (tests/container/run.py). Skipped with a message without root or the tools.
+container-test: $(BINS) python-sdk
+	@if [ "$$(id -u)" -ne 0 ] || ! command -v podman >/dev/null || ! command -v buildah \
+	    >/dev/null || ! command -v debootstrap >/dev/null || ! command -v runc >/dev/null; then \
+	  echo "container-test: needs root, podman, buildah, runc and debootstrap; skipped"; \
+	else \
+	  $(MAKE) --no-print-directory image && \
+	  PDMESH_MODEL=$(MODEL_FILE) PYTHONPATH=$(BUILD)/python $(VENV)/bin/python \
+	    tests/container/run.py --bindir $(BUILD)/bin --image $(IMAGE); \
+	fi
 
 # The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
 # mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients

@@ -62,4 +62,5 @@ ca=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
 buildah bud --runtime runc --isolation oci --layers "${ulimits[@]}" "${secret[@]}" \
   --build-arg "BASE=$base" -f deploy/Containerfile -t "$tag" .
 size=$("${podman[@]}" image inspect --format '{{.Size}}' "$tag")
-echo "image: $tag: $(((size + 500000) / 1000000)) MB ($(du -sh "$cache" | cut -f1) of base cache in $cache)"
+echo "image: $tag: $(((size + 500000) / 1000000)) MB" \
+  "(base cache: $(du -sh "$cache" | cut -f1) in $cache)"
