@@ -3,7 +3,8 @@
 #   make deps     install Debian packages and the Python test tools (idempotent)
 #   make model    fetch the default model into models/ (sha256-checked)
 #   make          build everything into build/
-#   make test     deps + model + build + every test (= make check)
+#   make test     deps + model + build + every test (= make check; container-test builds the
+#                 image first, ~2-3 min from nothing)
 #   make asan     the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make demo     deps + model + build, then start a local mesh, stream one chat answer, stop it
 #   make bench-prefill  TTFT of every prefill method (docs/perf/prefill.md)
@@ -273,7 +274,7 @@ bench-router: $(BINS)
 
 test check: deps model all
 	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test \
-	  curve-test deploy-test fault-test
+	  curve-test deploy-test fault-test container-test
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
