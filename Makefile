@@ -301,8 +301,9 @@ image: deps
 
 # The mesh of deploy/k8s as containers of that image on a CNI bridge network: HTTP and SDK
 # completions, UCX over TCP between containers, a decode container killed mid-stream and
-# restarted (tests/container/run.py). Skipped with a message without root or the tools.
-container-test: $(BINS) python-sdk
+# restarted, a decode container added and one drained under load (tests/container/run.py).
+# Skipped with a message without root or the tools.
+container-test: $(BINS) $(BUILD)/bin/pdctl python-sdk
 	@if [ "$$(id -u)" -ne 0 ] || ! command -v podman >/dev/null || ! command -v buildah \
 	    >/dev/null || ! command -v debootstrap >/dev/null || ! command -v runc >/dev/null; then \
 	  echo "container-test: needs root, podman, buildah, runc and debootstrap; skipped"; \

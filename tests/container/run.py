@@ -2,7 +2,7 @@
 """The mesh of deploy/k8s as containers of the pdmesh image (make image), on this machine.
 
 Every pod of the manifests (tests/deploy/k8s_pods.py: the router, the 2 ranks of prefill group
-a, and the decode Deployment scaled to 2) runs as its own podman container on a CNI bridge
+a, and the decode Deployment scaled to 2, later 3) runs as its own podman container on a CNI bridge
 network (`podman network create --internal`), with the manifest's command, args and env
 unchanged: the Service name pdmesh-router resolves through the containers' /etc/hosts
 (--add-host; there is no dnsname plugin), 0.0.0.0 binds stay, UCX_NET_DEVICES=eth0 is the
@@ -29,13 +29,19 @@ Checks:
      the engine's only in the printed numbers;
   5. `podman start` of the killed container: it registers again and is sent requests; the
      completions it serves equal the engine (prints the time from start to first request);
-  6. every container runs as uid 10001 with a read-only root filesystem (writes fail).
+  6. every container runs as uid 10001 with a read-only root filesystem (writes fail);
+  7. under load (3 SDK clients), a third decode container (the Deployment scaled to 3) gets
+     a request within one heartbeat (1 s) of registering;
+  8. `pdctl drain` of a decode node under load: what it runs finishes and it gets nothing
+     new; then `podman stop` (SIGTERM); no accepted request fails through 7 and 8.
 Needs root, podman, runc and the image; skips with a message otherwise.
 
   python3 tests/container/run.py --bindir build/bin [--model FILE] [--image pdmesh:dev]
 """
+import datetime
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,6 +71,7 @@ PROMPT = ("The capital of France is a city that many people visit because of its
 # killed once the client has received KILL_AT of them.
 LONG_N = 400
 KILL_AT = 8
+HEARTBEAT_S = 1.0  # the router's --heartbeat-ms default (the manifests keep it)
 passed = failed = 0
 
 
@@ -113,7 +120,10 @@ class Mesh:
             path = os.path.join(self.secrets, k)
             with open(path, "w") as fh:
                 fh.write(os.urandom(16).hex())
-        self.pods = {p.name: p for p in pods(load_docs(), replicas={"pdmesh-decode": 2})}
+        # the decode Deployment scaled to 3: the third joins later, under load (section 7)
+        self.pods = {p.name: p for p in pods(load_docs(), replicas={"pdmesh-decode": 3})}
+        self.later = {n for n, p in self.pods.items() if p.component == "decode" and p.index >= 2}
+        self.started = []
         addr = {"router": 2, "prefill": 10, "decode": 20}
         self.ip = {p.name: "%s.%d" % (NET, addr[p.component] + p.index)
                    for p in self.pods.values()}
@@ -161,10 +171,13 @@ class Mesh:
             argv += ["-e", "%s=%s" % (k, v)]
         argv += ["--entrypoint", p.command[0], self.image] + p.args
         podman(*argv)
+        self.started.append(name)
 
     def start(self):
         self.net_up()
         for name in self.pods:
+            if name in self.later:
+                continue
             self.run(name)
             if name == self.router:
                 self.host_joins()
@@ -199,15 +212,29 @@ class Mesh:
             time.sleep(0.2)
         return False
 
-    def dispatches(self, node=None):
-        """The router's first-attempt dispatch lines (request.c: "attempt N -> NODE via"), read
-        from its log file (faster than podman logs: the kill below waits on it)."""
+    def router_events(self):
+        """(time, message) of the router's log lines, read from its log file (conmon's
+        k8s-file format, "TIME STREAM TAG MESSAGE"; faster than podman logs)."""
         if not hasattr(self, "router_log"):
             self.router_log = podman("container", "inspect", "--format",
                                      "{{.HostConfig.LogConfig.Path}}", self.router)
+        out = []
         with open(self.router_log, errors="replace") as fh:
-            return [line for line in fh
-                    if " attempt 1 -> " in line and (node is None or " -> %s " % node in line)]
+            for line in fh:
+                f = line.rstrip("\n").split(" ", 3)
+                m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$", f[0])
+                if len(f) < 4 or not m:
+                    continue
+                when = datetime.datetime.fromisoformat(
+                    m.group(1) + (m.group(2) or ".0")[:7] +
+                    ("+00:00" if m.group(3) == "Z" else m.group(3))).timestamp()
+                out.append((when, f[3]))
+        return out
+
+    def dispatches(self, node=None, attempt=" attempt 1 -> "):
+        """The router's first-attempt dispatch lines (request.c: "attempt N -> NODE via")."""
+        return [msg for _, msg in self.router_events()
+                if attempt in msg and (node is None or " -> %s " % node in msg)]
 
 
 def gen(bindir, ep, prompt, n=16, stream=True, timeout=120):
@@ -241,6 +268,112 @@ def tcp_peers(pid):
     return out
 
 
+class Load:
+    """CLIENTS Python SDK clients, each sending one 24-token completion after the other until
+    stopped; every outcome is kept (a request the router refused at admission would raise
+    OverloadedError: not accepted, counted apart)."""
+    CLIENTS = 3
+
+    def __init__(self, ep):
+        self.ep, self.stop, self.results = ep, threading.Event(), []
+        self.threads = [threading.Thread(target=self._client) for _ in range(self.CLIENTS)]
+        for t in self.threads:
+            t.start()
+
+    def _client(self):
+        with pdmesh.Client(self.ep, timeout=120) as c:
+            while not self.stop.is_set():
+                try:
+                    r = c.generate(PROMPT, max_tokens=24, temperature=0)
+                    self.results.append(("ok", r.usage["decode_node"]))
+                except pdmesh.errors.OverloadedError as e:
+                    self.results.append(("refused", str(e)))
+                except pdmesh.errors.PdmeshError as e:
+                    self.results.append(("failed", "%s: %s" % (type(e).__name__, e)))
+
+    def finish(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+        return self.results
+
+
+def pdctl(mesh, *args):
+    """pdctl (the host's build) on the router's admin port with the mounted admin token."""
+    r = subprocess.run([os.path.join(mesh.bindir, "pdctl"), "--router",
+                        "tcp://%s:7702" % mesh.router_ip, "--token-file",
+                        os.path.join(mesh.secrets, "admin-token"), "--json"] + list(args),
+                       capture_output=True, text=True, timeout=30)
+    return json.loads(r.stdout)
+
+
+def elastic(mesh, decodes):
+    """7. a decode node added under load takes requests within one heartbeat of registering;
+    8. pdctl drain of a decode node under load: no new work for it, what it runs finishes, then
+    it stops (SIGTERM); no accepted request fails in either."""
+    new = sorted(mesh.later)[0]
+    load = Load(mesh.client_ep)
+    try:
+        time.sleep(3)
+        t_start = time.time()
+        mesh.run(new)
+        registered = mesh.wait(lambda: mesh.metric(
+            'pdmesh_nodes{role_state="decode_alive"}') >= 3, 60)
+        got = mesh.wait(lambda: len(mesh.dispatches(new, " -> ")) > 0, 20)
+        t_first = time.time()
+        # From the router's log times: the new node must get a request no later than the first
+        # dispatch made one heartbeat after it registered (when its load is known): the delay
+        # itself depends on when the clients send.
+        ev = mesh.router_events()
+        reg = [t for t, msg in ev if "router: %s registered" % new in msg]
+        disp = [(t, " -> %s " % new in msg) for t, msg in ev if " attempt " in msg and
+                " -> " in msg and reg and t >= reg[-1]]
+        first_new = next((t for t, to_new in disp if to_new), None)
+        passed_over = [round(t - reg[-1], 2) for t, to_new in disp
+                       if first_new and reg[-1] + HEARTBEAT_S < t < first_new]
+        check("%s started under load (%d clients): registers %.1f s after podman run and gets a "
+              "request %.2f s after registering, not passed over after one heartbeat (%g s)"
+              % (new, Load.CLIENTS, reg[-1] - t_start if reg else -1,
+                 first_new - reg[-1] if first_new else -1, HEARTBEAT_S),
+              registered and got and first_new and not passed_over,
+              (reg, passed_over, t_first - t_start))
+
+        victim = decodes[0]
+        time.sleep(2)
+        def running():
+            return [n for n in pdctl(mesh, "nodes")["nodes"]
+                    if n["node_id"] == victim][0]["load"]["running"]
+        busy = [0]
+
+        def has_work():
+            busy[0] = running()
+            return busy[0] > 0
+        mesh.wait(has_work, 20)  # drain it while it has work
+        pdctl(mesh, "drain", victim)
+        t_drain = time.time()
+        n_at_drain = len(mesh.dispatches(victim))
+        drained = mesh.wait(lambda: running() == 0, 60)
+        t_idle = time.time()
+        time.sleep(2)  # the load goes on: nothing new may reach the drained node
+        late = mesh.dispatches(victim)[n_at_drain:]
+        check("pdctl drain %s under load, running %d request(s): they finish (%.1f s), it gets "
+              "no new request" % (victim, busy[0], t_idle - t_drain),
+              busy[0] > 0 and drained and not late, late)
+        podman("stop", "-t", "30", victim)
+        time.sleep(2)
+    finally:
+        results = load.finish()
+    bad = [r for r in results if r[0] == "failed"]
+    by_node = {}
+    for r in results:
+        if r[0] == "ok":
+            by_node[r[1]] = by_node.get(r[1], 0) + 1
+    check("under load while a node joined and one was drained and stopped: %d requests, %d "
+          "refused at admission, 0 accepted ones failed (%s)"
+          % (len(results), len([r for r in results if r[0] == "refused"]),
+             ", ".join("%s %d" % kv for kv in sorted(by_node.items()))), not bad, bad[:5])
+
+
 def main():
     ap = mesh_argparser()
     ap.add_argument("--image", default="pdmesh:dev")
@@ -265,7 +398,9 @@ def main():
     tmp = tempfile.mkdtemp(prefix="pdm-container-")
     cleanup()
     mesh = Mesh(args.image, tmp)
-    decodes = sorted(n for n, p in mesh.pods.items() if p.component == "decode")
+    mesh.bindir = bindir
+    decodes = sorted(n for n, p in mesh.pods.items() if p.component == "decode" and
+                     n not in mesh.later)
     prefills = sorted(n for n, p in mesh.pods.items() if p.component == "prefill")
     try:
         t_mesh = time.time()
@@ -274,7 +409,7 @@ def main():
                        mesh.metric('pdmesh_nodes{role_state="decode_alive"}') >= 2, 120)
         check("%d containers from deploy/k8s on bridge %s.0/24 register (2 prefill ranks, "
               "2 decode nodes; %.1f s after the first start)"
-              % (len(mesh.pods), NET, time.time() - t_mesh), up)
+              % (len(mesh.started), NET, time.time() - t_mesh), up)
         if not up:
             return 1
 
@@ -412,7 +547,7 @@ def main():
 
         # 6. non-root, read-only root filesystem
         bad = {}
-        for name in mesh.pods:
+        for name in mesh.started:
             if not mesh.running(name):
                 bad[name] = "not running"
                 continue
@@ -426,11 +561,13 @@ def main():
                 bad[name] = (ids, ro, w.returncode, w.stderr.strip())
         check("every container runs as uid/gid 10001 on a read-only root filesystem", not bad,
               bad)
-        crashed = [n for n in mesh.pods if not mesh.running(n)]
+        crashed = [n for n in mesh.started if not mesh.running(n)]
         check("no container stopped (but the one killed and restarted)", not crashed, crashed)
+
+        elastic(mesh, decodes)
     finally:
         if failed:
-            for name in mesh.pods:
+            for name in mesh.started:
                 print("---- " + name)
                 print(mesh.logs(name)[-1500:])
         cleanup()
