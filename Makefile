@@ -3,7 +3,8 @@
 #   make deps     install Debian packages and the Python test tools (idempotent)
 #   make model    fetch the default model into models/ (sha256-checked)
 #   make          build everything into build/
-#   make test     deps + model + build + every test (= make check)
+#   make test     deps + model + build + every test (= make check; container-test builds the
+#                 image first, ~2-3 min from nothing)
 #   make asan     the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make demo     deps + model + build, then start a local mesh, stream one chat answer, stop it
 #   make bench-prefill  TTFT of every prefill method (docs/perf/prefill.md)
@@ -18,11 +19,13 @@
 #                 the files that differ (not part of make test)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
 #   make cuda-check  compile every .cu file (what CI runs; no GPU needed)
+#   make image    the container image pdmesh:dev from deploy/Containerfile on a local Debian 12
+#                 base (debootstrap, no registry; root; docs/deployment.md)
 #   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated
 #   make bench-prefix  follow-up turns: TTFT with prefix reuse vs whole-prompt prefill
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
 #
-# Variables: OPT (optimisation flags), BUILD (output directory), CC.
+# Variables: OPT (optimisation flags), BUILD (output directory), CC, IMAGE (make image's tag).
 
 CC ?= cc
 OPT ?= -O2
@@ -30,6 +33,7 @@ BUILD ?= build
 PYTHON ?= python3
 MODEL_FILE := models/SmolLM2-135M-Instruct.Q4_1.gguf
 VENV := $(BUILD)/venv
+IMAGE ?= pdmesh:dev
 
 WARN := -Wall -Wextra -Wstrict-prototypes -Wshadow -Wpointer-arith -Wno-unused-parameter -Werror
 CFLAGS_BASE := -std=c17 -D_GNU_SOURCE $(WARN) -g -fno-omit-frame-pointer -pthread -MMD -MP -I. \
@@ -129,7 +133,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
         integration-test bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
-        sdk-test
+        sdk-test image container-test
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS) $(SDK_A) $(SDK_SO) $(SDK_BINS)
 
@@ -270,7 +274,7 @@ bench-router: $(BINS)
 
 test check: deps model all
 	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test \
-	  curve-test deploy-test fault-test
+	  curve-test deploy-test fault-test container-test
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
@@ -289,6 +293,25 @@ fault-test: $(BINS)
 # args and env run as local processes (tests/deploy/check_k8s.py, docs/deployment.md).
 deploy-test: $(BINS)
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/deploy/check_k8s.py --bindir $(BUILD)/bin
+
+# The container image (deploy/Containerfile) built with buildah on a Debian 12 base made by
+# debootstrap and cached in /var/tmp/pdmesh-image-cache (tools/image.sh; no registry).
+image: deps
+	tools/image.sh $(IMAGE)
+
+# The mesh of deploy/k8s as containers of that image on a CNI bridge network: HTTP and SDK
+# completions, UCX over TCP between containers, a decode container killed mid-stream and
+# restarted, a decode container added and one drained under load (tests/container/run.py).
+# Skipped with a message without root or the tools.
+container-test: $(BINS) $(BUILD)/bin/pdctl python-sdk
+	@if [ "$$(id -u)" -ne 0 ] || ! command -v podman >/dev/null || ! command -v buildah \
+	    >/dev/null || ! command -v debootstrap >/dev/null || ! command -v runc >/dev/null; then \
+	  echo "container-test: needs root, podman, buildah, runc and debootstrap; skipped"; \
+	else \
+	  $(MAKE) --no-print-directory image && \
+	  PDMESH_MODEL=$(MODEL_FILE) PYTHONPATH=$(BUILD)/python $(VENV)/bin/python \
+	    tests/container/run.py --bindir $(BUILD)/bin --image $(IMAGE); \
+	fi
 
 # The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
 # mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients

@@ -2,8 +2,10 @@
 # Installs what pdmesh needs to build and test, skipping what is already present.
 #   tools/deps.sh VENV_DIR [--golden|--bench]
 # Debian packages through apt-get (as root, or with sudo when available); Python tools into
-# a virtual environment at VENV_DIR. --golden also installs llama-cpp-python (builds
-# llama.cpp from source, several minutes), needed only to regenerate tests/golden/golden.json.
+# a virtual environment at VENV_DIR. The container tools (buildah, podman, runc, debootstrap,
+# CNI plugins) serve make image and make container-test. --golden also installs
+# llama-cpp-python (builds llama.cpp from source, several minutes), needed only to regenerate
+# tests/golden/golden.json.
 # --bench is --golden plus gnuplot for the engine benchmark's plot.
 set -euo pipefail
 
@@ -18,6 +20,7 @@ packages=(
   python3 python3-venv python3-pip
   curl prometheus
   iproute2 nftables
+  buildah podman runc debootstrap containernetworking-plugins
 )
 if [ "$golden" = "--bench" ]; then packages+=(gnuplot-nox); fi
 

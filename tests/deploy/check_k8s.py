@@ -32,7 +32,7 @@ import yaml
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 from mesh import free_port, mesh_argparser  # noqa: E402
-K8S = os.path.join(HERE, "..", "..", "deploy", "k8s")
+from k8s_pods import K8S, load_docs, pods, workloads  # noqa: E402
 SECRET_KEYS = {"cluster-secret", "admin-token"}
 passed = failed = 0
 
@@ -45,22 +45,6 @@ def check(name, cond, detail=""):
     else:
         failed += 1
         print("FAIL - %s%s" % (name, (": " + str(detail)) if detail else ""))
-
-
-def load_docs():
-    docs = []
-    for path in sorted(glob.glob(os.path.join(K8S, "*.yaml"))):
-        if os.path.basename(path) == "kustomization.yaml":
-            continue
-        with open(path) as f:
-            for d in yaml.safe_load_all(f):
-                if d:
-                    docs.append((os.path.basename(path), d))
-    return docs
-
-
-def workloads(docs):
-    return [(f, d) for f, d in docs if d["kind"] in ("Deployment", "StatefulSet")]
 
 
 def static_checks(bindir, docs):
@@ -153,9 +137,8 @@ def live_run(bindir, model, docs):
     http_port = None
     svc_port = {}
 
-    def subst(arg, env):
+    def subst(arg):
         nonlocal http_port
-        arg = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
         arg = arg.replace("/etc/pdmesh/secrets", secrets)
         m = re.match(r"(tcp://)?0\.0\.0\.0:(\d+)$", arg)
         if m:
@@ -174,27 +157,16 @@ def live_run(bindir, model, docs):
         if d["kind"] == "Service":
             for p in d["spec"].get("ports", []):
                 svc_port[(d["metadata"]["name"], p["port"])] = p["port"]
-    order = sorted(workloads(docs), key=lambda fd: fd[1]["metadata"]["name"] != "pdmesh-router")
     try:
-        for f, d in order:
-            c = d["spec"]["template"]["spec"]["containers"][0]
-            for i in range(d["spec"].get("replicas", 1)):
-                name = "%s-%d" % (d["metadata"]["name"], i)
-                env = dict(os.environ)
-                env["PDMESH_MODEL"] = model
-                kenv = {"POD_NAME": name, "POD_INDEX": str(i)}
-                for e in c.get("env", []):
-                    if "value" in e:
-                        env[e["name"]] = "lo" if e["value"] == "eth0" else e["value"]
-                    else:
-                        env[e["name"]] = kenv[e["name"]]
-                        kenv[e["name"]] = env[e["name"]]
-                argv = [os.path.join(bindir, c["command"][0])] + \
-                       [subst(a, kenv) for a in c.get("args", [])]
-                log = open(os.path.join(tmp, name + ".log"), "w")
-                procs.append((name, d["metadata"]["name"],
-                              subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL)))
+        for pod in pods(docs):
+            env = dict(os.environ)
+            env["PDMESH_MODEL"] = model
+            env.update({k: "lo" if v == "eth0" else v for k, v in pod.env.items()})
+            argv = [os.path.join(bindir, pod.command[0])] + [subst(a) for a in pod.args]
+            log = open(os.path.join(tmp, pod.name + ".log"), "w")
+            procs.append((pod.name, pod.workload,
+                          subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL)))
         check("the router's HTTP port was found in its args", http_port is not None)
         ready, end = False, time.time() + 120
         while time.time() < end and not ready:
