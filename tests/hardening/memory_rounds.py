@@ -15,8 +15,10 @@ sequence ("held" 0 in `pdm-rclient admin --op nodes`, twice, a heartbeat apart),
 VmRSS from /proc/PID/status.
 
 The rule: round 1 (and round 2) may warm up - the allocator and caches reach their working
-set - but every round after round 2 must end with an RSS at most 5 % above round 2's. A leak
-or unbounded heap growth fails it; a flat or shrinking RSS passes. The test also fails when the
+set - but every round after round 2 must end with an RSS within 5 % of round 2's, above or
+below: flat. A leak or a heap that keeps growing fails it, and so does a heap whose size at
+idle swings with how a round's frees happened to fall (fragmentation: a round 2 that ended
+high and a later one that trimmed back fail too). The test also fails when the
 decode node does not exit 0 on SIGTERM or any log holds a sanitizer report (run it on the
 sanitizer build, --bindir build-asan/bin, and LeakSanitizer checks the node at its exit).
 
@@ -41,7 +43,7 @@ import sys
 import tempfile
 import time
 
-TOLERANCE = 0.05  # rounds after round 2 may end at most 5 % above round 2
+TOLERANCE = 0.05  # rounds after round 2 end within 5 % of round 2 (either way)
 
 WORDS = ("the city river museum history food travel north winter market story light bridge "
          "garden music evening harbour mountain letter window").split()
@@ -281,9 +283,9 @@ def main():
                 print("         RSS by mapping (MB): %s" % smaps(mesh.decode.pid))
                 print("         malloc_stats: %s" % malloc_stats(mesh), flush=True)
         base = rss[1]
-        worst = max(rss[2:])
-        ok = worst <= base * (1 + TOLERANCE)
-        print("%s - rounds 3..%d end at most %.1f %% above round 2 (%.1f MB): worst %.1f MB "
+        worst = max(rss[2:], key=lambda x: abs(x - base))
+        ok = abs(worst - base) <= base * TOLERANCE
+        print("%s - rounds 3..%d end within %.1f %% of round 2 (%.1f MB): farthest %.1f MB "
               "(%+.1f %%)" % ("ok  " if ok else "FAIL", args.rounds, TOLERANCE * 100,
                               base / 1024, worst / 1024, (worst / base - 1) * 100))
         status = 0 if ok else 1
