@@ -6,6 +6,16 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+
+/* Storage from this size up is mapped from the kernel directly rather than malloc'd. A decode
+ * node creates and destroys a cache per request (MBs each, sizes all different); through
+ * malloc, glibc's dynamic mmap threshold rises to the largest cache freed so far, later caches
+ * come from its heap, and the heap cannot return the holes they leave: the node's RSS crept up
+ * by hundreds of MB over rounds of cancelled streams while the memory in use stayed flat
+ * (issue 18 item 7; docs/troubleshooting.md). A mapping goes back to the kernel when the cache
+ * is destroyed. Small caches (tests, short contexts) stay on malloc, where ASan watches them. */
+#define PDM__KV_MMAP_MIN ((size_t)1 << 20)
 
 int pdm_kv_cache_create(const pdm_model_hparams_t *hp, int32_t capacity, pdm_dtype_t dtype,
                         pdm_kv_cache_t **out)
@@ -30,8 +40,14 @@ int pdm_kv_cache_create(const pdm_model_hparams_t *hp, int32_t capacity, pdm_dty
     c->scale = malloc(2 * n_arrays * sizeof(float));
     if (!c->k || !c->v || !c->scale) goto err_arrays;
     for (size_t i = 0; i < 2 * n_arrays; i++) c->scale[i] = 1.0f;
-    c->storage = aligned_alloc(64, total);
-    if (!c->storage) goto err_arrays;
+    if (total >= PDM__KV_MMAP_MIN) {
+        void *m = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) goto err_arrays;
+        c->storage = m; /* page-aligned, zero-filled */
+        c->storage_bytes = total;
+    } else if (!(c->storage = aligned_alloc(64, total))) {
+        goto err_arrays;
+    }
     c->n_layers = hp->n_layers;
     c->n_kv_heads = hp->n_kv_heads;
     c->head_dim = hp->head_dim;
@@ -57,7 +73,8 @@ err_nomem:
 void pdm_kv_cache_destroy(pdm_kv_cache_t *c)
 {
     if (!c) return;
-    free(c->storage);
+    if (c->storage_bytes) munmap(c->storage, c->storage_bytes);
+    else free(c->storage);
     free(c->scale);
     free(c->k);
     free(c->v);

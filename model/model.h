@@ -88,7 +88,8 @@ typedef struct {
     int32_t pos0;     /* absolute position of slot 0 */
     pdm_dtype_t dtype; /* PDM_DT_F32, PDM_DT_F16 or PDM_DT_I8 ("q8") */
     void **k, **v;    /* [n_layers * n_kv_heads] -> [capacity][head_dim] of dtype */
-    void *storage;
+    void *storage;       /* one block holding every k and v array */
+    size_t storage_bytes; /* its size when mmapped (model/kv_cache.c), else 0 */
     /* q8 only: [n_layers * n_kv_heads][2] (K scale, V scale) of each head, fixed once from
      * the prompt (scales_fixed = 1) and used for every later row, prompt and response alike
      * (see model/kv_quant.c). 1 for other dtypes. */
