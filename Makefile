@@ -14,7 +14,7 @@
 #   make bench-decode   batched decode vs llama.cpp (docs/perf/decode.md)
 #   make bench-decode-memory-beam  beam widths 1/2/4/8: KV memory (eq. 2 vs 3) and latency
 #   make bench-decode-memory  head-wise KV offload vs all resident (docs/perf/decode-memory-offload.md)
-#   make hardening-memory  decode node RSS over rounds of cancelled streams (issue 18 item 7)
+#   make hardening-memory  decode node RSS over rounds of cancelled streams (in make test)
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
 #   make format   clang-format the sources in place (.clang-format); make format-check lists
 #                 the files that differ (not part of make test)
@@ -275,7 +275,7 @@ bench-router: $(BINS)
 
 test check: deps model all
 	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test \
-	  curve-test deploy-test fault-test container-test
+	  curve-test deploy-test fault-test container-test hardening-memory
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
