@@ -50,6 +50,9 @@ typedef struct {
     pdm_kvoff_params_t offload;  /* --kv-fast-budget / --kv-slow-tier / --kv-offload-groups */
     pdm_beam_params_t beam;      /* --beams, --length-penalty, --n-best, --early-stopping */
     unsigned orphans_seen;       /* pdm_link_orphans when the tasks were last checked */
+    double next_load_report;     /* pdm__report_load: when the heartbeat's load is refreshed */
+    int n_tasks;                 /* tasks[n_tasks..] are all free (lookups stop there: a token
+                                  * event looks its task up, and few tasks are held at once) */
     int rank_peer[PDM_KVT_MAX_RANKS]; /* kvt peers of the last DecodeTask's prefill ranks */
     int n_ranks;
     pdm__task_t tasks[PDM__MAX_TASKS];
@@ -57,7 +60,7 @@ typedef struct {
 
 static pdm__task_t *pdm__task_find(pdm__daemon_t *dn, uint64_t key)
 {
-    for (int i = 0; i < PDM__MAX_TASKS; i++)
+    for (int i = 0; i < dn->n_tasks; i++)
         if (dn->tasks[i].used && dn->tasks[i].key == key) return &dn->tasks[i];
     return NULL;
 }
@@ -72,9 +75,16 @@ static pdm__task_t *pdm__task_new(pdm__daemon_t *dn, uint64_t task_id, uint32_t 
             t->key = PDM_LINK_TASK_KEY(task_id, attempt);
             t->task_id = task_id;
             t->attempt = attempt;
+            dn->n_tasks = PDM_MAX(dn->n_tasks, i + 1);
             return t;
         }
     return NULL;
+}
+
+static void pdm__task_free(pdm__daemon_t *dn, pdm__task_t *t)
+{
+    t->used = 0;
+    while (dn->n_tasks > 0 && !dn->tasks[dn->n_tasks - 1].used) dn->n_tasks--;
 }
 
 static void pdm__reserved(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, int st)
@@ -163,7 +173,7 @@ static void pdm__on_decode_task(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t)
                  t->early_stopping && t->early_stopping[0] ? t->early_stopping : "heuristic");
     }
     int st = pdm__reserve(dn, t, rec);
-    if (st) rec->used = 0;
+    if (st) pdm__task_free(dn, rec);
     pdm__reserved(dn, t, st);
 }
 
@@ -181,7 +191,7 @@ static void pdm__result_error(pdm__daemon_t *dn, uint64_t task_id, uint32_t atte
     r.error = &e;
     pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
     pdm__task_t *rec = pdm__task_find(dn, PDM_LINK_TASK_KEY(task_id, attempt));
-    if (rec) rec->used = 0;
+    if (rec) pdm__task_free(dn, rec);
 }
 
 static void pdm__on_decode_start(pdm__daemon_t *dn, const Pdmesh__DecodeStart *m)
@@ -271,10 +281,9 @@ static void pdm__on_stats(pdm__daemon_t *dn)
 /* The load the heartbeats report (refreshed every 50 ms: the heartbeat is seconds apart). */
 static void pdm__report_load(pdm__daemon_t *dn)
 {
-    static double next;
     double now = pdm_now();
-    if (now < next) return;
-    next = now + 0.05;
+    if (now < dn->next_load_report) return;
+    dn->next_load_report = now + 0.05;
     Pdmesh__Load load;
     pdm__load(dn, &load);
     pdm_link_set_load(dn->link, &load);
@@ -291,7 +300,7 @@ static void pdm__drop_orphans(pdm__daemon_t *dn)
     if (now == dn->orphans_seen) return;
     dn->orphans_seen = now;
     int n = 0;
-    for (int i = 0; i < PDM__MAX_TASKS; i++)
+    for (int i = 0; i < dn->n_tasks; i++)
         if (dn->tasks[i].used && !dn->tasks[i].orphan) {
             dn->tasks[i].orphan = 1;
             pdm_decode_node_cancel(dn->node, dn->tasks[i].key);
@@ -299,8 +308,8 @@ static void pdm__drop_orphans(pdm__daemon_t *dn)
         }
     if (!n) return;
     pdm_decode_node_run_once(dn->node, pdm__on_event, dn); /* cancelled ones end here */
-    for (int i = 0; i < PDM__MAX_TASKS; i++) /* reserved but never started, or failed */
-        if (dn->tasks[i].used && dn->tasks[i].orphan) dn->tasks[i].used = 0;
+    for (int i = dn->n_tasks - 1; i >= 0; i--) /* reserved but never started, or failed */
+        if (dn->tasks[i].used && dn->tasks[i].orphan) pdm__task_free(dn, &dn->tasks[i]);
     pdm_log_warn("decode node: dropped %d task(s) of a router that is gone", n);
 }
 
@@ -379,7 +388,7 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
     pdm__daemon_t *dn = arg;
     pdm__task_t *rec = pdm__task_find(dn, ev->id);
     if (rec && rec->orphan) { /* its router is gone: end it quietly */
-        if (ev->type != PDM_DECODE_EV_TOKEN) rec->used = 0;
+        if (ev->type != PDM_DECODE_EV_TOKEN) pdm__task_free(dn, rec);
         return;
     }
     const uint64_t task_id = rec ? rec->task_id : ev->id / 16;
@@ -434,7 +443,7 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
         r.offload = &off;
     }
     pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
-    if (rec) rec->used = 0;
+    if (rec) pdm__task_free(dn, rec);
 }
 
 static void pdm__usage(FILE *f)

@@ -866,6 +866,14 @@ typedef struct {
     double *t0;     /* dispatch time of each request */
 } pdm__gen_t;
 
+/* The text of `j` (malloc'd; NULL when out of memory); frees `j`. */
+static char *pdm__json_take(cJSON *j)
+{
+    char *s = j ? cJSON_PrintUnformatted(j) : NULL;
+    cJSON_Delete(j);
+    return s;
+}
+
 /* The beam search's report as the CLI prints it: {"n_best":[...],"beam":{...}}. */
 static char *pdm__beam_json(const Pdmesh__DecodeResult *d)
 {
@@ -895,9 +903,7 @@ static char *pdm__beam_json(const Pdmesh__DecodeResult *d)
         cJSON_AddNumberToObject(b, "kv_bytes_eq2", (double)r->kv_bytes_eq2);
         cJSON_AddNumberToObject(b, "kv_bytes_eq3", (double)r->kv_bytes_eq3);
     }
-    char *s = cJSON_PrintUnformatted(j);
-    cJSON_Delete(j);
-    return s;
+    return pdm__json_take(j);
 }
 
 /* The decode node's head-wise offload report as the CLI prints it. */
@@ -918,9 +924,7 @@ static char *pdm__offload_json(const Pdmesh__OffloadStats *o)
     cJSON_AddNumberToObject(j, "writeback_bytes", (double)o->writeback_bytes);
     cJSON_AddNumberToObject(j, "prefetch_waits", (double)o->prefetch_waits);
     cJSON_AddNumberToObject(j, "wait_seconds", o->wait_seconds);
-    char *s = cJSON_PrintUnformatted(j);
-    cJSON_Delete(j);
-    return s;
+    return pdm__json_take(j);
 }
 
 static const char *pdm__finish_name(Pdmesh__FinishReason f)

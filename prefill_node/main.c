@@ -36,7 +36,6 @@ typedef struct {
     pdm_prefill_rank_t *rank;
     int grouped;
     const char *dump_dir;       /* --dump-dir: where PrefillTask.kv_dump files go (NULL: off) */
-    const char *group_name;
 } pdm__daemon_t;
 
 /* The Error code of a failed task, from its status. */
@@ -421,7 +420,6 @@ int main(int argc, char **argv)
     lp.model_id = model_path;
     lp.capacity.threads = (uint32_t)pn.rp.threads;
     lp.capacity.max_prompt = (uint32_t)pn.rp.ctx_tokens;
-    pn.group_name = lp.group;
     /* First, before any library starts a thread: signals are blocked from here on. */
     if (pdm_link_create(&lp, &pn.link)) {
         fprintf(stderr, "pdmesh-prefill: %s\n", pdm_error_last());
