@@ -18,6 +18,7 @@
 
 #include "cli/cli.h"
 #include "common/curve.h"
+#include "common/health.h"
 #include "common/pdm.h"
 #include "common/wire.h"
 #include "sdk/pdmesh_admin.h"
@@ -139,6 +140,7 @@ typedef struct {
     char *argv[40];             /* strdup'ed */
     const char *curve_key;      /* $PDMESH_CURVE_KEY_FILE in its environment, or NULL */
     const char *curve_server;   /* $PDMESH_CURVE_SERVER_KEY_FILE, or NULL */
+    char health[1300];          /* its health file (nodes), or "" (router) */
     pid_t pid;
     int restarts;
     int last_status;            /* wait status of its last exit (-1: none yet) */
@@ -152,10 +154,11 @@ typedef struct {
     char bin[1024];
     mesh_proc_t procs[MESH_MAX_PROCS];
     int n;
+    double health_timeout, health_stall; /* seconds; see mesh_check_health */
 } mesh_t;
 
 static int mesh_add(mesh_t *m, const char *name, char *const argv[], const char *curve_key,
-                    const char *curve_server)
+                    const char *curve_server, const char *health)
 {
     if (m->n == MESH_MAX_PROCS) return pdm_error_set(PDM_ERANGE, "at most %d processes",
                                                      MESH_MAX_PROCS);
@@ -166,6 +169,7 @@ static int mesh_add(mesh_t *m, const char *name, char *const argv[], const char 
         if (!(p->argv[i] = strdup(argv[i]))) return pdm_error_set(PDM_ENOMEM, "out of memory");
     p->curve_key = curve_key;
     p->curve_server = curve_server;
+    snprintf(p->health, sizeof(p->health), "%s", health ? health : "");
     p->last_status = -1;
     return PDM_OK;
 }
@@ -227,6 +231,27 @@ static void mesh_write_state(const mesh_t *m)
     }
 }
 
+/* A node whose health file (common/health.h) shows it frozen or stalled is killed; the restart
+ * path below brings it back, as a Kubernetes liveness probe would. Only a file this process
+ * wrote counts: before its first report (model loading) the node is not judged. */
+static void mesh_check_health(mesh_t *m)
+{
+    uint64_t now = pdm_health_now_ms();
+    for (int i = 0; i < m->n; i++) {
+        mesh_proc_t *p = &m->procs[i];
+        pdm_health_t h;
+        char why[512];
+        if (!p->pid || !p->health[0] || pdm_health_read(p->health, &h) || h.pid != p->pid)
+            continue;
+        if (!pdm_health_judge(&h, now, (uint64_t)(m->health_timeout * 1000),
+                              (uint64_t)(m->health_stall * 1000), 0, why, sizeof(why)))
+            continue;
+        fprintf(stderr, "supervisor: %s unhealthy: %s; killing it\n", p->name, why);
+        kill(p->pid, SIGKILL);
+        unlink(p->health); /* the next process writes its own */
+    }
+}
+
 static volatile sig_atomic_t mesh_stopping;
 static void mesh_on_term(int sig)
 {
@@ -236,7 +261,8 @@ static void mesh_on_term(int sig)
 
 /* The supervisor (its own process, started by pdmesh up): starts every process, restarts one
  * that exits with exponential backoff (0.5 s doubling to 30 s; back to 0.5 s once it ran a
- * minute), keeps run/pids and run/status current. SIGTERM (pdmesh down): stops the processes
+ * minute), kills a node its health file shows frozen or stalled (then restarted the same
+ * way), keeps run/pids and run/status current. SIGTERM (pdmesh down): stops the processes
  * (SIGTERM, SIGKILL after 10 s) in reverse order and exits. */
 static void mesh_supervise(mesh_t *m)
 {
@@ -247,6 +273,7 @@ static void mesh_supervise(mesh_t *m)
         if (i == 0) usleep(300000); /* the router binds first */
     }
     mesh_write_state(m);
+    double next_health = pdm_now() + 1;
     while (!mesh_stopping) {
         int status;
         pid_t pid;
@@ -278,6 +305,10 @@ static void mesh_supervise(mesh_t *m)
             changed = 1;
         }
         if (changed) mesh_write_state(m);
+        if (pdm_now() >= next_health) {
+            mesh_check_health(m);
+            next_health = pdm_now() + 1;
+        }
         usleep(50000);
     }
     for (int i = m->n - 1; i >= 0; i--)
@@ -478,6 +509,11 @@ int cmd_up(int argc, char **argv)
     int st = y_int(rt, "http_port", 8080, -1, 65535, &http_port);
     if (!st) st = y_int(rt, "local_threshold", 16, 0, 1 << 22, &local_thr);
     if (!st) st = y_int(y, "start_timeout", 120, 1, 3600, &timeout);
+    long h_timeout = 10, h_stall = 120;
+    if (!st) st = y_int(y, "health_timeout", 10, 2, 3600, &h_timeout);
+    if (!st) st = y_int(y, "health_stall", 120, 2, 86400, &h_stall);
+    m.health_timeout = (double)h_timeout;
+    m.health_stall = (double)h_stall;
     const char *method = y_str(rt, "method", "auto");
     /* The nodes' KV plane: loopback for a mesh on this machine unless the file says where. */
     const char *kv_iface = y_str(y, "kv_interface", getenv("UCX_NET_DEVICES") ? NULL : "lo");
@@ -546,7 +582,10 @@ int cmd_up(int argc, char **argv)
                   "--admin-token-file", token, "--local-threshold", s_local, "--method",
                   (char *)method, "--curve-secret-file", c_srv_key, "--curve-allow", c_allow, NULL};
     if (!curve) ra[PDM_ARRAY_SIZE(ra) - 5] = NULL;
-    st = mesh_add(&m, "router", ra, NULL, NULL);
+    st = mesh_add(&m, "router", ra, NULL, NULL, NULL);
+    char hdir[1100], hf[1300];
+    snprintf(hdir, sizeof(hdir), "%s/health", m.run);
+    if (!st) st = mkdirs(hdir);
     /* the nodes take their keys from the environment (common/nodelink.c) */
     unsetenv("PDMESH_CURVE_SERVER_KEY_FILE");
     unsetenv("PDMESH_CURVE_KEY_FILE");
@@ -563,10 +602,12 @@ int cmd_up(int argc, char **argv)
             snprintf(rk, sizeof(rk), "%ld", k);
             snprintf(sz, sizeof(sz), "%ld", ranks);
             snprintf(th, sizeof(th), "%ld", threads);
+            snprintf(hf, sizeof(hf), "%s/%s-%ld", hdir, gname, k);
             char *pa[] = {b_pre, "--model", (char *)model, "--router", (char *)node, "--node-id", id,
                           "--group", (char *)gname, "--rank", rk, "--group-size", sz, "--threads",
-                          th, kv_iface ? "--kv-interface" : NULL, (char *)kv_iface, NULL};
-            st = mesh_add(&m, id, pa, curve ? c_pre : NULL, curve ? c_srv_pub : NULL);
+                          th, "--health-file", hf, kv_iface ? "--kv-interface" : NULL,
+                          (char *)kv_iface, NULL};
+            st = mesh_add(&m, id, pa, curve ? c_pre : NULL, curve ? c_srv_pub : NULL, hf);
             expected++;
         }
     }
@@ -579,10 +620,13 @@ int cmd_up(int argc, char **argv)
         if (!st) st = y_int(d, "kv_budget", 65536, 1, 1L << 30, &budget);
         snprintf(th, sizeof(th), "%ld", threads);
         snprintf(kv, sizeof(kv), "%ld", budget);
+        snprintf(hf, sizeof(hf), "%s/%s", hdir, id);
+        for (char *q = hf + strlen(hdir) + 1; *q; q++)
+            if (*q == '/') *q = '-';
         char *da[] = {b_dec, "--model", (char *)model, "--router", (char *)node, "--node-id", id,
-                      "--threads", th, "--kv-budget", kv, kv_iface ? "--kv-interface" : NULL,
-                      (char *)kv_iface, NULL};
-        if (!st) st = mesh_add(&m, id, da, curve ? c_dec : NULL, curve ? c_srv_pub : NULL);
+                      "--threads", th, "--kv-budget", kv, "--health-file", hf,
+                      kv_iface ? "--kv-interface" : NULL, (char *)kv_iface, NULL};
+        if (!st) st = mesh_add(&m, id, da, curve ? c_dec : NULL, curve ? c_srv_pub : NULL, hf);
         expected++;
     }
     if (!st) st = mesh_start_supervisor(&m);
@@ -674,4 +718,37 @@ int cmd_status(int argc, char **argv)
                restarts, last);
     fclose(f);
     return 0;
+}
+
+/* pdmesh health --file F [--max-age S] [--stall S] [--ready]: a node's health file judged
+ * (common/health.h); the exec probe of deploy/k8s. Exit 0 healthy, 1 not, 2 usage. */
+int cmd_health(int argc, char **argv)
+{
+    const char *file = NULL;
+    double max_age = 10, stall = 120;
+    int ready = 0, c;
+    static const struct option opts[] = {{"file", required_argument, 0, 'f'},
+                                         {"max-age", required_argument, 0, 'a'},
+                                         {"stall", required_argument, 0, 's'},
+                                         {"ready", no_argument, 0, 'r'},
+                                         {0, 0, 0, 0}};
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        if (c == 'f') file = optarg;
+        else if (c == 'a' && !pdm_parse_double(optarg, 0.1, 86400, &max_age)) continue;
+        else if (c == 's' && !pdm_parse_double(optarg, 0.1, 86400, &stall)) continue;
+        else if (c == 'r') ready = 1;
+        else return cli_usage_error("health: bad option or value%s", "");
+    }
+    if (!file || optind < argc) return cli_usage_error("%s", "health needs --file F");
+    pdm_health_t h;
+    if (pdm_health_read(file, &h)) {
+        printf("unhealthy: %s\n", pdm_error_last());
+        return 1;
+    }
+    char why[512];
+    int bad = pdm_health_judge(&h, pdm_health_now_ms(), (uint64_t)(max_age * 1000),
+                               (uint64_t)(stall * 1000), ready, why, sizeof(why));
+    printf("%s: %s\n", bad ? "unhealthy" : "ok", why);
+    return bad;
 }

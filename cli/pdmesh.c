@@ -62,6 +62,8 @@ static void usage(FILE *f)
             "              and PREFIX.pub (docs/router.md, CURVE)\n"
             "  down        [--config FILE | --run-dir DIR]     stop it (SIGTERM, then SIGKILL)\n"
             "  status      [--config FILE | --run-dir DIR]     its processes, restarts, last exits\n"
+            "  health      --file F [--max-age S] [--stall S] [--ready]   a node's health file\n"
+            "              (pdmesh-prefill/-decode --health-file): exit 0 healthy, 1 not\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
             "\n"
@@ -570,6 +572,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "up")) return cmd_up(argc - 1, argv + 1);
     if (!strcmp(cmd, "down")) return cmd_down(argc - 1, argv + 1);
     if (!strcmp(cmd, "status")) return cmd_status(argc - 1, argv + 1);
+    if (!strcmp(cmd, "health")) return cmd_health(argc - 1, argv + 1);
     if (!strcmp(cmd, "keygen")) return cmd_keygen(argc - 1, argv + 1);
     return cli_usage_error("unknown command '%s'", cmd);
 }

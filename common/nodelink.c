@@ -23,6 +23,7 @@
 #include <zmq.h>
 
 #include "common/curve.h"
+#include "common/health.h"
 #include "common/pdm.h"
 
 struct pdm_link {
@@ -43,6 +44,7 @@ struct pdm_link {
     _Atomic uint64_t epoch;
     atomic_int stop, reregister, exit_status;
     atomic_uint orphans;         /* generations of work orphaned (pdm_link_orphans) */
+    _Atomic double main_seen;    /* pdm_now() of the daemon's last pdm_link_recv */
     pthread_mutex_t load_mu;
     Pdmesh__Load load;
     /* link thread only */
@@ -50,7 +52,8 @@ struct pdm_link {
     int quitting;                /* signalled or refused: no more registrations */
     int lease_ms;                /* the router's lease (RegisterAck); 0: 3 heartbeats */
     double last_ack;             /* last RegisterAck / HeartbeatAck */
-    double next_register, next_heartbeat;
+    double next_register, next_heartbeat, next_health;
+    int health_warned;
 };
 
 void pdm_link_params_default(pdm_link_params_t *p)
@@ -137,6 +140,25 @@ static void pdm__link_deregister(pdm_link_t *l)
     l->registered = 0;
 }
 
+/* Rewrites the health file (common/health.h). A failure is logged once; the daemon keeps
+ * serving. */
+static void pdm__link_health(pdm_link_t *l)
+{
+    double now = pdm_now();
+    l->next_health = now + 1.0;
+    double age = now - atomic_load(&l->main_seen);
+    pdm_health_t h = {.pid = (long)getpid(),
+                      .written_ms = pdm__unix_ms(),
+                      .main_age_ms = (uint64_t)(age > 0 ? age * 1000 : 0),
+                      .registered = l->registered,
+                      .epoch = atomic_load(&l->epoch)};
+    snprintf(h.node_id, sizeof(h.node_id), "%s", l->p.node_id);
+    if (pdm_health_write(l->p.health_file, &h) && !l->health_warned) {
+        l->health_warned = 1;
+        pdm_log_warn("node %s: %s", l->p.node_id, pdm_error_last());
+    }
+}
+
 /* Tells the daemon to stop (a NULL message). */
 static void pdm__link_tell_stop(pdm_link_t *l)
 {
@@ -201,6 +223,7 @@ static void pdm__link_on_control(pdm_link_t *l, int type, const ProtobufCMessage
          * its lease of the node ran out), so whatever it gave the node before is nobody's. */
         if (atomic_exchange(&l->epoch, ack->epoch) != 0) atomic_fetch_add(&l->orphans, 1);
         l->registered = 1;
+        l->next_health = 0; /* readiness changed: report it now */
         l->last_ack = pdm_now();
         l->lease_ms = ack->lease_ms >= 30 && ack->lease_ms <= 600000 ? (int)ack->lease_ms : 0;
         if (ack->heartbeat_ms >= 10 && ack->heartbeat_ms <= 60000) l->hb_ms = (int)ack->heartbeat_ms;
@@ -308,11 +331,13 @@ static void *pdm__link_main(void *arg)
                          l->p.node_id, now - l->last_ack);
             l->registered = 0;
             l->next_register = 0;
+            l->next_health = 0;
             atomic_fetch_add(&l->orphans, 1);
             pdm__link_tell_wake(l);
         }
         if (!l->quitting && !l->registered && now >= l->next_register) pdm__link_register(l);
         if (l->registered && now >= l->next_heartbeat) pdm__link_heartbeat(l);
+        if (l->p.health_file && now >= l->next_health) pdm__link_health(l);
         zmq_pollitem_t items[3] = {{l->dealer, 0, ZMQ_POLLIN, 0},
                                    {l->pair_link, 0, ZMQ_POLLIN, 0},
                                    {NULL, l->sig_fd, ZMQ_POLLIN, 0}};
@@ -347,6 +372,7 @@ static void *pdm__link_main(void *arg)
     }
     pdm__link_forward(l); /* the daemon's last results */
     pdm__link_deregister(l);
+    if (l->p.health_file) unlink(l->p.health_file); /* stopped: no longer healthy */
     int linger = 500;
     zmq_setsockopt(l->dealer, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_close(l->dealer);
@@ -429,6 +455,7 @@ int pdm_link_start(pdm_link_t *l, const void *ucx_address, size_t ucx_address_le
         return pdm_error_set(PDM_ENOMEM, "node link: out of memory");
     memcpy(l->addr, ucx_address, ucx_address_len);
     l->addr_len = ucx_address_len;
+    atomic_store(&l->main_seen, pdm_now());
     if (pthread_create(&l->thread, NULL, pdm__link_main, l))
         return pdm_error_set(PDM_EIO, "node link: cannot start the thread");
     l->started = 1;
@@ -438,6 +465,7 @@ int pdm_link_start(pdm_link_t *l, const void *ucx_address, size_t ucx_address_le
 int pdm_link_recv(pdm_link_t *l, int timeout_ms, pdm_wire_msg_t **out)
 {
     *out = NULL;
+    atomic_store(&l->main_seen, pdm_now());
     if (l->closing) return PDM_ECANCELED;
     zmq_pollitem_t it = {l->pair_main, 0, ZMQ_POLLIN, 0};
     if (zmq_poll(&it, 1, timeout_ms) <= 0) return PDM_OK;

@@ -24,7 +24,12 @@
  *     heartbeats), or a registration acknowledged with a new epoch (the router restarted or
  *     expired this node), orphans every task the node holds: pdm_link_orphans counts these
  *     events and the daemon drops the work of earlier generations, so a dead router's
- *     requests free their KV within a lease instead of running to max_tokens.
+ *     requests free their KV within a lease instead of running to max_tokens;
+ *   - with a health file (--health-file), it rewrites that file every second: the daemon's
+ *     liveness for `pdmesh health` (Kubernetes exec probes) and pdmesh up's supervisor. The
+ *     file says when the daemon's own loop last asked for a message (a compute step that
+ *     hangs shows as a stall) and whether the node is registered (readiness); a process that
+ *     is frozen or gone stops rewriting it (common/health.h).
  *
  * Threading: every function but the thread's own is called from the daemon's one thread.
  */
@@ -49,6 +54,7 @@ typedef struct {
     Pdmesh__Capacity capacity; /* copied into every Register */
     int heartbeat_ms;        /* until the router's RegisterAck says otherwise (1000) */
     int exit_with_parent;    /* SIGTERM to this process when its parent dies (local harness) */
+    const char *health_file; /* rewritten every second (see above); NULL: none */
 } pdm_link_params_t;
 
 void pdm_link_params_default(pdm_link_params_t *p);

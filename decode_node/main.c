@@ -450,6 +450,7 @@ static void pdm__usage(FILE *f)
 {
     fprintf(f, "usage: pdmesh-decode --router ENDPOINT --node-id NAME [--secret-file F]\n"
                "       [--curve-server-key F --curve-key F] [--exit-with-parent] [--kv-interface DEV]\n"
+               "       [--health-file F]\n"
                "       [--model FILE] [--threads N] [--batch N] [--max-sequences N]\n"
                "       [--kv-budget TOKENS] [--kv-dtype f32|f16|q8] [--kv-timeout S]\n"
                "       [--beams B] [--length-penalty X] [--n-best N] "
@@ -457,7 +458,8 @@ static void pdm__usage(FILE *f)
                "       [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR] "
                "[--kv-offload-groups CTX:G,...]\n"
                "A decode node. It takes its tasks from the node socket at ENDPOINT (the router's,\n"
-               "or pdmesh disagg-run's) as protobuf messages.\n");
+               "or pdmesh disagg-run's) as protobuf messages. --health-file: rewritten every\n"
+               "second for `pdmesh health` (liveness and readiness probes).\n");
 }
 
 int main(int argc, char **argv)
@@ -466,7 +468,7 @@ int main(int argc, char **argv)
     static pdm__daemon_t dn; /* the task table is large: not on the stack */
     pdm_decode_params_default(&dn.dp);
     pdm_kvoff_params_default(&dn.offload);
-    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE };
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"threads", required_argument, 0, 't'},
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
@@ -481,7 +483,8 @@ int main(int argc, char **argv)
         {"curve-server-key", required_argument, 0, O_CURVE_SERVER},
         {"curve-key", required_argument, 0, O_CURVE_KEY},
         {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT},
-        {"kv-interface", required_argument, 0, O_KV_IFACE}, {0, 0, 0, 0}};
+        {"kv-interface", required_argument, 0, O_KV_IFACE},
+        {"health-file", required_argument, 0, O_HEALTH}, {0, 0, 0, 0}};
     const char *kv_iface = NULL;
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
@@ -513,6 +516,7 @@ int main(int argc, char **argv)
         case O_CURVE_KEY: lp.curve_key_file = optarg; break;
         case O_EXIT_WITH_PARENT: lp.exit_with_parent = 1; break;
         case O_KV_IFACE: kv_iface = optarg; break;
+        case O_HEALTH: lp.health_file = optarg; break;
         case 'I': lp.node_id = optarg; break;
         case 'K': lp.secret_file = optarg; break;
         case 'h': pdm__usage(stdout); return 0;

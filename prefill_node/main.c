@@ -332,8 +332,10 @@ static void pdm__usage(FILE *f)
                "                      [--model FILE] [--threads N] [--cpu N] [--ctx N]\n"
                "                      [--kv-dtype f32|f16|q8] [--timeout SECONDS]\n"
                "                      [--dump-dir DIR] [--exit-with-parent] [--kv-interface DEV]\n"
+               "                      [--health-file F]\n"
                "One rank of a prefill group. It takes its tasks from the node socket at ENDPOINT\n"
-               "(the router's, or pdmesh prefill-run's / disagg-run's) as protobuf messages.\n");
+               "(the router's, or pdmesh prefill-run's / disagg-run's) as protobuf messages.\n"
+               "--health-file: rewritten every second for `pdmesh health` (liveness and readiness).\n");
 }
 
 int main(int argc, char **argv)
@@ -342,7 +344,7 @@ int main(int argc, char **argv)
     pdm__daemon_t pn = {0};
     pdm_prefill_rank_params_default(&pn.rp);
     long cpu = -1;
-    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_DUMP_DIR, O_EXIT_WITH_PARENT, O_KV_IFACE };
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_DUMP_DIR, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"threads", required_argument, 0, 't'},
         {"cpu", required_argument, 0, 'c'},   {"ctx", required_argument, 0, 'x'},
@@ -355,7 +357,8 @@ int main(int argc, char **argv)
         {"curve-key", required_argument, 0, O_CURVE_KEY},
         {"dump-dir", required_argument, 0, O_DUMP_DIR},
         {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT},
-        {"kv-interface", required_argument, 0, O_KV_IFACE}, {0, 0, 0, 0}};
+        {"kv-interface", required_argument, 0, O_KV_IFACE},
+        {"health-file", required_argument, 0, O_HEALTH}, {0, 0, 0, 0}};
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
     lp.role = PDMESH__ROLE__ROLE_PREFILL;
@@ -390,6 +393,7 @@ int main(int argc, char **argv)
         case O_DUMP_DIR: pn.dump_dir = optarg; break;
         case O_EXIT_WITH_PARENT: lp.exit_with_parent = 1; break;
         case O_KV_IFACE: kv_iface = optarg; break;
+        case O_HEALTH: lp.health_file = optarg; break;
         case 'N': lp.node_id = optarg; break;
         case 'G': lp.group = optarg; break;
         case 'S': lp.secret_file = optarg; break;

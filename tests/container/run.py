@@ -561,6 +561,16 @@ def main():
                 bad[name] = (ids, ro, w.returncode, w.stderr.strip())
         check("every container runs as uid/gid 10001 on a read-only root filesystem", not bad,
               bad)
+        # the manifests' exec probes, run in the containers as the kubelet runs them
+        probed = {}
+        for name in mesh.started:
+            for kind, cmd in mesh.pods[name].probes.items():
+                r = subprocess.run(PODMAN + ["exec", name] + cmd, capture_output=True,
+                                   text=True, timeout=30)
+                probed[(name, kind)] = (r.returncode, r.stdout.strip())
+        check("the nodes' exec probes (pdmesh health) pass in their containers (%d probes)"
+              % len(probed), probed and all(v[0] == 0 for v in probed.values()),
+              {k: v for k, v in probed.items() if v[0]})
         crashed = [n for n in mesh.started if not mesh.running(n)]
         check("no container stopped (but the one killed and restarted)", not crashed, crashed)
 

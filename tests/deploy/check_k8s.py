@@ -11,7 +11,9 @@
    names and 0.0.0.0 binds -> loopback ports, $(POD_NAME)/$(POD_INDEX), the secret files,
    eth0 -> lo). The mesh must become ready with the group formed, answer an HTTP completion
    equal to `pdmesh generate --temp 0`, and the UCX listeners of the prefill and decode
-   processes must lie in the UCX_TCP_PORT_RANGE the network policy opens.
+   processes must lie in the UCX_TCP_PORT_RANGE the network policy opens. The nodes' exec
+   probes (pdmesh health on their --health-file) pass; a decode node frozen with SIGSTOP fails
+   its liveness probe, and passes again once it runs (SIGCONT).
 
   python3 tests/deploy/check_k8s.py --bindir build/bin [--model FILE]
 """
@@ -84,6 +86,29 @@ def static_checks(bindir, docs):
                       ("readinessProbe", "livenessProbe")]
             check("%s: %s's probes name declared ports" % (f, b),
                   all(p is None or p in named for p in probes), probes)
+            for k in ("startupProbe", "livenessProbe", "readinessProbe"):
+                cmd = c.get(k, {}).get("exec", {}).get("command")
+                if not cmd:
+                    continue
+                pb = os.path.join(bindir, cmd[0])
+                if cmd[0] not in helps and os.access(pb, os.X_OK):
+                    r = subprocess.run([pb, "--help"], capture_output=True, text=True, timeout=30)
+                    helps[cmd[0]] = r.stdout + r.stderr
+                unknown = [a for a in cmd[1:] if a.startswith("--") and
+                           not re.search(re.escape(a) + r"\b", helps.get(cmd[0], ""))]
+                check("%s: %s's %s runs a pdmesh binary with known flags" % (f, b, k),
+                      os.access(pb, os.X_OK) and not unknown, (cmd, unknown))
+            if any("exec" in c.get(k, {}) for k in ("livenessProbe", "readinessProbe")):
+                hf = [c["args"][i + 1] for i, a in enumerate(c["args"][:-1])
+                      if a == "--health-file"]
+                used = {x for k in ("startupProbe", "livenessProbe", "readinessProbe")
+                        for x in c.get(k, {}).get("exec", {}).get("command", [])
+                        if x.startswith("/")}
+                writable = [m["mountPath"] for m in c.get("volumeMounts", [])
+                            if "emptyDir" in vols.get(m["name"], {})]
+                check("%s: %s's exec probes read the --health-file it writes, on an emptyDir"
+                      % (f, b), hf and used == set(hf) and
+                      any(hf[0].startswith(w + "/") for w in writable), (hf, used, writable))
             for m in c.get("volumeMounts", []):
                 v = vols.get(m["name"])
                 check("%s: %s mounts a declared volume %s" % (f, b, m["name"]), v is not None)
@@ -157,12 +182,29 @@ def live_run(bindir, model, docs):
         if d["kind"] == "Service":
             for p in d["spec"].get("ports", []):
                 svc_port[(d["metadata"]["name"], p["port"])] = p["port"]
+    def pod_paths(pod, arg):
+        """A path on one of the pod's emptyDir volumes -> a directory of its own here."""
+        for m in pod.mounts:
+            if m.kind == "emptyDir" and arg.startswith(m.path.rstrip("/") + "/"):
+                d = os.path.join(tmp, "pods", pod.name, m.path.strip("/"))
+                os.makedirs(d, exist_ok=True)
+                return os.path.join(d, arg[len(m.path.rstrip("/")) + 1:])
+        return arg
+
+    def probe(pod, kind):
+        cmd = pod.probes[kind]
+        argv = [os.path.join(bindir, cmd[0])] + [pod_paths(pod, a) for a in cmd[1:]]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+        return r.returncode, r.stdout.strip()
+
+    the_pods = pods(docs)
     try:
-        for pod in pods(docs):
+        for pod in the_pods:
             env = dict(os.environ)
             env["PDMESH_MODEL"] = model
             env.update({k: "lo" if v == "eth0" else v for k, v in pod.env.items()})
-            argv = [os.path.join(bindir, pod.command[0])] + [subst(a) for a in pod.args]
+            argv = [os.path.join(bindir, pod.command[0])] + [subst(pod_paths(pod, a))
+                                                             for a in pod.args]
             log = open(os.path.join(tmp, pod.name + ".log"), "w")
             procs.append((pod.name, pod.workload,
                           subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -216,6 +258,30 @@ def live_run(bindir, model, docs):
                 outside[name] = sorted(lp)
         check("prefill and decode listen only inside UCX_TCP_PORT_RANGE %d-%d" % (lo, hi),
               not outside, outside)
+        probed = {(pod.name, k): probe(pod, k) for pod in the_pods for k in pod.probes}
+        check("every node's exec probes pass (%d probes of %d pods)"
+              % (len(probed), len({n for n, _ in probed})),
+              probed and all(rc == 0 for rc, _ in probed.values()),
+              {k: v for k, v in probed.items() if v[0]})
+        dpod = [pod for pod in the_pods if pod.component == "decode" and pod.probes][0]
+        dproc = [p for name, kind, p in procs if name == dpod.name][0]
+        dproc.send_signal(signal.SIGSTOP)
+        t0, failed_after = time.time(), None
+        while time.time() - t0 < 30 and failed_after is None:
+            time.sleep(1)
+            if probe(dpod, "liveness")[0] != 0:
+                failed_after = time.time() - t0
+        dproc.send_signal(signal.SIGCONT)
+        back_after = None
+        while time.time() - t0 < 60 and back_after is None:
+            time.sleep(0.5)
+            if probe(dpod, "liveness")[0] == 0 and probe(dpod, "readiness")[0] == 0:
+                back_after = time.time() - t0
+        check("a decode node frozen with SIGSTOP fails its liveness probe (after %s s) and "
+              "passes liveness and readiness again after SIGCONT"
+              % (None if failed_after is None else round(failed_after, 1)),
+              failed_after is not None and back_after is not None,
+              (failed_after, back_after, probe(dpod, "liveness")))
     finally:
         for name, kind, p in procs:
             if p.poll() is None:

@@ -55,6 +55,8 @@ class Pod:
     read_only_root: bool = False
     drop_caps: list = field(default_factory=list)
     no_new_privileges: bool = False
+    probes: dict = field(default_factory=dict)  # "startup"/"liveness"/"readiness" -> exec
+                                                # command (httpGet probes are not listed)
 
 
 def _field_ref(path, name, index):
@@ -104,6 +106,9 @@ def pods(docs, replicas=None):
                            fs_group=psc.get("fsGroup"),
                            read_only_root=csc.get("readOnlyRootFilesystem", False),
                            drop_caps=csc.get("capabilities", {}).get("drop", []),
-                           no_new_privileges=csc.get("allowPrivilegeEscalation") is False))
+                           no_new_privileges=csc.get("allowPrivilegeEscalation") is False,
+                           probes={k[:-5]: list(c[k]["exec"]["command"])
+                                   for k in ("startupProbe", "livenessProbe", "readinessProbe")
+                                   if "exec" in c.get(k, {})}))
     out.sort(key=lambda p: p.component != "router")
     return out
