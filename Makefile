@@ -14,7 +14,7 @@
 #   make bench-decode   batched decode vs llama.cpp (docs/perf/decode.md)
 #   make bench-decode-memory-beam  beam widths 1/2/4/8: KV memory (eq. 2 vs 3) and latency
 #   make bench-decode-memory  head-wise KV offload vs all resident (docs/perf/decode-memory-offload.md)
-#   make hardening-memory  decode node RSS over rounds of cancelled streams (in make test)
+#   make hardening-test  the hardening suite on a pdmesh up mesh + the memory rounds (in make test)
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
 #   make format   clang-format the sources in place (.clang-format); make format-check lists
 #                 the files that differ (not part of make test)
@@ -131,7 +131,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden clean distclean format \
         format-check \
-        integration-test hardening-memory bench-router http-test bench-serve bench-prefix \
+        integration-test hardening-test hardening-memory bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
         sdk-test image container-test
@@ -275,7 +275,7 @@ bench-router: $(BINS)
 
 test check: deps model all
 	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test \
-	  curve-test deploy-test fault-test container-test hardening-memory
+	  curve-test deploy-test fault-test container-test hardening-test
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
@@ -323,6 +323,15 @@ http-test: $(BINS)
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_http_mesh.py \
 	  --bindir $(BUILD)/bin
 
+# The hardening suite (issue 18, docs/security.md) on a mesh started by pdmesh up: idle floods,
+# slowloris, connection floods, invalid UTF-8, forged KV blocks, the router killed mid-generation
+# (orphans dropped), nodes killed and frozen (restarted by the supervisor), then the decode
+# node's memory over rounds of cancelled streams. ~30 s + ~60 s; make asan runs it on the
+# sanitizer build.
+hardening-test: $(BINS) $(TEST_BIN)
+	PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) tests/hardening/run.py --bindir $(BUILD)/bin
+	$(MAKE) --no-print-directory hardening-memory
+
 # The decode node's RSS over rounds of streams cancelled mid-generation stays flat within 5 %
 # after warm-up; its logs hold no sanitizer report (tests/hardening/memory_rounds.py, ~60 s).
 hardening-memory: $(BINS)
@@ -347,7 +356,7 @@ asan: deps model
 	$(ASAN_ENV) CK_DEFAULT_TIMEOUT=600 \
 	  PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=build-asan/bin/pdmesh-prefill \
 	  PDMESH_DECODE_BIN=build-asan/bin/pdmesh-decode build-asan/bin/pdm-tests
-	$(ASAN_ENV) $(ASAN_MAKE) integration-test curve-test
+	$(ASAN_ENV) $(ASAN_MAKE) integration-test curve-test hardening-test
 
 include bench/transfer/build.mk bench/decode/build.mk bench/decode-memory/build.mk
 
