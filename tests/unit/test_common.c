@@ -6,7 +6,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "common/health.h"
 #include "common/pdm.h"
 #include "common/wire.h"
 #include "tests.h"
@@ -297,6 +299,47 @@ START_TEST(test_secret_load)
 }
 END_TEST
 
+/* The health file: written and read back; judged fresh, stale, stalled and not ready; a file
+ * that is not one, a missing file. */
+START_TEST(test_health_file)
+{
+    char dir[] = "/tmp/pdm-health-XXXXXX", path[64];
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(path, sizeof(path), "%s/h", dir);
+    pdm_health_t h = {.pid = 42, .written_ms = 1000000, .main_age_ms = 250, .registered = 1,
+                      .epoch = 7},
+                 r;
+    snprintf(h.node_id, sizeof(h.node_id), "g/0");
+    ck_assert_int_eq(pdm_health_write(path, &h), PDM_OK);
+    ck_assert_int_eq(pdm_health_read(path, &r), PDM_OK);
+    ck_assert_int_eq(r.pid, 42);
+    ck_assert_uint_eq(r.written_ms, 1000000);
+    ck_assert_uint_eq(r.main_age_ms, 250);
+    ck_assert_int_eq(r.registered, 1);
+    ck_assert_uint_eq(r.epoch, 7);
+    ck_assert_str_eq(r.node_id, "g/0");
+    char why[256];
+    ck_assert_int_eq(pdm_health_judge(&r, 1004000, 10000, 120000, 1, why, sizeof(why)), 0);
+    ck_assert_int_eq(pdm_health_judge(&r, 1011000, 10000, 120000, 0, why, sizeof(why)), 1);
+    ck_assert_ptr_nonnull(strstr(why, "frozen or gone"));
+    r.main_age_ms = 130000;
+    ck_assert_int_eq(pdm_health_judge(&r, 1001000, 10000, 120000, 0, why, sizeof(why)), 1);
+    ck_assert_ptr_nonnull(strstr(why, "has not turned"));
+    r.main_age_ms = 0;
+    r.registered = 0;
+    ck_assert_int_eq(pdm_health_judge(&r, 1001000, 10000, 120000, 0, why, sizeof(why)), 0);
+    ck_assert_int_eq(pdm_health_judge(&r, 1001000, 10000, 120000, 1, why, sizeof(why)), 1);
+    ck_assert_ptr_nonnull(strstr(why, "not registered"));
+    FILE *f = fopen(path, "w");
+    fputs("pid=1 garbage\n", f);
+    fclose(f);
+    ck_assert_int_eq(pdm_health_read(path, &r), PDM_EINVAL);
+    unlink(path);
+    ck_assert_int_eq(pdm_health_read(path, &r), PDM_ENOTFOUND);
+    rmdir(dir);
+}
+END_TEST
+
 Suite *suite_common(void)
 {
     Suite *s = suite_create("common");
@@ -308,6 +351,7 @@ Suite *suite_common(void)
     tcase_add_test(tc, test_auth);
     tcase_add_test(tc, test_file_read);
     tcase_add_test(tc, test_secret_load);
+    tcase_add_test(tc, test_health_file);
     suite_add_tcase(s, tc);
     return s;
 }
