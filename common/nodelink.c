@@ -42,7 +42,7 @@ struct pdm_link {
     int started;
     int closing;                 /* daemon side: "stop" was received */
     _Atomic uint64_t epoch;
-    atomic_int stop, reregister, exit_status;
+    atomic_int stop, reregister, exit_status, draining;
     atomic_uint orphans;         /* generations of work orphaned (pdm_link_orphans) */
     _Atomic double main_seen;    /* pdm_now() of the daemon's last pdm_link_recv */
     pthread_mutex_t load_mu;
@@ -53,6 +53,7 @@ struct pdm_link {
     int lease_ms;                /* the router's lease (RegisterAck); 0: 3 heartbeats */
     double last_ack;             /* last RegisterAck / HeartbeatAck */
     double next_register, next_heartbeat, next_health;
+    double drain_until;          /* draining: when the grace runs out */
     int health_warned;
 };
 
@@ -126,6 +127,7 @@ static void pdm__link_heartbeat(pdm_link_t *l)
     h.node_id = (char *)l->p.node_id;
     h.epoch = atomic_load(&l->epoch);
     h.load = &load;
+    h.draining = atomic_load(&l->draining) != 0;
     pdm__link_send(l, PDMESH__MSG_TYPE__MSG_HEARTBEAT, &h.base);
     l->next_heartbeat = pdm_now() + l->hb_ms / 1000.0;
 }
@@ -351,12 +353,28 @@ static void *pdm__link_main(void *arg)
         if (items[2].revents & ZMQ_POLLIN) {
             struct signalfd_siginfo si;
             if (read(l->sig_fd, &si, sizeof(si)) > 0 && !l->quitting) {
-                /* Clean shutdown: the router learns at once (its requests move elsewhere
-                 * without waiting for the lease); the daemon leaves its loop. */
-                l->quitting = 1;
-                pdm__link_deregister(l);
-                pdm__link_tell_stop(l);
+                if (l->p.drain_grace > 0 && l->registered && !atomic_load(&l->draining)) {
+                    /* Drain: tell the router now (no new work), let the daemon finish. */
+                    pdm_log_info("node %s: draining for up to %.0f s", l->p.node_id,
+                                 l->p.drain_grace);
+                    atomic_store(&l->draining, 1);
+                    l->drain_until = pdm_now() + l->p.drain_grace;
+                    pdm__link_heartbeat(l);
+                    pdm__link_tell_wake(l);
+                } else {
+                    /* Clean shutdown: the router learns at once (its requests move elsewhere
+                     * without waiting for the lease); the daemon leaves its loop. */
+                    l->quitting = 1;
+                    pdm__link_deregister(l);
+                    pdm__link_tell_stop(l);
+                }
             }
+        }
+        if (atomic_load(&l->draining) && !l->quitting && pdm_now() > l->drain_until) {
+            pdm_log_warn("node %s: drain grace over: stopping with work left", l->p.node_id);
+            l->quitting = 1;
+            pdm__link_deregister(l);
+            pdm__link_tell_stop(l);
         }
         if (items[1].revents & ZMQ_POLLIN) pdm__link_forward(l);
         for (int k = 0; k < 1024; k++) {
@@ -513,6 +531,11 @@ int pdm_link_send_error(pdm_link_t *l, int code, uint64_t task_id, uint32_t atte
 unsigned pdm_link_orphans(const pdm_link_t *l)
 {
     return atomic_load(&((pdm_link_t *)l)->orphans);
+}
+
+int pdm_link_draining(const pdm_link_t *l)
+{
+    return atomic_load(&((pdm_link_t *)l)->draining);
 }
 
 uint64_t pdm_link_epoch(const pdm_link_t *l)

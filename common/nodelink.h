@@ -17,7 +17,13 @@
  *     sends (pdm_link_send);
  *   - SIGTERM / SIGINT (blocked in every thread from pdm_link_create on, read with a
  *     signalfd): the link sends Deregister and pdm_link_recv returns PDM_ECANCELED, so the
- *     daemon leaves its loop and frees everything (sanitizer builds check leaks at exit);
+ *     daemon leaves its loop and frees everything (sanitizer builds check leaks at exit).
+ *     With a drain grace (--drain-grace S) the first SIGTERM drains instead: heartbeats say
+ *     `draining`, the router sends no new work, pdm_link_draining turns 1 and the daemon
+ *     leaves its loop once it holds nothing; when the grace runs out (or at a second SIGTERM)
+ *     the link stops as above and the router moves what is left elsewhere (decode: migrated
+ *     with the tokens already delivered; prefill: retried). This is what a Kubernetes pod's
+ *     termination grace period is for;
  *   - ERR_UNAUTHORIZED on registration: pdm_link_recv returns PDM_ECANCELED and
  *     pdm_link_exit_status says 3;
  *   - the router's loss: no ack for the router's lease (RegisterAck.lease_ms; 0: three
@@ -55,6 +61,7 @@ typedef struct {
     int heartbeat_ms;        /* until the router's RegisterAck says otherwise (1000) */
     int exit_with_parent;    /* SIGTERM to this process when its parent dies (local harness) */
     const char *health_file; /* rewritten every second (see above); NULL: none */
+    double drain_grace;      /* seconds a SIGTERM drains before stopping (0: stop at once) */
 } pdm_link_params_t;
 
 void pdm_link_params_default(pdm_link_params_t *p);
@@ -85,6 +92,9 @@ int pdm_link_send_error(pdm_link_t *l, int code, uint64_t task_id, uint32_t atte
 /* How many times the node's work was orphaned (see above); the daemon compares it with the
  * value it saw last. */
 unsigned pdm_link_orphans(const pdm_link_t *l);
+
+/* 1 once a SIGTERM started draining (see above): leave the loop when nothing is held. */
+int pdm_link_draining(const pdm_link_t *l);
 
 /* The epoch of the current registration (0 before the first ack). */
 uint64_t pdm_link_epoch(const pdm_link_t *l);

@@ -450,7 +450,7 @@ static void pdm__usage(FILE *f)
 {
     fprintf(f, "usage: pdmesh-decode --router ENDPOINT --node-id NAME [--secret-file F]\n"
                "       [--curve-server-key F --curve-key F] [--exit-with-parent] [--kv-interface DEV]\n"
-               "       [--health-file F]\n"
+               "       [--health-file F] [--drain-grace S]\n"
                "       [--model FILE] [--threads N] [--batch N] [--max-sequences N]\n"
                "       [--kv-budget TOKENS] [--kv-dtype f32|f16|q8] [--kv-timeout S]\n"
                "       [--beams B] [--length-penalty X] [--n-best N] "
@@ -459,7 +459,8 @@ static void pdm__usage(FILE *f)
                "[--kv-offload-groups CTX:G,...]\n"
                "A decode node. It takes its tasks from the node socket at ENDPOINT (the router's,\n"
                "or pdmesh disagg-run's) as protobuf messages. --health-file: rewritten every\n"
-               "second for `pdmesh health` (liveness and readiness probes).\n");
+               "second for `pdmesh health` (liveness and readiness probes). --drain-grace: on\n"
+               "SIGTERM take no new work and stop once idle, for at most S seconds (0).\n");
 }
 
 int main(int argc, char **argv)
@@ -468,7 +469,7 @@ int main(int argc, char **argv)
     static pdm__daemon_t dn; /* the task table is large: not on the stack */
     pdm_decode_params_default(&dn.dp);
     pdm_kvoff_params_default(&dn.offload);
-    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH };
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"threads", required_argument, 0, 't'},
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
@@ -484,7 +485,8 @@ int main(int argc, char **argv)
         {"curve-key", required_argument, 0, O_CURVE_KEY},
         {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT},
         {"kv-interface", required_argument, 0, O_KV_IFACE},
-        {"health-file", required_argument, 0, O_HEALTH}, {0, 0, 0, 0}};
+        {"health-file", required_argument, 0, O_HEALTH},
+        {"drain-grace", required_argument, 0, O_DRAIN}, {0, 0, 0, 0}};
     const char *kv_iface = NULL;
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
@@ -517,6 +519,10 @@ int main(int argc, char **argv)
         case O_EXIT_WITH_PARENT: lp.exit_with_parent = 1; break;
         case O_KV_IFACE: kv_iface = optarg; break;
         case O_HEALTH: lp.health_file = optarg; break;
+        case O_DRAIN:
+            if (pdm_parse_double(optarg, 0, 3600, &d)) goto bad;
+            lp.drain_grace = d;
+            break;
         case 'I': lp.node_id = optarg; break;
         case 'K': lp.secret_file = optarg; break;
         case 'h': pdm__usage(stdout); return 0;
@@ -575,6 +581,7 @@ int main(int argc, char **argv)
         int timeout_ms = pdm_decode_node_running(dn.node) ? 0 : (held ? 2 : 50);
         pdm_wire_msg_t *m;
         if (pdm_link_recv(dn.link, timeout_ms, &m)) break; /* SIGTERM or refused registration */
+        if (!m && !held && pdm_link_draining(dn.link)) break; /* drained: nothing left */
         pdm__drop_orphans(&dn); /* before any task of the next router */
         for (int k = 0; m && k < 256; k++) {     /* every message waiting, then a step */
             pdm__on_message(&dn, m);

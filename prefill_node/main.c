@@ -332,10 +332,12 @@ static void pdm__usage(FILE *f)
                "                      [--model FILE] [--threads N] [--cpu N] [--ctx N]\n"
                "                      [--kv-dtype f32|f16|q8] [--timeout SECONDS]\n"
                "                      [--dump-dir DIR] [--exit-with-parent] [--kv-interface DEV]\n"
-               "                      [--health-file F]\n"
+               "                      [--health-file F] [--drain-grace S]\n"
                "One rank of a prefill group. It takes its tasks from the node socket at ENDPOINT\n"
                "(the router's, or pdmesh prefill-run's / disagg-run's) as protobuf messages.\n"
-               "--health-file: rewritten every second for `pdmesh health` (liveness and readiness).\n");
+               "--health-file: rewritten every second for `pdmesh health` (liveness and readiness).\n"
+               "--drain-grace: on SIGTERM take no new task and stop once idle, for at most S s (0).\n"
+               "--group-size 0: an elastic group, the router wires ranks 0..k-1 as they come.\n");
 }
 
 int main(int argc, char **argv)
@@ -344,7 +346,7 @@ int main(int argc, char **argv)
     pdm__daemon_t pn = {0};
     pdm_prefill_rank_params_default(&pn.rp);
     long cpu = -1;
-    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_DUMP_DIR, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH };
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_DUMP_DIR, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"threads", required_argument, 0, 't'},
         {"cpu", required_argument, 0, 'c'},   {"ctx", required_argument, 0, 'x'},
@@ -358,7 +360,8 @@ int main(int argc, char **argv)
         {"dump-dir", required_argument, 0, O_DUMP_DIR},
         {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT},
         {"kv-interface", required_argument, 0, O_KV_IFACE},
-        {"health-file", required_argument, 0, O_HEALTH}, {0, 0, 0, 0}};
+        {"health-file", required_argument, 0, O_HEALTH},
+        {"drain-grace", required_argument, 0, O_DRAIN}, {0, 0, 0, 0}};
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
     lp.role = PDMESH__ROLE__ROLE_PREFILL;
@@ -394,6 +397,10 @@ int main(int argc, char **argv)
         case O_EXIT_WITH_PARENT: lp.exit_with_parent = 1; break;
         case O_KV_IFACE: kv_iface = optarg; break;
         case O_HEALTH: lp.health_file = optarg; break;
+        case O_DRAIN:
+            if (pdm_parse_double(optarg, 0, 3600, &d)) goto bad;
+            lp.drain_grace = d;
+            break;
         case 'N': lp.node_id = optarg; break;
         case 'G': lp.group = optarg; break;
         case 'S': lp.secret_file = optarg; break;
@@ -402,7 +409,7 @@ int main(int argc, char **argv)
             lp.rank = (uint32_t)v;
             break;
         case 'g':
-            if (pdm_parse_long(optarg, 1, PDM_KVT_MAX_RANKS, &v)) goto bad;
+            if (pdm_parse_long(optarg, 0, PDM_KVT_MAX_RANKS, &v)) goto bad;
             lp.group_size = (uint32_t)v;
             break;
         case 'h': pdm__usage(stdout); return 0;
@@ -415,9 +422,9 @@ int main(int argc, char **argv)
         pdm__usage(stderr);
         return 2;
     }
-    if (!lp.endpoint || !lp.group || lp.group_size < 1 || lp.rank >= lp.group_size) {
+    if (!lp.endpoint || !lp.group || (lp.group_size && lp.rank >= lp.group_size)) {
         fprintf(stderr, "pdmesh-prefill: needs --router, --node-id, --group, --rank and "
-                        "--group-size (rank < group size)\n");
+                        "--group-size (rank < group size; 0: an elastic group)\n");
         pdm__usage(stderr);
         return 2;
     }
@@ -455,6 +462,7 @@ int main(int argc, char **argv)
     for (;;) {
         pdm_wire_msg_t *m;
         if (pdm_link_recv(pn.link, 1000, &m)) break; /* SIGTERM or a refused registration */
+        if (!m && pdm_link_draining(pn.link)) break; /* drained: no task came for a second */
         if (!m) continue;
         pdm__on_message(&pn, m);
         pdm_wire_msg_free(m);

@@ -625,6 +625,10 @@ static void add_usage(cJSON *root, const Pdmesh__Usage *u)
     cJSON_AddNumberToObject(x, "kv_bytes", (double)u->kv_bytes);
     cJSON_AddStringToObject(x, "prefill_method", u->prefill_method ? u->prefill_method : "");
     cJSON_AddStringToObject(x, "prefill_group", u->prefill_group ? u->prefill_group : "");
+    uint32_t ranks = 0; /* how many ranks of the group took part: 1 + the highest in the plan */
+    for (size_t k = 0; k < u->n_prefill_ranges; k++)
+        if (u->prefill_ranges[k]->rank + 1 > ranks) ranks = u->prefill_ranges[k]->rank + 1;
+    cJSON_AddNumberToObject(x, "prefill_ranks", ranks);
     cJSON_AddStringToObject(x, "decode_node", u->decode_node ? u->decode_node : "");
     cJSON_AddNumberToObject(x, "attempts", u->attempts);
 }

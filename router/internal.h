@@ -88,7 +88,12 @@ typedef struct {
 typedef struct {
     int used;
     char name[64];
-    uint32_t size;
+    uint32_t size;                /* ranks wired (elastic: the ranks of the current wiring) */
+    int elastic;                  /* registered with group_size 0: the group is ranks 0..k-1,
+                                   * every registered, usable rank up to the first gap; it is
+                                   * wired anew when that changes (rt_group_try_wire) */
+    int rewire;                   /* elastic: the membership changed; no new task until the
+                                   * tasks in flight end and it is wired anew */
     int member[PDM_PREFILL_MAX_RANKS]; /* node index per rank, -1 while missing */
     uint64_t member_epoch[PDM_PREFILL_MAX_RANKS];
     int wired;

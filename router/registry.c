@@ -55,23 +55,64 @@ static void rt_node_lost(pdm_router_t *r, int i, const char *why)
 {
     rt_node_t *n = &r->nodes[i];
     int g = rt_group_of(r, n);
-    if (g >= 0 && r->groups[g].wired) {
+    int member = g >= 0 && n->rank < r->groups[g].size && r->groups[g].member[n->rank] == i;
+    if (g >= 0 && r->groups[g].wired && member) {
         r->groups[g].wired = 0;
-        pdm_log_warn("router: prefill group %s broke (%s %s); it re-forms when that rank "
-                     "registers again (the other ranks re-join on a new GroupWire)",
-                     r->groups[g].name, n->id, why);
+        if (r->groups[g].elastic)
+            pdm_log_warn("router: prefill group %s lost %s (%s); it re-forms with the ranks "
+                         "before it", r->groups[g].name, n->id, why);
+        else
+            pdm_log_warn("router: prefill group %s broke (%s %s); it re-forms when that rank "
+                         "registers again (the other ranks re-join on a new GroupWire)",
+                         r->groups[g].name, n->id, why);
     }
     rt_req_on_node_lost(r, i, g, why);
 }
 
+/* The ranks an elastic group should have now: 0..k-1, every one registered and usable (not
+ * dead, not draining), up to the first gap. A static group: its declared size. */
+static uint32_t rt_group_want(const pdm_router_t *r, const rt_group_t *gr)
+{
+    if (!gr->elastic) return gr->size;
+    uint32_t k = 0;
+    while (k < PDM_PREFILL_MAX_RANKS && rt_node_usable(r, gr->member[k])) k++;
+    return k;
+}
+
+/* Wires group g (GroupWire to each rank: its rank, the size, every rank's UCX address) once
+ * every rank it needs is registered. An elastic group already wired is wired anew when its
+ * membership changed (a rank joined, drained or died): at once if no task is in flight, else
+ * `rewire` holds new tasks back until the running ones end (rt_registry_tick calls this
+ * again), so a group that grows or shrinks fails nothing that was queued. */
 static void rt_group_try_wire(pdm_router_t *r, int g)
 {
     rt_group_t *gr = &r->groups[g];
-    if (gr->wired) return;
-    for (uint32_t k = 0; k < gr->size; k++) {
+    uint32_t want = rt_group_want(r, gr);
+    if (gr->wired) {
+        if (!gr->elastic) return;
+        int same = want == gr->size;
+        for (uint32_t k = 0; same && k < want; k++)
+            same = r->nodes[gr->member[k]].epoch == gr->member_epoch[k];
+        if (same) {
+            gr->rewire = 0;
+            return;
+        }
+        if (gr->inflight > 0) {
+            if (!gr->rewire)
+                pdm_log_info("router: prefill group %s goes from %u to %u ranks once its %d "
+                             "task(s) in flight end", gr->name, gr->size, want, gr->inflight);
+            gr->rewire = 1;
+            return;
+        }
+        gr->wired = 0;
+    }
+    if (want < 1) return;
+    for (uint32_t k = 0; k < want; k++) {
         int i = gr->member[k];
         if (i < 0 || !r->nodes[i].used || r->nodes[i].dead) return;
     }
+    gr->size = want;
+    gr->rewire = 0;
     ProtobufCBinaryData addrs[PDM_PREFILL_MAX_RANKS];
     for (uint32_t k = 0; k < gr->size; k++) {
         addrs[k].data = r->nodes[gr->member[k]].ucx;
@@ -93,7 +134,8 @@ static void rt_group_try_wire(pdm_router_t *r, int g)
     gr->inflight = 0;
     gr->reuse_pending = 0;
     pdm_prefill_conv_reset(&gr->conv); /* fresh ranks hold nothing */
-    pdm_log_info("router: prefill group %s wired (%u ranks)", gr->name, gr->size);
+    pdm_log_info("router: prefill group %s wired (%u ranks%s)", gr->name, gr->size,
+                 gr->elastic ? ", elastic" : "");
 }
 
 static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
@@ -151,16 +193,25 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
     }
     int g = -1;
     if (m->role == PDMESH__ROLE__ROLE_PREFILL) {
-        if (!m->group || !m->group[0] || strlen(m->group) >= 64 || m->group_size < 1 ||
-            m->group_size > PDM_PREFILL_MAX_RANKS || m->rank >= m->group_size) {
+        /* group_size 0: an elastic group (rt_group_want) */
+        if (!m->group || !m->group[0] || strlen(m->group) >= 64 ||
+            m->group_size > PDM_PREFILL_MAX_RANKS || m->rank >= PDM_PREFILL_MAX_RANKS ||
+            (m->group_size && m->rank >= m->group_size)) {
             pdm_wire_send_error(s, ident, ident_len, INV, 0,
                                 "register: prefill needs group (1..63 bytes), group_size "
-                                "1..%d and rank < group_size", PDM_PREFILL_MAX_RANKS);
+                                "1..%d and rank < group_size, or group_size 0 (elastic) and "
+                                "rank < %d", PDM_PREFILL_MAX_RANKS, PDM_PREFILL_MAX_RANKS);
             return;
         }
         for (int k = 0; k < RT_MAX_GROUPS && g < 0; k++)
             if (r->groups[k].used && !strcmp(r->groups[k].name, m->group)) g = k;
-        if (g >= 0 && r->groups[g].size != m->group_size) {
+        if (g >= 0 && r->groups[g].elastic != (m->group_size == 0)) {
+            pdm_wire_send_error(s, ident, ident_len, INV, 0, "register: group %s is %s", m->group,
+                                r->groups[g].elastic ? "elastic (group_size 0)"
+                                                     : "of a fixed size");
+            return;
+        }
+        if (g >= 0 && !r->groups[g].elastic && r->groups[g].size != m->group_size) {
             pdm_wire_send_error(s, ident, ident_len, INV, 0,
                                 "register: group %s has %u ranks, not %u", m->group,
                                 r->groups[g].size, m->group_size);
@@ -204,6 +255,7 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
         gr->used = 1;
         snprintf(gr->name, sizeof(gr->name), "%s", m->group);
         gr->size = m->group_size;
+        gr->elastic = m->group_size == 0;
         for (int k = 0; k < PDM_PREFILL_MAX_RANKS; k++) gr->member[k] = -1;
     }
     int draining = 0;
@@ -304,6 +356,10 @@ void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, c
         if ((i = rt_check_sender(r, ident, ident_len, h->epoch, 1, "heartbeat")) < 0) break;
         rt_node_t *n = &r->nodes[i];
         n->last_hb = now;
+        if (h->draining && !n->draining) { /* shutting down: nothing new; it leaves when idle */
+            n->draining = 1;
+            pdm_log_info("router: %s draining (it is shutting down)", n->id);
+        }
         if (h->load) {
             n->running = h->load->running;
             n->held = h->load->held;
@@ -417,4 +473,6 @@ void rt_registry_tick(pdm_router_t *r)
             rt_node_lost(r, i, "missed its lease");
         }
     }
+    for (int g = 0; g < RT_MAX_GROUPS; g++)
+        if (r->groups[g].used && r->groups[g].elastic) rt_group_try_wire(r, g);
 }

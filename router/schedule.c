@@ -68,12 +68,13 @@ static size_t rt_prefix_slot(const uint8_t *h)
     return ((size_t)h[0] | (size_t)h[1] << 8 | (size_t)h[2] << 16) % RT_PREFIX_SLOTS;
 }
 
-/* A group can take another task: usable, below its queue limit, and no planned partial
- * prefill waiting for its decode reservation (the ranks must see that task next). */
+/* A group can take another task: usable, below its queue limit, no planned partial prefill
+ * waiting for its decode reservation (the ranks must see that task next), and not about to
+ * be wired anew (an elastic group whose membership changed). */
 static int rt_group_has_room(const pdm_router_t *r, int g)
 {
     return rt_group_usable(r, g) && r->groups[g].inflight < r->cfg.group_inflight &&
-           !r->groups[g].reuse_pending;
+           !r->groups[g].reuse_pending && !r->groups[g].rewire;
 }
 
 /* The group for a prompt: the usable group that last prefilled its longest known prefix,

@@ -14,6 +14,9 @@
    processes must lie in the UCX_TCP_PORT_RANGE the network policy opens. The nodes' exec
    probes (pdmesh health on their --health-file) pass; a decode node frozen with SIGSTOP fails
    its liveness probe, and passes again once it runs (SIGCONT).
+4. The mesh scales under load as the workloads would: a decode replica and a prefill rank
+   (pod ordinal 2: the elastic group is wired anew with 3 ranks) are added, then that rank and
+   a decode replica get SIGTERM and drain (--drain-grace); no accepted request fails.
 
   python3 tests/deploy/check_k8s.py --bindir build/bin [--model FILE]
 """
@@ -25,7 +28,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
 import urllib.request
 
 import kubernetes_validate
@@ -199,16 +204,20 @@ def live_run(bindir, model, docs):
 
     the_pods = pods(docs)
     try:
-        for pod in the_pods:
+        def start(pod):
             env = dict(os.environ)
             env["PDMESH_MODEL"] = model
             env.update({k: "lo" if v == "eth0" else v for k, v in pod.env.items()})
             argv = [os.path.join(bindir, pod.command[0])] + [subst(pod_paths(pod, a))
                                                              for a in pod.args]
             log = open(os.path.join(tmp, pod.name + ".log"), "w")
-            procs.append((pod.name, pod.workload,
-                          subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL)))
+            p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL)
+            procs.append((pod.name, pod.workload, p))
+            return p
+
+        for pod in the_pods:
+            start(pod)
         check("the router's HTTP port was found in its args", http_port is not None)
         ready, end = False, time.time() + 120
         while time.time() < end and not ready:
@@ -282,6 +291,8 @@ def live_run(bindir, model, docs):
               % (None if failed_after is None else round(failed_after, 1)),
               failed_after is not None and back_after is not None,
               (failed_after, back_after, probe(dpod, "liveness")))
+        elastic_run(docs, http_port, start, procs, os.path.join(tmp, "pdmesh-router-0.log"),
+                    prompt, want)
     finally:
         for name, kind, p in procs:
             if p.poll() is None:
@@ -295,6 +306,125 @@ def live_run(bindir, model, docs):
             for log in sorted(glob.glob(os.path.join(tmp, "*.log"))):
                 print("---- " + log)
                 print(open(log).read()[-1500:])
+
+
+class Load:
+    """Clients sending completions over HTTP one after another (long prompts, which the prefill
+    group takes, and short ones) until finish(): each result is "ok", "refused" (429/503 at
+    admission) or "failed" with the reason."""
+    CLIENTS = 3
+
+    def __init__(self, port, prompt):
+        self.port, self.prompt = port, prompt
+        self.results, self.stop = [], threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
+                        for i in range(self.CLIENTS)]
+        for t in self.threads:
+            t.start()
+
+    def _client(self, i):
+        k = 0
+        while not self.stop.is_set():
+            k += 1
+            words = self.prompt + (" Tell me more, part %d of %d." % (k, i) if k % 3 else "")
+            body = json.dumps({"prompt": words if (k + i) % 2 else "Hi %d" % k,
+                               "max_tokens": 24, "temperature": 0}).encode()
+            req = urllib.request.Request("http://127.0.0.1:%d/v1/completions" % self.port,
+                                         data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    u = json.loads(r.read())["usage"]["pdmesh"]
+                self.results.append(("ok", u["decode_node"], u["prefill_ranks"]))
+            except urllib.error.HTTPError as e:
+                self.results.append(("refused" if e.code in (429, 503) else "failed", e.code,
+                                     e.read()[:200]))
+            except (OSError, ValueError, KeyError) as e:
+                self.results.append(("failed", repr(e), ""))
+
+    def finish(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join(150)
+        return self.results
+
+
+def elastic_run(docs, http_port, start, procs, router_log, prompt, want):
+    """The mesh grows and shrinks under load the way a Deployment/StatefulSet scale does: a
+    decode replica added (it takes requests within a heartbeat of registering), a prefill rank
+    added (the elastic group is wired anew with 3 ranks, once the tasks in flight end), then
+    that rank and a decode replica removed with SIGTERM (they drain: no new work, running work
+    finishes, exit 0). No accepted request may fail."""
+    more = {p.name: p for p in pods(docs, replicas={"pdmesh-decode": 2, "pdmesh-prefill-a": 3})}
+    running = {name for name, _, _ in procs}
+    new_dec = [p for n, p in more.items() if p.component == "decode" and n not in running][0]
+    new_pre = [p for n, p in more.items() if p.component == "prefill" and n not in running][0]
+
+    def log():
+        with open(router_log, errors="replace") as fh:
+            return fh.read()
+
+    def wait(pred, seconds):
+        end = time.time() + seconds
+        while time.time() < end:
+            if pred():
+                return True
+            time.sleep(0.2)
+        return False
+
+    load = Load(http_port, prompt)
+    try:
+        time.sleep(2)
+        t0 = time.time()
+        dproc = start(new_dec)
+        reg = wait(lambda: "router: %s registered" % new_dec.name in log(), 60)
+        t_reg = time.time()
+        got = wait(lambda: any(r[0] == "ok" and r[1] == new_dec.name for r in load.results), 30)
+        check("a decode replica added under load registers after %.1f s and serves its first "
+              "request %.1f s after registering" % (t_reg - t0, time.time() - t_reg), reg and got)
+
+        t0 = time.time()
+        pproc = start(new_pre)
+        wired3 = wait(lambda: "prefill group a wired (3 ranks, elastic)" in log(), 90)
+        t_w = time.time()
+        used3 = wait(lambda: any(r[0] == "ok" and r[2] == 3 for r in load.results), 60)
+        check("a prefill rank added under load: the elastic group is wired anew with 3 ranks "
+              "after %.1f s and prefills with all 3" % (t_w - t0), wired3 and used3)
+
+        n_wired = log().count("prefill group a wired (2 ranks, elastic)")
+        pproc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        back2 = wait(lambda: log().count("prefill group a wired (2 ranks, elastic)") > n_wired, 60)
+        try:
+            rc = pproc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            rc = None
+        check("SIGTERM of that rank: it drains, the group is wired anew with 2 ranks after %.1f s, "
+              "the rank exits 0" % (time.time() - t0), back2 and rc == 0, (back2, rc))
+
+        victim = [p for n, _, p in procs if n == "pdmesh-decode-0"][0]
+        time.sleep(1)
+        victim.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        draining = wait(lambda: "router: pdmesh-decode-0 draining" in log(), 10)
+        try:
+            rc = victim.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            rc = None
+        check("SIGTERM of a decode replica under load: it drains (no new requests) and exits 0 "
+              "after %.1f s" % (time.time() - t0), draining and rc == 0, (draining, rc))
+        time.sleep(2)
+    finally:
+        results = load.finish()
+    bad = [r for r in results if r[0] == "failed"]
+    by_node = {}
+    for r in results:
+        if r[0] == "ok":
+            by_node[r[1]] = by_node.get(r[1], 0) + 1
+    check("under load while the mesh grew and shrank: %d requests, %d refused at admission, "
+          "0 accepted ones failed (%s)" % (len(results), len([r for r in results
+                                                                if r[0] == "refused"]),
+                                           ", ".join("%s %d" % kv for kv in sorted(by_node.items()))),
+          results and not bad, bad[:5])
 
 
 def main():
