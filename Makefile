@@ -130,7 +130,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden clean distclean format \
+.PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant clean distclean format \
         format-check \
         integration-test hardening-memory bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
@@ -445,6 +445,12 @@ golden: model
 	@tools/deps.sh $(VENV) --golden
 	$(VENV)/bin/python tests/golden/make_golden.py --model $(MODEL_FILE) \
 	  --out tests/golden/golden.json
+
+# llama.cpp-quantized test models and their reference values (tests/golden/quant/,
+# quant_golden.json; see tests/golden/README.md)
+golden-quant: $(BUILD)/bin/pdmesh
+	@tools/deps.sh $(VENV) --golden
+	$(VENV)/bin/python tests/golden/make_quant_golden.py --pdmesh $(BUILD)/bin/pdmesh
 
 # Formatting with the committed .clang-format: every C/CUDA source and header of the tree
 # (not build output). `make format` rewrites them in place; `make format-check` only lists the
