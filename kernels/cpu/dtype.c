@@ -3,6 +3,7 @@
  * storage type. These are the definitions the SIMD kernels are tested against.
  */
 #include "ops_internal.h"
+#include "quant_layout.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -173,53 +174,7 @@ uint16_t pdm_f32_to_bf16(float f)
 }
 
 /* ---- Decoding the 5-bit, IQ4 and K-quant layouts ------------------------------------------
- * Bit layouts as ggml defines them (ggml/src/ggml-common.h block_*, dequantize_row_* in
- * ggml-quants.c); each comment states where element e of the block lives. */
-
-/* 6-bit scale and min of sub-block j (0..7) of Q4_K / Q5_K (ggml's get_scale_min_k4):
- * j < 4: low 6 bits of bytes j and j + 4; j >= 4: a nibble of byte j + 4 plus the top two
- * bits of bytes j - 4 (scale) and j (min). */
-static inline void pdm__scale_min_k4(const uint8_t s[12], int j, int *scale, int *min)
-{
-    if (j < 4) {
-        *scale = s[j] & 63;
-        *min = s[j + 4] & 63;
-    } else {
-        *scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-/* 6-bit scale i (0..15) of Q3_K, stored + 32: low 4 bits are a nibble of bytes 0..7 (low for
- * i < 8), the high 2 bits are bits 2 (i / 4) .. +1 of byte 8 + i % 4. */
-static inline int pdm__q3_scale(const uint8_t s[12], int i)
-{
-    int lo = i < 8 ? s[i] & 0x0f : s[i - 8] >> 4;
-    int hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
-    return (lo | hi << 4) - 32;
-}
-
-/* Q2_K / Q3_K 2-bit field of element e: byte (e / 128) * 32 + e % 32, bits 2 ((e / 32) % 4). */
-static inline int pdm__q2_value(const uint8_t qs[64], int e)
-{
-    return (qs[(e / 128) * 32 + e % 32] >> (2 * ((e / 32) % 4))) & 3;
-}
-
-/* Q4_K / Q5_K low nibble of element e: byte (e / 64) * 32 + e % 32, high nibble for odd e / 32. */
-static inline int pdm__q4k_value(const uint8_t qs[128], int e)
-{
-    return (qs[(e / 64) * 32 + e % 32] >> (4 * ((e / 32) % 2))) & 0x0f;
-}
-
-/* Q6_K 6-bit value of element e: in each half h = e / 128 with r = e % 128, quarter k = r / 32,
- * l = r % 32: low nibble (k < 2) or high nibble of ql[64 h + 32 (k % 2) + l], high two bits
- * at bits 2k of qh[32 h + l]. */
-static inline int pdm__q6_value(const uint8_t ql[128], const uint8_t qh[64], int e)
-{
-    int h = e / 128, k = (e % 128) / 32, l = e % 32;
-    int lo = (ql[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0f;
-    return lo | ((qh[32 * h + l] >> (2 * k)) & 3) << 4;
-}
+ * Bit positions are in quant_layout.h (shared with the CUDA kernels). */
 
 int pdm_kern__is_kblock(pdm_dtype_t type)
 {
@@ -229,85 +184,25 @@ int pdm_kern__is_kblock(pdm_dtype_t type)
 
 void pdm_kern__kblock_unpack(pdm_dtype_t type, const void *block, pdm_kern__kblock_t *k)
 {
-    k->dmin = 0.0f;
-    memset(k->min, 0, sizeof(k->min));
-    switch (type) {
-    case PDM_DT_Q2_K: {
-        const pdm_block_q2_K_t *b = block;
-        k->d = pdm_f16_to_f32(b->d);
-        k->dmin = pdm_f16_to_f32(b->dmin);
-        k->sub_len = 16;
-        for (int j = 0; j < 16; j++) {
-            k->scale[j] = b->scales[j] & 0x0f;
-            k->min[j] = b->scales[j] >> 4;
-        }
-        for (int e = 0; e < PDM_QK_K; e++) k->q[e] = (int8_t)pdm__q2_value(b->qs, e);
-        break;
-    }
-    case PDM_DT_Q3_K: {
-        const pdm_block_q3_K_t *b = block;
-        k->d = pdm_f16_to_f32(b->d);
-        k->sub_len = 16;
-        for (int j = 0; j < 16; j++) k->scale[j] = (int16_t)pdm__q3_scale(b->scales, j);
-        for (int e = 0; e < PDM_QK_K; e++) {
-            int high = (b->hmask[e % 32] >> (e / 32)) & 1;
-            k->q[e] = (int8_t)(pdm__q2_value(b->qs, e) - (high ? 0 : 4));
-        }
-        break;
-    }
-    case PDM_DT_Q4_K:
-    case PDM_DT_Q5_K: {
-        const int is5 = type == PDM_DT_Q5_K;
-        const pdm_block_q4_K_t *b4 = block;
-        const pdm_block_q5_K_t *b5 = block;
-        const uint8_t *scales = is5 ? b5->scales : b4->scales, *qs = is5 ? b5->qs : b4->qs;
-        k->d = pdm_f16_to_f32(is5 ? b5->d : b4->d);
-        k->dmin = pdm_f16_to_f32(is5 ? b5->dmin : b4->dmin);
-        k->sub_len = 32;
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            pdm__scale_min_k4(scales, j, &sc, &mn);
-            k->scale[j] = (int16_t)sc;
-            k->min[j] = (int16_t)mn;
-        }
-        for (int e = 0; e < PDM_QK_K; e++) {
-            int v = pdm__q4k_value(qs, e);
-            if (is5) v |= ((b5->qh[e % 32] >> (e / 32)) & 1) << 4;
-            k->q[e] = (int8_t)v;
-        }
-        break;
-    }
-    case PDM_DT_Q6_K: {
-        const pdm_block_q6_K_t *b = block;
-        k->d = pdm_f16_to_f32(b->d);
-        k->sub_len = 16;
-        for (int j = 0; j < 16; j++) k->scale[j] = b->scales[j];
-        for (int e = 0; e < PDM_QK_K; e++) k->q[e] = (int8_t)(pdm__q6_value(b->ql, b->qh, e) - 32);
-        break;
-    }
-    case PDM_DT_IQ4_XS: {
-        /* sub-block j: scale nibble j of scales_l plus bits 2j..2j+1 of scales_h, stored + 32;
-         * its 16 bytes of qs as IQ4_NL's */
-        const pdm_block_iq4_xs_t *b = block;
-        k->d = pdm_f16_to_f32(b->d);
-        k->sub_len = 32;
-        for (int j = 0; j < 8; j++) {
-            int ls = ((b->scales_l[j / 2] >> (4 * (j % 2))) & 0x0f) |
-                     ((b->scales_h >> (2 * j)) & 3) << 4;
-            k->scale[j] = (int16_t)(ls - 32);
-            const uint8_t *qs = b->qs + 16 * j;
-            for (int l = 0; l < 16; l++) {
-                k->q[32 * j + l] = pdm_kvalues_iq4nl[qs[l] & 0x0f];
-                k->q[32 * j + l + 16] = pdm_kvalues_iq4nl[qs[l] >> 4];
-            }
-        }
-        break;
-    }
-    default:
+    if (!pdm_kern__is_kblock(type)) {
         memset(k, 0, sizeof(*k));
         k->sub_len = 32;
-        break;
+        return;
     }
+    uint16_t d, dmin;
+    pdm_ql_kscales(type, block, &d, &dmin);
+    k->d = pdm_f16_to_f32(d);
+    k->dmin = pdm_f16_to_f32(dmin);
+    k->sub_len = pdm_ql_sub_len(type);
+    memset(k->scale, 0, sizeof(k->scale));
+    memset(k->min, 0, sizeof(k->min));
+    for (int j = 0; j < PDM_QK_K / k->sub_len; j++) {
+        int sc, mn;
+        pdm_ql_ksub(type, block, j, &sc, &mn);
+        k->scale[j] = (int16_t)sc;
+        k->min[j] = (int16_t)mn;
+    }
+    for (int e = 0; e < PDM_QK_K; e++) k->q[e] = (int8_t)pdm_ql_kquant(type, block, e);
 }
 
 /* Dequantizes the 256-element blocks through their integer form; the float operations and
@@ -338,11 +233,11 @@ static void pdm__dequantize_q5_iq4nl(pdm_dtype_t type, const void *src, float *d
         if (type == PDM_DT_Q5_0) {
             const pdm_block_q5_0_t *b = (const pdm_block_q5_0_t *)src + i;
             const float d = pdm_f16_to_f32(b->d);
-            for (int e = 0; e < PDM_QK; e++) y[e] = (float)(pdm_kern__q5_value(b->qs, b->qh, e) - 16) * d;
+            for (int e = 0; e < PDM_QK; e++) y[e] = (float)(pdm_ql_q5(b->qs, b->qh, e) - 16) * d;
         } else if (type == PDM_DT_Q5_1) {
             const pdm_block_q5_1_t *b = (const pdm_block_q5_1_t *)src + i;
             const float d = pdm_f16_to_f32(b->d), m = pdm_f16_to_f32(b->m);
-            for (int e = 0; e < PDM_QK; e++) y[e] = (float)pdm_kern__q5_value(b->qs, b->qh, e) * d + m;
+            for (int e = 0; e < PDM_QK; e++) y[e] = (float)pdm_ql_q5(b->qs, b->qh, e) * d + m;
         } else {
             const pdm_block_iq4_nl_t *b = (const pdm_block_iq4_nl_t *)src + i;
             const float d = pdm_f16_to_f32(b->d);
@@ -655,7 +550,7 @@ static void pdm__quantize_k_asym(pdm_dtype_t type, const float *x, void *block)
     else b4->d = d16, b4->dmin = m16;
     memset(sc, 0, 12);
     memset(qs, 0, PDM_QK_K / 2);
-    for (int j = 0; j < 8; j++) { /* inverse of pdm__scale_min_k4 */
+    for (int j = 0; j < 8; j++) { /* inverse of pdm_ql_scale_min_k4 */
         if (j < 4) {
             sc[j] |= (uint8_t)ls[j];
             sc[j + 4] |= (uint8_t)lm[j];
@@ -700,7 +595,7 @@ static void pdm__quantize_k_sym(pdm_dtype_t type, const float *x, void *block)
         memset(b->hmask, 0, sizeof(b->hmask));
         memset(b->qs, 0, sizeof(b->qs));
         memset(b->scales, 0, sizeof(b->scales));
-        for (int i = 0; i < 16; i++) { /* inverse of pdm__q3_scale */
+        for (int i = 0; i < 16; i++) { /* inverse of pdm_ql_q3_scale */
             const int v = ls[i] + 32;
             b->scales[i % 8] |= (uint8_t)((v & 0x0f) << (i < 8 ? 0 : 4));
             b->scales[8 + i % 4] |= (uint8_t)((v >> 4) << (2 * (i / 4)));
@@ -715,7 +610,7 @@ static void pdm__quantize_k_sym(pdm_dtype_t type, const float *x, void *block)
         memset(b->ql, 0, sizeof(b->ql));
         memset(b->qh, 0, sizeof(b->qh));
         for (int j = 0; j < 16; j++) b->scales[j] = (int8_t)ls[j];
-        for (int e = 0; e < PDM_QK_K; e++) { /* inverse of pdm__q6_value */
+        for (int e = 0; e < PDM_QK_K; e++) { /* inverse of pdm_ql_q6 */
             const int h = e / 128, k = (e % 128) / 32, l = e % 32;
             b->ql[64 * h + 32 * (k % 2) + l] |= (uint8_t)((L[e] & 0x0f) << (4 * (k / 2)));
             b->qh[32 * h + l] |= (uint8_t)((L[e] >> 4) << (2 * k));

@@ -12,6 +12,7 @@
  * advanced by repeated multiplication.
  */
 #include "ops_internal.h"
+#include "quant_layout.h"
 
 #include <math.h>
 #include <string.h>
@@ -142,7 +143,7 @@ static float dot_q5_0_q8_0(const pdm_block_q5_0_t *w, const pdm_block_q8_0_t *x,
     float sum = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
         int sumi = 0;
-        for (int e = 0; e < PDM_QK; e++) sumi += (pdm_kern__q5_value(w[i].qs, w[i].qh, e) - 16) * x[i].qs[e];
+        for (int e = 0; e < PDM_QK; e++) sumi += (pdm_ql_q5(w[i].qs, w[i].qh, e) - 16) * x[i].qs[e];
         sum += pdm_f16_to_f32(w[i].d) * pdm_f16_to_f32(x[i].d) * (float)sumi;
     }
     return sum;
@@ -168,7 +169,7 @@ static float dot_q5_1_q8_1(const pdm_block_q5_1_t *w, const pdm_block_q8_1_t *x,
     float sum = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
         int sumi = 0;
-        for (int e = 0; e < PDM_QK; e++) sumi += pdm_kern__q5_value(w[i].qs, w[i].qh, e) * x[i].qs[e];
+        for (int e = 0; e < PDM_QK; e++) sumi += pdm_ql_q5(w[i].qs, w[i].qh, e) * x[i].qs[e];
         sum += pdm_f16_to_f32(w[i].d) * x[i].d * (float)sumi + pdm_f16_to_f32(w[i].m) * x[i].s;
     }
     return sum;

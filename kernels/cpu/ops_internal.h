@@ -13,14 +13,6 @@ void pdm_kern__quantize_q8_1_row(const float *x, pdm_block_q8_1_t *b, int64_t n)
 void pdm_kern__quantize_q8_0_row(const float *x, pdm_block_q8_0_t *b, int64_t n);
 void pdm_kern__quantize_q8_K_row(const float *x, pdm_block_q8_K_t *b, int64_t n);
 
-/* Q5_0 / Q5_1: the 5-bit value of element e (0..31) of a block (ggml-common.h block_q5_0):
- * low 4 bits in qs[e % 16] (low nibble for e < 16), bit 4 is bit e of qh read as a
- * little-endian u32. */
-static inline int pdm_kern__q5_value(const uint8_t qs[16], const uint8_t qh[4], int e)
-{
-    return (e < 16 ? qs[e] & 0x0f : qs[e - 16] >> 4) | ((qh[e / 8] >> (e % 8)) & 1) << 4;
-}
-
 /* One super-block of a K-quant or IQ4_XS decoded to small integers:
  *   x[e] = (d * scale[e / sub_len]) * q[e] - dmin * min[e / sub_len]
  * (dmin and min are 0 for the types without a minimum). The scalar dequantization and the

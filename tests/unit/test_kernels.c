@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "common/pdm.h"
+#include "kernels/cpu/quant_layout.h"
 #include "kernels/kernels.h"
 #include "tests.h"
 
@@ -170,6 +171,7 @@ START_TEST(test_dtype_traits)
         ck_assert_uint_eq(pdm_dtype_block_bytes(want[i].id), want[i].bytes);
         ck_assert_int_eq(pdm_dtype_from_name(want[i].name), want[i].id);
     }
+    for (int i = 0; i < 16; i++) ck_assert_int_eq(pdm_ql_iq4(i), pdm_kvalues_iq4nl[i]);
     ck_assert(!pdm_dtype_is_weight(PDM_DT_Q8_K));
     ck_assert(!pdm_dtype_is_weight(PDM_DT_Q8_1));
     ck_assert(!pdm_dtype_is_weight(PDM_DT_I8));
