@@ -702,12 +702,20 @@ START_TEST(test_cuda_variant)
         return;
     }
     static const pdm_dtype_t types[] = {PDM_DT_Q4_1, PDM_DT_Q4_0, PDM_DT_Q8_0, PDM_DT_F16,
-                                        PDM_DT_F32, PDM_DT_BF16};
+                                        PDM_DT_F32,  PDM_DT_BF16, PDM_DT_Q5_0, PDM_DT_Q5_1,
+                                        PDM_DT_IQ4_NL};
     static const int shapes[][2] = {{1, 32}, {7, 64}, {63, 96}, {64, 576}, {65, 160}};
     for (size_t t = 0; t < PDM_ARRAY_SIZE(types); t++)
         for (size_t sh = 0; sh < PDM_ARRAY_SIZE(shapes); sh++)
             for (int n_tok = 1; n_tok <= 9; n_tok += 4)
                 check_matmul(ops, types[t], shapes[sh][0], shapes[sh][1], n_tok);
+    static const pdm_dtype_t ktypes[] = {PDM_DT_Q2_K, PDM_DT_Q3_K, PDM_DT_Q4_K,
+                                         PDM_DT_Q5_K, PDM_DT_Q6_K, PDM_DT_IQ4_XS};
+    static const int kshapes[][2] = {{1, 256}, {33, 768}, {65, 512}};
+    for (size_t t = 0; t < PDM_ARRAY_SIZE(ktypes); t++)
+        for (size_t sh = 0; sh < PDM_ARRAY_SIZE(kshapes); sh++)
+            for (int n_tok = 1; n_tok <= 9; n_tok += 4)
+                check_matmul(ops, ktypes[t], kshapes[sh][0], kshapes[sh][1], n_tok);
     static const int nkv[] = {1, 7, 63, 64, 65, 1000};
     for (size_t a = 0; a < PDM_ARRAY_SIZE(nkv); a++) {
         check_attention(ops, 7, nkv[a], 64, PDM_DT_F32, 100, 100 + nkv[a] - 7, 1);
