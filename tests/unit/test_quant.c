@@ -184,6 +184,33 @@ START_TEST(test_llama_cpp_files)
 }
 END_TEST
 
+/* The F32 model the llama.cpp files were quantized from is regenerable: the test model
+ * writer with the script's arguments reproduces it byte for byte (its recorded sha256). */
+START_TEST(test_golden_base_model)
+{
+    cJSON *root = load_quant_golden();
+    const cJSON *base = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "config"), "base");
+    pdm_testmodel_params_t p;
+    pdm_testmodel_params_default(&p);
+    p.wtype = PDM_DT_F32, p.embtype = PDM_DT_F32; /* the script's BASE_ARGS */
+    p.n_layers = 1, p.d_model = 256, p.n_ff = 256, p.n_heads = 4, p.n_kv_heads = 1, p.seed = 7;
+    char path[512];
+    snprintf(path, sizeof(path), "%s/quant-base.gguf", pdm_test_tmpdir());
+    ck_assert_int_eq(pdm_testmodel_write(path, &p), PDM_OK);
+    size_t len;
+    char *bytes = read_all(path, &len);
+    uint8_t digest[32];
+    char hex[65];
+    pdm_sha256(bytes, len, digest);
+    hex32(digest, hex);
+    ck_assert_msg(!strcmp(hex, cJSON_GetObjectItem(base, "sha256")->valuestring),
+                  "the base model is no longer what make_quant_golden.py quantized");
+    free(bytes);
+    unlink(path);
+    cJSON_Delete(root);
+}
+END_TEST
+
 /* ---- pdmesh's quantizer ------------------------------------------------------------------ */
 
 /* Last-position logits of a fixed prompt on the model at `path`. */
@@ -404,6 +431,7 @@ Suite *suite_quant(void)
     TCase *tc = tcase_create("quant");
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, test_llama_cpp_files);
+    tcase_add_test(tc, test_golden_base_model);
     tcase_add_test(tc, test_quantize_file);
     tcase_add_test(tc, test_model_every_type);
     tcase_add_test(tc, test_unsupported_type_message);
