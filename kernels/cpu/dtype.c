@@ -324,7 +324,7 @@ void pdm_dequantize_row(pdm_dtype_t type, const void *src, float *dst, int64_t n
  * smallest squared error; the super-block scales then quantize the sub-block scales, and the
  * values are assigned again with the scales as they will be decoded. */
 
-#define PDM__N_GRIDS 9 /* candidate grids per sub-block: steps -4 .. +4 around max / nmax */
+#define PDM__N_GRIDS 21 /* candidate grids per sub-block: steps -10 .. +10 around max / nmax */
 
 static inline int pdm__clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
 
@@ -524,8 +524,23 @@ static void pdm__quantize_k_asym(pdm_dtype_t type, const float *x, void *block)
     uint16_t m16 = pdm_f32_to_f16(pdm__super_scale(min, ns, 0, smax));
     const float d = pdm_f16_to_f32(d16), dmin = pdm_f16_to_f32(m16);
     for (int j = 0; j < ns; j++) {
-        ls[j] = pdm__quant_scale(scale[j], d, 0, smax);
-        lm[j] = pdm__quant_scale(min[j], dmin, 0, smax);
+        /* the integer scale and min nearest the fitted ones, or a neighbour if that decodes
+         * the sub-block with a smaller squared error */
+        const int ls0 = pdm__quant_scale(scale[j], d, 0, smax);
+        const int lm0 = pdm__quant_scale(min[j], dmin, 0, smax);
+        double best = INFINITY;
+        for (int a = ls0 - 1; a <= ls0 + 1; a++)
+            for (int c = lm0 - 1; c <= lm0 + 1; c++) {
+                if (a < 0 || a > smax || c < 0 || c > smax) continue;
+                const float dl = d * (float)a, ml = dmin * (float)c;
+                double err = 0;
+                for (int l = 0; l < sub; l++) {
+                    const float v = x[j * sub + l];
+                    const int q = dl > 0.0f ? pdm__clampi((int)nearbyintf((v + ml) / dl), 0, nmax) : 0;
+                    err += (double)(dl * (float)q - ml - v) * (dl * (float)q - ml - v);
+                }
+                if (err < best) best = err, ls[j] = a, lm[j] = c;
+            }
         const float dl = d * (float)ls[j], ml = dmin * (float)lm[j];
         for (int l = 0; l < sub; l++) {
             const int e = j * sub + l;
@@ -581,12 +596,31 @@ static void pdm__quantize_k_sym(pdm_dtype_t type, const float *x, void *block)
     const uint16_t d16 = pdm_f32_to_f16(pdm__super_scale(scale, ns, slo, shi));
     const float d = pdm_f16_to_f32(d16);
     for (int j = 0; j < ns; j++) {
-        ls[j] = pdm__quant_scale(scale[j], d, slo, shi);
-        const float dl = d * (float)ls[j], idl = dl != 0.0f ? 1.0f / dl : 0.0f;
-        for (int l = 0; l < sub; l++) {
-            const int e = j * sub + l;
-            L[e] = type == PDM_DT_IQ4_XS ? pdm__iq4_index(x[e] * idl)
-                                         : pdm__clampi((int)nearbyintf(x[e] * idl), -nmax, nmax - 1) + nmax;
+        /* the nearest integer scale or a neighbour, whichever decodes with less error */
+        const int ls0 = pdm__quant_scale(scale[j], d, slo, shi);
+        double best = INFINITY;
+        for (int a = ls0 - 1; a <= ls0 + 1; a++) {
+            if (a < slo || a > shi) continue;
+            const float dl = d * (float)a, idl = dl != 0.0f ? 1.0f / dl : 0.0f;
+            double err = 0;
+            int cand[32];
+            for (int l = 0; l < sub; l++) {
+                const float v = x[j * sub + l];
+                float y;
+                if (type == PDM_DT_IQ4_XS) {
+                    cand[l] = pdm__iq4_index(v * idl);
+                    y = dl * (float)pdm_kvalues_iq4nl[cand[l]];
+                } else {
+                    cand[l] = pdm__clampi((int)nearbyintf(v * idl), -nmax, nmax - 1) + nmax;
+                    y = dl * (float)(cand[l] - nmax);
+                }
+                err += (double)(y - v) * (y - v);
+            }
+            if (err < best) {
+                best = err;
+                ls[j] = a;
+                memcpy(L + j * sub, cand, (size_t)sub * sizeof(int));
+            }
         }
     }
     if (type == PDM_DT_Q3_K) {

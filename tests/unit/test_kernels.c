@@ -103,16 +103,17 @@ START_TEST(test_quant_roundtrip_error)
 END_TEST
 
 /* Relative RMS error of quantize -> dequantize on uniform data in [-1, 1), 64 K elements.
- * Measured with the reference quantizers (commit "kernels: Q5_0 ..."): q8_0 0.38 %, q6_k
- * 1.36 %, q5_k 2.79 %, q5_1 2.96 %, q5_0 3.11 %, q4_k 5.57 %, q4_1 6.08 %, iq4_nl 6.30 %,
- * iq4_xs 6.35 %, q4_0 6.52 %, q3_k 12.3 %, q2_k 22.6 %; the bounds leave ~10 % headroom. */
+ * Measured with the reference quantizers: q8_0 0.38 %, q6_k 1.30 %, q5_k 2.66 %, q5_1 2.94 %,
+ * q5_0 3.13 %, q4_k 5.42 %, q4_1 6.07 %, iq4_nl 6.23 %, iq4_xs 6.29 %, q4_0 6.53 %, q3_k
+ * 11.8 %, q2_k 21.9 % (uniform data is the hard case for few levels: plain rounding to 16
+ * levels over a sub-block's range would give ~6.3 %); the bounds leave ~10 % headroom. */
 static const struct {
     pdm_dtype_t type;
     double bound;
 } QUANT_RMS_BOUNDS[] = {
-    {PDM_DT_Q8_0, 0.0045}, {PDM_DT_Q6_K, 0.015}, {PDM_DT_Q5_K, 0.031},  {PDM_DT_Q5_1, 0.033},
-    {PDM_DT_Q5_0, 0.035},  {PDM_DT_Q4_K, 0.062}, {PDM_DT_Q4_1, 0.067},  {PDM_DT_IQ4_NL, 0.07},
-    {PDM_DT_IQ4_XS, 0.07}, {PDM_DT_Q4_0, 0.072}, {PDM_DT_Q3_K, 0.135},  {PDM_DT_Q2_K, 0.25},
+    {PDM_DT_Q8_0, 0.0042}, {PDM_DT_Q6_K, 0.0145}, {PDM_DT_Q5_K, 0.03},  {PDM_DT_Q5_1, 0.033},
+    {PDM_DT_Q5_0, 0.035},  {PDM_DT_Q4_K, 0.06},   {PDM_DT_Q4_1, 0.067}, {PDM_DT_IQ4_NL, 0.069},
+    {PDM_DT_IQ4_XS, 0.069}, {PDM_DT_Q4_0, 0.072}, {PDM_DT_Q3_K, 0.13},  {PDM_DT_Q2_K, 0.242},
 };
 
 START_TEST(test_quant_rms_error)

@@ -261,14 +261,15 @@ START_TEST(test_quantize_file)
     ref_rms = sqrt(ref_rms / nv);
 
     /* relative RMS logit error allowed per scheme: measured (2026-11-24) q8_0 0.0087, q6_k
-     * 0.028, q5_k 0.049, q5_1 0.058, q5_0 0.059, q4_k_m 0.050, q4_k 0.096, iq4_xs 0.133,
-     * iq4_nl 0.134, q4_0 0.137, q3_k 0.204, q2_k 0.416; bounds ~20 % above */
+     * 0.027, q5_k 0.049, q5_1 0.058, q5_0 0.059, q4_k_m 0.046, q4_k 0.103, iq4_xs 0.130,
+     * iq4_nl 0.131, q4_0 0.137, q3_k 0.205, q2_k 0.439; bounds ~15-25 % above (one random
+     * model: the order between neighbouring types is not meaningful) */
     static const struct {
         const char *scheme;
         double tol;
     } schemes[] = {{"q8_0", 0.011},   {"q6_k", 0.034},   {"q5_k", 0.06},   {"q5_0", 0.072},
-                   {"q5_1", 0.072},   {"q4_k", 0.12},    {"q4_k_m", 0.062}, {"iq4_nl", 0.16},
-                   {"iq4_xs", 0.16},  {"q3_k", 0.25},    {"q2_k", 0.5},    {"q4_0", 0.165}};
+                   {"q5_1", 0.072},   {"q4_k", 0.125},   {"q4_k_m", 0.062}, {"iq4_nl", 0.16},
+                   {"iq4_xs", 0.16},  {"q3_k", 0.25},    {"q2_k", 0.53},    {"q4_0", 0.165}};
     for (size_t s = 0; s < PDM_ARRAY_SIZE(schemes); s++) {
         ck_assert_msg(pdm_model_quantize_file(f32, out, schemes[s].scheme) == PDM_OK, "%s: %s",
                       schemes[s].scheme, pdm_error_last());
