@@ -52,8 +52,9 @@ static pdm_dtype_t pdm__target(pdm_gguf_str_t name, int64_t cols, pdm_dtype_t ty
 {
     pdm_dtype_t t = type;
     if (mix)
-        t = pdm__name_has(name, "attn_v.") || pdm__name_has(name, "ffn_down.") ||
-                    pdm__name_has(name, "token_embd.") || pdm__name_has(name, "output.")
+        t = pdm__name_has(name, ".attn_v.") || pdm__name_has(name, ".ffn_down.") ||
+                    pdm_gguf_str_eq(name, "token_embd.weight") ||
+                    pdm_gguf_str_eq(name, "output.weight")
                 ? PDM_DT_Q6_K
                 : PDM_DT_Q4_K;
     if (cols % pdm_dtype_block_elems(t) == 0) return t;
