@@ -539,9 +539,9 @@ int pdm_gguf_writer_copy_kv(pdm_gguf_writer_t *w, const pdm_gguf_kv_t *kv)
             status = pdm_gguf__bytes_put_u64(&value, e.len);
             if (!status) status = pdm_gguf__bytes_put(&value, e.ptr, e.len);
         }
+        const size_t elem = pdm_gguf__wscalar_size(kv->v.arr.type);
         if (!status && kv->v.arr.type != PDM_GGUF_STRING) /* raw little-endian elements */
-            status = pdm_gguf__bytes_put(&value, kv->v.arr.data,
-                                         (size_t)kv->v.arr.n * pdm_gguf__wscalar_size(kv->v.arr.type));
+            status = pdm_gguf__bytes_put(&value, kv->v.arr.data, (size_t)kv->v.arr.n * elem);
     } else if (!status) {
         status = pdm_gguf__put_scalar(&value, kv);
     }

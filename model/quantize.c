@@ -70,7 +70,8 @@ static int pdm__convert_tensor(pdm_gguf_writer_t *w, const pdm_gguf_tensor_t *t,
                                const char *name)
 {
     const int64_t cols = t->ne[0], rows = t->ne[1] * t->ne[2] * t->ne[3];
-    const size_t in_rb = pdm_dtype_row_bytes(t->type, cols), out_rb = pdm_dtype_row_bytes(type, cols);
+    const size_t in_rb = pdm_dtype_row_bytes(t->type, cols);
+    const size_t out_rb = pdm_dtype_row_bytes(type, cols);
     float *row = malloc((size_t)cols * sizeof(float));
     char *out = malloc(out_rb * (size_t)rows);
     int rc;

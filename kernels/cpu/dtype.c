@@ -519,7 +519,8 @@ static void pdm__quantize_k_asym(pdm_dtype_t type, const float *x, void *block)
     float scale[16], min[16];
     uint8_t L[PDM_QK_K];
     int ls[16], lm[16];
-    for (int j = 0; j < ns; j++) scale[j] = pdm__fit_scale_min(x + j * sub, sub, nmax, L + j * sub, &min[j]);
+    for (int j = 0; j < ns; j++)
+        scale[j] = pdm__fit_scale_min(x + j * sub, sub, nmax, L + j * sub, &min[j]);
     uint16_t d16 = pdm_f32_to_f16(pdm__super_scale(scale, ns, 0, smax));
     uint16_t m16 = pdm_f32_to_f16(pdm__super_scale(min, ns, 0, smax));
     const float d = pdm_f16_to_f32(d16), dmin = pdm_f16_to_f32(m16);
@@ -536,7 +537,8 @@ static void pdm__quantize_k_asym(pdm_dtype_t type, const float *x, void *block)
                 double err = 0;
                 for (int l = 0; l < sub; l++) {
                     const float v = x[j * sub + l];
-                    const int q = dl > 0.0f ? pdm__clampi((int)nearbyintf((v + ml) / dl), 0, nmax) : 0;
+                    const int q =
+                        dl > 0.0f ? pdm__clampi((int)nearbyintf((v + ml) / dl), 0, nmax) : 0;
                     err += (double)(dl * (float)q - ml - v) * (dl * (float)q - ml - v);
                 }
                 if (err < best) best = err, ls[j] = a, lm[j] = c;
@@ -544,7 +546,8 @@ static void pdm__quantize_k_asym(pdm_dtype_t type, const float *x, void *block)
         const float dl = d * (float)ls[j], ml = dmin * (float)lm[j];
         for (int l = 0; l < sub; l++) {
             const int e = j * sub + l;
-            L[e] = (uint8_t)(dl > 0.0f ? pdm__clampi((int)nearbyintf((x[e] + ml) / dl), 0, nmax) : 0);
+            const int q = dl > 0.0f ? (int)nearbyintf((x[e] + ml) / dl) : 0;
+            L[e] = (uint8_t)pdm__clampi(q, 0, nmax);
         }
     }
     if (type == PDM_DT_Q2_K) {

@@ -4,7 +4,7 @@
 Steps (all deterministic):
   1. pdmesh writes a small random F32 model (`pdmesh make-test-model --wtype f32 ...`, fixed
      seed and shape: 1 layer, d_model 256, ffn 256, 4 heads / 1 KV head, the test models' BPE
-     vocabulary of 459 tokens).  It is not committed: its sha256 is recorded, and the quant
+     vocabulary of 339 tokens).  It is not committed: its sha256 is recorded, and the quant
      suite rebuilds it with the test model writer and checks that sha256, so the provenance
      of the quantized files stays reproducible.
   2. llama.cpp's own quantizer (llama_cpp.llama_model_quantize with
