@@ -57,7 +57,8 @@ COMMON_NODE_SRC := common/nodelink.c common/auth.c common/health.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
-             model/forward.c model/kv_cache.c model/kv_quant.c model/sampler.c model/testmodel.c
+             model/forward.c model/kv_cache.c model/kv_quant.c model/sampler.c model/testmodel.c \
+             model/quantize.c
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/checksum.c \
            kvtransfer/checksum_avx2.c
 PREFILL_SRC := prefill_node/plan.c prefill_node/plan_io.c prefill_node/conv.c \
@@ -90,7 +91,7 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
             tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c \
             tests/unit/test_router.c tests/unit/test_sdk.c tests/unit/test_http.c tests/unit/test_curve.c \
-            tests/unit/test_nodeproto.c \
+            tests/unit/test_nodeproto.c tests/unit/test_quant.c \
             router/http_openai.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
@@ -129,7 +130,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden clean distclean format \
+.PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant clean distclean format \
         format-check \
         integration-test hardening-test hardening-memory bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
@@ -453,6 +454,12 @@ golden: model
 	@tools/deps.sh $(VENV) --golden
 	$(VENV)/bin/python tests/golden/make_golden.py --model $(MODEL_FILE) \
 	  --out tests/golden/golden.json
+
+# llama.cpp-quantized test models and their reference values (tests/golden/quant/,
+# quant_golden.json; see tests/golden/README.md)
+golden-quant: $(BUILD)/bin/pdmesh
+	@tools/deps.sh $(VENV) --golden
+	$(VENV)/bin/python tests/golden/make_quant_golden.py --pdmesh $(BUILD)/bin/pdmesh
 
 # Formatting with the committed .clang-format: every C/CUDA source and header of the tree
 # (not build output). `make format` rewrites them in place; `make format-check` only lists the

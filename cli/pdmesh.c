@@ -1,5 +1,6 @@
 /*
- * pdmesh.c - the local command-line tool: generate, tokenize, detokenize, make-test-model.
+ * pdmesh.c - the local command-line tool: generate, tokenize, detokenize, make-test-model,
+ * quantize.
  *
  * stdout carries only what the command produces (generated text, token ids); diagnostics and
  * statistics go to stderr. Exit status: 0 success, 1 runtime error, 2 usage error.
@@ -65,7 +66,12 @@ static void usage(FILE *f)
             "  health      --file F [--max-age S] [--stall S] [--ready]   a node's health file\n"
             "              (pdmesh-prefill/-decode --health-file): exit 0 healthy, 1 not\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
-            "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
+            "              [--kv-heads N] [--wtype T] [--emb-type T] [--untied] [--seed S]\n"
+            "              T: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k\n"
+            "              iq4_nl iq4_xs (the K types and iq4_xs need d_model and ffn\n"
+            "              multiples of 256); default q4_1 matrices, q8_0 embeddings\n"
+            "  quantize    IN OUT TYPE   convert an f32/f16/bf16 GGUF's matrices to TYPE (as\n"
+            "              above, or q4_k_m: q6_k for attn_v, ffn_down and embeddings)\n"
             "\n"
             "common options:\n"
             "  --model FILE   GGUF model (default: $PDMESH_MODEL or "
@@ -480,11 +486,12 @@ static int cmd_make_test_model(int argc, char **argv)
         {"heads", required_argument, 0, 'H'},    {"kv-heads", required_argument, 0, 'k'},
         {"wtype", required_argument, 0, 'w'},    {"seed", required_argument, 0, 's'},
         {"ctx", required_argument, 0, 'c'},      {"help", no_argument, 0, 'h'},
+        {"emb-type", required_argument, 0, 'e'}, {"untied", no_argument, 0, 'u'},
         {0, 0, 0, 0}};
     int c;
     long v;
     optind = 1;
-    while ((c = getopt_long(argc, argv, "o:l:d:f:H:k:w:s:c:h", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "o:l:d:f:H:k:w:s:c:he:u", opts, NULL)) != -1) {
         if (c == 'h') {
             usage(stdout);
             return 0;
@@ -493,16 +500,16 @@ static int cmd_make_test_model(int argc, char **argv)
             out = optarg;
             continue;
         }
-        if (c == 'w') {
-            static const struct {
-                const char *name;
-                pdm_dtype_t type;
-            } types[] = {{"q4_1", PDM_DT_Q4_1}, {"q4_0", PDM_DT_Q4_0}, {"q8_0", PDM_DT_Q8_0},
-                         {"f16", PDM_DT_F16},   {"f32", PDM_DT_F32},   {"bf16", PDM_DT_BF16}};
-            int found = 0;
-            for (size_t i = 0; i < PDM_ARRAY_SIZE(types); i++)
-                if (!strcmp(optarg, types[i].name)) p.wtype = types[i].type, found = 1;
-            if (!found) return cli_usage_error("unknown --wtype '%s'", optarg);
+        if (c == 'w' || c == 'e') {
+            int t = pdm_dtype_from_name(optarg);
+            if (t < 0 || !pdm_dtype_is_weight((pdm_dtype_t)t))
+                return cli_usage_error("unknown weight type '%s' (see pdmesh --help)", optarg);
+            if (c == 'w') p.wtype = (pdm_dtype_t)t;
+            else p.embtype = (pdm_dtype_t)t;
+            continue;
+        }
+        if (c == 'u') {
+            p.tied = 0;
             continue;
         }
         if (c == '?' || pdm_parse_long(optarg, 1, 1 << 20, &v))
@@ -519,6 +526,22 @@ static int cmd_make_test_model(int argc, char **argv)
     }
     if (!out) return cli_usage_error("%s", "make-test-model needs --out FILE");
     if (pdm_testmodel_write(out, &p)) return cli_runtime_error("cannot write the test model");
+    return 0;
+}
+
+/* ---- quantize ---------------------------------------------------------------------------- */
+
+static int cmd_quantize(int argc, char **argv)
+{
+    if (argc == 2 && (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"))) {
+        usage(stdout);
+        return 0;
+    }
+    if (argc != 4) return cli_usage_error("%s", "quantize needs IN OUT TYPE");
+    if (pdm_model_quantize_file(argv[1], argv[2], argv[3])) {
+        fprintf(stderr, "%s: quantize: %s\n", cli_prog, pdm_error_last());
+        return 1;
+    }
     return 0;
 }
 
@@ -564,6 +587,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 1, argv + 1);
     if (!strcmp(cmd, "detokenize")) return cmd_detokenize(argc - 1, argv + 1);
     if (!strcmp(cmd, "make-test-model")) return cmd_make_test_model(argc - 1, argv + 1);
+    if (!strcmp(cmd, "quantize")) return cmd_quantize(argc - 1, argv + 1);
     if (!strcmp(cmd, "prefill-run")) return cmd_prefill_run(argc - 1, argv + 1);
     if (!strcmp(cmd, "partition-search")) return cmd_partition_search(argc - 1, argv + 1);
     if (!strcmp(cmd, "calibrate")) return cmd_calibrate(argc - 1, argv + 1);

@@ -21,17 +21,30 @@ typedef enum {
     PDM_DT_F16 = 1,
     PDM_DT_Q4_0 = 2,
     PDM_DT_Q4_1 = 3,
+    PDM_DT_Q5_0 = 6,
+    PDM_DT_Q5_1 = 7,
     PDM_DT_Q8_0 = 8,
     PDM_DT_Q8_1 = 9, /* activations only: 8-bit with per-block scale and sum */
+    PDM_DT_Q2_K = 10,
+    PDM_DT_Q3_K = 11,
+    PDM_DT_Q4_K = 12,
+    PDM_DT_Q5_K = 13,
+    PDM_DT_Q6_K = 14,
+    PDM_DT_Q8_K = 15, /* activations only: 8-bit per 256, f32 scale, sums of 16 */
+    PDM_DT_IQ4_NL = 20,
+    PDM_DT_IQ4_XS = 23,
     PDM_DT_I8 = 24,  /* KV cache "q8": plain int8, x = q * scale, one scale per (layer, kv
                       * head) for K and one for V, kept outside the rows */
     PDM_DT_BF16 = 30,
     PDM_DT_COUNT_ = 31
 } pdm_dtype_t;
 
-#define PDM_QK 32 /* elements per block of every block-quantized type */
+#define PDM_QK 32   /* elements per block of the 32-element types (Q4_0 .. Q8_1, IQ4_NL) */
+#define PDM_QK_K 256 /* elements per super-block of the K-quants and IQ4_XS */
 
-/* Block layouts (little-endian, packed as in GGUF files). */
+/* Block layouts (little-endian, packed as in GGUF files; the spec is ggml's
+ * ggml/src/ggml-common.h, whose block_* structs these mirror field for field). Elements of a
+ * block are numbered in row order; "element j" below is the j-th of its block. */
 typedef struct {
     uint16_t d;             /* f16 scale */
     uint8_t qs[PDM_QK / 2]; /* 4-bit values, x = (q - 8) * d; low nibbles hold elements 0..15 */
@@ -50,8 +63,79 @@ typedef struct {
     int8_t qs[PDM_QK];
 } pdm_block_q8_1_t;
 
+typedef struct {
+    uint16_t d;             /* f16 scale: x = (q - 16) * d, q 5 bits */
+    uint8_t qh[4];          /* bit j (little-endian u32) is bit 4 of element j's q */
+    uint8_t qs[PDM_QK / 2]; /* low 4 bits: low nibbles elements 0..15, high nibbles 16..31 */
+} pdm_block_q5_0_t;
+typedef struct {
+    uint16_t d, m;          /* f16 scale and minimum: x = q * d + m, q 5 bits */
+    uint8_t qh[4];          /* as Q5_0 */
+    uint8_t qs[PDM_QK / 2];
+} pdm_block_q5_1_t;
+
+/* The K-quants (ggml-common.h block_q2_K .. block_q6_K, block_q8_K). A super-block of 256
+ * holds 8 sub-blocks of 32 (Q4_K, Q5_K) or 16 of 16 (Q2_K, Q3_K, Q6_K), each with a small
+ * integer scale (and min) that the f16 super-block scale d (and dmin) multiply. */
+typedef struct {
+    uint8_t scales[PDM_QK_K / 16]; /* sub-block j of 16: scale low nibble, min high nibble */
+    uint8_t qs[PDM_QK_K / 4];      /* 2-bit q; see pdm_dequantize_row for the bit order */
+    uint16_t d, dmin;              /* x = d * scale_j * q - dmin * min_j */
+} pdm_block_q2_K_t;
+typedef struct {
+    uint8_t hmask[PDM_QK_K / 8];   /* bit e / 32 of byte e % 32: element e's high bit h */
+    uint8_t qs[PDM_QK_K / 4];      /* low 2 bits lo of q, packed as Q2_K's */
+    uint8_t scales[12];            /* 16 6-bit scales, stored + 32 */
+    uint16_t d;                    /* x = d * (scale_j - 32) * (lo - (h ? 0 : 4)) */
+} pdm_block_q3_K_t;
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];            /* 8 6-bit scales and 8 6-bit mins (get_scale_min_k4) */
+    uint8_t qs[PDM_QK_K / 2];      /* x = d * scale_j * q - dmin * min_j, q 4 bits */
+} pdm_block_q4_K_t;
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];            /* as Q4_K */
+    uint8_t qh[PDM_QK_K / 8];      /* bit 4 of q */
+    uint8_t qs[PDM_QK_K / 2];      /* low 4 bits of q */
+} pdm_block_q5_K_t;
+typedef struct {
+    uint8_t ql[PDM_QK_K / 2];      /* low 4 bits of q */
+    uint8_t qh[PDM_QK_K / 4];      /* high 2 bits of q */
+    int8_t scales[PDM_QK_K / 16];  /* x = d * scale_j * (q - 32), q 6 bits */
+    uint16_t d;
+} pdm_block_q6_K_t;
+typedef struct {
+    float d;                       /* scale: x = q * d (not rounded to f16) */
+    int8_t qs[PDM_QK_K];
+    int16_t bsums[PDM_QK_K / 16];  /* sums of qs over groups of 16 (the K-quants' min terms) */
+} pdm_block_q8_K_t;
+
+/* IQ4_NL and IQ4_XS (ggml-common.h block_iq4_nl, block_iq4_xs): 4-bit indices into the fixed
+ * non-linear table pdm_kvalues_iq4nl. */
+typedef struct {
+    uint16_t d;                    /* x = d * kvalues[q] */
+    uint8_t qs[PDM_QK / 2];        /* low nibbles elements 0..15, high nibbles 16..31 */
+} pdm_block_iq4_nl_t;
+typedef struct {
+    uint16_t d;
+    uint16_t scales_h;             /* bits 2j..2j+1: high 2 bits of sub-block j's scale */
+    uint8_t scales_l[PDM_QK_K / 64]; /* nibble j: low 4 bits of sub-block j's scale */
+    uint8_t qs[PDM_QK_K / 2];      /* per 32: as IQ4_NL; x = d * (scale_j - 32) * kvalues[q] */
+} pdm_block_iq4_xs_t;
+
+/* The 16 values of IQ4_NL / IQ4_XS (a format constant, ggml-common.h kvalues_iq4nl). */
+extern const int8_t pdm_kvalues_iq4nl[16];
+
 /* Returns 1 if `type` is a known type, 0 otherwise. */
 int pdm_dtype_valid(uint32_t type);
+/* Returns 1 if `type` can hold weights in a model file (every known type but the activation
+ * formats Q8_1 and Q8_K and the KV cache's I8). */
+int pdm_dtype_is_weight(pdm_dtype_t type);
+/* The weight types, comma-separated, for error messages ("f32, f16, ..."). */
+const char *pdm_dtype_weight_list(void);
+/* The type named `name` ("q4_k", case-insensitive), or -1. */
+int pdm_dtype_from_name(const char *name);
 const char *pdm_dtype_name(pdm_dtype_t type);
 /* Elements per block (1 for plain float types) and bytes per block. */
 int pdm_dtype_block_elems(pdm_dtype_t type);
@@ -67,7 +151,10 @@ uint16_t pdm_f32_to_bf16(float f);
 /* Reference dequantization of `n` elements (n a multiple of the block size) into f32. */
 void pdm_dequantize_row(pdm_dtype_t type, const void *src, float *dst, int64_t n);
 /* Reference quantization of `n` f32 elements; supports every type above but I8 (whose scale
- * lives outside the row: see pdm_q8_quantize_row). */
+ * lives outside the row: see pdm_q8_quantize_row). For the K-quants and IQ4 the scales are
+ * searched to minimise the squared error of each sub-block (our own search, not llama.cpp's:
+ * files differ from llama-quantize's bit for bit, the format is the same). Q8_K follows
+ * llama.cpp's quantize_row_q8_K_ref exactly (it is an activation format). */
 void pdm_quantize_row(pdm_dtype_t type, const float *src, void *dst, int64_t n);
 
 /* int8 KV ("q8"): dst[i] = round-to-nearest-even(src[i] / scale), saturated to [-127, 127]

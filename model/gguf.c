@@ -400,10 +400,10 @@ static int pdm_gguf__parse_tensor_info(pdm_gguf__cursor_t *cur, uint64_t index,
     snprintf(cur->what, sizeof(cur->what), "the type of tensor '%s'", name);
     status = pdm_gguf__read_u32(cur, &type);
     if (status) return status;
-    if (!pdm_dtype_valid(type) || type == PDM_DT_Q8_1 || type == PDM_DT_I8) {
-        return pdm_error_set(PDM_EUNSUPPORTED, "%s: tensor '%s' has type %" PRIu32 ", which is "
-                             "not supported (f32, f16, bf16, q4_0, q4_1, q8_0 are)",
-                             cur->name, name, type);
+    if (!pdm_dtype_valid(type) || !pdm_dtype_is_weight((pdm_dtype_t)type)) {
+        return pdm_error_set(PDM_EUNSUPPORTED, "%s: tensor '%s' has type %" PRIu32 " (%s), which "
+                             "is not supported (%s are)", cur->name, name, type,
+                             pdm_dtype_name((pdm_dtype_t)type), pdm_dtype_weight_list());
     }
     t->type = (pdm_dtype_t)type;
 

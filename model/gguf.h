@@ -131,6 +131,8 @@ int pdm_gguf_writer_set_arr_i32(pdm_gguf_writer_t *w, const char *key, const int
                                 uint64_t n);
 int pdm_gguf_writer_set_arr_f32(pdm_gguf_writer_t *w, const char *key, const float *v,
                                 uint64_t n);
+/* Copies a metadata pair read from a file (any value type, arrays of strings included). */
+int pdm_gguf_writer_copy_kv(pdm_gguf_writer_t *w, const pdm_gguf_kv_t *kv);
 /* Adds a tensor with raw data already in `type`'s layout (copied). */
 int pdm_gguf_writer_add_tensor(pdm_gguf_writer_t *w, const char *name, pdm_dtype_t type,
                                uint32_t n_dims, const int64_t *ne, const void *data);

@@ -295,7 +295,7 @@ int pdm_gguf_writer_add_tensor(pdm_gguf_writer_t *w, const char *name, pdm_dtype
 
     if (!w || !name || !*name || !ne || !data)
         return pdm_error_set(PDM_EINVAL, "gguf writer: NULL argument or empty tensor name");
-    if (!pdm_dtype_valid((uint32_t)type) || type == PDM_DT_Q8_1 || type == PDM_DT_I8)
+    if (!pdm_dtype_valid((uint32_t)type) || !pdm_dtype_is_weight(type))
         return pdm_error_set(PDM_EINVAL, "gguf writer: tensor '%s' has invalid type %d", name,
                              (int)type);
     if (n_dims < 1 || n_dims > 4)
@@ -453,4 +453,100 @@ err_free_tmp:
 err_free_head:
     free(head.data);
     return status;
+}
+
+/* Bytes of one scalar of metadata type `type` (0 for STRING, ARRAY, unknown). */
+static size_t pdm_gguf__wscalar_size(pdm_gguf_type_t type)
+{
+    switch (type) {
+    case PDM_GGUF_UINT8:
+    case PDM_GGUF_INT8:
+    case PDM_GGUF_BOOL:
+        return 1;
+    case PDM_GGUF_UINT16:
+    case PDM_GGUF_INT16:
+        return 2;
+    case PDM_GGUF_UINT32:
+    case PDM_GGUF_INT32:
+    case PDM_GGUF_FLOAT32:
+        return 4;
+    case PDM_GGUF_UINT64:
+    case PDM_GGUF_INT64:
+    case PDM_GGUF_FLOAT64:
+        return 8;
+    default:
+        return 0;
+    }
+}
+
+/* Serialises a decoded scalar back into its little-endian bytes. */
+static int pdm_gguf__put_scalar(pdm_gguf__bytes_t *b, const pdm_gguf_kv_t *kv)
+{
+    uint64_t bits;
+    switch (kv->type) {
+    case PDM_GGUF_FLOAT32: {
+        float f = (float)kv->v.f64;
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        bits = u;
+        break;
+    }
+    case PDM_GGUF_FLOAT64:
+        memcpy(&bits, &kv->v.f64, 8);
+        break;
+    case PDM_GGUF_INT8:
+    case PDM_GGUF_INT16:
+    case PDM_GGUF_INT32:
+    case PDM_GGUF_INT64:
+        bits = (uint64_t)kv->v.i64;
+        break;
+    default:
+        bits = kv->v.u64;
+        break;
+    }
+    size_t n = pdm_gguf__wscalar_size(kv->type);
+    uint8_t le[8];
+    for (size_t i = 0; i < n; i++) le[i] = (uint8_t)(bits >> (8 * i));
+    return pdm_gguf__bytes_put(b, le, n);
+}
+
+/* Copies one metadata pair of an open file (any value type) into the writer, replacing a
+ * pair of the same key. general.alignment is skipped (the writer owns it). Keys containing
+ * a NUL byte are rejected with PDM_EINVAL. */
+int pdm_gguf_writer_copy_kv(pdm_gguf_writer_t *w, const pdm_gguf_kv_t *kv)
+{
+    if (!w || !kv) return pdm_error_set(PDM_EINVAL, "gguf writer: NULL argument");
+    if (pdm_gguf_str_eq(kv->key, "general.alignment")) return PDM_OK;
+    char *key = malloc(kv->key.len + 1);
+    if (!key) return pdm_error_set(PDM_ENOMEM, "gguf writer: out of memory");
+    memcpy(key, kv->key.ptr, kv->key.len);
+    key[kv->key.len] = 0;
+    int status = strlen(key) == kv->key.len ? PDM_OK : PDM_EINVAL;
+    if (status) {
+        free(key);
+        return pdm_error_set(status, "gguf writer: metadata key with a NUL byte");
+    }
+    pdm_gguf__bytes_t value = {0};
+    status = pdm_gguf__bytes_put_u32(&value, kv->type);
+    if (!status && kv->type == PDM_GGUF_STRING) {
+        status = pdm_gguf__bytes_put_u64(&value, kv->v.str.len);
+        if (!status) status = pdm_gguf__bytes_put(&value, kv->v.str.ptr, kv->v.str.len);
+    } else if (!status && kv->type == PDM_GGUF_ARRAY) {
+        status = pdm_gguf__bytes_put_u32(&value, kv->v.arr.type);
+        if (!status) status = pdm_gguf__bytes_put_u64(&value, kv->v.arr.n);
+        for (uint64_t i = 0; !status && kv->v.arr.type == PDM_GGUF_STRING && i < kv->v.arr.n; i++) {
+            pdm_gguf_str_t e = pdm_gguf_arr_str(kv, i);
+            status = pdm_gguf__bytes_put_u64(&value, e.len);
+            if (!status) status = pdm_gguf__bytes_put(&value, e.ptr, e.len);
+        }
+        const size_t elem = pdm_gguf__wscalar_size(kv->v.arr.type);
+        if (!status && kv->v.arr.type != PDM_GGUF_STRING) /* raw little-endian elements */
+            status = pdm_gguf__bytes_put(&value, kv->v.arr.data, (size_t)kv->v.arr.n * elem);
+    } else if (!status) {
+        status = pdm_gguf__put_scalar(&value, kv);
+    }
+    if (!status) status = pdm_gguf__set(w, key, value);
+    else free(value.data);
+    free(key);
+    return status ? pdm_error_set(status, "gguf writer: cannot copy metadata") : PDM_OK;
 }

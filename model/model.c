@@ -35,21 +35,14 @@ static int pdm__bind_mat(const pdm_gguf_t *g, const char *path, const char *name
                              path, name, (long long)t->ne[0],
                              (long long)(t->n_dims > 1 ? t->ne[1] : 1), (long long)cols,
                              (long long)rows);
-    switch (t->type) {
-    case PDM_DT_F32:
-    case PDM_DT_F16:
-    case PDM_DT_BF16:
-    case PDM_DT_Q8_0:
-    case PDM_DT_Q4_0:
-    case PDM_DT_Q4_1:
-        break;
-    default:
-        return pdm_error_set(PDM_EUNSUPPORTED, "%s: tensor '%s' has unsupported type %s", path,
-                             name, pdm_dtype_name(t->type));
-    }
-    if (pdm_dtype_block_elems(t->type) > 1 && cols % PDM_QK)
+    if (!pdm_dtype_is_weight(t->type))
+        return pdm_error_set(PDM_EUNSUPPORTED, "%s: tensor '%s' has type %s (%d), which is not "
+                             "supported for weights (supported: %s)", path, name,
+                             pdm_dtype_name(t->type), (int)t->type, pdm_dtype_weight_list());
+    if (cols % pdm_dtype_block_elems(t->type))
         return pdm_error_set(PDM_EFORMAT, "%s: tensor '%s' row length %lld is not a multiple "
-                             "of %d", path, name, (long long)cols, PDM_QK);
+                             "of the %s block size %d", path, name, (long long)cols,
+                             pdm_dtype_name(t->type), pdm_dtype_block_elems(t->type));
     out->data = t->data;
     out->type = t->type;
     out->rows = rows;

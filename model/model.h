@@ -247,11 +247,21 @@ void pdm_sampler_destroy(pdm_sampler_t *s);
 int32_t pdm_sampler_sample(pdm_sampler_t *s, const float *logits, const int32_t *history,
                            int n_history);
 
+/* ---- Quantization ------------------------------------------------------------------------ */
+
+/* Writes `out_path`: the F32/F16/BF16 GGUF `in_path` with every 2-D weight matrix converted
+ * to `scheme` (a weight type name such as "q4_k", or "q4_k_m": Q6_K for attn_v, ffn_down,
+ * token_embd and output, Q4_K for the rest). One-row and 1-D tensors become F32; matrices
+ * whose rows are not whole blocks of the target fall back to Q8_0 (or F16). All metadata is
+ * kept; general.file_type is set to llama.cpp's number for the scheme. Errors (unknown scheme,
+ * an already quantized input, I/O) are returned with a message; nothing is left at out_path. */
+int pdm_model_quantize_file(const char *in_path, const char *out_path, const char *scheme);
+
 /* ---- Random test models ------------------------------------------------------------------- */
 
 typedef struct {
     uint32_t n_layers, d_model, n_ff, n_heads, n_kv_heads, n_ctx;
-    pdm_dtype_t wtype;   /* type of the matrices: F32, F16, Q8_0, Q4_0, Q4_1 */
+    pdm_dtype_t wtype;   /* type of the matrices: any weight type (pdm_dtype_is_weight) */
     pdm_dtype_t embtype; /* type of the token embeddings */
     int tied;            /* output projection shares tok_embd */
     float rope_theta;

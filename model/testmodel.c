@@ -200,6 +200,16 @@ int pdm_testmodel_write(const char *path, const pdm_testmodel_params_t *p)
         p->n_ff % PDM_QK || p->n_layers == 0)
         return pdm_error_set(PDM_EINVAL, "test model: inconsistent shape (d_model %u, heads "
                              "%u/%u, ffn %u)", p->d_model, p->n_heads, p->n_kv_heads, p->n_ff);
+    if (!pdm_dtype_is_weight(p->wtype) || !pdm_dtype_is_weight(p->embtype))
+        return pdm_error_set(PDM_EINVAL, "test model: %s / %s cannot hold weights (use one of "
+                             "%s)", pdm_dtype_name(p->wtype), pdm_dtype_name(p->embtype),
+                             pdm_dtype_weight_list());
+    /* every matrix has rows of d_model or n_ff elements; embeddings rows of d_model */
+    const int wb = pdm_dtype_block_elems(p->wtype), eb = pdm_dtype_block_elems(p->embtype);
+    if (p->d_model % wb || p->n_ff % wb || p->d_model % eb)
+        return pdm_error_set(PDM_EINVAL, "test model: d_model %u and ffn %u must be multiples "
+                             "of the block size of %s (%d) and d_model of %s (%d)", p->d_model,
+                             p->n_ff, pdm_dtype_name(p->wtype), wb, pdm_dtype_name(p->embtype), eb);
     int rc;
     pdm__vocab_t vocab = {0};
     pdm_gguf_writer_t *w = pdm_gguf_writer_create();

@@ -3,12 +3,16 @@
  * intrinsics: the SIMD variants are tested against these functions.
  *
  * Numerics follow llama.cpp's CPU backend where that matters for matching its outputs:
- * activations are quantized to 8 bits per block before products with quantized weights
- * (Q8_1 for Q4_1, Q8_0 for Q4_0/Q8_0) with the scale rounded to f16, dot products are
- * accumulated as integers per block, RMSNorm accumulates in double, RoPE angles are advanced
- * by repeated multiplication.
+ * activations are quantized to 8 bits per block before products with quantized weights,
+ * paired as llama.cpp pairs them (ggml-cpu.c type_traits_cpu vec_dot_type): Q8_1 for Q4_1 and
+ * Q5_1, Q8_0 (scale rounded to f16) for Q4_0, Q5_0, Q8_0 and IQ4_NL, Q8_K (f32 scale, 256 per
+ * block) for the K-quants and IQ4_XS. Dot products are accumulated as integers per block (per
+ * super-block for Q8_K, sub-block scales applied as integers), then scaled by the two block
+ * scales, as llama.cpp's vec_dot functions do. RMSNorm accumulates in double, RoPE angles are
+ * advanced by repeated multiplication.
  */
 #include "ops_internal.h"
+#include "quant_layout.h"
 
 #include <math.h>
 #include <string.h>
@@ -19,10 +23,20 @@ pdm_dtype_t pdm_kern__act_type(pdm_dtype_t wtype)
 {
     switch (wtype) {
     case PDM_DT_Q4_1:
+    case PDM_DT_Q5_1:
         return PDM_DT_Q8_1;
     case PDM_DT_Q4_0:
+    case PDM_DT_Q5_0:
     case PDM_DT_Q8_0:
+    case PDM_DT_IQ4_NL:
         return PDM_DT_Q8_0;
+    case PDM_DT_Q2_K:
+    case PDM_DT_Q3_K:
+    case PDM_DT_Q4_K:
+    case PDM_DT_Q5_K:
+    case PDM_DT_Q6_K:
+    case PDM_DT_IQ4_XS:
+        return PDM_DT_Q8_K;
     default:
         return PDM_DT_F32;
     }
@@ -76,6 +90,7 @@ static void generic_act_convert(pdm_dtype_t wtype, const float *x, int64_t cols,
     for (int t = t0; t < t1; t++) {
         void *dst = (char *)act + (size_t)t * rb;
         if (at == PDM_DT_Q8_1) pdm_kern__quantize_q8_1_row(x + (size_t)t * cols, dst, cols);
+        else if (at == PDM_DT_Q8_K) pdm_kern__quantize_q8_K_row(x + (size_t)t * cols, dst, cols);
         else pdm_kern__quantize_q8_0_row(x + (size_t)t * cols, dst, cols);
     }
 }
@@ -121,6 +136,84 @@ static float dot_q8_0_q8_0(const pdm_block_q8_0_t *w, const pdm_block_q8_0_t *x,
     return sum;
 }
 
+/* Q5_0 x Q8_0 and IQ4_NL x Q8_0 (ggml_vec_dot_q5_0_q8_0, ggml_vec_dot_iq4_nl_q8_0): the
+ * signed weight values times the activation quants, summed as integers per block. */
+static float dot_q5_0_q8_0(const pdm_block_q5_0_t *w, const pdm_block_q8_0_t *x, int64_t nb)
+{
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int sumi = 0;
+        for (int e = 0; e < PDM_QK; e++) sumi += (pdm_ql_q5(w[i].qs, w[i].qh, e) - 16) * x[i].qs[e];
+        sum += pdm_f16_to_f32(w[i].d) * pdm_f16_to_f32(x[i].d) * (float)sumi;
+    }
+    return sum;
+}
+
+static float dot_iq4_nl_q8_0(const pdm_block_iq4_nl_t *w, const pdm_block_q8_0_t *x, int64_t nb)
+{
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int sumi = 0;
+        for (int j = 0; j < PDM_QK / 2; j++) {
+            sumi += pdm_kvalues_iq4nl[w[i].qs[j] & 0x0f] * x[i].qs[j];
+            sumi += pdm_kvalues_iq4nl[w[i].qs[j] >> 4] * x[i].qs[j + PDM_QK / 2];
+        }
+        sum += pdm_f16_to_f32(w[i].d) * pdm_f16_to_f32(x[i].d) * (float)sumi;
+    }
+    return sum;
+}
+
+/* Q5_1 x Q8_1 (ggml_vec_dot_q5_1_q8_1): as Q4_1 with 5-bit values. */
+static float dot_q5_1_q8_1(const pdm_block_q5_1_t *w, const pdm_block_q8_1_t *x, int64_t nb)
+{
+    float sum = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int sumi = 0;
+        for (int e = 0; e < PDM_QK; e++) sumi += pdm_ql_q5(w[i].qs, w[i].qh, e) * x[i].qs[e];
+        sum += pdm_f16_to_f32(w[i].d) * x[i].d * (float)sumi + pdm_f16_to_f32(w[i].m) * x[i].s;
+    }
+    return sum;
+}
+
+/* One decoded super-block against one Q8_K block (ggml_vec_dot_q*_K_q8_K, iq4_xs): the sum
+ * over sub-blocks of scale * (q . q8) as an integer, scaled by d * d8; the minimums through
+ * the precomputed sums of 16 activations, sum of min * bsum, scaled by dmin * d8. */
+static float dot_kblock_q8_K(const pdm_kern__kblock_t *k, const pdm_block_q8_K_t *x)
+{
+    int32_t sumi = 0, summ = 0;
+    for (int j = 0; j < PDM_QK_K / k->sub_len; j++) {
+        int32_t s = 0;
+        for (int l = 0; l < k->sub_len; l++) {
+            const int e = j * k->sub_len + l;
+            s += k->q[e] * x->qs[e];
+        }
+        sumi += k->scale[j] * s;
+    }
+    if (k->dmin != 0.0f) /* groups of 16: a sub-block of 32 covers two bsums */
+        for (int g = 0; g < PDM_QK_K / 16; g++) summ += k->min[g * 16 / k->sub_len] * x->bsums[g];
+    return k->d * x->d * (float)sumi - k->dmin * x->d * (float)summ;
+}
+
+/* y[t][r] for the 256-element types: each weight block is decoded once and used for every
+ * token; outputs accumulate block by block in y itself, so no scratch is needed. */
+static void matmul_kblocks(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
+                           int64_t ldy, int64_t r0, int64_t r1)
+{
+    const int64_t nb = w->cols / PDM_QK_K;
+    const size_t bb = pdm_dtype_block_bytes(w->type);
+    const pdm_block_q8_K_t *x = act;
+    pdm_kern__kblock_t k;
+    for (int64_t r = r0; r < r1; r++) {
+        const char *wr = (const char *)w->data + (size_t)r * w->row_bytes;
+        for (int t = 0; t < n_tok; t++) y[(size_t)t * ldy + r] = 0.0f;
+        for (int64_t i = 0; i < nb; i++) {
+            pdm_kern__kblock_unpack(w->type, wr + (size_t)i * bb, &k);
+            for (int t = 0; t < n_tok; t++)
+                y[(size_t)t * ldy + r] += dot_kblock_q8_K(&k, x + (size_t)t * nb + i);
+        }
+    }
+}
+
 static float dot_float(pdm_dtype_t type, const void *w, const float *x, int64_t n)
 {
     float sum = 0.0f;
@@ -140,6 +233,10 @@ static float dot_float(pdm_dtype_t type, const void *w, const float *x, int64_t 
 static void generic_matmul(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
                            int64_t ldy, int64_t r0, int64_t r1)
 {
+    if (pdm_kern__is_kblock(w->type)) {
+        matmul_kblocks(w, act, n_tok, y, ldy, r0, r1);
+        return;
+    }
     pdm_dtype_t at = pdm_kern__act_type(w->type);
     size_t arb = at == PDM_DT_F32 ? (size_t)w->cols * sizeof(float)
                                   : pdm_dtype_row_bytes(at, w->cols);
@@ -158,6 +255,15 @@ static void generic_matmul(const pdm_kern_mat_t *w, const void *act, int n_tok, 
                 break;
             case PDM_DT_Q8_0:
                 v = dot_q8_0_q8_0(wr, xr, nb);
+                break;
+            case PDM_DT_Q5_0:
+                v = dot_q5_0_q8_0(wr, xr, nb);
+                break;
+            case PDM_DT_Q5_1:
+                v = dot_q5_1_q8_1(wr, xr, nb);
+                break;
+            case PDM_DT_IQ4_NL:
+                v = dot_iq4_nl_q8_0(wr, xr, nb);
                 break;
             default:
                 v = dot_float(w->type, wr, xr, w->cols);

@@ -11,6 +11,24 @@ pdm_dtype_t pdm_kern__act_type(pdm_dtype_t wtype);
 size_t pdm_kern__act_bytes(pdm_dtype_t wtype, int64_t cols, int n_tok);
 void pdm_kern__quantize_q8_1_row(const float *x, pdm_block_q8_1_t *b, int64_t n);
 void pdm_kern__quantize_q8_0_row(const float *x, pdm_block_q8_0_t *b, int64_t n);
+void pdm_kern__quantize_q8_K_row(const float *x, pdm_block_q8_K_t *b, int64_t n);
+
+/* One super-block of a K-quant or IQ4_XS decoded to small integers:
+ *   x[e] = (d * scale[e / sub_len]) * q[e] - dmin * min[e / sub_len]
+ * (dmin and min are 0 for the types without a minimum). The scalar dequantization and the
+ * reference dot products with Q8_K both read blocks through this, so they agree by
+ * construction; the integer form is what llama.cpp's vec_dot functions sum. */
+typedef struct {
+    float d, dmin;             /* f16 super-block scales as f32 */
+    int sub_len;               /* 16 or 32 elements per sub-block */
+    int8_t q[PDM_QK_K];        /* signed quant values (offsets applied, IQ4 table looked up) */
+    int16_t scale[16], min[16]; /* [256 / sub_len] integer sub-block scales and minimums */
+} pdm_kern__kblock_t;
+
+/* Decodes block `block` (of a type with 256-element blocks: Q2_K..Q6_K, IQ4_XS). */
+void pdm_kern__kblock_unpack(pdm_dtype_t type, const void *block, pdm_kern__kblock_t *out);
+/* 1 for the types pdm_kern__kblock_unpack decodes. */
+int pdm_kern__is_kblock(pdm_dtype_t type);
 int pdm_kern__visible_keys(const pdm_kern_attn_t *a, int32_t qpos);
 void pdm_kern__rope_generic(float *x, int n_heads, int head_dim, int32_t pos, float theta);
 void pdm_kern__attn_merge_generic(float *o1, float *lse1, const float *o2, float lse2, int n);

@@ -8,9 +8,11 @@
  * This keeps the CUDA backend behind the one interface the engine and the tests use; a
  * device-resident engine (activations and KV kept on the GPU across ops) is a later step.
  *
- * Numerics follow the scalar reference: activations are converted to Q8_1 / Q8_0 on the host
- * with the reference code (act_convert), quantized block dot products are exact integer sums
- * (dp4a) scaled in f32, RoPE advances its angles by repeated multiplication like the
+ * Numerics follow the scalar reference: activations are converted to Q8_1 / Q8_0 / Q8_K on the
+ * host with the reference code (act_convert), quantized block dot products are exact integer
+ * sums (dp4a for Q4_0/Q4_1/Q8_0; plain integer arithmetic through quant_layout.h, the
+ * reference's own bit accessors, for Q5_0/Q5_1/IQ4_NL and the 256-element K-quants and
+ * IQ4_XS) scaled in f32, RoPE advances its angles by repeated multiplication like the
  * reference, attention is an online softmax with lse, kv_store rounds to nearest even.
  *
  * Built only by `make cuda` (nvcc, sm_80 and sm_90) into build-cuda/; never part of make test.
@@ -25,6 +27,7 @@
 extern "C" {
 #include "../cpu/ops_internal.h"
 }
+#include "../cpu/quant_layout.h"
 
 #define PDM_CUDA_CHECK(call)                                                                     \
     do {                                                                                         \
@@ -168,6 +171,70 @@ __device__ static float block_dot(pdm_dtype_t type, const uint8_t *wrow, const u
     return dw * f16_to_f32(x->d) * (float)sumi;
 }
 
+/* Block i of the other 32-element types against Q8_0 (Q5_0, IQ4_NL) or Q8_1 (Q5_1): the
+ * reference's integer sum and scaling (ops_generic.c dot_q5_0_q8_0 and friends). */
+__device__ static float block_dot_32(pdm_dtype_t type, const uint8_t *wrow, const uint8_t *xrow,
+                                    int64_t i)
+{
+    int sumi = 0;
+    if (type == PDM_DT_Q5_1) {
+        const pdm_block_q5_1_t *w = (const pdm_block_q5_1_t *)wrow + i;
+        const pdm_block_q8_1_t *x = (const pdm_block_q8_1_t *)xrow + i;
+        for (int e = 0; e < PDM_QK; e++) sumi += pdm_ql_q5(w->qs, w->qh, e) * x->qs[e];
+        return f16_to_f32(w->d) * x->d * (float)sumi + f16_to_f32(w->m) * x->s;
+    }
+    const pdm_block_q8_0_t *x = (const pdm_block_q8_0_t *)xrow + i;
+    uint16_t d;
+    if (type == PDM_DT_Q5_0) {
+        const pdm_block_q5_0_t *w = (const pdm_block_q5_0_t *)wrow + i;
+        for (int e = 0; e < PDM_QK; e++) sumi += (pdm_ql_q5(w->qs, w->qh, e) - 16) * x->qs[e];
+        d = w->d;
+    } else {
+        const pdm_block_iq4_nl_t *w = (const pdm_block_iq4_nl_t *)wrow + i;
+        for (int l = 0; l < PDM_QK / 2; l++) {
+            sumi += pdm_ql_iq4(w->qs[l] & 0x0f) * x->qs[l];
+            sumi += pdm_ql_iq4(w->qs[l] >> 4) * x->qs[l + PDM_QK / 2];
+        }
+        d = w->d;
+    }
+    return f16_to_f32(d) * f16_to_f32(x->d) * (float)sumi;
+}
+
+/* Super-block i of a K-quant or IQ4_XS row against Q8_K: per sub-block scale * (q . q8) as
+ * an integer, minimums through the activation sums of 16, scaled by d * d8 and dmin * d8
+ * (ops_generic.c dot_kblock_q8_K). */
+__device__ static float block_dot_k(pdm_dtype_t type, const uint8_t *wrow, const uint8_t *xrow,
+                                   int64_t i, size_t block_bytes)
+{
+    const void *w = wrow + (size_t)i * block_bytes;
+    const pdm_block_q8_K_t *x = (const pdm_block_q8_K_t *)xrow + i;
+    const int sub = pdm_ql_sub_len(type);
+    int sumi = 0, summ = 0;
+    for (int j = 0; j < PDM_QK_K / sub; j++) {
+        int sc, mn, s = 0;
+        pdm_ql_ksub(type, w, j, &sc, &mn);
+        for (int l = 0; l < sub; l++) s += pdm_ql_kquant(type, w, j * sub + l) * x->qs[j * sub + l];
+        sumi += sc * s;
+        for (int g = j * sub / 16; g < (j + 1) * sub / 16; g++) summ += mn * x->bsums[g];
+    }
+    uint16_t d, dmin;
+    pdm_ql_kscales(type, w, &d, &dmin);
+    return f16_to_f32(d) * x->d * (float)sumi - f16_to_f32(dmin) * x->d * (float)summ;
+}
+
+/* Bytes of one 256-element block (device side: the host traits table is not reachable). */
+__device__ static size_t kblock_bytes(pdm_dtype_t type)
+{
+    switch (type) {
+    case PDM_DT_Q2_K: return sizeof(pdm_block_q2_K_t);
+    case PDM_DT_Q3_K: return sizeof(pdm_block_q3_K_t);
+    case PDM_DT_Q4_K: return sizeof(pdm_block_q4_K_t);
+    case PDM_DT_Q5_K: return sizeof(pdm_block_q5_K_t);
+    case PDM_DT_Q6_K: return sizeof(pdm_block_q6_K_t);
+    default: return sizeof(pdm_block_iq4_xs_t);
+    }
+}
+
 /* ---- Kernels ------------------------------------------------------------------------------- */
 
 /* One warp per (row, token): lanes stride over the row's blocks (or elements for float
@@ -183,6 +250,13 @@ __global__ void k_matmul(const uint8_t *w, pdm_dtype_t type, int64_t cols, size_
     float sum = 0.0f;
     if (type == PDM_DT_Q4_1 || type == PDM_DT_Q4_0 || type == PDM_DT_Q8_0) {
         for (int64_t i = lane; i < cols / PDM_QK; i += 32) sum += block_dot(type, wrow, xrow, i);
+    } else if (type == PDM_DT_Q5_0 || type == PDM_DT_Q5_1 || type == PDM_DT_IQ4_NL) {
+        for (int64_t i = lane; i < cols / PDM_QK; i += 32) sum += block_dot_32(type, wrow, xrow, i);
+    } else if (type == PDM_DT_Q2_K || type == PDM_DT_Q3_K || type == PDM_DT_Q4_K ||
+               type == PDM_DT_Q5_K || type == PDM_DT_Q6_K || type == PDM_DT_IQ4_XS) {
+        const size_t bb = kblock_bytes(type);
+        for (int64_t i = lane; i < cols / PDM_QK_K; i += 32)
+            sum += block_dot_k(type, wrow, xrow, i, bb);
     } else {
         const float *x = (const float *)xrow;
         for (int64_t c = lane; c < cols; c += 32) {

@@ -35,6 +35,17 @@ expect "generate on test model" 0 "$bin" generate --model "$tmp/tiny.gguf" --pro
 if $py -c 'import json,sys; d=json.load(open(sys.argv[1])); assert len(d["tokens"]) == 8, d' "$tmp/out"; then ok "test model json"; else bad "test model json"; fi
 expect "generate q8 KV" 0 "$bin" generate --model "$tmp/tiny.gguf" --prompt "The quick brown fox" -n 8 --temp 0 --kv-dtype q8 --json
 expect "test model tokenize" 0 "$bin" tokenize --model "$tmp/tiny.gguf" "the fox"
+# ---- weight types: make-test-model --wtype, pdmesh quantize ----
+expect "unknown wtype" 2 "$bin" make-test-model --out "$tmp/x.gguf" --wtype q7_z && contains "unknown wtype named" "$tmp/err" "q7_z"
+expect "k type needs 256 columns" 1 "$bin" make-test-model --out "$tmp/x.gguf" --wtype q4_k && contains "block size named" "$tmp/err" "q4_k (256)"
+expect "make q4_k model" 0 "$bin" make-test-model --out "$tmp/k.gguf" --layers 1 --d-model 256 --ffn 256 --wtype q4_k --emb-type q6_k
+expect "generate on q4_k model" 0 "$bin" generate --model "$tmp/k.gguf" --prompt "The quick" -n 4 --temp 0
+expect "make f32 model" 0 "$bin" make-test-model --out "$tmp/f32.gguf" --layers 1 --d-model 256 --ffn 256 --wtype f32 --emb-type f32
+expect "quantize q4_k_m" 0 "$bin" quantize "$tmp/f32.gguf" "$tmp/q4km.gguf" q4_k_m
+expect "generate on quantized" 0 "$bin" generate --model "$tmp/q4km.gguf" --prompt "The quick" -n 4 --temp 0
+expect "quantize usage" 2 "$bin" quantize "$tmp/f32.gguf"
+expect "quantize bad type" 1 "$bin" quantize "$tmp/f32.gguf" "$tmp/y.gguf" q7_z && contains "quantize lists types" "$tmp/err" "iq4_xs"
+expect "requantize refused" 1 "$bin" quantize "$tmp/q4km.gguf" "$tmp/y.gguf" q8_0 && contains "requantize named" "$tmp/err" "already"
 # ---- pdmesh plan (memory of each KV placement) ----
 expect "plan needs context" 2 "$bin" plan --model "$tmp/tiny.gguf"
 expect "plan bad budget" 2 "$bin" plan --model "$tmp/tiny.gguf" --context 100 --fast-budget lots

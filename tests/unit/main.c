@@ -21,7 +21,7 @@ static const struct {
     {"beam", suite_beam},       {"offload", suite_offload},   {"router", suite_router},
     {"sdk", suite_sdk},
     {"http", suite_http},
-    {"curve", suite_curve},     {"nodeproto", suite_nodeproto},
+    {"curve", suite_curve},     {"nodeproto", suite_nodeproto}, {"quant", suite_quant},
 };
 
 int32_t pdm_test_argmax(const float *x, uint32_t n)

@@ -292,6 +292,15 @@ static const struct {
     {"q8_0.weight", PDM_DT_Q8_0, 2, {64, 3, 1, 1}},
     {"q4_0.weight", PDM_DT_Q4_0, 4, {32, 1, 2, 2}},
     {"q4_1.weight", PDM_DT_Q4_1, 2, {96, 2, 1, 1}},
+    {"q5_0.weight", PDM_DT_Q5_0, 2, {64, 2, 1, 1}},
+    {"q5_1.weight", PDM_DT_Q5_1, 1, {32, 1, 1, 1}},
+    {"q2_k.weight", PDM_DT_Q2_K, 2, {256, 2, 1, 1}},
+    {"q3_k.weight", PDM_DT_Q3_K, 2, {512, 1, 1, 1}},
+    {"q4_k.weight", PDM_DT_Q4_K, 2, {256, 3, 1, 1}},
+    {"q5_k.weight", PDM_DT_Q5_K, 3, {256, 1, 2, 1}},
+    {"q6_k.weight", PDM_DT_Q6_K, 2, {256, 2, 1, 1}},
+    {"iq4_nl.weight", PDM_DT_IQ4_NL, 2, {96, 1, 1, 1}},
+    {"iq4_xs.weight", PDM_DT_IQ4_XS, 2, {256, 2, 1, 1}},
 };
 
 static size_t rt_nbytes(size_t i)
@@ -946,8 +955,38 @@ START_TEST(test_bad_tensors)
     EXPECT_FAIL(&b, "bytes-overflow.gguf", PDM_EFORMAT, "overflows");
     tb_free(&b);
 
-    tb_one_tensor(&b, "w", 2, ne_ok, 14 /* Q6_K */, 0, 256);
-    EXPECT_FAIL(&b, "type-q6k.gguf", PDM_EUNSUPPORTED, "type 14");
+    tb_one_tensor(&b, "w", 2, ne_ok, 16 /* IQ2_XXS */, 0, 256);
+    EXPECT_FAIL(&b, "type-iq2xxs.gguf", PDM_EUNSUPPORTED, "type 16");
+    tb_free(&b);
+
+    tb_one_tensor(&b, "w", 2, ne_ok, PDM_DT_Q8_K, 0, 256); /* activations only */
+    EXPECT_FAIL(&b, "type-q8_k.gguf", PDM_EUNSUPPORTED, "type 15 (q8_k)");
+    tb_free(&b);
+
+    /* The new block types: sizes from their block layouts, rows of whole super-blocks. */
+    const int64_t ne_k[2] = {256, 2};
+    tb_one_tensor(&b, "w", 2, ne_k, PDM_DT_Q6_K, 0, 2 * 210);
+    g = open_ok(&b, "q6k.gguf", &copy);
+    ck_assert_uint_eq(pdm_gguf_tensor(g, "w")->nbytes, 2 * 210);
+    pdm_gguf_close(g);
+    free(copy);
+    tb_free(&b);
+
+    tb_one_tensor(&b, "w", 2, ne_k, PDM_DT_Q4_K, 0, 2 * 144 - 1);
+    EXPECT_FAIL(&b, "q4k-short.gguf", PDM_EFORMAT, "'w' data");
+    tb_free(&b);
+
+    tb_one_tensor(&b, "w", 2, ne_k, PDM_DT_IQ4_XS, 0, 2 * 136 - 1);
+    EXPECT_FAIL(&b, "iq4xs-short.gguf", PDM_EFORMAT, "'w' data");
+    tb_free(&b);
+
+    tb_one_tensor(&b, "w", 2, ne_ok, PDM_DT_Q4_K, 0, 256); /* 32 columns: not a super-block */
+    EXPECT_FAIL(&b, "q4k-row.gguf", PDM_EFORMAT, "not a multiple of the q4_k block size 256");
+    tb_free(&b);
+
+    const int64_t ne_q5[2] = {48, 2};
+    tb_one_tensor(&b, "w", 2, ne_q5, PDM_DT_Q5_1, 0, 256);
+    EXPECT_FAIL(&b, "q5_1-row.gguf", PDM_EFORMAT, "not a multiple of the q5_1 block size 32");
     tb_free(&b);
 
     tb_one_tensor(&b, "w", 2, ne_ok, PDM_DT_Q8_1, 0, 256);

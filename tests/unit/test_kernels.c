@@ -3,7 +3,14 @@
  * against independent naive formulas, on random inputs of awkward sizes.
  *
  * Tolerances (stated per op):
+ *   quantize -> dequantize, every type    relative RMS error below a measured bound per type
+ *                                         (QUANT_RMS_BOUNDS; uniform data in [-1, 1))
  *   matmul (same converted activations)  |y - y_ref| <= 1e-4 * sum|w||x| + 1e-5
+ *   matmul reference vs exact f64 product of the dequantized weights and the f32
+ *   activations                           sum|w| |x - x_act| + 5e-3 sum|w||x| + 1e-5, where
+ *                                         x_act are the 8-bit activations as decoded: only
+ *                                         activation rounding separates them (the 5e-3 covers
+ *                                         Q8_1's f16-rounded block sums and f32 accumulation)
  *   activation quantization              quants within 1 step, scales equal
  *   attention vs double-precision naive   1e-4 absolute on o and lse (f32 KV), 2e-3 (f16 KV),
  *                                         5e-4 (q8 KV: int8 x per-head scale, saturating);
@@ -15,11 +22,13 @@
  * prints why it is skipped otherwise.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/pdm.h"
+#include "kernels/cpu/quant_layout.h"
 #include "kernels/kernels.h"
 #include "tests.h"
 
@@ -93,7 +102,132 @@ START_TEST(test_quant_roundtrip_error)
 }
 END_TEST
 
+/* Relative RMS error of quantize -> dequantize on uniform data in [-1, 1), 64 K elements.
+ * Measured with the reference quantizers: q8_0 0.38 %, q6_k 1.30 %, q5_k 2.66 %, q5_1 2.94 %,
+ * q5_0 3.13 %, q4_k 5.42 %, q4_1 6.07 %, iq4_nl 6.23 %, iq4_xs 6.29 %, q4_0 6.53 %, q3_k
+ * 11.8 %, q2_k 21.9 % (uniform data is the hard case for few levels: plain rounding to 16
+ * levels over a sub-block's range would give ~6.3 %); the bounds leave ~10 % headroom. */
+static const struct {
+    pdm_dtype_t type;
+    double bound;
+} QUANT_RMS_BOUNDS[] = {
+    {PDM_DT_Q8_0, 0.0042}, {PDM_DT_Q6_K, 0.0145}, {PDM_DT_Q5_K, 0.03},  {PDM_DT_Q5_1, 0.033},
+    {PDM_DT_Q5_0, 0.035},  {PDM_DT_Q4_K, 0.06},   {PDM_DT_Q4_1, 0.067}, {PDM_DT_IQ4_NL, 0.069},
+    {PDM_DT_IQ4_XS, 0.069}, {PDM_DT_Q4_0, 0.072}, {PDM_DT_Q3_K, 0.13},  {PDM_DT_Q2_K, 0.242},
+};
+
+START_TEST(test_quant_rms_error)
+{
+    const int n = 256 * 256;
+    float *x = malloc(n * sizeof(float)), *y = malloc(n * sizeof(float));
+    void *q = malloc(pdm_dtype_row_bytes(PDM_DT_F32, n));
+    fill(x, n, 1.0f);
+    for (size_t t = 0; t < PDM_ARRAY_SIZE(QUANT_RMS_BOUNDS); t++) {
+        pdm_dtype_t type = QUANT_RMS_BOUNDS[t].type;
+        pdm_quantize_row(type, x, q, n);
+        pdm_dequantize_row(type, q, y, n);
+        double err = 0, ref = 0;
+        for (int i = 0; i < n; i++) {
+            err += (double)(x[i] - y[i]) * (x[i] - y[i]);
+            ref += (double)x[i] * x[i];
+        }
+        double rel = sqrt(err / ref);
+        printf("kernels: %-6s quantize round trip: relative RMS error %.3f %%\n",
+               pdm_dtype_name(type), 100 * rel);
+        ck_assert_msg(rel < QUANT_RMS_BOUNDS[t].bound, "%s: relative RMS error %g >= %g",
+                      pdm_dtype_name(type), rel, QUANT_RMS_BOUNDS[t].bound);
+    }
+    /* all-zero and constant blocks stay exact (no NaN from 0 / 0 scales) */
+    for (int i = 0; i < 512; i++) x[i] = i < 256 ? 0.0f : 0.5f;
+    for (size_t t = 0; t < PDM_ARRAY_SIZE(QUANT_RMS_BOUNDS); t++) {
+        pdm_dtype_t type = QUANT_RMS_BOUNDS[t].type;
+        pdm_quantize_row(type, x, q, 512);
+        pdm_dequantize_row(type, q, y, 512);
+        for (int i = 0; i < 512; i++)
+            ck_assert_msg(fabsf(y[i] - x[i]) <= 0.01f, "%s: constant block [%d] %g -> %g",
+                          pdm_dtype_name(type), i, x[i], y[i]);
+    }
+    free(x);
+    free(y);
+    free(q);
+}
+END_TEST
+
+/* The traits of the new types: GGUF ids, names, block sizes as GGUF stores them. */
+START_TEST(test_dtype_traits)
+{
+    static const struct {
+        int id;
+        const char *name;
+        int elems;
+        size_t bytes;
+    } want[] = {{6, "q5_0", 32, 22},    {7, "q5_1", 32, 24},     {10, "q2_k", 256, 84},
+                {11, "q3_k", 256, 110}, {12, "q4_k", 256, 144},  {13, "q5_k", 256, 176},
+                {14, "q6_k", 256, 210}, {15, "q8_k", 256, 292},  {20, "iq4_nl", 32, 18},
+                {23, "iq4_xs", 256, 136}};
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(want); i++) {
+        ck_assert(pdm_dtype_valid((uint32_t)want[i].id));
+        ck_assert_str_eq(pdm_dtype_name(want[i].id), want[i].name);
+        ck_assert_int_eq(pdm_dtype_block_elems(want[i].id), want[i].elems);
+        ck_assert_uint_eq(pdm_dtype_block_bytes(want[i].id), want[i].bytes);
+        ck_assert_int_eq(pdm_dtype_from_name(want[i].name), want[i].id);
+    }
+    for (int i = 0; i < 16; i++) ck_assert_int_eq(pdm_ql_iq4(i), pdm_kvalues_iq4nl[i]);
+    ck_assert(!pdm_dtype_is_weight(PDM_DT_Q8_K));
+    ck_assert(!pdm_dtype_is_weight(PDM_DT_Q8_1));
+    ck_assert(!pdm_dtype_is_weight(PDM_DT_I8));
+    ck_assert_uint_eq(pdm_dtype_row_bytes(PDM_DT_Q4_K, 128), 0);
+    ck_assert_uint_eq(pdm_dtype_row_bytes(PDM_DT_Q4_K, 512), 288);
+    ck_assert_int_eq(pdm_dtype_from_name("Q4_K"), PDM_DT_Q4_K);
+    ck_assert_int_eq(pdm_dtype_from_name("q4_k_m"), -1);
+    /* the list in messages names exactly the weight types */
+    char names[512] = "";
+    for (int t = 0; t < PDM_DT_COUNT_; t++)
+        if (pdm_dtype_is_weight(t)) {
+            ck_assert_msg(strstr(pdm_dtype_weight_list(), pdm_dtype_name(t)), "%s missing",
+                          pdm_dtype_name(t));
+            strcat(names, pdm_dtype_name(t));
+        }
+    size_t listed = 0;
+    for (const char *p = pdm_dtype_weight_list(); *p; p++) listed += *p != ',' && *p != ' ';
+    ck_assert_uint_eq(listed, strlen(names));
+}
+END_TEST
+
 /* ---- matmul -------------------------------------------------------------------------- */
+
+/* The activation type llama.cpp pairs with weights of `wtype` (ggml-cpu vec_dot_type). */
+static pdm_dtype_t act_type_of(pdm_dtype_t wtype)
+{
+    switch (wtype) {
+    case PDM_DT_Q4_1:
+    case PDM_DT_Q5_1:
+        return PDM_DT_Q8_1;
+    case PDM_DT_Q4_0:
+    case PDM_DT_Q5_0:
+    case PDM_DT_Q8_0:
+    case PDM_DT_IQ4_NL:
+        return PDM_DT_Q8_0;
+    default:
+        return PDM_DT_Q8_K;
+    }
+}
+
+/* Where the int8 quants sit in an activation block of the type paired with `wtype`. */
+static void act_layout(pdm_dtype_t wtype, size_t *blk, size_t *q0, size_t *nq)
+{
+    switch (act_type_of(wtype)) {
+    case PDM_DT_Q8_1:
+        *blk = sizeof(pdm_block_q8_1_t), *q0 = offsetof(pdm_block_q8_1_t, qs), *nq = 32;
+        break;
+    case PDM_DT_Q8_0:
+        *blk = sizeof(pdm_block_q8_0_t), *q0 = offsetof(pdm_block_q8_0_t, qs), *nq = 32;
+        break;
+    default:
+        *blk = sizeof(pdm_block_q8_K_t), *q0 = offsetof(pdm_block_q8_K_t, qs), *nq = 256;
+        break;
+    }
+}
 
 static void check_matmul(const pdm_kern_ops_t *ops, pdm_dtype_t wtype, int rows, int cols,
                          int n_tok)
@@ -106,6 +240,7 @@ static void check_matmul(const pdm_kern_ops_t *ops, pdm_dtype_t wtype, int rows,
     float *wd = malloc((size_t)rows * cols * sizeof(float));
     float *y = malloc((size_t)n_tok * rows * sizeof(float));
     float *yr = malloc((size_t)n_tok * rows * sizeof(float));
+    float *xa = malloc((size_t)n_tok * cols * sizeof(float));
     size_t ab = ref->act_bytes(wtype, cols, n_tok);
     void *act = ab ? malloc(ab) : NULL, *act2 = ab ? malloc(ab) : NULL;
     fill(wf, (size_t)rows * cols, 1.0f);
@@ -119,13 +254,20 @@ static void check_matmul(const pdm_kern_ops_t *ops, pdm_dtype_t wtype, int rows,
         ref->act_convert(wtype, x, cols, 0, n_tok, act);
         /* the variant's own conversion: quants within one step of the reference */
         ops->act_convert(wtype, x, cols, 0, n_tok, act2);
+        size_t blk, q0, nq; /* block bytes, offset and count of the int8 quants in a block */
+        act_layout(wtype, &blk, &q0, &nq);
         const int8_t *qa = act, *qb = act2;
         for (size_t i = 0; i < ab; i++) {
-            size_t blk = wtype == PDM_DT_Q4_1 ? sizeof(pdm_block_q8_1_t) : sizeof(pdm_block_q8_0_t);
-            size_t hdr = blk - 32;
-            if (i % blk < hdr) continue;
+            if (i % blk < q0 || i % blk >= q0 + nq) continue;
             ck_assert_msg(abs(qa[i] - qb[i]) <= 1, "%s act quant differs at %zu", ops->name, i);
         }
+        /* the activations as the products see them */
+        size_t arb = ab / (size_t)n_tok;
+        pdm_dtype_t at = act_type_of(wtype);
+        for (int t = 0; t < n_tok; t++)
+            pdm_dequantize_row(at, (char *)act + (size_t)t * arb, xa + (size_t)t * cols, cols);
+    } else {
+        memcpy(xa, x, (size_t)n_tok * cols * sizeof(float));
     }
     const void *a = ab ? act : (const void *)x;
     ref->matmul(&m, a, n_tok, yr, rows, 0, rows);
@@ -134,24 +276,27 @@ static void check_matmul(const pdm_kern_ops_t *ops, pdm_dtype_t wtype, int rows,
     ops->matmul(&m, a, n_tok, y, rows, rows / 3, rows);
     for (int t = 0; t < n_tok; t++)
         for (int r = 0; r < rows; r++) {
-            double mag = 0.0, exact = 0.0;
+            double mag = 0.0, exact = 0.0, act_err = 0.0;
             for (int c = 0; c < cols; c++) {
-                mag += fabs(wd[(size_t)r * cols + c] * x[(size_t)t * cols + c]);
-                exact += (double)wd[(size_t)r * cols + c] * x[(size_t)t * cols + c];
+                const float wv = wd[(size_t)r * cols + c], xv = x[(size_t)t * cols + c];
+                mag += fabs(wv * xv);
+                exact += (double)wv * xv;
+                act_err += fabs(wv) * fabs(xv - xa[(size_t)t * cols + c]);
             }
             float got = y[(size_t)t * rows + r], want = yr[(size_t)t * rows + r];
             ck_assert_msg(fabs(got - want) <= 1e-4 * mag + 1e-5,
                           "%s %s rows %d cols %d tok %d: [%d][%d] %g vs ref %g", ops->name,
                           pdm_dtype_name(wtype), rows, cols, n_tok, t, r, got, want);
             /* the reference against the exact product of the dequantized weights: only the
-             * 8-bit activation rounding separates them */
-            double atol = ab ? 2.0 / 127 * mag : 1e-5 * mag + 1e-5;
-            ck_assert_msg(fabs(want - exact) <= atol, "reference %s: %g vs exact %g",
-                          pdm_dtype_name(wtype), want, exact);
+             * 8-bit activation rounding separates them, and it is known element by element */
+            double atol = ab ? act_err + 5e-3 * mag + 1e-5 : 1e-5 * mag + 1e-5;
+            ck_assert_msg(fabs(want - exact) <= atol, "reference %s: %g vs exact %g (tol %g)",
+                          pdm_dtype_name(wtype), want, exact, atol);
         }
     free(wf);
     free(w);
     free(x);
+    free(xa);
     free(wd);
     free(y);
     free(yr);
@@ -161,8 +306,9 @@ static void check_matmul(const pdm_kern_ops_t *ops, pdm_dtype_t wtype, int rows,
 
 START_TEST(test_matmul_variants)
 {
-    static const pdm_dtype_t types[] = {PDM_DT_Q4_1, PDM_DT_Q4_0, PDM_DT_Q8_0, PDM_DT_F16,
-                                        PDM_DT_F32, PDM_DT_BF16};
+    static const pdm_dtype_t types[] = {PDM_DT_Q4_1, PDM_DT_Q4_0, PDM_DT_Q8_0,  PDM_DT_F16,
+                                        PDM_DT_F32,  PDM_DT_BF16, PDM_DT_Q5_0, PDM_DT_Q5_1,
+                                        PDM_DT_IQ4_NL};
     static const int toks[] = {1, 2, 3, 4, 5, 7, 9, 12};
     static const int shapes[][2] = {{1, 32}, {7, 64}, {63, 96}, {64, 576}, {65, 160}, {1000, 64}};
     const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
@@ -176,6 +322,22 @@ START_TEST(test_matmul_variants)
         check_matmul(list[v], PDM_DT_F32, 5, 1000, 3);
         check_matmul(list[v], PDM_DT_F16, 3, 13, 2);
     }
+}
+END_TEST
+
+/* The 256-element types (K-quants, IQ4_XS; Q8_K activations) on every variant. */
+START_TEST(test_matmul_kquants)
+{
+    static const pdm_dtype_t types[] = {PDM_DT_Q2_K, PDM_DT_Q3_K, PDM_DT_Q4_K,
+                                        PDM_DT_Q5_K, PDM_DT_Q6_K, PDM_DT_IQ4_XS};
+    static const int toks[] = {1, 3, 4, 5};
+    static const int shapes[][2] = {{1, 256}, {7, 512}, {33, 768}, {65, 256}};
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    for (int v = 0; list[v]; v++)
+        for (size_t t = 0; t < PDM_ARRAY_SIZE(types); t++)
+            for (size_t s = 0; s < PDM_ARRAY_SIZE(shapes); s++)
+                for (size_t k = 0; k < PDM_ARRAY_SIZE(toks); k++)
+                    check_matmul(list[v], types[t], shapes[s][0], shapes[s][1], toks[k]);
 }
 END_TEST
 
@@ -541,12 +703,20 @@ START_TEST(test_cuda_variant)
         return;
     }
     static const pdm_dtype_t types[] = {PDM_DT_Q4_1, PDM_DT_Q4_0, PDM_DT_Q8_0, PDM_DT_F16,
-                                        PDM_DT_F32, PDM_DT_BF16};
+                                        PDM_DT_F32,  PDM_DT_BF16, PDM_DT_Q5_0, PDM_DT_Q5_1,
+                                        PDM_DT_IQ4_NL};
     static const int shapes[][2] = {{1, 32}, {7, 64}, {63, 96}, {64, 576}, {65, 160}};
     for (size_t t = 0; t < PDM_ARRAY_SIZE(types); t++)
         for (size_t sh = 0; sh < PDM_ARRAY_SIZE(shapes); sh++)
             for (int n_tok = 1; n_tok <= 9; n_tok += 4)
                 check_matmul(ops, types[t], shapes[sh][0], shapes[sh][1], n_tok);
+    static const pdm_dtype_t ktypes[] = {PDM_DT_Q2_K, PDM_DT_Q3_K, PDM_DT_Q4_K,
+                                         PDM_DT_Q5_K, PDM_DT_Q6_K, PDM_DT_IQ4_XS};
+    static const int kshapes[][2] = {{1, 256}, {33, 768}, {65, 512}};
+    for (size_t t = 0; t < PDM_ARRAY_SIZE(ktypes); t++)
+        for (size_t sh = 0; sh < PDM_ARRAY_SIZE(kshapes); sh++)
+            for (int n_tok = 1; n_tok <= 9; n_tok += 4)
+                check_matmul(ops, ktypes[t], kshapes[sh][0], kshapes[sh][1], n_tok);
     static const int nkv[] = {1, 7, 63, 64, 65, 1000};
     for (size_t a = 0; a < PDM_ARRAY_SIZE(nkv); a++) {
         check_attention(ops, 7, nkv[a], 64, PDM_DT_F32, 100, 100 + nkv[a] - 7, 1);
@@ -644,7 +814,10 @@ Suite *suite_kernels(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_f16_roundtrip_exhaustive);
     tcase_add_test(tc, test_quant_roundtrip_error);
+    tcase_add_test(tc, test_quant_rms_error);
+    tcase_add_test(tc, test_dtype_traits);
     tcase_add_test(tc, test_matmul_variants);
+    tcase_add_test(tc, test_matmul_kquants);
     tcase_add_test(tc, test_q8_kv);
     tcase_add_test(tc, test_attention_variants);
     tcase_add_test(tc, test_attention_gqa);

@@ -27,6 +27,7 @@ Suite *suite_sdk(void);
 Suite *suite_http(void);
 Suite *suite_curve(void);
 Suite *suite_nodeproto(void);
+Suite *suite_quant(void);
 
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
  * under /tmp). */
