@@ -120,9 +120,12 @@ class Mesh:
             path = os.path.join(self.secrets, k)
             with open(path, "w") as fh:
                 fh.write(os.urandom(16).hex())
-        # the decode Deployment scaled to 3: the third joins later, under load (section 7)
-        self.pods = {p.name: p for p in pods(load_docs(), replicas={"pdmesh-decode": 3})}
-        self.later = {n for n, p in self.pods.items() if p.component == "decode" and p.index >= 2}
+        # the decode Deployment and the prefill StatefulSet scaled to 3: the third of each
+        # joins later, under load (section 7)
+        self.pods = {p.name: p for p in pods(load_docs(), replicas={"pdmesh-decode": 3,
+                                                                     "pdmesh-prefill-a": 3})}
+        self.later = {n for n, p in self.pods.items()
+                      if p.component in ("decode", "prefill") and p.index >= 2}
         self.started = []
         addr = {"router": 2, "prefill": 10, "decode": 20}
         self.ip = {p.name: "%s.%d" % (NET, addr[p.component] + p.index)
@@ -311,7 +314,8 @@ def elastic(mesh, decodes):
     """7. a decode node added under load takes requests within one heartbeat of registering;
     8. pdctl drain of a decode node under load: no new work for it, what it runs finishes, then
     it stops (SIGTERM); no accepted request fails in either."""
-    new = sorted(mesh.later)[0]
+    new = [n for n in sorted(mesh.later) if mesh.pods[n].component == "decode"][0]
+    new_rank = [n for n in sorted(mesh.later) if mesh.pods[n].component == "prefill"][0]
     load = Load(mesh.client_ep)
     try:
         time.sleep(3)
@@ -361,6 +365,26 @@ def elastic(mesh, decodes):
               busy[0] > 0 and drained and not late, late)
         podman("stop", "-t", "30", victim)
         time.sleep(2)
+
+        # 9. the prefill StatefulSet scaled 2 -> 3 -> 2 under load: the elastic group is wired
+        # anew with the third rank, then without it when its container stops (SIGTERM: it
+        # drains, --drain-grace), each time once the tasks in flight have ended
+        def wired(k):
+            return [t for t, msg in mesh.router_events()
+                    if "prefill group a wired (%d ranks, elastic)" % k in msg]
+        n2 = len(wired(2))
+        t0 = time.time()
+        mesh.run(new_rank)
+        grew = mesh.wait(lambda: wired(3), 90)
+        t_grew = time.time() - t0
+        t0 = time.time()
+        podman("stop", "-t", "30", new_rank, timeout=60)
+        shrank = mesh.wait(lambda: len(wired(2)) > n2, 60)
+        rc = podman("inspect", "--format", "{{.State.ExitCode}}", new_rank, check_=False)
+        check("prefill StatefulSet 2 -> 3 -> 2 under load: the group is wired with 3 ranks %.1f s "
+              "after the third started, and with 2 again %.1f s after its SIGTERM (drained, exit "
+              "%s)" % (t_grew, time.time() - t0, rc), grew and shrank and rc == "0",
+              (grew, shrank, rc))
     finally:
         results = load.finish()
     bad = [r for r in results if r[0] == "failed"]
@@ -368,7 +392,7 @@ def elastic(mesh, decodes):
     for r in results:
         if r[0] == "ok":
             by_node[r[1]] = by_node.get(r[1], 0) + 1
-    check("under load while a node joined and one was drained and stopped: %d requests, %d "
+    check("under load while nodes joined, drained and stopped: %d requests, %d "
           "refused at admission, 0 accepted ones failed (%s)"
           % (len(results), len([r for r in results if r[0] == "refused"]),
              ", ".join("%s %d" % kv for kv in sorted(by_node.items()))), not bad, bad[:5])
@@ -401,7 +425,8 @@ def main():
     mesh.bindir = bindir
     decodes = sorted(n for n, p in mesh.pods.items() if p.component == "decode" and
                      n not in mesh.later)
-    prefills = sorted(n for n, p in mesh.pods.items() if p.component == "prefill")
+    prefills = sorted(n for n, p in mesh.pods.items() if p.component == "prefill" and
+                      n not in mesh.later)
     try:
         t_mesh = time.time()
         mesh.start()
