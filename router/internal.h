@@ -185,9 +185,8 @@ struct pdm_router {
     struct {
         pdm_metrics_t *reg;
         pdm_metric_t *requests, *ttft, *tpot, *queue, *method, *kv_bytes, *kv_time, *nodes,
-            *migrations, *retries, *offload, *prefix_hits,
-            *prefix_tokens, *waiting, *kv_free, *kv_capacity, *group_inflight,
-            *group_inflight_limit;
+            *migrations, *retries, *offload, *prefix_hits, *prefix_tokens, *waiting, *kv_free,
+            *kv_capacity, *group_inflight, *group_inflight_limit;
     } m;
 };
 
