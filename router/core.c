@@ -185,12 +185,16 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     }
     r->m.reg = pdm_metrics_create();
     static const double lat[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
+    /* TTFT also has 1.5 and 2 s: the autoscaler's p90 (histogram_quantile) interpolates
+     * between bounds, and the SLO of the serving benchmark lies between 1 and 2.5 s. */
+    static const double ttft[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                  1,     1.5,  2,     2.5,  5,   10,   30};
     static const double tpot[] = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1};
     pdm_metrics_t *m = r->m.reg;
     r->m.requests = pdm_metrics_add(m, PDM_METRIC_COUNTER, "pdmesh_requests_total",
                                     "Requests ended, by outcome.", "outcome", NULL, 0);
     r->m.ttft = pdm_metrics_add(m, PDM_METRIC_HISTOGRAM, "pdmesh_ttft_seconds",
-                                "Arrival to first token.", NULL, lat, PDM_ARRAY_SIZE(lat));
+                                "Arrival to first token.", NULL, ttft, PDM_ARRAY_SIZE(ttft));
     r->m.tpot = pdm_metrics_add(m, PDM_METRIC_HISTOGRAM, "pdmesh_tpot_seconds",
                                 "Mean time per output token after the first.", NULL, tpot,
                                 PDM_ARRAY_SIZE(tpot));
@@ -221,6 +225,22 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
                                          "pdmesh_prefix_cached_tokens_total",
                                          "Prompt tokens not prefilled again (cached on the group).",
                                          NULL, NULL, 0);
+    r->m.waiting = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_requests_waiting",
+                                   "Requests admitted and not dispatched, by what they wait for "
+                                   "(prefill: a group with room; decode: a decode node with room).",
+                                   "reason", NULL, 0);
+    r->m.kv_free = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_decode_kv_free_tokens",
+                                   "KV tokens not reserved, summed over usable decode nodes.", NULL,
+                                   NULL, 0);
+    r->m.kv_capacity = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_decode_kv_capacity_tokens",
+                                       "KV budgets summed over usable decode nodes.", NULL, NULL,
+                                       0);
+    r->m.group_inflight = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_prefill_inflight",
+                                          "Prefill tasks sent to a group and not finished.",
+                                          "group", NULL, 0);
+    r->m.group_inflight_limit = pdm_metrics_add(
+        m, PDM_METRIC_GAUGE, "pdmesh_prefill_inflight_limit",
+        "Prefill tasks a group may hold (--group-inflight).", NULL, NULL, 0);
     pdm_metric_set(r->m.queue, NULL, 0);
     pdm_metric_inc(r->m.requests, "ok", 0);
     pdm_metric_inc(r->m.migrations, NULL, 0);

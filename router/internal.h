@@ -149,6 +149,8 @@ typedef struct rt_req {
     char group_name[64], dnode_name[RT_NAME_MAX];
     uint32_t retries, migrations, cached_tokens; /* cached: prompt tokens reused by the group */
     int reuse_pending;            /* holds its group's reuse_pending */
+    int waits_for_group;          /* QUEUED: the scheduler last found no prefill group with room
+                                   * (0: no decode node with room, or not yet scheduled) */
     pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN]; /* the group attempt's ranges (Usage) */
     int n_plan;
     uint8_t kv_key[32];           /* the group attempt's KV key (DecodeTask/PrefillTask.kv_key) */
@@ -188,8 +190,8 @@ struct pdm_router {
     struct {
         pdm_metrics_t *reg;
         pdm_metric_t *requests, *ttft, *tpot, *queue, *method, *kv_bytes, *kv_time, *nodes,
-            *migrations, *retries, *offload, *prefix_hits,
-            *prefix_tokens;
+            *migrations, *retries, *offload, *prefix_hits, *prefix_tokens, *waiting, *kv_free,
+            *kv_capacity, *group_inflight, *group_inflight_limit;
     } m;
 };
 

@@ -15,6 +15,11 @@
  *   nodes{role,state}                     gauge
  *   migrations_total / retries_total      counter
  *   offload_bytes{node}                   gauge   (from heartbeats)
+ *   requests_waiting{reason}              gauge   prefill, decode: what a QUEUED request lacks
+ *   decode_kv_free_tokens                 gauge   usable decode nodes, budget - reserved
+ *   decode_kv_capacity_tokens             gauge   usable decode nodes, budget
+ *   prefill_inflight{group}               gauge
+ *   prefill_inflight_limit                gauge   --group-inflight
  */
 #ifndef PDM_METRICS_H
 #define PDM_METRICS_H

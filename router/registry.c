@@ -450,14 +450,36 @@ void rt_node_metrics(pdm_router_t *r)
     static const char *keys[] = {"prefill_alive", "prefill_draining", "prefill_dead",
                                  "decode_alive", "decode_draining", "decode_dead"};
     int count[6] = {0};
+    double kv_free = 0, kv_capacity = 0;
     for (int i = 0; i < RT_MAX_NODES; i++) {
         rt_node_t *n = &r->nodes[i];
         if (!n->used) continue;
         int base = n->role == PDMESH__ROLE__ROLE_DECODE ? 3 : 0;
         count[base + (n->dead ? 2 : n->draining ? 1 : 0)]++;
         if (n->role == PDMESH__ROLE__ROLE_DECODE) pdm_metric_set(r->m.offload, n->id, (double)n->offload);
+        /* The scheduler's own view (rt_pick_decode): budget minus what the router reserved,
+         * over the nodes that may take work. */
+        if (n->role == PDMESH__ROLE__ROLE_DECODE && rt_node_usable(r, i)) {
+            kv_capacity += (double)n->kv_tokens;
+            if ((int64_t)n->kv_tokens > n->kv_reserved)
+                kv_free += (double)((int64_t)n->kv_tokens - n->kv_reserved);
+        }
     }
     for (int k = 0; k < 6; k++) pdm_metric_set(r->m.nodes, keys[k], count[k]);
+    pdm_metric_set(r->m.kv_free, NULL, kv_free);
+    pdm_metric_set(r->m.kv_capacity, NULL, kv_capacity);
+    int waiting[2] = {0};
+    for (rt_req_t *q = r->head; q; q = q->next)
+        if (q->state == RQ_QUEUED) waiting[q->waits_for_group ? 1 : 0]++;
+    pdm_metric_set(r->m.waiting, "decode", waiting[0]);
+    pdm_metric_set(r->m.waiting, "prefill", waiting[1]);
+    /* Groups are never forgotten (a broken one re-forms under its name): a group that cannot
+     * take work shows 0, so no stale value stays behind. */
+    for (int g = 0; g < RT_MAX_GROUPS; g++)
+        if (r->groups[g].used)
+            pdm_metric_set(r->m.group_inflight, r->groups[g].name,
+                           rt_group_usable(r, g) ? r->groups[g].inflight : 0);
+    pdm_metric_set(r->m.group_inflight_limit, NULL, r->cfg.group_inflight);
 }
 
 void rt_registry_tick(pdm_router_t *r)

@@ -133,10 +133,12 @@ void rt_schedule(pdm_router_t *r)
         int g = -1;
         if (!want_local) {
             g = rt_pick_group(r, q);
+            q->waits_for_group = g < 0;
             if (g < 0) continue; /* every group is busy: wait */
         }
         int64_t need = rt_kv_need(q, q->n_prompt, q->max_new);
         int d = rt_pick_decode(r, q, need);
+        q->waits_for_group = 0;
         if (d < 0) continue; /* wait for capacity (the deadline bounds the wait) */
         /* local prefills count here, a group's methods in rt_send_prefill */
         pdm_metric_inc(r->m.method, "local", g < 0 ? 1 : 0);

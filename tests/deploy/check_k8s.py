@@ -17,11 +17,20 @@
 4. The mesh scales under load as the workloads would: a decode replica and a prefill rank
    (pod ordinal 2: the elastic group is wired anew with 3 ranks) are added, then that rank and
    a decode replica get SIGTERM and drain (--drain-grace); no accepted request fails.
+5. Autoscaling: the HPAs (autoscaling.yaml) and the Prometheus adapter's manifests
+   (prometheus-adapter/) validate; every HPA scales a workload of the manifests; every External
+   metric an HPA uses is one a rule of the adapter's ConfigMap produces; the rules have the
+   fields the adapter needs and every pdmesh_* series they name is registered in router/*.c.
+   Live, under concurrent load: the router's waiting, prefill in-flight and free-KV gauges move
+   and return to rest, every series the rules name is on /metrics, and a real Prometheus
+   scraping the router answers each rule's discovery (seriesQuery) and its metricsQuery, filled
+   in as the adapter fills it for each HPA, with one finite value.
 
   python3 tests/deploy/check_k8s.py --bindir build/bin [--model FILE]
 """
 import glob
 import json
+import math
 import os
 import re
 import signal
@@ -31,6 +40,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import kubernetes_validate
@@ -40,6 +50,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 from mesh import free_port, mesh_argparser  # noqa: E402
 from k8s_pods import K8S, load_docs, pods, workloads  # noqa: E402
+sys.path.insert(0, os.path.join(HERE, "..", "http"))
+ADAPTER = os.path.join(K8S, "prometheus-adapter")
+ROUTER_SRC = os.path.join(HERE, "..", "..", "router")
+RULE_KEYS = {"seriesQuery", "seriesFilters", "resources", "name", "metricsQuery"}
+TEMPLATE_FIELDS = {"Series", "LabelMatchers", "GroupBy", "LabelValuesByName", "GroupBySlice"}
 SECRET_KEYS = {"cluster-secret", "admin-token"}
 passed = failed = 0
 
@@ -134,6 +149,167 @@ def static_checks(bindir, docs):
           (bound, cports))
 
 
+def adapter_docs():
+    """[(file name, document)] of deploy/k8s/prometheus-adapter/ but its kustomization."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(ADAPTER, "*.yaml"))):
+        if os.path.basename(path) != "kustomization.yaml":
+            with open(path) as fh:
+                out += [(os.path.basename(path), d) for d in yaml.safe_load_all(fh) if d]
+    return out
+
+
+def router_series():
+    """The series names the router registers (router/*.c, pdm_metrics_add): a histogram's
+    _bucket, _sum and _count."""
+    names = set()
+    for path in glob.glob(os.path.join(ROUTER_SRC, "*.c")):
+        src = open(path).read()
+        for kind, name in re.findall(r"pdm_metrics_add\(\s*[\w>.-]+,\s*PDM_METRIC_(\w+),\s*"
+                                     r"\"(pdmesh_\w+)\"", src):
+            names |= ({name + s for s in ("_bucket", "_sum", "_count")}
+                      if kind == "HISTOGRAM" else {name})
+    return names
+
+
+def rule_series(rule):
+    """The metric name a rule's seriesQuery selects (name{...} or {__name__="name",...})."""
+    q = rule.get("seriesQuery", "")
+    m = re.match(r"\s*([A-Za-z_:][\w:]*)\s*(\{|$)", q) or \
+        re.search(r"__name__\s*=\s*\"([A-Za-z_:][\w:]*)\"", q)
+    return m.group(1) if m else None
+
+
+def rule_external_name(rule, series):
+    """The External metric name the adapter gives series under the rule's name.matches/as."""
+    name = rule.get("name", {})
+    rx = re.compile(name.get("matches", ".*"))
+    m = rx.search(series)
+    if not m:
+        return None
+    want = name.get("as") or ("$1" if rx.groups == 1 else "$0")
+    return re.sub(r"\$\{?(\d+)\}?", lambda g: m.group(int(g.group(1))) or "", want)
+
+
+def fill_query(rule, series, matchers):
+    """metricsQuery as the adapter fills it: its Go template with << >> delimiters."""
+    q = rule["metricsQuery"]
+    q = q.replace("<<.Series>>", series).replace("<<.LabelMatchers>>", matchers)
+    return q.replace("<<.GroupBy>>", "")
+
+
+def adapter_rules(adocs):
+    """The externalRules of the adapter's ConfigMap(s), parsed from data["config.yaml"]."""
+    rules = []
+    for f, d in adocs:
+        if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}):
+            cfg = yaml.safe_load(d["data"]["config.yaml"])
+            rules += (cfg or {}).get("externalRules", []) or []
+    return rules
+
+
+def hpas(docs):
+    return [(f, d) for f, d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+
+
+def hpa_metric_uses(docs):
+    """[(HPA name, External metric name, {selector labels})] of every HPA."""
+    out = []
+    for f, d in hpas(docs):
+        for m in d["spec"].get("metrics", []):
+            if m["type"] == "External":
+                mm = m["external"]["metric"]
+                out.append((d["metadata"]["name"], mm["name"],
+                            mm.get("selector", {}).get("matchLabels", {})))
+    return out
+
+
+def autoscaling_checks(docs, adocs):
+    for f, d in adocs:
+        try:
+            kubernetes_validate.validate(d, "1.30.0", strict=True)
+            ok, why = True, ""
+        except Exception as e:
+            ok, why = False, e
+        check("prometheus-adapter/%s: %s/%s validates (strict, 1.30)"
+              % (f, d["kind"], d["metadata"]["name"]), ok, why)
+    with open(os.path.join(ADAPTER, "kustomization.yaml")) as fh:
+        kust = yaml.safe_load(fh)
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ADAPTER, "*.yaml"))
+                   if os.path.basename(p) != "kustomization.yaml")
+    check("prometheus-adapter kustomization lists every manifest",
+          sorted(kust["resources"]) == files, (kust["resources"], files))
+    rules = adapter_rules(adocs)
+    check("the adapter's ConfigMap holds externalRules (config.yaml parses)", rules, adocs)
+    exposed = router_series()
+    produced = {}
+    for k, r in enumerate(rules):
+        bad = []
+        if not isinstance(r, dict) or set(r) - RULE_KEYS:
+            bad.append(("unknown fields", sorted(set(r) - RULE_KEYS)))
+        for key in ("seriesQuery", "metricsQuery"):
+            if not isinstance(r.get(key), str) or not r.get(key).strip():
+                bad.append(("missing", key))
+        res = r.get("resources", {})
+        if not (res.get("namespaced") is False or
+                {"resource": "namespace"} in [dict(v) for v in
+                                             res.get("overrides", {}).values()]):
+            bad.append("resources: no namespace override (nor namespaced: false)")
+        fields = set(re.findall(r"<<\s*\.(\w+)\s*>>", r.get("metricsQuery", "")))
+        if fields - TEMPLATE_FIELDS or not {"Series", "LabelMatchers"} <= fields or \
+                r.get("metricsQuery", "").count("<<") != len(re.findall(
+                    r"<<\s*\.\w+\s*>>", r.get("metricsQuery", ""))):
+            bad.append(("metricsQuery template fields", sorted(fields)))
+        series = rule_series(r)
+        try:
+            ext = rule_external_name(r, series) if series else None
+        except re.error as e:
+            ext, bad = None, bad + [("name.matches", e)]
+        if not series or not ext:
+            bad.append(("series/name", series, ext))
+        named = set(re.findall(r"\bpdmesh_\w+", r.get("seriesQuery", "") + " " +
+                               r.get("metricsQuery", "")))
+        if named - exposed:
+            bad.append(("not registered by the router", sorted(named - exposed)))
+        if ext in produced:
+            bad.append(("External name produced twice", ext))
+        check("adapter rule %d (%s -> %s) has the adapter's fields and names router series"
+              % (k, series, ext), not bad, bad)
+        if ext:
+            produced[ext] = (r, series)
+    wl = {(d["kind"], d["metadata"]["name"]): d for f, d in workloads(docs)}
+    for f, d in hpas(docs):
+        name, spec = d["metadata"]["name"], d["spec"]
+        ref = spec["scaleTargetRef"]
+        check("%s: HPA %s scales a workload of the manifests (%s/%s)"
+              % (f, name, ref["kind"], ref["name"]),
+              ref.get("apiVersion") == "apps/v1" and (ref["kind"], ref["name"]) in wl, ref)
+        used = [m for h, m, sel in hpa_metric_uses(docs) if h == name]
+        check("%s: HPA %s uses only External metrics that an adapter rule produces (%s)"
+              % (f, name, ", ".join(used)),
+              used and all(m in produced for m in used) and
+              all(m["type"] == "External" for m in spec["metrics"]),
+              sorted(set(used) - set(produced)))
+        b = spec.get("behavior", {})
+        up = b.get("scaleUp", {}).get("stabilizationWindowSeconds", 0)
+        down = b.get("scaleDown", {}).get("stabilizationWindowSeconds", 300)
+        check("%s: HPA %s scales down more slowly than up (stabilization %d s > %d s), "
+              "between %d and %d replicas" % (f, name, down, up, spec.get("minReplicas", 1),
+                                              spec["maxReplicas"]),
+              down > up and 1 <= spec.get("minReplicas", 1) <= spec["maxReplicas"])
+        target = wl.get((ref["kind"], ref["name"]))
+        if target:
+            c = target["spec"]["template"]["spec"]["containers"][0]
+            args = c.get("args", [])
+            grace = [int(args[i + 1]) for i, a in enumerate(args[:-1]) if a == "--drain-grace"]
+            grace += [int(a.split("=", 1)[1]) for a in args if a.startswith("--drain-grace=")]
+            tgps = target["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+            check("%s: %s's terminationGracePeriodSeconds (%d) exceeds its --drain-grace (%s)"
+                  % (f, ref["name"], tgps, grace[0] if grace else "not set"),
+                  not grace or tgps > grace[0])
+    return produced
+
+
 def listening_ports(pid):
     """TCP ports a process listens on (from /proc/net/tcp{,6} and its fds)."""
     inodes = set()
@@ -154,7 +330,137 @@ def listening_ports(pid):
     return ports
 
 
-def live_run(bindir, model, docs):
+def scrape(http_port):
+    """{series with labels: value} of the router's /metrics."""
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % http_port, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def autoscaling_live(http_port, docs, produced, namespace="pdmesh"):
+    """The autoscaling signals on the mesh of the manifests: the gauges under load and at
+    rest, the rules' series on /metrics, and the rules' queries on a real Prometheus."""
+    from prom import Prometheus
+    decode = [d for f, d in workloads(docs) if d["metadata"]["name"] == "pdmesh-decode"][0]
+    dargs = decode["spec"]["template"]["spec"]["containers"][0]["args"]
+    budget = int(dargs[dargs.index("--kv-budget") + 1]) * decode["spec"].get("replicas", 1)
+    prom = None
+    try:
+        prom = Prometheus(http_port, labels={"namespace": namespace})
+    except FileNotFoundError as e:
+        check("a real Prometheus for the adapter's queries", False, e)
+    try:
+        rest = scrape(http_port)
+        check("at rest: capacity = free = %d KV tokens (--kv-budget x decode replicas), nothing "
+              "waiting, no prefill in flight" % budget,
+              rest.get("pdmesh_decode_kv_capacity_tokens") == budget and
+              rest.get("pdmesh_decode_kv_free_tokens") == budget and
+              rest.get('pdmesh_requests_waiting{reason="prefill"}') == 0 and
+              rest.get('pdmesh_requests_waiting{reason="decode"}') == 0 and
+              rest.get('pdmesh_prefill_inflight{group="a"}') == 0,
+              {k: v for k, v in rest.items() if "kv_" in k or "waiting" in k or "inflight" in k})
+        seen = {k for k in rest}
+        names = {k.split("{", 1)[0] for k in seen}
+        missing = {s for r, s in produced.values()} - names
+        check("every series the adapter's rules select is on the router's /metrics",
+              not missing, missing)
+        if prom:  # scraping before the load: rate() and avg_over_time() then span it
+            prom.wait_series('pdmesh_queue_depth{namespace="%s"}' % namespace, timeout=60)
+        # Concurrent prompts long enough for the group (not --local-threshold): the group
+        # holds --group-inflight of them, the others wait for it.
+        n, done, errors = 8, [], []
+        prompt = ("Explain, in a few careful sentences, why the sky looks blue during the day "
+                  "and red at sunset, and what the atmosphere has to do with both of them.")
+
+        def client(i):
+            body = json.dumps({"prompt": prompt + " " * i, "max_tokens": 16,
+                               "temperature": 0}).encode()
+            req = urllib.request.Request("http://127.0.0.1:%d/v1/completions" % http_port,
+                                         data=body,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=300) as r:
+                    done.append(json.loads(r.read())["usage"]["pdmesh"]["prefill_method"])
+            except Exception as e:  # reported below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        peak = {"waiting_prefill": 0, "inflight": 0, "limit": None, "kv_free_min": budget}
+        while any(t.is_alive() for t in threads):
+            m = scrape(http_port)
+            peak["waiting_prefill"] = max(peak["waiting_prefill"],
+                                          m.get('pdmesh_requests_waiting{reason="prefill"}', 0))
+            peak["inflight"] = max(peak["inflight"], m.get('pdmesh_prefill_inflight{group="a"}', 0))
+            peak["limit"] = m.get("pdmesh_prefill_inflight_limit")
+            peak["kv_free_min"] = min(peak["kv_free_min"],
+                                      m.get("pdmesh_decode_kv_free_tokens", budget))
+            time.sleep(0.02)
+        for t in threads:
+            t.join()
+        check("%d concurrent completions served" % n, len(done) == n and not errors,
+              (done, errors[:3]))
+        check("under load: requests wait for the prefill group (peak %d), the group holds "
+              "1..limit (%s) tasks (peak %d), the decode node's free KV drops (min %d of %d)"
+              % (peak["waiting_prefill"], peak["limit"], peak["inflight"], peak["kv_free_min"],
+                 budget),
+              peak["waiting_prefill"] >= 1 and peak["limit"] and
+              1 <= peak["inflight"] <= peak["limit"] and peak["kv_free_min"] < budget, peak)
+        after = scrape(http_port)
+        check("after the load: free KV back to %d, nothing waiting, no prefill in flight" % budget,
+              after.get("pdmesh_decode_kv_free_tokens") == budget and
+              after.get('pdmesh_requests_waiting{reason="prefill"}') == 0 and
+              after.get('pdmesh_requests_waiting{reason="decode"}') == 0 and
+              after.get('pdmesh_prefill_inflight{group="a"}') == 0,
+              {k: v for k, v in after.items() if "kv_" in k or "waiting" in k or "inflight" in k})
+        if not prom:
+            return
+        # What the adapter does for each HPA metric: discovery through /api/v1/series with the
+        # rule's seriesQuery, then the metricsQuery with the HPA's namespace and selector.
+        time.sleep(2)  # two scrapes after the load: rate() over the window has its points
+        uses = {(m, tuple(sorted(sel.items()))) for h, m, sel in hpa_metric_uses(docs)}
+        uses |= {(m, ()) for m in produced}
+        for ext, sel in sorted(uses):
+            if ext not in produced:
+                continue
+            rule, series = produced[ext]
+            found = prom.wait_series(series, timeout=60)
+            disc = prom.api("/api/v1/series?match[]=" + urllib.parse.quote(rule["seriesQuery"]))
+            matchers = ",".join('%s="%s"' % kv for kv in (("namespace", namespace),) + sel)
+            q = fill_query(rule, series, matchers)
+            try:
+                res = prom.query(q)
+            except (AssertionError, OSError) as e:
+                res = e
+            vals = [float(x["value"][1]) for x in res] if isinstance(res, list) else []
+            check("Prometheus: %s%s: discovery finds %s, the query gives one finite value (%s)"
+                  % (ext, dict(sel) or "", series, vals[0] if vals else None),
+                  found and disc.get("data") and len(vals) == 1 and math.isfinite(vals[0]),
+                  (q, res))
+        ttft = prom.query(fill_query(produced["pdmesh_ttft_seconds_p90"][0],
+                                     "pdmesh_ttft_seconds_bucket", 'namespace="%s"' % namespace))
+        used = prom.query(fill_query(produced["pdmesh_decode_kv_used_ratio"][0],
+                                     "pdmesh_decode_kv_free_tokens",
+                                     'namespace="%s"' % namespace))
+        waited = prom.query(fill_query(produced["pdmesh_requests_waiting"][0],
+                                       "pdmesh_requests_waiting",
+                                       'namespace="%s",reason="prefill"' % namespace))
+        tv, uv = float(ttft[0]["value"][1]), float(used[0]["value"][1])
+        check("Prometheus: after the load TTFT p90 > 0 (%.3f s), KV used ratio 0 (%.3f); "
+              "waiting for prefill, 1 min average: %.2f (the scrapes that fell in the load)"
+              % (tv, uv, float(waited[0]["value"][1])), tv > 0 and uv == 0)
+    finally:
+        if prom:
+            prom.stop()
+
+
+def live_run(bindir, model, docs, produced):
     tmp = tempfile.mkdtemp(prefix="pdm-k8s-")
     secrets = os.path.join(tmp, "secrets")
     os.makedirs(secrets)
@@ -253,6 +559,7 @@ def live_run(bindir, model, docs):
         check("HTTP completion through the prefill group equals pdmesh generate --temp 0",
               got["choices"][0]["text"] == want and method not in (None, "local"),
               (got["choices"][0]["text"], want, method))
+        autoscaling_live(http_port, docs, produced)
         lo, hi = [int(x) for x in [e["value"] for f, d in workloads(docs)
                                    for e in d["spec"]["template"]["spec"]["containers"][0]
                                    .get("env", []) if e["name"] == "UCX_TCP_PORT_RANGE"][0]
@@ -432,7 +739,8 @@ def main():
     args = ap.parse_args()
     docs = load_docs()
     static_checks(args.bindir, docs)
-    live_run(args.bindir, args.model, docs)
+    produced = autoscaling_checks(docs, adapter_docs())
+    live_run(args.bindir, args.model, docs, produced)
     print("k8s: %d passed, %d failed" % (passed, failed))
     sys.exit(1 if failed else 0)
 

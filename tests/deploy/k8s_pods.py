@@ -71,6 +71,9 @@ def pods(docs, replicas=None):
     """The pods of the manifests' workloads, the router's first (the others register with it).
     replicas: {workload name: count} overriding spec.replicas (kubectl scale)."""
     replicas = replicas or {}
+    # a workload without spec.replicas starts at its HPA's minReplicas (the HPA owns the count)
+    hpa_min = {d["spec"]["scaleTargetRef"]["name"]: d["spec"].get("minReplicas", 1)
+               for f, d in docs if d["kind"] == "HorizontalPodAutoscaler"}
     out = []
     for f, d in workloads(docs):
         wname = d["metadata"]["name"]
@@ -79,7 +82,8 @@ def pods(docs, replicas=None):
         vols = {v["name"]: v for v in tspec.get("volumes", [])}
         c = tspec["containers"][0]
         csc = c.get("securityContext", {})
-        for i in range(replicas.get(wname, d["spec"].get("replicas", 1))):
+        count = d["spec"].get("replicas", hpa_min.get(wname, 1))
+        for i in range(replicas.get(wname, count)):
             name = "%s-%d" % (wname, i)
             env = {}
             for e in c.get("env", []):

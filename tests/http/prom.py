@@ -20,7 +20,9 @@ def free_port():
 
 
 class Prometheus:
-    def __init__(self, target_port, binary="prometheus"):
+    def __init__(self, target_port, binary="prometheus", labels=None):
+        """labels: {name: value} put on every series of the target (as a Kubernetes scrape
+        job's relabelling would, e.g. namespace)."""
         if not shutil.which(binary):
             raise FileNotFoundError("prometheus is not installed (tools/deps.sh installs it)")
         self.dir = tempfile.mkdtemp(prefix="pdm-prom-")
@@ -29,6 +31,9 @@ class Prometheus:
             f.write("global:\n  scrape_interval: 500ms\n  evaluation_interval: 500ms\n"
                     "scrape_configs:\n  - job_name: pdmesh\n    static_configs:\n"
                     "      - targets: ['127.0.0.1:%d']\n" % target_port)
+            if labels:
+                f.write("        labels: {%s}\n" % ", ".join('%s: "%s"' % kv
+                                                           for kv in sorted(labels.items())))
         self.port = free_port()
         self.log = open(os.path.join(self.dir, "log"), "w")
         self.proc = subprocess.Popen(
