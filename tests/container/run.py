@@ -53,7 +53,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 sys.path.insert(0, os.path.join(HERE, "..", "deploy"))
-from mesh import mesh_argparser  # noqa: E402
+from mesh import Checks, mesh_argparser  # noqa: E402
 from k8s_pods import load_docs, pods  # noqa: E402
 import pdmesh  # noqa: E402  (the Python SDK: make python-sdk, PYTHONPATH=build/python)
 
@@ -72,17 +72,7 @@ PROMPT = ("The capital of France is a city that many people visit because of its
 LONG_N = 400
 KILL_AT = 8
 HEARTBEAT_S = 1.0  # the router's --heartbeat-ms default (the manifests keep it)
-passed = failed = 0
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print("ok   - " + name, flush=True)
-    else:
-        failed += 1
-        print("FAIL - %s%s" % (name, (": " + str(detail)[:800]) if detail else ""), flush=True)
+check = Checks(800)
 
 
 def podman(*args, check_=True, timeout=120):
@@ -601,14 +591,15 @@ def main():
 
         elastic(mesh, decodes)
     finally:
-        if failed:
+        if check.failed:
             for name in mesh.started:
                 print("---- " + name)
                 print(mesh.logs(name)[-1500:])
         cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
-    print("container: %d passed, %d failed in %.0f s" % (passed, failed, time.time() - t_start))
-    return 1 if failed else 0
+    print("container: %d passed, %d failed in %.0f s"
+          % (check.passed, check.failed, time.time() - t_start))
+    return 1 if check.failed else 0
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
-from mesh import free_port, mesh_argparser  # noqa: E402
+from mesh import Checks, free_port, mesh_argparser  # noqa: E402
 from k8s_pods import K8S, load_docs, pods, workloads  # noqa: E402
 sys.path.insert(0, os.path.join(HERE, "..", "http"))
 ADAPTER = os.path.join(K8S, "prometheus-adapter")
@@ -56,17 +56,7 @@ ROUTER_SRC = os.path.join(HERE, "..", "..", "router")
 RULE_KEYS = {"seriesQuery", "seriesFilters", "resources", "name", "metricsQuery"}
 TEMPLATE_FIELDS = {"Series", "LabelMatchers", "GroupBy", "LabelValuesByName", "GroupBySlice"}
 SECRET_KEYS = {"cluster-secret", "admin-token"}
-passed = failed = 0
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print("ok   - " + name)
-    else:
-        failed += 1
-        print("FAIL - %s%s" % (name, (": " + str(detail)) if detail else ""))
+check = Checks(4000)
 
 
 def static_checks(bindir, docs):
@@ -609,7 +599,7 @@ def live_run(bindir, model, docs, produced):
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
-        if failed:
+        if check.failed:
             for log in sorted(glob.glob(os.path.join(tmp, "*.log"))):
                 print("---- " + log)
                 print(open(log).read()[-1500:])
@@ -741,8 +731,8 @@ def main():
     static_checks(args.bindir, docs)
     produced = autoscaling_checks(docs, adapter_docs())
     live_run(args.bindir, args.model, docs, produced)
-    print("k8s: %d passed, %d failed" % (passed, failed))
-    sys.exit(1 if failed else 0)
+    print("k8s: %d passed, %d failed" % (check.passed, check.failed))
+    sys.exit(1 if check.failed else 0)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
-from mesh import mesh_argparser  # noqa: E402
+from mesh import Checks, mesh_argparser  # noqa: E402
 
 NET = "10.232.0"
 BR = "pdmfbr"
@@ -45,17 +45,7 @@ HOSTS = {"router": 1, "p0": 10, "p1": 11, "d0": 20, "d1": 21}
 LONG = ("The capital of France is a city that many people visit because of its museums, its "
         "food, and its long history. In this short essay I will explain why the city became so "
         "important in Europe and what travellers should see first.")
-passed = failed = 0
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print("ok   - " + name, flush=True)
-    else:
-        failed += 1
-        print("FAIL - %s%s" % (name, (": " + str(detail)[:600]) if detail else ""), flush=True)
+check = Checks(600)
 
 
 def sh(cmd, check_=True):
@@ -394,12 +384,12 @@ def main():
     finally:
         mesh.stop()
         net_down()
-        if failed:
+        if check.failed:
             for n in sorted(os.listdir(tmp)):
                 print("---- " + n)
                 print(open(os.path.join(tmp, n)).read()[-1500:])
-    print("fault: %d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
+    print("fault: %d passed, %d failed" % (check.passed, check.failed))
+    return 1 if check.failed else 0
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "http"))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 from httptest import Reader, request_bytes  # noqa: E402
-from mesh import free_port  # noqa: E402
+from mesh import Checks, free_port  # noqa: E402
 from test_abuse import Slowloris, connect_from, summary  # noqa: E402
 from test_fake import test_invalid_utf8  # noqa: E402
 
@@ -56,18 +56,8 @@ LONG = ("The capital of France is a city that many people visit because of its m
 NOFILE = 1024  # the router's ulimit -n here: its HTTP slots follow from it
 SANITIZER = re.compile(r"AddressSanitizer|LeakSanitizer|runtime error:")
 
-passed = failed = 0
+check = Checks(2000)
 figures = {}
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print("ok   - " + name, flush=True)
-    else:
-        failed += 1
-        print("FAIL - %s%s" % (name, (": " + str(detail)[:2000]) if detail else ""), flush=True)
 
 
 def wait(pred, seconds, step=0.1):
@@ -442,15 +432,16 @@ def main():
         reports = [f for f in (m.logs() if os.path.isdir(m.run) else [])
                    if SANITIZER.search(open(f, errors="replace").read())]
         check("no sanitizer report in any process's log", not reports, reports)
-        if failed or reports:
+        if check.failed or reports:
             for f in m.logs():
                 print("---- " + f)
                 print(open(f, errors="replace").read()[-1500:])
         shutil.rmtree(tmp, ignore_errors=True)
     for k, v in figures.items():
         print("     figure %-18s %s" % (k, v))
-    print("hardening: %d passed, %d failed in %.0f s" % (passed, failed, time.time() - t_start))
-    return 1 if failed else 0
+    print("hardening: %d passed, %d failed in %.0f s"
+          % (check.passed, check.failed, time.time() - t_start))
+    return 1 if check.failed else 0
 
 
 if __name__ == "__main__":

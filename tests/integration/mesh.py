@@ -12,6 +12,24 @@ import time
 import urllib.request
 
 
+class Checks:
+    """The test scripts' check(name, cond, detail): prints "ok   - name" or "FAIL - name:
+    detail" (detail cut to `width` characters) and counts both."""
+
+    def __init__(self, width=800):
+        self.width, self.passed, self.failed = width, 0, 0
+
+    def __call__(self, name, cond, detail=""):
+        if cond:
+            self.passed += 1
+            print("ok   - " + name, flush=True)
+        else:
+            self.failed += 1
+            print("FAIL - %s%s" % (name, (": " + str(detail)[:self.width]) if detail else ""),
+                  flush=True)
+        return bool(cond)
+
+
 def free_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
