@@ -323,6 +323,8 @@ http-test: $(BINS)
 	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_abuse.py
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_http_mesh.py \
 	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_prefix_pool.py \
+	  --bindir $(BUILD)/bin
 
 # The hardening suite (issue 18, docs/security.md) on a mesh started by pdmesh up: idle floods,
 # slowloris, connection floods, invalid UTF-8, forged KV blocks, the router killed mid-generation

@@ -613,18 +613,20 @@ int cmd_up(int argc, char **argv)
     }
     for (int di = 0; !st && di < decodes->n; di++) {
         const ynode_t *d = decodes->kids[di];
-        char id[200], th[16], kv[32];
-        long threads = 1, budget = 65536;
+        char id[200], th[16], kv[32], pool[32];
+        long threads = 1, budget = 65536, pool_tokens = 0;
         snprintf(id, sizeof(id), "%s", y_str(d, "name", "decode"));
         st = y_int(d, "threads", 1, 1, 256, &threads);
         if (!st) st = y_int(d, "kv_budget", 65536, 1, 1L << 30, &budget);
+        if (!st) st = y_int(d, "kv_pool", 0, 0, 1L << 30, &pool_tokens);
         snprintf(th, sizeof(th), "%ld", threads);
         snprintf(kv, sizeof(kv), "%ld", budget);
+        snprintf(pool, sizeof(pool), "%ld", pool_tokens);
         snprintf(hf, sizeof(hf), "%s/%s", hdir, id);
         for (char *q = hf + strlen(hdir) + 1; *q; q++)
             if (*q == '/') *q = '-';
         char *da[] = {b_dec, "--model", (char *)model, "--router", (char *)node, "--node-id", id,
-                      "--threads", th, "--kv-budget", kv, "--health-file", hf,
+                      "--threads", th, "--kv-budget", kv, "--kv-pool", pool, "--health-file", hf,
                       kv_iface ? "--kv-interface" : NULL, (char *)kv_iface, NULL};
         if (!st) st = mesh_add(&m, id, da, curve ? c_dec : NULL, curve ? c_srv_pub : NULL, hf);
         expected++;

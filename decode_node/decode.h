@@ -92,6 +92,8 @@ typedef struct {
     double kv_timeout;      /* seconds a reservation waits for its KV after start */
     pdm_beam_params_t beam; /* default beam search of requests that name none (width 0: off) */
     const pdm_kvoff_params_t *offload; /* head-wise KV offload (offload.h), or NULL */
+    int64_t pool_tokens;    /* prefix pool: KV token slots finished sequences may keep (0:
+                             * off; see pdm_decode_node_reserve_local) */
 } pdm_decode_params_t;
 
 void pdm_decode_params_default(pdm_decode_params_t *p);
@@ -119,6 +121,8 @@ typedef struct {
     int beams;                        /* beam width (0: the node's default; -1: none) */
     const uint8_t *kv_key;            /* [PDM_KVT_KEY_BYTES] the request's KV key, or NULL:
                                        * blocks are not authenticated */
+    const int32_t *tokens;            /* [n_prompt] the prompt's tokens, or NULL: with them
+                                       * the finished sequence's KV can join the prefix pool */
 } pdm_decode_reserve_t;
 
 /* Reserves KV for n_prompt + max_new tokens and posts the receives of every block of the
@@ -128,7 +132,17 @@ int pdm_decode_node_reserve(pdm_decode_node_t *node, const pdm_decode_reserve_t 
 
 /* Local prefill (conditional disaggregation, migration): reserves KV for n_tokens + max_new
  * and computes the prompt's KV on this node now (blocking the batch for that time). The
- * following start may pass first_token = -1: the node samples it from the prompt's logits. */
+ * following start may pass first_token = -1: the node samples it from the prompt's logits.
+ *
+ * The prefix pool (pool_tokens > 0): a sequence that ends normally (eos, length, stop) with
+ * its prompt tokens known leaves its KV (prompt and generated tokens) in the pool instead of
+ * freeing it; a later local prefill whose tokens start with at least PDM_DECODE_POOL_MIN of a
+ * pooled sequence's tokens copies those rows and computes only the rest (a chat's next turn:
+ * its prompt is the last one, the answer and the new message). Pooled KV is evicted least
+ * recently used first whenever a reservation needs the slots or the pool exceeds its size,
+ * so it never refuses work. f16/f32 caches only (q8 scales are fixed per prompt), no beams,
+ * no head-wise offload. */
+#define PDM_DECODE_POOL_MIN 16
 int pdm_decode_node_reserve_local(pdm_decode_node_t *node, uint64_t id, uint32_t attempt,
                                   const int32_t *tokens, int32_t n_tokens, int32_t max_new);
 /* The same for a beam search of `beams` beams (< 0 or 0: none; the router's local prefill of a
@@ -172,6 +186,7 @@ typedef struct {
     const char *error;      /* ERROR: what went wrong (the sequence is released) */
     int kv_error;           /* ERROR: 1 when the prompt's KV failed to arrive or verify */
     const pdm_beam_report_t *beam; /* DONE of a beam search: n-best list and memory; else NULL */
+    int32_t cached_tokens;  /* DONE: prompt tokens whose KV came from the prefix pool */
 } pdm_decode_event_t;
 
 typedef void (*pdm_decode_event_cb)(void *arg, const pdm_decode_event_t *ev);
@@ -185,6 +200,13 @@ int pdm_decode_node_running(const pdm_decode_node_t *node);
 /* Sequences held in any state and KV token slots reserved (0 and 0 when idle: tests check
  * that failures leave nothing behind). */
 void pdm_decode_node_usage(const pdm_decode_node_t *node, int *held, int64_t *kv_slots);
+/* The prefix pool: sequences kept, their KV token slots, hits and tokens reused so far. */
+typedef struct {
+    int entries;
+    int64_t slots;
+    uint64_t hits, reused_tokens, evictions;
+} pdm_decode_pool_stats_t;
+void pdm_decode_node_pool_stats(const pdm_decode_node_t *node, pdm_decode_pool_stats_t *st);
 
 /* Head-wise offload statistics (tiers, prefetches, waits); PDM_ENOTFOUND without offload. */
 int pdm_decode_node_offload_stats(pdm_decode_node_t *node, pdm_kvoff_stats_t *st);

@@ -146,7 +146,9 @@ static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pd
     pdm_decode_reserve_t rv = {.id = key, .attempt = t->attempt & 15u,
                                .n_prompt = (int32_t)t->n_prompt, .max_new = (int32_t)t->max_new,
                                .ranges = rg, .n_ranges = (int)t->n_ranges, .beams = beams,
-                               .kv_key = t->kv_key.len ? t->kv_key.data : NULL};
+                               .kv_key = t->kv_key.len ? t->kv_key.data : NULL,
+                               .tokens = t->n_prompt_tokens == t->n_prompt ? t->prompt_tokens
+                                                                           : NULL};
     return pdm_decode_node_reserve(dn->node, &rv);
 }
 
@@ -436,6 +438,7 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
     r.kv_seconds = ev->kv_seconds;
     r.step_seconds = ev->step_seconds;
     r.kv_bytes = ev->kv_bytes;
+    r.cached_tokens = (uint32_t)(ev->cached_tokens > 0 ? ev->cached_tokens : 0);
     if (ev->beam) pdm__beam_result(ev->beam, &r, beams, bp, &rep);
     pdm_kvoff_stats_t os; /* head-wise offload: what it did so far (node-wide) */
     if (!pdm_decode_node_offload_stats(dn->node, &os)) {
@@ -452,7 +455,7 @@ static void pdm__usage(FILE *f)
                "       [--curve-server-key F --curve-key F] [--exit-with-parent] [--kv-interface DEV]\n"
                "       [--health-file F] [--drain-grace S]\n"
                "       [--model FILE] [--threads N] [--batch N] [--max-sequences N]\n"
-               "       [--kv-budget TOKENS] [--kv-dtype f32|f16|q8] [--kv-timeout S]\n"
+               "       [--kv-budget TOKENS] [--kv-pool TOKENS] [--kv-dtype f32|f16|q8] [--kv-timeout S]\n"
                "       [--beams B] [--length-penalty X] [--n-best N] "
                "[--early-stopping heuristic|early|never]\n"
                "       [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR] "
@@ -460,7 +463,9 @@ static void pdm__usage(FILE *f)
                "A decode node. It takes its tasks from the node socket at ENDPOINT (the router's,\n"
                "or pdmesh disagg-run's) as protobuf messages. --health-file: rewritten every\n"
                "second for `pdmesh health` (liveness and readiness probes). --drain-grace: on\n"
-               "SIGTERM take no new work and stop once idle, for at most S seconds (0).\n");
+               "SIGTERM take no new work and stop once idle, for at most S seconds (0).\n"
+               "--kv-pool: finished sequences keep their KV in up to TOKENS slots (evicted when\n"
+               "work needs them) for later prompts that start with theirs (0: off).\n");
 }
 
 int main(int argc, char **argv)
@@ -469,7 +474,7 @@ int main(int argc, char **argv)
     static pdm__daemon_t dn; /* the task table is large: not on the stack */
     pdm_decode_params_default(&dn.dp);
     pdm_kvoff_params_default(&dn.offload);
-    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN };
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN, O_POOL };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"threads", required_argument, 0, 't'},
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
@@ -486,7 +491,8 @@ int main(int argc, char **argv)
         {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT},
         {"kv-interface", required_argument, 0, O_KV_IFACE},
         {"health-file", required_argument, 0, O_HEALTH},
-        {"drain-grace", required_argument, 0, O_DRAIN}, {0, 0, 0, 0}};
+        {"drain-grace", required_argument, 0, O_DRAIN},
+        {"kv-pool", required_argument, 0, O_POOL}, {0, 0, 0, 0}};
     const char *kv_iface = NULL;
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
@@ -519,6 +525,7 @@ int main(int argc, char **argv)
         case O_EXIT_WITH_PARENT: lp.exit_with_parent = 1; break;
         case O_KV_IFACE: kv_iface = optarg; break;
         case O_HEALTH: lp.health_file = optarg; break;
+        case O_POOL: if (pdm_parse_long(optarg, 0, 1L << 30, &v)) goto bad; dp->pool_tokens = v; break;
         case O_DRAIN:
             if (pdm_parse_double(optarg, 0, 3600, &d)) goto bad;
             lp.drain_grace = d;
@@ -554,6 +561,7 @@ int main(int argc, char **argv)
     lp.capacity.threads = (uint32_t)dp->threads;
     /* the widest beam search this node runs (node.c: at most the batch) */
     lp.capacity.max_beams = (uint32_t)PDM_MIN(PDM_BEAM_MAX_WIDTH, dp->max_batch);
+    lp.capacity.pool_tokens = (uint64_t)dp->pool_tokens;
     /* First, before any library starts a thread: signals are blocked from here on. */
     if (pdm_link_create(&lp, &dn.link)) {
         fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());

@@ -49,7 +49,17 @@ typedef struct {
     int ignore_eos;      /* end-of-generation tokens do not end the sequence */
     int local;           /* prefilled by this node (no KV stream) */
     float *local_logits; /* local: [n_vocab] logits of the last prompt token */
+    int32_t *prompt;     /* [n_prompt] its tokens, or NULL (then it never joins the pool) */
+    int32_t cached;      /* prompt tokens whose KV came from the pool */
 } pdm__seq_t;
+
+/* A finished sequence kept for its prefix: its tokens and the KV of each of them. */
+typedef struct {
+    int32_t *tokens;
+    int32_t n;
+    pdm_kv_cache_t *cache;
+    uint64_t stamp; /* last use (least recently used goes first) */
+} pdm__pooled_t;
 
 struct pdm_decode_node {
     const pdm_model_t *model;
@@ -64,6 +74,10 @@ struct pdm_decode_node {
     int32_t eog[16];  /* end-of-generation token ids (beam search) */
     int n_eog;
     pdm_kvoff_engine_t *offload; /* head-wise KV offload (p.offload), or NULL */
+    pdm__pooled_t *pool;         /* [max_sequences] the prefix pool (decode.h) */
+    int64_t pool_slots;          /* KV slots its caches hold */
+    uint64_t pool_stamp;
+    pdm_decode_pool_stats_t pool_st;
 };
 
 void pdm_decode_params_default(pdm_decode_params_t *p)
@@ -96,6 +110,8 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (!st && !(n->logits = malloc(sizeof(float) * (size_t)p->max_batch * model->hp.n_vocab)))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    if (!st && !(n->pool = calloc((size_t)p->max_sequences, sizeof(pdm__pooled_t))))
+        st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (!st && p->offload) st = pdm_kvoff_engine_create(p->offload, &n->offload);
     n->p.offload = NULL; /* the engine keeps its own copy */
     if (st) {
@@ -106,6 +122,101 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
         if (pdm_tokenizer_is_eog(model->tokenizer, (int32_t)t)) n->eog[n->n_eog++] = (int32_t)t;
     *out = n;
     return PDM_OK;
+}
+
+/* ---- the prefix pool (decode.h) --------------------------------------------------------- */
+
+static void pdm__pool_drop(pdm_decode_node_t *n, pdm__pooled_t *e)
+{
+    n->pool_slots -= e->cache->capacity;
+    n->pool_st.entries--;
+    pdm_kv_cache_destroy(e->cache);
+    free(e->tokens);
+    memset(e, 0, sizeof(*e));
+}
+
+/* Evicts least recently used entries until `need` more slots fit beside the reservations
+ * (and the pool stays within its size); 1 if they fit then. */
+static int pdm__pool_room(pdm_decode_node_t *n, int64_t need, int64_t pool_need)
+{
+    for (;;) {
+        int fits = n->kv_used + n->pool_slots + need <= n->p.kv_budget &&
+                   n->pool_slots + pool_need <= n->p.pool_tokens;
+        pdm__pooled_t *lru = NULL;
+        for (int i = 0; i < n->p.max_sequences; i++)
+            if (n->pool[i].cache && (!lru || n->pool[i].stamp < lru->stamp)) lru = &n->pool[i];
+        if (fits || !lru) return fits;
+        pdm__pool_drop(n, lru);
+        n->pool_st.evictions++;
+    }
+}
+
+/* KV for `need` more slots: free, or made free by evicting pooled sequences. */
+static int pdm__kv_fits(pdm_decode_node_t *n, int64_t need)
+{
+    if (n->kv_used + need > n->p.kv_budget) return 0;
+    pdm__pool_room(n, need, 0);
+    return 1;
+}
+
+/* The pooled sequence sharing the longest prefix with tokens[0, n) (at least
+ * PDM_DECODE_POOL_MIN tokens, at most n - 1: the last token is always computed, its logits
+ * are needed); *m is that length. */
+static pdm__pooled_t *pdm__pool_match(pdm_decode_node_t *n, const int32_t *tokens, int32_t len,
+                                      int32_t *m)
+{
+    pdm__pooled_t *best = NULL;
+    *m = 0;
+    for (int i = 0; i < n->p.max_sequences; i++) {
+        pdm__pooled_t *e = &n->pool[i];
+        if (!e->cache) continue;
+        int32_t k = 0, lim = PDM_MIN(e->n, len - 1);
+        while (k < lim && e->tokens[k] == tokens[k]) k++;
+        if (k >= PDM_DECODE_POOL_MIN && k > *m) best = e, *m = k;
+    }
+    return best;
+}
+
+/* A sequence that ended normally: its KV (prompt and the generated tokens fed back) joins the
+ * pool, replacing pooled sequences it extends (a chat's earlier turns). */
+static void pdm__pool_put(pdm_decode_node_t *n, pdm__seq_t *s)
+{
+    pdm_kv_cache_t *c = s->cache;
+    if (n->p.pool_tokens <= 0 || !s->prompt || s->beam_width || s->off || !c ||
+        c->dtype == PDM_DT_I8 || c->pos0 != 0 || c->n_tokens < PDM_DECODE_POOL_MIN ||
+        c->n_tokens > s->n_prompt + s->n_tokens)
+        return;
+    const int32_t len = c->n_tokens;
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)len);
+    if (!tok) return;
+    memcpy(tok, s->prompt, sizeof(int32_t) * (size_t)s->n_prompt);
+    memcpy(tok + s->n_prompt, s->tokens, sizeof(int32_t) * (size_t)(len - s->n_prompt));
+    for (int i = 0; i < n->p.max_sequences; i++) { /* superseded: a prefix of this one */
+        pdm__pooled_t *e = &n->pool[i];
+        if (e->cache && e->n <= len && !memcmp(e->tokens, tok, sizeof(int32_t) * (size_t)e->n))
+            pdm__pool_drop(n, e);
+    }
+    /* its slots stop counting as reserved and start counting as pooled */
+    n->kv_used -= s->kv_slots;
+    s->kv_slots = 0;
+    pdm__pooled_t *slot = NULL;
+    if (pdm__pool_room(n, c->capacity, c->capacity))
+        for (int i = 0; i < n->p.max_sequences && !slot; i++)
+            if (!n->pool[i].cache) slot = &n->pool[i];
+    if (!slot) {
+        free(tok);
+        return;
+    }
+    *slot = (pdm__pooled_t){.tokens = tok, .n = len, .cache = c, .stamp = ++n->pool_stamp};
+    n->pool_slots += c->capacity;
+    n->pool_st.entries++;
+    s->cache = NULL; /* the pool owns it now */
+}
+
+void pdm_decode_node_pool_stats(const pdm_decode_node_t *n, pdm_decode_pool_stats_t *st)
+{
+    *st = n->pool_st;
+    st->slots = n->pool_slots;
 }
 
 static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
@@ -120,6 +231,7 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
     free(s->tokens);
     free(s->text);
     free(s->local_logits);
+    free(s->prompt);
     for (int i = 0; i < s->n_stops; i++) free(s->stops[i]);
     memset(s, 0, sizeof(*s));
 }
@@ -127,6 +239,9 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
 void pdm_decode_node_destroy(pdm_decode_node_t *n)
 {
     if (!n) return;
+    for (int i = 0; n->pool && i < n->p.max_sequences; i++)
+        if (n->pool[i].cache) pdm__pool_drop(n, &n->pool[i]);
+    free(n->pool);
     for (int i = 0; n->seqs && i < n->p.max_sequences; i++)
         if (n->seqs[i].state != SEQ_FREE) pdm__seq_release(n, &n->seqs[i]);
     free(n->seqs);
@@ -171,7 +286,7 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
     if (st) return st;
     const int64_t need = width ? pdm_beam_kv_slots(width, r->n_prompt, r->max_new)
                                : (int64_t)r->n_prompt + r->max_new;
-    if (n->kv_used + need > n->p.kv_budget)
+    if (!pdm__kv_fits(n, need))
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: request %llu needs %lld KV slots, "
                              "%lld of %lld are free", (unsigned long long)r->id, (long long)need,
                              (long long)(n->p.kv_budget - n->kv_used), (long long)n->p.kv_budget);
@@ -208,6 +323,12 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
     s->text = malloc(PDM__TEXT_CAP);
     if (!st && (!s->tokens || !s->text))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    if (!st && r->tokens && n->p.pool_tokens > 0 && !width) {
+        if (!(s->prompt = malloc(sizeof(int32_t) * (size_t)r->n_prompt)))
+            st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+        else
+            memcpy(s->prompt, r->tokens, sizeof(int32_t) * (size_t)r->n_prompt);
+    }
     if (!st) {
         s->kv_slots = need;
         n->kv_used += need;
@@ -303,10 +424,16 @@ int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *n, uint64_t id, uint3
     /* Beam search: the prompt once, response segments for every beam (eq. 3, beam.h). */
     const int64_t need = width ? pdm_beam_kv_slots(width, n_tokens, max_new)
                                : (int64_t)n_tokens + max_new;
-    if (n->kv_used + need > n->p.kv_budget)
+    /* The prefix pool's longest match, found before making room (which may evict it). */
+    int32_t m = 0;
+    pdm__pooled_t *hit = width || n->p.kv_dtype == PDM_DT_I8
+                             ? NULL : pdm__pool_match(n, tokens, n_tokens, &m);
+    if (hit) hit->stamp = ++n->pool_stamp; /* most recently used: evicted last */
+    if (!pdm__kv_fits(n, need))
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: request %llu needs %lld KV slots, "
                              "%lld of %lld are free", (unsigned long long)id, (long long)need,
                              (long long)(n->p.kv_budget - n->kv_used), (long long)n->p.kv_budget);
+    if (hit && !hit->cache) hit = NULL; /* evicted after all */
     pdm__seq_t *s = NULL;
     for (int i = 0; i < n->p.max_sequences && !s; i++)
         if (n->seqs[i].state == SEQ_FREE) s = &n->seqs[i];
@@ -323,8 +450,28 @@ int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *n, uint64_t id, uint3
         if (!s->tokens || !s->text || !s->local_logits)
             st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     }
+    if (!st && n->p.pool_tokens > 0 && !width) {
+        if (!(s->prompt = malloc(sizeof(int32_t) * (size_t)n_tokens)))
+            st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+        else
+            memcpy(s->prompt, tokens, sizeof(int32_t) * (size_t)n_tokens);
+    }
+    /* A pooled prefix: its rows are copied (the pooled sequence stays for others). */
+    if (!st && hit) {
+        const size_t row = pdm_dtype_row_bytes(s->cache->dtype, hp->head_dim);
+        for (uint32_t i = 0; i < hp->n_layers * hp->n_kv_heads; i++) {
+            memcpy(s->cache->k[i], hit->cache->k[i], row * (size_t)m);
+            memcpy(s->cache->v[i], hit->cache->v[i], row * (size_t)m);
+        }
+        s->cache->n_tokens = m;
+        s->cached = m;
+        n->pool_st.hits++;
+        n->pool_st.reused_tokens += (uint64_t)m;
+    }
     /* Conditional disaggregation / migration: this node computes the prompt's KV itself. */
-    if (!st) st = pdm_model_prefill(n->ctx, s->cache, tokens, n_tokens, s->local_logits);
+    if (!st)
+        st = pdm_model_prefill(n->ctx, s->cache, tokens + s->cached, n_tokens - s->cached,
+                               s->local_logits);
     if (st) {
         pdm__seq_release(n, s);
         return st;
@@ -470,13 +617,16 @@ static void pdm__finish(pdm_decode_node_t *n, pdm__seq_t *s, const char *why,
     pdm_decode_event_t ev = {
         .type = PDM_DECODE_EV_DONE, .id = s->id, .finish = why, .tokens = s->tokens,
         .n_tokens = s->n_tokens, .text = s->text ? s->text : "", .kv_seconds = s->kv_seconds,
-        .step_seconds = s->steps ? s->step_total / s->steps : 0, .kv_bytes = s->kv_bytes};
+        .step_seconds = s->steps ? s->step_total / s->steps : 0, .kv_bytes = s->kv_bytes,
+        .cached_tokens = s->cached};
     if (s->beam) {
         pdm__beam_done(n, s, &ev, cb, arg);
         pdm__seq_release(n, s);
         return;
     }
     cb(arg, &ev);
+    if (!strcmp(why, "eos") || !strcmp(why, "length") || !strcmp(why, "stop"))
+        pdm__pool_put(n, s);
     pdm__seq_release(n, s);
 }
 

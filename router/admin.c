@@ -85,6 +85,7 @@ static int rt_policies(pdm_router_t *r, rt_policy_t *p)
     p[n++] = (rt_policy_t){"group_inflight", &c->group_inflight, NULL, 1, 64};
     p[n++] = (rt_policy_t){"block_tokens", &c->block_tokens, NULL, 1, 4096};
     p[n++] = (rt_policy_t){"prefix_reuse", &c->prefix_reuse, NULL, 0, 1};
+    p[n++] = (rt_policy_t){"pool_local_max", NULL, &c->pool_local_max, 0, 1 << 20};
     return n;
 }
 

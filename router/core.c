@@ -44,6 +44,7 @@ void rt_config_default(rt_config_t *c)
     snprintf(c->method, sizeof(c->method), "auto");
     c->block_tokens = 64;
     c->prefix_reuse = 1;
+    c->pool_local_max = 512;
     c->max_skew_s = 30;
     c->group_inflight = 2;
     c->http_host = "127.0.0.1";

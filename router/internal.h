@@ -55,6 +55,8 @@ typedef struct {
     int block_tokens;             /* prefix-hash block size; also the least cached prefix a
                                    * follow-up turn reuses */
     int prefix_reuse;             /* partial prefill of follow-up turns (0: route only) */
+    uint32_t pool_local_max;      /* a prompt whose prefix a decode node's pool holds is
+                                   * prefilled there when at most this many tokens are left */
     double max_skew_s;            /* registration timestamp skew */
     int group_inflight;           /* prefill tasks queued per group */
     const char *http_host;
@@ -83,6 +85,7 @@ typedef struct {
     int64_t kv_reserved;          /* router-side: KV tokens of those attempts */
     double full_until;            /* refused a reservation: skip it until then */
     uint32_t max_beams;           /* decode: widest beam search it runs (Capacity.max_beams) */
+    uint64_t pool_tokens;         /* decode: its prefix pool's size (Capacity.pool_tokens) */
 } rt_node_t;
 
 typedef struct {
@@ -181,6 +184,8 @@ struct pdm_router {
     pdm_calibration_t calib;
     int has_calib;
     struct { uint8_t hash[32]; int group; uint64_t stamp; } prefix[RT_PREFIX_SLOTS];
+    /* which decode node's prefix pool last kept each block key (schedule.c) */
+    struct { uint8_t hash[32]; int node; uint64_t epoch, stamp; } dprefix[RT_PREFIX_SLOTS];
     uint64_t prefix_stamp;
     uint8_t prefix_salt[16];      /* random per router: prefix keys are not predictable */
     struct { uint64_t nonce; uint8_t id[8]; double t; } seen[1024]; /* registration replay */

@@ -290,6 +290,7 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
         n->threads = m->capacity->threads;
         n->max_prompt = m->capacity->max_prompt;
         n->max_beams = m->capacity->max_beams;
+        n->pool_tokens = m->capacity->pool_tokens;
     }
     n->epoch = ++r->next_epoch;
     n->last_hb = n->registered_at = pdm_now();

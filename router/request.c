@@ -52,6 +52,7 @@
 #include "router/internal.h"
 #include "router/beams.h"
 #include "router/request.h"
+#include "router/schedule.h"
 
 static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg);
 
@@ -401,6 +402,10 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
         }
         t.kv_key.data = q->kv_key;
         t.kv_key.len = sizeof(q->kv_key);
+        if (n->pool_tokens) { /* so that the node's prefix pool can keep this prompt's KV */
+            t.prompt_tokens = q->prompt;
+            t.n_prompt_tokens = q->n_prompt;
+        }
         t.prefill_addresses = addrs;
         t.n_prefill_addresses = gr->size;
         t.ranges = rgp;
@@ -577,6 +582,8 @@ void rt_req_on_decode_result(pdm_router_t *r, int node, const Pdmesh__DecodeResu
         if (rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens)) return; /* fills any gap */
         q->kv_seconds = d->kv_seconds;
         if (d->kv_bytes) q->kv_bytes = d->kv_bytes;
+        if (d->cached_tokens > q->cached_tokens) q->cached_tokens = d->cached_tokens;
+        if (d->finish != PDMESH__FINISH_REASON__FINISH_NONE) rt_decode_prefix_note(r, q, node);
         q->res_beams = d->beams; /* borrowed until rt_req_finish returns */
         q->n_res_beams = d->n_beams;
         rt_req_finish(r, q, d->finish);

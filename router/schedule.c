@@ -111,6 +111,62 @@ static int rt_pick_group(pdm_router_t *r, rt_req_t *q)
     return best;
 }
 
+void rt_decode_prefix_note(pdm_router_t *r, const rt_req_t *q, int node)
+{
+    enum { MAXB = 512 };
+    const rt_node_t *n = &r->nodes[node];
+    if (!n->pool_tokens || q->beams > 1 || q->n_gen < 1) return;
+    uint32_t len = q->n_prompt + q->n_gen - 1; /* the last token is never fed back */
+    int32_t *tok = malloc(sizeof(int32_t) * len);
+    uint8_t (*h)[32] = malloc(sizeof(uint8_t[32]) * MAXB);
+    int nb = 0;
+    if (tok && h) {
+        memcpy(tok, q->prompt, sizeof(int32_t) * q->n_prompt);
+        memcpy(tok + q->n_prompt, q->gen, sizeof(int32_t) * (q->n_gen - 1));
+        nb = rt_block_hashes(r, tok, len, h, MAXB);
+    }
+    for (int b = 0; b < nb; b++) {
+        size_t s = rt_prefix_slot(h[b]);
+        memcpy(r->dprefix[s].hash, h[b], 32);
+        r->dprefix[s].node = node;
+        r->dprefix[s].epoch = n->epoch;
+        r->dprefix[s].stamp = ++r->prefix_stamp;
+    }
+    free(tok);
+    free(h);
+}
+
+/* The usable decode node whose prefix pool holds the longest known prefix of q's prompt,
+ * with room for it; *cached is that prefix's length in tokens. -1 if none. (The node checks
+ * the tokens themselves: a pool that evicted the prefix since just prefills it all.) */
+static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, int64_t need,
+                                 uint32_t *cached)
+{
+    enum { MAXB = 512 };
+    int any = 0;
+    for (int i = 0; i < RT_MAX_NODES && !any; i++)
+        any = rt_node_usable(r, i) && r->nodes[i].role == PDMESH__ROLE__ROLE_DECODE &&
+              r->nodes[i].pool_tokens;
+    if (!any || q->beams > 1) return -1;
+    uint8_t (*h)[32] = malloc(sizeof(uint8_t[32]) * MAXB);
+    int nb = h ? rt_block_hashes(r, q->prompt, q->n_prompt, h, MAXB) : 0, best = -1;
+    for (int b = nb - 1; b >= 0 && best < 0; b--) {
+        size_t s = rt_prefix_slot(h[b]);
+        int d = r->dprefix[s].node;
+        if (!r->dprefix[s].stamp || memcmp(r->dprefix[s].hash, h[b], 32) ||
+            !rt_node_usable(r, d) || r->nodes[d].epoch != r->dprefix[s].epoch)
+            continue;
+        const rt_node_t *n = &r->nodes[d];
+        if (n->full_until > pdm_now() || (n->max_sequences && n->tasks >= (int)n->max_sequences) ||
+            (n->kv_tokens && (int64_t)n->kv_tokens - n->kv_reserved < need))
+            continue;
+        best = d;
+        *cached = (uint32_t)(b + 1) * (uint32_t)(r->cfg.block_tokens > 0 ? r->cfg.block_tokens : 64);
+    }
+    free(h);
+    return best;
+}
+
 static int rt_any_group_alive(pdm_router_t *r)
 {
     for (int g = 0; g < RT_MAX_GROUPS; g++)
@@ -130,6 +186,16 @@ void rt_schedule(pdm_router_t *r)
         }
         int migrate = q->n_gen > 0;
         int want_local = migrate || q->n_prompt < r->cfg.local_threshold || !rt_any_group_alive(r);
+        /* A decode node's prefix pool holds most of the prompt (a chat's next turn): prefill
+         * the rest there instead of streaming the whole prompt from a group. */
+        uint32_t cached = 0;
+        int pd = migrate ? -1 : rt_pick_decode_prefix(r, q, rt_kv_need(q, q->n_prompt,
+                                                                        q->max_new), &cached);
+        if (pd >= 0 && q->n_prompt - cached <= r->cfg.pool_local_max) {
+            pdm_metric_inc(r->m.method, "local", 1);
+            rt_req_dispatch(r, q, pd, -1);
+            continue;
+        }
         int g = -1;
         if (!want_local) {
             g = rt_pick_group(r, q);

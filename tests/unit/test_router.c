@@ -232,6 +232,110 @@ START_TEST(test_decode_local_prefill)
 }
 END_TEST
 
+/* The decode node's prefix pool (decode.h): a finished sequence's KV (prompt and generated
+ * tokens) stays; a next turn that starts with it copies those rows and prefills only the rest,
+ * and its greedy continuation equals the engine's on the whole prompt (f32 weights and KV:
+ * the pooled rows were computed by decode steps, the engine's by one prefill, equal to 1e-4,
+ * checked through the tokens); a reservation that needs the slots evicts it; cancelled
+ * sequences are not pooled. */
+START_TEST(test_decode_prefix_pool)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/router-pool-model.gguf", pdm_test_tmpdir());
+    pdm_testmodel_params_t tp;
+    pdm_testmodel_params_default(&tp);
+    tp.n_layers = 2;
+    tp.d_model = 64;
+    tp.n_heads = 4;
+    tp.n_kv_heads = 2;
+    tp.n_ff = 96;
+    tp.wtype = PDM_DT_F32;
+    tp.embtype = PDM_DT_F32;
+    tp.seed = 12;
+    ck_assert_int_eq(pdm_testmodel_write(path, &tp), 0);
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    enum { P = 30, NEW = 8, EXTRA = 9 };
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
+    pdm_kvt_t *kvt;
+    ck_assert_int_eq(pdm_kvt_create(NULL, &kvt), 0);
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_dtype = PDM_DT_F32;
+    dp.kv_budget = 100;
+    dp.pool_tokens = 100;
+    pdm_decode_node_t *node;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    pdm_sampler_params_t greedy;
+    pdm_sampler_params_default(&greedy);
+    greedy.temperature = 0;
+
+    /* turn 1 */
+    int32_t turn[P + NEW + EXTRA];
+    for (int i = 0; i < P; i++) turn[i] = (int32_t)((i * 29 + 3) % (int)m->hp.n_vocab);
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 1, 0, turn, P, NEW), 0);
+    pdm_decode_start_t s = {.id = 1, .first_token = -1, .sp = greedy};
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    local_events_t ev = {0};
+    for (int round = 0; round < 100 && !ev.done; round++) pdm_decode_node_run_once(node, local_cb, &ev);
+    ck_assert_int_eq(ev.done, 1);
+    pdm_decode_pool_stats_t ps;
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.entries, 1);
+    ck_assert_int_eq(ps.slots, P + NEW);
+    int held;
+    int64_t slots;
+    pdm_decode_node_usage(node, &held, &slots);
+    ck_assert_int_eq(slots, 0); /* pooled KV is not reserved: it gives way */
+
+    /* turn 2: turn 1's prompt, its answer (all but the last token has KV) and a new message */
+    int n2 = P;
+    for (int k = 0; k < NEW; k++) turn[n2++] = ev.toks[k];
+    for (int i = 0; i < EXTRA; i++) turn[n2++] = (int32_t)((i * 7 + 1) % (int)m->hp.n_vocab);
+    int32_t ref[NEW];
+    engine_greedy(ctx, m, turn, n2, NEW, PDM_DT_F32, ref);
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 2, 0, turn, n2, NEW), 0);
+    s.id = 2;
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    local_events_t ev2 = {0};
+    int32_t cached = -1;
+    for (int round = 0; round < 100 && !ev2.done; round++) pdm_decode_node_run_once(node, local_cb, &ev2);
+    ck_assert_int_eq(ev2.done, 1);
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.hits, 1);
+    cached = (int32_t)ps.reused_tokens;
+    ck_assert_int_eq(cached, P + NEW - 1);
+    for (int k = 0; k < NEW; k++) ck_assert_int_eq(ev2.toks[k], ref[k]);
+    /* turn 2's KV replaced turn 1's (which it extends) */
+    ck_assert_int_eq(ps.entries, 1);
+    ck_assert_int_eq(ps.slots, n2 + NEW);
+
+    /* a reservation that needs the pool's slots evicts it; a cancelled sequence stays out */
+    int32_t other[60];
+    for (int i = 0; i < 60; i++) other[i] = (int32_t)((i * 11 + 2) % (int)m->hp.n_vocab);
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 3, 0, other, 60, 30), 0);
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.entries, 0);
+    ck_assert_int_eq(ps.evictions, 1);
+    s.id = 3;
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    ck_assert_int_eq(pdm_decode_node_cancel(node, 3), 0);
+    local_events_t ev3 = {0};
+    for (int round = 0; round < 10 && !ev3.done; round++) pdm_decode_node_run_once(node, local_cb, &ev3);
+    ck_assert_str_eq(ev3.finish, "cancelled");
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.entries, 0);
+    pdm_decode_node_usage(node, &held, &slots);
+    ck_assert_int_eq(held, 0);
+    ck_assert_int_eq(slots, 0);
+    pdm_decode_node_destroy(node);
+    pdm_kvt_destroy(kvt);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+END_TEST
+
 Suite *suite_router(void)
 {
     Suite *s = suite_create("router");
@@ -241,6 +345,7 @@ Suite *suite_router(void)
     suite_add_tcase(s, tc);
     TCase *tl = tcase_create("local_prefill");
     tcase_add_test(tl, test_decode_local_prefill);
+    tcase_add_test(tl, test_decode_prefix_pool);
     suite_add_tcase(s, tl);
     return s;
 }
