@@ -6,9 +6,11 @@ Each conversation opens with a document (about --doc-words words) and a question
 question (what a chat front end sends). Conversations run one after another (closed loop), so
 a follow-up finds its group idle and still holding the previous turn. The same conversations
 run on a mesh with prefix reuse (router --prefix-reuse 1: the group prefills only the new
-tokens and streams the cached ones along) and without (--prefix-reuse 0: every turn is
-prefilled whole). Reported per turn: client TTFT p50 and the cached tokens the router reports
-(usage.prompt_tokens_details.cached_tokens), and the ratio reuse / no reuse.
+tokens and streams the cached ones along), without (--prefix-reuse 0: every turn is
+prefilled whole), and with the decode node's prefix pool (decode --kv-pool: the node keeps
+each finished turn's KV and prefills only the new tokens itself, router --pool-local-max).
+Reported per turn: client TTFT p50 and the cached tokens the router reports
+(usage.prompt_tokens_details.cached_tokens), and the ratios to no reuse.
 
   python3 bench/serve/prefix.py [--bindir build/bin] [--ranks 2] [--out docs/perf] [--quick]
 """
@@ -48,9 +50,10 @@ def conversation(i, doc_words, turns, port, max_tokens):
     return rows
 
 
-def run(args, reuse):
+def run(args, reuse, pool=0):
     mesh = Mesh(args.bindir, args.model, prefill_ranks=args.ranks, threads=1, local_threshold=0,
-                router_args=["--prefix-reuse", str(reuse), "--block-tokens", "16"])
+                router_args=["--prefix-reuse", str(reuse), "--block-tokens", "16"],
+                decode_args=["--kv-pool", str(pool)])
     try:
         mesh.wait_ready(groups=True)
         conversation(999, args.doc_words, 2, mesh.http_port, 2)  # warm-up
@@ -76,16 +79,19 @@ def main():
         args.conversations = 3 if args.quick else 8
     t0 = time.time()
     load_before = os.getloadavg()
-    res = {"reuse": run(args, 1), "whole": run(args, 0)}
+    res = {"reuse": run(args, 1), "whole": run(args, 0), "pool": run(args, 1, 65536)}
     per_turn = []
     for t in range(args.turns):
         a = [r for r in res["reuse"] if r["turn"] == t]
         b = [r for r in res["whole"] if r["turn"] == t]
+        c = [r for r in res["pool"] if r["turn"] == t]
         ra, rb = statistics.median(x["ttft"] for x in a), statistics.median(x["ttft"] for x in b)
+        rc = statistics.median(x["ttft"] for x in c)
         per_turn.append({"turn": t, "prompt_tokens": statistics.median(x["prompt_tokens"] for x in a),
                          "cached_tokens": statistics.median(x["cached"] for x in a),
+                         "cached_tokens_pool": statistics.median(x["cached"] for x in c),
                          "ttft_p50_ms_reuse": 1e3 * ra, "ttft_p50_ms_whole": 1e3 * rb,
-                         "ratio": ra / rb})
+                         "ttft_p50_ms_pool": 1e3 * rc, "ratio": ra / rb, "ratio_pool": rc / rb})
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": "%d vCPUs" % os.cpu_count(), "prefill_ranks": args.ranks,
               "conversations": args.conversations, "turns": args.turns,
@@ -100,14 +106,19 @@ def main():
           "document of %d words, prefill group of %d rank(s), 1 thread per process." % (
               result["date"], result["machine"], load_before[0], result["loadavg_after"][0],
               args.conversations, args.turns, args.doc_words, args.ranks), "",
-          "| turn | prompt tokens | cached tokens | TTFT p50 reuse (ms) | TTFT p50 whole (ms) | "
-          "reuse / whole |", "|---|---|---|---|---|---|"]
+          "| turn | prompt tokens | cached (group / pool) | TTFT p50 whole (ms) | group reuse "
+          "(ms) | decode pool (ms) | group / whole | pool / whole |",
+          "|---|---|---|---|---|---|---|---|"]
     for r in per_turn:
-        md.append("| %d | %.0f | %.0f | %.1f | %.1f | %.2f |" % (
-            r["turn"], r["prompt_tokens"], r["cached_tokens"], r["ttft_p50_ms_reuse"],
-            r["ttft_p50_ms_whole"], r["ratio"]))
-    md += ["", "Turn 0 does the same work on both meshes (nothing cached yet): its ratio shows the "
-           "run's noise. TTFT is the client's (HTTP, streaming), prefill plus the first token."]
+        md.append("| %d | %.0f | %.0f / %.0f | %.1f | %.1f | %.1f | %.2f | %.2f |" % (
+            r["turn"], r["prompt_tokens"], r["cached_tokens"], r["cached_tokens_pool"],
+            r["ttft_p50_ms_whole"], r["ttft_p50_ms_reuse"], r["ttft_p50_ms_pool"], r["ratio"],
+            r["ratio_pool"]))
+    md += ["", "Turn 0 does the same work on every mesh (nothing cached yet): its ratios show the "
+           "run's noise. TTFT is the client's (HTTP, streaming), prefill plus the first token. "
+           "Group reuse: the group prefills only the new tokens and streams the cached ones "
+           "along; decode pool: the decode node kept the last turn's KV and prefills the new "
+           "tokens itself, nothing crosses the network."]
     with open(os.path.join(args.out, "prefix.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
