@@ -70,7 +70,7 @@ DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_
 LIB_SRC := $(COMMON_SRC) $(COMMON_NODE_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
            router/metrics.c
 CLI_SRC := cli/pdmesh.c cli/cli.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c cli/generate_remote.c \
-           cli/sampling.c \
+           cli/sampling.c cli/perplexity.c cli/kldbase.c \
            cli/meshconf.c
 # libpdmesh (sdk/): the client SDK, standalone (common + generated protobuf code inside).
 SDK_SRC := sdk/client.c sdk/admin.c

@@ -1,5 +1,6 @@
 /*
- * pdmesh.c - the local command-line tool: generate, tokenize, detokenize, make-test-model.
+ * pdmesh.c - the local command-line tool: generate, tokenize, detokenize, make-test-model,
+ * perplexity and kld (cli/perplexity.c).
  *
  * stdout carries only what the command produces (generated text, token ids); diagnostics and
  * statistics go to stderr. Exit status: 0 success, 1 runtime error, 2 usage error.
@@ -62,6 +63,13 @@ static void usage(FILE *f)
             "              and PREFIX.pub (docs/router.md, CURVE)\n"
             "  down        [--config FILE | --run-dir DIR]     stop it (SIGTERM, then SIGKILL)\n"
             "  status      [--config FILE | --run-dir DIR]     its processes, restarts, last exits\n"
+            "  perplexity  --file TEXT [--ctx N] [--batch N] [--chunks K] [--threads T] [--json]\n"
+            "              [--exact] [--kl-divergence-base FILE] [--kv-dtype f16|f32]\n"
+            "              perplexity as llama-perplexity computes it (chunks of --ctx, 512,\n"
+            "              second half scored); --kl-divergence-base FILE saves log-probs\n"
+            "  perplexity  --kl-divergence --kl-divergence-base FILE [--chunks K] [--exact]\n"
+            "              [--json]   KL divergence against a saved base (docs/fidelity.md)\n"
+            "  kld         BASE OTHER [--chunks K] [--json]   KL(BASE || OTHER) of two bases\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype q4_1|q4_0|q8_0|f16|f32] [--seed S]\n"
             "\n"
@@ -571,5 +579,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "down")) return cmd_down(argc - 1, argv + 1);
     if (!strcmp(cmd, "status")) return cmd_status(argc - 1, argv + 1);
     if (!strcmp(cmd, "keygen")) return cmd_keygen(argc - 1, argv + 1);
+    if (!strcmp(cmd, "perplexity")) return cmd_perplexity(argc - 1, argv + 1);
+    if (!strcmp(cmd, "kld")) return cmd_kld(argc - 1, argv + 1);
     return cli_usage_error("unknown command '%s'", cmd);
 }

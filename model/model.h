@@ -225,15 +225,26 @@ int pdm_model_decode(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int32_t token,
 
 /* ---- Exact reference forward (model/reference.c) ------------------------------------------ */
 
+typedef struct {
+    int n_threads;  /* pool size (>= 1); the result does not depend on it */
+    int act_q8;     /* experiment: round the inputs of quantized matrices to 8-bit blocks as
+                     * the engine and llama.cpp do (32 values, scale amax / 127 as f16) */
+    double perturb; /* experiment: multiply matrix inputs by 1 + perturb * u, u a fixed
+                     * pseudo-random value in [-0.5, 0.5) per element; |perturb| < 1 */
+} pdm_model_ref_params_t;
+
+/* n_threads 1, no experiment. */
+void pdm_model_ref_params_default(pdm_model_ref_params_t *p);
+
 /* The model's logits computed the plain way in double precision: weights dequantized from the
  * file, every activation, norm, RoPE angle, attention score and sum in f64, no activation
- * quantization and no KV cache rounding. Tokens are at positions 0..n-1; writes
- * logits[i - first][n_vocab] (rounded to f32) for first <= i < n. Uses a pool of n_threads;
- * the result does not depend on it. Slow (scalar f64, about 2 x n_params multiply-adds per
- * token): for short texts, tests and fidelity measurements. PDM_EINVAL / PDM_ERANGE /
- * PDM_ENOMEM with a message; logits are untouched on error. */
-int pdm_model_reference_logits(const pdm_model_t *m, const int32_t *tokens, int n, int first,
-                               int n_threads, float *logits);
+ * quantization (unless p->act_q8) and no KV cache rounding. Tokens are at positions 0..n-1;
+ * writes logits[i - first][n_vocab] (rounded to f32) for first <= i < n. Slow (scalar f64,
+ * about 2 x n_params multiply-adds per token): for short texts, tests and fidelity
+ * measurements. PDM_EINVAL / PDM_ERANGE / PDM_ENOMEM with a message; logits are untouched on
+ * error. */
+int pdm_model_reference_logits(const pdm_model_t *m, const pdm_model_ref_params_t *p,
+                               const int32_t *tokens, int n, int first, float *logits);
 
 /* ---- Sampling ---------------------------------------------------------------------------- */
 

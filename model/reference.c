@@ -9,6 +9,12 @@
  * engine and of llama.cpp), RoPE angles, attention scores and softmax (no f16 KV cache), the
  * SwiGLU FFN and the logits. The only roundings left are f64's and the final f32 store.
  *
+ * Two knobs serve experiments on where the engines' error comes from (docs/fidelity.md):
+ * act_q8 rounds every input of a quantized matrix as llama.cpp and the engine do before their
+ * integer dot products (blocks of 32 values, 8-bit, scale amax / 127 stored as f16), the rest
+ * staying f64; perturb multiplies every matrix input by 1 + perturb * u with a fixed
+ * pseudo-random u in [-0.5, 0.5), to see how much a tiny change moves the result.
+ *
  * Work is split over a thread pool by output rows (matrix products) and by (token, head)
  * (attention); every value is computed by one thread in a fixed order, so the result does
  * not depend on the thread count. Cost: about 2 x n_params multiply-adds per token in scalar
@@ -62,12 +68,46 @@ static void pdm__ref_mm_task(void *arg, int ith, int nth)
     }
 }
 
-/* y[i][:] = W x[i] for i < n. */
-static void pdm__ref_matmul(pdm_kern_pool_t *pool, const float *w, int64_t rows, int64_t cols,
-                            const double *x, int n, double *y)
+/* What a matrix product does to its inputs before multiplying (pdm_model_ref_params_t). */
+typedef struct {
+    pdm_kern_pool_t *pool;
+    int act_q8;
+    double perturb;
+    double *scratch; /* (n, widest input) the modified inputs */
+} pdm__ref_ctx_t;
+
+/* x rounded as an 8-bit activation block of the engines (Q8_0 / Q8_1 quantize_row_*_ref in
+ * ggml: d = amax / 127 in f32, q = round(x / d), the product uses d rounded to f16). */
+static void pdm__ref_round_q8(double *x, int64_t n)
 {
+    for (int64_t b = 0; b < n; b += 32) {
+        int64_t e = PDM_MIN(n, b + 32);
+        float amax = 0;
+        for (int64_t j = b; j < e; j++) amax = fmaxf(amax, fabsf((float)x[j]));
+        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        const double dh = pdm_f16_to_f32(pdm_f32_to_f16(d));
+        for (int64_t j = b; j < e; j++) x[j] = dh * (double)nearbyintf((float)x[j] * id);
+    }
+}
+
+/* y[i][:] = W x[i] for i < n, W of file type `wtype`. */
+static void pdm__ref_matmul(pdm__ref_ctx_t *rc, pdm_dtype_t wtype, const float *w, int64_t rows,
+                            int64_t cols, const double *x, int n, double *y)
+{
+    const int quantized = wtype != PDM_DT_F32 && wtype != PDM_DT_F16 && wtype != PDM_DT_BF16;
+    if ((rc->act_q8 && quantized) || rc->perturb != 0) {
+        double *xs = rc->scratch;
+        for (size_t i = 0; i < (size_t)n * cols; i++) {
+            /* a fixed pseudo-random u in [-0.5, 0.5) per element (Knuth's multiplicative hash) */
+            double u = (double)(((uint32_t)i * 2654435761u) >> 8) / (double)(1u << 24) - 0.5;
+            xs[i] = x[i] * (1.0 + rc->perturb * u);
+        }
+        if (rc->act_q8 && quantized)
+            for (int i = 0; i < n; i++) pdm__ref_round_q8(xs + (size_t)i * cols, cols);
+        x = xs;
+    }
     pdm__ref_mm_t t = {.w = w, .x = x, .y = y, .rows = rows, .cols = cols, .n = n};
-    pdm_kern_pool_run(pool, pdm__ref_mm_task, &t);
+    pdm_kern_pool_run(rc->pool, pdm__ref_mm_task, &t);
 }
 
 /* Dequantizes matrix m into dst (rows * cols floats). */
@@ -142,13 +182,21 @@ static void pdm__ref_attn_task(void *arg, int ith, int nth)
     }
 }
 
-int pdm_model_reference_logits(const pdm_model_t *m, const int32_t *tokens, int n, int first,
-                               int n_threads, float *logits)
+void pdm_model_ref_params_default(pdm_model_ref_params_t *p)
+{
+    memset(p, 0, sizeof(*p));
+    p->n_threads = 1;
+}
+
+int pdm_model_reference_logits(const pdm_model_t *m, const pdm_model_ref_params_t *p,
+                               const int32_t *tokens, int n, int first, float *logits)
 {
     const pdm_model_hparams_t *hp = &m->hp;
-    if (n < 1 || first < 0 || first > n || n_threads < 1 || n_threads > 256)
+    const int n_threads = p->n_threads;
+    if (n < 1 || first < 0 || first > n || n_threads < 1 || n_threads > 256 ||
+        !(fabs(p->perturb) < 1))
         return pdm_error_set(PDM_EINVAL, "reference forward: %d tokens, logits from %d, %d "
-                             "threads", n, first, n_threads);
+                             "threads, perturbation %g", n, first, n_threads, p->perturb);
     for (int i = 0; i < n; i++)
         if (tokens[i] < 0 || (uint32_t)tokens[i] >= hp->n_vocab)
             return pdm_error_set(PDM_ERANGE, "token id %d is outside the vocabulary (0..%u)",
@@ -167,9 +215,14 @@ int pdm_model_reference_logits(const pdm_model_t *m, const int32_t *tokens, int 
     double *tmp = malloc(nn * d * sizeof(double));
     double *scores = malloc((size_t)n_threads * nn * sizeof(double));
     float *w = malloc(wmax * sizeof(float)), *row = malloc((size_t)d * sizeof(float));
+    const size_t widest = (size_t)PDM_MAX(d, PDM_MAX(ff, qd));
+    pdm__ref_ctx_t rc = {.pool = pool, .act_q8 = p->act_q8, .perturb = p->perturb,
+                         .scratch = malloc(PDM_MAX(nn, (size_t)PDM__REF_TOKEN_BLOCK) * widest *
+                                           sizeof(double))};
     float *wout = NULL;
     double *lg = NULL;
-    if (!pool || !x || !xn || !q || !k || !v || !o || !g || !u || !tmp || !scores || !w || !row) {
+    if (!pool || !x || !xn || !q || !k || !v || !o || !g || !u || !tmp || !scores || !w || !row ||
+        !rc.scratch) {
         pdm_error_set(PDM_ENOMEM, "reference forward: out of memory for %d tokens", n);
         goto out;
     }
@@ -185,11 +238,11 @@ int pdm_model_reference_logits(const pdm_model_t *m, const int32_t *tokens, int 
         for (int i = 0; i < n; i++)
             pdm__ref_rmsnorm(xn + (size_t)i * d, x + (size_t)i * d, L->attn_norm, d, hp->rms_eps);
         pdm__ref_dequant(&L->wq, w);
-        pdm__ref_matmul(pool, w, qd, d, xn, n, q);
+        pdm__ref_matmul(&rc, L->wq.type, w, qd, d, xn, n, q);
         pdm__ref_dequant(&L->wk, w);
-        pdm__ref_matmul(pool, w, kvd, d, xn, n, k);
+        pdm__ref_matmul(&rc, L->wk.type, w, kvd, d, xn, n, k);
         pdm__ref_dequant(&L->wv, w);
-        pdm__ref_matmul(pool, w, kvd, d, xn, n, v);
+        pdm__ref_matmul(&rc, L->wv.type, w, kvd, d, xn, n, v);
         for (int i = 0; i < n; i++) {
             pdm__ref_rope(q + (size_t)i * qd, (int)hp->n_heads, hd, i, hp->rope_theta);
             pdm__ref_rope(k + (size_t)i * kvd, (int)hp->n_kv_heads, hd, i, hp->rope_theta);
@@ -197,17 +250,17 @@ int pdm_model_reference_logits(const pdm_model_t *m, const int32_t *tokens, int 
         pdm__ref_attn_t at = {.hp = hp, .q = q, .k = k, .v = v, .o = o, .scores = scores, .n = n};
         pdm_kern_pool_run(pool, pdm__ref_attn_task, &at);
         pdm__ref_dequant(&L->wo, w);
-        pdm__ref_matmul(pool, w, d, qd, o, n, tmp);
+        pdm__ref_matmul(&rc, L->wo.type, w, d, qd, o, n, tmp);
         for (size_t i = 0; i < nn * d; i++) x[i] += tmp[i];
         for (int i = 0; i < n; i++)
             pdm__ref_rmsnorm(xn + (size_t)i * d, x + (size_t)i * d, L->ffn_norm, d, hp->rms_eps);
         pdm__ref_dequant(&L->w_gate, w);
-        pdm__ref_matmul(pool, w, ff, d, xn, n, g);
+        pdm__ref_matmul(&rc, L->w_gate.type, w, ff, d, xn, n, g);
         pdm__ref_dequant(&L->w_up, w);
-        pdm__ref_matmul(pool, w, ff, d, xn, n, u);
+        pdm__ref_matmul(&rc, L->w_up.type, w, ff, d, xn, n, u);
         for (size_t i = 0; i < nn * ff; i++) g[i] = g[i] / (1.0 + exp(-g[i])) * u[i];
         pdm__ref_dequant(&L->w_down, w);
-        pdm__ref_matmul(pool, w, d, ff, g, n, tmp);
+        pdm__ref_matmul(&rc, L->w_down.type, w, d, ff, g, n, tmp);
         for (size_t i = 0; i < nn * d; i++) x[i] += tmp[i];
     }
 
@@ -227,7 +280,7 @@ int pdm_model_reference_logits(const pdm_model_t *m, const int32_t *tokens, int 
                              hp->rms_eps);
         for (int b0 = 0; b0 < n_out; b0 += PDM__REF_TOKEN_BLOCK) {
             int bn = PDM_MIN(PDM__REF_TOKEN_BLOCK, n_out - b0);
-            pdm__ref_matmul(pool, wout, (int64_t)n_vocab, d, xn + (size_t)b0 * d, bn, lg);
+            pdm__ref_matmul(&rc, m->output.type, wout, (int64_t)n_vocab, d, xn + (size_t)b0 * d, bn, lg);
             for (size_t i = 0; i < (size_t)bn * n_vocab; i++)
                 logits[(size_t)b0 * n_vocab + i] = (float)lg[i];
         }
@@ -237,6 +290,7 @@ int pdm_model_reference_logits(const pdm_model_t *m, const int32_t *tokens, int 
 out:
     free(lg);
     free(wout);
+    free(rc.scratch);
     free(row);
     free(w);
     free(scores);

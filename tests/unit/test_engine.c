@@ -94,7 +94,10 @@ START_TEST(test_engine_vs_reference)
         int32_t tok[41];
         random_tokens(tok, 41, (int)m->hp.n_vocab, 7 + (unsigned)s);
         float *want = malloc(m->hp.n_vocab * sizeof(float));
-        ck_assert_msg(pdm_model_reference_logits(m, tok, 41, 40, 2, want) == PDM_OK, "%s",
+        pdm_model_ref_params_t rp;
+        pdm_model_ref_params_default(&rp);
+        rp.n_threads = 2;
+        ck_assert_msg(pdm_model_reference_logits(m, &rp, tok, 41, 40, want) == PDM_OK, "%s",
                       pdm_error_last());
         float *got = run_prefill(m, tok, 41, 16, PDM_DT_F32, NULL, NULL);
         float diff = max_diff(got, want, (int)m->hp.n_vocab);
@@ -117,8 +120,11 @@ START_TEST(test_prefill_logits_rows)
     random_tokens(tok, n, nv, 21);
     float *want = malloc((size_t)n_out * nv * sizeof(float));
     float *want3 = malloc((size_t)n_out * nv * sizeof(float));
-    ck_assert_int_eq(pdm_model_reference_logits(m, tok, n, first, 1, want), PDM_OK);
-    ck_assert_int_eq(pdm_model_reference_logits(m, tok, n, first, 3, want3), PDM_OK);
+    pdm_model_ref_params_t rp;
+    pdm_model_ref_params_default(&rp);
+    ck_assert_int_eq(pdm_model_reference_logits(m, &rp, tok, n, first, want), PDM_OK);
+    rp.n_threads = 3;
+    ck_assert_int_eq(pdm_model_reference_logits(m, &rp, tok, n, first, want3), PDM_OK);
     ck_assert_msg(!memcmp(want, want3, (size_t)n_out * nv * sizeof(float)),
                   "reference depends on the thread count");
     static const int batches[] = {64, 7, 12, 1};
@@ -147,7 +153,7 @@ START_TEST(test_prefill_logits_rows)
     ck_assert_int_eq(pdm_model_ctx_create(m, 1, 8, &ctx), PDM_OK);
     ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n, PDM_DT_F32, &cache), PDM_OK);
     ck_assert_int_eq(pdm_model_prefill_logits(ctx, cache, tok, 4, 5, prev), PDM_EINVAL);
-    ck_assert_int_eq(pdm_model_reference_logits(m, tok, 4, -1, 1, prev), PDM_EINVAL);
+    ck_assert_int_eq(pdm_model_reference_logits(m, &rp, tok, 4, -1, prev), PDM_EINVAL);
     ck_assert_int_eq(cache->n_tokens, 0);
     pdm_kv_cache_destroy(cache);
     pdm_model_ctx_destroy(ctx);
