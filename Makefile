@@ -16,6 +16,8 @@
 #   make bench-decode-memory  head-wise KV offload vs all resident (docs/perf/decode-memory-offload.md)
 #   make hardening-memory  decode node RSS over rounds of cancelled streams (in make test)
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
+#   make fidelity  perplexity and KL divergence vs llama.cpp and the exact model
+#                 (docs/perf/fidelity.md, docs/fidelity.md)
 #   make format   clang-format the sources in place (.clang-format); make format-check lists
 #                 the files that differ (not part of make test)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
@@ -134,7 +136,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
         integration-test hardening-memory bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
-        sdk-test image container-test
+        sdk-test image container-test fidelity
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS) $(SDK_A) $(SDK_SO) $(SDK_BINS)
 
@@ -439,6 +441,17 @@ bench-engine: deps model all
 	$(BENCH_VENV)/bin/python bench/engine/run.py --pdm-bench $(BUILD)/bin/pdm-engine-bench \
 	  --roofline $(BUILD)/bin/pdm-roofline --python $(BENCH_VENV)/bin/python \
 	  --model $(MODEL_FILE) --out docs/perf
+
+# Fidelity (reports, never fails on a missed bar): pdmesh perplexity and KL divergence against
+# llama-perplexity, llama.cpp through llama-cpp-python and the exact f64 model on
+# tests/golden/ppl_text.txt into docs/perf/fidelity.{md,json} (docs/fidelity.md). The first run
+# builds llama.cpp's tools (tools/llama_tools.sh, ~8 min); then about 10 minutes on 2 cores.
+fidelity: deps model $(BUILD)/bin/pdmesh
+	@tools/deps.sh $(VENV) --golden
+	bin=$$(tools/llama_tools.sh $(BUILD)/llama.cpp | tail -n 1) && \
+	$(VENV)/bin/python bench/fidelity/run.py --pdmesh $(BUILD)/bin/pdmesh --model $(MODEL_FILE) \
+	  --text tests/golden/ppl_text.txt --python $(VENV)/bin/python --llama-bin "$$bin" \
+	  --work $(BUILD)/fidelity --out docs/perf
 
 golden: model
 	@tools/deps.sh $(VENV) --golden
