@@ -446,12 +446,13 @@ bench-engine: deps model all
 # llama-perplexity, llama.cpp through llama-cpp-python and the exact f64 model on
 # tests/golden/ppl_text.txt into docs/perf/fidelity.{md,json} (docs/fidelity.md). The first run
 # builds llama.cpp's tools (tools/llama_tools.sh, ~8 min); then about 10 minutes on 2 cores.
+# FIDELITY_ARGS=--reuse takes the steps an earlier run finished from build/fidelity/.
 fidelity: deps model $(BUILD)/bin/pdmesh
 	@tools/deps.sh $(VENV) --golden
 	bin=$$(tools/llama_tools.sh $(BUILD)/llama.cpp | tail -n 1) && \
 	$(VENV)/bin/python bench/fidelity/run.py --pdmesh $(BUILD)/bin/pdmesh --model $(MODEL_FILE) \
 	  --text tests/golden/ppl_text.txt --python $(VENV)/bin/python --llama-bin "$$bin" \
-	  --work $(BUILD)/fidelity --out docs/perf
+	  --work $(BUILD)/fidelity --out docs/perf $(FIDELITY_ARGS)
 
 golden: model
 	@tools/deps.sh $(VENV) --golden

@@ -134,8 +134,12 @@ int cli_kld_file_write(cli_kld_file_t *kf, const float *logits)
     memset(q, 0, (kf->nv - 4) * sizeof(uint16_t));
     if (scale > 0) {
         const float inv_scale = 1 / scale;
-        for (int i = 0; i < n; i++)
-            q[i] = logits[i] > min_logit ? (uint16_t)lrintf(inv_scale * (logits[i] - min_logit)) : 0;
+        for (int i = 0; i < n; i++) {
+            /* round to nearest even, as llama.cpp's nearest_int; the top is 65535 up to a last
+             * bit of rounding, which the clamp absorbs */
+            long v = logits[i] > min_logit ? lrintf(inv_scale * (logits[i] - min_logit)) : 0;
+            q[i] = (uint16_t)PDM_MIN(v, 65535L);
+        }
     }
     if (fwrite(kf->rec, sizeof(uint16_t), kf->nv, kf->f) != kf->nv)
         return pdm_error_set(PDM_EIO, "cannot write %s: %s", kf->path, strerror(errno));

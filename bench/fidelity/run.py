@@ -60,6 +60,23 @@ def run_json(cmd: list[str], env: dict | None = None) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+REUSE = {"on": False, "dir": "."}
+
+
+def cached(key: str, produce):
+    """produce() once per key; with --reuse, a result saved by an earlier run (in the work
+    directory, next to the bases it describes) is taken instead."""
+    path = os.path.join(REUSE["dir"], f"step-{key}.json")
+    if REUSE["on"] and os.path.exists(path):
+        log(f"reusing {path}")
+        with open(path) as f:
+            return json.load(f)
+    value = produce()
+    with open(path, "w") as f:
+        json.dump(value, f)
+    return value
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -208,7 +225,10 @@ def main() -> int:
     ap.add_argument("--work", default="build/fidelity")
     ap.add_argument("--out", default="docs/perf")
     ap.add_argument("--no-controls", action="store_true")
+    ap.add_argument("--reuse", action="store_true",
+                    help="take the steps an earlier run finished from the work directory")
     args = ap.parse_args()
+    REUSE.update(on=args.reuse, dir=args.work)
     os.makedirs(args.work, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
     w = lambda name: os.path.join(args.work, name)  # noqa: E731
@@ -227,22 +247,27 @@ def main() -> int:
     elif "amx" in " ".join(cpu_flags()):
         sys.exit("fidelity: this llama-perplexity has no --no-repack and the CPU has AMX "
                  "(llama.cpp's AMX path crashes on these hosts: ENVIRONMENT.md)")
-    p = run([lp, *lp_flags, "-f", args.text, "--chunks", str(args.chunks),
-             "--kl-divergence-base", w("llama-perplexity.kld")])
-    llama_ppl = parse_llama_ppl(p.stdout + p.stderr)
+    llama_ppl = cached("llama-perplexity", lambda: parse_llama_ppl(
+        (lambda p: p.stdout + p.stderr)(run([lp, *lp_flags, "-f", args.text, "--chunks",
+                                             str(args.chunks), "--kl-divergence-base",
+                                             w("llama-perplexity.kld")]))))
 
     # 2. llama.cpp through llama-cpp-python
-    run([args.python, kld_script, "--model", args.model, "--file", args.text, "--ctx",
-         str(args.ctx), "--chunks", str(args.chunks), "--threads", th, "--out", w("llama.kld"),
-         "--summary", w("llama.json")])
-    with open(w("llama.json")) as f:
-        llama_py = json.load(f)
+    def python_base():
+        run([args.python, kld_script, "--model", args.model, "--file", args.text, "--ctx",
+             str(args.ctx), "--chunks", str(args.chunks), "--threads", th, "--out",
+             w("llama.kld"), "--summary", w("llama.json")])
+        with open(w("llama.json")) as f:
+            return json.load(f)
+    llama_py = cached("llama-python", python_base)
 
     # 3. pdmesh: engine and exact
-    pdm_ppl = run_json([pdm, "perplexity", *common, "--file", args.text, "--chunks",
-                        str(args.chunks), "--kl-divergence-base", w("pdmesh.kld")])
-    exact_ppl = run_json([pdm, "perplexity", *common, "--file", args.text, "--chunks",
-                          str(args.chunks), "--exact", "--kl-divergence-base", w("exact.kld")])
+    pdm_ppl = cached("pdmesh", lambda: run_json(
+        [pdm, "perplexity", *common, "--file", args.text, "--chunks", str(args.chunks),
+         "--kl-divergence-base", w("pdmesh.kld")]))
+    exact_ppl = cached("exact", lambda: run_json(
+        [pdm, "perplexity", *common, "--file", args.text, "--chunks", str(args.chunks),
+         "--exact", "--kl-divergence-base", w("exact.kld")]))
 
     # 4. KL divergences
     kld = []
@@ -251,8 +276,9 @@ def main() -> int:
     kld.append(kld_row("llama.cpp", "pdmesh", d, "`pdmesh perplexity --kl-divergence`"))
     d = run_json([pdm, "kld", w("llama-perplexity.kld"), w("pdmesh.kld"), "--json"])
     kld.append(kld_row("llama-perplexity", "pdmesh", d, "`pdmesh kld`"))
-    p = run([lp, *lp_flags, "--kl-divergence", "--kl-divergence-base", w("pdmesh.kld")])
-    d = parse_llama_kld(p.stdout + p.stderr)
+    d = cached("llama-perplexity-kld", lambda: parse_llama_kld(
+        (lambda p: p.stdout + p.stderr)(run([lp, *lp_flags, "--kl-divergence",
+                                             "--kl-divergence-base", w("pdmesh.kld")]))))
     kld.append(kld_row("pdmesh", "llama-perplexity", d, "`llama-perplexity --kl-divergence`"))
     d = run_json([pdm, "kld", w("exact.kld"), w("pdmesh.kld"), "--json"])
     kld.append(kld_row("exact", "pdmesh", d, "`pdmesh kld`"))
@@ -266,12 +292,17 @@ def main() -> int:
     if not args.no_controls:
         cc = str(args.control_chunks)
         base = [pdm, "perplexity", *common, "--file", args.text, "--chunks", cc]
-        run_json([*base, "--exact-q8", "--kl-divergence-base", w("exact-q8.kld")])
-        run_json([*base, "--exact-q8", "--perturb", "1e-6", "--kl-divergence-base",
-                  w("exact-q8-perturbed.kld")])
-        run_json([*base, "--kl-divergence-base", w("pdmesh-generic.kld")],
-                 env={"PDMESH_KERNELS": "generic"})
-        run_json([*base, "--kv-dtype", "f32", "--kl-divergence-base", w("pdmesh-kvf32.kld")])
+        cached("exact-q8", lambda: run_json(
+            [*base, "--exact-q8", "--kl-divergence-base", w("exact-q8.kld")]))
+        cached("exact-q8-perturbed", lambda: run_json(
+            [*base, "--exact-q8", "--perturb", "1e-6", "--kl-divergence-base",
+             w("exact-q8-perturbed.kld")]))
+        cached("pdmesh-generic", lambda: run_json(
+            [*base, "--kl-divergence-base", w("pdmesh-generic.kld")],
+            env={"PDMESH_KERNELS": "generic"}))
+        cached("pdmesh-kvf32", lambda: run_json(
+            [*base, "--kv-dtype", "f32", "--kl-divergence-base", w("pdmesh-kvf32.kld")]))
+        # (file of the base, file of Q, what it isolates); files are <name>.kld in --work
         for a, b, note in (
                 ("exact", "exact-q8", "rounding every quantized matrix's input to 8 bits, "
                  "nothing else (f64 otherwise)"),
@@ -280,11 +311,12 @@ def main() -> int:
                 ("pdmesh-generic", "pdmesh", "pdmesh's scalar kernels vs its SIMD kernels "
                  "(summation order only)"),
                 ("pdmesh-kvf32", "pdmesh", "f32 vs f16 KV cache in pdmesh"),
-                ("llama.cpp", "exact-q8", "llama.cpp vs the exact model with 8-bit "
+                ("llama", "exact-q8", "llama.cpp vs the exact model with 8-bit "
                  "activations")):
             d = run_json([pdm, "kld", w(f"{a}.kld"), w(f"{b}.kld"), "--chunks", cc, "--json"])
-            controls.append({"base": a, "q": b, "note": note, "kld_mean": d["kld_mean"],
-                             "same_top": d["same_top"]})
+            names = {"llama": "llama.cpp"}
+            controls.append({"base": names.get(a, a), "q": names.get(b, b), "note": note,
+                             "kld_mean": d["kld_mean"], "same_top": d["same_top"]})
 
     ppl = [
         {"name": "llama-perplexity (llama.cpp's tool)", **{k: llama_ppl[k] for k in ("ppl", "ppl_err")}},
