@@ -44,8 +44,10 @@ int cli_kld_file_open(const char *path, cli_kld_file_t *out)
     if (!(kf.f = fopen(path, "rb")))
         return pdm_error_set(PDM_EIO, "cannot open %s: %s", path, strerror(errno));
     if (fread(magic, 1, 8, kf.f) != 8 || memcmp(magic, cli_kld_magic, 8)) {
-        status = pdm_error_set(PDM_EFORMAT, "%s is not a log-probability file (no _logits_ "
-                               "magic; write one with --kl-divergence-base)", path);
+        status = pdm_error_set(PDM_EFORMAT,
+                               "%s is not a log-probability file (no _logits_ "
+                               "magic; write one with --kl-divergence-base)",
+                               path);
         goto err_close;
     }
     if (fread(&kf.n_ctx, sizeof(kf.n_ctx), 1, kf.f) != 1 ||
@@ -56,21 +58,23 @@ int cli_kld_file_open(const char *path, cli_kld_file_t *out)
     }
     if (kf.n_ctx < 4 || kf.n_ctx > CLI_KLD_MAX_CTX || kf.n_vocab < 1 ||
         kf.n_vocab > CLI_KLD_MAX_VOCAB || kf.n_chunk < 1 || kf.n_chunk > (1 << 20)) {
-        status = pdm_error_set(PDM_EFORMAT, "%s: implausible header (n_ctx %u, n_vocab %d, "
-                               "%d chunks)", path, kf.n_ctx, kf.n_vocab, kf.n_chunk);
+        status = pdm_error_set(PDM_EFORMAT,
+                               "%s: implausible header (n_ctx %u, n_vocab %d, "
+                               "%d chunks)",
+                               path, kf.n_ctx, kf.n_vocab, kf.n_chunk);
         goto err_close;
     }
     if ((status = cli_kld_alloc(&kf))) goto err_close;
     size_t n_tok = (size_t)kf.n_chunk * kf.n_ctx;
     if (fread(kf.tokens, sizeof(int32_t), n_tok, kf.f) != n_tok) {
-        status = pdm_error_set(PDM_EFORMAT, "%s: truncated token list (%zu tokens expected)",
-                               path, n_tok);
+        status = pdm_error_set(PDM_EFORMAT, "%s: truncated token list (%zu tokens expected)", path,
+                               n_tok);
         goto err_free;
     }
     for (size_t i = 0; i < n_tok; i++)
         if (kf.tokens[i] < 0 || kf.tokens[i] >= kf.n_vocab) {
-            status = pdm_error_set(PDM_EFORMAT, "%s: token %zu is %d, outside the vocabulary",
-                                   path, i, kf.tokens[i]);
+            status = pdm_error_set(PDM_EFORMAT, "%s: token %zu is %d, outside the vocabulary", path,
+                                   i, kf.tokens[i]);
             goto err_free;
         }
     *out = kf;
@@ -87,7 +91,10 @@ err_close:
 int cli_kld_file_create(const char *path, uint32_t n_ctx, int32_t n_vocab, int32_t n_chunk,
                         const int32_t *tokens, cli_kld_file_t *out)
 {
-    cli_kld_file_t kf = {.path = path, .writing = 1, .n_ctx = n_ctx, .n_vocab = n_vocab,
+    cli_kld_file_t kf = {.path = path,
+                         .writing = 1,
+                         .n_ctx = n_ctx,
+                         .n_vocab = n_vocab,
                          .n_chunk = n_chunk};
     int status;
     if ((status = cli_kld_alloc(&kf))) return status;
@@ -155,8 +162,8 @@ int cli_kld_file_read(cli_kld_file_t *kf, float *logp)
     memcpy(&scale, kf->rec, sizeof(float));
     memcpy(&min_log_prob, kf->rec + 2, sizeof(float));
     if (!isfinite(scale) || !isfinite(min_log_prob) || scale < 0)
-        return pdm_error_set(PDM_EFORMAT, "%s: a record has scale %g, min log-prob %g",
-                             kf->path, scale, min_log_prob);
+        return pdm_error_set(PDM_EFORMAT, "%s: a record has scale %g, min log-prob %g", kf->path,
+                             scale, min_log_prob);
     const uint16_t *q = kf->rec + 4;
     for (int i = 0; i < kf->n_vocab; i++) logp[i] = scale * q[i] + min_log_prob;
     return PDM_OK;
@@ -191,8 +198,8 @@ int cli_log_softmax(const float *logits, int n, float *logp)
 
 /* ---- Statistics ------------------------------------------------------------------------ */
 
-int cli_kld_stats_add(cli_kld_stats_t *s, const float *logp_base, int top_base,
-                      const float *logp, int top, int n_vocab, int32_t token)
+int cli_kld_stats_add(cli_kld_stats_t *s, const float *logp_base, int top_base, const float *logp,
+                      int top, int n_vocab, int32_t token)
 {
     if (s->count == s->cap) {
         size_t cap = s->cap ? 2 * s->cap : 1024;

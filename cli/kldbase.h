@@ -79,8 +79,8 @@ typedef struct {
     double sum_nll, sum_nll2;           /* -log q(token) */
     double sum_nll_base, sum_nll_base2; /* -log p(token) */
     double sum_nll_nll_base;
-    double sum_kld, sum_kld2;           /* KL(P || Q) per position */
-    size_t n_same_top;                  /* argmax q == argmax p */
+    double sum_kld, sum_kld2; /* KL(P || Q) per position */
+    size_t n_same_top;        /* argmax q == argmax p */
     size_t count;
     float *kld_values; /* [count] every position's KL, for percentiles */
     size_t cap;
@@ -90,8 +90,8 @@ typedef struct {
  * of each one's first maximum, and the token that came next. KL(P || Q) sums
  * p_j (log p_j - log q_j) over j with log p_j > -CLI_KLD_LOGP_FLOOR (llama.cpp's rule).
  * PDM_ENOMEM only. */
-int cli_kld_stats_add(cli_kld_stats_t *s, const float *logp_base, int top_base,
-                      const float *logp, int top, int n_vocab, int32_t token);
+int cli_kld_stats_add(cli_kld_stats_t *s, const float *logp_base, int top_base, const float *logp,
+                      int top, int n_vocab, int32_t token);
 void cli_kld_stats_free(cli_kld_stats_t *s);
 
 typedef struct {

@@ -63,8 +63,7 @@ typedef struct {
     pdm_kv_cache_t *cache;
 } ppl_eval_t;
 
-static int ppl_eval_init(ppl_eval_t *ev, const pdm_model_t *model, const ppl_opts_t *o,
-                         int n_ctx)
+static int ppl_eval_init(ppl_eval_t *ev, const pdm_model_t *model, const ppl_opts_t *o, int n_ctx)
 {
     memset(ev, 0, sizeof(*ev));
     ev->model = model;
@@ -93,7 +92,8 @@ static void ppl_eval_fini(ppl_eval_t *ev)
 static const char *ppl_eval_name(const ppl_eval_t *ev)
 {
     if (!ev->exact) return pdm_model_ctx_ops(ev->ctx)->name;
-    if (ev->ref.perturb != 0) return ev->ref.act_q8 ? "exact-f64+q8act+perturbed" : "exact-f64+perturbed";
+    if (ev->ref.perturb != 0)
+        return ev->ref.act_q8 ? "exact-f64+q8act+perturbed" : "exact-f64+perturbed";
     return ev->ref.act_q8 ? "exact-f64+q8act" : "exact-f64";
 }
 
@@ -113,7 +113,8 @@ static void ppl_chunk_tokens(const pdm_tokenizer_t *tok, const int32_t *tokens, 
                              int32_t *chunk)
 {
     memcpy(chunk, tokens + (size_t)k * n_ctx, (size_t)n_ctx * sizeof(int32_t));
-    if (pdm_tokenizer_add_bos(tok) && pdm_tokenizer_bos(tok) >= 0) chunk[0] = pdm_tokenizer_bos(tok);
+    if (pdm_tokenizer_add_bos(tok) && pdm_tokenizer_bos(tok) >= 0)
+        chunk[0] = pdm_tokenizer_bos(tok);
 }
 
 /* -log softmax(row)[token], as llama.cpp's log_softmax: float differences, a double sum of
@@ -129,25 +130,25 @@ static double ppl_nll(const float *row, int n_vocab, int32_t token)
 
 static void ppl_usage(FILE *f)
 {
-    fprintf(f,
-            "usage: pdmesh perplexity [--model M] --file TEXT [--ctx N] [--batch N] [--chunks K]\n"
-            "                         [--threads T] [--kv-dtype f16|f32] [--json]\n"
-            "                         [--exact | --exact-q8 [--perturb REL]]\n"
-            "                         [--kl-divergence-base FILE]\n"
-            "       pdmesh perplexity [--model M] --kl-divergence --kl-divergence-base FILE\n"
-            "                         [--chunks K] [--batch N] [--threads T] [--exact] [--json]\n"
-            "       pdmesh kld BASE OTHER [--chunks K] [--json]\n"
-            "\n"
-            "Perplexity as llama.cpp's llama-perplexity computes it: chunks of --ctx tokens (512),\n"
-            "each from an empty KV cache, BOS first when the model adds BOS, the second half of\n"
-            "each chunk scored. --kl-divergence-base FILE alone saves the scored positions'\n"
-            "log-probabilities (llama-perplexity's file format); with --kl-divergence (or\n"
-            "--kld-base FILE) the text and tokens come from FILE and KL(FILE || this run) is\n"
-            "reported. --exact uses the f64 reference forward instead of the engine (slow);\n"
-            "--exact-q8 also rounds matrix inputs to 8 bits as the engines do, and --perturb REL\n"
-            "multiplies them by 1 + REL*u (u fixed in [-0.5, 0.5)): experiments on where the\n"
-            "engines' error comes from (docs/fidelity.md).\n"
-            "`pdmesh kld BASE OTHER` reports KL(BASE || OTHER) between two such files.\n");
+    fprintf(
+        f, "usage: pdmesh perplexity [--model M] --file TEXT [--ctx N] [--batch N] [--chunks K]\n"
+           "                         [--threads T] [--kv-dtype f16|f32] [--json]\n"
+           "                         [--exact | --exact-q8 [--perturb REL]]\n"
+           "                         [--kl-divergence-base FILE]\n"
+           "       pdmesh perplexity [--model M] --kl-divergence --kl-divergence-base FILE\n"
+           "                         [--chunks K] [--batch N] [--threads T] [--exact] [--json]\n"
+           "       pdmesh kld BASE OTHER [--chunks K] [--json]\n"
+           "\n"
+           "Perplexity as llama.cpp's llama-perplexity computes it: chunks of --ctx tokens (512),\n"
+           "each from an empty KV cache, BOS first when the model adds BOS, the second half of\n"
+           "each chunk scored. --kl-divergence-base FILE alone saves the scored positions'\n"
+           "log-probabilities (llama-perplexity's file format); with --kl-divergence (or\n"
+           "--kld-base FILE) the text and tokens come from FILE and KL(FILE || this run) is\n"
+           "reported. --exact uses the f64 reference forward instead of the engine (slow);\n"
+           "--exact-q8 also rounds matrix inputs to 8 bits as the engines do, and --perturb REL\n"
+           "multiplies them by 1 + REL*u (u fixed in [-0.5, 0.5)): experiments on where the\n"
+           "engines' error comes from (docs/fidelity.md).\n"
+           "`pdmesh kld BASE OTHER` reports KL(BASE || OTHER) between two such files.\n");
 }
 
 /* ---- output ------------------------------------------------------------------------------ */
@@ -201,9 +202,8 @@ static cJSON *ppl_kld_json(const cli_kld_summary_t *s, const char *q_name, const
 }
 
 /* One line per chunk of a KL comparison; per-chunk figures go into `chunks` (JSON). */
-static void ppl_kld_chunk_line(const cli_kld_stats_t *st, size_t count0, double kld0,
-                               size_t same0, double nll0, double nll_base0, int k, int json,
-                               cJSON *chunks)
+static void ppl_kld_chunk_line(const cli_kld_stats_t *st, size_t count0, double kld0, size_t same0,
+                               double nll0, double nll_base0, int k, int json, cJSON *chunks)
 {
     size_t n = st->count - count0;
     double ppl = exp((st->sum_nll - nll0) / (double)n);
@@ -248,9 +248,11 @@ static int ppl_run_text(const ppl_opts_t *o, const pdm_model_t *model)
         goto out;
     }
     if (n_tokens < 2 * (size_t)n_ctx) {
-        fprintf(stderr, "%s: %s tokenizes to %zu tokens; perplexity with a context of %d needs "
-                        "at least %d (llama-perplexity's rule): use a longer text or a smaller "
-                        "--ctx\n", cli_prog, o->text_path, n_tokens, n_ctx, 2 * n_ctx);
+        fprintf(stderr,
+                "%s: %s tokenizes to %zu tokens; perplexity with a context of %d needs "
+                "at least %d (llama-perplexity's rule): use a longer text or a smaller "
+                "--ctx\n",
+                cli_prog, o->text_path, n_tokens, n_ctx, 2 * n_ctx);
         goto out;
     }
     long n_chunk = (long)(n_tokens / (size_t)n_ctx);
@@ -310,8 +312,7 @@ static int ppl_run_text(const ppl_opts_t *o, const pdm_model_t *model)
             printf("[%d]%.4f,", k + 1, exp(nll / (double)count));
             fflush(stdout);
         }
-        if (k == 0)
-            fprintf(stderr, "%s: %.2f seconds per chunk\n", cli_prog, pdm_now() - t0);
+        if (k == 0) fprintf(stderr, "%s: %.2f seconds per chunk\n", cli_prog, pdm_now() - t0);
     }
     if (base.f) {
         int rc = cli_kld_file_close(&base);
@@ -319,8 +320,8 @@ static int ppl_run_text(const ppl_opts_t *o, const pdm_model_t *model)
             cli_runtime_error("cannot write the log-probability file");
             goto out;
         }
-        fprintf(stderr, "%s: wrote the log-probabilities of %ld positions to %s\n", cli_prog,
-                count, o->base_path);
+        fprintf(stderr, "%s: wrote the log-probabilities of %ld positions to %s\n", cli_prog, count,
+                o->base_path);
     }
 
     /* llama-perplexity's final estimate and its error */
@@ -458,27 +459,25 @@ out:
 
 int cmd_perplexity(int argc, char **argv)
 {
-    ppl_opts_t o = {.model_path = pdm_model_default_path(), .chunks = -1,
-                    .kv_dtype = PDM_DT_F16};
+    ppl_opts_t o = {.model_path = pdm_model_default_path(), .chunks = -1, .kv_dtype = PDM_DT_F16};
     pdm_model_ref_params_default(&o.ref);
     enum { O_CTX = 256, O_BATCH, O_CHUNKS, O_BASE, O_KLD, O_EXACT, O_KV, O_EXACT_Q8, O_PERTURB };
-    static const struct option opts[] = {
-        {"model", required_argument, 0, 'm'},
-        {"file", required_argument, 0, 'f'},
-        {"ctx", required_argument, 0, O_CTX},
-        {"batch", required_argument, 0, O_BATCH},
-        {"chunks", required_argument, 0, O_CHUNKS},
-        {"threads", required_argument, 0, 't'},
-        {"json", no_argument, 0, 'j'},
-        {"exact", no_argument, 0, O_EXACT},
-        {"exact-q8", no_argument, 0, O_EXACT_Q8},
-        {"perturb", required_argument, 0, O_PERTURB},
-        {"kl-divergence-base", required_argument, 0, O_BASE},
-        {"kl-divergence", no_argument, 0, O_KLD},
-        {"kld-base", required_argument, 0, 'K'},
-        {"kv-dtype", required_argument, 0, O_KV},
-        {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"file", required_argument, 0, 'f'},
+                                         {"ctx", required_argument, 0, O_CTX},
+                                         {"batch", required_argument, 0, O_BATCH},
+                                         {"chunks", required_argument, 0, O_CHUNKS},
+                                         {"threads", required_argument, 0, 't'},
+                                         {"json", no_argument, 0, 'j'},
+                                         {"exact", no_argument, 0, O_EXACT},
+                                         {"exact-q8", no_argument, 0, O_EXACT_Q8},
+                                         {"perturb", required_argument, 0, O_PERTURB},
+                                         {"kl-divergence-base", required_argument, 0, O_BASE},
+                                         {"kl-divergence", no_argument, 0, O_KLD},
+                                         {"kld-base", required_argument, 0, 'K'},
+                                         {"kv-dtype", required_argument, 0, O_KV},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "m:f:t:jh", opts, NULL)) != -1) {
@@ -529,7 +528,8 @@ int cmd_perplexity(int argc, char **argv)
     if (o.kl_divergence && !o.base_path)
         return cli_usage_error("%s", "--kl-divergence needs --kl-divergence-base FILE");
     if (!o.kl_divergence && !o.text_path)
-        return cli_usage_error("%s", "perplexity needs --file TEXT (or --kl-divergence with a base)");
+        return cli_usage_error("%s",
+                               "perplexity needs --file TEXT (or --kl-divergence with a base)");
     if (o.kl_divergence && o.text_path)
         return cli_usage_error("%s", "--kl-divergence takes its tokens from the base file, not "
                                      "--file");
@@ -580,9 +580,10 @@ int cmd_kld(int argc, char **argv)
         goto out;
     }
     if (a.n_ctx != b.n_ctx || a.n_vocab != b.n_vocab) {
-        fprintf(stderr, "%s: %s (n_ctx %u, vocabulary %d) and %s (n_ctx %u, vocabulary %d) do "
-                        "not describe the same evaluation\n", cli_prog, path_a, a.n_ctx,
-                a.n_vocab, path_b, b.n_ctx, b.n_vocab);
+        fprintf(stderr,
+                "%s: %s (n_ctx %u, vocabulary %d) and %s (n_ctx %u, vocabulary %d) do "
+                "not describe the same evaluation\n",
+                cli_prog, path_a, a.n_ctx, a.n_vocab, path_b, b.n_ctx, b.n_vocab);
         goto out;
     }
     long n_chunk = PDM_MIN(a.n_chunk, b.n_chunk);
@@ -590,9 +591,10 @@ int cmd_kld(int argc, char **argv)
     const int n_ctx = (int)a.n_ctx, first = n_ctx / 2, n_vocab = a.n_vocab;
     for (size_t i = 0; i < (size_t)n_chunk * a.n_ctx; i++)
         if (a.tokens[i] != b.tokens[i]) {
-            fprintf(stderr, "%s: %s and %s hold different tokens (first at %zu: %d vs %d): not "
-                            "the same text or tokenization\n", cli_prog, path_a, path_b, i,
-                    a.tokens[i], b.tokens[i]);
+            fprintf(stderr,
+                    "%s: %s and %s hold different tokens (first at %zu: %d vs %d): not "
+                    "the same text or tokenization\n",
+                    cli_prog, path_a, path_b, i, a.tokens[i], b.tokens[i]);
             goto out;
         }
     lp_a = malloc((size_t)n_vocab * sizeof(float));

@@ -31,7 +31,7 @@
 #define PDM__REF_TOKEN_BLOCK 32
 
 typedef struct {
-    const float *w; /* (rows, cols) dequantized weights */
+    const float *w;  /* (rows, cols) dequantized weights */
     const double *x; /* (n, cols) inputs */
     double *y;       /* (n, rows) outputs */
     int64_t rows, cols;
@@ -63,7 +63,8 @@ static void pdm__ref_mm_task(void *arg, int ith, int nth)
         for (int64_t r = r0; r < r1; r++) {
             const float *w = t->w + r * t->cols;
             for (int i = t0; i < t1; i++)
-                t->y[(size_t)i * t->rows + r] = pdm__ref_dot(w, t->x + (size_t)i * t->cols, t->cols);
+                t->y[(size_t)i * t->rows + r] = pdm__ref_dot(w, t->x + (size_t)i * t->cols,
+                                                             t->cols);
         }
     }
 }
@@ -195,8 +196,10 @@ int pdm_model_reference_logits(const pdm_model_t *m, const pdm_model_ref_params_
     const int n_threads = p->n_threads;
     if (n < 1 || first < 0 || first > n || n_threads < 1 || n_threads > 256 ||
         !(fabs(p->perturb) < 1))
-        return pdm_error_set(PDM_EINVAL, "reference forward: %d tokens, logits from %d, %d "
-                             "threads, perturbation %g", n, first, n_threads, p->perturb);
+        return pdm_error_set(PDM_EINVAL,
+                             "reference forward: %d tokens, logits from %d, %d "
+                             "threads, perturbation %g",
+                             n, first, n_threads, p->perturb);
     for (int i = 0; i < n; i++)
         if (tokens[i] < 0 || (uint32_t)tokens[i] >= hp->n_vocab)
             return pdm_error_set(PDM_ERANGE, "token id %d is outside the vocabulary (0..%u)",
@@ -216,9 +219,11 @@ int pdm_model_reference_logits(const pdm_model_t *m, const pdm_model_ref_params_
     double *scores = malloc((size_t)n_threads * nn * sizeof(double));
     float *w = malloc(wmax * sizeof(float)), *row = malloc((size_t)d * sizeof(float));
     const size_t widest = (size_t)PDM_MAX(d, PDM_MAX(ff, qd));
-    pdm__ref_ctx_t rc = {.pool = pool, .act_q8 = p->act_q8, .perturb = p->perturb,
-                         .scratch = malloc(PDM_MAX(nn, (size_t)PDM__REF_TOKEN_BLOCK) * widest *
-                                           sizeof(double))};
+    pdm__ref_ctx_t rc = {
+        .pool = pool,
+        .act_q8 = p->act_q8,
+        .perturb = p->perturb,
+        .scratch = malloc(PDM_MAX(nn, (size_t)PDM__REF_TOKEN_BLOCK) * widest * sizeof(double))};
     float *wout = NULL;
     double *lg = NULL;
     if (!pool || !x || !xn || !q || !k || !v || !o || !g || !u || !tmp || !scores || !w || !row ||
@@ -228,9 +233,9 @@ int pdm_model_reference_logits(const pdm_model_t *m, const pdm_model_ref_params_
     }
 
     for (int i = 0; i < n; i++) {
-        pdm_dequantize_row(m->tok_embd.type,
-                           (const char *)m->tok_embd.data + (size_t)tokens[i] * m->tok_embd.row_bytes,
-                           row, d);
+        pdm_dequantize_row(
+            m->tok_embd.type,
+            (const char *)m->tok_embd.data + (size_t)tokens[i] * m->tok_embd.row_bytes, row, d);
         for (int c = 0; c < d; c++) x[(size_t)i * d + c] = row[c];
     }
     for (uint32_t l = 0; l < hp->n_layers; l++) {
@@ -280,7 +285,8 @@ int pdm_model_reference_logits(const pdm_model_t *m, const pdm_model_ref_params_
                              hp->rms_eps);
         for (int b0 = 0; b0 < n_out; b0 += PDM__REF_TOKEN_BLOCK) {
             int bn = PDM_MIN(PDM__REF_TOKEN_BLOCK, n_out - b0);
-            pdm__ref_matmul(&rc, m->output.type, wout, (int64_t)n_vocab, d, xn + (size_t)b0 * d, bn, lg);
+            pdm__ref_matmul(&rc, m->output.type, wout, (int64_t)n_vocab, d, xn + (size_t)b0 * d, bn,
+                            lg);
             for (size_t i = 0; i < (size_t)bn * n_vocab; i++)
                 logits[(size_t)b0 * n_vocab + i] = (float)lg[i];
         }

@@ -136,7 +136,11 @@ def kld_row(name_p: str, name_q: str, d: dict, how: str) -> dict:
 
 
 def fmt(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+    if v is None:
+        return "-"
+    text = format(v, spec)
+    # a quantized base against itself can sum to -1e-10: print it as the zero it is
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
 
 
 def write_md(res: dict, path: str) -> None:
@@ -145,10 +149,9 @@ def write_md(res: dict, path: str) -> None:
     L.append("# Fidelity: pdmesh against llama.cpp and the exact model")
     L.append("")
     L.append(f"Measured by `make fidelity` (bench/fidelity/run.py) on {res['date']}. "
-             f"CPU: **{res['cpu']}** ({c['threads']} threads; pdmesh kernels: "
-             f"{res['pdmesh']['forward']}). A figure from one host does not compare with another "
-             "host's only for timing; the numbers below do not depend on the host except "
-             "through kernel choice.")
+             f"CPU: **{res['cpu']}** (flags: {res['cpu_flags']}; {c['threads']} threads; pdmesh "
+             f"kernels: {res['pdmesh']['forward']}). No timing is involved: these figures "
+             "change with the host only through the kernel variants each engine picks.")
     L.append("")
     L.append(f"Model `{c['model']}` (sha256 {c['model_sha256'][:16]}...), text "
              f"`{c['text']}` ({res['pdmesh']['tokens']} tokens), context {c['n_ctx']}, "
@@ -376,6 +379,9 @@ def main() -> int:
     res = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu_model(),
+        "cpu_flags": ", ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni",
+                                           "avx512_bf16", "amx_tile", "amx_int8")
+                               if f in cpu_flags()) or "none of avx2/avx512/amx",
         "config": {"model": os.path.basename(args.model), "model_sha256": sha256(args.model),
                    "text": args.text, "text_sha256": sha256(args.text), "n_ctx": args.ctx,
                    "chunks": args.chunks, "threads": args.threads,
