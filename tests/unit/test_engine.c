@@ -156,6 +156,11 @@ START_TEST(test_prefill_logits_rows)
     ck_assert_int_eq(pdm_model_reference_logits(m, &rp, tok, 4, -1, prev), PDM_EINVAL);
     ck_assert_int_eq(cache->n_tokens, 0);
     pdm_kv_cache_destroy(cache);
+    /* a q8 cache takes its scales from the whole prompt: only the last row is available */
+    ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n, PDM_DT_I8, &cache), PDM_OK);
+    ck_assert_int_eq(pdm_model_prefill_logits(ctx, cache, tok, 8, 2, prev), PDM_EUNSUPPORTED);
+    ck_assert_int_eq(cache->n_tokens, 0);
+    pdm_kv_cache_destroy(cache);
     pdm_model_ctx_destroy(ctx);
     free(prev);
     free(want);
