@@ -16,6 +16,8 @@
 #   make bench-decode-memory  head-wise KV offload vs all resident (docs/perf/decode-memory-offload.md)
 #   make hardening-test  the hardening suite on a pdmesh up mesh + the memory rounds (in make test)
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
+#   make fidelity  perplexity and KL divergence vs llama.cpp and the exact model
+#                 (docs/perf/fidelity.md, docs/fidelity.md)
 #   make format   clang-format the sources in place (.clang-format); make format-check lists
 #                 the files that differ (not part of make test)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
@@ -57,8 +59,8 @@ COMMON_NODE_SRC := common/nodelink.c common/auth.c common/health.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
-             model/forward.c model/kv_cache.c model/kv_quant.c model/sampler.c model/testmodel.c \
-             model/quantize.c
+             model/forward.c model/reference.c model/kv_cache.c model/kv_quant.c model/sampler.c \
+             model/testmodel.c model/quantize.c
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/checksum.c \
            kvtransfer/checksum_avx2.c
 PREFILL_SRC := prefill_node/plan.c prefill_node/plan_io.c prefill_node/conv.c \
@@ -71,7 +73,7 @@ DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_
 LIB_SRC := $(COMMON_SRC) $(COMMON_NODE_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
            router/metrics.c
 CLI_SRC := cli/pdmesh.c cli/cli.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c cli/generate_remote.c \
-           cli/sampling.c \
+           cli/sampling.c cli/perplexity.c cli/kldbase.c \
            cli/meshconf.c
 # libpdmesh (sdk/): the client SDK, standalone (common + generated protobuf code inside).
 SDK_SRC := sdk/client.c sdk/admin.c
@@ -135,7 +137,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
         integration-test hardening-test hardening-memory bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
-        sdk-test image container-test
+        sdk-test image container-test fidelity
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS) $(SDK_A) $(SDK_SO) $(SDK_BINS)
 
@@ -451,6 +453,18 @@ bench-engine: deps model all
 	$(BENCH_VENV)/bin/python bench/engine/run.py --pdm-bench $(BUILD)/bin/pdm-engine-bench \
 	  --roofline $(BUILD)/bin/pdm-roofline --python $(BENCH_VENV)/bin/python \
 	  --model $(MODEL_FILE) --out docs/perf
+
+# Fidelity (reports, never fails on a missed bar): pdmesh perplexity and KL divergence against
+# llama-perplexity, llama.cpp through llama-cpp-python and the exact f64 model on
+# tests/golden/ppl_text.txt into docs/perf/fidelity.{md,json} (docs/fidelity.md). The first run
+# builds llama.cpp's tools (tools/llama_tools.sh, ~8 min); then about 10 minutes on 2 cores.
+# FIDELITY_ARGS=--reuse takes the steps an earlier run finished from build/fidelity/.
+fidelity: deps model $(BUILD)/bin/pdmesh
+	@tools/deps.sh $(VENV) --golden
+	bin=$$(tools/llama_tools.sh $(BUILD)/llama.cpp | tail -n 1) && \
+	$(VENV)/bin/python bench/fidelity/run.py --pdmesh $(BUILD)/bin/pdmesh --model $(MODEL_FILE) \
+	  --text tests/golden/ppl_text.txt --python $(VENV)/bin/python --llama-bin "$$bin" \
+	  --work $(BUILD)/fidelity --out docs/perf $(FIDELITY_ARGS)
 
 golden: model
 	@tools/deps.sh $(VENV) --golden

@@ -59,6 +59,9 @@ int cmd_up(int argc, char **argv);
 int cmd_down(int argc, char **argv);
 int cmd_status(int argc, char **argv);
 int cmd_health(int argc, char **argv);
+/* pdmesh perplexity / pdmesh kld (cli/perplexity.c). */
+int cmd_perplexity(int argc, char **argv);
+int cmd_kld(int argc, char **argv);
 /* pdmesh generate --router ENDPOINT (cli/generate_remote.c, over libpdmesh). */
 int cli_generate_wants_router(int argc, char **argv);
 int cmd_generate_remote(int argc, char **argv);

@@ -1,6 +1,6 @@
 /*
  * pdmesh.c - the local command-line tool: generate, tokenize, detokenize, make-test-model,
- * quantize.
+ * quantize, perplexity and kld (cli/perplexity.c).
  *
  * stdout carries only what the command produces (generated text, token ids); diagnostics and
  * statistics go to stderr. Exit status: 0 success, 1 runtime error, 2 usage error.
@@ -65,6 +65,13 @@ static void usage(FILE *f)
             "  status      [--config FILE | --run-dir DIR]     its processes, restarts, last exits\n"
             "  health      --file F [--max-age S] [--stall S] [--ready]   a node's health file\n"
             "              (pdmesh-prefill/-decode --health-file): exit 0 healthy, 1 not\n"
+            "  perplexity  --file TEXT [--ctx N] [--batch N] [--chunks K] [--threads T] [--json]\n"
+            "              [--exact] [--kl-divergence-base FILE] [--kv-dtype f16|f32]\n"
+            "              perplexity as llama-perplexity computes it (chunks of --ctx, 512,\n"
+            "              second half scored); --kl-divergence-base FILE saves log-probs\n"
+            "  perplexity  --kl-divergence --kl-divergence-base FILE [--chunks K] [--exact]\n"
+            "              [--json]   KL divergence against a saved base (docs/fidelity.md)\n"
+            "  kld         BASE OTHER [--chunks K] [--json]   KL(BASE || OTHER) of two bases\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
             "              [--kv-heads N] [--wtype T] [--emb-type T] [--untied] [--seed S]\n"
             "              T: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k\n"
@@ -598,5 +605,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "status")) return cmd_status(argc - 1, argv + 1);
     if (!strcmp(cmd, "health")) return cmd_health(argc - 1, argv + 1);
     if (!strcmp(cmd, "keygen")) return cmd_keygen(argc - 1, argv + 1);
+    if (!strcmp(cmd, "perplexity")) return cmd_perplexity(argc - 1, argv + 1);
+    if (!strcmp(cmd, "kld")) return cmd_kld(argc - 1, argv + 1);
     return cli_usage_error("unknown command '%s'", cmd);
 }

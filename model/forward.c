@@ -536,11 +536,13 @@ void pdm_model_kv_store(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int layer,
 
 /* ---- Whole sequences ----------------------------------------------------------------- */
 
-int pdm_model_prefill(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t *tokens, int n,
-                      float *logits)
+int pdm_model_prefill_logits(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t *tokens,
+                             int n, int first, float *logits)
 {
     const pdm_model_t *m = ctx->model;
     if (n < 1) return pdm_error_set(PDM_EINVAL, "prefill of %d tokens", n);
+    if (first < 0 || first > n)
+        return pdm_error_set(PDM_EINVAL, "logits from token %d of a %d-token prefill", first, n);
     if ((int64_t)cache->n_tokens + n > cache->capacity)
         return pdm_error_set(PDM_EOVERFLOW, "%d tokens do not fit in the KV cache (%d of %d "
                              "slots used)", n, cache->n_tokens, cache->capacity);
@@ -548,11 +550,16 @@ int pdm_model_prefill(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t
         if (tokens[i] < 0 || (uint32_t)tokens[i] >= m->hp.n_vocab)
             return pdm_error_set(PDM_ERANGE, "token id %d is outside the vocabulary (0..%u)",
                                  tokens[i], m->hp.n_vocab - 1);
-    if (cache->dtype == PDM_DT_I8 && !cache->scales_fixed)
-        return pdm_model__prefill_q8_prompt(ctx, cache, tokens, n, logits);
+    if (cache->dtype == PDM_DT_I8 && !cache->scales_fixed) {
+        if (first < n - 1)
+            return pdm_error_set(PDM_EUNSUPPORTED, "logits of every token need an f16 or f32 "
+                                 "KV cache (q8 takes its scales from the whole prompt)");
+        return pdm_model__prefill_q8_prompt(ctx, cache, tokens, n, first < n ? logits : NULL);
+    }
 
     pdm_act_t *act = &ctx->batch;
     int32_t *positions = act->pos; /* filled before embed copies it onto itself */
+    const size_t n_vocab = m->hp.n_vocab;
     for (int c0 = 0; c0 < n; c0 += ctx->max_batch) {
         int cn = PDM_MIN(ctx->max_batch, n - c0);
         int32_t slot = cache->n_tokens + c0;
@@ -567,10 +574,29 @@ int pdm_model_prefill(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t
             pdm_model_attention(ctx, (int)l, act, &view, 1);
             pdm_model_attn_out_ffn(ctx, (int)l, act);
         }
-        if (c0 + cn == n && logits) pdm_model_logits(ctx, act, cn - 1, logits);
+        /* rows [r0, cn) of this batch are tokens at or after `first` */
+        int r0 = PDM_MAX(0, first - c0);
+        if (r0 >= cn) continue;
+        float *out = logits + (size_t)(c0 + r0 - first) * n_vocab;
+        if (r0 == cn - 1) {
+            pdm_model_logits(ctx, act, r0, out);
+        } else {
+            /* logits_batch reads rows from row 0: move rows [r0, cn) of x to the front (x
+             * is not needed after the last layer) */
+            if (r0 > 0)
+                memmove(act->x, act->x + (size_t)r0 * m->hp.d_model,
+                        (size_t)(cn - r0) * m->hp.d_model * sizeof(float));
+            pdm_model_logits_batch(ctx, act, cn - r0, out);
+        }
     }
     cache->n_tokens += n;
     return PDM_OK;
+}
+
+int pdm_model_prefill(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t *tokens, int n,
+                      float *logits)
+{
+    return pdm_model_prefill_logits(ctx, cache, tokens, n, logits ? n - 1 : n, logits);
 }
 
 int pdm_model_decode(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int32_t token, float *logits)

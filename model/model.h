@@ -213,8 +213,38 @@ void pdm_model_kv_store(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int layer,
  * is too small; the cache is unchanged on error. */
 int pdm_model_prefill(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t *tokens, int n,
                       float *logits);
+/* pdm_model_prefill that writes the logits of every token from `first` on:
+ * logits[i - first][n_vocab] for first <= i < n (first == n: none; the caller's buffer holds
+ * n - first rows). pdm_model_prefill is this with first = n - 1. Scoring tools (perplexity,
+ * KL divergence) read every position. A q8 cache whose scales are not fixed yet gives only
+ * the last token's logits (PDM_EUNSUPPORTED for first < n - 1). */
+int pdm_model_prefill_logits(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t *tokens,
+                             int n, int first, float *logits);
 /* One decode step: pdm_model_prefill of a single token. */
 int pdm_model_decode(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int32_t token, float *logits);
+
+/* ---- Exact reference forward (model/reference.c) ------------------------------------------ */
+
+typedef struct {
+    int n_threads;  /* pool size (>= 1); the result does not depend on it */
+    int act_q8;     /* experiment: round the inputs of quantized matrices to 8-bit blocks as
+                     * the engine and llama.cpp do (32 values, scale amax / 127 as f16) */
+    double perturb; /* experiment: multiply matrix inputs by 1 + perturb * u, u a fixed
+                     * pseudo-random value in [-0.5, 0.5) per element; |perturb| < 1 */
+} pdm_model_ref_params_t;
+
+/* n_threads 1, no experiment. */
+void pdm_model_ref_params_default(pdm_model_ref_params_t *p);
+
+/* The model's logits computed the plain way in double precision: weights dequantized from the
+ * file, every activation, norm, RoPE angle, attention score and sum in f64, no activation
+ * quantization (unless p->act_q8) and no KV cache rounding. Tokens are at positions 0..n-1;
+ * writes logits[i - first][n_vocab] (rounded to f32) for first <= i < n. Slow (scalar f64,
+ * about 2 x n_params multiply-adds per token): for short texts, tests and fidelity
+ * measurements. PDM_EINVAL / PDM_ERANGE / PDM_ENOMEM with a message; logits are untouched on
+ * error. */
+int pdm_model_reference_logits(const pdm_model_t *m, const pdm_model_ref_params_t *p,
+                               const int32_t *tokens, int n, int first, float *logits);
 
 /* ---- Sampling ---------------------------------------------------------------------------- */
 

@@ -46,6 +46,51 @@ expect "generate on quantized" 0 "$bin" generate --model "$tmp/q4km.gguf" --prom
 expect "quantize usage" 2 "$bin" quantize "$tmp/f32.gguf"
 expect "quantize bad type" 1 "$bin" quantize "$tmp/f32.gguf" "$tmp/y.gguf" q7_z && contains "quantize lists types" "$tmp/err" "iq4_xs"
 expect "requantize refused" 1 "$bin" quantize "$tmp/q4km.gguf" "$tmp/y.gguf" q8_0 && contains "requantize named" "$tmp/err" "already"
+# ---- pdmesh perplexity / kld on the test model (docs/fidelity.md) ----
+# (a random model's distributions are so peaked that most targets fall below the base file's
+# 16-nat floor: its PPL(base) means nothing, so only the KL figures are checked here)
+text=tests/golden/ppl_text.txt
+[ -f "$text" ] || text="$(dirname "$0")/../golden/ppl_text.txt"
+expect "perplexity needs --file" 2 "$bin" perplexity --model "$tmp/tiny.gguf"
+expect "kl-divergence needs a base" 2 "$bin" perplexity --model "$tmp/tiny.gguf" --kl-divergence
+expect "perplexity bad kv dtype" 2 "$bin" perplexity --model "$tmp/tiny.gguf" --file "$text" --kv-dtype q8
+expect "perturb needs --exact" 2 "$bin" perplexity --model "$tmp/tiny.gguf" --file "$text" --perturb 1e-6
+expect "kld needs two files" 2 "$bin" kld "$tmp/tiny.gguf"
+expect "kld on a non-base file" 1 "$bin" kld "$tmp/tiny.gguf" "$tmp/tiny.gguf" && contains "kld names the bad file" "$tmp/err" "not a log-probability file"
+expect "perplexity missing text" 1 "$bin" perplexity --model "$tmp/tiny.gguf" --file "$tmp/none.txt" && contains "missing text named" "$tmp/err" "none.txt"
+printf 'a short text' >"$tmp/short.txt"
+expect "perplexity text too short" 1 "$bin" perplexity --model "$tmp/tiny.gguf" --file "$tmp/short.txt" && contains "too short explained" "$tmp/err" "at least"
+expect "perplexity on test model" 0 "$bin" perplexity --model "$tmp/tiny.gguf" --file "$text" --ctx 64 --chunks 3 --threads 2
+if grep -Eq '^\[1\][0-9]+\.[0-9]{4},\[2\][0-9]+\.[0-9]{4},\[3\][0-9]+\.[0-9]{4},$' "$tmp/out" && grep -Eq '^Final estimate: PPL = [0-9]+\.[0-9]{4} \+/- [0-9]+\.[0-9]{5}$' "$tmp/out"; then ok "perplexity output shape"; else bad "perplexity output shape" "$(head -c 300 "$tmp/out")"; fi
+ppl_json() { # NAME ARGS...: perplexity --json into $tmp/NAME.json
+  local name=$1; shift
+  expect "perplexity $name" 0 "$bin" perplexity --model "$tmp/tiny.gguf" --file "$text" --ctx 64 --chunks 3 --json "$@" && cp "$tmp/out" "$tmp/$name.json"
+}
+ppl_json t1 --threads 1
+ppl_json t2 --threads 2 --kl-divergence-base "$tmp/tiny.kld"
+ppl_json b7 --threads 2 --batch 7
+ppl_json exact --exact --threads 2 --kl-divergence-base "$tmp/tiny-exact.kld"
+if $py - "$tmp" <<'PY'
+import json, sys
+d = {n: json.load(open(f"{sys.argv[1]}/{n}.json")) for n in ("t1", "t2", "b7", "exact")}
+t1 = d["t1"]
+assert t1["chunks"] == 3 and t1["n_ctx"] == 64 and t1["scored"] == 3 * 31 and len(t1["per_chunk"]) == 3, t1
+assert t1["ppl"] > 1 and t1["ppl_err"] > 0 and abs(t1["per_chunk"][-1]["running_ppl"] - t1["ppl"]) < 1e-9, t1
+for n in ("t2", "b7"):  # threads and batch size do not change the perplexity
+    assert abs(d[n]["ppl"] / t1["ppl"] - 1) < 1e-3, (n, d[n]["ppl"], t1["ppl"])
+assert d["exact"]["forward"] == "exact-f64" and abs(d["exact"]["ppl"] / t1["ppl"] - 1) < 0.05, d["exact"]
+PY
+then ok "perplexity json, threads and batch agree, exact close"; else bad "perplexity json, threads and batch agree, exact close"; fi
+expect "kld of a base with itself" 0 "$bin" kld "$tmp/tiny.kld" "$tmp/tiny.kld" --json
+if $py -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["kld_mean"]==0 and d["same_top"]==1 and d["positions"]==93, d' "$tmp/out"; then ok "kld self is zero"; else bad "kld self is zero" "$(head -c 300 "$tmp/out")"; fi
+expect "kl-divergence against own base" 0 "$bin" perplexity --model "$tmp/tiny.gguf" --kl-divergence --kld-base "$tmp/tiny.kld" --json
+if $py -c 'import json,sys; d=json.load(open(sys.argv[1])); assert -1e-6 < d["kld_mean"] < 1e-5 and d["same_top"] >= 0.98 and d["positions"] == 93, d' "$tmp/out"; then ok "kl-divergence vs own base ~0"; else bad "kl-divergence vs own base ~0" "$(head -c 300 "$tmp/out")"; fi
+expect "kld engine vs exact" 0 "$bin" kld "$tmp/tiny-exact.kld" "$tmp/tiny.kld" --json
+if $py -c 'import json,sys; d=json.load(open(sys.argv[1])); assert -1e-6 < d["kld_mean"] < 0.05 and d["same_top"] >= 0.9, d' "$tmp/out"; then ok "kld engine vs exact small"; else bad "kld engine vs exact small" "$(head -c 300 "$tmp/out")"; fi
+expect "kl-divergence --ctx mismatch" 1 "$bin" perplexity --model "$tmp/tiny.gguf" --kl-divergence --kld-base "$tmp/tiny.kld" --ctx 128
+head -c $(( $(wc -c <"$tmp/tiny.kld") - 100 )) "$tmp/tiny.kld" >"$tmp/trunc.kld"
+expect "kld truncated base" 1 "$bin" kld "$tmp/tiny.kld" "$tmp/trunc.kld" && contains "truncation explained" "$tmp/err" "trunc.kld"
+
 # ---- pdmesh plan (memory of each KV placement) ----
 expect "plan needs context" 2 "$bin" plan --model "$tmp/tiny.gguf"
 expect "plan bad budget" 2 "$bin" plan --model "$tmp/tiny.gguf" --context 100 --fast-budget lots
@@ -116,6 +161,56 @@ PY
   long=$(printf 'word %.0s' $(seq 1 300))
   expect "prompt longer than context" 1 "$bin" generate --model "$model" --prompt "$long" --ctx 64
   contains "context error explains" "$tmp/err" "context"
+
+  # ---- perplexity on the real model: output, JSON, threads and batch sizes agree ----
+  rppl() { # NAME ARGS...
+    local name=$1; shift
+    expect "real perplexity $name" 0 "$bin" perplexity --model "$model" --file "$text" --ctx 128 --chunks 2 --json "$@" && cp "$tmp/out" "$tmp/r$name.json"
+  }
+  rppl t1 --threads 1
+  rppl t2 --threads 2 --kl-divergence-base "$tmp/pdm.kld"
+  rppl b16 --threads 2 --batch 16
+  rppl exact --threads 2 --exact --kl-divergence-base "$tmp/exact.kld"
+  if $py - "$tmp" <<'PY'
+import json, sys
+d = {n: json.load(open(f"{sys.argv[1]}/r{n}.json")) for n in ("t1", "t2", "b16", "exact")}
+assert d["t1"]["scored"] == 2 * 63 and d["t1"]["bos"] is False, d["t1"]
+for n in ("t2", "b16"):
+    assert abs(d[n]["ppl"] / d["t1"]["ppl"] - 1) < 1e-3, (n, d[n]["ppl"], d["t1"]["ppl"])
+assert abs(d["exact"]["ppl"] / d["t1"]["ppl"] - 1) < 0.03, (d["exact"]["ppl"], d["t1"]["ppl"])
+PY
+  then ok "real perplexity: threads, batch agree; exact within 3 %"; else bad "real perplexity: threads, batch agree; exact within 3 %"; fi
+
+  # ---- against llama.cpp (llama-cpp-python): the same tokens, KL divergence bounded ----
+  # The issue's bars (mean KLD <= 0.002, same top >= 98 %) are measured by make fidelity: they
+  # do not hold for any engine with 8-bit activations that is not bit-identical to llama.cpp
+  # (docs/perf/fidelity.md). What must hold, and fails on a real bug (BOS, RoPE, a wrong
+  # kernel: KLD well above 0.05): pdmesh is about as close to the exact model as llama.cpp is,
+  # and close to llama.cpp in absolute terms.
+  if $py -c 'import llama_cpp' 2>/dev/null; then
+    if $py tests/golden/make_kld_base.py --model "$model" --file "$text" --ctx 128 --chunks 2 --out "$tmp/llama.kld" >/dev/null 2>"$tmp/err"; then
+      ok "make_kld_base.py"
+      expect "kl-divergence vs llama.cpp" 0 "$bin" perplexity --model "$model" --kl-divergence --kld-base "$tmp/llama.kld" --json && cp "$tmp/out" "$tmp/vs_llama.json"
+      expect "kld exact vs llama.cpp" 0 "$bin" kld "$tmp/exact.kld" "$tmp/llama.kld" --json && cp "$tmp/out" "$tmp/exact_llama.json"
+      expect "kld exact vs pdmesh" 0 "$bin" kld "$tmp/exact.kld" "$tmp/pdm.kld" --json && cp "$tmp/out" "$tmp/exact_pdm.json"
+      if $py - "$tmp" <<'PY'
+import json, sys
+t = sys.argv[1]
+vl, el, ep = (json.load(open(f"{t}/{n}.json")) for n in ("vs_llama", "exact_llama", "exact_pdm"))
+print(f"     pdmesh vs llama.cpp: KLD {vl['kld_mean']:.5f}, same top {100*vl['same_top']:.1f} %, "
+      f"PPL ratio {vl['ppl_ratio']:.4f}; exact->pdmesh {ep['kld_mean']:.5f}, exact->llama.cpp {el['kld_mean']:.5f}")
+assert vl["positions"] == 126, vl
+assert vl["kld_mean"] < 0.01 and vl["kld_max"] < 0.2 and vl["same_top"] >= 0.9, vl
+assert abs(vl["ppl_ratio"] - 1) < 0.03, vl
+assert ep["kld_mean"] < 2 * el["kld_mean"] + 0.001, (ep, el)
+PY
+      then ok "pdmesh vs llama.cpp and exact within bounds"; else bad "pdmesh vs llama.cpp and exact within bounds"; fi
+    else
+      bad "make_kld_base.py" "$(tail -c 400 "$tmp/err")"
+    fi
+  else
+    skip "pdmesh vs llama.cpp KL divergence: llama_cpp is not importable by $py (tools/deps.sh build/venv --golden)"
+  fi
 
   # ---- tokenize / detokenize ----
   expect "tokenize" 0 "$bin" tokenize --model "$model" "Hello world"

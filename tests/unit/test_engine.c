@@ -1,9 +1,10 @@
 /*
  * test_engine.c - the forward pass on random test models: batched prefill, token-by-token
- * decode, chunking, split KV views and every kernel variant agree with each other and with an
- * independent naive implementation written here (llama2.c style, f64 accumulation).
+ * decode, chunking, split KV views and every kernel variant agree with each other and with the
+ * exact f64 reference forward (model/reference.c, llama2.c style, shared with the perplexity
+ * tool's --exact).
  *
- * Tolerances: against the naive reference, max |logit difference| <= 2e-3 for f32/f16
+ * Tolerances: against the reference, max |logit difference| <= 2e-3 for f32/f16
  * weights with f32 KV; between engine paths with identical numerics (chunking, views,
  * prefill vs decode) <= 1e-4; between kernel variants <= 2e-2 on Q4_1 models (activation
  * quantization may round one step differently).
@@ -52,110 +53,6 @@ static void random_tokens(int32_t *t, int n, int n_vocab, unsigned seed)
     }
 }
 
-/* ---- naive reference ----------------------------------------------------------------- */
-
-static float *dequant_mat(const pdm_kern_mat_t *m)
-{
-    float *w = malloc((size_t)m->rows * m->cols * sizeof(float));
-    for (int64_t r = 0; r < m->rows; r++)
-        pdm_dequantize_row(m->type, (const char *)m->data + r * m->row_bytes, w + r * m->cols,
-                           m->cols);
-    return w;
-}
-
-static void naive_matvec(const float *w, const float *x, float *y, int rows, int cols)
-{
-    for (int r = 0; r < rows; r++) {
-        double s = 0;
-        for (int c = 0; c < cols; c++) s += (double)w[(size_t)r * cols + c] * x[c];
-        y[r] = (float)s;
-    }
-}
-
-static void naive_rmsnorm(float *o, const float *x, const float *w, int n, float eps)
-{
-    double ss = 0;
-    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
-    double sc = 1.0 / sqrt(ss / n + eps);
-    for (int i = 0; i < n; i++) o[i] = (float)(x[i] * sc * w[i]);
-}
-
-static void naive_rope(float *v, int heads, int hd, int pos, float theta)
-{
-    for (int h = 0; h < heads; h++)
-        for (int i = 0; i < hd / 2; i++) {
-            double ang = pos * pow(theta, -2.0 * i / hd);
-            float a = v[h * hd + 2 * i], b = v[h * hd + 2 * i + 1];
-            v[h * hd + 2 * i] = (float)(a * cos(ang) - b * sin(ang));
-            v[h * hd + 2 * i + 1] = (float)(a * sin(ang) + b * cos(ang));
-        }
-}
-
-/* Logits of the last token of `tokens`, computed the plain way over the whole sequence. */
-static void naive_forward(const pdm_model_t *m, const int32_t *tokens, int n, float *logits)
-{
-    const pdm_model_hparams_t *hp = &m->hp;
-    int d = (int)hp->d_model, hd = (int)hp->head_dim, nh = (int)hp->n_heads,
-        nkv = (int)hp->n_kv_heads, ff = (int)hp->n_ff;
-    int qd = nh * hd, kvd = nkv * hd;
-    float *x = malloc((size_t)n * d * sizeof(float)), *xn = malloc(d * sizeof(float));
-    float *q = malloc((size_t)n * qd * sizeof(float)), *k = malloc((size_t)n * kvd * sizeof(float));
-    float *v = malloc((size_t)n * kvd * sizeof(float)), *att = malloc(qd * sizeof(float));
-    float *tmp = malloc(PDM_MAX(d, ff) * sizeof(float)), *g = malloc(ff * sizeof(float)),
-          *u = malloc(ff * sizeof(float));
-    float *emb = dequant_mat(&m->tok_embd);
-    for (int t = 0; t < n; t++) memcpy(x + (size_t)t * d, emb + (size_t)tokens[t] * d, d * sizeof(float));
-    for (uint32_t l = 0; l < hp->n_layers; l++) {
-        const pdm_model_layer_t *L = &m->layers[l];
-        float *wq = dequant_mat(&L->wq), *wk = dequant_mat(&L->wk), *wv = dequant_mat(&L->wv);
-        float *wo = dequant_mat(&L->wo), *wg = dequant_mat(&L->w_gate), *wu = dequant_mat(&L->w_up);
-        float *wd = dequant_mat(&L->w_down);
-        for (int t = 0; t < n; t++) {
-            naive_rmsnorm(xn, x + (size_t)t * d, L->attn_norm, d, hp->rms_eps);
-            naive_matvec(wq, xn, q + (size_t)t * qd, qd, d);
-            naive_matvec(wk, xn, k + (size_t)t * kvd, kvd, d);
-            naive_matvec(wv, xn, v + (size_t)t * kvd, kvd, d);
-            naive_rope(q + (size_t)t * qd, nh, hd, t, hp->rope_theta);
-            naive_rope(k + (size_t)t * kvd, nkv, hd, t, hp->rope_theta);
-        }
-        for (int t = 0; t < n; t++) {
-            for (int h = 0; h < nh; h++) {
-                int kh = h / (nh / nkv);
-                double *s = malloc((t + 1) * sizeof(double)), mx = -1e300, sum = 0;
-                for (int j = 0; j <= t; j++) {
-                    double dot = 0;
-                    for (int e = 0; e < hd; e++)
-                        dot += (double)q[(size_t)t * qd + h * hd + e] * k[(size_t)j * kvd + kh * hd + e];
-                    s[j] = dot / sqrt((double)hd);
-                    if (s[j] > mx) mx = s[j];
-                }
-                for (int j = 0; j <= t; j++) sum += exp(s[j] - mx);
-                for (int e = 0; e < hd; e++) {
-                    double o = 0;
-                    for (int j = 0; j <= t; j++) o += exp(s[j] - mx) / sum * v[(size_t)j * kvd + kh * hd + e];
-                    att[h * hd + e] = (float)o;
-                }
-                free(s);
-            }
-            float *xt = x + (size_t)t * d;
-            naive_matvec(wo, att, tmp, d, qd);
-            for (int i = 0; i < d; i++) xt[i] += tmp[i];
-            naive_rmsnorm(xn, xt, L->ffn_norm, d, hp->rms_eps);
-            naive_matvec(wg, xn, g, ff, d);
-            naive_matvec(wu, xn, u, ff, d);
-            for (int i = 0; i < ff; i++) g[i] = (float)(g[i] / (1 + exp(-(double)g[i])) * u[i]);
-            naive_matvec(wd, g, tmp, d, ff);
-            for (int i = 0; i < d; i++) xt[i] += tmp[i];
-        }
-        free(wq); free(wk); free(wv); free(wo); free(wg); free(wu); free(wd);
-    }
-    naive_rmsnorm(xn, x + (size_t)(n - 1) * d, m->output_norm, d, hp->rms_eps);
-    float *wout = dequant_mat(&m->output);
-    naive_matvec(wout, xn, logits, (int)hp->n_vocab, d);
-    free(wout); free(emb); free(x); free(xn); free(q); free(k); free(v); free(att);
-    free(tmp); free(g); free(u);
-}
-
 static float max_diff(const float *a, const float *b, int n)
 {
     float m = 0;
@@ -184,7 +81,7 @@ static float *run_prefill(pdm_model_t *m, const int32_t *tok, int n, int batch, 
     return logits;
 }
 
-START_TEST(test_engine_vs_naive)
+START_TEST(test_engine_vs_reference)
 {
     /* GQA ratios 1, 3 and 8 (query heads per KV head), f32 and f16 weights */
     static const struct { uint32_t h, kv, d; pdm_dtype_t wt; } shapes[] = {
@@ -197,7 +94,11 @@ START_TEST(test_engine_vs_naive)
         int32_t tok[41];
         random_tokens(tok, 41, (int)m->hp.n_vocab, 7 + (unsigned)s);
         float *want = malloc(m->hp.n_vocab * sizeof(float));
-        naive_forward(m, tok, 41, want);
+        pdm_model_ref_params_t rp;
+        pdm_model_ref_params_default(&rp);
+        rp.n_threads = 2;
+        ck_assert_msg(pdm_model_reference_logits(m, &rp, tok, 41, 40, want) == PDM_OK, "%s",
+                      pdm_error_last());
         float *got = run_prefill(m, tok, 41, 16, PDM_DT_F32, NULL, NULL);
         float diff = max_diff(got, want, (int)m->hp.n_vocab);
         ck_assert_msg(diff <= 2e-3f, "shape %zu: engine vs naive max |diff| %g", s, diff);
@@ -205,6 +106,66 @@ START_TEST(test_engine_vs_naive)
         free(got);
         pdm_model_free(m);
     }
+}
+END_TEST
+
+START_TEST(test_prefill_logits_rows)
+{
+    /* the logits of every row from `first` on (what perplexity scores) match the reference
+     * row by row, whatever the batch size, also when `first` falls inside a batch; the
+     * reference gives the same bits on 1 and 3 threads */
+    pdm_model_t *m = load(make_model("rows", 6, 2, 96, PDM_DT_F32, 1));
+    const int n = 45, first = 12, n_out = n - first, nv = (int)m->hp.n_vocab;
+    int32_t tok[45];
+    random_tokens(tok, n, nv, 21);
+    float *want = malloc((size_t)n_out * nv * sizeof(float));
+    float *want3 = malloc((size_t)n_out * nv * sizeof(float));
+    pdm_model_ref_params_t rp;
+    pdm_model_ref_params_default(&rp);
+    ck_assert_int_eq(pdm_model_reference_logits(m, &rp, tok, n, first, want), PDM_OK);
+    rp.n_threads = 3;
+    ck_assert_int_eq(pdm_model_reference_logits(m, &rp, tok, n, first, want3), PDM_OK);
+    ck_assert_msg(!memcmp(want, want3, (size_t)n_out * nv * sizeof(float)),
+                  "reference depends on the thread count");
+    static const int batches[] = {64, 7, 12, 1};
+    float *prev = NULL;
+    for (size_t b = 0; b < PDM_ARRAY_SIZE(batches); b++) {
+        pdm_model_ctx_t *ctx;
+        pdm_kv_cache_t *cache;
+        ck_assert_int_eq(pdm_model_ctx_create(m, 2, batches[b], &ctx), PDM_OK);
+        ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n, PDM_DT_F32, &cache), PDM_OK);
+        float *got = malloc((size_t)n_out * nv * sizeof(float));
+        ck_assert_msg(pdm_model_prefill_logits(ctx, cache, tok, n, first, got) == PDM_OK, "%s",
+                      pdm_error_last());
+        ck_assert_int_eq(cache->n_tokens, n);
+        float diff = max_diff(got, want, n_out * nv);
+        ck_assert_msg(diff <= 2e-3f, "batch %d: rows vs reference max |diff| %g", batches[b], diff);
+        if (prev) ck_assert_msg(max_diff(got, prev, n_out * nv) <= 1e-4f, "batch %d differs",
+                                batches[b]);
+        free(prev);
+        prev = got;
+        pdm_kv_cache_destroy(cache);
+        pdm_model_ctx_destroy(ctx);
+    }
+    /* bad ranges are refused */
+    pdm_model_ctx_t *ctx;
+    pdm_kv_cache_t *cache;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 8, &ctx), PDM_OK);
+    ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n, PDM_DT_F32, &cache), PDM_OK);
+    ck_assert_int_eq(pdm_model_prefill_logits(ctx, cache, tok, 4, 5, prev), PDM_EINVAL);
+    ck_assert_int_eq(pdm_model_reference_logits(m, &rp, tok, 4, -1, prev), PDM_EINVAL);
+    ck_assert_int_eq(cache->n_tokens, 0);
+    pdm_kv_cache_destroy(cache);
+    /* a q8 cache takes its scales from the whole prompt: only the last row is available */
+    ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n, PDM_DT_I8, &cache), PDM_OK);
+    ck_assert_int_eq(pdm_model_prefill_logits(ctx, cache, tok, 8, 2, prev), PDM_EUNSUPPORTED);
+    ck_assert_int_eq(cache->n_tokens, 0);
+    pdm_kv_cache_destroy(cache);
+    pdm_model_ctx_destroy(ctx);
+    free(prev);
+    free(want);
+    free(want3);
+    pdm_model_free(m);
 }
 END_TEST
 
@@ -364,7 +325,8 @@ Suite *suite_engine(void)
     Suite *s = suite_create("engine");
     TCase *tc = tcase_create("engine");
     tcase_set_timeout(tc, 120);
-    tcase_add_test(tc, test_engine_vs_naive);
+    tcase_add_test(tc, test_engine_vs_reference);
+    tcase_add_test(tc, test_prefill_logits_rows);
     tcase_add_test(tc, test_prefill_decode_chunks_agree);
     tcase_add_test(tc, test_split_views);
     tcase_add_test(tc, test_kernel_variants_agree);
