@@ -128,7 +128,8 @@ int pdm_decode_node_reserve(pdm_decode_node_t *node, const pdm_decode_reserve_t 
 
 /* Local prefill (conditional disaggregation, migration): reserves KV for n_tokens + max_new
  * and computes the prompt's KV on this node now (blocking the batch for that time). The
- * following start may pass first_token = -1: the node samples it from the prompt's logits. */
+ * following start may pass first_token = -1: the node samples it from the prompt's logits
+ * (and n_generated > 0: the prompt's tail is the completion so far; the node keeps a copy). */
 int pdm_decode_node_reserve_local(pdm_decode_node_t *node, uint64_t id, uint32_t attempt,
                                   const int32_t *tokens, int32_t n_tokens, int32_t max_new);
 /* The same for a beam search of `beams` beams (< 0 or 0: none; the router's local prefill of a
@@ -141,7 +142,13 @@ int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *node, uint64_t id, ui
 typedef struct {
     uint64_t id;
     int32_t first_token;        /* sampled by the prefill rank that owns the last token */
-    pdm_sampler_params_t sp;
+    const pdm_token_logprobs_t *first_logprob; /* its log-probabilities (sp.logprobs >= 0;
+                                                * NULL: unknown, reported as 0 alternatives) */
+    pdm_sampler_params_t sp;    /* the bias arrays are copied */
+    int32_t n_generated;        /* local prefill after a migration: the last n_generated tokens
+                                 * of the reserved prompt are completion tokens already
+                                 * delivered; sampling resumes at step n_generated with them as
+                                 * history (model.h "Sampling"); 0 otherwise */
     const char *const *stops;   /* stop strings (copied) */
     int n_stops;
     double deadline;            /* pdm_now() seconds; 0: none */
@@ -162,6 +169,8 @@ typedef struct {
     uint64_t id;
     int32_t token;          /* TOKEN: the generated token */
     int index;              /* TOKEN: its index among the generated tokens (first token = 0) */
+    const pdm_token_logprobs_t *logprob; /* TOKEN: its log-probabilities (sp.logprobs >= 0),
+                                          * else NULL */
     const char *finish;     /* DONE: "eos", "length", "stop", "deadline", "cancelled" */
     const int32_t *tokens;  /* DONE: every generated token, first token included */
     int n_tokens;

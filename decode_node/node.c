@@ -49,6 +49,12 @@ typedef struct {
     int ignore_eos;      /* end-of-generation tokens do not end the sequence */
     int local;           /* prefilled by this node (no KV stream) */
     float *local_logits; /* local: [n_vocab] logits of the last prompt token */
+    int32_t *local_prompt; /* local: [n_prompt] its tokens (a migration's tail is history) */
+    int32_t *hist;       /* [n_done + max_new] after a migration: the n_done completion tokens
+                          * delivered before it, then `tokens` again; NULL otherwise */
+    int n_done;
+    pdm_token_logprobs_t first_lp; /* log-probabilities of the first token (logprobs) */
+    int want_lp;
 } pdm__seq_t;
 
 struct pdm_decode_node {
@@ -120,6 +126,8 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
     free(s->tokens);
     free(s->text);
     free(s->local_logits);
+    free(s->local_prompt);
+    free(s->hist);
     for (int i = 0; i < s->n_stops; i++) free(s->stops[i]);
     memset(s, 0, sizeof(*s));
 }
@@ -320,7 +328,9 @@ int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *n, uint64_t id, uint3
         s->tokens = malloc(sizeof(int32_t) * (size_t)max_new);
         s->text = malloc(PDM__TEXT_CAP);
         s->local_logits = malloc(sizeof(float) * hp->n_vocab);
-        if (!s->tokens || !s->text || !s->local_logits)
+        s->local_prompt = malloc(sizeof(int32_t) * (size_t)n_tokens);
+        if (s->local_prompt) memcpy(s->local_prompt, tokens, sizeof(int32_t) * (size_t)n_tokens);
+        if (!s->tokens || !s->text || !s->local_logits || !s->local_prompt)
             st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     }
     /* Conditional disaggregation / migration: this node computes the prompt's KV itself. */
@@ -355,9 +365,19 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
     if (st_->n_stops < 0 || st_->n_stops > PDM__MAX_STOPS)
         return pdm_error_set(PDM_EINVAL, "decode node: at most %d stop strings", PDM__MAX_STOPS);
     if (s->beam_width) return pdm__beam_start(n, s, st_);
+    if (st_->n_generated < 0 || st_->n_generated > (s->local ? s->n_prompt : 0))
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d generated tokens in a "
+                             "prompt of %d%s", (unsigned long long)s->id, st_->n_generated,
+                             s->n_prompt, s->local ? "" : " (only a local prefill has any)");
     int st = pdm_sampler_params_check(&st_->sp);
     if (!st) st = pdm_sampler_create(&st_->sp, (int32_t)n->model->hp.n_vocab, &s->sampler);
     if (st) return st;
+    if (st_->n_generated > 0) {
+        s->n_done = st_->n_generated;
+        s->hist = malloc(sizeof(int32_t) * ((size_t)s->n_done + (size_t)s->max_new));
+        if (!s->hist) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+        memcpy(s->hist, s->local_prompt + s->n_prompt - s->n_done, sizeof(int32_t) * s->n_done);
+    }
     for (int i = 0; i < st_->n_stops; i++) {
         if (!st_->stops[i] || !st_->stops[i][0]) continue;
         if (!(s->stops[s->n_stops] = strdup(st_->stops[i])))
@@ -368,8 +388,13 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
     s->deadline = st_->deadline;
     s->ignore_eos = st_->ignore_eos;
     s->next = st_->first_token;
+    s->want_lp = st_->sp.logprobs >= 0;
+    memset(&s->first_lp, 0, sizeof(s->first_lp));
     if (s->local && st_->first_token < 0)
-        s->next = pdm_sampler_sample(s->sampler, s->local_logits, NULL, 0);
+        s->next = pdm_sampler_sample(s->sampler, s->local_logits, s->hist, s->n_done,
+                                     &s->first_lp);
+    else if (st_->first_logprob && s->want_lp)
+        s->first_lp = *st_->first_logprob;
     s->state = SEQ_STARTED;
     s->t_start = pdm_now();
     return PDM_OK;
@@ -439,6 +464,7 @@ static void pdm__beam_done(pdm_decode_node_t *n, pdm__seq_t *s, pdm_decode_event
  * the finish reason or NULL. */
 static const char *pdm__append(pdm_decode_node_t *n, pdm__seq_t *s, int32_t tok)
 {
+    if (s->hist) s->hist[s->n_done + s->n_tokens] = tok;
     s->tokens[s->n_tokens++] = tok;
     const int eog = pdm_tokenizer_is_eog(n->model->tokenizer, tok);
     if (eog && !s->ignore_eos) return "eos";
@@ -566,7 +592,8 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
             }
             /* The first token (from the prefill side) is the first generated token. */
             pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id,
-                                     .token = s->next, .index = 0};
+                                     .token = s->next, .index = 0,
+                                     .logprob = s->want_lp ? &s->first_lp : NULL};
             cb(arg, &ev);
             const char *why = pdm__append(n, s, s->next);
             if (why) {
@@ -623,10 +650,14 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
                 else pdm_beam_kv_reorder(s->beam_kv, parent, n_next);
                 continue;
             }
-            int32_t tok = pdm_sampler_sample(s->sampler, batch[k].logits, s->tokens, s->n_tokens);
+            pdm_token_logprobs_t lp;
+            int32_t tok = pdm_sampler_sample(s->sampler, batch[k].logits,
+                                             s->hist ? s->hist : s->tokens,
+                                             s->n_done + s->n_tokens, &lp);
             s->next = tok;
             pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id, .token = tok,
-                                     .index = s->n_tokens};
+                                     .index = s->n_tokens,
+                                     .logprob = s->want_lp ? &lp : NULL};
             cb(arg, &ev);
             const char *why = pdm__append(n, s, tok);
             if (why) pdm__finish(n, s, why, cb, arg);
