@@ -126,18 +126,32 @@ typedef struct {
  * budget or the sequence bound would be exceeded; PDM_EINVAL for a bad plan or a duplicate id. */
 int pdm_decode_node_reserve(pdm_decode_node_t *node, const pdm_decode_reserve_t *r);
 
-/* Local prefill (conditional disaggregation, migration): reserves KV for n_tokens + max_new
+/* A local prefill (conditional disaggregation, migration). */
+typedef struct {
+    uint64_t id;
+    uint32_t attempt;
+    const int32_t *tokens;      /* [n_tokens] the prompt (+ a migration's completion so far) */
+    int32_t n_tokens;
+    int32_t max_new;
+    int beams;                  /* beam search width (<= 0: none); the start then needs
+                                 * prompt_last */
+    int32_t n_generated;        /* migration: the last n_generated tokens are completion tokens
+                                 * already delivered; the sampler counts them and resumes its
+                                 * draws at step n_generated (model.h "Sampling") */
+    int replay;                 /* with n_generated: compute their KV one decode step at a time,
+                                 * as they were first computed, so that the continuation's
+                                 * logits are bit-identical to the uninterrupted run's (a
+                                 * batched prefill rounds differently); costs one step per
+                                 * token. The router asks for it for temperature > 0. */
+} pdm_decode_local_t;
+
+/* Reserves KV for n_tokens + max_new (beam search: pdm_beam_kv_slots, the prompt's KV once)
  * and computes the prompt's KV on this node now (blocking the batch for that time). The
- * following start may pass first_token = -1: the node samples it from the prompt's logits
- * (and n_generated > 0: the prompt's tail is the completion so far; the node keeps a copy). */
-int pdm_decode_node_reserve_local(pdm_decode_node_t *node, uint64_t id, uint32_t attempt,
-                                  const int32_t *tokens, int32_t n_tokens, int32_t max_new);
-/* The same for a beam search of `beams` beams (< 0 or 0: none; the router's local prefill of a
- * beam request): KV slots as pdm_beam_kv_slots, the prompt's KV once; the following start
- * needs prompt_last. PDM_EINVAL over PDM_BEAM_MAX_WIDTH or the batch, PDM_EUNSUPPORTED with q8. */
-int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *node, uint64_t id, uint32_t attempt,
-                                        const int32_t *tokens, int32_t n_tokens, int32_t max_new,
-                                        int beams);
+ * following start may pass first_token = -1: the node samples it from the prompt's logits.
+ * PDM_EOVERFLOW when the budget or the sequence bound is exceeded, PDM_ERANGE for a token
+ * outside the vocabulary, PDM_EINVAL for other bad parameters (beams over PDM_BEAM_MAX_WIDTH
+ * or the batch); nothing is held on error. */
+int pdm_decode_node_reserve_local(pdm_decode_node_t *node, const pdm_decode_local_t *r);
 
 typedef struct {
     uint64_t id;
@@ -145,10 +159,6 @@ typedef struct {
     const pdm_token_logprobs_t *first_logprob; /* its log-probabilities (sp.logprobs >= 0;
                                                 * NULL: unknown, reported as 0 alternatives) */
     pdm_sampler_params_t sp;    /* the bias arrays are copied */
-    int32_t n_generated;        /* local prefill after a migration: the last n_generated tokens
-                                 * of the reserved prompt are completion tokens already
-                                 * delivered; sampling resumes at step n_generated with them as
-                                 * history (model.h "Sampling"); 0 otherwise */
     const char *const *stops;   /* stop strings (copied) */
     int n_stops;
     double deadline;            /* pdm_now() seconds; 0: none */

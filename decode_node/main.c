@@ -115,9 +115,16 @@ static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pd
     if (t->local_prefill) {
         if (!t->n_prompt_tokens)
             return pdm_error_set(PDM_EINVAL, "DecodeTask: local prefill without prompt tokens");
-        return pdm_decode_node_reserve_local_beams(dn->node, key, t->attempt & 15u,
-                                                   t->prompt_tokens, (int32_t)t->n_prompt_tokens,
-                                                   (int32_t)t->max_new, beams);
+        if (t->n_prompt_tokens > (1u << 30) || t->n_generated >= t->n_prompt_tokens)
+            return pdm_error_set(PDM_ERANGE, "DecodeTask: %u generated tokens in a prompt of %zu",
+                                 t->n_generated, t->n_prompt_tokens);
+        pdm_decode_local_t lr = {.id = key, .attempt = t->attempt & 15u,
+                                 .tokens = t->prompt_tokens,
+                                 .n_tokens = (int32_t)t->n_prompt_tokens,
+                                 .max_new = (int32_t)t->max_new, .beams = beams,
+                                 .n_generated = (int32_t)t->n_generated,
+                                 .replay = t->replay_generated};
+        return pdm_decode_node_reserve_local(dn->node, &lr);
     }
     if (!t->n_prefill_addresses || t->n_prefill_addresses > PDM_KVT_MAX_RANKS ||
         !t->n_ranges || t->n_ranges > 1024)
@@ -198,9 +205,7 @@ static void pdm__on_decode_start(pdm__daemon_t *dn, const Pdmesh__DecodeStart *m
 {
     const uint64_t key = PDM_LINK_TASK_KEY(m->task_id, m->attempt);
     pdm__task_t *rec = pdm__task_find(dn, key);
-    pdm_decode_start_t s = {.id = key, .first_token = m->first_token,
-                            .n_generated = m->n_generated > (1u << 30) ? -1
-                                                                        : (int32_t)m->n_generated};
+    pdm_decode_start_t s = {.id = key, .first_token = m->first_token};
     pdm_token_logprobs_t first_lp;
     /* the router sends the request's parameters (SamplingParams, one mapping for all) */
     int st = pdm_sampler_params_from_msg(m->sampling, &s.sp);

@@ -49,7 +49,6 @@ typedef struct {
     int ignore_eos;      /* end-of-generation tokens do not end the sequence */
     int local;           /* prefilled by this node (no KV stream) */
     float *local_logits; /* local: [n_vocab] logits of the last prompt token */
-    int32_t *local_prompt; /* local: [n_prompt] its tokens (a migration's tail is history) */
     int32_t *hist;       /* [n_done + max_new] after a migration: the n_done completion tokens
                           * delivered before it, then `tokens` again; NULL otherwise */
     int n_done;
@@ -126,7 +125,6 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
     free(s->tokens);
     free(s->text);
     free(s->local_logits);
-    free(s->local_prompt);
     free(s->hist);
     for (int i = 0; i < s->n_stops; i++) free(s->stops[i]);
     memset(s, 0, sizeof(*s));
@@ -283,21 +281,20 @@ static int pdm__beam_start(pdm_decode_node_t *n, pdm__seq_t *s, const pdm_decode
     return PDM_OK;
 }
 
-int pdm_decode_node_reserve_local(pdm_decode_node_t *n, uint64_t id, uint32_t attempt,
-                                  const int32_t *tokens, int32_t n_tokens, int32_t max_new)
+int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t *r)
 {
-    return pdm_decode_node_reserve_local_beams(n, id, attempt, tokens, n_tokens, max_new, -1);
-}
-
-int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *n, uint64_t id, uint32_t attempt,
-                                        const int32_t *tokens, int32_t n_tokens, int32_t max_new,
-                                        int beams)
-{
+    const uint64_t id = r->id;
+    const int32_t *tokens = r->tokens;
+    const int32_t n_tokens = r->n_tokens, max_new = r->max_new;
+    const int beams = r->beams;
     const pdm_model_hparams_t *hp = &n->model->hp;
     if (n_tokens < 1 || max_new < 1 || (int64_t)n_tokens + max_new > (int64_t)hp->n_ctx_train)
         return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d prompt + %d new tokens "
                              "(the model's context is %u)", (unsigned long long)id, n_tokens,
                              max_new, hp->n_ctx_train);
+    if (r->n_generated < 0 || r->n_generated >= n_tokens)
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d generated tokens in a "
+                             "prompt of %d", (unsigned long long)id, r->n_generated, n_tokens);
     for (int32_t i = 0; i < n_tokens; i++)
         if (tokens[i] < 0 || (uint32_t)tokens[i] >= hp->n_vocab)
             return pdm_error_set(PDM_ERANGE, "decode node: prompt token %d is outside the "
@@ -328,13 +325,20 @@ int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *n, uint64_t id, uint3
         s->tokens = malloc(sizeof(int32_t) * (size_t)max_new);
         s->text = malloc(PDM__TEXT_CAP);
         s->local_logits = malloc(sizeof(float) * hp->n_vocab);
-        s->local_prompt = malloc(sizeof(int32_t) * (size_t)n_tokens);
-        if (s->local_prompt) memcpy(s->local_prompt, tokens, sizeof(int32_t) * (size_t)n_tokens);
-        if (!s->tokens || !s->text || !s->local_logits || !s->local_prompt)
+        if (!s->tokens || !s->text || !s->local_logits)
             st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     }
     /* Conditional disaggregation / migration: this node computes the prompt's KV itself. */
-    if (!st) st = pdm_model_prefill(n->ctx, s->cache, tokens, n_tokens, s->local_logits);
+    const int32_t replay = r->replay ? r->n_generated : 0; /* as first computed: one by one */
+    if (!st) st = pdm_model_prefill(n->ctx, s->cache, tokens, n_tokens - replay, s->local_logits);
+    for (int32_t i = n_tokens - replay; !st && i < n_tokens; i++)
+        st = pdm_model_decode(n->ctx, s->cache, tokens[i], s->local_logits);
+    if (!st && r->n_generated) {
+        s->n_done = r->n_generated;
+        s->hist = malloc(sizeof(int32_t) * ((size_t)s->n_done + (size_t)max_new));
+        if (!s->hist) st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+        else memcpy(s->hist, tokens + n_tokens - s->n_done, sizeof(int32_t) * (size_t)s->n_done);
+    }
     if (st) {
         pdm__seq_release(n, s);
         return st;
@@ -343,7 +347,7 @@ int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *n, uint64_t id, uint3
     s->local = 1;
     s->beam_width = width;
     s->id = id;
-    s->attempt = attempt;
+    s->attempt = r->attempt;
     s->n_prompt = n_tokens;
     s->max_new = max_new;
     s->t_start = pdm_now();
@@ -365,19 +369,9 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
     if (st_->n_stops < 0 || st_->n_stops > PDM__MAX_STOPS)
         return pdm_error_set(PDM_EINVAL, "decode node: at most %d stop strings", PDM__MAX_STOPS);
     if (s->beam_width) return pdm__beam_start(n, s, st_);
-    if (st_->n_generated < 0 || st_->n_generated > (s->local ? s->n_prompt : 0))
-        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d generated tokens in a "
-                             "prompt of %d%s", (unsigned long long)s->id, st_->n_generated,
-                             s->n_prompt, s->local ? "" : " (only a local prefill has any)");
     int st = pdm_sampler_params_check(&st_->sp);
     if (!st) st = pdm_sampler_create(&st_->sp, (int32_t)n->model->hp.n_vocab, &s->sampler);
     if (st) return st;
-    if (st_->n_generated > 0) {
-        s->n_done = st_->n_generated;
-        s->hist = malloc(sizeof(int32_t) * ((size_t)s->n_done + (size_t)s->max_new));
-        if (!s->hist) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
-        memcpy(s->hist, s->local_prompt + s->n_prompt - s->n_done, sizeof(int32_t) * s->n_done);
-    }
     for (int i = 0; i < st_->n_stops; i++) {
         if (!st_->stops[i] || !st_->stops[i][0]) continue;
         if (!(s->stops[s->n_stops] = strdup(st_->stops[i])))

@@ -450,6 +450,12 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
         t.local_prefill = 1;
         t.prompt_tokens = all;
         t.n_prompt_tokens = n_in;
+        /* A migration: the prompt ends with the tokens delivered so far; the sampler resumes
+         * at step n_gen with them as history (model.h "Sampling"), and a sampled (not greedy)
+         * request has them recomputed as first computed, so its seeded draws continue
+         * exactly. */
+        t.n_generated = q->n_gen;
+        t.replay_generated = q->n_gen > 0 && q->sp.temperature > 0;
     } else {
         rt_group_t *gr = &r->groups[g];
         gr->inflight++;
@@ -565,9 +571,6 @@ static void rt_send_start(pdm_router_t *r, rt_req_t *q, int32_t first_token)
     s.attempt = q->attempt;
     s.first_token = first_token;
     s.sampling = &sp;
-    /* A migration's local prefill ends with the tokens delivered so far: the sampler resumes
-     * at step n_gen with them as history (model.h "Sampling"). */
-    s.n_generated = q->local ? q->n_gen : 0;
     if (first_token >= 0 && q->has_first_lp) {
         flp.logprob = q->first_lp.logprob;
         flp.top_ids = q->first_lp.top_ids;
