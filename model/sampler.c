@@ -249,8 +249,10 @@ static double pdm__logprobs_top(const pdm__cand_t *c, int n, int k, pdm_token_lo
 {
     float maxl = c[0].logit;
     for (int i = 1; i < n; i++) maxl = c[i].logit > maxl ? c[i].logit : maxl;
+    /* expf (each term is in (0, 1], its rounding far below the float logprob's), summed in
+     * double: a third of the time of exp() over a 49k vocabulary */
     double total = 0.0;
-    for (int i = 0; i < n; i++) total += exp((double)c[i].logit - maxl);
+    for (int i = 0; i < n; i++) total += (double)expf(c[i].logit - maxl);
     const double lse = maxl + log(total);
     if (k > n) k = n;
     int have = 0;
