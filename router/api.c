@@ -72,6 +72,25 @@ static int rt_tokenize(pdm_router_t *r, const char *text, int32_t **out, size_t 
     return PDM_OK;
 }
 
+/* The log-probability entries (tokens x (1 + alternatives)) whose GenerateResult surely fits
+ * a frame: each entry packs to at most 24 bytes plus its token's text, and each token's text
+ * appears once more in the result's text, so entries x (2 x longest token + 24) stays within
+ * the frame less 64 KiB for the rest. Capped at RT_MAX_LOGPROB_ENTRIES; computed once. */
+static uint32_t rt_logprob_entries_max(pdm_router_t *r)
+{
+    if (r->lp_max_entries) return r->lp_max_entries;
+    char piece[256];
+    int longest = 1;
+    for (uint32_t t = 0; t < r->model->hp.n_vocab; t++) {
+        int w = pdm_tokenizer_token_bytes(r->model->tokenizer, (int32_t)t, 1, piece,
+                                          sizeof(piece));
+        if (w > longest) longest = w;
+    }
+    uint64_t fit = ((uint64_t)PDM_WIRE_MAX_FRAME - 65536) / (2u * (uint64_t)longest + 24);
+    r->lp_max_entries = (uint32_t)PDM_MIN(fit, (uint64_t)RT_MAX_LOGPROB_ENTRIES);
+    return r->lp_max_entries;
+}
+
 static int rt_has_decode(const pdm_router_t *r)
 {
     for (int i = 0; i < RT_MAX_NODES; i++)
@@ -112,10 +131,10 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
                              "outside the vocabulary of %u", sp.bias_ids[i], r->model->hp.n_vocab);
     /* Log-probabilities are kept for every token until the result, which must fit a frame. */
     const uint32_t lp_stride = sp.logprobs >= 0 ? 1u + (uint32_t)sp.logprobs : 0;
-    if (lp_stride && (uint64_t)max_new * lp_stride > RT_MAX_LOGPROB_ENTRIES)
+    if (lp_stride && (uint64_t)max_new * lp_stride > rt_logprob_entries_max(r))
         return rt_refuse(code, INV, PDM_EINVAL, "logprobs: max_tokens (%u) x (1 + top_logprobs "
-                         "%d) is over %d entries; ask for fewer tokens or alternatives", max_new,
-                         sp.logprobs, RT_MAX_LOGPROB_ENTRIES);
+                         "%d) is over %u entries; ask for fewer tokens or alternatives", max_new,
+                         sp.logprobs, rt_logprob_entries_max(r));
     if (lp_stride && req->beams > 1)
         return rt_refuse(code, INV, PDM_EINVAL, "logprobs are not reported with beam search");
     int open_ = 0;

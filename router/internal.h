@@ -34,9 +34,9 @@
 #define RT_NAME_MAX 136
 #define RT_PREFIX_SLOTS 4096
 #define RT_MAX_STOPS 8
-/* Log-probability entries (tokens x (1 + top_logprobs)) a request may ask for: its
- * GenerateResult then stays far below the 4 MiB frame (an entry packs to at most ~20 bytes
- * plus the token's text). */
+/* Log-probability entries (tokens x (1 + top_logprobs)) a request may ask for, at most; fewer
+ * when the vocabulary has long tokens (rt_logprob_entries_max): its GenerateResult must fit
+ * the frame. */
 #define RT_MAX_LOGPROB_ENTRIES 32768
 
 typedef struct {
@@ -193,6 +193,7 @@ struct pdm_router {
     int has_table;
     pdm_calibration_t calib;
     int has_calib;
+    uint32_t lp_max_entries;      /* logprob entries a request may ask for (0: not computed) */
     struct { uint8_t hash[32]; int group; uint64_t stamp; } prefix[RT_PREFIX_SLOTS];
     uint64_t prefix_stamp;
     uint8_t prefix_salt[16];      /* random per router: prefix keys are not predictable */

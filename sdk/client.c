@@ -800,7 +800,8 @@ static int pdmc__validate(const pdm_client_request_t *q)
     if (!(q->repeat_penalty >= 0 && q->repeat_penalty <= 100))
         return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "repeat_penalty must be in [0, 100]");
     if (!(q->presence_penalty >= -2 && q->presence_penalty <= 2))
-        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "presence_penalty must be in [-2, 2]");
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT,
+                                "presence_penalty must be in [-2, 2]");
     if (!(q->frequency_penalty >= -2 && q->frequency_penalty <= 2))
         return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT,
                                 "frequency_penalty must be in [-2, 2]");

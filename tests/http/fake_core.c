@@ -138,7 +138,8 @@ static void finish_ok(freq_t *q, int finish)
     res.usage = &u;
     /* word mode with logprobs: every token's scripted entry */
     size_t n_lp = q->logprobs >= 0 && q->mode == 0 ? q->sent : 0;
-    Pdmesh__TokenLogprob *m = calloc(n_lp + 1, sizeof(*m)), **list = calloc(n_lp + 1, sizeof(*list));
+    Pdmesh__TokenLogprob *m = calloc(n_lp + 1, sizeof(*m));
+    Pdmesh__TokenLogprob **list = calloc(n_lp + 1, sizeof(*list));
     Pdmesh__TokenLogprob *tops = calloc((n_lp + 1) * 20, sizeof(*tops));
     Pdmesh__TokenLogprob **top_ptrs = calloc((n_lp + 1) * 20, sizeof(*top_ptrs));
     char (*pieces)[256] = calloc(n_lp + 1, 256), (*alt)[8] = calloc(20, 8);

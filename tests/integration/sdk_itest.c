@@ -391,7 +391,8 @@ static int cmd_sampling(const char *ep, long n, int k, const char *prompt, const
             for (size_t i = 0; !status && i < acc.n; i++)
                 if (acc.tokens[i] != r.tokens[i] || acc.lps[i] != r.logprobs[i].logprob)
                     status = 1;
-            if (status) fprintf(stderr, "sampling: the chunks' logprobs differ from the result's\n");
+            if (status)
+                fprintf(stderr, "sampling: the chunks' logprobs differ from the result's\n");
         }
         pdm_client_result_fini(&r);
     }

@@ -61,7 +61,8 @@ START_TEST(test_seeded_and_filters)
     pdm_sampler_destroy(s2);
 
     pdm_sampler_t *k = make(1.0f, 3, 1.0f, 0.0f, 1.0f, 7, V);
-    for (int i = 0; i < 500; i++) ck_assert_int_lt(pdm_sampler_sample(k, logits, steps, i, NULL), 3);
+    for (int i = 0; i < 500; i++)
+        ck_assert_int_lt(pdm_sampler_sample(k, logits, steps, i, NULL), 3);
     pdm_sampler_destroy(k);
 
     /* top-p: with one dominant token holding > 90 % of the mass, p = 0.9 keeps only it */
