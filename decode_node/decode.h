@@ -157,7 +157,7 @@ typedef struct {
     uint64_t id;
     int32_t first_token;        /* sampled by the prefill rank that owns the last token */
     const pdm_token_logprobs_t *first_logprob; /* its log-probabilities (sp.logprobs >= 0;
-                                                * NULL: unknown, reported as 0 alternatives) */
+                                                * NULL: unknown, its TOKEN event has none) */
     pdm_sampler_params_t sp;    /* the bias arrays are copied */
     const char *const *stops;   /* stop strings (copied) */
     int n_stops;

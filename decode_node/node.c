@@ -53,7 +53,8 @@ typedef struct {
                           * delivered before it, then `tokens` again; NULL otherwise */
     int n_done;
     pdm_token_logprobs_t first_lp; /* log-probabilities of the first token (logprobs) */
-    int want_lp;
+    int want_lp;         /* sp.logprobs >= 0 */
+    int first_lp_known;  /* first_lp is set (sampled here, or sent with the first token) */
 } pdm__seq_t;
 
 struct pdm_decode_node {
@@ -384,11 +385,14 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
     s->next = st_->first_token;
     s->want_lp = st_->sp.logprobs >= 0;
     memset(&s->first_lp, 0, sizeof(s->first_lp));
+    s->first_lp_known = 1;
     if (s->local && st_->first_token < 0)
         s->next = pdm_sampler_sample(s->sampler, s->local_logits, s->hist, s->n_done,
                                      &s->first_lp);
     else if (st_->first_logprob && s->want_lp)
         s->first_lp = *st_->first_logprob;
+    else
+        s->first_lp_known = 0; /* reported without log-probabilities (the router: missing) */
     s->state = SEQ_STARTED;
     s->t_start = pdm_now();
     return PDM_OK;
@@ -587,7 +591,8 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
             /* The first token (from the prefill side) is the first generated token. */
             pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id,
                                      .token = s->next, .index = 0,
-                                     .logprob = s->want_lp ? &s->first_lp : NULL};
+                                     .logprob = s->want_lp && s->first_lp_known ? &s->first_lp
+                                                                                : NULL};
             cb(arg, &ev);
             const char *why = pdm__append(n, s, s->next);
             if (why) {
