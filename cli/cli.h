@@ -30,21 +30,32 @@ int cli_tokenize_alloc(const pdm_tokenizer_t *tok, const char *text, size_t len,
  * Add CLI_SAMPLING_LONG_OPTS to a getopt_long option table and pass each option to
  * cli_sampling_flag_parse. The limits are the router's (pdm_sampler_params_check):
  * --temp [0, 100], --top-k [0, INT32_MAX], --top-p (0, 1], --min-p [0, 1],
- * --repeat-penalty (0, 100], --seed any decimal uint64. */
+ * --repeat-penalty (0, 100], --seed any decimal uint64, --presence-penalty and
+ * --frequency-penalty [-2, 2], --logit-bias ID=BIAS (repeatable, at most 300, BIAS in
+ * [-100, 100]; the entries live in a static table of this module), --logprobs K (0..20: each
+ * token's log-probability and its K best alternatives; printed by --json). */
 enum {
     CLI_OPT_TEMP = 3000,
     CLI_OPT_TOP_K,
     CLI_OPT_TOP_P,
     CLI_OPT_MIN_P,
     CLI_OPT_REPEAT_PENALTY,
-    CLI_OPT_SEED
+    CLI_OPT_SEED,
+    CLI_OPT_PRESENCE,
+    CLI_OPT_FREQUENCY,
+    CLI_OPT_LOGIT_BIAS,
+    CLI_OPT_LOGPROBS
 };
 #define CLI_SAMPLING_LONG_OPTS                                                                 \
     {"temp", required_argument, 0, CLI_OPT_TEMP}, {"top-k", required_argument, 0, CLI_OPT_TOP_K}, \
         {"top-p", required_argument, 0, CLI_OPT_TOP_P},                                        \
         {"min-p", required_argument, 0, CLI_OPT_MIN_P},                                        \
         {"repeat-penalty", required_argument, 0, CLI_OPT_REPEAT_PENALTY},                      \
-        {"seed", required_argument, 0, CLI_OPT_SEED}
+        {"seed", required_argument, 0, CLI_OPT_SEED},                                         \
+        {"presence-penalty", required_argument, 0, CLI_OPT_PRESENCE},                          \
+        {"frequency-penalty", required_argument, 0, CLI_OPT_FREQUENCY},                        \
+        {"logit-bias", required_argument, 0, CLI_OPT_LOGIT_BIAS},                              \
+        {"logprobs", required_argument, 0, CLI_OPT_LOGPROBS}
 /* Stores the value of sampling option `opt_id` into *sp: 1 when done, 0 when opt_id is not a
  * sampling option (sp unchanged), -1 when the value is invalid (a usage error naming the flag
  * and its range has been printed; exit with status 2; sp unchanged). */

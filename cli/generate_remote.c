@@ -55,6 +55,34 @@ static void print_beams(const pdm_client_result_t *res)
                res->beams[i].logprob, finish_name(res->beams[i].finish), res->beams[i].text);
 }
 
+/* {"token", "text", "logprob"} as the local mode prints it (bytes >= 0x80 as '?'). */
+static cJSON *logprob_entry(const pdm_client_logprob_t *e)
+{
+    char text[256];
+    size_t n = e->text_len < sizeof(text) - 1 ? e->text_len : sizeof(text) - 1;
+    for (size_t i = 0; i < n; i++)
+        text[i] = (unsigned char)e->text[i] >= 0x80 ? '?' : e->text[i];
+    text[n] = 0;
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "token", e->token);
+    cJSON_AddStringToObject(o, "text", text);
+    cJSON_AddNumberToObject(o, "logprob", e->logprob);
+    return o;
+}
+
+/* "logprobs": [{token, text, logprob, top: [...]}], the local mode's --json --logprobs. */
+static void add_logprobs(cJSON *root, const pdm_client_result_t *res)
+{
+    cJSON *arr = cJSON_AddArrayToObject(root, "logprobs");
+    for (size_t i = 0; arr && i < res->n_logprobs; i++) {
+        cJSON *e = logprob_entry(&res->logprobs[i]);
+        cJSON *top = cJSON_AddArrayToObject(e, "top");
+        for (size_t k = 0; top && k < res->logprobs[i].n_top; k++)
+            cJSON_AddItemToArray(top, logprob_entry(&res->logprobs[i].top[k]));
+        cJSON_AddItemToArray(arr, e);
+    }
+}
+
 /* "beams": [{tokens, text, score, logprob, finish_reason}], best first. */
 static void add_beams_json(cJSON *root, const pdm_client_result_t *res)
 {
@@ -167,6 +195,13 @@ int cmd_generate_remote(int argc, char **argv)
     req.min_p = sp.min_p;
     req.repeat_penalty = sp.repeat_penalty;
     req.seed = sp.seed;
+    req.presence_penalty = sp.presence_penalty;
+    req.frequency_penalty = sp.frequency_penalty;
+    req.logit_bias_ids = sp.bias_ids;
+    req.logit_bias_values = sp.bias_values;
+    req.n_logit_bias = (size_t)sp.n_bias;
+    req.logprobs = sp.logprobs >= 0;
+    req.top_logprobs = sp.logprobs > 0 ? (uint32_t)sp.logprobs : 0;
     cli_mesh_t mesh;
     if (router && config)
         return cli_usage_error("%s", "give either --router ENDPOINT or --mesh/--config FILE");
@@ -230,6 +265,7 @@ int cmd_generate_remote(int argc, char **argv)
             for (size_t i = 0; i < res.n_tokens; i++)
                 cJSON_AddItemToArray(ids, cJSON_CreateNumber(res.tokens[i]));
             cJSON_AddStringToObject(root, "text", res.text);
+            if (req.logprobs) add_logprobs(root, &res);
             cJSON_AddStringToObject(root, "finish_reason", finish_name(res.finish));
             cJSON_AddNumberToObject(root, "prompt_tokens", res.usage.prompt_tokens);
             cJSON_AddNumberToObject(root, "completion_tokens", (double)res.n_tokens);

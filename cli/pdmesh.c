@@ -126,6 +126,36 @@ static long stop_find(const char *text, const gen_opts_t *o)
     return best;
 }
 
+/* {"token", "text", "logprob"}: text is the token's bytes made valid UTF-8 (cJSON needs it). */
+static cJSON *logprob_entry(const pdm_tokenizer_t *tk, int32_t id, float logprob)
+{
+    char piece[256];
+    int w = pdm_tokenizer_token_bytes(tk, id, 1, piece, sizeof(piece) - 1);
+    piece[w > 0 ? w : 0] = 0;
+    for (int i = 0; i < w; i++) /* bytes of a partial character: '?' (the ids are exact) */
+        if ((unsigned char)piece[i] >= 0x80) piece[i] = '?';
+    cJSON *e = cJSON_CreateObject();
+    cJSON_AddNumberToObject(e, "token", id);
+    cJSON_AddStringToObject(e, "text", piece);
+    cJSON_AddNumberToObject(e, "logprob", logprob);
+    return e;
+}
+
+/* --json --logprobs K: "logprobs": [{token, text, logprob, top: [{token, text, logprob}]}],
+ * the single-process engine's reference for the mesh's (model.h "Sampling", step 4). */
+static void add_logprobs_json(cJSON *root, const pdm_tokenizer_t *tk, const int32_t *ids,
+                              const pdm_token_logprobs_t *lp, long n)
+{
+    cJSON *arr = cJSON_AddArrayToObject(root, "logprobs");
+    for (long i = 0; arr && i < n; i++) {
+        cJSON *e = logprob_entry(tk, ids[i], lp[i].logprob);
+        cJSON *top = cJSON_AddArrayToObject(e, "top");
+        for (int k = 0; top && k < lp[i].n_top; k++)
+            cJSON_AddItemToArray(top, logprob_entry(tk, lp[i].top_ids[k], lp[i].top_logprobs[k]));
+        cJSON_AddItemToArray(arr, e);
+    }
+}
+
 static int cmd_generate(int argc, char **argv)
 {
     if (cli_generate_wants_router(argc, argv)) return cmd_generate_remote(argc, argv);
@@ -196,6 +226,7 @@ static int cmd_generate(int argc, char **argv)
     pdm_kv_cache_t *cache = NULL;
     pdm_sampler_t *sampler = NULL;
     int32_t *prompt_ids = NULL, *out_ids = NULL;
+    pdm_token_logprobs_t *out_lp = NULL; /* [n_predict + 1] with --logprobs */
     float *logits = NULL;
     char *rendered = NULL, *text = NULL;
     size_t n_prompt = 0, text_len = 0, text_cap = 0, emitted = 0;
@@ -238,18 +269,15 @@ static int cmd_generate(int argc, char **argv)
     }
     logits = malloc(hp->n_vocab * sizeof(float));
     out_ids = malloc((size_t)(o.n_predict + 1) * sizeof(int32_t));
-    int32_t *history = malloc((n_prompt + (size_t)o.n_predict + 1) * sizeof(int32_t));
-    if (!logits || !out_ids || !history) {
-        free(history);
+    if (o.sp.logprobs >= 0) out_lp = malloc((size_t)(o.n_predict + 1) * sizeof(*out_lp));
+    if (!logits || !out_ids || (o.sp.logprobs >= 0 && !out_lp)) {
         fprintf(stderr, "%s: out of memory\n", cli_prog);
         goto out;
     }
-    memcpy(history, prompt_ids, n_prompt * sizeof(int32_t));
 
     const char *finish = "length";
     double t0 = pdm_now(), t_first = t0, t_end;
     if (pdm_model_prefill(ctx, cache, prompt_ids, (int)n_prompt, logits)) {
-        free(history);
         cli_runtime_error("prefill failed");
         goto out;
     }
@@ -264,10 +292,11 @@ static int cmd_generate(int argc, char **argv)
             finish = "length";
             break;
         }
-        int32_t tok = pdm_sampler_sample(sampler, logits, history, (int)(n_prompt + n_out));
+        /* the history is the completion so far (model.h "Sampling"), as on the mesh */
+        int32_t tok = pdm_sampler_sample(sampler, logits, out_ids, (int)n_out,
+                                         out_lp ? &out_lp[n_out] : NULL);
         if (n_out == 0) t_first = pdm_now();
         out_ids[n_out++] = tok;
-        history[n_prompt + n_out - 1] = tok;
         const int eog = pdm_tokenizer_is_eog(model->tokenizer, tok);
         if (eog && !o.ignore_eos) {
             finish = "stop";
@@ -279,7 +308,6 @@ static int cmd_generate(int argc, char **argv)
             size_t cap = PDM_MAX(text_cap * 2, text_len + (size_t)pl + 256);
             char *nt = realloc(text, cap);
             if (!nt) {
-                free(history);
                 fprintf(stderr, "%s: out of memory\n", cli_prog);
                 goto out;
             }
@@ -305,12 +333,10 @@ static int cmd_generate(int argc, char **argv)
         }
         if (n_out >= o.n_predict || cache->n_tokens >= cache->capacity) break;
         if (pdm_model_decode(ctx, cache, tok, logits)) {
-            free(history);
             cli_runtime_error("decode failed");
             goto out;
         }
     }
-    free(history);
     t_end = pdm_now();
     if (!hit_stop_string) {
         /* bytes of an unfinished UTF-8 character at the end become U+FFFD */
@@ -335,6 +361,7 @@ static int cmd_generate(int argc, char **argv)
         cJSON *ids = cJSON_AddArrayToObject(root, "tokens");
         for (long i = 0; i < n_out; i++) cJSON_AddItemToArray(ids, cJSON_CreateNumber(out_ids[i]));
         cJSON_AddStringToObject(root, "text", text ? text : "");
+        if (out_lp) add_logprobs_json(root, model->tokenizer, out_ids, out_lp, n_out);
         cJSON_AddStringToObject(root, "finish_reason", finish);
         cJSON_AddNumberToObject(root, "prompt_tokens", (double)n_prompt);
         cJSON_AddNumberToObject(root, "completion_tokens", (double)n_out);
@@ -359,6 +386,7 @@ out:
     free(text);
     free(logits);
     free(out_ids);
+    free(out_lp);
     free(prompt_ids);
     free(rendered);
     pdm_sampler_destroy(sampler);

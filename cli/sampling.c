@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cli/cli.h"
 #include "common/pdm.h"
@@ -35,6 +36,10 @@ static int cli__bad(const char *flag, const char *arg, const char *range_fmt, do
     cli_usage_error("%s", msg);
     return -1;
 }
+
+/* --logit-bias entries of the process (one command line). */
+static int32_t cli__bias_ids[PDM_SAMPLER_MAX_LOGIT_BIAS];
+static float cli__bias_values[PDM_SAMPLER_MAX_LOGIT_BIAS];
 
 int cli_sampling_flag_parse(int opt_id, const char *arg, pdm_sampler_params_t *sp)
 {
@@ -69,6 +74,41 @@ int cli_sampling_flag_parse(int opt_id, const char *arg, pdm_sampler_params_t *s
     case CLI_OPT_SEED:
         if (cli__parse_u64(arg, &sp->seed))
             return cli__bad("--seed", arg, "a decimal integer 0..18446744073709551615", 0);
+        return 1;
+    case CLI_OPT_PRESENCE:
+    case CLI_OPT_FREQUENCY:
+        if (pdm_parse_double(arg, -PDM_SAMPLER_PENALTY_MAX, PDM_SAMPLER_PENALTY_MAX, &d))
+            return cli__bad(opt_id == CLI_OPT_PRESENCE ? "--presence-penalty"
+                                                       : "--frequency-penalty",
+                            arg, "-%g..2, 0 = off", PDM_SAMPLER_PENALTY_MAX);
+        if (opt_id == CLI_OPT_PRESENCE) sp->presence_penalty = (float)d;
+        else sp->frequency_penalty = (float)d;
+        return 1;
+    case CLI_OPT_LOGIT_BIAS: {
+        char id_text[32];
+        const char *eq = strchr(arg, '=');
+        size_t id_len = eq ? (size_t)(eq - arg) : 0;
+        if (!eq || id_len == 0 || id_len >= sizeof(id_text))
+            return cli__bad("--logit-bias", arg, "ID=BIAS, BIAS in -%g..100", PDM_SAMPLER_BIAS_MAX);
+        memcpy(id_text, arg, id_len);
+        id_text[id_len] = 0;
+        if (pdm_parse_long(id_text, 0, INT32_MAX, &v) ||
+            pdm_parse_double(eq + 1, -PDM_SAMPLER_BIAS_MAX, PDM_SAMPLER_BIAS_MAX, &d))
+            return cli__bad("--logit-bias", arg, "ID=BIAS, BIAS in -%g..100", PDM_SAMPLER_BIAS_MAX);
+        if (sp->n_bias >= PDM_SAMPLER_MAX_LOGIT_BIAS)
+            return cli__bad("--logit-bias", arg, "at most %g of them", PDM_SAMPLER_MAX_LOGIT_BIAS);
+        cli__bias_ids[sp->n_bias] = (int32_t)v;
+        cli__bias_values[sp->n_bias] = (float)d;
+        sp->n_bias++;
+        sp->bias_ids = cli__bias_ids;
+        sp->bias_values = cli__bias_values;
+        return 1;
+    }
+    case CLI_OPT_LOGPROBS:
+        if (pdm_parse_long(arg, 0, PDM_SAMPLER_MAX_TOP_LOGPROBS, &v))
+            return cli__bad("--logprobs", arg, "0..%g alternatives per token",
+                            PDM_SAMPLER_MAX_TOP_LOGPROBS);
+        sp->logprobs = (int32_t)v;
         return 1;
     default: return 0;
     }

@@ -130,11 +130,34 @@ typedef struct {
  * budget or the sequence bound would be exceeded; PDM_EINVAL for a bad plan or a duplicate id. */
 int pdm_decode_node_reserve(pdm_decode_node_t *node, const pdm_decode_reserve_t *r);
 
-/* Local prefill (conditional disaggregation, migration): reserves KV for n_tokens + max_new
+/* A local prefill (conditional disaggregation, migration). */
+typedef struct {
+    uint64_t id;
+    uint32_t attempt;
+    const int32_t *tokens;      /* [n_tokens] the prompt (+ a migration's completion so far) */
+    int32_t n_tokens;
+    int32_t max_new;
+    int beams;                  /* beam search width (<= 0: none); the start then needs
+                                 * prompt_last */
+    int32_t n_generated;        /* migration: the last n_generated tokens are completion tokens
+                                 * already delivered; the sampler counts them and resumes its
+                                 * draws at step n_generated (model.h "Sampling") */
+    int replay;                 /* with n_generated: compute their KV one decode step at a time,
+                                 * as they were first computed, so that the continuation's
+                                 * logits are bit-identical to the uninterrupted run's (a
+                                 * batched prefill rounds differently); costs one step per
+                                 * token. The router asks for it for temperature > 0. */
+} pdm_decode_local_t;
+
+/* Reserves KV for n_tokens + max_new (beam search: pdm_beam_kv_slots, the prompt's KV once)
  * and computes the prompt's KV on this node now (blocking the batch for that time). The
  * following start may pass first_token = -1: the node samples it from the prompt's logits.
- *
- * The prefix pool (pool_tokens > 0): a sequence that ends normally (eos, length, stop) with
+ * PDM_EOVERFLOW when the budget or the sequence bound is exceeded, PDM_ERANGE for a token
+ * outside the vocabulary, PDM_EINVAL for other bad parameters (beams over PDM_BEAM_MAX_WIDTH
+ * or the batch); nothing is held on error. */
+int pdm_decode_node_reserve_local(pdm_decode_node_t *node, const pdm_decode_local_t *r);
+
+/* The prefix pool (pool_tokens > 0): a sequence that ends normally (eos, length, stop) with
  * its prompt tokens known leaves its KV (prompt and generated tokens) in the pool instead of
  * freeing it; a later local prefill whose tokens start with at least PDM_DECODE_POOL_MIN of a
  * pooled sequence's tokens copies those rows and computes only the rest (a chat's next turn:
@@ -143,19 +166,13 @@ int pdm_decode_node_reserve(pdm_decode_node_t *node, const pdm_decode_reserve_t 
  * so it never refuses work. f16/f32 caches only (q8 scales are fixed per prompt), no beams,
  * no head-wise offload. */
 #define PDM_DECODE_POOL_MIN 16
-int pdm_decode_node_reserve_local(pdm_decode_node_t *node, uint64_t id, uint32_t attempt,
-                                  const int32_t *tokens, int32_t n_tokens, int32_t max_new);
-/* The same for a beam search of `beams` beams (< 0 or 0: none; the router's local prefill of a
- * beam request): KV slots as pdm_beam_kv_slots, the prompt's KV once; the following start
- * needs prompt_last. PDM_EINVAL over PDM_BEAM_MAX_WIDTH or the batch, PDM_EUNSUPPORTED with q8. */
-int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *node, uint64_t id, uint32_t attempt,
-                                        const int32_t *tokens, int32_t n_tokens, int32_t max_new,
-                                        int beams);
 
 typedef struct {
     uint64_t id;
     int32_t first_token;        /* sampled by the prefill rank that owns the last token */
-    pdm_sampler_params_t sp;
+    const pdm_token_logprobs_t *first_logprob; /* its log-probabilities (sp.logprobs >= 0;
+                                                * NULL: unknown, its TOKEN event has none) */
+    pdm_sampler_params_t sp;    /* the bias arrays are copied */
     const char *const *stops;   /* stop strings (copied) */
     int n_stops;
     double deadline;            /* pdm_now() seconds; 0: none */
@@ -176,6 +193,8 @@ typedef struct {
     uint64_t id;
     int32_t token;          /* TOKEN: the generated token */
     int index;              /* TOKEN: its index among the generated tokens (first token = 0) */
+    const pdm_token_logprobs_t *logprob; /* TOKEN: its log-probabilities (sp.logprobs >= 0),
+                                          * else NULL */
     const char *finish;     /* DONE: "eos", "length", "stop", "deadline", "cancelled" */
     const int32_t *tokens;  /* DONE: every generated token, first token included */
     int n_tokens;

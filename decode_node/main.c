@@ -115,9 +115,16 @@ static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pd
     if (t->local_prefill) {
         if (!t->n_prompt_tokens)
             return pdm_error_set(PDM_EINVAL, "DecodeTask: local prefill without prompt tokens");
-        return pdm_decode_node_reserve_local_beams(dn->node, key, t->attempt & 15u,
-                                                   t->prompt_tokens, (int32_t)t->n_prompt_tokens,
-                                                   (int32_t)t->max_new, beams);
+        if (t->n_prompt_tokens > (1u << 30) || t->n_generated >= t->n_prompt_tokens)
+            return pdm_error_set(PDM_ERANGE, "DecodeTask: %u generated tokens in a prompt of %zu",
+                                 t->n_generated, t->n_prompt_tokens);
+        pdm_decode_local_t lr = {.id = key, .attempt = t->attempt & 15u,
+                                 .tokens = t->prompt_tokens,
+                                 .n_tokens = (int32_t)t->n_prompt_tokens,
+                                 .max_new = (int32_t)t->max_new, .beams = beams,
+                                 .n_generated = (int32_t)t->n_generated,
+                                 .replay = t->replay_generated};
+        return pdm_decode_node_reserve_local(dn->node, &lr);
     }
     if (!t->n_prefill_addresses || t->n_prefill_addresses > PDM_KVT_MAX_RANKS ||
         !t->n_ranges || t->n_ranges > 1024)
@@ -201,14 +208,22 @@ static void pdm__on_decode_start(pdm__daemon_t *dn, const Pdmesh__DecodeStart *m
     const uint64_t key = PDM_LINK_TASK_KEY(m->task_id, m->attempt);
     pdm__task_t *rec = pdm__task_find(dn, key);
     pdm_decode_start_t s = {.id = key, .first_token = m->first_token};
-    pdm_sampler_params_default(&s.sp);
-    if (m->sampling) { /* the router sends normalized parameters (0 = off already mapped) */
-        s.sp.temperature = m->sampling->temperature;
-        s.sp.top_k = m->sampling->top_k;
-        s.sp.top_p = m->sampling->top_p > 0 ? m->sampling->top_p : 1;
-        s.sp.min_p = m->sampling->min_p;
-        s.sp.repeat_penalty = m->sampling->repeat_penalty > 0 ? m->sampling->repeat_penalty : 1;
-        s.sp.seed = m->sampling->seed;
+    pdm_token_logprobs_t first_lp;
+    /* the router sends the request's parameters (SamplingParams, one mapping for all) */
+    int st = pdm_sampler_params_from_msg(m->sampling, &s.sp);
+    if (!st && m->first_logprob) {
+        const Pdmesh__SampledLogprob *f = m->first_logprob;
+        if (f->n_top_ids != f->n_top_logprobs || f->n_top_ids > PDM_SAMPLER_MAX_TOP_LOGPROBS) {
+            st = pdm_error_set(PDM_EINVAL, "DecodeStart: first_logprob has %zu ids and %zu "
+                               "values (at most %d)", f->n_top_ids, f->n_top_logprobs,
+                               PDM_SAMPLER_MAX_TOP_LOGPROBS);
+        } else {
+            first_lp.logprob = f->logprob;
+            first_lp.n_top = (int32_t)f->n_top_ids;
+            memcpy(first_lp.top_ids, f->top_ids, sizeof(int32_t) * f->n_top_ids);
+            memcpy(first_lp.top_logprobs, f->top_logprobs, sizeof(float) * f->n_top_ids);
+            s.first_logprob = &first_lp;
+        }
     }
     const char *stops[8];
     for (size_t i = 0; i < m->n_stop && s.n_stops < 8; i++) stops[s.n_stops++] = m->stop[i];
@@ -218,8 +233,9 @@ static void pdm__on_decode_start(pdm__daemon_t *dn, const Pdmesh__DecodeStart *m
     s.prompt_last = -1;
     s.beam = dn->beam;
     s.beam.width = 0;
-    int st = PDM_OK;
-    if (!rec) {
+    if (st) {
+        /* refused below, with the parameters' message */
+    } else if (!rec) {
         st = pdm_error_set(PDM_ENOTFOUND, "DecodeStart: task %llu attempt %u is not reserved "
                            "here", (unsigned long long)m->task_id, m->attempt);
     } else {
@@ -398,12 +414,22 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
     if (ev->type == PDM_DECODE_EV_TOKEN) {
         if (rec && (uint32_t)ev->index < rec->skip) return; /* migration: already delivered */
         Pdmesh__DecodeTokens d = PDMESH__DECODE_TOKENS__INIT;
+        Pdmesh__SampledLogprob lp = PDMESH__SAMPLED_LOGPROB__INIT, *lpp = &lp;
         int32_t tok = ev->token;
         d.task_id = task_id;
         d.attempt = attempt;
         d.index = (uint32_t)ev->index;
         d.tokens = &tok;
         d.n_tokens = 1;
+        if (ev->logprob) {
+            lp.logprob = ev->logprob->logprob;
+            lp.top_ids = (int32_t *)ev->logprob->top_ids;
+            lp.n_top_ids = (size_t)ev->logprob->n_top;
+            lp.top_logprobs = (float *)ev->logprob->top_logprobs;
+            lp.n_top_logprobs = (size_t)ev->logprob->n_top;
+            d.logprobs = &lpp;
+            d.n_logprobs = 1;
+        }
         pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_TOKENS, &d.base);
         return;
     }

@@ -51,6 +51,12 @@ typedef struct {
     float *local_logits; /* local: [n_vocab] logits of the last prompt token */
     int32_t *prompt;     /* [n_prompt] its tokens, or NULL (then it never joins the pool) */
     int32_t cached;      /* prompt tokens whose KV came from the pool */
+    int32_t *hist;       /* [n_done + max_new] after a migration: the n_done completion tokens
+                          * delivered before it, then `tokens` again; NULL otherwise */
+    int n_done;
+    pdm_token_logprobs_t first_lp; /* log-probabilities of the first token (logprobs) */
+    int want_lp;         /* sp.logprobs >= 0 */
+    int first_lp_known;  /* first_lp is set (sampled here, or sent with the first token) */
 } pdm__seq_t;
 
 /* A finished sequence kept for its prefix: its tokens and the KV of each of them. */
@@ -232,6 +238,7 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
     free(s->text);
     free(s->local_logits);
     free(s->prompt);
+    free(s->hist);
     for (int i = 0; i < s->n_stops; i++) free(s->stops[i]);
     memset(s, 0, sizeof(*s));
 }
@@ -396,21 +403,20 @@ static int pdm__beam_start(pdm_decode_node_t *n, pdm__seq_t *s, const pdm_decode
     return PDM_OK;
 }
 
-int pdm_decode_node_reserve_local(pdm_decode_node_t *n, uint64_t id, uint32_t attempt,
-                                  const int32_t *tokens, int32_t n_tokens, int32_t max_new)
+int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t *r)
 {
-    return pdm_decode_node_reserve_local_beams(n, id, attempt, tokens, n_tokens, max_new, -1);
-}
-
-int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *n, uint64_t id, uint32_t attempt,
-                                        const int32_t *tokens, int32_t n_tokens, int32_t max_new,
-                                        int beams)
-{
+    const uint64_t id = r->id;
+    const int32_t *tokens = r->tokens;
+    const int32_t n_tokens = r->n_tokens, max_new = r->max_new;
+    const int beams = r->beams;
     const pdm_model_hparams_t *hp = &n->model->hp;
     if (n_tokens < 1 || max_new < 1 || (int64_t)n_tokens + max_new > (int64_t)hp->n_ctx_train)
         return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d prompt + %d new tokens "
                              "(the model's context is %u)", (unsigned long long)id, n_tokens,
                              max_new, hp->n_ctx_train);
+    if (r->n_generated < 0 || r->n_generated >= n_tokens)
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d generated tokens in a "
+                             "prompt of %d", (unsigned long long)id, r->n_generated, n_tokens);
     for (int32_t i = 0; i < n_tokens; i++)
         if (tokens[i] < 0 || (uint32_t)tokens[i] >= hp->n_vocab)
             return pdm_error_set(PDM_ERANGE, "decode node: prompt token %d is outside the "
@@ -426,7 +432,8 @@ int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *n, uint64_t id, uint3
                                : (int64_t)n_tokens + max_new;
     /* The prefix pool's longest match, found before making room (which may evict it). */
     int32_t m = 0;
-    pdm__pooled_t *hit = width || n->p.kv_dtype == PDM_DT_I8
+    /* (a replayed migration recomputes the delivered tokens as they were first computed) */
+    pdm__pooled_t *hit = width || n->p.kv_dtype == PDM_DT_I8 || r->replay
                              ? NULL : pdm__pool_match(n, tokens, n_tokens, &m);
     if (hit) hit->stamp = ++n->pool_stamp; /* most recently used: evicted last */
     if (!pdm__kv_fits(n, need))
@@ -469,9 +476,19 @@ int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *n, uint64_t id, uint3
         n->pool_st.reused_tokens += (uint64_t)m;
     }
     /* Conditional disaggregation / migration: this node computes the prompt's KV itself. */
-    if (!st)
-        st = pdm_model_prefill(n->ctx, s->cache, tokens + s->cached, n_tokens - s->cached,
+    const int32_t replay = r->replay ? r->n_generated : 0; /* as first computed: one by one */
+    const int32_t upto = n_tokens - replay; /* prefilled in one batch: [cached, upto) */
+    if (!st && upto > s->cached)
+        st = pdm_model_prefill(n->ctx, s->cache, tokens + s->cached, upto - s->cached,
                                s->local_logits);
+    for (int32_t i = PDM_MAX(upto, s->cached); !st && i < n_tokens; i++)
+        st = pdm_model_decode(n->ctx, s->cache, tokens[i], s->local_logits);
+    if (!st && r->n_generated) {
+        s->n_done = r->n_generated;
+        s->hist = malloc(sizeof(int32_t) * ((size_t)s->n_done + (size_t)max_new));
+        if (!s->hist) st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+        else memcpy(s->hist, tokens + n_tokens - s->n_done, sizeof(int32_t) * (size_t)s->n_done);
+    }
     if (st) {
         pdm__seq_release(n, s);
         return st;
@@ -480,7 +497,7 @@ int pdm_decode_node_reserve_local_beams(pdm_decode_node_t *n, uint64_t id, uint3
     s->local = 1;
     s->beam_width = width;
     s->id = id;
-    s->attempt = attempt;
+    s->attempt = r->attempt;
     s->n_prompt = n_tokens;
     s->max_new = max_new;
     s->t_start = pdm_now();
@@ -515,8 +532,16 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
     s->deadline = st_->deadline;
     s->ignore_eos = st_->ignore_eos;
     s->next = st_->first_token;
+    s->want_lp = st_->sp.logprobs >= 0;
+    memset(&s->first_lp, 0, sizeof(s->first_lp));
+    s->first_lp_known = 1;
     if (s->local && st_->first_token < 0)
-        s->next = pdm_sampler_sample(s->sampler, s->local_logits, NULL, 0);
+        s->next = pdm_sampler_sample(s->sampler, s->local_logits, s->hist, s->n_done,
+                                     &s->first_lp);
+    else if (st_->first_logprob && s->want_lp)
+        s->first_lp = *st_->first_logprob;
+    else
+        s->first_lp_known = 0; /* reported without log-probabilities (the router: missing) */
     s->state = SEQ_STARTED;
     s->t_start = pdm_now();
     return PDM_OK;
@@ -586,6 +611,7 @@ static void pdm__beam_done(pdm_decode_node_t *n, pdm__seq_t *s, pdm_decode_event
  * the finish reason or NULL. */
 static const char *pdm__append(pdm_decode_node_t *n, pdm__seq_t *s, int32_t tok)
 {
+    if (s->hist) s->hist[s->n_done + s->n_tokens] = tok;
     s->tokens[s->n_tokens++] = tok;
     const int eog = pdm_tokenizer_is_eog(n->model->tokenizer, tok);
     if (eog && !s->ignore_eos) return "eos";
@@ -716,7 +742,9 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
             }
             /* The first token (from the prefill side) is the first generated token. */
             pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id,
-                                     .token = s->next, .index = 0};
+                                     .token = s->next, .index = 0,
+                                     .logprob = s->want_lp && s->first_lp_known ? &s->first_lp
+                                                                                : NULL};
             cb(arg, &ev);
             const char *why = pdm__append(n, s, s->next);
             if (why) {
@@ -773,10 +801,14 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
                 else pdm_beam_kv_reorder(s->beam_kv, parent, n_next);
                 continue;
             }
-            int32_t tok = pdm_sampler_sample(s->sampler, batch[k].logits, s->tokens, s->n_tokens);
+            pdm_token_logprobs_t lp;
+            int32_t tok = pdm_sampler_sample(s->sampler, batch[k].logits,
+                                             s->hist ? s->hist : s->tokens,
+                                             s->n_done + s->n_tokens, &lp);
             s->next = tok;
             pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id, .token = tok,
-                                     .index = s->n_tokens};
+                                     .index = s->n_tokens,
+                                     .logprob = s->want_lp ? &lp : NULL};
             cb(arg, &ev);
             const char *why = pdm__append(n, s, tok);
             if (why) pdm__finish(n, s, why, cb, arg);

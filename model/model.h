@@ -246,7 +246,27 @@ void pdm_model_ref_params_default(pdm_model_ref_params_t *p);
 int pdm_model_reference_logits(const pdm_model_t *m, const pdm_model_ref_params_t *p,
                                const int32_t *tokens, int n, int first, float *logits);
 
-/* ---- Sampling ---------------------------------------------------------------------------- */
+/* ---- Sampling ----------------------------------------------------------------------------
+ *
+ * One step, in this order (docs/http.md "Sampling" states the same rule for users):
+ *   1. l = the model's logits; l[t] += logit_bias[t] for every biased token t;
+ *   2. repetition penalty (CTRL, as llama.cpp) on the distinct tokens among the last
+ *      repeat_last_n of `history`: l > 0 ? l / penalty : l * penalty;
+ *   3. OpenAI's penalties over all of `history` (the completion's tokens so far):
+ *      l[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t];
+ *   4. logprobs, when asked: log_softmax(l) over the whole vocabulary, at temperature 1 and
+ *      before any top-k/top-p/min-p cut: the distribution the model (as biased and penalised
+ *      by the request) gives, not the truncated one the draw uses;
+ *   5. greedy (temperature 0: the highest l, lowest id among ties), or top-k -> top-p ->
+ *      min-p -> softmax(l / temperature) -> one draw with u_i (below).
+ * The draw is a function of (seed, i) only, i = n_history = the number of completion tokens
+ * already sampled: u_i = top 53 bits of splitmix64(seed XOR ((i + 1) * 0x9E3779B97F4A7C15))
+ * / 2^53. No state carries from one step to the next, so a sequence resumed at step k (a
+ * migration re-creates the sampler on another node and passes the k delivered tokens as
+ * history) continues exactly as the uninterrupted run. */
+
+#define PDM_SAMPLER_MAX_TOP_LOGPROBS 20 /* alternatives reported per token */
+#define PDM_SAMPLER_MAX_LOGIT_BIAS 300  /* biased tokens per request (OpenAI's bound) */
 
 typedef struct {
     float temperature;    /* <= 0: greedy */
@@ -256,26 +276,57 @@ typedef struct {
     float repeat_penalty; /* 1: off */
     int32_t repeat_last_n; /* tokens of history the penalty looks at */
     uint64_t seed;
+    float presence_penalty;   /* [-2, 2], 0: off */
+    float frequency_penalty;  /* [-2, 2], 0: off */
+    const int32_t *bias_ids;  /* [n_bias] token ids of logit_bias (borrowed; the sampler copies) */
+    const float *bias_values; /* [n_bias] added to those tokens' logits, each in [-100, 100] */
+    int32_t n_bias;           /* [0, PDM_SAMPLER_MAX_LOGIT_BIAS] */
+    int32_t logprobs;         /* < 0: none; else report the chosen token's log-probability and
+                               * the `logprobs` most likely tokens' (<= MAX_TOP_LOGPROBS) */
 } pdm_sampler_params_t;
 
 /* The limits pdm_sampler_params_check enforces (the router checks every request with it, and
  * the CLIs' sampling flags use the same bounds): temperature [0, MAX], top_k >= 0,
- * top_p (0, 1], min_p [0, 1], repeat_penalty (0, MAX]. */
+ * top_p (0, 1], min_p [0, 1], repeat_penalty (0, MAX], presence/frequency penalty [-2, 2],
+ * logit_bias at most 300 entries of [-100, 100] on ids >= 0, logprobs <= 20. */
 #define PDM_SAMPLER_TEMPERATURE_MAX 100.0f
 #define PDM_SAMPLER_REPEAT_PENALTY_MAX 100.0f
+#define PDM_SAMPLER_PENALTY_MAX 2.0f
+#define PDM_SAMPLER_BIAS_MAX 100.0f
 
 void pdm_sampler_params_default(pdm_sampler_params_t *p);
 /* PDM_EINVAL with a message naming the bad parameter. */
 int pdm_sampler_params_check(const pdm_sampler_params_t *p);
 
+/* The log-probabilities of one step (step 4 above). */
+typedef struct {
+    float logprob;                                   /* of the chosen token */
+    int32_t n_top;                                   /* = params.logprobs (<= n_vocab) */
+    int32_t top_ids[PDM_SAMPLER_MAX_TOP_LOGPROBS];   /* most likely first, lower id on ties */
+    float top_logprobs[PDM_SAMPLER_MAX_TOP_LOGPROBS];
+} pdm_token_logprobs_t;
+
+/* SamplingParams (proto/pdmesh.proto) <-> sampler parameters, one mapping for the router and
+ * both daemons. from_msg: defaults for what the message leaves at 0 (top_p 0 -> 1, repeat
+ * penalty 0 -> 1, seed 0 -> the default seed), then pdm_sampler_params_check; the bias arrays
+ * point into the message (valid while it lives). to_msg: fills an initialised message whose
+ * arrays then point into *p. A NULL message gives the defaults at temperature 0. */
+struct Pdmesh__SamplingParams;
+int pdm_sampler_params_from_msg(const struct Pdmesh__SamplingParams *m, pdm_sampler_params_t *p);
+void pdm_sampler_params_to_msg(const pdm_sampler_params_t *p, struct Pdmesh__SamplingParams *m);
+
 typedef struct pdm_sampler pdm_sampler_t;
 
+/* Copies p (the logit_bias arrays included). PDM_EINVAL (nothing allocated) when p fails the
+ * check or names a biased token outside [0, n_vocab). */
 int pdm_sampler_create(const pdm_sampler_params_t *p, int32_t n_vocab, pdm_sampler_t **out);
 void pdm_sampler_destroy(pdm_sampler_t *s);
-/* Picks the next token from `logits` (not modified) given the recent history. Greedy picks
- * the lowest id among equal maxima. Never allocates. */
+/* Picks the next token from `logits` (not modified). `history` holds the n_history tokens of
+ * this completion sampled so far (not the prompt): the penalties count them and n_history is
+ * the step index i of the draw. lp (may be NULL) receives the step's log-probabilities when
+ * params.logprobs >= 0. Never allocates. */
 int32_t pdm_sampler_sample(pdm_sampler_t *s, const float *logits, const int32_t *history,
-                           int n_history);
+                           int n_history, pdm_token_logprobs_t *lp);
 
 /* ---- Quantization ------------------------------------------------------------------------ */
 

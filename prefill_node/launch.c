@@ -1055,12 +1055,7 @@ static int pdm__send_start(pdm_launch_t *l, uint64_t id, const pdm_launch_reques
 {
     Pdmesh__DecodeStart s = PDMESH__DECODE_START__INIT;
     Pdmesh__SamplingParams sp = PDMESH__SAMPLING_PARAMS__INIT;
-    sp.temperature = q->sp.temperature;
-    sp.top_k = q->sp.top_k;
-    sp.top_p = q->sp.top_p;
-    sp.min_p = q->sp.min_p;
-    sp.repeat_penalty = q->sp.repeat_penalty;
-    sp.seed = q->sp.seed;
+    pdm_sampler_params_to_msg(&q->sp, &sp);
     s.task_id = id;
     s.first_token = first_token;
     s.sampling = &sp;

@@ -189,6 +189,22 @@ static void pdm__set_running(pdm__daemon_t *pn, uint32_t running)
     pdm_link_set_load(pn->link, &load);
 }
 
+/* The owner's first token: step 0 of the request's sampler (model.h "Sampling": logit_bias,
+ * seed, temperature...; no history yet, so no penalty) over the last prompt token's logits,
+ * and its log-probabilities. Without sampling parameters, the greedy token. */
+static int pdm__sample_first(pdm__daemon_t *pn, const Pdmesh__SamplingParams *m,
+                             const float *logits, int32_t *first, pdm_token_logprobs_t *lp)
+{
+    pdm_sampler_params_t sp;
+    pdm_sampler_t *s = NULL;
+    int st = pdm_sampler_params_from_msg(m, &sp);
+    if (!st) st = pdm_sampler_create(&sp, (int32_t)pn->model->hp.n_vocab, &s);
+    if (st) return pdm_error_set(st, "PrefillTask: sampling: %s", pdm_error_last());
+    *first = pdm_sampler_sample(s, logits, NULL, 0, lp);
+    pdm_sampler_destroy(s);
+    return PDM_OK;
+}
+
 static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t)
 {
     Pdmesh__PrefillResult r = PDMESH__PREFILL_RESULT__INIT;
@@ -229,8 +245,22 @@ static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t)
     r.t_wait = res.t_wait;
     r.bytes_sent = res.bytes_sent;
     r.bytes_received = res.bytes_received;
+    Pdmesh__SampledLogprob flp = PDMESH__SAMPLED_LOGPROB__INIT;
+    pdm_token_logprobs_t lp;
+    if (res.owner && pdm__sample_first(pn, t->sampling, res.logits, &r.first_token, &lp)) {
+        e.code = PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT;
+        e.message = (char *)pdm_error_last();
+        r.ok = 0;
+        r.error = &e;
+    } else if (res.owner && t->sampling && t->sampling->logprobs) {
+        flp.logprob = lp.logprob;
+        flp.top_ids = lp.top_ids;
+        flp.n_top_ids = (size_t)lp.n_top;
+        flp.top_logprobs = lp.top_logprobs;
+        flp.n_top_logprobs = (size_t)lp.n_top;
+        r.first_logprob = &flp;
+    }
     if (res.owner) {
-        r.first_token = res.first_token;
         uint32_t k = PDM_MIN(PDM_MIN(t->top_logits, 100u), n_vocab);
         k = pdm__top_logits(res.logits, n_vocab, k, top_ids, top_values);
         r.top_ids = top_ids;

@@ -72,6 +72,25 @@ static int rt_tokenize(pdm_router_t *r, const char *text, int32_t **out, size_t 
     return PDM_OK;
 }
 
+/* The log-probability entries (tokens x (1 + alternatives)) whose GenerateResult surely fits
+ * a frame: each entry packs to at most 24 bytes plus its token's text, and each token's text
+ * appears once more in the result's text, so entries x (2 x longest token + 24) stays within
+ * the frame less 64 KiB for the rest. Capped at RT_MAX_LOGPROB_ENTRIES; computed once. */
+static uint32_t rt_logprob_entries_max(pdm_router_t *r)
+{
+    if (r->lp_max_entries) return r->lp_max_entries;
+    char piece[256];
+    int longest = 1;
+    for (uint32_t t = 0; t < r->model->hp.n_vocab; t++) {
+        int w = pdm_tokenizer_token_bytes(r->model->tokenizer, (int32_t)t, 1, piece,
+                                          sizeof(piece));
+        if (w > longest) longest = w;
+    }
+    uint64_t fit = ((uint64_t)PDM_WIRE_MAX_FRAME - 65536) / (2u * (uint64_t)longest + 24);
+    r->lp_max_entries = (uint32_t)PDM_MIN(fit, (uint64_t)RT_MAX_LOGPROB_ENTRIES);
+    return r->lp_max_entries;
+}
+
 static int rt_has_decode(const pdm_router_t *r)
 {
     for (int i = 0; i < RT_MAX_NODES; i++)
@@ -104,16 +123,20 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     if (req->deadline_ms > 3600u * 1000u)
         return rt_refuse(code, INV, PDM_EINVAL, "deadline_ms over one hour");
     pdm_sampler_params_t sp;
-    pdm_sampler_params_default(&sp);
-    const Pdmesh__SamplingParams *s = req->sampling;
-    sp.temperature = s ? s->temperature : 0;
-    sp.top_k = s && s->top_k > 0 ? s->top_k : 0;
-    sp.top_p = s && s->top_p > 0 && s->top_p < 1 ? s->top_p : 1;
-    sp.min_p = s ? s->min_p : 0;
-    sp.repeat_penalty = s && s->repeat_penalty > 0 ? s->repeat_penalty : 1;
-    sp.seed = s && s->seed ? s->seed : sp.seed;
-    if (pdm_sampler_params_check(&sp))
+    if (pdm_sampler_params_from_msg(req->sampling, &sp))
         return rt_refuse(code, INV, PDM_EINVAL, "sampling: %s", pdm_error_last());
+    for (int32_t i = 0; i < sp.n_bias; i++)
+        if ((uint32_t)sp.bias_ids[i] >= r->model->hp.n_vocab)
+            return rt_refuse(code, INV, PDM_EINVAL, "sampling: logit_bias names token %d, "
+                             "outside the vocabulary of %u", sp.bias_ids[i], r->model->hp.n_vocab);
+    /* Log-probabilities are kept for every token until the result, which must fit a frame. */
+    const uint32_t lp_stride = sp.logprobs >= 0 ? 1u + (uint32_t)sp.logprobs : 0;
+    if (lp_stride && (uint64_t)max_new * lp_stride > rt_logprob_entries_max(r))
+        return rt_refuse(code, INV, PDM_EINVAL, "logprobs: max_tokens (%u) x (1 + top_logprobs "
+                         "%d) is over %u entries; ask for fewer tokens or alternatives", max_new,
+                         sp.logprobs, rt_logprob_entries_max(r));
+    if (lp_stride && req->beams > 1)
+        return rt_refuse(code, INV, PDM_EINVAL, "logprobs are not reported with beam search");
     int open_ = 0;
     for (rt_req_t *q = r->head; q; q = q->next) open_ += !strcmp(q->client, client ? client : "");
     if (r->cfg.per_client_max && open_ >= r->cfg.per_client_max)
@@ -157,14 +180,29 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     }
     rt_req_t *q = calloc(1, sizeof(*q));
     if (q) q->gen = malloc(sizeof(int32_t) * max_new);
-    if (!q || !q->gen) {
-        if (q) free(q);
+    if (q && lp_stride) {
+        q->lp_stride = lp_stride;
+        q->lp_ids = malloc(sizeof(int32_t) * max_new * lp_stride);
+        q->lp_vals = malloc(sizeof(float) * max_new * lp_stride);
+        q->lp_n = malloc(max_new);
+    }
+    if (!q || !q->gen || (lp_stride && (!q->lp_ids || !q->lp_vals || !q->lp_n))) {
+        if (q) {
+            free(q->gen);
+            free(q->lp_ids);
+            free(q->lp_vals);
+            free(q->lp_n);
+        }
+        free(q);
         free(tok);
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
     }
     int bst = rt_beams_admit(r, req, q, code);
     if (bst) {
         free(q->gen);
+        free(q->lp_ids);
+        free(q->lp_vals);
+        free(q->lp_n);
         free(q);
         free(tok);
         return bst;
@@ -177,6 +215,12 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     q->n_prompt = (uint32_t)n;
     q->max_new = max_new;
     q->sp = sp;
+    if (sp.n_bias) {
+        memcpy(q->bias_ids, sp.bias_ids, sizeof(int32_t) * (size_t)sp.n_bias);
+        memcpy(q->bias_values, sp.bias_values, sizeof(float) * (size_t)sp.n_bias);
+    }
+    q->sp.bias_ids = q->bias_ids;
+    q->sp.bias_values = q->bias_values;
     for (size_t i = 0; i < req->n_stop; i++)
         if (req->stop[i][0]) q->stops[q->n_stops++] = strdup(req->stop[i]);
     q->ignore_eos = req->ignore_eos;

@@ -77,8 +77,10 @@ typedef struct gen {
     conn_t *conn;            /* NULL once the client is gone */
     uint64_t router_id;
     int chat, stream, include_usage;
+    int logprobs;            /* the request asked for log-probabilities */
     int headers_sent;
     size_t streamed;         /* bytes of completion text already sent */
+    size_t text_offset;      /* completions' text_offset of the next streamed token */
     long created;
     char id[48];
     char *model;
@@ -591,7 +593,7 @@ static void sse_start(gen_t *g)
     count_response(c, 200);
     conn_write(c, head, n);
     if (g->chat)
-        sse_event(c, pdm_http__chunk_json(1, g->id, g->created, g->model, "", NULL, 1, NULL));
+        sse_event(c, pdm_http__chunk_json(1, g->id, g->created, g->model, "", NULL, 1, NULL, NULL));
 }
 
 static void sse_end(conn_t *c)
@@ -603,14 +605,21 @@ static void sse_end(conn_t *c)
 }
 
 static void gen_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, size_t n,
-                          const char *text)
+                          const char *text, Pdmesh__TokenLogprob *const *logprobs)
 {
     gen_t *g = ctx;
     conn_t *c = g->conn;
-    if (!c || c->closed || !g->stream || !text || !text[0]) return;
+    if (!c || c->closed || !g->stream) return;
+    /* With logprobs, every token's entry goes out in the chunk of its arrival, even when its
+     * text is still held back (a possible stop string): the chunk's text is then "". */
+    const int with_lp = g->logprobs && logprobs && n > 0;
+    if (!with_lp && (!text || !text[0])) return;
     sse_start(g);
-    sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model, text, NULL, 0, NULL));
-    g->streamed += strlen(text);
+    pdm_http_logprobs_t lp = {logprobs, n, g->text_offset};
+    sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model, text ? text : "",
+                                      NULL, 0, NULL, with_lp ? &lp : NULL));
+    if (with_lp) g->text_offset += pdm_http__logprobs_text_len(logprobs, n);
+    g->streamed += text ? strlen(text) : 0;
 }
 
 static void gen_on_result(void *ctx, const Pdmesh__GenerateResult *res)
@@ -623,7 +632,8 @@ static void gen_on_result(void *ctx, const Pdmesh__GenerateResult *res)
     }
     c->gen = NULL;
     if (!g->stream) {
-        char *body = pdm_http__result_json(g->chat, g->id, g->created, g->model, res);
+        char *body = pdm_http__result_json(g->chat, g->id, g->created, g->model, res,
+                                           g->logprobs);
         if (!body) conn_respond_error(c, 500, "internal_error", "out of memory");
         else conn_respond(c, 200, "application/json", body, strlen(body), "");
         free(body);
@@ -636,14 +646,14 @@ static void gen_on_result(void *ctx, const Pdmesh__GenerateResult *res)
     size_t tl = strlen(text);
     if (tl > g->streamed)
         sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model,
-                                          text + g->streamed, NULL, 0, NULL));
+                                          text + g->streamed, NULL, 0, NULL, NULL));
     const char *fr = pdm_http__finish_reason(res->finish);
     sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model, g->chat ? NULL : "",
-                                      fr ? fr : "stop", 0, NULL));
+                                      fr ? fr : "stop", 0, NULL, NULL));
     if (g->include_usage) {
         Pdmesh__Usage empty = PDMESH__USAGE__INIT;
         sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model, NULL, NULL, 0,
-                                          res->usage ? res->usage : &empty));
+                                          res->usage ? res->usage : &empty, NULL));
     }
     static const char done[] = "data: [DONE]\n\n";
     conn_write_chunk(c, done, sizeof(done) - 1);
@@ -700,6 +710,7 @@ static void handle_generate(conn_t *c, int chat)
     g->chat = chat;
     g->stream = opts.stream;
     g->include_usage = opts.include_usage;
+    g->logprobs = opts.logprobs >= 0;
     g->created = (long)time(NULL);
     req->request_id = ++h->next_request_id;
     uint64_t rnd = 0;

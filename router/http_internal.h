@@ -25,7 +25,17 @@ typedef struct {
     int chat;            /* 1: /v1/chat/completions */
     int stream;          /* stream: true */
     int include_usage;   /* stream_options.include_usage */
+    int logprobs;        /* -1: none; else alternatives per token (completions' logprobs: N,
+                          * chat's top_logprobs) */
 } pdm_http_opts_t;
+
+/* The log-probabilities a response or chunk carries: lps[n] (one per token, in order);
+ * text_offset is the completions' text_offset of the first (bytes into the completion). */
+typedef struct {
+    Pdmesh__TokenLogprob *const *lps;
+    size_t n;
+    size_t text_offset;
+} pdm_http_logprobs_t;
 
 /* A parse failure: the HTTP status, an OpenAI error code string and a message. */
 typedef struct {
@@ -63,15 +73,21 @@ char *pdm_http__error_json(int status, const char *code, const char *message);
 const char *pdm_http__finish_reason(int finish);
 
 /* The non-streaming response body (malloc'ed JSON). `id` like "cmpl-..."; created is unix
- * seconds. */
+ * seconds. logprobs: the request asked for them (res->logprobs is then rendered, an empty list
+ * when there are none); else "logprobs": null. */
 char *pdm_http__result_json(int chat, const char *id, long created, const char *model,
-                            const Pdmesh__GenerateResult *res);
+                            const Pdmesh__GenerateResult *res, int logprobs);
 
 /* One streamed chunk as JSON (malloc'ed). text may be NULL (no content); finish may be NULL;
  * role_delta adds "role":"assistant" to a chat delta. usage (may be NULL) produces the
- * include_usage chunk (empty choices). */
+ * include_usage chunk (empty choices). lp (may be NULL: "logprobs": null) the log-
+ * probabilities of the chunk's tokens. */
 char *pdm_http__chunk_json(int chat, const char *id, long created, const char *model,
                            const char *text, const char *finish, int role_delta,
-                           const Pdmesh__Usage *usage);
+                           const Pdmesh__Usage *usage, const pdm_http_logprobs_t *lp);
+
+/* Bytes of the completion's text the tokens lps[0..n) stand for (the sum of their texts):
+ * advances a stream's text_offset. */
+size_t pdm_http__logprobs_text_len(Pdmesh__TokenLogprob *const *lps, size_t n);
 
 #endif

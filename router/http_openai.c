@@ -5,8 +5,13 @@
  * the few listed as refused whose silent omission would change the answer):
  *   model, prompt (string, [string], [int...], [[int...]]) | messages ([{role, content}]),
  *   max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
- *   seed, stop (string or list), stream, stream_options.include_usage, n (1), best_of (beams),
- *   ignore_eos, user.
+ *   seed, presence_penalty, frequency_penalty, logit_bias, logprobs (completions: an integer
+ *   0..20; chat: a boolean) and top_logprobs (chat, 0..20), stop (string or list), stream,
+ *   stream_options.include_usage, n (1), best_of (beams), ignore_eos, user.
+ * Log-probabilities come back in OpenAI's shapes (https://platform.openai.com/docs/api-reference
+ * /completions/object: choices[].logprobs = {tokens, token_logprobs, top_logprobs,
+ * text_offset}; /chat/object: choices[].logprobs.content = [{token, logprob, bytes,
+ * top_logprobs: [{token, logprob, bytes}]}]), streamed chunks carrying their tokens' entries.
  */
 #include "router/http_internal.h"
 
@@ -18,6 +23,7 @@
 
 #include "common/pdm.h"
 #include "common/wire.h"
+#include "model/model.h"
 
 static int fail(pdm_http_err_t *err, int status, const char *code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -49,6 +55,10 @@ void pdm_http__request_free(Pdmesh__GenerateRequest *req)
     free(req->messages);
     for (size_t i = 0; i < req->n_stop; i++) free(req->stop[i]);
     free(req->stop);
+    if (req->sampling) {
+        free(req->sampling->logit_bias_ids);
+        free(req->sampling->logit_bias_values);
+    }
     free(req->sampling);
     free(req);
 }
@@ -267,28 +277,100 @@ static int take_stop(const cJSON *root, Pdmesh__GenerateRequest *req, pdm_http_e
  * answer. */
 static int refuse_unsupported(const cJSON *root, pdm_http_err_t *err)
 {
-    static const char *const must_be_false[] = {"echo", "logprobs"};
+    static const char *const must_be_false[] = {"echo"};
     for (size_t i = 0; i < PDM_ARRAY_SIZE(must_be_false); i++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, must_be_false[i]);
         if (v && !cJSON_IsNull(v) && !cJSON_IsFalse(v) &&
             !(cJSON_IsNumber(v) && v->valuedouble == 0))
             return fail(err, 400, "unsupported_value", "'%s' is not supported", must_be_false[i]);
     }
-    static const char *const must_be_zero[] = {"presence_penalty", "frequency_penalty"};
-    for (size_t i = 0; i < PDM_ARRAY_SIZE(must_be_zero); i++) {
-        const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, must_be_zero[i]);
-        if (v && !cJSON_IsNull(v) && !(cJSON_IsNumber(v) && v->valuedouble == 0))
-            return fail(err, 400, "unsupported_value",
-                        "'%s' is not supported (use repetition_penalty)", must_be_zero[i]);
-    }
-    static const char *const must_be_absent[] = {"suffix", "tools", "functions", "logit_bias",
-                                                 "response_format", "top_logprobs"};
+    static const char *const must_be_absent[] = {"suffix", "tools", "functions",
+                                                 "response_format"};
     for (size_t i = 0; i < PDM_ARRAY_SIZE(must_be_absent); i++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, must_be_absent[i]);
         if (v && !cJSON_IsNull(v) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0) &&
             !(cJSON_IsObject(v) && !v->child) && !(cJSON_IsString(v) && !v->valuestring[0]))
             return fail(err, 400, "unsupported_value", "'%s' is not supported", must_be_absent[i]);
     }
+    return PDM_OK;
+}
+
+/* logit_bias: {"<token id>": bias, ...}, at most PDM_SAMPLER_MAX_LOGIT_BIAS entries of
+ * [-100, 100] (OpenAI's bounds); the ids are checked against the vocabulary by the router. */
+static int take_logit_bias(const cJSON *root, Pdmesh__SamplingParams *sp, pdm_http_err_t *err)
+{
+    const cJSON *lb = cJSON_GetObjectItemCaseSensitive(root, "logit_bias");
+    if (!lb || cJSON_IsNull(lb)) return PDM_OK;
+    if (!cJSON_IsObject(lb))
+        return fail(err, 400, "invalid_type",
+                    "'logit_bias' must be an object mapping token ids to biases");
+    int n = cJSON_GetArraySize(lb);
+    if (n > PDM_SAMPLER_MAX_LOGIT_BIAS)
+        return fail(err, 400, "invalid_value", "'logit_bias' has %d entries (at most %d)", n,
+                    PDM_SAMPLER_MAX_LOGIT_BIAS);
+    if (n == 0) return PDM_OK;
+    sp->logit_bias_ids = malloc(sizeof(int32_t) * (size_t)n);
+    sp->logit_bias_values = malloc(sizeof(float) * (size_t)n);
+    if (!sp->logit_bias_ids || !sp->logit_bias_values)
+        return fail(err, 500, "internal_error", "out of memory");
+    const cJSON *e;
+    size_t i = 0;
+    cJSON_ArrayForEach(e, lb) {
+        char *end = NULL;
+        const char *key = e->string ? e->string : "";
+        long long id = strtoll(key, &end, 10);
+        if (!key[0] || *end || key[0] == '+' || key[0] == ' ' || id < 0 || id > INT32_MAX)
+            return fail(err, 400, "invalid_value",
+                        "'logit_bias' keys must be token ids (non-negative integers; got "
+                        "\"%.32s\")", key);
+        if (!cJSON_IsNumber(e) || !isfinite(e->valuedouble))
+            return fail(err, 400, "invalid_type", "'logit_bias' values must be numbers");
+        if (e->valuedouble < -PDM_SAMPLER_BIAS_MAX || e->valuedouble > PDM_SAMPLER_BIAS_MAX)
+            return fail(err, 400, "invalid_value",
+                        "'logit_bias' values must be between -100 and 100 (got %g for token "
+                        "%lld)", e->valuedouble, id);
+        sp->logit_bias_ids[i] = (int32_t)id;
+        sp->logit_bias_values[i] = (float)e->valuedouble;
+        sp->n_logit_bias_ids = sp->n_logit_bias_values = ++i;
+    }
+    return PDM_OK;
+}
+
+/* Completions: logprobs = N (0..20; OpenAI documents at most 5, vLLM allows 20) asks for the
+ * chosen token's and the N best. Chat: logprobs = true, top_logprobs = N (0..20). */
+static int take_logprobs(const cJSON *root, int chat, Pdmesh__SamplingParams *sp,
+                         pdm_http_opts_t *opts, pdm_http_err_t *err)
+{
+    double v;
+    int have, st;
+    opts->logprobs = -1;
+    if (!chat) {
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(root, "top_logprobs");
+        if (t && !cJSON_IsNull(t))
+            return fail(err, 400, "unsupported_value",
+                        "'top_logprobs' belongs to chat; completions take 'logprobs': N");
+        const cJSON *l = cJSON_GetObjectItemCaseSensitive(root, "logprobs");
+        if (l && cJSON_IsBool(l)) /* a chat habit: false is off, true is the token alone */
+            have = cJSON_IsTrue(l), v = 0;
+        else if ((st = get_integer(root, "logprobs", 0, PDM_SAMPLER_MAX_TOP_LOGPROBS, &v, &have,
+                                   err)))
+            return st;
+        if (!have) return PDM_OK;
+        opts->logprobs = (int)v;
+    } else {
+        int want = 0;
+        if ((st = get_bool(root, "logprobs", &want, err))) return st;
+        if ((st = get_integer(root, "top_logprobs", 0, PDM_SAMPLER_MAX_TOP_LOGPROBS, &v, &have,
+                              err)))
+            return st;
+        if (have && !want)
+            return fail(err, 400, "invalid_value",
+                        "'top_logprobs' needs 'logprobs' set to true");
+        if (!want) return PDM_OK;
+        opts->logprobs = have ? (int)v : 0;
+    }
+    sp->logprobs = 1;
+    sp->top_logprobs = (uint32_t)opts->logprobs;
     return PDM_OK;
 }
 
@@ -395,6 +477,16 @@ int pdm_http__parse_request(const char *body, size_t len, int chat,
     if (have) sp->min_p = (float)v;
     if ((st = get_number(root, "repetition_penalty", 0.01, 10, &v, &have, err))) goto done;
     if (have) sp->repeat_penalty = (float)v;
+    if ((st = get_number(root, "presence_penalty", -PDM_SAMPLER_PENALTY_MAX,
+                         PDM_SAMPLER_PENALTY_MAX, &v, &have, err)))
+        goto done;
+    if (have) sp->presence_penalty = (float)v;
+    if ((st = get_number(root, "frequency_penalty", -PDM_SAMPLER_PENALTY_MAX,
+                         PDM_SAMPLER_PENALTY_MAX, &v, &have, err)))
+        goto done;
+    if (have) sp->frequency_penalty = (float)v;
+    if ((st = take_logit_bias(root, sp, err))) goto done;
+    if ((st = take_logprobs(root, chat, sp, opts, err))) goto done;
     if ((st = get_integer(root, "seed", -9.2e18, 1.8e19, &v, &have, err))) goto done;
     if (have) {
         sp->seed = v < 0 ? (uint64_t)(int64_t)v : (uint64_t)v;
@@ -430,6 +522,11 @@ int pdm_http__parse_request(const char *body, size_t len, int chat,
         }
         if (stream) {
             st = fail(err, 400, "invalid_value", "'best_of' > 1 cannot be streamed");
+            goto done;
+        }
+        if (opts->logprobs >= 0) {
+            st = fail(err, 400, "unsupported_value",
+                      "'logprobs' are not reported with 'best_of' > 1 (beam search)");
             goto done;
         }
         req->beams = (uint32_t)v;
@@ -651,8 +748,92 @@ static char *finish_json(cJSON *root)
     return s;
 }
 
+/* A token's text as a JSON string: its bytes made valid UTF-8 (a token that holds part of a
+ * character shows U+FFFD; chat's "bytes" keeps the exact bytes). */
+static cJSON *token_string(const Pdmesh__TokenLogprob *t)
+{
+    char *clean = pdm_http__utf8_sanitize(t->text.data ? (const char *)t->text.data : "",
+                                          t->text.len);
+    cJSON *s = cJSON_CreateString(clean ? clean : "");
+    free(clean);
+    return s;
+}
+
+static cJSON *logprob_number(const Pdmesh__TokenLogprob *t)
+{
+    return t->missing ? cJSON_CreateNull() : cJSON_CreateNumber(t->logprob);
+}
+
+/* Chat: {"token", "logprob", "bytes"} of one token. */
+static cJSON *chat_entry(const Pdmesh__TokenLogprob *t)
+{
+    cJSON *e = cJSON_CreateObject(), *bytes = cJSON_CreateArray();
+    if (!e || !bytes) {
+        cJSON_Delete(e);
+        cJSON_Delete(bytes);
+        return NULL;
+    }
+    cJSON_AddItemToObject(e, "token", token_string(t));
+    cJSON_AddItemToObject(e, "logprob", logprob_number(t));
+    for (size_t i = 0; i < t->text.len; i++)
+        cJSON_AddItemToArray(bytes, cJSON_CreateNumber(t->text.data[i]));
+    cJSON_AddItemToObject(e, "bytes", bytes);
+    return e;
+}
+
+size_t pdm_http__logprobs_text_len(Pdmesh__TokenLogprob *const *lps, size_t n)
+{
+    size_t len = 0;
+    for (size_t i = 0; i < n; i++) len += lps[i]->text.len;
+    return len;
+}
+
+/* choices[].logprobs in OpenAI's shape: chat {"content": [entry + top_logprobs]}, completions
+ * {tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset}. */
+static cJSON *logprobs_json(int chat, const pdm_http_logprobs_t *lp)
+{
+    cJSON *root = cJSON_CreateObject();
+    if (!root) return NULL;
+    if (chat) {
+        cJSON *content = cJSON_AddArrayToObject(root, "content");
+        for (size_t i = 0; content && i < lp->n; i++) {
+            const Pdmesh__TokenLogprob *t = lp->lps[i];
+            cJSON *e = chat_entry(t), *top = cJSON_CreateArray();
+            for (size_t k = 0; top && k < t->n_top; k++)
+                cJSON_AddItemToArray(top, chat_entry(t->top[k]));
+            if (e && top) cJSON_AddItemToObject(e, "top_logprobs", top);
+            else cJSON_Delete(top);
+            if (e) cJSON_AddItemToArray(content, e);
+        }
+        return root;
+    }
+    cJSON *tokens = cJSON_AddArrayToObject(root, "tokens");
+    cJSON *token_lps = cJSON_AddArrayToObject(root, "token_logprobs");
+    cJSON *tops = cJSON_AddArrayToObject(root, "top_logprobs");
+    cJSON *offsets = cJSON_AddArrayToObject(root, "text_offset");
+    if (!tokens || !token_lps || !tops || !offsets) return root;
+    size_t offset = lp->text_offset;
+    for (size_t i = 0; i < lp->n; i++) {
+        const Pdmesh__TokenLogprob *t = lp->lps[i];
+        cJSON_AddItemToArray(tokens, token_string(t));
+        cJSON_AddItemToArray(token_lps, logprob_number(t));
+        cJSON *top = cJSON_CreateObject();
+        for (size_t k = 0; top && k < t->n_top; k++) {
+            cJSON *key = token_string(t->top[k]);
+            /* two tokens with the same text (rare): the first, more likely, one stays */
+            if (key && !cJSON_GetObjectItemCaseSensitive(top, key->valuestring))
+                cJSON_AddItemToObject(top, key->valuestring, logprob_number(t->top[k]));
+            cJSON_Delete(key);
+        }
+        cJSON_AddItemToArray(tops, top ? top : cJSON_CreateNull());
+        cJSON_AddItemToArray(offsets, cJSON_CreateNumber((double)offset));
+        offset += t->text.len;
+    }
+    return root;
+}
+
 char *pdm_http__result_json(int chat, const char *id, long created, const char *model,
-                            const Pdmesh__GenerateResult *res)
+                            const Pdmesh__GenerateResult *res, int logprobs)
 {
     cJSON *root = response_head(chat ? "chat.completion" : "text_completion", id, created, model);
     if (!root) return NULL;
@@ -676,7 +857,14 @@ char *pdm_http__result_json(int chat, const char *id, long created, const char *
     } else {
         cJSON_AddStringToObject(c, "text", text);
     }
-    cJSON_AddNullToObject(c, "logprobs");
+    if (logprobs) {
+        pdm_http_logprobs_t lp = {res->logprobs, res->n_logprobs, 0};
+        cJSON *l = logprobs_json(chat, &lp);
+        if (l) cJSON_AddItemToObject(c, "logprobs", l);
+        else cJSON_AddNullToObject(c, "logprobs");
+    } else {
+        cJSON_AddNullToObject(c, "logprobs");
+    }
     const char *fr = pdm_http__finish_reason(res->finish);
     if (fr) cJSON_AddStringToObject(c, "finish_reason", fr);
     else cJSON_AddNullToObject(c, "finish_reason");
@@ -686,7 +874,7 @@ char *pdm_http__result_json(int chat, const char *id, long created, const char *
 
 char *pdm_http__chunk_json(int chat, const char *id, long created, const char *model,
                            const char *text, const char *finish, int role_delta,
-                           const Pdmesh__Usage *usage)
+                           const Pdmesh__Usage *usage, const pdm_http_logprobs_t *lp)
 {
     cJSON *root =
         response_head(chat ? "chat.completion.chunk" : "text_completion", id, created, model);
@@ -708,7 +896,9 @@ char *pdm_http__chunk_json(int chat, const char *id, long created, const char *m
     } else {
         cJSON_AddStringToObject(c, "text", text ? text : "");
     }
-    cJSON_AddNullToObject(c, "logprobs");
+    cJSON *l = lp ? logprobs_json(chat, lp) : NULL;
+    if (l) cJSON_AddItemToObject(c, "logprobs", l);
+    else cJSON_AddNullToObject(c, "logprobs");
     if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
     else cJSON_AddNullToObject(c, "finish_reason");
     return finish_json(root);

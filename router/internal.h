@@ -34,6 +34,10 @@
 #define RT_NAME_MAX 136
 #define RT_PREFIX_SLOTS 4096
 #define RT_MAX_STOPS 8
+/* Log-probability entries (tokens x (1 + top_logprobs)) a request may ask for, at most; fewer
+ * when the vocabulary has long tokens (rt_logprob_entries_max): its GenerateResult must fit
+ * the frame. */
+#define RT_MAX_LOGPROB_ENTRIES 32768
 
 typedef struct {
     const char *client_ep, *node_ep, *admin_ep;
@@ -118,7 +122,18 @@ typedef struct rt_req {
     char client[96];
     int32_t *prompt;
     uint32_t n_prompt, max_new;
-    pdm_sampler_params_t sp;
+    pdm_sampler_params_t sp;      /* its bias arrays point at bias_ids / bias_values */
+    int32_t bias_ids[PDM_SAMPLER_MAX_LOGIT_BIAS];
+    float bias_values[PDM_SAMPLER_MAX_LOGIT_BIAS];
+    /* logprobs (sp.logprobs >= 0): per delivered token i, lp_stride = 1 + sp.logprobs entries
+     * at lp_ids/lp_vals[i * lp_stride]: the chosen token, then the alternatives; lp_n[i] the
+     * alternatives stored, -1 when the token came without log-probabilities */
+    int32_t *lp_ids;              /* [max_new * lp_stride] */
+    float *lp_vals;               /* [max_new * lp_stride] */
+    int8_t *lp_n;                 /* [max_new] */
+    uint32_t lp_stride;
+    pdm_token_logprobs_t first_lp; /* the owner rank's (PrefillResult), for DecodeStart */
+    int has_first_lp;
     char *stops[RT_MAX_STOPS];
     size_t n_stops;
     int ignore_eos;
@@ -183,6 +198,7 @@ struct pdm_router {
     int has_table;
     pdm_calibration_t calib;
     int has_calib;
+    uint32_t lp_max_entries;      /* logprob entries a request may ask for (0: not computed) */
     struct { uint8_t hash[32]; int group; uint64_t stamp; } prefix[RT_PREFIX_SLOTS];
     /* which decode node's prefix pool last kept each block key (schedule.c) */
     struct { uint8_t hash[32]; int node; uint64_t epoch, stamp; } dprefix[RT_PREFIX_SLOTS];

@@ -72,6 +72,9 @@ static void rt_req_unlink_free(pdm_router_t *r, rt_req_t *q)
     r->n_req--;
     free(q->prompt);
     free(q->gen);
+    free(q->lp_ids);
+    free(q->lp_vals);
+    free(q->lp_n);
     free(q->text);
     for (size_t i = 0; i < q->n_stops; i++) free(q->stops[i]);
     free(q);
@@ -172,10 +175,88 @@ static int rt_text_append(rt_req_t *q, const char *s, size_t n)
     return PDM_OK;
 }
 
-/* Delivers tokens [index, index + n) (duplicates and gaps ignored); 1 if that ended the request
- * (a stop string), and q is gone. */
+/* Stores the log-probabilities of delivered token i (lp NULL or malformed: missing). */
+static void rt_lp_store(rt_req_t *q, uint32_t i, int32_t tok, const Pdmesh__SampledLogprob *lp,
+                        uint32_t n_vocab)
+{
+    int32_t *ids = q->lp_ids + (size_t)i * q->lp_stride;
+    float *vals = q->lp_vals + (size_t)i * q->lp_stride;
+    q->lp_n[i] = -1;
+    if (!lp || lp->n_top_ids != lp->n_top_logprobs || lp->n_top_ids > q->lp_stride - 1) return;
+    for (size_t k = 0; k < lp->n_top_ids; k++)
+        if (lp->top_ids[k] < 0 || (uint32_t)lp->top_ids[k] >= n_vocab) return;
+    ids[0] = tok;
+    vals[0] = lp->logprob;
+    memcpy(ids + 1, lp->top_ids, sizeof(int32_t) * lp->n_top_ids);
+    memcpy(vals + 1, lp->top_logprobs, sizeof(float) * lp->n_top_ids);
+    q->lp_n[i] = (int8_t)lp->n_top_ids;
+}
+
+/* The client's TokenLogprob messages of delivered tokens [from, from + n): one allocation
+ * (free with free()) holding the messages, their pointer arrays and the tokens' texts;
+ * *out_list is the list of the n messages. NULL when out of memory. */
+static void *rt_lp_build(pdm_router_t *r, const rt_req_t *q, uint32_t from, size_t n,
+                         Pdmesh__TokenLogprob ***out_list)
+{
+    const pdm_tokenizer_t *tk = r->model->tokenizer;
+    char piece[256];
+    size_t entries = 0, text_bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        const int k = q->lp_n[from + i];
+        const int32_t *ids = q->lp_ids + (size_t)(from + i) * q->lp_stride;
+        for (int j = 0; j <= (k < 0 ? 0 : k); j++) {
+            int32_t id = k < 0 ? q->gen[from + i] : ids[j];
+            int w = pdm_tokenizer_token_bytes(tk, id, 1, piece, sizeof(piece));
+            text_bytes += w > 0 ? (size_t)w : 0;
+        }
+        entries += k < 0 ? 1 : 1 + (size_t)k;
+    }
+    const size_t need = sizeof(Pdmesh__TokenLogprob *) * (n + entries) +
+                        sizeof(Pdmesh__TokenLogprob) * entries + text_bytes + 1;
+    char *block = malloc(need);
+    if (!block) return NULL;
+    Pdmesh__TokenLogprob **list = (Pdmesh__TokenLogprob **)block;
+    Pdmesh__TokenLogprob **tops = list + n;
+    Pdmesh__TokenLogprob *msgs = (Pdmesh__TokenLogprob *)(tops + entries);
+    char *text = (char *)(msgs + entries);
+    for (size_t i = 0; i < n; i++) {
+        const uint32_t t = from + (uint32_t)i;
+        const int k = q->lp_n[t];
+        const int32_t *ids = q->lp_ids + (size_t)t * q->lp_stride;
+        const float *vals = q->lp_vals + (size_t)t * q->lp_stride;
+        for (int j = 0; j <= (k < 0 ? 0 : k); j++) {
+            Pdmesh__TokenLogprob *m = msgs++;
+            pdmesh__token_logprob__init(m);
+            if (j == 0) list[i] = m;
+            else tops[j - 1] = m;
+            m->token = k < 0 ? q->gen[t] : ids[j];
+            if (k < 0) {
+                m->missing = 1;
+            } else {
+                m->logprob = vals[j];
+            }
+            int w = pdm_tokenizer_token_bytes(tk, m->token, 1, text, sizeof(piece));
+            if (w > 0) {
+                m->text.data = (uint8_t *)text;
+                m->text.len = (size_t)w;
+                text += w;
+            }
+        }
+        if (k > 0) {
+            list[i]->top = tops;
+            list[i]->n_top = (size_t)k;
+            tops += k;
+        }
+    }
+    *out_list = list;
+    return block;
+}
+
+/* Delivers tokens [index, index + n) (duplicates and gaps ignored), with their log-
+ * probabilities lps[n] (NULL: none came); 1 if that ended the request (a stop string), and q
+ * is gone. */
 static int rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int32_t *toks,
-                         size_t n)
+                         size_t n, Pdmesh__SampledLogprob *const *lps)
 {
     uint32_t first = q->n_gen;
     for (size_t k = 0; k < n; k++) {
@@ -184,6 +265,7 @@ static int rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int
         if (idx > q->n_gen || q->n_gen >= q->max_new) break; /* a gap: the result fills it */
         int32_t t = toks[k];
         if (t < 0 || !r->model || (uint32_t)t >= r->model->hp.n_vocab) break;
+        if (q->lp_stride) rt_lp_store(q, q->n_gen, t, lps ? lps[k] : NULL, r->model->hp.n_vocab);
         q->gen[q->n_gen++] = t;
         char piece[256];
         int w = pdm_detok_feed(&q->detok, r->model->tokenizer, t, piece, sizeof(piece));
@@ -202,8 +284,12 @@ static int rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int
     char *chunk = NULL;
     if (safe > q->text_sent) chunk = strndup(q->text + q->text_sent, safe - q->text_sent);
     if (safe > q->text_sent) q->text_sent = safe;
+    Pdmesh__TokenLogprob **lpl = NULL;
+    void *lp_block = q->lp_stride ? rt_lp_build(r, q, first, q->n_gen - first, &lpl) : NULL;
     if (q->sink.on_tokens)
-        q->sink.on_tokens(q->sink.ctx, first, q->gen + first, q->n_gen - first, chunk ? chunk : "");
+        q->sink.on_tokens(q->sink.ctx, first, q->gen + first, q->n_gen - first, chunk ? chunk : "",
+                          lp_block ? lpl : NULL);
+    free(lp_block);
     free(chunk);
     if (cut < q->text_len) {
         /* A stop string the decode node could not see (it began before a migration): end
@@ -228,7 +314,7 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
         finish = PDMESH__FINISH_REASON__FINISH_STOP;
     }
     if (q->text_len > q->text_sent && q->sink.on_tokens) /* text held back for stop strings */
-        q->sink.on_tokens(q->sink.ctx, q->n_gen, NULL, 0, q->text + q->text_sent);
+        q->sink.on_tokens(q->sink.ctx, q->n_gen, NULL, 0, q->text + q->text_sent, NULL);
     double now = pdm_now();
     Pdmesh__GenerateResult res = PDMESH__GENERATE_RESULT__INIT;
     Pdmesh__Usage u = PDMESH__USAGE__INIT;
@@ -261,7 +347,14 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
     pdm_metric_inc(r->m.requests, "ok", 1);
     pdm_router_sink_t sink = q->sink;
     rt_beams_result(q, &res);
+    Pdmesh__TokenLogprob **lpl = NULL;
+    void *lp_block = q->lp_stride ? rt_lp_build(r, q, 0, q->n_gen, &lpl) : NULL;
+    if (lp_block) {
+        res.logprobs = lpl;
+        res.n_logprobs = q->n_gen;
+    }
     if (sink.on_result) sink.on_result(sink.ctx, &res);
+    free(lp_block);
     rt_req_unlink_free(r, q);
 }
 
@@ -358,6 +451,12 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
         t.local_prefill = 1;
         t.prompt_tokens = all;
         t.n_prompt_tokens = n_in;
+        /* A migration: the prompt ends with the tokens delivered so far; the sampler resumes
+         * at step n_gen with them as history (model.h "Sampling"), and a sampled (not greedy)
+         * request has them recomputed as first computed, so its seeded draws continue
+         * exactly. */
+        t.n_generated = q->n_gen;
+        t.replay_generated = q->n_gen > 0 && q->sp.temperature > 0;
     } else {
         rt_group_t *gr = &r->groups[g];
         gr->inflight++;
@@ -448,7 +547,9 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     t.decode_node = d->id;
     t.kv_key.data = q->kv_key;
     t.kv_key.len = sizeof(q->kv_key);
+    pdm_sampler_params_to_msg(&q->sp, &sp); /* the owner rank samples the first token */
     t.sampling = &sp;
+    q->has_first_lp = 0;
     double left = q->deadline - pdm_now();
     t.deadline_ms = left > 0 ? (uint32_t)(left * 1e3) : 1;
     q->state = RQ_PREFILL;
@@ -469,16 +570,20 @@ static void rt_send_start(pdm_router_t *r, rt_req_t *q, int32_t first_token)
     rt_node_t *d = &r->nodes[q->dnode];
     Pdmesh__DecodeStart s = PDMESH__DECODE_START__INIT;
     Pdmesh__SamplingParams sp = PDMESH__SAMPLING_PARAMS__INIT;
-    sp.temperature = q->sp.temperature;
-    sp.top_k = q->sp.top_k;
-    sp.top_p = q->sp.top_p;
-    sp.min_p = q->sp.min_p;
-    sp.repeat_penalty = q->sp.repeat_penalty;
-    sp.seed = q->sp.seed;
+    Pdmesh__SampledLogprob flp = PDMESH__SAMPLED_LOGPROB__INIT;
+    pdm_sampler_params_to_msg(&q->sp, &sp);
     s.task_id = q->id;
     s.attempt = q->attempt;
     s.first_token = first_token;
     s.sampling = &sp;
+    if (first_token >= 0 && q->has_first_lp) {
+        flp.logprob = q->first_lp.logprob;
+        flp.top_ids = q->first_lp.top_ids;
+        flp.n_top_ids = (size_t)q->first_lp.n_top;
+        flp.top_logprobs = q->first_lp.top_logprobs;
+        flp.n_top_logprobs = (size_t)q->first_lp.n_top;
+        s.first_logprob = &flp;
+    }
     s.stop = q->stops;
     s.n_stop = q->n_stops;
     double left = q->deadline - pdm_now();
@@ -557,6 +662,15 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
     q->ranks_done++;
     q->kv_bytes += p->kv_bytes;
     int32_t first = p->first_token;
+    const Pdmesh__SampledLogprob *flp = p->first_logprob;
+    if (first >= 0 && flp && flp->n_top_ids == flp->n_top_logprobs &&
+        flp->n_top_ids <= PDM_SAMPLER_MAX_TOP_LOGPROBS) {
+        q->first_lp.logprob = flp->logprob;
+        q->first_lp.n_top = (int32_t)flp->n_top_ids;
+        memcpy(q->first_lp.top_ids, flp->top_ids, sizeof(int32_t) * flp->n_top_ids);
+        memcpy(q->first_lp.top_logprobs, flp->top_logprobs, sizeof(float) * flp->n_top_ids);
+        q->has_first_lp = 1;
+    }
     if (q->group >= 0 && q->ranks_done == r->groups[q->group].size) {
         /* Every rank finished: the group is free and the request no longer depends on it
          * (a rank dying now does not touch the request). */
@@ -571,7 +685,8 @@ void rt_req_on_tokens(pdm_router_t *r, int node, const Pdmesh__DecodeTokens *d)
 {
     rt_req_t *q = rt_task_req(r, node, d->task_id, d->attempt);
     if (!q || q->state != RQ_DECODE) return;
-    rt_req_tokens(r, q, q->base + d->index, d->tokens, d->n_tokens);
+    rt_req_tokens(r, q, q->base + d->index, d->tokens, d->n_tokens,
+                  d->n_logprobs == d->n_tokens ? d->logprobs : NULL);
 }
 
 void rt_req_on_decode_result(pdm_router_t *r, int node, const Pdmesh__DecodeResult *d)
@@ -579,7 +694,8 @@ void rt_req_on_decode_result(pdm_router_t *r, int node, const Pdmesh__DecodeResu
     rt_req_t *q = rt_task_req(r, node, d->task_id, d->attempt);
     if (!q || q->state == RQ_QUEUED) return;
     if (d->ok) {
-        if (rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens)) return; /* fills any gap */
+        /* fills any gap (those tokens' log-probabilities are missing: DecodeTokens only) */
+        if (rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens, NULL)) return;
         q->kv_seconds = d->kv_seconds;
         if (d->kv_bytes) q->kv_bytes = d->kv_bytes;
         if (d->cached_tokens > q->cached_tokens) q->cached_tokens = d->cached_tokens;

@@ -28,10 +28,12 @@ typedef struct pdm_router pdm_router_t;
 typedef struct {
     void *ctx;
     /* Tokens [index, index + n) of the completion, with the text they complete (UTF-8 safe;
-     * stop strings already cut). */
+     * stop strings already cut) and, when the request asked for logprobs, their
+     * log-probabilities (logprobs[n], else NULL; valid during the call). */
     void (*on_tokens)(void *ctx, uint32_t index, const int32_t *tokens, size_t n,
-                      const char *text);
-    /* Final success. res->text is the whole completion; res->usage is filled. */
+                      const char *text, Pdmesh__TokenLogprob *const *logprobs);
+    /* Final success. res->text is the whole completion; res->usage is filled; res->logprobs
+     * has one entry per token when the request asked for logprobs. */
     void (*on_result)(void *ctx, const Pdmesh__GenerateResult *res);
     /* Final failure: code is a Pdmesh__ErrorCode, message a clear sentence. */
     void (*on_error)(void *ctx, int code, const char *message);

@@ -57,7 +57,7 @@ static void rt_zc_send(rt_zc_t *c, int type, const ProtobufCMessage *m)
 }
 
 static void rt_zc_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, size_t n,
-                            const char *text)
+                            const char *text, Pdmesh__TokenLogprob *const *logprobs)
 {
     rt_zc_t *c = ctx;
     if (!c->stream) return;
@@ -67,6 +67,10 @@ static void rt_zc_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, si
     t.tokens = (int32_t *)tokens;
     t.n_tokens = n;
     t.text = (char *)(text ? text : "");
+    if (logprobs) {
+        t.logprobs = (Pdmesh__TokenLogprob **)logprobs;
+        t.n_logprobs = n;
+    }
     rt_zc_send(c, PDMESH__MSG_TYPE__MSG_TOKEN_CHUNK, &t.base);
 }
 

@@ -27,6 +27,8 @@
 #define PDMC_BUCKETS 256
 #define PDMC_MAX_STOPS 16
 #define PDMC_MAX_BEAMS 64
+#define PDMC_MAX_LOGIT_BIAS 300 /* OpenAI's bound, the router's (model.h) */
+#define PDMC_MAX_TOP_LOGPROBS 20
 #define PDMC_MAX_CMDS 8192
 #define PDMC_CANCEL_RING 64
 
@@ -136,10 +138,52 @@ static struct timespec pdmc__abstime(double t)
 typedef struct pdmc_chunk {
     struct pdmc_chunk *next;
     uint32_t index;
+    size_t bytes;    /* counted in the call's buffered bytes */
+    pdm_client_logprob_t *logprobs; /* (n_tokens) or NULL: one allocation (pdmc__logprobs_copy) */
     size_t n_tokens, text_len;
     int32_t *tokens; /* points into the same allocation, after text */
     char text[];     /* text_len + 1 bytes, then the tokens */
 } pdmc_chunk_t;
+
+/* Copies the TokenLogprob list src[n] into ONE allocation (the entries, their alternatives
+ * and every text, NUL-terminated); *out is NULL for n = 0. Returns the bytes, or 0 when out
+ * of memory (nothing allocated). A missing log-probability becomes NAN. */
+static size_t pdmc__logprobs_copy(Pdmesh__TokenLogprob *const *src, size_t n,
+                                  pdm_client_logprob_t **out)
+{
+    size_t entries = n, text = 0;
+    for (size_t i = 0; i < n; i++) {
+        text += src[i]->text.len + 1;
+        for (size_t k = 0; k < src[i]->n_top; k++) text += src[i]->top[k]->text.len + 1;
+        entries += src[i]->n_top;
+    }
+    *out = NULL;
+    if (!n) return 1;
+    const size_t bytes = entries * sizeof(pdm_client_logprob_t) + text;
+    pdm_client_logprob_t *e = malloc(bytes), *top = e + n;
+    if (!e) return 0;
+    char *t = (char *)(e + entries);
+    for (size_t i = 0; i < n; i++) {
+        for (size_t k = 0; k <= src[i]->n_top; k++) {
+            const Pdmesh__TokenLogprob *m = k == 0 ? src[i] : src[i]->top[k - 1];
+            pdm_client_logprob_t *o = k == 0 ? &e[i] : &top[k - 1];
+            o->token = m->token;
+            o->logprob = m->missing ? NAN : m->logprob;
+            o->text = t;
+            o->text_len = m->text.len;
+            if (m->text.len) memcpy(t, m->text.data, m->text.len);
+            t[m->text.len] = 0;
+            t += m->text.len + 1;
+            o->top = NULL;
+            o->n_top = 0;
+        }
+        e[i].top = src[i]->n_top ? top : NULL;
+        e[i].n_top = src[i]->n_top;
+        top += src[i]->n_top;
+    }
+    *out = e;
+    return bytes;
+}
 
 /* A frame waiting for the I/O thread. */
 typedef struct pdmc_cmd {
@@ -204,6 +248,7 @@ static void pdmc__free_chunks(pdmc_call_t *call)
     pdmc_chunk_t *ch = call->head;
     while (ch) {
         pdmc_chunk_t *n = ch->next;
+        free(ch->logprobs);
         free(ch);
         ch = n;
     }
@@ -300,19 +345,31 @@ static void pdmc__on_frame(pdm_client_t *c, const void *data, size_t len)
         if (!call->stream) break;
         size_t tl = t->text ? strlen(t->text) : 0;
         size_t bytes = sizeof(pdmc_chunk_t) + tl + 1 + t->n_tokens * sizeof(int32_t) + 4;
+        pdm_client_logprob_t *lps = NULL;
+        size_t lp_bytes = t->n_logprobs == t->n_tokens
+                              ? pdmc__logprobs_copy(t->logprobs, t->n_logprobs, &lps) : 1;
+        if (!lp_bytes) {
+            pdmc__end(call, PDM_CLIENT_ENOMEM, "out of memory copying log-probabilities");
+            break;
+        }
+        bytes += lp_bytes;
         if (call->buffered + bytes > c->opt.max_buffered) {
+            free(lps);
             pdmc__end(call, PDM_CLIENT_EBUSY,
                       "the stream callback is too slow: over %zu bytes of tokens queued",
                       c->opt.max_buffered);
             pdmc__free_chunks(call);
             break;
         }
-        pdmc_chunk_t *ch = malloc(bytes);
+        pdmc_chunk_t *ch = malloc(bytes - lp_bytes);
         if (!ch) {
+            free(lps);
             pdmc__end(call, PDM_CLIENT_ENOMEM, "out of memory queueing %zu bytes", bytes);
             break;
         }
         ch->next = NULL;
+        ch->bytes = bytes;
+        ch->logprobs = lps;
         ch->index = t->index;
         ch->n_tokens = t->n_tokens;
         ch->text_len = tl;
@@ -701,6 +758,7 @@ void pdm_client_result_fini(pdm_client_result_t *r)
         free(r->beams[i].text);
     }
     free(r->beams);
+    free(r->logprobs);
     memset(r, 0, sizeof(*r));
 }
 
@@ -741,6 +799,27 @@ static int pdmc__validate(const pdm_client_request_t *q)
         return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "min_p must be in [0, 1]");
     if (!(q->repeat_penalty >= 0 && q->repeat_penalty <= 100))
         return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "repeat_penalty must be in [0, 100]");
+    if (!(q->presence_penalty >= -2 && q->presence_penalty <= 2))
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT,
+                                "presence_penalty must be in [-2, 2]");
+    if (!(q->frequency_penalty >= -2 && q->frequency_penalty <= 2))
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT,
+                                "frequency_penalty must be in [-2, 2]");
+    if (q->n_logit_bias > PDMC_MAX_LOGIT_BIAS)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "at most %d logit_bias entries "
+                                "(%zu given)", PDMC_MAX_LOGIT_BIAS, q->n_logit_bias);
+    if (q->n_logit_bias && (!q->logit_bias_ids || !q->logit_bias_values))
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT,
+                                "n_logit_bias without logit_bias_ids and logit_bias_values");
+    for (size_t i = 0; i < q->n_logit_bias; i++)
+        if (q->logit_bias_ids[i] < 0 ||
+            !(q->logit_bias_values[i] >= -100 && q->logit_bias_values[i] <= 100))
+            return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "logit_bias %zu: token %d, "
+                                    "bias %g (ids >= 0, biases in [-100, 100])", i,
+                                    q->logit_bias_ids[i], q->logit_bias_values[i]);
+    if (q->top_logprobs > PDMC_MAX_TOP_LOGPROBS)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "top_logprobs must be <= %d",
+                                PDMC_MAX_TOP_LOGPROBS);
     if (!isfinite(q->length_penalty))
         return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "length_penalty must be finite");
     if (q->n_stop > PDMC_MAX_STOPS)
@@ -795,6 +874,14 @@ static int pdmc__pack_request(const pdm_client_request_t *q, uint64_t id, int st
     sp.min_p = q->min_p;
     sp.repeat_penalty = q->repeat_penalty;
     sp.seed = q->seed;
+    sp.presence_penalty = q->presence_penalty;
+    sp.frequency_penalty = q->frequency_penalty;
+    sp.logit_bias_ids = (int32_t *)q->logit_bias_ids;
+    sp.n_logit_bias_ids = q->n_logit_bias;
+    sp.logit_bias_values = (float *)q->logit_bias_values;
+    sp.n_logit_bias_values = q->n_logit_bias;
+    sp.logprobs = q->logprobs != 0;
+    sp.top_logprobs = q->logprobs ? q->top_logprobs : 0;
     m.sampling = &sp;
     m.max_tokens = q->max_tokens;
     m.stop = (char **)q->stop;
@@ -851,6 +938,12 @@ static int pdmc__fill_result(const Pdmesh__GenerateResult *g, pdm_client_result_
                        u->prefill_method);
         pdmc__copy_str(r->usage.prefill_group, sizeof(r->usage.prefill_group), u->prefill_group);
         pdmc__copy_str(r->usage.decode_node, sizeof(r->usage.decode_node), u->decode_node);
+    }
+    if (g->n_logprobs && g->n_logprobs == g->n_tokens) {
+        free(r->logprobs);
+        if (!pdmc__logprobs_copy(g->logprobs, g->n_logprobs, &r->logprobs))
+            return PDM_CLIENT_ENOMEM;
+        r->n_logprobs = g->n_logprobs;
     }
     if (g->n_beams) {
         if (!(r->beams = calloc(g->n_beams, sizeof(*r->beams)))) return PDM_CLIENT_ENOMEM;
@@ -971,15 +1064,16 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
             pdmc_chunk_t *ch = call.head;
             call.head = ch->next;
             if (!call.head) call.tail = NULL;
-            call.buffered -= PDM_MIN(call.buffered, sizeof(*ch) + ch->text_len + 1 +
-                                                         ch->n_tokens * sizeof(int32_t) + 4);
+            call.buffered -= PDM_MIN(call.buffered, ch->bytes);
             pthread_mutex_unlock(&c->mu);
             int stop = 0, arc = pdmc__append(res, &cap_tokens, &text_len, &cap_text, ch);
             if (cb && !arc) {
                 pdm_client_chunk_t pub = {id, ch->index, ch->tokens, ch->n_tokens, ch->text,
-                                          ch->text_len};
+                                          ch->text_len, ch->logprobs,
+                                          ch->logprobs ? ch->n_tokens : 0};
                 stop = cb(&pub, data);
             }
+            free(ch->logprobs);
             free(ch);
             pthread_mutex_lock(&c->mu);
             if (arc) pdmc__end(&call, PDM_CLIENT_ENOMEM, "out of memory collecting the stream");

@@ -162,6 +162,19 @@ typedef struct {
     const char *model;               /* optional: must match the served model */
     uint32_t deadline_ms;            /* router-side deadline; 0 = the call's timeout */
     int timeout_ms;                  /* client-side; 0 = the client's default */
+    /* OpenAI's sampling adjustments (docs/http.md "Sampling"): logit[t] -= presence_penalty
+     * * (count[t] > 0) + frequency_penalty * count[t] over the completion's tokens, each in
+     * [-2, 2]; logit_bias adds logit_bias_values[i] ([-100, 100]) to token logit_bias_ids[i]
+     * (at most 300). The draw of step i depends on (seed, i) only: the same seed gives the
+     * same completion, also across a migration to another decode node. */
+    float presence_penalty;
+    float frequency_penalty;
+    const int32_t *logit_bias_ids;   /* (n_logit_bias) */
+    const float *logit_bias_values;  /* (n_logit_bias) */
+    size_t n_logit_bias;
+    int logprobs;                    /* nonzero: each token's log-probability in the result
+                                        and the chunks (not with beam search) */
+    uint32_t top_logprobs;           /* with logprobs: the most likely alternatives, <= 20 */
 } pdm_client_request_t;
 
 /* Fills r with the defaults (greedy, router defaults for the rest). */
@@ -182,6 +195,19 @@ typedef struct {
     double logprob;                  /* sum of the tokens' log probabilities */
     pdm_client_finish_t finish;      /* EOS: ended with end-of-generation; LENGTH: max_tokens */
 } pdm_client_beam_t;
+
+/* A token's log-probability (request.logprobs): log_softmax of the logits after logit_bias
+ * and the penalties, at temperature 1, before top-k/top-p/min-p (docs/http.md). */
+typedef struct pdm_client_logprob {
+    int32_t token;
+    float logprob;                   /* NAN when the router has none for this token */
+    const char *text;                /* the token's bytes, NUL-terminated (text_len bytes; may
+                                        be part of a UTF-8 character) */
+    size_t text_len;
+    const struct pdm_client_logprob *top; /* (n_top) the most likely tokens, most likely first;
+                                        their own top is empty */
+    size_t n_top;
+} pdm_client_logprob_t;
 
 /* The outcome of a call, owned by the caller; release with pdm_client_result_fini. Filled on
  * success AND on failure (status, error; tokens streamed before a failure are kept). */
@@ -204,6 +230,8 @@ typedef struct {
     } usage;
     double client_ttft_ms;           /* call start -> first token received (streaming) */
     double client_total_ms;          /* call start -> end */
+    pdm_client_logprob_t *logprobs;  /* (n_logprobs) request.logprobs: one per token */
+    size_t n_logprobs;
 } pdm_client_result_t;
 
 void pdm_client_result_fini(pdm_client_result_t *r);
@@ -217,6 +245,8 @@ typedef struct {
     size_t n_tokens;
     const char *text;
     size_t text_len;
+    const pdm_client_logprob_t *logprobs; /* (n_logprobs) request.logprobs: one per token */
+    size_t n_logprobs;
 } pdm_client_chunk_t;
 
 /* Streaming callback, run on the calling thread; return nonzero to cancel the call (it then

@@ -13,7 +13,10 @@
  *   "PARAMS"          the completion is a JSON object of the request's parsed fields
  *   "INSTANT"         one token and the result on the loop's next turn (overhead measurements)
  *   "FLOOD"           64 KiB of text per token every 2 ms, up to max_tokens (slow readers)
- *   anything else     the prompt's words, cycled, one per token every 2 ms, up to max_tokens
+ *   anything else     the prompt's words, cycled, one per token every 2 ms, up to max_tokens;
+ *                     with logprobs, token i (text t_i) has logprob -(i + 1) / 8 and its
+ *                     alternatives are t_i itself, then "alt1", "alt2", ... at that minus
+ *                     1, 2, ... (fake_logprob), in the chunks and in the result
  * Events are printed on stdout, one per line: "port N", "submit ID", "cancel ID", "end ID".
  *
  *   pdm-http-fake [--port N] [--max-conns N] [--max-conns-per-peer N] [--idle S]
@@ -54,7 +57,38 @@ typedef struct freq {
     char *text;            /* completion so far */
     size_t text_len;
     uint32_t prompt_tokens;
+    int logprobs;          /* -1: none; else alternatives per token */
 } freq_t;
+
+/* The scripted log-probabilities of token i, whose text is piece: into *m, its alternatives
+ * into tops[] (their texts in alt[][8]). */
+static void fake_logprob(const freq_t *q, uint32_t i, const char *piece, Pdmesh__TokenLogprob *m,
+                         Pdmesh__TokenLogprob *tops, Pdmesh__TokenLogprob **top_ptrs,
+                         char (*alt)[8])
+{
+    pdmesh__token_logprob__init(m);
+    m->token = (int32_t)i;
+    m->logprob = -(float)(i + 1) / 8;
+    m->text.data = (uint8_t *)piece;
+    m->text.len = strlen(piece);
+    for (int k = 0; k < q->logprobs; k++) {
+        pdmesh__token_logprob__init(&tops[k]);
+        tops[k].token = k == 0 ? (int32_t)i : 1000 + k;
+        tops[k].logprob = m->logprob - (float)k;
+        if (k) snprintf(alt[k], 8, "alt%d", k % 100);
+        tops[k].text.data = (uint8_t *)(k ? alt[k] : piece);
+        tops[k].text.len = strlen(k ? alt[k] : piece);
+        top_ptrs[k] = &tops[k];
+    }
+    m->top = top_ptrs;
+    m->n_top = (size_t)q->logprobs;
+}
+
+/* Word mode: the text of token i. */
+static void word_piece(const freq_t *q, uint32_t i, char *piece, size_t cap)
+{
+    snprintf(piece, cap, "%s%s", i ? " " : "", q->n_words ? q->words[i % q->n_words] : "x");
+}
 
 static void freq_closed(uv_handle_t *h)
 {
@@ -102,7 +136,29 @@ static void finish_ok(freq_t *q, int finish)
     u.prefill_method = "fake";
     u.attempts = 1;
     res.usage = &u;
+    /* word mode with logprobs: every token's scripted entry */
+    size_t n_lp = q->logprobs >= 0 && q->mode == 0 ? q->sent : 0;
+    Pdmesh__TokenLogprob *m = calloc(n_lp + 1, sizeof(*m));
+    Pdmesh__TokenLogprob **list = calloc(n_lp + 1, sizeof(*list));
+    Pdmesh__TokenLogprob *tops = calloc((n_lp + 1) * 20, sizeof(*tops));
+    Pdmesh__TokenLogprob **top_ptrs = calloc((n_lp + 1) * 20, sizeof(*top_ptrs));
+    char (*pieces)[256] = calloc(n_lp + 1, 256), (*alt)[8] = calloc(20, 8);
+    if (m && list && tops && top_ptrs && pieces && alt && q->logprobs >= 0) {
+        for (size_t i = 0; i < n_lp; i++) {
+            word_piece(q, (uint32_t)i, pieces[i], 256);
+            fake_logprob(q, (uint32_t)i, pieces[i], &m[i], tops + i * 20, top_ptrs + i * 20, alt);
+            list[i] = &m[i];
+        }
+        res.logprobs = list;
+        res.n_logprobs = n_lp;
+    }
     q->sink.on_result(q->sink.ctx, &res);
+    free(m);
+    free(list);
+    free(tops);
+    free(top_ptrs);
+    free(pieces);
+    free(alt);
     freq_end(q);
 }
 
@@ -123,7 +179,7 @@ static void tick(uv_timer_t *t)
         int32_t tok = 0;
         append(q, "x");
         q->sent = 1;
-        q->sink.on_tokens(q->sink.ctx, 0, &tok, 1, "x");
+        q->sink.on_tokens(q->sink.ctx, 0, &tok, 1, "x", NULL);
         finish_ok(q, PDMESH__FINISH_REASON__FINISH_LENGTH);
         return;
     }
@@ -131,7 +187,7 @@ static void tick(uv_timer_t *t)
         append(q, q->params);
         q->sent = 1;
         int32_t tok = 1;
-        q->sink.on_tokens(q->sink.ctx, 0, &tok, 1, q->params);
+        q->sink.on_tokens(q->sink.ctx, 0, &tok, 1, q->params, NULL);
         finish_ok(q, PDMESH__FINISH_REASON__FINISH_EOS);
         return;
     }
@@ -143,16 +199,19 @@ static void tick(uv_timer_t *t)
         static char big[65537];
         memset(big, 'f', sizeof(big) - 1);
         int32_t tok = (int32_t)q->sent;
-        q->sink.on_tokens(q->sink.ctx, q->sent, &tok, 1, big);
+        q->sink.on_tokens(q->sink.ctx, q->sent, &tok, 1, big, NULL);
         q->sent++;
         return;
     }
     char piece[256];
-    snprintf(piece, sizeof(piece), "%s%s", q->sent ? " " : "",
-             q->n_words ? q->words[q->sent % q->n_words] : "x");
+    word_piece(q, q->sent, piece, sizeof(piece));
     append(q, piece);
     int32_t tok = (int32_t)q->sent;
-    q->sink.on_tokens(q->sink.ctx, q->sent, &tok, 1, piece);
+    Pdmesh__TokenLogprob m, tops[20], *top_ptrs[20], *list[1] = {&m};
+    char alt[20][8];
+    if (q->logprobs >= 0 && q->mode == 0) fake_logprob(q, q->sent, piece, &m, tops, top_ptrs, alt);
+    q->sink.on_tokens(q->sink.ctx, q->sent, &tok, 1, piece,
+                      q->logprobs >= 0 && q->mode == 0 ? list : NULL);
     q->sent++;
 }
 
@@ -169,6 +228,16 @@ static char *params_json(const Pdmesh__GenerateRequest *req)
         char seed[32];
         snprintf(seed, sizeof(seed), "%llu", (unsigned long long)req->sampling->seed);
         cJSON_AddStringToObject(o, "seed", seed);
+        cJSON_AddNumberToObject(o, "presence_penalty", req->sampling->presence_penalty);
+        cJSON_AddNumberToObject(o, "frequency_penalty", req->sampling->frequency_penalty);
+        cJSON *lb = cJSON_AddObjectToObject(o, "logit_bias");
+        for (size_t i = 0; i < req->sampling->n_logit_bias_ids; i++) {
+            char key[16];
+            snprintf(key, sizeof(key), "%d", req->sampling->logit_bias_ids[i]);
+            cJSON_AddNumberToObject(lb, key, req->sampling->logit_bias_values[i]);
+        }
+        cJSON_AddBoolToObject(o, "logprobs", req->sampling->logprobs);
+        cJSON_AddNumberToObject(o, "top_logprobs", req->sampling->top_logprobs);
     }
     cJSON *stop = cJSON_AddArrayToObject(o, "stop");
     for (size_t i = 0; i < req->n_stop; i++) cJSON_AddItemToArray(stop, cJSON_CreateString(req->stop[i]));
@@ -211,6 +280,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     q->id = ++r->next_id;
     q->sink = *sink;
     q->max_tokens = req->max_tokens ? req->max_tokens : 32;
+    q->logprobs = req->sampling && req->sampling->logprobs ? (int)req->sampling->top_logprobs : -1;
     q->prompt_tokens = (uint32_t)(req->n_prompt_tokens ? req->n_prompt_tokens : strlen(text));
     uint64_t period = 2;
     if (sscanf(text, "EARLY %d", &arg) == 1) q->mode = 1, q->code = arg;

@@ -157,6 +157,88 @@ def test_params(f):
     assert p["beams"] == 3, p
 
 
+def test_sampling_fields(f):
+    body = {"prompt": "PARAMS", "presence_penalty": 0.5, "frequency_penalty": -1.25,
+            "logit_bias": {"7": -100, "42": 3.5}, "logprobs": 4, "seed": 9}
+    p = json.loads(comp(f.port, body).json()["choices"][0]["text"])
+    assert p["presence_penalty"] == 0.5 and p["frequency_penalty"] == -1.25, p
+    assert p["logit_bias"] == {"7": -100, "42": 3.5}, p
+    assert p["logprobs"] is True and p["top_logprobs"] == 4 and p["seed"] == "9", p
+    p = json.loads(comp(f.port, {"messages": [{"role": "user", "content": "PARAMS"}],
+                                 "logprobs": True, "top_logprobs": 20},
+                        "/v1/chat/completions").json()["choices"][0]["message"]["content"])
+    assert p["logprobs"] is True and p["top_logprobs"] == 20, p
+    p = json.loads(comp(f.port, {"messages": [{"role": "user", "content": "PARAMS"}],
+                                 "logprobs": False},
+                        "/v1/chat/completions").json()["choices"][0]["message"]["content"])
+    assert p["logprobs"] is False, p
+    p = json.loads(comp(f.port, {"prompt": "PARAMS", "logprobs": None}).json()
+                   ["choices"][0]["text"])
+    assert p["logprobs"] is False, p
+
+
+def scripted(i, text, k):
+    """fake_core.c's log-probabilities of token i with text `text`, k alternatives."""
+    lp = -(i + 1) / 8
+    return lp, [(text if j == 0 else "alt%d" % j, lp - j) for j in range(k)]
+
+
+def check_completion_logprobs(lp, texts, k, offset0=0):
+    assert lp["tokens"] == texts, lp
+    off = offset0
+    for i, t in enumerate(texts):
+        want, top = scripted(i, t, k)
+        assert abs(lp["token_logprobs"][i] - want) < 1e-6, lp
+        assert lp["top_logprobs"][i] == {a: b for a, b in top}, lp
+        assert lp["text_offset"][i] == off, lp
+        off += len(t.encode())
+
+
+def check_chat_logprobs(content, texts, k):
+    assert [c["token"] for c in content] == texts, content
+    for i, (c, t) in enumerate(zip(content, texts)):
+        want, top = scripted(i, t, k)
+        assert abs(c["logprob"] - want) < 1e-6 and c["bytes"] == list(t.encode()), c
+        assert [(x["token"], x["logprob"]) for x in c["top_logprobs"]] == top, c
+        assert all(x["bytes"] == list(x["token"].encode()) for x in c["top_logprobs"]), c
+
+
+def test_logprobs_shapes(f):
+    texts = ["p", " q", " p", " q", " p"]
+    # completions, not streamed: {tokens, token_logprobs, top_logprobs, text_offset}
+    j = comp(f.port, {"prompt": "p q", "max_tokens": 5, "logprobs": 3}).json()
+    check_completion_logprobs(j["choices"][0]["logprobs"], texts, 3)
+    # logprobs 0: the chosen token's only (empty alternatives)
+    j = comp(f.port, {"prompt": "p q", "max_tokens": 5, "logprobs": 0}).json()
+    check_completion_logprobs(j["choices"][0]["logprobs"], texts, 0)
+    # without logprobs: null
+    j = comp(f.port, {"prompt": "p q", "max_tokens": 2}).json()
+    assert j["choices"][0]["logprobs"] is None, j
+    # completions, streamed: each chunk carries its tokens' entries, offsets run on
+    r = comp(f.port, {"prompt": "p q", "max_tokens": 5, "logprobs": 2, "stream": True})
+    chunks = [json.loads(e) for e in sse_events(r.body)[:-1]]
+    got = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    merged = {k: sum((g[k] for g in got), []) for k in
+              ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    check_completion_logprobs(merged, texts, 2)
+    assert len(got) == 5 and chunks[-1]["choices"][0]["logprobs"] is None, chunks
+    # chat, not streamed: logprobs.content[{token, logprob, bytes, top_logprobs}]
+    msgs = [{"role": "user", "content": "p q"}]
+    j = comp(f.port, {"messages": msgs, "max_tokens": 5, "logprobs": True, "top_logprobs": 4},
+             "/v1/chat/completions").json()
+    check_chat_logprobs(j["choices"][0]["logprobs"]["content"], texts, 4)
+    j = comp(f.port, {"messages": msgs, "max_tokens": 5, "logprobs": True},
+             "/v1/chat/completions").json()
+    check_chat_logprobs(j["choices"][0]["logprobs"]["content"], texts, 0)
+    # chat, streamed
+    r = comp(f.port, {"messages": msgs, "max_tokens": 5, "logprobs": True, "top_logprobs": 1,
+                      "stream": True}, "/v1/chat/completions")
+    chunks = [json.loads(e) for e in sse_events(r.body)[:-1]]
+    content = sum((c["choices"][0]["logprobs"]["content"] for c in chunks
+                   if c["choices"] and c["choices"][0]["logprobs"]), [])
+    check_chat_logprobs(content, texts, 1)
+
+
 def test_bad_requests(f):
     cases = [
         ("{not json", 400, "invalid_json"),
@@ -172,7 +254,22 @@ def test_bad_requests(f):
         ({"prompt": "a", "top_p": 0}, 400, "invalid_value"),
         ({"prompt": "a", "n": 2}, 400, "unsupported_value"),
         ({"prompt": "a", "echo": True}, 400, "unsupported_value"),
-        ({"prompt": "a", "logprobs": 3}, 400, "unsupported_value"),
+        ({"prompt": "a", "logprobs": 21}, 400, "invalid_value"),
+        ({"prompt": "a", "logprobs": -1}, 400, "invalid_value"),
+        ({"prompt": "a", "logprobs": "3"}, 400, "invalid_type"),
+        ({"prompt": "a", "top_logprobs": 3}, 400, "unsupported_value"),
+        ({"prompt": "a", "logprobs": 2, "best_of": 2}, 400, "unsupported_value"),
+        ({"prompt": "a", "presence_penalty": 2.5}, 400, "invalid_value"),
+        ({"prompt": "a", "frequency_penalty": -3}, 400, "invalid_value"),
+        ({"prompt": "a", "frequency_penalty": "x"}, 400, "invalid_type"),
+        ({"prompt": "a", "logit_bias": {"5": 101}}, 400, "invalid_value"),
+        ({"prompt": "a", "logit_bias": {"x": 1}}, 400, "invalid_value"),
+        ({"prompt": "a", "logit_bias": {"-3": 1}}, 400, "invalid_value"),
+        ({"prompt": "a", "logit_bias": {"5": "1"}}, 400, "invalid_type"),
+        ({"prompt": "a", "logit_bias": [1]}, 400, "invalid_type"),
+        ({"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "invalid_value"),
+        ({"prompt": "a", "suffix": "z"}, 400, "unsupported_value"),
+        ({"prompt": "a", "response_format": {"type": "json_object"}}, 400, "unsupported_value"),
         ({"prompt": "a", "stop": 5}, 400, "invalid_type"),
         ({"prompt": "a", "stop": [""]}, 400, "invalid_value"),
         ({"prompt": "a", "stop": ["s"] * 40}, 400, "invalid_value"),
@@ -205,6 +302,11 @@ def test_bad_requests(f):
         ({"messages": [{"role": "user", "content": "x"}], "prompt": "y"}, "invalid_value"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
          "unsupported_value"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "invalid_value"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+         "invalid_value"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "invalid_type"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "unsupported_value"),
     ]
     for body, code in chat_cases:
         r = comp(f.port, body, "/v1/chat/completions")
@@ -570,6 +672,22 @@ def test_openai_client(f):
     except openai.APIError as e:
         assert "middle of the stream" in str(e), e
     assert len(got) == 3, got
+    # log-probabilities through the client's own types
+    c = cl.completions.create(model="fake-model", prompt="u v", max_tokens=3, logprobs=2)
+    assert c.choices[0].logprobs.tokens == ["u", " v", " u"], c
+    assert c.choices[0].logprobs.text_offset == [0, 1, 3], c
+    c = cl.chat.completions.create(model="fake-model", max_tokens=2, logprobs=True,
+                                   top_logprobs=2, messages=[{"role": "user", "content": "g h"}])
+    lc = c.choices[0].logprobs.content
+    assert [t.token for t in lc] == ["g", " h"] and len(lc[1].top_logprobs) == 2, c
+    assert abs(lc[1].logprob + 0.25) < 1e-6, c
+    n = 0
+    for ch in cl.chat.completions.create(model="fake-model", max_tokens=2, logprobs=True,
+                                         top_logprobs=1, stream=True,
+                                         messages=[{"role": "user", "content": "g h"}]):
+        if ch.choices and ch.choices[0].logprobs:
+            n += len(ch.choices[0].logprobs.content)
+    assert n == 2, n
 
 
 def test_curl(f):

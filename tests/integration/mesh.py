@@ -144,10 +144,11 @@ class Mesh:
         return rc
 
 
-def reference(bindir, model, prompt, n, chat=False, threads=1):
-    """Greedy output of the single-process engine (pdmesh generate --temp 0)."""
+def reference(bindir, model, prompt, n, chat=False, threads=1, extra=()):
+    """Greedy output of the single-process engine (pdmesh generate --temp 0); extra: more
+    flags (--logprobs K, --logit-bias ID=B, ...; a later --temp overrides)."""
     argv = [os.path.join(bindir, "pdmesh"), "generate", "--model", model, "--temp", "0",
-            "-n", str(n), "--prompt", prompt, "--json", "--threads", str(threads)]
+            "-n", str(n), "--prompt", prompt, "--json", "--threads", str(threads), *extra]
     if chat:
         argv.append("--chat")
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300)

@@ -3,6 +3,7 @@
  *
  *   pdm-rclient gen   --ep EP (--prompt TEXT | --tokens 1,2,3) [--chat] [-n N] [--temp T]
  *                     [--stream] [--count K] [--deadline-ms MS] [--timeout S] [--cancel-after N]
+ *                     [--seed S]
  *                     [--stop STRING] [--beams B] [--n-best N] [--ignore-eos]
  *   pdm-rclient raw   --ep EP --kind garbage|oversized|unknown|multipart|badproto|ping
  *   pdm-rclient admin --ep EP --op OP [--name N] [--key K] [--value V] [--id R] [--no-token]
@@ -30,6 +31,7 @@ static const char *ep, *prompt, *tokens_arg, *kind, *op, *name, *key, *value, *n
 static int chat, n_predict = 32, stream_, count = 1, no_token, cancel_after = -1;
 static int beams_, n_best_, ignore_eos_;
 static double temp, timeout_s = 120;
+static uint64_t seed; /* --seed: 0 = the router's default */
 static unsigned deadline_ms;
 static unsigned long long req_id_arg;
 
@@ -109,6 +111,7 @@ static int cmd_gen(void *ctx)
     cm.content = (char *)prompt;
     Pdmesh__SamplingParams sp = PDMESH__SAMPLING_PARAMS__INIT;
     sp.temperature = (float)temp;
+    sp.seed = seed;
     for (int i = 0; i < count; i++) {
         Pdmesh__GenerateRequest g = PDMESH__GENERATE_REQUEST__INIT;
         g.request_id = (uint64_t)i + 1;
@@ -535,7 +538,7 @@ int main(int argc, char **argv)
         {"no-token", no_argument, 0, 'x'},     {"node-id", required_argument, 0, 'I'},
         {"cancel-after", required_argument, 0, 'C'}, {"stop", required_argument, 0, 'S'},
         {"beams", required_argument, 0, 'B'},  {"n-best", required_argument, 0, 'b'},
-        {"ignore-eos", no_argument, 0, 'E'},
+        {"ignore-eos", no_argument, 0, 'E'},  {"seed", required_argument, 0, 'D'},
         {0, 0, 0, 0}};
     int c;
     optind = 2;
@@ -547,6 +550,7 @@ int main(int argc, char **argv)
         case 'c': chat = 1; break;
         case 'n': n_predict = atoi(optarg); break;
         case 't': temp = atof(optarg); break;
+        case 'D': seed = strtoull(optarg, NULL, 10); break;
         case 's': stream_ = 1; break;
         case 'k': count = atoi(optarg); break;
         case 'd': deadline_ms = (unsigned)atoi(optarg); break;

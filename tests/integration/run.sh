@@ -304,6 +304,20 @@ wait $g
 check "kill -9 of the decode node ($victim) mid beam search: restarted elsewhere, same n best" \
   "[ \"\$($PY -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(b.get(\"ok\") and b[\"usage\"][\"attempts\"]>=2 and b[\"usage\"][\"decode_node\"]!=\"$victim\" and [x[\"tokens\"] for x in b[\"beams\"]]==[x[\"tokens\"] for x in a[\"beams\"]] and b[\"tokens\"]==a[\"tokens\"])' $RUN/bmig.ref $RUN/bmig.json)\" = True ]"
 
+# --- kill -9 of the decode node in the middle of a seeded sampling at temperature 0.8: the
+# migrated request resumes the draws at the delivered token count (model.h "Sampling"), so
+# its completion equals the undisturbed run's ---
+start_decode d4
+check "a decode node registers again" "wait_nodes 4 60"
+gen --prompt "$STORY" -n 150 --temp 0.8 --seed 77 --ignore-eos --deadline-ms 90000 > "$RUN/smig.ref"
+before=$(grep -c "attempt 1 ->" "$RUN/router.log")
+gen --prompt "$STORY" -n 150 --temp 0.8 --seed 77 --ignore-eos --stream --deadline-ms 90000 > "$RUN/smig.json" &
+g=$!
+kill_dispatched_decode "$before" 1.5
+wait $g
+check "kill -9 of the decode node ($victim) mid seeded sampling: the migrated text equals the undisturbed run's" \
+  "[ \"\$($PY -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(b.get(\"ok\") and b[\"usage\"][\"attempts\"]>=2 and b[\"usage\"][\"decode_node\"]!=\"$victim\" and len(a[\"tokens\"])==150 and b[\"tokens\"]==a[\"tokens\"] and b[\"text\"]==a[\"text\"])' $RUN/smig.ref $RUN/smig.json)\" = True ]"
+
 # --- kill -9 of a client mid-stream: its request is cancelled, nothing stays open. The
 # router notices the dead client at its next token chunk; the wait is generous (sanitizer
 # builds are slow) and the check is that the request ended *cancelled*, not completed ---

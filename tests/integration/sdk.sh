@@ -175,6 +175,16 @@ ctl policy set local_threshold 32 > /dev/null
 expect "C SDK: cancel mid-stream" 0 timeout 300 "$bin/pdm-sdk-itest" cancel "$ep" "Once upon a time"
 expect "python: sync, iterator, cancel, typed errors" 0 timeout 600 "$py" tests/integration/sdk_python.py live "$ep" "$tmp/expected.json"
 grep -q FAIL "$tmp/out" && cat "$tmp/out"
+# OpenAI's sampling adjustments and log-probabilities through both SDKs, against the engine
+# with the same flags, through the prefill group (it samples the first token).
+ctl policy set local_threshold 0 > /dev/null
+sp="The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. Then"
+"$bin/pdmesh" generate --model "$model" --prompt "$sp" --temp 0 -n $n --threads 1 --json \
+  --logprobs 3 --presence-penalty 0.5 --frequency-penalty 0.5 --logit-bias 13=-100 > "$tmp/sampling.ref" 2>/dev/null
+expect "C SDK: penalties, logit_bias, logprobs, seed" 0 timeout 300 "$bin/pdm-sdk-itest" sampling "$ep" $n 3 "$sp" "$tmp/sampling.ref"
+expect "python: penalties, logit_bias, logprobs, seed" 0 timeout 300 "$py" tests/integration/sdk_python.py sampling "$ep" "$sp" $n 3 "$tmp/sampling.ref"
+grep -q FAIL "$tmp/out" && cat "$tmp/out"
+ctl policy set local_threshold 32 > /dev/null
 
 # Beam search (local prefill at this threshold): C SDK (pdmesh generate --router) and Python
 # equal the single-process disaggregated run (pdmesh disagg-run --beams, one prefill rank).

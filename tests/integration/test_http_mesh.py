@@ -9,6 +9,12 @@ processes, ZeroMQ control plane, KV over UCX):
   wrong method) and get errors;
 - best_of: a beam search whose best beam is the answer, equal to `pdmesh disagg-run --beams`
   (not streamable: a 400 with stream);
+- sampling as OpenAI clients use it (completions and chat, streamed and not, through the
+  prefill group and through local prefill): logprobs / top_logprobs equal the engine's
+  (`pdmesh generate --logprobs K`) within LOGPROB_TOL, sorted, the greedy token first; the same
+  seed gives the same text at temperature 0.8 (and the engine's, with the same parameters),
+  another seed another text; frequency_penalty removes repeats as the engine does; logit_bias
+  -100 on the greedy first token changes it, +100 on a token forces it;
 - a client that disconnects mid-stream cancels its request (pdmesh_requests_total{outcome=
   "cancelled"});
 - a real Prometheus server scrapes /metrics and its query API returns pdmesh_requests_total;
@@ -63,6 +69,144 @@ def completion(port, prompt, stream, chat=False, timeout=300):
         for ch in j["choices"]:
             out.append(ch["delta"].get("content") or "" if chat else ch["text"])
     return "".join(out)
+
+
+# |mesh - engine| for one log-probability: the prefill group's logits differ from the single
+# process's by float rounding only (ARCHITECTURE.md: every path equals the reference within
+# tolerance); the log-softmax of logits of magnitude ~20 in float32 keeps that within 1e-3.
+LOGPROB_TOL = 2e-3
+LP_PROMPTS = [PROMPTS[3], PROMPTS[0]]  # the prefill group's path, then local prefill
+
+
+def check_logprobs(port, bindir, model_path, model):
+    import openai
+    cl = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % port, api_key="unused",
+                       max_retries=0, timeout=300)
+    worst = 0.0
+
+    def close(got, want, what):
+        nonlocal worst
+        assert len(got) == len(want), (what, got, want)
+        for a, b in zip(got, want):
+            worst = max(worst, abs(a - b))
+            assert abs(a - b) < LOGPROB_TOL, (what, got, want)
+
+    def sorted_with_chosen(top, chosen, what):
+        vals = [v for _, v in top]
+        assert vals == sorted(vals, reverse=True), (what, top)
+        assert abs(vals[0] - chosen) < 1e-6, (what, top, chosen)  # greedy: the best one
+
+    for k in (1, 5):
+        for p in LP_PROMPTS:
+            ref = reference(bindir, model_path, p, N_TOKENS, extra=["--logprobs", str(k)])
+            want = [e["logprob"] for e in ref["logprobs"]]
+            want_top = [[t["logprob"] for t in e["top"]] for e in ref["logprobs"]]
+            c = cl.completions.create(model=model, prompt=p, max_tokens=N_TOKENS,
+                                      temperature=0, logprobs=k)
+            lp = c.choices[0].logprobs
+            assert c.choices[0].text == ref["text"], (c.choices[0].text, ref["text"])
+            assert "".join(lp.tokens) == ref["text"], lp.tokens
+            close(lp.token_logprobs, want, "completions")
+            for i, top in enumerate(lp.top_logprobs):
+                items = sorted(top.items(), key=lambda kv: -kv[1])
+                assert len(items) == k, top
+                sorted_with_chosen(items, lp.token_logprobs[i], "completions top")
+                close([v for _, v in items], want_top[i], "completions top")
+            assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset), lp
+            # streamed: the same entries, spread over the chunks
+            got, tokens = [], []
+            for ch in cl.completions.create(model=model, prompt=p, max_tokens=N_TOKENS,
+                                            temperature=0, logprobs=k, stream=True):
+                if ch.choices and ch.choices[0].logprobs:
+                    got += ch.choices[0].logprobs.token_logprobs
+                    tokens += ch.choices[0].logprobs.tokens
+            assert tokens == lp.tokens, (tokens, lp.tokens)
+            close(got, want, "completions stream")
+        # chat (a short prompt: local prefill), stream and not
+        ref = reference(bindir, model_path, CHAT, N_TOKENS, chat=True,
+                        extra=["--logprobs", str(k)])
+        want = [e["logprob"] for e in ref["logprobs"]]
+        msgs = [{"role": "user", "content": CHAT}]
+        c = cl.chat.completions.create(model=model, messages=msgs, max_tokens=N_TOKENS,
+                                       temperature=0, logprobs=True, top_logprobs=k)
+        content = c.choices[0].logprobs.content
+        assert [t.token for t in content] and c.choices[0].message.content == ref["text"], c
+        close([t.logprob for t in content], want, "chat")
+        for t, e in zip(content, ref["logprobs"]):
+            sorted_with_chosen([(x.token, x.logprob) for x in t.top_logprobs], t.logprob, "chat")
+            assert len(t.top_logprobs) == k and t.top_logprobs[0].token == t.token, t
+            assert bytes(t.bytes).decode("utf-8", "replace").replace("\ufffd", "?") == \
+                e["text"] or not e["text"].isascii(), (t, e)
+        got = []
+        for ch in cl.chat.completions.create(model=model, messages=msgs, max_tokens=N_TOKENS,
+                                             temperature=0, logprobs=True, top_logprobs=k,
+                                             stream=True):
+            if ch.choices and ch.choices[0].logprobs:
+                got += [t.logprob for t in ch.choices[0].logprobs.content]
+        close(got, want, "chat stream")
+    print("  logprobs: largest |mesh - engine| %.2e (tolerance %.0e)" % (worst, LOGPROB_TOL))
+
+
+def comp_text(port, body, chat=False):
+    r = call(port, "POST", "/v1/chat/completions" if chat else "/v1/completions", body,
+             timeout=300)
+    assert r.status == 200, (body, r)
+    c = r.json()["choices"][0]
+    return c["message"]["content"] if chat else c["text"]
+
+
+def check_seed(port, bindir, model_path):
+    p = PROMPTS[3]  # the prefill group samples the first token, the decode node the rest
+    body = {"prompt": p, "max_tokens": 24, "temperature": 0.8, "seed": 42}
+    a = comp_text(port, body)
+    b = comp_text(port, body)
+    assert a == b, (a, b)
+    c = comp_text(port, dict(body, seed=43))
+    assert c != a, (a, c)
+    # the engine with the same parameters and seed (the HTTP defaults: no top-k/p, min-p)
+    ref = reference(bindir, model_path, p, 24, extra=["--temp", "0.8", "--seed", "42",
+                                                     "--top-k", "0", "--top-p", "1",
+                                                     "--min-p", "0"])["text"]
+    assert a == ref, (a, ref)
+    # local prefill, and chat streamed
+    short = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.8, "seed": 7}
+    a2 = comp_text(port, short)
+    assert a2 and a2 == comp_text(port, short), a2
+    msgs = {"messages": [{"role": "user", "content": CHAT}], "max_tokens": 16,
+            "temperature": 0.9, "seed": 5}
+    assert comp_text(port, msgs, chat=True) == comp_text(port, msgs, chat=True)
+    print("  seed 42: %r / seed 43: %r" % (a[:40], c[:40]))
+
+
+def check_penalties_bias(port, bindir, model_path):
+    # a repeated word: greedy repeats it; frequency_penalty 2 stops that, as in the engine
+    p = "Hello! Hello! Hello! Hello! Hello! Hello!"
+    plain = comp_text(port, {"prompt": p, "max_tokens": 16, "temperature": 0})
+    pen = comp_text(port, {"prompt": p, "max_tokens": 16, "temperature": 0,
+                           "frequency_penalty": 2})
+    ref = reference(bindir, model_path, p, 16, extra=["--frequency-penalty", "2"])["text"]
+    assert pen == ref, (plain, pen, ref)
+    assert pen.count("Hello") < plain.count("Hello") and plain.count("Hello") >= 4, (plain, pen)
+    pres = comp_text(port, {"prompt": p, "max_tokens": 16, "temperature": 0,
+                            "presence_penalty": 2})
+    assert pres == reference(bindir, model_path, p, 16,
+                             extra=["--presence-penalty", "2"])["text"], pres
+    # logit_bias on the first token, through the prefill group and through local prefill
+    for prompt in (PROMPTS[3], PROMPTS[0]):
+        base = reference(bindir, model_path, prompt, 4)
+        first = base["tokens"][0]
+        out = comp_text(port, {"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                               "logit_bias": {str(first): -100}})
+        ref = reference(bindir, model_path, prompt, 4,
+                        extra=["--logit-bias", "%d=-100" % first])
+        assert out == ref["text"] and ref["tokens"][0] != first, (out, ref, base)
+        forced = 19156 if first != 19156 else 19157
+        out = comp_text(port, {"prompt": prompt, "max_tokens": 3, "temperature": 0.7, "seed": 3,
+                               "logit_bias": {str(forced): 100}})
+        ref = reference(bindir, model_path, prompt, 3,
+                        extra=["--logit-bias", "%d=100" % forced])
+        assert ref["tokens"] == [forced] * 3 and out == ref["text"], (out, ref)
+    print("  frequency_penalty 2: %r -> %r" % (plain[:30], pen[:30]))
 
 
 def check_curl(port, expect):
@@ -242,6 +386,12 @@ def main():
         ("curl", lambda: check_curl(mesh.http_port, expect)),
         ("openai client", lambda: check_openai(mesh.http_port, expect, chat_expect,
                                                os.path.basename(args.model)[:-5])),
+        ("logprobs == engine (completions and chat, stream and not)",
+         lambda: check_logprobs(mesh.http_port, args.bindir, args.model,
+                                os.path.basename(args.model)[:-5])),
+        ("seed", lambda: check_seed(mesh.http_port, args.bindir, args.model)),
+        ("penalties and logit_bias == engine",
+         lambda: check_penalties_bias(mesh.http_port, args.bindir, args.model)),
         ("32 concurrent clients beside malformed requests",
          lambda: check_concurrent(mesh.http_port, expect)),
         ("best_of = beam search, the best beam", lambda: check_best_of(mesh.http_port,

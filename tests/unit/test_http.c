@@ -153,7 +153,7 @@ START_TEST(test_http_responses)
     res.text = "quote \" and\nnewline";
     res.finish = PDMESH__FINISH_REASON__FINISH_EOS;
     for (int chat = 0; chat < 2; chat++) {
-        char *s = pdm_http__result_json(chat, "id-1", 5, "m", &res);
+        char *s = pdm_http__result_json(chat, "id-1", 5, "m", &res, 0);
         cJSON *j = cJSON_Parse(s);
         ck_assert_ptr_nonnull(j);
         cJSON *c0 = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0);
@@ -165,7 +165,7 @@ START_TEST(test_http_responses)
             cJSON_GetObjectItem(cJSON_GetObjectItem(j, "usage"), "total_tokens")->valueint, 7);
         cJSON_Delete(j);
         free(s);
-        s = pdm_http__chunk_json(chat, "id-1", 5, "m", "t\"", NULL, 0, NULL);
+        s = pdm_http__chunk_json(chat, "id-1", 5, "m", "t\"", NULL, 0, NULL, NULL);
         j = cJSON_Parse(s);
         ck_assert_ptr_nonnull(j);
         cJSON_Delete(j);

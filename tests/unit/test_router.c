@@ -129,6 +129,15 @@ static void engine_greedy(pdm_model_ctx_t *ctx, const pdm_model_t *m, const int3
     pdm_kv_cache_destroy(c);
 }
 
+/* A local prefill of tokens[n] for max_new tokens (beams 0: sampling). */
+static int reserve_local(pdm_decode_node_t *node, uint64_t id, const int32_t *tokens, int32_t n,
+                         int32_t max_new, int beams)
+{
+    pdm_decode_local_t r = {.id = id, .tokens = tokens, .n_tokens = n, .max_new = max_new,
+                            .beams = beams};
+    return pdm_decode_node_reserve_local(node, &r);
+}
+
 START_TEST(test_decode_local_prefill)
 {
     char path[600];
@@ -166,11 +175,11 @@ START_TEST(test_decode_local_prefill)
     ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
     /* refusals: too long for the budget, out-of-vocabulary token */
     int32_t big[60] = {0};
-    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 1, 0, big, 60, 10), PDM_EOVERFLOW);
+    ck_assert_int_eq(reserve_local(node, 1, big, 60, 10, 0), PDM_EOVERFLOW);
     int32_t bad[2] = {1, (int32_t)m->hp.n_vocab};
-    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 1, 0, bad, 2, 4), PDM_ERANGE);
+    ck_assert_int_eq(reserve_local(node, 1, bad, 2, 4, 0), PDM_ERANGE);
     /* prompt prefilled on the node; the node samples the first token itself */
-    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 7, 0, prompt, P, NEW), 0);
+    ck_assert_int_eq(reserve_local(node, 7, prompt, P, NEW, 0), 0);
     pdm_decode_start_t s = {.id = 7, .first_token = -1};
     pdm_sampler_params_default(&s.sp);
     s.sp.temperature = 0;
@@ -190,9 +199,9 @@ START_TEST(test_decode_local_prefill)
     /* A beam search on a locally prefilled prompt (the router's beam requests on short prompts
      * and restarts): the reservation counts every beam's response segments (beam.h), so 4
      * beams do not fit the 64-slot budget; width 1 is greedy decoding. */
-    ck_assert_int_eq(pdm_decode_node_reserve_local_beams(node, 9, 0, prompt, P, NEW, 4),
+    ck_assert_int_eq(reserve_local(node, 9, prompt, P, NEW, 4),
                      PDM_EOVERFLOW);
-    ck_assert_int_eq(pdm_decode_node_reserve_local_beams(node, 9, 0, prompt, P, NEW, 1), 0);
+    ck_assert_int_eq(reserve_local(node, 9, prompt, P, NEW, 1), 0);
     pdm_decode_node_usage(node, &held, &slots);
     ck_assert_int_eq(slots, pdm_beam_kv_slots(1, P, NEW));
     pdm_decode_start_t bs = {.id = 9, .first_token = -1, .prompt_last = prompt[P - 1]};
@@ -217,7 +226,7 @@ START_TEST(test_decode_local_prefill)
     dp.kv_dtype = PDM_DT_I8;
     dp.kv_budget = 4096;
     ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
-    ck_assert_int_eq(pdm_decode_node_reserve_local_beams(node, 10, 0, prompt, P, NEW, 1), 0);
+    ck_assert_int_eq(reserve_local(node, 10, prompt, P, NEW, 1), 0);
     bs.id = 10;
     ck_assert_int_eq(pdm_decode_node_start(node, &bs), 0);
     beam_events_t qe = {0};
@@ -228,6 +237,94 @@ START_TEST(test_decode_local_prefill)
     pdm_decode_node_destroy(node);
     pdm_kvt_destroy(kvt);
     pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+END_TEST
+
+/* Tokens and chosen-token log-probabilities of a sampled run on the node. */
+typedef struct {
+    int32_t toks[64];
+    float lps[64];
+    int n, done;
+} sampled_events_t;
+
+static void sampled_cb(void *arg, const pdm_decode_event_t *ev)
+{
+    sampled_events_t *e = arg;
+    if (ev->type == PDM_DECODE_EV_TOKEN && e->n < 64) {
+        e->lps[e->n] = ev->logprob ? ev->logprob->logprob : 1.0f;
+        e->toks[e->n++] = ev->token;
+    }
+    if (ev->type == PDM_DECODE_EV_DONE) e->done = 1;
+    if (ev->type == PDM_DECODE_EV_ERROR) e->done = -1;
+}
+
+/* One sampled request on the node: a local prefill of tokens[n] (the last n_generated of
+ * them delivered before a migration, replayed one by one when asked), max_new new tokens. */
+static void run_sampled(pdm_decode_node_t *node, uint64_t id, const int32_t *tokens, int32_t n,
+                        int32_t n_generated, int replay, int32_t max_new, sampled_events_t *e)
+{
+    pdm_decode_local_t r = {.id = id, .tokens = tokens, .n_tokens = n, .max_new = max_new,
+                            .n_generated = n_generated, .replay = replay};
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, &r), 0);
+    pdm_decode_start_t s = {.id = id, .first_token = -1};
+    pdm_sampler_params_default(&s.sp);
+    s.sp.temperature = 1.2f; /* a flat distribution: tiny logit changes would show */
+    s.sp.top_k = 0;
+    s.sp.top_p = 1.0f;
+    s.sp.min_p = 0.0f;
+    s.sp.frequency_penalty = 0.3f;
+    s.sp.seed = 99;
+    s.sp.logprobs = 2;
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    memset(e, 0, sizeof(*e));
+    for (int round = 0; round < 200 && !e->done; round++)
+        pdm_decode_node_run_once(node, sampled_cb, e);
+    ck_assert_int_eq(e->done, 1);
+    ck_assert_int_eq(e->n, max_new);
+}
+
+/* A migration of a seeded sampled request: the new node prefills prompt + the k delivered
+ * tokens (replaying those as decode steps) and resumes the draws at step k; the continuation
+ * equals the uninterrupted run's, tokens and log-probabilities bit for bit. (On this small
+ * random model a batched recomputation happens to round the same; on SmolLM2 Q4_1 it does
+ * not, which tests/integration/run.sh's seeded migration catches.) */
+START_TEST(test_decode_migration_resume)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/router-resume-model.gguf", pdm_test_tmpdir());
+    pdm_testmodel_params_t tp;
+    pdm_testmodel_params_default(&tp);
+    tp.n_layers = 2;
+    tp.d_model = 256;
+    tp.n_heads = 4;
+    tp.n_kv_heads = 2;
+    tp.n_ff = 512;
+    tp.wtype = PDM_DT_Q4_1;
+    tp.seed = 12;
+    ck_assert_int_eq(pdm_testmodel_write(path, &tp), 0);
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    enum { P = 19, NEW = 24 };
+    int32_t all[P + NEW];
+    for (int i = 0; i < P; i++) all[i] = (int32_t)((i * 41 + 3) % (int)m->hp.n_vocab);
+    pdm_kvt_t *kvt;
+    ck_assert_int_eq(pdm_kvt_create(NULL, &kvt), 0);
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_budget = 256;
+    pdm_decode_node_t *node;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    sampled_events_t straight, resumed;
+    run_sampled(node, 1, all, P, 0, 0, NEW, &straight);
+    memcpy(all + P, straight.toks, sizeof(int32_t) * NEW);
+    for (int k = 1; k < NEW; k += 5) {
+        run_sampled(node, 2 + (uint64_t)k, all, P + k, k, 1, NEW - k, &resumed);
+        ck_assert_mem_eq(resumed.toks, straight.toks + k, sizeof(int32_t) * (size_t)(NEW - k));
+        ck_assert_mem_eq(resumed.lps, straight.lps + k, sizeof(float) * (size_t)(NEW - k));
+    }
+    pdm_decode_node_destroy(node);
+    pdm_kvt_destroy(kvt);
     pdm_model_free(m);
 }
 END_TEST
@@ -274,7 +371,7 @@ START_TEST(test_decode_prefix_pool)
     /* turn 1 */
     int32_t turn[P + NEW + EXTRA];
     for (int i = 0; i < P; i++) turn[i] = (int32_t)((i * 29 + 3) % (int)m->hp.n_vocab);
-    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 1, 0, turn, P, NEW), 0);
+    ck_assert_int_eq(reserve_local(node, 1, turn, P, NEW, 0), 0);
     pdm_decode_start_t s = {.id = 1, .first_token = -1, .sp = greedy};
     ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
     local_events_t ev = {0};
@@ -295,7 +392,7 @@ START_TEST(test_decode_prefix_pool)
     for (int i = 0; i < EXTRA; i++) turn[n2++] = (int32_t)((i * 7 + 1) % (int)m->hp.n_vocab);
     int32_t ref[NEW];
     engine_greedy(ctx, m, turn, n2, NEW, PDM_DT_F32, ref);
-    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 2, 0, turn, n2, NEW), 0);
+    ck_assert_int_eq(reserve_local(node, 2, turn, n2, NEW, 0), 0);
     s.id = 2;
     ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
     local_events_t ev2 = {0};
@@ -314,7 +411,7 @@ START_TEST(test_decode_prefix_pool)
     /* a reservation that needs the pool's slots evicts it; a cancelled sequence stays out */
     int32_t other[60];
     for (int i = 0; i < 60; i++) other[i] = (int32_t)((i * 11 + 2) % (int)m->hp.n_vocab);
-    ck_assert_int_eq(pdm_decode_node_reserve_local(node, 3, 0, other, 60, 30), 0);
+    ck_assert_int_eq(reserve_local(node, 3, other, 60, 30, 0), 0);
     pdm_decode_node_pool_stats(node, &ps);
     ck_assert_int_eq(ps.entries, 0);
     ck_assert_int_eq(ps.evictions, 1);
@@ -346,6 +443,7 @@ Suite *suite_router(void)
     TCase *tl = tcase_create("local_prefill");
     tcase_add_test(tl, test_decode_local_prefill);
     tcase_add_test(tl, test_decode_prefix_pool);
+    tcase_add_test(tl, test_decode_migration_resume);
     suite_add_tcase(s, tl);
     return s;
 }

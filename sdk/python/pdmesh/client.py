@@ -62,10 +62,29 @@ def unpack(frame, max_frame):
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability (logprobs=True): log_softmax of the logits after logit_bias
+    and the penalties, at temperature 1, before top-k/top-p/min-p (docs/http.md). `text` is
+    the token's bytes; `logprob` is None when the router had none; `top` the most likely
+    tokens, most likely first (their own `top` is empty)."""
+    token: int
+    logprob: object
+    text: bytes
+    top: list = field(default_factory=list)
+
+
+def _logprobs(lst):
+    return [Logprob(token=e.token, logprob=None if e.missing else e.logprob, text=e.text,
+                    top=[Logprob(token=t.token, logprob=t.logprob, text=t.text) for t in e.top])
+            for e in lst]
+
+
+@dataclass
 class Chunk:
     index: int
     tokens: list
     text: str
+    logprobs: list = field(default_factory=list)   # one Logprob per token with logprobs=True
 
 
 @dataclass
@@ -79,6 +98,7 @@ class Result:
     router_request_id: int = 0
     ttft: float = 0.0                # seconds, call start -> first token (streaming)
     total: float = 0.0               # seconds, call start -> end
+    logprobs: list = field(default_factory=list)   # one Logprob per token with logprobs=True
 
 
 class Stream:
@@ -198,7 +218,8 @@ class Stream:
                         text.append(m.text)
                         tokens.extend(m.tokens)
                         if self._request.stream:
-                            yield Chunk(index=m.index, tokens=list(m.tokens), text=m.text)
+                            yield Chunk(index=m.index, tokens=list(m.tokens), text=m.text,
+                                        logprobs=_logprobs(m.logprobs))
                     elif msg_type == pb.MSG_ERROR:
                         raise errors.from_router(pb.ErrorCode.Name(m.code)
                                                  if m.code in pb.ErrorCode.values()
@@ -236,7 +257,8 @@ def _result(m, router_id, ttft, total):
               "logprob": b.logprob, "finish": _FINISH.get(b.finish, "none")} for b in m.beams]
     return Result(text=m.text, tokens=list(m.tokens), finish=_FINISH.get(m.finish, "none"),
                   usage=usage, beams=beams, request_id=m.request_id,
-                  router_request_id=router_id, ttft=ttft, total=total)
+                  router_request_id=router_id, ttft=ttft, total=total,
+                  logprobs=_logprobs(m.logprobs))
 
 
 def _read_keys(path, secret):
@@ -345,7 +367,9 @@ class Client:
 
     def _request(self, prompt, prompt_tokens, messages, stream, max_tokens, temperature, top_k,
                  top_p, min_p, repeat_penalty, seed, stop, deadline_ms, beams, n_best,
-                 length_penalty, ignore_eos, model, timeout, early_stopping=None):
+                 length_penalty, ignore_eos, model, timeout, early_stopping=None,
+                 presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, logprobs=False,
+                 top_logprobs=0):
         if self._closed:
             raise errors.ClosedError("the client is closed")
         given = sum(x is not None for x in (prompt, prompt_tokens, messages))
@@ -358,6 +382,17 @@ class Client:
             raise errors.InvalidArgumentError("top_p and min_p must be in [0, 1], top_k >= 0")
         if max_tokens < 0 or beams < 0 or beams > 64:
             raise errors.InvalidArgumentError("max_tokens >= 0 and 0 <= beams <= 64 required")
+        if not -2 <= presence_penalty <= 2 or not -2 <= frequency_penalty <= 2:
+            raise errors.InvalidArgumentError(
+                "presence_penalty and frequency_penalty must be in [-2, 2]")
+        logit_bias = dict(logit_bias or {})
+        if len(logit_bias) > 300 or any(
+                not isinstance(k, int) or k < 0 or k >= 2**31 or not -100 <= v <= 100
+                for k, v in logit_bias.items()):
+            raise errors.InvalidArgumentError(
+                "logit_bias: at most 300 {token id (int >= 0): bias in [-100, 100]}")
+        if not 0 <= top_logprobs <= 20:
+            raise errors.InvalidArgumentError("top_logprobs must be in [0, 20]")
         stop = list(stop or [])
         if len(stop) > 16 or any(not isinstance(s, str) or not s for s in stop):
             raise errors.InvalidArgumentError("at most 16 stop strings, none empty")
@@ -371,7 +406,13 @@ class Client:
                                  early_stopping=early_stopping or "")
         req.sampling.CopyFrom(pb.SamplingParams(temperature=temperature, top_k=top_k,
                                                 top_p=top_p, min_p=min_p,
-                                                repeat_penalty=repeat_penalty, seed=seed))
+                                                repeat_penalty=repeat_penalty, seed=seed,
+                                                presence_penalty=presence_penalty,
+                                                frequency_penalty=frequency_penalty,
+                                                logit_bias_ids=list(logit_bias.keys()),
+                                                logit_bias_values=list(logit_bias.values()),
+                                                logprobs=bool(logprobs),
+                                                top_logprobs=top_logprobs if logprobs else 0))
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise errors.InvalidArgumentError("prompt must be a str")
@@ -397,19 +438,29 @@ class Client:
     def stream(self, prompt=None, *, prompt_tokens=None, messages=None, max_tokens=0,
                temperature=0.0, top_k=0, top_p=0.0, min_p=0.0, repeat_penalty=0.0, seed=0,
                stop=None, deadline_ms=0, beams=0, n_best=0, length_penalty=0.0,
-               ignore_eos=False, model=None, timeout=None, early_stopping=None):
+               ignore_eos=False, model=None, timeout=None, early_stopping=None,
+               presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, logprobs=False,
+               top_logprobs=0):
         """A Stream: iterate it for Chunks as the router produces them; its .result holds
-        the final Result once iteration ends. .cancel() works from any thread."""
+        the final Result once iteration ends. .cancel() works from any thread.
+        presence_penalty / frequency_penalty ([-2, 2]) and logit_bias ({token id: bias in
+        [-100, 100]}, at most 300) as OpenAI's; seed: the same seed, the same completion;
+        logprobs=True fills Chunk.logprobs and Result.logprobs with top_logprobs (<= 20)
+        alternatives per token."""
         req, timeout = self._request(prompt, prompt_tokens, messages, True, max_tokens,
                                      temperature, top_k, top_p, min_p, repeat_penalty, seed,
                                      stop, deadline_ms, beams, n_best, length_penalty,
-                                     ignore_eos, model, timeout, early_stopping)
+                                     ignore_eos, model, timeout, early_stopping,
+                                     presence_penalty, frequency_penalty, logit_bias, logprobs,
+                                     top_logprobs)
         return Stream(self, req, timeout)
 
     def generate(self, prompt=None, *, prompt_tokens=None, messages=None, max_tokens=0,
                  temperature=0.0, top_k=0, top_p=0.0, min_p=0.0, repeat_penalty=0.0, seed=0,
                  stop=None, deadline_ms=0, beams=0, n_best=0, length_penalty=0.0,
-                 ignore_eos=False, model=None, timeout=None, call=None, early_stopping=None):
+                 ignore_eos=False, model=None, timeout=None, call=None, early_stopping=None,
+                 presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, logprobs=False,
+                 top_logprobs=0):
         """Blocks until the whole completion is there; returns a Result. Raises a
         PdmeshError subclass on failure. `call`, if given, is a list that receives the
         Stream object first, so another thread can call .cancel() on it.
@@ -417,11 +468,14 @@ class Client:
         Beam search (beams > 1, at most the router's limit): Result.beams holds the n_best
         hypotheses, best first ({tokens, text, score, logprob, finish}), and text/tokens are
         the best one's; early_stopping is "heuristic" (default), "early" or "never". It
-        cannot be streamed, nor combined with stop strings or ignore_eos."""
+        cannot be streamed, nor combined with stop strings or ignore_eos. The sampling
+        arguments are stream()'s."""
         req, timeout = self._request(prompt, prompt_tokens, messages, False, max_tokens,
                                      temperature, top_k, top_p, min_p, repeat_penalty, seed,
                                      stop, deadline_ms, beams, n_best, length_penalty,
-                                     ignore_eos, model, timeout, early_stopping)
+                                     ignore_eos, model, timeout, early_stopping,
+                                     presence_penalty, frequency_penalty, logit_bias, logprobs,
+                                     top_logprobs)
         s = Stream(self, req, timeout)
         if call is not None:
             call.append(s)
