@@ -72,7 +72,7 @@ static const char *pdm_gguf__type_name(uint32_t type)
 }
 
 /* Bytes of one scalar of `type`; 0 for STRING, ARRAY and unknown types. */
-static size_t pdm_gguf__scalar_size(uint32_t type)
+size_t pdm_gguf_scalar_size(uint32_t type)
 {
     switch (type) {
     case PDM_GGUF_UINT8:
@@ -274,7 +274,7 @@ static int pdm_gguf__parse_array(pdm_gguf__cursor_t *cur, const char *key, pdm_g
             if (status) goto err_free_offsets;
         }
     } else {
-        size_t elem_size = pdm_gguf__scalar_size(elem_type);
+        size_t elem_size = pdm_gguf_scalar_size(elem_type);
         if (n > left / elem_size) {
             return pdm_error_set(PDM_EFORMAT, "%s: array '%s' of %" PRIu64 " %s elements does "
                                  "not fit in the %zu bytes left in the file",
@@ -337,7 +337,7 @@ static int pdm_gguf__parse_kv(pdm_gguf__cursor_t *cur, uint64_t index, pdm_gguf_
         status = pdm_gguf__read_str(cur, &kv->v.str);
         if (status) return status;
     } else {
-        size_t size = pdm_gguf__scalar_size(type);
+        size_t size = pdm_gguf_scalar_size(type);
         snprintf(cur->what, sizeof(cur->what), "the value of metadata '%s'", key);
         status = pdm_gguf__need(cur, size);
         if (status) return status;
@@ -969,7 +969,7 @@ int64_t pdm_gguf_arr_int(const pdm_gguf_kv_t *arr, uint64_t i)
     assert(ok);
     if (!ok) return 0;
     uint32_t type = arr->v.arr.type;
-    const uint8_t *p = arr->v.arr.data + i * pdm_gguf__scalar_size(type);
+    const uint8_t *p = arr->v.arr.data + i * pdm_gguf_scalar_size(type);
     switch (type) {
     case PDM_GGUF_UINT8:
     case PDM_GGUF_BOOL:

@@ -82,6 +82,8 @@ void pdm_gguf_close(pdm_gguf_t *g);
 uint32_t pdm_gguf_version(const pdm_gguf_t *g);
 const char *pdm_gguf_path(const pdm_gguf_t *g);
 size_t pdm_gguf_alignment(const pdm_gguf_t *g);
+/* Bytes of one scalar of metadata type `type` (0 for STRING, ARRAY and unknown types). */
+size_t pdm_gguf_scalar_size(uint32_t type);
 size_t pdm_gguf_file_size(const pdm_gguf_t *g);
 
 uint64_t pdm_gguf_n_kv(const pdm_gguf_t *g);

@@ -455,30 +455,6 @@ err_free_head:
     return status;
 }
 
-/* Bytes of one scalar of metadata type `type` (0 for STRING, ARRAY, unknown). */
-static size_t pdm_gguf__wscalar_size(pdm_gguf_type_t type)
-{
-    switch (type) {
-    case PDM_GGUF_UINT8:
-    case PDM_GGUF_INT8:
-    case PDM_GGUF_BOOL:
-        return 1;
-    case PDM_GGUF_UINT16:
-    case PDM_GGUF_INT16:
-        return 2;
-    case PDM_GGUF_UINT32:
-    case PDM_GGUF_INT32:
-    case PDM_GGUF_FLOAT32:
-        return 4;
-    case PDM_GGUF_UINT64:
-    case PDM_GGUF_INT64:
-    case PDM_GGUF_FLOAT64:
-        return 8;
-    default:
-        return 0;
-    }
-}
-
 /* Serialises a decoded scalar back into its little-endian bytes. */
 static int pdm_gguf__put_scalar(pdm_gguf__bytes_t *b, const pdm_gguf_kv_t *kv)
 {
@@ -504,7 +480,7 @@ static int pdm_gguf__put_scalar(pdm_gguf__bytes_t *b, const pdm_gguf_kv_t *kv)
         bits = kv->v.u64;
         break;
     }
-    size_t n = pdm_gguf__wscalar_size(kv->type);
+    size_t n = pdm_gguf_scalar_size(kv->type);
     uint8_t le[8];
     for (size_t i = 0; i < n; i++) le[i] = (uint8_t)(bits >> (8 * i));
     return pdm_gguf__bytes_put(b, le, n);
@@ -539,7 +515,7 @@ int pdm_gguf_writer_copy_kv(pdm_gguf_writer_t *w, const pdm_gguf_kv_t *kv)
             status = pdm_gguf__bytes_put_u64(&value, e.len);
             if (!status) status = pdm_gguf__bytes_put(&value, e.ptr, e.len);
         }
-        const size_t elem = pdm_gguf__wscalar_size(kv->v.arr.type);
+        const size_t elem = pdm_gguf_scalar_size(kv->v.arr.type);
         if (!status && kv->v.arr.type != PDM_GGUF_STRING) /* raw little-endian elements */
             status = pdm_gguf__bytes_put(&value, kv->v.arr.data, (size_t)kv->v.arr.n * elem);
     } else if (!status) {

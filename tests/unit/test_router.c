@@ -113,6 +113,28 @@ static void beam_cb(void *arg, const pdm_decode_event_t *ev)
     e->n_hyps = ev->beam ? ev->beam->n_hyps : 0;
 }
 
+/* A small random model (2 layers, 4 heads, 2 KV heads) written and loaded under `name`. */
+static pdm_model_t *small_model(const char *name, int d_model, int n_ff, pdm_dtype_t wtype,
+                                pdm_dtype_t embtype, uint64_t seed)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/%s.gguf", pdm_test_tmpdir(), name);
+    pdm_testmodel_params_t tp;
+    pdm_testmodel_params_default(&tp);
+    tp.n_layers = 2;
+    tp.d_model = d_model;
+    tp.n_heads = 4;
+    tp.n_kv_heads = 2;
+    tp.n_ff = n_ff;
+    tp.wtype = wtype;
+    tp.embtype = embtype;
+    tp.seed = seed;
+    ck_assert_int_eq(pdm_testmodel_write(path, &tp), 0);
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    return m;
+}
+
 /* The engine alone, greedy: n_new tokens after the prompt, with KV of dtype `dt`. */
 static void engine_greedy(pdm_model_ctx_t *ctx, const pdm_model_t *m, const int32_t *prompt,
                           int n_prompt, int n_new, pdm_dtype_t dt, int32_t *out)
@@ -140,21 +162,7 @@ static int reserve_local(pdm_decode_node_t *node, uint64_t id, const int32_t *to
 
 START_TEST(test_decode_local_prefill)
 {
-    char path[600];
-    snprintf(path, sizeof(path), "%s/router-local-model.gguf", pdm_test_tmpdir());
-    pdm_testmodel_params_t tp;
-    pdm_testmodel_params_default(&tp);
-    tp.n_layers = 2;
-    tp.d_model = 64;
-    tp.n_heads = 4;
-    tp.n_kv_heads = 2;
-    tp.n_ff = 96;
-    tp.wtype = PDM_DT_F32;
-    tp.embtype = PDM_DT_F32;
-    tp.seed = 11;
-    ck_assert_int_eq(pdm_testmodel_write(path, &tp), 0);
-    pdm_model_t *m;
-    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    pdm_model_t *m = small_model("router-local-model", 64, 96, PDM_DT_F32, PDM_DT_F32, 11);
     enum { P = 21, NEW = 8 };
     int32_t prompt[P];
     for (int i = 0; i < P; i++) prompt[i] = (int32_t)((i * 37 + 5) % (int)m->hp.n_vocab);
@@ -291,20 +299,7 @@ static void run_sampled(pdm_decode_node_t *node, uint64_t id, const int32_t *tok
  * not, which tests/integration/run.sh's seeded migration catches.) */
 START_TEST(test_decode_migration_resume)
 {
-    char path[600];
-    snprintf(path, sizeof(path), "%s/router-resume-model.gguf", pdm_test_tmpdir());
-    pdm_testmodel_params_t tp;
-    pdm_testmodel_params_default(&tp);
-    tp.n_layers = 2;
-    tp.d_model = 256;
-    tp.n_heads = 4;
-    tp.n_kv_heads = 2;
-    tp.n_ff = 512;
-    tp.wtype = PDM_DT_Q4_1;
-    tp.seed = 12;
-    ck_assert_int_eq(pdm_testmodel_write(path, &tp), 0);
-    pdm_model_t *m;
-    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    pdm_model_t *m = small_model("router-resume-model", 256, 512, PDM_DT_Q4_1, PDM_DT_Q8_0, 12);
     enum { P = 19, NEW = 24 };
     int32_t all[P + NEW];
     for (int i = 0; i < P; i++) all[i] = (int32_t)((i * 41 + 3) % (int)m->hp.n_vocab);
@@ -337,21 +332,7 @@ END_TEST
  * sequences are not pooled. */
 START_TEST(test_decode_prefix_pool)
 {
-    char path[600];
-    snprintf(path, sizeof(path), "%s/router-pool-model.gguf", pdm_test_tmpdir());
-    pdm_testmodel_params_t tp;
-    pdm_testmodel_params_default(&tp);
-    tp.n_layers = 2;
-    tp.d_model = 64;
-    tp.n_heads = 4;
-    tp.n_kv_heads = 2;
-    tp.n_ff = 96;
-    tp.wtype = PDM_DT_F32;
-    tp.embtype = PDM_DT_F32;
-    tp.seed = 12;
-    ck_assert_int_eq(pdm_testmodel_write(path, &tp), 0);
-    pdm_model_t *m;
-    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    pdm_model_t *m = small_model("router-pool-model", 64, 96, PDM_DT_F32, PDM_DT_F32, 12);
     enum { P = 30, NEW = 8, EXTRA = 9 };
     pdm_model_ctx_t *ctx;
     ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
