@@ -147,7 +147,8 @@ static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, int64_t nee
     for (int i = 0; i < RT_MAX_NODES && !any; i++)
         any = rt_node_usable(r, i) && r->nodes[i].role == PDMESH__ROLE__ROLE_DECODE &&
               r->nodes[i].pool_tokens;
-    if (!any || q->beams > 1) return -1;
+    const uint32_t bt = (uint32_t)(r->cfg.block_tokens > 0 ? r->cfg.block_tokens : 64);
+    if (!any || q->beams > 1 || q->n_prompt <= bt) return -1;
     uint8_t (*h)[32] = malloc(sizeof(uint8_t[32]) * MAXB);
     int nb = h ? rt_block_hashes(r, q->prompt, q->n_prompt, h, MAXB) : 0, best = -1;
     for (int b = nb - 1; b >= 0 && best < 0; b--) {
@@ -161,7 +162,7 @@ static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, int64_t nee
             (n->kv_tokens && (int64_t)n->kv_tokens - n->kv_reserved < need))
             continue;
         best = d;
-        *cached = (uint32_t)(b + 1) * (uint32_t)(r->cfg.block_tokens > 0 ? r->cfg.block_tokens : 64);
+        *cached = (uint32_t)(b + 1) * bt;
     }
     free(h);
     return best;
