@@ -134,7 +134,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant clean distclean format \
         format-check \
-        integration-test hardening-test hardening-memory bench-router http-test bench-serve bench-prefix \
+        integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
         sdk-test image container-test fidelity
@@ -381,6 +381,11 @@ bench-serve: deps model all
 # Prefix reuse: follow-up turns with and without partial prefill (docs/perf/prefix.*).
 bench-prefix: deps model all
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/prefix.py --bindir $(BUILD)/bin \
+	  --out docs/perf $(if $(BENCH_QUICK),--quick)
+
+# Multi-turn chat sessions with and without the decode node's prefix pool (docs/perf/sessions.*).
+bench-sessions: deps model all
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/sessions.py --bindir $(BUILD)/bin \
 	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
 # Batched decode throughput beside llama.cpp (docs/perf/decode.*). BENCH_QUICK=1: short run.

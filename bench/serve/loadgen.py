@@ -33,6 +33,7 @@ def one_request(port, body, timeout):
         buf = b""
         first = last = None
         pieces = 0
+        texts = []
         status = None
         usage = None
         while True:
@@ -65,6 +66,7 @@ def one_request(port, body, timeout):
                     usage = j["usage"]
                 for c in j.get("choices", []):
                     if c.get("text"):
+                        texts.append(c["text"])
                         pieces += 1
                         if first is None:
                             first = now
@@ -72,6 +74,7 @@ def one_request(port, body, timeout):
         s.close()
         end = time.perf_counter()
         out["latency"] = end - t0
+        out["text"] = "".join(texts)
         if first is not None:
             out["ttft"] = first - t0
         n = usage["completion_tokens"] if usage else pieces

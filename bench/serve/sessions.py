@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Multi-turn chat sessions over the HTTP API (docs/perf/sessions.*): the workload of a chat
+front end, where a session's every turn resends the whole conversation.
+
+Sessions arrive as a Poisson process (--rate sessions/s for --duration s). Each session opens
+with a shared system text (about --system-words words, the same for every session, as a
+deployed assistant's instructions are) and a question of its own, then asks --turns - 1
+follow-ups, each after a think time (exponential, mean --think s); a turn's prompt is the
+previous prompt, the model's answer and the new question. Every turn is a streaming
+completion, so the client sees its own TTFT.
+
+Two meshes (router + 2-rank prefill group + decode node) run the same sessions (same seed):
+without the decode node's prefix pool (every turn's prompt is prefilled by the group, which
+keeps only its last conversation: --prefix-reuse 1) and with it (decode --kv-pool: a follow-up
+is prefilled on the decode node from the KV its earlier turn left there). Reported: TTFT
+p50/p90 of first turns and of follow-ups, the share of turns within the TTFT SLO, cached tokens.
+
+  python3 bench/serve/sessions.py [--bindir build/bin] [--rate 0.2] [--duration 60] [--quick]
+"""
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "integration"))
+import loadgen  # noqa: E402
+from mesh import Mesh, mesh_argparser  # noqa: E402
+
+SYSTEM = ("You are a patient assistant for a city library. You answer questions about opening "
+          "hours, borrowing rules, events for children and adults, study rooms, printing, "
+          "digital lending, lost cards and accessibility. Keep answers short and friendly, "
+          "say when you do not know, and never invent a rule.").split()
+QUESTIONS = ["When does the library open on Saturdays?", "Can I renew a book online?",
+             "Are there reading events for children?", "How do I book a study room?",
+             "What does printing cost?", "I lost my card, what now?",
+             "Can I borrow e-books?", "Is the building accessible by wheelchair?"]
+
+
+def session(k, args, port, rng, rows, lock):
+    words = [SYSTEM[i % len(SYSTEM)] for i in range(args.system_words)]
+    prompt = "System: %s\nUser: %s\nAssistant:" % (" ".join(words), QUESTIONS[k % len(QUESTIONS)])
+    for t in range(args.turns):
+        body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        r = loadgen.one_request(port, body, 300)
+        with lock:
+            rows.append({"session": k, "turn": t, "ok": r["ok"], "ttft": r["ttft"],
+                         "cached": r.get("cached", 0), "prompt_tokens": r.get("prompt_tokens")})
+        if not r["ok"]:
+            return
+        prompt += r.get("text", " I am not sure.") + "\nUser: %s\nAssistant:" % (
+            QUESTIONS[(k + t + 1) % len(QUESTIONS)])
+        time.sleep(rng.expovariate(1.0 / args.think))
+
+
+def run(args, pool):
+    mesh = Mesh(args.bindir, args.model, prefill_ranks=2, threads=1, local_threshold=16,
+                router_args=["--prefix-reuse", "1", "--block-tokens", "16"],
+                decode_args=["--kv-pool", str(pool)])
+    rows, lock, threads = [], threading.Lock(), []
+    try:
+        mesh.wait_ready(groups=True)
+        loadgen.one_request(mesh.http_port, {"prompt": "warm up", "max_tokens": 2,
+                                             "stream": True}, 120)
+        rng = random.Random(args.seed)
+        t0, k = time.time(), 0
+        next_at = t0 + rng.expovariate(args.rate)
+        while next_at < t0 + args.duration:
+            time.sleep(max(0.0, next_at - time.time()))
+            th = threading.Thread(target=session, args=(k, args, mesh.http_port,
+                                                        random.Random(args.seed + k), rows, lock))
+            th.start()
+            threads.append(th)
+            k += 1
+            next_at += rng.expovariate(args.rate)
+        for th in threads:
+            th.join(600)
+        return rows
+    finally:
+        mesh.stop()
+
+
+def summary(rows, slo):
+    def stats(xs):
+        t = [x["ttft"] for x in xs if x["ok"] and x["ttft"] is not None]
+        return {"n": len(xs), "failed": sum(1 for x in xs if not x["ok"]),
+                "ttft_p50_ms": 1e3 * statistics.median(t) if t else None,
+                "ttft_p90_ms": 1e3 * loadgen.pct(t, 90) if t else None,
+                "within_slo": sum(1 for v in t if v <= slo) / max(1, len(xs)),
+                "cached_p50": statistics.median(x["cached"] or 0 for x in xs) if xs else 0}
+    return {"first": stats([r for r in rows if r["turn"] == 0]),
+            "followup": stats([r for r in rows if r["turn"] > 0]), "all": stats(rows)}
+
+
+def main():
+    ap = mesh_argparser()
+    ap.add_argument("--out", default="docs/perf")
+    ap.add_argument("--rate", type=float, default=0.2)
+    ap.add_argument("--duration", type=float, default=90)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--think", type=float, default=2.0)
+    ap.add_argument("--system-words", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--slo-ttft", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="40 s of arrivals")
+    args = ap.parse_args()
+    if args.quick:
+        args.duration = 40
+    t0, load_before = time.time(), os.getloadavg()
+    res = {"without pool": summary(run(args, 0), args.slo_ttft),
+           "with pool": summary(run(args, 65536), args.slo_ttft)}
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": "%d vCPUs" % os.cpu_count(), "args": vars(args), "results": res,
+           "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+           "seconds": time.time() - t0}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sessions.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    md = ["# Multi-turn sessions: the decode node's prefix pool (bench/serve/sessions.py)", "",
+          "%s, %s, load average %.1f before / %.1f after. Sessions arrive at %.2f/s for %.0f s, "
+          "%d turns each, think time %.1f s (mean), a shared %d-word system text, %d new "
+          "tokens per turn; router + 2-rank prefill group + decode node, 1 thread per process; "
+          "TTFT SLO %.1f s." % (out["date"], out["machine"], load_before[0],
+                                out["loadavg_after"][0], args.rate, args.duration, args.turns,
+                                args.think, args.system_words, args.max_tokens, args.slo_ttft),
+          "", "| mesh | turns | first-turn TTFT p50 / p90 (ms) | follow-up TTFT p50 / p90 (ms) | "
+          "follow-up cached tokens (p50) | turns within SLO | failed |",
+          "|---|---|---|---|---|---|---|"]
+    for name, r in res.items():
+        f, u = r["first"], r["followup"]
+        md.append("| %s | %d | %s / %s | %s / %s | %.0f | %.0f %% | %d |" % (
+            name, r["all"]["n"], "%.0f" % f["ttft_p50_ms"] if f["ttft_p50_ms"] else "-",
+            "%.0f" % f["ttft_p90_ms"] if f["ttft_p90_ms"] else "-",
+            "%.0f" % u["ttft_p50_ms"] if u["ttft_p50_ms"] else "-",
+            "%.0f" % u["ttft_p90_ms"] if u["ttft_p90_ms"] else "-", u["cached_p50"],
+            100 * r["all"]["within_slo"], r["all"]["failed"]))
+    md += ["", "Without the pool a follow-up is prefilled by the group, which keeps only the "
+           "conversation it prefilled last (its partial prefill helps only when no other session "
+           "came between); with it, the decode node that served the earlier turn still holds "
+           "its KV and prefills only the new tokens."]
+    with open(os.path.join(args.out, "sessions.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
