@@ -202,7 +202,7 @@ static void ref_step_partitioned(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_kv_ca
                                       n_resp - s0 < 16 ? n_resp - s0 : 16, &views[nv++]);
                 pdm_model_attention(ctx, l, &one, views, nv);
             }
-        pdm_beam_attend_prompt(ctx, scratch, act, &pv); /* (scratch only: its KV is unused) */
+        pdm_beam_attend_prompt(ctx, scratch, l, act, &pv); /* (scratch only: its KV is unused) */
         if (!prime)
             for (int b = 0; b < n_live; b++)
                 for (int h = 0; h < nh; h++)
