@@ -17,7 +17,7 @@
  *     f = W_down (act(W_gate n) * W_up n); f = rmsnorm(f, ffn_post_norm)
  *     x = x + f                                          (act: SiLU, gemma3 GELU-tanh)
  *   logits = W_out rmsnorm(x, output_norm); cap * tanh(logits / cap)  (if softcapping)
- * *
+ *
  * Every step splits its work over the context's thread pool: matrix products by output rows
  * (several matrices that share an input, Q/K/V or gate/up, in one dispatch), attention by
  * (head, block of query rows), elementwise ops by token. Scratch comes from buffers sized once

@@ -295,11 +295,12 @@ START_TEST(test_arch_gemma3_270m)
 END_TEST
 
 /* Copies the GGUF `src` to `dst` without the metadata key `drop_key` and the tensor
- * `drop_tensor` (either may be NULL), with general.architecture set to `arch` if not NULL
- * and the string key `add_key` = `add_val` added if not NULL. */
-static void rewrite_gguf(const char *src, const char *dst, const char *drop_key,
-                         const char *drop_tensor, const char *arch, const char *add_key,
-                         const char *add_val)
+ * `drop_tensor` (either may be NULL), with general.architecture set to `arch` if not NULL,
+ * the string key `add_key` = `add_val` and the f32 key `f32_key` = `f32_val` added if not
+ * NULL. */
+static void rewrite_gguf_f32(const char *src, const char *dst, const char *drop_key,
+                             const char *drop_tensor, const char *arch, const char *add_key,
+                             const char *add_val, const char *f32_key, float f32_val)
 {
     pdm_gguf_t *g = NULL;
     ck_assert_int_eq(pdm_gguf_open(src, &g), PDM_OK);
@@ -314,6 +315,7 @@ static void rewrite_gguf(const char *src, const char *dst, const char *drop_key,
         ck_assert_int_eq(pdm_gguf_writer_copy_kv(w, kv), PDM_OK);
     }
     if (add_key) ck_assert_int_eq(pdm_gguf_writer_set_str(w, add_key, add_val), PDM_OK);
+    if (f32_key) ck_assert_int_eq(pdm_gguf_writer_set_f32(w, f32_key, f32_val), PDM_OK);
     for (uint64_t i = 0; i < pdm_gguf_n_tensors(g); i++) {
         const pdm_gguf_tensor_t *t = pdm_gguf_tensor_at(g, i);
         char name[128];
@@ -325,6 +327,13 @@ static void rewrite_gguf(const char *src, const char *dst, const char *drop_key,
     ck_assert_int_eq(pdm_gguf_writer_write(w, dst), PDM_OK);
     pdm_gguf_writer_destroy(w);
     pdm_gguf_close(g);
+}
+
+static void rewrite_gguf(const char *src, const char *dst, const char *drop_key,
+                         const char *drop_tensor, const char *arch, const char *add_key,
+                         const char *add_val)
+{
+    rewrite_gguf_f32(src, dst, drop_key, drop_tensor, arch, add_key, add_val, NULL, 0.0f);
 }
 
 /* Loading `path` fails with `status` and a message containing `needle`. */
@@ -400,6 +409,59 @@ START_TEST(test_arch_gemma3_layers)
 }
 END_TEST
 
+/* final_logit_softcapping (Gemma 2 style; gemma3 reads it when present): every logit of the
+ * capped model is cap * tanh(logit / cap) of the uncapped one's, batch and single row. */
+START_TEST(test_arch_softcap)
+{
+    char plain[512], capped[512];
+    pdm_testmodel_params_t p;
+    snprintf(plain, sizeof(plain), "%s/softcap_plain.gguf", pdm_test_tmpdir());
+    snprintf(capped, sizeof(capped), "%s/softcap_capped.gguf", pdm_test_tmpdir());
+    ck_assert_int_eq(pdm_testmodel_params_preset(&p, "gemma3"), PDM_OK);
+    p.emb_range = 1.0f; /* logits of several units, so a cap of 2 bends them */
+    ck_assert_int_eq(pdm_testmodel_write(plain, &p), PDM_OK);
+    const float cap = 2.0f;
+    rewrite_gguf_f32(plain, capped, NULL, NULL, NULL, NULL, NULL,
+                     "gemma3.final_logit_softcapping", cap);
+    const char *paths[2] = {plain, capped};
+    float *logits[2];
+    uint32_t nv = 0;
+    int32_t ids[20];
+    for (int i = 0; i < 20; i++) ids[i] = 3 + 11 * i;
+    for (int k = 0; k < 2; k++) {
+        pdm_model_t *m = NULL;
+        ck_assert_msg(pdm_model_load(paths[k], &m) == PDM_OK, "%s", pdm_error_last());
+        ck_assert_float_eq(m->hp.logit_softcap, k ? cap : 0.0f);
+        nv = m->hp.n_vocab;
+        pdm_model_ctx_t *ctx = NULL;
+        pdm_kv_cache_t *cache = NULL;
+        ck_assert_int_eq(pdm_model_ctx_create(m, 2, 32, &ctx), PDM_OK);
+        ck_assert_int_eq(pdm_kv_cache_create(&m->hp, 32, PDM_DT_F32, &cache), PDM_OK);
+        logits[k] = malloc((size_t)20 * nv * sizeof(float));
+        prefill_all(ctx, cache, ids, 20, logits[k]);
+        float *last = malloc(nv * sizeof(float));
+        pdm_kv_cache_clear(cache);
+        ck_assert_int_eq(pdm_model_prefill(ctx, cache, ids, 20, last), PDM_OK);
+        for (uint32_t i = 0; i < nv; i++)
+            ck_assert_float_eq_tol(last[i], logits[k][(size_t)19 * nv + i], 1e-4f);
+        free(last);
+        pdm_kv_cache_destroy(cache);
+        pdm_model_ctx_destroy(ctx);
+        pdm_model_free(m);
+    }
+    float maxabs = 0;
+    for (size_t i = 0; i < (size_t)20 * nv; i++) {
+        float want = cap * tanhf(logits[0][i] / cap);
+        ck_assert_msg(fabsf(logits[1][i] - want) <= 1e-5f, "logit %zu: %g, want %g", i,
+                      logits[1][i], want);
+        maxabs = fmaxf(maxabs, fabsf(logits[0][i]));
+    }
+    ck_assert_msg(maxabs > 2 * cap, "logits up to %g only: the cap is not exercised", maxabs);
+    free(logits[0]);
+    free(logits[1]);
+}
+END_TEST
+
 Suite *suite_arch(void)
 {
     Suite *s = suite_create("arch");
@@ -412,6 +474,7 @@ Suite *suite_arch(void)
     tcase_set_timeout(tl, 60);
     tcase_add_test(tl, test_arch_load_errors);
     tcase_add_test(tl, test_arch_gemma3_layers);
+    tcase_add_test(tl, test_arch_softcap);
     suite_add_tcase(s, tl);
     TCase *tr = tcase_create("real");
     tcase_set_timeout(tr, 600); /* scalar K-quant products on x86 for now: minutes */
