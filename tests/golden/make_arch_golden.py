@@ -203,6 +203,22 @@ def run_gemma(path: str, text_path: str, threads: int, expect_sha: str | None) -
             "first_top": first_top, "greedy": greedy, "greedy_top": greedy_top}
 
 
+def to_json(obj, indent: int = 0) -> str:
+    """JSON with one line per innermost record: lists without dicts and at most two levels
+    deep (a prompt, one position's top-k) on one line, everything else one item per line."""
+    def depth(o) -> int:
+        if isinstance(o, list):
+            return 1 + max((depth(x) for x in o), default=0)
+        return 100 if isinstance(o, dict) else 0
+    pad, inner = " " * indent, " " * (indent + 1)
+    if isinstance(obj, dict):
+        items = [f"{inner}{json.dumps(k)}: {to_json(v, indent + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(obj, list) and depth(obj) > 2:
+        return "[\n" + ",\n".join(inner + to_json(x, indent + 1) for x in obj) + "\n" + pad + "]"
+    return json.dumps(obj)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pdmesh", default="build/bin/pdmesh")
@@ -240,8 +256,7 @@ def main() -> None:
         write_f32_layers(args.gemma, f32)
         result["gemma3_270m_f32layers"] = run_gemma(f32, args.gemma_text, args.threads, None)
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+        f.write(to_json(result) + "\n")
 
 
 if __name__ == "__main__":
