@@ -18,6 +18,7 @@
 #   make golden   regenerate tests/golden/golden.json with llama.cpp (llama-cpp-python)
 #   make fidelity  perplexity and KL divergence vs llama.cpp and the exact model
 #                 (docs/perf/fidelity.md, docs/fidelity.md)
+#   make golden-arch  regenerate tests/golden/arch_golden.json (every architecture, llama.cpp)
 #   make format   clang-format the sources in place (.clang-format); make format-check lists
 #                 the files that differ (not part of make test)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
@@ -93,7 +94,7 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
             tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c \
             tests/unit/test_router.c tests/unit/test_sdk.c tests/unit/test_http.c tests/unit/test_curve.c \
-            tests/unit/test_nodeproto.c tests/unit/test_quant.c \
+            tests/unit/test_nodeproto.c tests/unit/test_quant.c tests/unit/test_arch.c \
             router/http_openai.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
@@ -132,7 +133,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant clean distclean format \
+.PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch clean distclean format \
         format-check \
         integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
@@ -481,6 +482,14 @@ golden: model
 golden-quant: $(BUILD)/bin/pdmesh
 	@tools/deps.sh $(VENV) --golden
 	$(VENV)/bin/python tests/golden/make_quant_golden.py --pdmesh $(BUILD)/bin/pdmesh
+
+# Every architecture's random test model against llama.cpp (tests/golden/arch_golden.json,
+# checked by the unit suite `arch`; see tests/golden/README.md)
+# GEMMA=models/gemma-3-270m-q4_k_m.gguf adds the real Gemma 3 270M (docs/models.md).
+golden-arch: $(BUILD)/bin/pdmesh
+	@tools/deps.sh $(VENV) --golden
+	$(VENV)/bin/python tests/golden/make_arch_golden.py --pdmesh $(BUILD)/bin/pdmesh \
+	  --out tests/golden/arch_golden.json $(if $(GEMMA),--gemma $(GEMMA))
 
 # Formatting with the committed .clang-format: every C/CUDA source and header of the tree
 # (not build output). `make format` rewrites them in place; `make format-check` only lists the

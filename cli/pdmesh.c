@@ -73,7 +73,9 @@ static void usage(FILE *f)
             "              [--json]   KL divergence against a saved base (docs/fidelity.md)\n"
             "  kld         BASE OTHER [--chunks K] [--json]   KL(BASE || OTHER) of two bases\n"
             "  make-test-model --out FILE [--layers N] [--d-model N] [--ffn N] [--heads N]\n"
-            "              [--kv-heads N] [--wtype T] [--emb-type T] [--untied] [--seed S]\n"
+            "              [--kv-heads N] [--head-dim N] [--wtype T] [--emb-type T] [--untied]\n"
+            "              [--seed S] [--arch llama|llama3|qwen2|qwen3|gemma3]  (--arch: that\n"
+            "              architecture's preset shape, docs/models.md; other options refine it)\n"
             "              T: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k\n"
             "              iq4_nl iq4_xs (the K types and iq4_xs need d_model and ffn\n"
             "              multiples of 256); default q4_1 matrices, q8_0 embeddings\n"
@@ -522,11 +524,20 @@ static int cmd_make_test_model(int argc, char **argv)
         {"wtype", required_argument, 0, 'w'},    {"seed", required_argument, 0, 's'},
         {"ctx", required_argument, 0, 'c'},      {"help", no_argument, 0, 'h'},
         {"emb-type", required_argument, 0, 'e'}, {"untied", no_argument, 0, 'u'},
+        {"arch", required_argument, 0, 'a'},     {"head-dim", required_argument, 0, 'D'},
         {0, 0, 0, 0}};
     int c;
     long v;
+    /* --arch sets the preset first, so the other options refine it whatever their order */
     optind = 1;
-    while ((c = getopt_long(argc, argv, "o:l:d:f:H:k:w:s:c:he:u", opts, NULL)) != -1) {
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "o:l:d:f:H:k:w:s:c:he:ua:D:", opts, NULL)) != -1)
+        if (c == 'a' && pdm_testmodel_params_preset(&p, optarg))
+            return cli_usage_error("%s", pdm_error_last());
+    opterr = 1;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "o:l:d:f:H:k:w:s:c:he:ua:D:", opts, NULL)) != -1) {
+        if (c == 'a') continue;
         if (c == 'h') {
             usage(stdout);
             return 0;
@@ -557,6 +568,7 @@ static int cmd_make_test_model(int argc, char **argv)
         case 'k': p.n_kv_heads = (uint32_t)v; break;
         case 's': p.seed = (uint64_t)v; break;
         case 'c': p.n_ctx = (uint32_t)v; break;
+        case 'D': p.head_dim = (uint32_t)v; break;
         }
     }
     if (!out) return cli_usage_error("%s", "make-test-model needs --out FILE");

@@ -200,6 +200,8 @@ static char *pdm__seg_head(const pdm_beam_kv_t *kv, int s, uint32_t layer, uint3
  * (§3.3: Q [1, BW, D] against K/V_prompt [N_prompt, D] in one work group). */
 typedef struct {
     const pdm_kern_ops_t *ops;
+    const pdm_model_t *model;
+    int layer;
     const pdm_kv_view_t *view;
     const pdm_beam_kv_t *kv;
     int n_rows, hd, n_split, n_kv_heads;
@@ -232,15 +234,15 @@ static void pdm__prompt_task(void *arg, int ith, int nth)
                              .kv_type = t->view->dtype, .k_scale = t->view->k_scale[kvh],
                              .v_scale = t->view->v_scale[kvh],
                              .k_pos0 = t->view->pos0 + (int32_t)b,
-                             .n_kv = (int)(e - b), .head_dim = hd,
-                             .scale = 1.0f / sqrtf((float)hd), .causal = 1, .o = part,
+                             .n_kv = (int)(e - b), .head_dim = hd, .o = part,
                              .o_stride = hd, .lse = lse, .lse_stride = 1};
+        pdm_model_attn_setup(t->model, t->layer, &a);
         t->ops->attention(&a);
     }
 }
 
-void pdm_beam_attend_prompt(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, pdm_act_t *rows,
-                            const pdm_kv_view_t *view)
+void pdm_beam_attend_prompt(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer,
+                            pdm_act_t *rows, const pdm_kv_view_t *view)
 {
     const pdm_kern_ops_t *ops = pdm_model_ctx_ops(ctx);
     const pdm_model_hparams_t *hp = &pdm_model_ctx_model(ctx)->hp;
@@ -254,7 +256,8 @@ void pdm_beam_attend_prompt(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, pdm_act_t *
                    rows->q + (size_t)b * qdim + (size_t)h * group * hd,
                    sizeof(float) * (size_t)group * hd);
     for (int r = 0; r < nr; r++) kv->prompt_pos[r] = rows->pos[0];
-    pdm__prompt_task_t t = {.ops = ops, .view = view, .kv = kv, .n_rows = nr, .hd = hd,
+    pdm__prompt_task_t t = {.ops = ops, .model = pdm_model_ctx_model(ctx), .layer = layer,
+                            .view = view, .kv = kv, .n_rows = nr, .hd = hd,
                             .n_split = kv->n_split, .n_kv_heads = nkv};
     atomic_init(&t.next, 0);
     pdm_kern_pool_run(pdm_model_ctx_pool(ctx), pdm__prompt_task, &t);
@@ -285,7 +288,7 @@ void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_
     if (!kv->primed) {
         /* Recomputing the last prompt token: its KV is already in the prompt (from the prefill
          * ranks); only its output is needed. */
-        pdm_beam_attend_prompt(ctx, kv, rows, &prompt_view);
+        pdm_beam_attend_prompt(ctx, kv, layer, rows, &prompt_view);
         return;
     }
     const int t = kv->n_steps, seg_now = t / PDM_BEAM_STEP;
@@ -325,8 +328,8 @@ void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_
                                  .q_stride = hd, .q_pos = kv->pos_tmp, .n_q = group,
                                  .kv_type = kv->dtype, .head_dim = hd,
                                  .k_scale = prompt_view.k_scale[h],
-                                 .v_scale = prompt_view.v_scale[h],
-                                 .scale = 1.0f / sqrtf((float)hd), .causal = 1};
+                                 .v_scale = prompt_view.v_scale[h]};
+            pdm_model_attn_setup(pdm_model_ctx_model(ctx), layer, &a);
             for (int s = 0; s < n_seg; s++) {
                 a.k = pdm__seg_head(kv, s, (uint32_t)layer, h, 0);
                 a.v = pdm__seg_head(kv, s, (uint32_t)layer, h, 1);
@@ -344,7 +347,7 @@ void pdm_beam_kv_attend(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer, pdm_
         }
     }
     /* 3. All beams against the shared prompt in one pass. */
-    pdm_beam_attend_prompt(ctx, kv, rows, &prompt_view);
+    pdm_beam_attend_prompt(ctx, kv, layer, rows, &prompt_view);
     /* 4. Merge the two parts by log-sum-exp. */
     for (int b = 0; b < n; b++)
         for (int h = 0; h < n_heads; h++)

@@ -137,11 +137,11 @@ int pdm_beam_step_check(pdm_model_ctx_t *ctx, pdm_beam_kv_t *const *beams, int n
 /* Sizes the prompt-attention scratch for ctx's thread count (PDM_ENOMEM). */
 int pdm_beam_kv_scratch(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv);
 /* o and lse of the rows->n rows (one beam search's beams, all at one position) against one
- * contiguous view (the shared prompt): items (kv head, key range) over ctx's pool, each with
- * the query heads of all rows that share the kv head as one block. Needs pdm_beam_kv_scratch
- * and rows->n <= kv->width. */
-void pdm_beam_attend_prompt(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, pdm_act_t *rows,
-                            const pdm_kv_view_t *view);
+ * contiguous view (the shared prompt) of `layer` (whose scale and sliding window apply):
+ * items (kv head, key range) over ctx's pool, each with the query heads of all rows that share
+ * the kv head as one block. Needs pdm_beam_kv_scratch and rows->n <= kv->width. */
+void pdm_beam_attend_prompt(pdm_model_ctx_t *ctx, pdm_beam_kv_t *kv, int layer,
+                            pdm_act_t *rows, const pdm_kv_view_t *view);
 /* After the step: the step's rows become part of the cache. */
 void pdm_beam_kv_commit(pdm_beam_kv_t *kv);
 /* New beam b continues old beam parent[b] (b < n): the table rows are copied, the KV stays

@@ -195,7 +195,10 @@ typedef struct {
 
 /* Attention of a block of query rows of one head against one KV view of the matching KV
  * head. Positions are absolute. With `causal`, query row i sees key j iff
- * k_pos0 + j <= q_pos[i]. Rows that see no key get o = 0 and lse = -INFINITY. */
+ * k_pos0 + j <= q_pos[i], and with a sliding window (window > 0) also
+ * q_pos[i] - (k_pos0 + j) < window (llama.cpp's LLAMA_SWA_TYPE_STANDARD, is_masked_swa in
+ * src/llama-hparams.h: the row sees itself and the window - 1 keys before it). Rows that see
+ * no key get o = 0 and lse = -INFINITY. */
 typedef struct {
     const float *q;       /* [n_q][q_stride] floats; head_dim used per row */
     int64_t q_stride;     /* floats between query rows */
@@ -213,7 +216,22 @@ typedef struct {
     int64_t o_stride;
     float *lse;           /* [n_q] out, lse_stride apart */
     int64_t lse_stride;
+    int32_t window;       /* causal only: sliding window in tokens; 0 = unlimited */
 } pdm_kern_attn_t;
+
+/* RoPE parameters beyond the base (llama.cpp's ggml_rope_ext with ext_factor 0 and
+ * attn_factor 1, i.e. no YaRN): pair i of a head of d dims is rotated by
+ *     pos * freq_scale * theta^(-2i/d) / freq_factors[i]
+ * (ggml-cpu ops.cpp ggml_rope_cache_init / rope_yarn). `neox` picks the pairs: 0 rotates
+ * adjacent values (x[2i], x[2i+1]) (GGML_ROPE_TYPE_NORM: Llama), 1 rotates (x[i], x[i + d/2])
+ * (GGML_ROPE_TYPE_NEOX: Qwen2, Qwen3, Gemma 3). */
+typedef struct {
+    float theta;               /* frequency base */
+    float freq_scale;          /* 1 / linear scaling factor; 1 = none */
+    const float *freq_factors; /* [head_dim / 2] divisors of each pair's frequency (Llama 3's
+                                * rope_freqs tensor), or NULL */
+    int neox;
+} pdm_kern_rope_t;
 
 typedef struct pdm_kern_ops {
     const char *name;
@@ -250,6 +268,13 @@ typedef struct pdm_kern_ops {
      * fused into the attention (segment KV cache paper §3.3), so reordering beams never copies
      * KV. kv_rows NULL is `attention`. */
     void (*attention_rows)(const pdm_kern_attn_t *a, const int32_t *kv_rows);
+    /* `rope` generalised (see pdm_kern_rope_t); rope(x, .., theta) is rope_ext with
+     * {theta, 1, NULL, 0}. */
+    void (*rope_ext)(float *x, int n_heads, int head_dim, int32_t pos, const pdm_kern_rope_t *r);
+    /* out[i] = gelu(gate[i]) * up[i] with the tanh form of GELU,
+     * gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Gemma's gated FFN, llama.cpp
+     * LLM_FFN_GELU + LLM_FFN_PAR = ggml_geglu). out may alias gate. */
+    void (*geglu)(float *out, const float *gate, const float *up, int n);
 } pdm_kern_ops_t;
 
 /* The scalar reference implementation. */

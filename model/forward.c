@@ -1,5 +1,22 @@
 /*
- * forward.c - the Llama forward pass as per-layer steps over batches of tokens.
+ * forward.c - the transformer forward pass as per-layer steps over batches of tokens, one code
+ * path for every architecture of model.h (pdm_model_arch_t): the hyperparameters and the
+ * optional tensors a layer has (biases, Q/K norms, post norms) switch the few points where
+ * they differ, after llama.cpp's graphs (src/models/{llama,qwen2,qwen3,gemma3}.cpp):
+ *
+ *   x = embed(token) * embd_scale                                   (gemma3: sqrt(d_model))
+ *   per layer:
+ *     n = rmsnorm(x, attn_norm)
+ *     q, k, v = Wq n (+ bq), Wk n (+ bk), Wv n (+ bv)                 (biases: qwen2)
+ *     q, k = rmsnorm per head (q_norm, k_norm)                        (qwen3, gemma3)
+ *     q, k = rope(q, k, layer's base and scale, NORM or NEOX pairs, rope_freqs)
+ *     o = softmax(attn_scale q.k + causal/sliding-window mask) v      (window: local layers)
+ *     a = Wo o; a = rmsnorm(a, attn_post_norm)                        (post norms: gemma3)
+ *     x = x + a
+ *     n = rmsnorm(x, ffn_norm)
+ *     f = W_down (act(W_gate n) * W_up n); f = rmsnorm(f, ffn_post_norm)
+ *     x = x + f                                          (act: SiLU, gemma3 GELU-tanh)
+ *   logits = W_out rmsnorm(x, output_norm); cap * tanh(logits / cap)  (if softcapping)
  *
  * Every step splits its work over the context's thread pool: matrix products by output rows
  * (several matrices that share an input, Q/K/V or gate/up, in one dispatch), attention by
@@ -228,18 +245,66 @@ static void pdm__norm_task(void *arg, int ith, int nth)
                              t->norm_w, (int)hp->d_model, hp->rms_eps);
 }
 
-static void pdm__rope_task(void *arg, int ith, int nth)
+static void pdm__add_bias(float *x, const float *bias, size_t n)
+{
+    if (bias)
+        for (size_t j = 0; j < n; j++) x[j] += bias[j];
+}
+
+/* RMSNorm of each of n_heads heads of x in place (weights over head_dim), if w is set. */
+static void pdm__head_norm(const pdm_kern_ops_t *ops, float *x, const float *w, int n_heads,
+                           int head_dim, float eps)
+{
+    if (!w) return;
+    for (int h = 0; h < n_heads; h++) {
+        float *v = x + (size_t)h * head_dim;
+        ops->rmsnorm(v, v, w, head_dim, eps);
+    }
+}
+
+/* Per token, after the Q/K/V products: biases, per-head Q/K norms, RoPE at the token's
+ * position with the layer's frequency base and scaling. */
+static void pdm__qk_task(void *arg, int ith, int nth)
+{
+    pdm__tok_task_t *t = arg;
+    const pdm_model_t *m = t->ctx->model;
+    const pdm_model_hparams_t *hp = &m->hp;
+    const pdm_model_layer_t *L = &m->layers[t->layer];
+    const pdm_kern_ops_t *ops = t->ctx->ops;
+    const int hd = (int)hp->head_dim;
+    const pdm_kern_rope_t rope = {.theta = L->rope_theta, .freq_scale = L->rope_freq_scale,
+                                  .freq_factors = m->rope_freqs, .neox = hp->rope_neox};
+    const int plain_rope = !rope.neox && !rope.freq_factors && rope.freq_scale == 1.0f;
+    int64_t b, e;
+    pdm_kern_split(t->act->n, ith, nth, 1, &b, &e);
+    size_t qdim = (size_t)hp->n_heads * hd, kvdim = (size_t)hp->n_kv_heads * hd;
+    for (int64_t i = b; i < e; i++) {
+        float *q = t->act->q + i * qdim, *k = t->act->k + i * kvdim;
+        pdm__add_bias(q, L->bq, qdim);
+        pdm__add_bias(k, L->bk, kvdim);
+        pdm__add_bias(t->act->v + i * kvdim, L->bv, kvdim);
+        pdm__head_norm(ops, q, L->q_norm, (int)hp->n_heads, hd, hp->rms_eps);
+        pdm__head_norm(ops, k, L->k_norm, (int)hp->n_kv_heads, hd, hp->rms_eps);
+        if (plain_rope) { /* the original op (Llama 2 / SmolLM), kept for its SIMD variants */
+            ops->rope(q, (int)hp->n_heads, hd, t->act->pos[i], rope.theta);
+            ops->rope(k, (int)hp->n_kv_heads, hd, t->act->pos[i], rope.theta);
+        } else {
+            ops->rope_ext(q, (int)hp->n_heads, hd, t->act->pos[i], &rope);
+            ops->rope_ext(k, (int)hp->n_kv_heads, hd, t->act->pos[i], &rope);
+        }
+    }
+}
+
+/* tmp = rmsnorm(tmp, norm_w) per token (the post norms of Gemma 3) */
+static void pdm__post_norm_task(void *arg, int ith, int nth)
 {
     pdm__tok_task_t *t = arg;
     const pdm_model_hparams_t *hp = &t->ctx->model->hp;
     int64_t b, e;
     pdm_kern_split(t->act->n, ith, nth, 1, &b, &e);
-    size_t qdim = (size_t)hp->n_heads * hp->head_dim, kvdim = (size_t)hp->n_kv_heads * hp->head_dim;
     for (int64_t i = b; i < e; i++) {
-        t->ctx->ops->rope(t->act->q + i * qdim, (int)hp->n_heads, (int)hp->head_dim,
-                          t->act->pos[i], hp->rope_theta);
-        t->ctx->ops->rope(t->act->k + i * kvdim, (int)hp->n_kv_heads, (int)hp->head_dim,
-                          t->act->pos[i], hp->rope_theta);
+        float *row = t->ctx->tmp + i * hp->d_model;
+        t->ctx->ops->rmsnorm(row, row, t->norm_w, (int)hp->d_model, hp->rms_eps);
     }
 }
 
@@ -259,9 +324,15 @@ static void pdm__swiglu_task(void *arg, int ith, int nth)
     size_t f = t->ctx->model->hp.n_ff;
     int64_t b, e;
     pdm_kern_split(t->act->n, ith, nth, 1, &b, &e);
-    for (int64_t i = b; i < e; i++)
-        t->ctx->ops->swiglu(t->ctx->gate + i * f, t->ctx->gate + i * f, t->ctx->up + i * f,
-                            (int)f);
+    const int gelu = t->ctx->model->hp.ffn_gelu;
+    for (int64_t i = b; i < e; i++) {
+        if (gelu)
+            t->ctx->ops->geglu(t->ctx->gate + i * f, t->ctx->gate + i * f, t->ctx->up + i * f,
+                               (int)f);
+        else
+            t->ctx->ops->swiglu(t->ctx->gate + i * f, t->ctx->gate + i * f, t->ctx->up + i * f,
+                                (int)f);
+    }
 }
 
 int pdm_model_embed(pdm_model_ctx_t *ctx, const int32_t *tokens, const int32_t *positions,
@@ -277,8 +348,10 @@ int pdm_model_embed(pdm_model_ctx_t *ctx, const int32_t *tokens, const int32_t *
                                  tokens[i], m->hp.n_vocab - 1);
     for (int i = 0; i < n; i++) {
         const void *row = (const char *)m->tok_embd.data + (size_t)tokens[i] * m->tok_embd.row_bytes;
-        pdm_dequantize_row(m->tok_embd.type, row, act->x + (size_t)i * m->hp.d_model,
-                           m->hp.d_model);
+        float *x = act->x + (size_t)i * m->hp.d_model;
+        pdm_dequantize_row(m->tok_embd.type, row, x, m->hp.d_model);
+        if (m->hp.embd_scale != 1.0f)
+            for (uint32_t j = 0; j < m->hp.d_model; j++) x[j] *= m->hp.embd_scale;
         act->pos[i] = positions[i];
     }
     act->n = n;
@@ -297,7 +370,7 @@ void pdm_model_attn_in(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act)
         pdm__matmul(ctx, ctx->xn, act->n, 1, &L->wk, act->k, NULL, NULL, NULL, NULL);
         pdm__matmul(ctx, ctx->xn, act->n, 1, &L->wv, act->v, NULL, NULL, NULL, NULL);
     }
-    pdm__run_tokens(ctx, act->n, pdm__rope_task, &t);
+    pdm__run_tokens(ctx, act->n, pdm__qk_task, &t);
 }
 
 /* ---- Attention ----------------------------------------------------------------------- */
@@ -308,6 +381,7 @@ typedef struct {
     const pdm_kv_view_t *views;
     int n_views;
     int kvh0, kvh1;  /* kv heads [kvh0, kvh1) (and their query heads) are computed */
+    int layer;
     atomic_int next; /* next unclaimed work item */
 } pdm__attn_task_t;
 
@@ -338,9 +412,8 @@ static void pdm__attn_task(void *arg, int ith, int nth)
             .q_pos = t->act->pos + i0,
             .n_q = nq,
             .head_dim = hd,
-            .scale = 1.0f / sqrtf((float)hd),
-            .causal = 1,
         };
+        pdm_model_attn_setup(t->ctx->model, t->layer, &a);
         for (int vi = 0; vi < t->n_views; vi++) {
             const pdm_kv_view_t *view = &t->views[vi];
             a.k = view->k[kvh];
@@ -404,14 +477,20 @@ static void pdm__attn_split_task(void *arg, int ith, int nth)
         float *part = t->ctx->split + ((size_t)kvh * n_split + sp) * group * (hd + 1);
         float *part_lse = part + (size_t)group * hd;
         pdm_kern_attn_t a = {.q = t->act->q + (size_t)kvh * group * hd, .q_stride = hd,
-                             .q_pos = pos, .n_q = group, .head_dim = hd,
-                             .scale = 1.0f / sqrtf((float)hd), .causal = 1};
+                             .q_pos = pos, .n_q = group, .head_dim = hd};
+        pdm_model_attn_setup(t->ctx->model, t->layer, &a);
         for (int g = 0; g < group; g++) part_lse[g] = -INFINITY;
         memset(part, 0, (size_t)group * hd * sizeof(float));
         for (int vi = 0; vi < t->n_views; vi++) {
             const pdm_kv_view_t *view = &t->views[vi];
-            int64_t b, e;
-            pdm_kern_split(view->n_tokens, sp, n_split, 32, &b, &e);
+            /* a sliding window sees keys from pos - window + 1 on: split only those */
+            int64_t lo = 0, b, e;
+            if (a.window > 0)
+                lo = PDM_MAX(0, (int64_t)pos[0] - a.window + 1 - view->pos0);
+            if (lo >= view->n_tokens) continue;
+            pdm_kern_split(view->n_tokens - lo, sp, n_split, 32, &b, &e);
+            b += lo;
+            e += lo;
             if (b >= e) continue;
             size_t off = (size_t)b * hd * pdm_dtype_row_bytes(view->dtype, 1);
             a.k = (const char *)view->k[kvh] + off;
@@ -455,13 +534,12 @@ static void pdm__attn_split_merge(pdm_model_ctx_t *ctx, pdm_act_t *act, int kvh0
 void pdm_model_attention_heads(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
                                const pdm_kv_view_t *views, int n_views, int kvh0, int kvh1)
 {
-    (void)layer;
     const pdm_model_hparams_t *hp = &ctx->model->hp;
     if (kvh0 < 0) kvh0 = 0;
     if (kvh1 > (int)hp->n_kv_heads) kvh1 = (int)hp->n_kv_heads;
     if (kvh0 >= kvh1) return;
     pdm__attn_task_t t = {.ctx = ctx, .act = act, .views = views, .n_views = n_views,
-                          .kvh0 = kvh0, .kvh1 = kvh1};
+                          .kvh0 = kvh0, .kvh1 = kvh1, .layer = layer};
     atomic_init(&t.next, 0);
     if (act->n == 1 && hp->n_heads / hp->n_kv_heads <= PDM__ATTN_QBLOCK) {
         pdm_kern_pool_run(ctx->pool, pdm__attn_split_task, &t);
@@ -482,7 +560,12 @@ void pdm_model_attn_out_ffn(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act)
 {
     const pdm_model_layer_t *L = &ctx->model->layers[layer];
     pdm__tok_task_t t = {.ctx = ctx, .act = act, .norm_w = L->ffn_norm, .layer = layer};
+    pdm__tok_task_t post = {.ctx = ctx, .act = act, .layer = layer};
     pdm__matmul(ctx, act->o, act->n, 1, &L->wo, ctx->tmp, NULL, NULL, NULL, NULL);
+    if (L->attn_post_norm) {
+        post.norm_w = L->attn_post_norm;
+        pdm__run_tokens(ctx, act->n, pdm__post_norm_task, &post);
+    }
     pdm__run_tokens(ctx, act->n, pdm__residual_task, &t);
     pdm__run_tokens(ctx, act->n, pdm__norm_task, &t);
     if (L->w_gate.type == L->w_up.type)
@@ -493,7 +576,20 @@ void pdm_model_attn_out_ffn(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act)
     }
     pdm__run_tokens(ctx, act->n, pdm__swiglu_task, &t);
     pdm__matmul(ctx, ctx->gate, act->n, 1, &L->w_down, ctx->tmp, NULL, NULL, NULL, NULL);
+    if (L->ffn_post_norm) {
+        post.norm_w = L->ffn_post_norm;
+        pdm__run_tokens(ctx, act->n, pdm__post_norm_task, &post);
+    }
     pdm__run_tokens(ctx, act->n, pdm__residual_task, &t);
+}
+
+/* Final logit soft-capping (Gemma 2 style, llama.cpp f_final_logit_softcapping):
+ * logit = cap * tanh(logit / cap). */
+static void pdm__softcap(const pdm_model_hparams_t *hp, float *logits, size_t n)
+{
+    if (hp->logit_softcap <= 0.0f) return;
+    const float cap = hp->logit_softcap, inv = 1.0f / cap;
+    for (size_t i = 0; i < n; i++) logits[i] = cap * tanhf(logits[i] * inv);
 }
 
 void pdm_model_logits(pdm_model_ctx_t *ctx, const pdm_act_t *act, int row, float *logits)
@@ -502,6 +598,7 @@ void pdm_model_logits(pdm_model_ctx_t *ctx, const pdm_act_t *act, int row, float
     ctx->ops->rmsnorm(ctx->xn, act->x + (size_t)row * m->hp.d_model, m->output_norm,
                       (int)m->hp.d_model, m->hp.rms_eps);
     pdm__matmul(ctx, ctx->xn, 1, 1, &m->output, logits, NULL, NULL, NULL, NULL);
+    pdm__softcap(&m->hp, logits, m->hp.n_vocab);
 }
 
 void pdm_model_logits_batch(pdm_model_ctx_t *ctx, const pdm_act_t *act, int n, float *logits)
@@ -512,6 +609,7 @@ void pdm_model_logits_batch(pdm_model_ctx_t *ctx, const pdm_act_t *act, int n, f
         ctx->ops->rmsnorm(ctx->xn + (size_t)i * d, act->x + (size_t)i * d, m->output_norm,
                           (int)d, m->hp.rms_eps);
     pdm__matmul(ctx, ctx->xn, n, 1, &m->output, logits, NULL, NULL, NULL, NULL);
+    pdm__softcap(&m->hp, logits, (size_t)n * m->hp.n_vocab);
 }
 
 void pdm_model_kv_store(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int layer,

@@ -31,17 +31,38 @@
 
 /* ---- Weights ------------------------------------------------------------------------------ */
 
+/* The GGUF architectures (general.architecture) the forward pass implements; docs/models.md
+ * and the table in model/model.c say which keys and tensors each reads. */
+typedef enum {
+    PDM_ARCH_LLAMA,  /* "llama": Llama 2/3.x, Mistral-style, SmolLM */
+    PDM_ARCH_QWEN2,  /* "qwen2": Q/K/V biases, NEOX RoPE */
+    PDM_ARCH_QWEN3,  /* "qwen3": per-head Q/K RMSNorm, NEOX RoPE, head_dim from key_length */
+    PDM_ARCH_GEMMA3, /* "gemma3": scaled embeddings, pre+post norms, GeGLU, local/global layers */
+} pdm_model_arch_t;
+
+/* The architecture's GGUF name ("llama", "qwen2", ...). */
+const char *pdm_model_arch_name(pdm_model_arch_t arch);
+
 typedef struct {
     uint32_t n_layers;
     uint32_t d_model;     /* embedding width */
     uint32_t n_ff;        /* FFN hidden width */
     uint32_t n_heads;     /* query heads */
     uint32_t n_kv_heads;  /* key/value heads (GQA: n_heads % n_kv_heads == 0) */
-    uint32_t head_dim;    /* d_model / n_heads */
+    uint32_t head_dim;    /* <arch>.attention.key_length, else d_model / n_heads */
     uint32_t n_vocab;
-    uint32_t n_ctx_train; /* llama.context_length */
-    float rope_theta;     /* llama.rope.freq_base */
-    float rms_eps;        /* llama.attention.layer_norm_rms_epsilon */
+    uint32_t n_ctx_train; /* <arch>.context_length */
+    float rope_theta;     /* <arch>.rope.freq_base (global layers) */
+    float rms_eps;        /* <arch>.attention.layer_norm_rms_epsilon */
+    /* Architecture switches, set by the loader from the architecture and the file. */
+    pdm_model_arch_t arch;
+    int rope_neox;          /* RoPE pairs (i, i + head_dim/2) instead of (2i, 2i + 1) */
+    float rope_freq_scale; /* 1 / <arch>.rope.scaling.factor (linear scaling), global layers */
+    float attn_scale;      /* softmax scale of q.k: 1/sqrt(head_dim) unless the arch says */
+    float embd_scale;      /* embeddings multiplied by this (gemma3: sqrt(d_model)), else 1 */
+    int ffn_gelu;          /* gated FFN activation: 0 SiLU (SwiGLU), 1 GELU-tanh (GeGLU) */
+    float logit_softcap;   /* <arch>.final_logit_softcapping: cap * tanh(logit / cap); 0 off */
+    uint32_t n_swa;        /* <arch>.attention.sliding_window of the local layers; 0 none */
 } pdm_model_hparams_t;
 
 typedef struct {
@@ -54,6 +75,17 @@ typedef struct {
     pdm_kern_mat_t w_gate;  /* (n_ff, d_model) */
     pdm_kern_mat_t w_up;    /* (n_ff, d_model) */
     pdm_kern_mat_t w_down;  /* (d_model, n_ff) */
+    /* Optional per architecture (NULL when absent): */
+    const float *bq;             /* (n_heads * head_dim) attn_q.bias (qwen2) */
+    const float *bk, *bv;        /* (n_kv_heads * head_dim) attn_k.bias, attn_v.bias */
+    const float *q_norm;         /* (head_dim) attn_q_norm: RMSNorm of each query head */
+    const float *k_norm;         /* (head_dim) attn_k_norm: RMSNorm of each key head */
+    const float *attn_post_norm; /* (d_model) post_attention_norm of the attention output */
+    const float *ffn_post_norm;  /* (d_model) post_ffw_norm of the FFN output */
+    /* The layer's kind: local (sliding window) or global. */
+    int32_t window;              /* sliding window in tokens; 0 = global (full causal) */
+    float rope_theta;            /* RoPE frequency base of this layer */
+    float rope_freq_scale;       /* its linear scaling (1 / factor; 1 = none) */
 } pdm_model_layer_t;
 
 typedef struct pdm_model {
@@ -62,16 +94,24 @@ typedef struct pdm_model {
     pdm_kern_mat_t tok_embd;    /* (n_vocab, d_model) */
     pdm_kern_mat_t output;      /* (n_vocab, d_model); tok_embd when tied */
     const float *output_norm;   /* (d_model) */
+    const float *rope_freqs;    /* (head_dim / 2) Llama 3 frequency divisors (rope_freqs.weight,
+                                 * global layers), or NULL */
     pdm_model_layer_t *layers;  /* [n_layers] */
     pdm_tokenizer_t *tokenizer; /* NULL if the file has no tokenizer */
-    float *norms;               /* owned f32 copies of all norm weights */
+    float *norms;               /* owned f32 copies of all norm and bias vectors */
 } pdm_model_t;
 
-/* Opens a Llama-architecture GGUF file and validates every shape against the hyperparameters.
- * Weights stay quantized in the mapping. On error *out is untouched and pdm_error_last() names
- * the file and the problem. */
+/* Opens a GGUF file of a supported architecture (pdm_model_arch_t) and validates every shape
+ * against the hyperparameters. Weights stay quantized in the mapping. On error *out is
+ * untouched and pdm_error_last() names the file and the problem (an unsupported
+ * architecture, a missing key or tensor, with its name). */
 int pdm_model_load(const char *path, pdm_model_t **out);
 void pdm_model_free(pdm_model_t *model);
+
+/* Sets the per-layer fields of an attention call (softmax scale, causal, sliding window) for
+ * `layer`; the caller fills the rest. Every attention of the model goes through this (the
+ * forward steps and the decode node's beam attention), so the mask is the same everywhere. */
+void pdm_model_attn_setup(const pdm_model_t *m, int layer, pdm_kern_attn_t *a);
 
 /* The model path from $PDMESH_MODEL, else the default under models/. */
 const char *pdm_model_default_path(void);
@@ -347,11 +387,27 @@ typedef struct {
     int tied;            /* output projection shares tok_embd */
     float rope_theta;
     uint64_t seed;
+    pdm_model_arch_t arch; /* general.architecture and the tensors it implies: qwen2 Q/K/V
+                            * biases, qwen3 Q/K norms, gemma3 Q/K norms and post norms */
+    uint32_t head_dim;     /* 0: d_model / n_heads; else written as attention.key_length */
+    uint32_t rope_freqs_ctx; /* llama: write a Llama 3.1 rope_freqs.weight (factor 8,
+                              * low/high frequency factors 1/4) for this original context
+                              * (8192 in Llama 3.1); 0: none */
+    uint32_t n_swa;        /* gemma3: attention.sliding_window (0: all layers global) */
+    float rope_theta_swa;  /* gemma3: rope.freq_base_swa of the local layers (0: not written) */
+    float emb_range;       /* token embeddings uniform in [-emb_range, emb_range) (default 1) */
 } pdm_testmodel_params_t;
 
 void pdm_testmodel_params_default(pdm_testmodel_params_t *p);
-/* Writes a Llama GGUF with random weights and a byte-level BPE vocabulary (256 byte tokens,
- * a few hundred merges learnt from a built-in text, ChatML control tokens) to `path`. */
+/* pdm_testmodel_params_default, then the shape of a preset named after the architecture
+ * ("llama" the default, "llama3", "qwen2", "qwen3", "gemma3"): small dimensions with the
+ * real models' traits (untied output and rope_freqs for llama3, head_dim 256 with 1 KV head
+ * and 5 local : 1 global layers with a window of 16 for gemma3, ...). PDM_EINVAL for an
+ * unknown name. */
+int pdm_testmodel_params_preset(pdm_testmodel_params_t *p, const char *name);
+/* Writes a GGUF of p->arch with random weights and a byte-level BPE vocabulary (256 byte
+ * tokens, a few hundred merges learnt from a built-in text, ChatML control tokens) to `path`.
+ * The same parameters give the same file, byte for byte. */
 int pdm_testmodel_write(const char *path, const pdm_testmodel_params_t *p);
 
 #endif /* PDM_MODEL_H */

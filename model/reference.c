@@ -194,6 +194,17 @@ int pdm_model_reference_logits(const pdm_model_t *m, const pdm_model_ref_params_
 {
     const pdm_model_hparams_t *hp = &m->hp;
     const int n_threads = p->n_threads;
+    /* The reference computes the plain llama block (normal RoPE pairs, no biases, norms or
+     * windows beyond it): other architectures are refused rather than computed wrong. */
+    if (hp->arch != PDM_ARCH_LLAMA || hp->rope_neox || hp->rope_freq_scale != 1.0f ||
+        hp->embd_scale != 1.0f || m->rope_freqs)
+        return pdm_error_set(PDM_EUNSUPPORTED, "reference forward: only the plain llama "
+                             "architecture (no Llama 3 RoPE scaling) is implemented");
+    for (uint32_t l = 0; l < hp->n_layers; l++)
+        if (m->layers[l].bq || m->layers[l].bk || m->layers[l].bv || m->layers[l].q_norm ||
+            m->layers[l].k_norm || m->layers[l].attn_post_norm || m->layers[l].window)
+            return pdm_error_set(PDM_EUNSUPPORTED, "reference forward: layer %u has attention "
+                                 "biases, Q/K or post norms or a window, which it does not implement", l);
     if (n < 1 || first < 0 || first > n || n_threads < 1 || n_threads > 256 ||
         !(fabs(p->perturb) < 1))
         return pdm_error_set(PDM_EINVAL,

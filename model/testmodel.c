@@ -1,6 +1,7 @@
 /*
- * testmodel.c - writes small Llama GGUF models with random weights and a real byte-level BPE
- * vocabulary, so that engine, tokenizer and distributed tests run in seconds on any shape.
+ * testmodel.c - writes small GGUF models (llama, qwen2, qwen3, gemma3) with random weights and
+ * a real byte-level BPE vocabulary, so that engine, tokenizer and distributed tests run in
+ * seconds on any shape, and llama.cpp can check each architecture's forward pass.
  */
 #include "model.h"
 
@@ -23,6 +24,56 @@ void pdm_testmodel_params_default(pdm_testmodel_params_t *p)
     p->tied = 1;
     p->rope_theta = 10000.0f;
     p->seed = 1;
+    p->emb_range = 1.0f;
+}
+
+int pdm_testmodel_params_preset(pdm_testmodel_params_t *p, const char *name)
+{
+    pdm_testmodel_params_default(p);
+    if (!strcmp(name, "llama")) return PDM_OK;
+    if (!strcmp(name, "llama3")) { /* Llama 3.x: untied, theta 500000, rope_freqs, GQA 4:1 */
+        p->n_heads = 4;
+        p->n_kv_heads = 1;
+        p->tied = 0;
+        p->rope_theta = 500000.0f;
+        /* Llama 3.1's formula with an original context of 64 instead of 8192, so that the
+         * factors reach pairs whose angles matter within a test prompt of ~64 tokens */
+        p->rope_freqs_ctx = 64;
+        return PDM_OK;
+    }
+    if (!strcmp(name, "qwen2")) { /* Qwen2.5: Q/K/V biases, theta 1e6, tied (small sizes) */
+        p->arch = PDM_ARCH_QWEN2;
+        p->rope_theta = 1000000.0f;
+        p->tied = 0; /* (as Qwen2.5 7B and up) so the logits do not echo the input token */
+        return PDM_OK;
+    }
+    if (!strcmp(name, "qwen3")) { /* Qwen3: Q/K norms, head_dim 32 with d_model 64 and 4
+                                   * heads (n_heads * head_dim != d_model, as in Qwen3 0.6B) */
+        p->arch = PDM_ARCH_QWEN3;
+        p->head_dim = 32;
+        p->rope_theta = 1000000.0f;
+        p->tied = 0;
+        return PDM_OK;
+    }
+    if (!strcmp(name, "gemma3")) { /* Gemma 3 270M's traits: head_dim 256, 4 heads over 1 KV
+                                    * head, 5 local : 1 global layers (7 layers: both kinds,
+                                    * a local one after the global), window 16 */
+        p->arch = PDM_ARCH_GEMMA3;
+        p->n_layers = 7;
+        p->n_heads = 4;
+        p->n_kv_heads = 1;
+        p->head_dim = 256;
+        p->n_ff = 128;
+        p->rope_theta = 1000000.0f;
+        p->rope_theta_swa = 10000.0f;
+        p->n_swa = 16;
+        /* tied as Gemma's; small embeddings keep the sqrt(d_model)-scaled input from
+         * dominating the logits through the tied output */
+        p->emb_range = 0.1f;
+        return PDM_OK;
+    }
+    return pdm_error_set(PDM_EINVAL, "unknown test model preset '%s' (llama, llama3, qwen2, "
+                         "qwen3, gemma3)", name);
 }
 
 /* Uniform in [-1, 1). */
@@ -193,11 +244,40 @@ static int pdm__add_matrix(pdm_gguf_writer_t *w, const char *name, pdm_dtype_t t
     return rc;
 }
 
+/* Llama 3.1's RoPE frequency factors as llama.cpp's converter computes them
+ * (conversion/llama.py, LlamaModel generate_extra_tensors): factor 8, low/high frequency
+ * factors 1 and 4, original context old_ctx (8192 in Llama 3.1). */
+static int pdm__add_rope_freqs(pdm_gguf_writer_t *w, uint32_t head_dim, float theta,
+                               double old_ctx)
+{
+    const double factor = 8.0, low = 1.0, high = 4.0;
+    const double low_wavelen = old_ctx / low, high_wavelen = old_ctx / high;
+    float f[PDM_MAX_HEAD_DIM / 2];
+    for (uint32_t i = 0; i < head_dim / 2; i++) {
+        double freq = 1.0 / pow(theta, (double)(2 * i) / head_dim);
+        double wavelen = 2.0 * M_PI / freq;
+        if (wavelen < high_wavelen) f[i] = 1.0f;
+        else if (wavelen > low_wavelen) f[i] = (float)factor;
+        else {
+            double smooth = (old_ctx / wavelen - low) / (high - low);
+            f[i] = (float)(1.0 / ((1.0 - smooth) / factor + smooth));
+        }
+    }
+    int64_t ne[1] = {head_dim / 2};
+    return pdm_gguf_writer_add_tensor(w, "rope_freqs.weight", PDM_DT_F32, 1, ne, f);
+}
+
 int pdm_testmodel_write(const char *path, const pdm_testmodel_params_t *p)
 {
+    const uint32_t head_dim = p->head_dim ? p->head_dim
+                                          : (p->n_heads ? p->d_model / p->n_heads : 0);
+    if (!(p->emb_range > 0.0f))
+        return pdm_error_set(PDM_EINVAL, "test model: embedding range %g must be > 0",
+                             p->emb_range);
     if (p->n_heads == 0 || p->n_kv_heads == 0 || p->n_heads % p->n_kv_heads ||
-        p->d_model % p->n_heads || (p->d_model / p->n_heads) % 2 || p->d_model % PDM_QK ||
-        p->n_ff % PDM_QK || p->n_layers == 0)
+        (!p->head_dim && p->d_model % p->n_heads) || head_dim % 2 || head_dim == 0 ||
+        head_dim > PDM_MAX_HEAD_DIM || p->d_model % PDM_QK || p->n_ff % PDM_QK ||
+        p->n_layers == 0)
         return pdm_error_set(PDM_EINVAL, "test model: inconsistent shape (d_model %u, heads "
                              "%u/%u, ffn %u)", p->d_model, p->n_heads, p->n_kv_heads, p->n_ff);
     if (!pdm_dtype_is_weight(p->wtype) || !pdm_dtype_is_weight(p->embtype))
@@ -206,7 +286,8 @@ int pdm_testmodel_write(const char *path, const pdm_testmodel_params_t *p)
                              pdm_dtype_weight_list());
     /* every matrix has rows of d_model or n_ff elements; embeddings rows of d_model */
     const int wb = pdm_dtype_block_elems(p->wtype), eb = pdm_dtype_block_elems(p->embtype);
-    if (p->d_model % wb || p->n_ff % wb || p->d_model % eb)
+    if (p->d_model % wb || p->n_ff % wb || p->d_model % eb ||
+        ((int64_t)p->n_heads * head_dim) % wb)
         return pdm_error_set(PDM_EINVAL, "test model: d_model %u and ffn %u must be multiples "
                              "of the block size of %s (%d) and d_model of %s (%d)", p->d_model,
                              p->n_ff, pdm_dtype_name(p->wtype), wb, pdm_dtype_name(p->embtype), eb);
@@ -224,23 +305,33 @@ int pdm_testmodel_write(const char *path, const pdm_testmodel_params_t *p)
         goto out;
     }
     for (int i = 0; i < vocab.n; i++) types[i] = i < 3 ? 3 : 1;
-    uint32_t head_dim = p->d_model / p->n_heads;
+    const char *arch = pdm_model_arch_name(p->arch);
+    char key[96];
+#define PDM__K(suffix) (snprintf(key, sizeof(key), "%s.%s", arch, suffix), key)
     static const char chatml[] =
         "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
         "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt "
         "%}{{ '<|im_start|>assistant\n' }}{% endif %}";
-    if ((rc = pdm_gguf_writer_set_str(w, "general.architecture", "llama")) ||
+    const float rms_eps = p->arch == PDM_ARCH_GEMMA3 ? 1e-6f : 1e-5f;
+    if ((rc = pdm_gguf_writer_set_str(w, "general.architecture", arch)) ||
         (rc = pdm_gguf_writer_set_str(w, "general.name", "pdmesh random test model")) ||
-        (rc = pdm_gguf_writer_set_u32(w, "llama.block_count", p->n_layers)) ||
-        (rc = pdm_gguf_writer_set_u32(w, "llama.context_length", p->n_ctx)) ||
-        (rc = pdm_gguf_writer_set_u32(w, "llama.embedding_length", p->d_model)) ||
-        (rc = pdm_gguf_writer_set_u32(w, "llama.feed_forward_length", p->n_ff)) ||
-        (rc = pdm_gguf_writer_set_u32(w, "llama.attention.head_count", p->n_heads)) ||
-        (rc = pdm_gguf_writer_set_u32(w, "llama.attention.head_count_kv", p->n_kv_heads)) ||
-        (rc = pdm_gguf_writer_set_f32(w, "llama.rope.freq_base", p->rope_theta)) ||
-        (rc = pdm_gguf_writer_set_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f)) ||
-        (rc = pdm_gguf_writer_set_u32(w, "llama.rope.dimension_count", head_dim)) ||
-        (rc = pdm_gguf_writer_set_u32(w, "llama.vocab_size", (uint32_t)vocab.n)) ||
+        (rc = pdm_gguf_writer_set_u32(w, PDM__K("block_count"), p->n_layers)) ||
+        (rc = pdm_gguf_writer_set_u32(w, PDM__K("context_length"), p->n_ctx)) ||
+        (rc = pdm_gguf_writer_set_u32(w, PDM__K("embedding_length"), p->d_model)) ||
+        (rc = pdm_gguf_writer_set_u32(w, PDM__K("feed_forward_length"), p->n_ff)) ||
+        (rc = pdm_gguf_writer_set_u32(w, PDM__K("attention.head_count"), p->n_heads)) ||
+        (rc = pdm_gguf_writer_set_u32(w, PDM__K("attention.head_count_kv"), p->n_kv_heads)) ||
+        (rc = pdm_gguf_writer_set_f32(w, PDM__K("rope.freq_base"), p->rope_theta)) ||
+        (rc = pdm_gguf_writer_set_f32(w, PDM__K("attention.layer_norm_rms_epsilon"), rms_eps)) ||
+        (rc = pdm_gguf_writer_set_u32(w, PDM__K("rope.dimension_count"), head_dim)) ||
+        (rc = pdm_gguf_writer_set_u32(w, PDM__K("vocab_size"), (uint32_t)vocab.n)) ||
+        (p->head_dim &&
+         ((rc = pdm_gguf_writer_set_u32(w, PDM__K("attention.key_length"), head_dim)) ||
+          (rc = pdm_gguf_writer_set_u32(w, PDM__K("attention.value_length"), head_dim)))) ||
+        (p->n_swa &&
+         (rc = pdm_gguf_writer_set_u32(w, PDM__K("attention.sliding_window"), p->n_swa))) ||
+        (p->rope_theta_swa > 0.0f &&
+         (rc = pdm_gguf_writer_set_f32(w, PDM__K("rope.freq_base_swa"), p->rope_theta_swa))) ||
         (rc = pdm_gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2")) ||
         (rc = pdm_gguf_writer_set_str(w, "tokenizer.ggml.pre", "smollm")) ||
         (rc = pdm_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens",
@@ -261,13 +352,20 @@ int pdm_testmodel_write(const char *path, const pdm_testmodel_params_t *p)
     int64_t d = p->d_model, qdim = (int64_t)p->n_heads * head_dim,
             kvdim = (int64_t)p->n_kv_heads * head_dim;
     float ws = 1.0f / sqrtf((float)d), fs = 1.0f / sqrtf((float)p->n_ff);
-    if ((rc = pdm__add_matrix(w, "token_embd.weight", p->embtype, vocab.n, d, 1.0f, 0.0f, &rng)))
+    if ((rc = pdm__add_matrix(w, "token_embd.weight", p->embtype, vocab.n, d, p->emb_range,
+                              0.0f, &rng)))
         goto out_types;
     if (!p->tied &&
         (rc = pdm__add_matrix(w, "output.weight", p->embtype, vocab.n, d, ws, 0.0f, &rng)))
         goto out_types;
     if ((rc = pdm__add_matrix(w, "output_norm.weight", PDM_DT_F32, 1, d, 0.1f, 1.0f, &rng)))
         goto out_types;
+    if (p->rope_freqs_ctx &&
+        (rc = pdm__add_rope_freqs(w, head_dim, p->rope_theta, p->rope_freqs_ctx)))
+        goto out_types;
+    const int biases = p->arch == PDM_ARCH_QWEN2;
+    const int qk_norm = p->arch == PDM_ARCH_QWEN3 || p->arch == PDM_ARCH_GEMMA3;
+    const int post_norms = p->arch == PDM_ARCH_GEMMA3;
     for (uint32_t l = 0; l < p->n_layers; l++) {
         char name[64];
 #define PDM__T(s) (snprintf(name, sizeof(name), "blk.%u.%s", l, s), name)
@@ -281,8 +379,24 @@ int pdm_testmodel_write(const char *path, const pdm_testmodel_params_t *p)
             (rc = pdm__add_matrix(w, PDM__T("ffn_up.weight"), p->wtype, p->n_ff, d, ws, 0, &rng)) ||
             (rc = pdm__add_matrix(w, PDM__T("ffn_down.weight"), p->wtype, d, p->n_ff, fs, 0, &rng)))
             goto out_types;
+        /* biases large enough to matter; norms around 1 (GGUF stores Gemma's norms as plain
+         * multipliers: llama.cpp's converter adds the 1 of Gemma3RMSNorm) */
+        if (biases &&
+            ((rc = pdm__add_matrix(w, PDM__T("attn_q.bias"), PDM_DT_F32, 1, qdim, 0.5f, 0, &rng)) ||
+             (rc = pdm__add_matrix(w, PDM__T("attn_k.bias"), PDM_DT_F32, 1, kvdim, 0.5f, 0, &rng)) ||
+             (rc = pdm__add_matrix(w, PDM__T("attn_v.bias"), PDM_DT_F32, 1, kvdim, 0.5f, 0, &rng))))
+            goto out_types;
+        if (qk_norm &&
+            ((rc = pdm__add_matrix(w, PDM__T("attn_q_norm.weight"), PDM_DT_F32, 1, head_dim, 0.2f, 1.0f, &rng)) ||
+             (rc = pdm__add_matrix(w, PDM__T("attn_k_norm.weight"), PDM_DT_F32, 1, head_dim, 0.2f, 1.0f, &rng))))
+            goto out_types;
+        if (post_norms &&
+            ((rc = pdm__add_matrix(w, PDM__T("post_attention_norm.weight"), PDM_DT_F32, 1, d, 0.1f, 1.0f, &rng)) ||
+             (rc = pdm__add_matrix(w, PDM__T("post_ffw_norm.weight"), PDM_DT_F32, 1, d, 0.1f, 1.0f, &rng))))
+            goto out_types;
 #undef PDM__T
     }
+#undef PDM__K
     rc = pdm_gguf_writer_write(w, path);
 
 out_types:

@@ -311,6 +311,45 @@ static void generic_swiglu(float *out, const float *gate, const float *up, int n
     for (int i = 0; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
+void pdm_kern__rope_ext_generic(float *x, int n_heads, int head_dim, int32_t pos,
+                                const pdm_kern_rope_t *r)
+{
+    /* As pdm_kern__rope_generic, with each pair's angle divided by its frequency factor and
+     * multiplied by freq_scale in the order ggml's rope_yarn applies them. */
+    const float step = powf(r->theta, -2.0f / (float)head_dim);
+    const int half = head_dim / 2;
+    float cs[256], sn[256];
+    float angle = (float)pos;
+    for (int i = 0; i < half; i++) {
+        float a = r->freq_factors ? angle / r->freq_factors[i] : angle;
+        a *= r->freq_scale;
+        cs[i] = cosf(a);
+        sn[i] = sinf(a);
+        angle *= step;
+    }
+    /* pair i is (x[i0], x[i1]): adjacent values (NORM) or half a head apart (NEOX) */
+    const int stride = r->neox ? 1 : 2, gap = r->neox ? half : 1;
+    for (int h = 0; h < n_heads; h++) {
+        float *v = x + (size_t)h * head_dim;
+        for (int i = 0; i < half; i++) {
+            float *p0 = v + (size_t)i * stride, *p1 = p0 + gap;
+            float a = *p0, b = *p1;
+            *p0 = a * cs[i] - b * sn[i];
+            *p1 = a * sn[i] + b * cs[i];
+        }
+    }
+}
+
+/* GELU, tanh form, as ggml_gelu_f32 writes it (ggml-cpu vec.h). */
+static void generic_geglu(float *out, const float *gate, const float *up, int n)
+{
+    const float sqrt_2_over_pi = 0.79788456080286535587989211986876f, coef_a = 0.044715f;
+    for (int i = 0; i < n; i++) {
+        float x = gate[i];
+        out[i] = 0.5f * x * (1.0f + tanhf(sqrt_2_over_pi * x * (1.0f + coef_a * x * x))) * up[i];
+    }
+}
+
 /* ---- Attention --------------------------------------------------------------------------- */
 
 /* Element i of a K or V array; int8 ("q8") is dequantized on the fly with the head's scale. */
@@ -321,12 +360,16 @@ static inline float kv_get(pdm_dtype_t type, const void *base, int64_t i, float 
                               : ((const float *)base)[i];
 }
 
-/* Number of keys row `qpos` may see in a view starting at k_pos0 with n_kv keys. */
-int pdm_kern__visible_keys(const pdm_kern_attn_t *a, int32_t qpos)
+int pdm_kern__visible_range(const pdm_kern_attn_t *a, int32_t qpos, int *first)
 {
+    *first = 0;
     if (!a->causal) return a->n_kv;
     int64_t vis = (int64_t)qpos - a->k_pos0 + 1;
-    if (vis < 0) return 0;
+    if (vis <= 0) return 0;
+    if (a->window > 0) {
+        int64_t lo = (int64_t)qpos - a->window + 1 - a->k_pos0; /* oldest key in the window */
+        if (lo > 0) *first = lo > a->n_kv ? a->n_kv : (int)lo;
+    }
     return vis > a->n_kv ? a->n_kv : (int)vis;
 }
 
@@ -337,16 +380,17 @@ static void generic_attention_rows(const pdm_kern_attn_t *a, const int32_t *rows
     for (int i = 0; i < a->n_q; i++) {
         const float *q = a->q + (size_t)i * a->q_stride;
         float *o = a->o + (size_t)i * a->o_stride;
-        int vis = pdm_kern__visible_keys(a, a->q_pos[i]);
+        int first;
+        int vis = pdm_kern__visible_range(a, a->q_pos[i], &first);
         for (int d = 0; d < hd; d++) o[d] = 0.0f;
-        if (vis == 0) {
+        if (vis <= first) {
             a->lse[(size_t)i * a->lse_stride] = -INFINITY;
             continue;
         }
         /* Online softmax: running max m, running denominator l, o holds the unnormalised
          * weighted sum of values. */
         float m = -INFINITY, l = 0.0f;
-        for (int j = 0; j < vis; j++) {
+        for (int j = first; j < vis; j++) {
             const int64_t row = rows ? rows[j] : j;
             float s = 0.0f;
             for (int d = 0; d < hd; d++) s += q[d] * kv_get(a->kv_type, a->k, row * hd + d, a->k_scale);
@@ -408,4 +452,6 @@ const pdm_kern_ops_t pdm_kern_ops_generic = {
     .attn_merge = pdm_kern__attn_merge_generic,
     .kv_store = pdm_kern__kv_store_generic,
     .attention_rows = generic_attention_rows,
+    .rope_ext = pdm_kern__rope_ext_generic,
+    .geglu = generic_geglu,
 };

@@ -29,8 +29,12 @@ typedef struct {
 void pdm_kern__kblock_unpack(pdm_dtype_t type, const void *block, pdm_kern__kblock_t *out);
 /* 1 for the types pdm_kern__kblock_unpack decodes. */
 int pdm_kern__is_kblock(pdm_dtype_t type);
-int pdm_kern__visible_keys(const pdm_kern_attn_t *a, int32_t qpos);
+/* Keys [*first, return value) of the view are the ones row `qpos` may see (causal mask and
+ * sliding window); the range is empty when the return value <= *first. */
+int pdm_kern__visible_range(const pdm_kern_attn_t *a, int32_t qpos, int *first);
 void pdm_kern__rope_generic(float *x, int n_heads, int head_dim, int32_t pos, float theta);
+void pdm_kern__rope_ext_generic(float *x, int n_heads, int head_dim, int32_t pos,
+                                const pdm_kern_rope_t *r);
 void pdm_kern__attn_merge_generic(float *o1, float *lse1, const float *o2, float lse2, int n);
 void pdm_kern__kv_store_generic(pdm_dtype_t type, const float *src, void *dst, int n);
 

@@ -308,6 +308,17 @@ __global__ void k_swiglu(float *out, const float *gate, const float *up, int n)
     if (i < n) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
+/* gelu(g) * u, tanh form, as the reference (ops_generic.c generic_geglu). */
+__global__ void k_geglu(float *out, const float *gate, const float *up, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float x = gate[i];
+        out[i] = 0.5f * x * (1.0f + tanhf(0.79788456080286535587989211986876f * x *
+                                          (1.0f + 0.044715f * x * x))) * up[i];
+    }
+}
+
 __global__ void k_kv_store_f16(const float *src, uint16_t *dst, int n)
 {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -329,18 +340,22 @@ __device__ static inline float kv_at(pdm_dtype_t type, const void *base, int64_t
 __global__ void k_attention(const float *q, int64_t q_stride, const int32_t *q_pos,
                             const void *k, const void *v, pdm_dtype_t kv_type, float k_scale,
                             float v_scale, int32_t k_pos0, int n_kv, int head_dim, float scale,
-                            int causal, float *o, float *lse, const int32_t *rows)
+                            int causal, int32_t window, float *o, float *lse,
+                            const int32_t *rows)
 {
     const int row = blockIdx.x, lane = threadIdx.x;
     const float *qr = q + (size_t)row * q_stride;
-    int vis = n_kv;
+    int vis = n_kv, first = 0; /* keys [first, vis) are visible (pdm_kern_attn_t) */
     if (causal) {
         int64_t v64 = (int64_t)q_pos[row] - k_pos0 + 1;
         vis = v64 < 0 ? 0 : (v64 > n_kv ? n_kv : (int)v64);
+        int64_t lo = window > 0 ? (int64_t)q_pos[row] - window + 1 - k_pos0 : 0;
+        first = lo < 0 ? 0 : (lo > vis ? vis : (int)lo);
+        if (first == vis) vis = first = 0;
     }
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* head_dim <= 256: dims lane + 32 * j */
     float m = -INFINITY, l = 0.0f;
-    for (int j0 = 0; j0 < vis; j0 += 32) {
+    for (int j0 = first; j0 < vis; j0 += 32) {
         int j = j0 + lane;
         float s = -INFINITY;
         if (j < vis) {
@@ -481,7 +496,7 @@ static void cuda_attention_rows(const pdm_kern_attn_t *a, const int32_t *rows)
     if (dq && dpos && dk && dv && dout && dlse && (drows || !rows)) {
         k_attention<<<a->n_q, 32>>>(dq, a->q_stride, dpos, dk, dv, a->kv_type, a->k_scale,
                                     a->v_scale, a->k_pos0, a->n_kv, a->head_dim, a->scale,
-                                    a->causal, dout, dlse, drows);
+                                    a->causal, a->window, dout, dlse, drows);
         PDM_CUDA_CHECK(cudaGetLastError());
         float *ho = (float *)malloc((size_t)a->n_q * hd * 4), *hl = (float *)malloc((size_t)a->n_q * 4);
         if (ho && hl) {
@@ -524,10 +539,31 @@ static void cuda_kv_store(pdm_dtype_t type, const float *src, void *dst, int n)
     pthread_mutex_unlock(&pdm_cuda_lock);
 }
 
+/* The generalised RoPE is O(head_dim) per head like the merge: the host reference. */
+static void cuda_rope_ext(float *x, int n_heads, int head_dim, int32_t pos,
+                          const pdm_kern_rope_t *r)
+{
+    pdm_kern__rope_ext_generic(x, n_heads, head_dim, pos, r);
+}
+
+static void cuda_geglu(float *out, const float *gate, const float *up, int n)
+{
+    pthread_mutex_lock(&pdm_cuda_lock);
+    const float *dg = (const float *)upload(0, gate, (size_t)n * 4);
+    const float *du = (const float *)upload(1, up, (size_t)n * 4);
+    float *dout = (float *)scratch(2, (size_t)n * 4);
+    if (dg && du && dout && n > 0) {
+        k_geglu<<<(n + 255) / 256, 256>>>(dout, dg, du, n);
+        PDM_CUDA_CHECK(cudaGetLastError());
+        download(out, dout, (size_t)n * 4);
+    }
+    pthread_mutex_unlock(&pdm_cuda_lock);
+}
+
 static const pdm_kern_ops_t pdm_kern_ops_cuda_table = {
     "cuda",         cuda_act_bytes, cuda_act_convert, cuda_matmul,     cuda_rmsnorm,
     cuda_rope,      cuda_swiglu,    cuda_attention,   cuda_attn_merge, cuda_kv_store,
-    cuda_attention_rows,
+    cuda_attention_rows, cuda_rope_ext, cuda_geglu,
 };
 
 extern "C" const pdm_kern_ops_t *pdm_kern_ops_cuda(char *why, size_t why_len)

@@ -22,6 +22,7 @@ static const struct {
     {"sdk", suite_sdk},
     {"http", suite_http},
     {"curve", suite_curve},     {"nodeproto", suite_nodeproto}, {"quant", suite_quant},
+    {"arch", suite_arch},
 };
 
 int32_t pdm_test_argmax(const float *x, uint32_t n)

@@ -202,7 +202,7 @@ static void ref_step_partitioned(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_kv_ca
                                       n_resp - s0 < 16 ? n_resp - s0 : 16, &views[nv++]);
                 pdm_model_attention(ctx, l, &one, views, nv);
             }
-        pdm_beam_attend_prompt(ctx, scratch, act, &pv); /* (scratch only: its KV is unused) */
+        pdm_beam_attend_prompt(ctx, scratch, l, act, &pv); /* (scratch only: its KV is unused) */
         if (!prime)
             for (int b = 0; b < n_live; b++)
                 for (int h = 0; h < nh; h++)
@@ -543,6 +543,44 @@ START_TEST(test_beam_equals_reference_tiny)
 }
 END_TEST
 
+/* The other architectures: the beam's segment cache and prompt pass (pdm_model_attn_setup:
+ * the layer's scale and window) equal the reference on random-weight presets. gemma3's
+ * window (16) is shorter than the 23-token prompt and the responses run past it. */
+START_TEST(test_beam_equals_reference_arch)
+{
+    static const char *const archs[] = {"gemma3", "qwen2", "qwen3"};
+    for (size_t a = 0; a < PDM_ARRAY_SIZE(archs); a++) {
+        char path[600];
+        snprintf(path, sizeof(path), "%s/beam-%s.gguf", pdm_test_tmpdir(), archs[a]);
+        pdm_testmodel_params_t tp;
+        ck_assert_int_eq(pdm_testmodel_params_preset(&tp, archs[a]), 0);
+        tp.wtype = PDM_DT_F32;
+        tp.embtype = PDM_DT_F32;
+        ck_assert_int_eq(pdm_testmodel_write(path, &tp), 0);
+        pdm_model_t *m;
+        ck_assert_int_eq(pdm_model_load(path, &m), 0);
+        pdm_model_ctx_t *ctx;
+        ck_assert_int_eq(pdm_model_ctx_create(m, 2, 16, &ctx), 0);
+        int32_t prompt[23];
+        uint64_t seed = 31;
+        for (int i = 0; i < 23; i++)
+            prompt[i] = (int32_t)(3 + pdm_splitmix64(&seed) % (m->hp.n_vocab - 3));
+        int eos_seen = 0;
+        static const int widths[] = {2, 4};
+        for (size_t w = 0; w < PDM_ARRAY_SIZE(widths); w++) {
+            pdm_beam_params_t p;
+            pdm_beam_params_default(&p);
+            p.width = widths[w];
+            p.n_best = 2;
+            compare(ctx, prompt, 23, &p, 20, NULL, 0, w ? PDM_DT_F16 : PDM_DT_F32, 0,
+                    &eos_seen);
+        }
+        pdm_model_ctx_destroy(ctx);
+        pdm_model_free(m);
+    }
+}
+END_TEST
+
 /* Width 1 is greedy decoding. */
 START_TEST(test_beam_width1_is_greedy)
 {
@@ -744,6 +782,7 @@ Suite *suite_beam(void)
     tcase_add_test(tc, test_beam_params);
     tcase_add_test(tc, test_beam_attention_rows);
     tcase_add_test(tc, test_beam_width1_is_greedy);
+    tcase_add_test(tc, test_beam_equals_reference_arch);
     tcase_add_test(tc, test_beam_equals_reference_tiny);
     tcase_add_test(tc, test_beam_equals_reference_real);
     tcase_add_test(tc, test_beam_disagg);

@@ -359,7 +359,9 @@ static void naive_attention(const pdm_kern_attn_t *a, float *o, float *lse)
         double m = -INFINITY;
         double *s = malloc((size_t)(a->n_kv ? a->n_kv : 1) * sizeof(double));
         for (int j = 0; j < a->n_kv; j++) {
-            int visible = !a->causal || a->k_pos0 + j <= a->q_pos[i];
+            int visible = !a->causal || (a->k_pos0 + j <= a->q_pos[i] &&
+                                         (a->window <= 0 ||
+                                          a->q_pos[i] - (a->k_pos0 + j) < a->window));
             double dot = 0;
             for (int d = 0; d < hd; d++) {
                 float kv = naive_kv(a, a->k, (size_t)j * hd + d, a->k_scale);
@@ -387,6 +389,9 @@ static void naive_attention(const pdm_kern_attn_t *a, float *o, float *lse)
         free(s);
     }
 }
+
+/* Sliding window of the attention calls check_attention makes (0: none). */
+static int32_t check_window;
 
 static void check_attention(const pdm_kern_ops_t *ops, int n_q, int n_kv, int hd,
                             pdm_dtype_t kvt, int32_t k_pos0, int32_t q_pos0, int causal)
@@ -419,7 +424,7 @@ static void check_attention(const pdm_kern_ops_t *ops, int n_q, int n_kv, int hd
                          .kv_type = kvt, .k_scale = k_scale, .v_scale = v_scale,
                          .k_pos0 = k_pos0, .n_kv = n_kv, .head_dim = hd,
                          .scale = 1.0f / sqrtf((float)hd), .causal = causal, .o = o,
-                         .o_stride = hd, .lse = lse, .lse_stride = 1};
+                         .o_stride = hd, .lse = lse, .lse_stride = 1, .window = check_window};
     ops->attention(&a);
     naive_attention(&a, on, lsen);
     /* q8: the naive attention sees the same dequantized values, so only the f32 rounding of
@@ -690,6 +695,92 @@ START_TEST(test_elementwise_variants)
 }
 END_TEST
 
+/* Sliding-window attention (Gemma 3's local layers): windows of 1 key, shorter than a key
+ * tile, across tiles and longer than the view; queries at the end of the keys, in the middle,
+ * and before them; every variant against the naive masked softmax. */
+START_TEST(test_attention_window)
+{
+    static const int32_t windows[] = {1, 5, 16, 33, 2000};
+    static const int nkv[] = {1, 40, 100};
+    static const int nq[] = {1, 17};
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    for (int v = 0; list[v]; v++)
+        for (size_t w = 0; w < PDM_ARRAY_SIZE(windows); w++)
+            for (size_t a = 0; a < PDM_ARRAY_SIZE(nkv); a++)
+                for (size_t b = 0; b < PDM_ARRAY_SIZE(nq); b++) {
+                    check_window = windows[w];
+                    check_attention(list[v], nq[b], nkv[a], 64, PDM_DT_F32, 100,
+                                    100 + nkv[a] - nq[b], 1);
+                    check_attention(list[v], nq[b], nkv[a], 256, PDM_DT_F16, 0, nkv[a] / 2, 1);
+                    check_attention(list[v], nq[b], nkv[a], 32, PDM_DT_I8, 10, 5, 1);
+                    check_attention(list[v], nq[b], nkv[a], 6, PDM_DT_F32, 0, nkv[a] - 1, 1);
+                }
+    check_window = 0;
+}
+END_TEST
+
+/* rope_ext against a double-precision rotation (NORM and NEOX pairs, frequency factors,
+ * linear scaling), rope_ext without extras equal to rope, and geglu against the tanh GELU in
+ * double; every variant. */
+START_TEST(test_rope_ext_geglu_variants)
+{
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    float ff[128];
+    for (int i = 0; i < 128; i++) ff[i] = 1.0f + (float)(i % 7);
+    for (int v = 0; list[v]; v++) {
+        const pdm_kern_ops_t *ops = list[v];
+        for (int neox = 0; neox <= 1; neox++)
+            for (int with_ff = 0; with_ff <= 1; with_ff++) {
+                const int hd = 256, nh = 2, half = hd / 2, pos = 77;
+                pdm_kern_rope_t r = {.theta = 10000.0f, .freq_scale = with_ff ? 0.25f : 1.0f,
+                                     .freq_factors = with_ff ? ff : NULL, .neox = neox};
+                float x[512], x0[512];
+                fill(x, 512, 1.0f);
+                memcpy(x0, x, sizeof(x));
+                ops->rope_ext(x, nh, hd, pos, &r);
+                for (int h = 0; h < nh; h++)
+                    for (int i = 0; i < half; i++) {
+                        int i0 = h * hd + (neox ? i : 2 * i), i1 = i0 + (neox ? half : 1);
+                        double ang = pos * pow(10000.0, -2.0 * i / hd) * r.freq_scale /
+                                     (with_ff ? ff[i] : 1.0);
+                        double a = x0[i0], b = x0[i1];
+                        double want0 = a * cos(ang) - b * sin(ang);
+                        double want1 = a * sin(ang) + b * cos(ang);
+                        /* f32 angles by repeated multiplication, as llama.cpp: ~1e-4 rad */
+                        ck_assert_msg(fabs(x[i0] - want0) < 2e-3 && fabs(x[i1] - want1) < 2e-3,
+                                      "%s: rope_ext neox %d ff %d pair %d", ops->name, neox,
+                                      with_ff, i);
+                    }
+            }
+        float a[128], b[128];
+        fill(a, 128, 1.0f);
+        memcpy(b, a, sizeof(a));
+        const pdm_kern_rope_t plain = {.theta = 500000.0f, .freq_scale = 1.0f};
+        ops->rope(a, 2, 64, 1234, 500000.0f);
+        ops->rope_ext(b, 2, 64, 1234, &plain);
+        ck_assert(!memcmp(a, b, sizeof(a)));
+        static const int sizes[] = {1, 7, 64, 65, 1000};
+        for (size_t s = 0; s < PDM_ARRAY_SIZE(sizes); s++) {
+            int n = sizes[s];
+            float *x = malloc(n * sizeof(float)), *u = malloc(n * sizeof(float));
+            float *y = malloc(n * sizeof(float));
+            fill(x, n, 6.0f); /* into the tails of GELU */
+            fill(u, n, 1.0f);
+            ops->geglu(y, x, u, n);
+            for (int i = 0; i < n; i++) {
+                double g = x[i];
+                double want = 0.5 * g * (1 + tanh(sqrt(2 / M_PI) * (g + 0.044715 * g * g * g))) * u[i];
+                ck_assert_msg(fabs(y[i] - want) <= 1e-5 * (1 + fabs(want)), "%s: geglu(%g) %g "
+                              "vs %g", ops->name, x[i], y[i], want);
+            }
+            free(x);
+            free(u);
+            free(y);
+        }
+    }
+}
+END_TEST
+
 /* ---- CUDA ---------------------------------------------------------------------------- */
 
 /* The CUDA variant against the reference with the same checks and tolerances as the CPU
@@ -823,6 +914,8 @@ Suite *suite_kernels(void)
     tcase_add_test(tc, test_attention_gqa);
     tcase_add_test(tc, test_attention_split_merge);
     tcase_add_test(tc, test_elementwise_variants);
+    tcase_add_test(tc, test_attention_window);
+    tcase_add_test(tc, test_rope_ext_geglu_variants);
     tcase_add_test(tc, test_cuda_variant);
     tcase_add_test(tc, test_pool);
     suite_add_tcase(s, tc);

@@ -225,6 +225,35 @@ START_TEST(tiny_equal_one_layer_one_group)
 }
 END_TEST
 
+/* The other architectures' presets: gemma3 (7 layers of one 256-wide KV head, local layers
+ * with a 16-token window that the prompts and steps pass) and qwen3; offloaded decode equals
+ * the all-resident one. */
+START_TEST(arch_equal)
+{
+    static const char *const archs[] = {"gemma3", "qwen3"};
+    for (size_t a = 0; a < sizeof(archs) / sizeof(archs[0]); a++) {
+        char path[600];
+        snprintf(path, sizeof(path), "%s/offload-%s.gguf", pdm_test_tmpdir(), archs[a]);
+        pdm_testmodel_params_t p;
+        ck_assert_int_eq(pdm_testmodel_params_preset(&p, archs[a]), 0);
+        p.wtype = PDM_DT_F32;
+        p.embtype = PDM_DT_F32;
+        ck_assert_int_eq(pdm_testmodel_write(path, &p), 0);
+        pdm_model_t *m;
+        ck_assert_int_eq(pdm_model_load(path, &m), 0);
+        /* two sequences, ping-pong of one head each and nothing resident; one sequence with
+         * one resident head beside its ping-pong, file slow tier */
+        const cfg_t pp_only = {3, 1, 1, 0}, some_resident = {3.5, 1, 0, 1};
+        const int plen[2] = {40, 9};
+        run_equal(m, &pp_only, plen, 2, 6, PDM_DT_F32, 2);
+        run_equal(m, &pp_only, plen, 2, 5, PDM_DT_I8, 2);
+        run_equal(m, &some_resident, plen, 1, 6, PDM_DT_F32, 2);
+        run_equal(m, &some_resident, plen, 1, 5, PDM_DT_F16, 2);
+        pdm_model_free(m);
+    }
+}
+END_TEST
+
 START_TEST(real_model_equal)
 {
     const char *path = pdm_test_model_path();
@@ -344,6 +373,7 @@ Suite *suite_offload(void)
     tcase_add_test(t, tier_budget_and_peak);
     tcase_add_test(t, tiny_equal_budgets);
     tcase_add_test(t, tiny_equal_one_layer_one_group);
+    tcase_add_test(t, arch_equal);
     tcase_add_test(t, real_model_equal);
     tcase_add_test(t, plan_matches_measured);
     tcase_add_test(t, budget_too_small_refused);

@@ -28,6 +28,7 @@ Suite *suite_http(void);
 Suite *suite_curve(void);
 Suite *suite_nodeproto(void);
 Suite *suite_quant(void);
+Suite *suite_arch(void);
 
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
  * under /tmp). */
