@@ -49,8 +49,10 @@ int main(int argc, char **argv)
     const int type = tname ? pdm_dtype_from_name(tname) : -1;
     const size_t rb = type >= 0 ? pdm_dtype_row_bytes((pdm_dtype_t)type, cols) : 0;
     if (type < 0 || !pdm_dtype_is_weight((pdm_dtype_t)type) || rb == 0 || rows < 1 || n_tok < 1) {
-        fprintf(stderr, "usage: %s --type T [--rows R] [--cols C] [--tokens N] [--kernels NAME] "
-                        "[--iters K]\n", argv[0]);
+        fprintf(stderr,
+                "usage: %s --type T [--rows R] [--cols C] [--tokens N] [--kernels NAME] "
+                "[--iters K]\n",
+                argv[0]);
         return 2;
     }
     const pdm_kern_ops_t *ops = kernels ? pdm_kern_ops_find(kernels) : pdm_kern_ops_get();
@@ -73,8 +75,9 @@ int main(int argc, char **argv)
         return 1;
     }
     uint64_t s = 0x9e3779b97f4a7c15ull;
-#define PDM__RAND() ((s = s * 6364136223846793005ull + 1442695040888963407ull), \
-                     (float)((double)(s >> 11) * 0x1.0p-53 * 2.0 - 1.0))
+#define PDM__RAND()                                             \
+    ((s = s * 6364136223846793005ull + 1442695040888963407ull), \
+     (float)((double)(s >> 11) * 0x1.0p-53 * 2.0 - 1.0))
     for (int r = 0; r < rows; r++) {
         for (int c = 0; c < cols; c++) row[c] = PDM__RAND();
         pdm_quantize_row((pdm_dtype_t)type, row, w + (size_t)r * rb, cols);
