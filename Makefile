@@ -125,9 +125,11 @@ SDK_LDLIBS := -lzmq -lprotobuf-c -lcrypto -lcjson -lm -pthread
 SDK_BINS := $(BUILD)/bin/pdctl $(BUILD)/bin/pdmesh-chat $(BUILD)/bin/pdm-sdk-itest
 PYSDK := $(BUILD)/python/pdmesh/pdmesh_pb2.py
 HTTP_FAKE_OBJ := $(HTTP_FAKE_SRC:%.c=$(BUILD)/obj/%.o)
-BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c
+BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c \
+             bench/kquant/pdm_matmul_bench.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
-BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline
+BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline \
+              $(BUILD)/bin/pdm-matmul-bench
 LIB := $(BUILD)/libpdmesh-core.a
 BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode \
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
@@ -241,6 +243,10 @@ $(BUILD)/bin/pdm-rclient: $(RCLIENT_OBJ) $(LIB)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
 $(BUILD)/bin/pdm-engine-bench: $(BUILD)/obj/bench/engine/pdm_engine_bench.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/bin/pdm-matmul-bench: $(BUILD)/obj/bench/kquant/pdm_matmul_bench.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 

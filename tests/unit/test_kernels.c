@@ -11,7 +11,8 @@
  *                                         x_act are the 8-bit activations as decoded: only
  *                                         activation rounding separates them (the 5e-3 covers
  *                                         Q8_1's f16-rounded block sums and f32 accumulation)
- *   activation quantization              quants within 1 step, scales equal
+ *   activation quantization              quants within 1 step, scales equal; Q8_K (the
+ *                                         K-quants' activations) byte for byte
  *   attention vs double-precision naive   1e-4 absolute on o and lse (f32 KV), 2e-3 (f16 KV),
  *                                         5e-4 (q8 KV: int8 x per-head scale, saturating);
  *                                         q8 SIMD vs the reference on the same bytes 1e-5;
@@ -261,6 +262,11 @@ static void check_matmul(const pdm_kern_ops_t *ops, pdm_dtype_t wtype, int rows,
             if (i % blk < q0 || i % blk >= q0 + nq) continue;
             ck_assert_msg(abs(qa[i] - qb[i]) <= 1, "%s act quant differs at %zu", ops->name, i);
         }
+        /* Q8_K is an exact recipe (llama.cpp's quantize_row_q8_K_ref): every variant's
+         * blocks, scale and bsums included, equal the reference's byte for byte */
+        if (act_type_of(wtype) == PDM_DT_Q8_K)
+            ck_assert_msg(!memcmp(act, act2, ab), "%s Q8_K activations differ from the reference",
+                          ops->name);
         /* the activations as the products see them */
         size_t arb = ab / (size_t)n_tok;
         pdm_dtype_t at = act_type_of(wtype);
@@ -330,14 +336,48 @@ START_TEST(test_matmul_kquants)
 {
     static const pdm_dtype_t types[] = {PDM_DT_Q2_K, PDM_DT_Q3_K, PDM_DT_Q4_K,
                                         PDM_DT_Q5_K, PDM_DT_Q6_K, PDM_DT_IQ4_XS};
-    static const int toks[] = {1, 3, 4, 5};
-    static const int shapes[][2] = {{1, 256}, {7, 512}, {33, 768}, {65, 256}};
+    /* token counts: decode, 4-token tiles with and without tails; rows: odd, even, not
+     * multiples of the 2- and 4-row tiles (and split at rows / 3 by check_matmul) */
+    static const int toks[] = {1, 3, 4, 5, 8, 11};
+    static const int shapes[][2] = {{1, 256}, {2, 1024}, {7, 512}, {33, 768}, {65, 256}};
     const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
     for (int v = 0; list[v]; v++)
         for (size_t t = 0; t < PDM_ARRAY_SIZE(types); t++)
             for (size_t s = 0; s < PDM_ARRAY_SIZE(shapes); s++)
                 for (size_t k = 0; k < PDM_ARRAY_SIZE(toks); k++)
                     check_matmul(list[v], types[t], shapes[s][0], shapes[s][1], toks[k]);
+}
+END_TEST
+
+/* Q8_K activation quantization on the cases random data rarely hits: an all-zero block, the
+ * largest magnitude twice with both signs (the first fixes the scale's sign), exact ties of
+ * the rounding, +128 after scaling (clipped to 127), tiny and huge scales. Every variant
+ * must equal the reference byte for byte. */
+START_TEST(test_q8_K_activations)
+{
+    enum { N = 6 * PDM_QK_K };
+    static float x[N];
+    fill(x, N, 1.0f);
+    memset(x, 0, PDM_QK_K * sizeof(float));                   /* block 0: zeros */
+    x[PDM_QK_K + 3] = -4.0f, x[PDM_QK_K + 200] = 4.0f;         /* block 1: -4 first */
+    x[2 * PDM_QK_K + 7] = 4.0f, x[2 * PDM_QK_K + 9] = -4.0f;   /* block 2: +4 first */
+    for (int j = 0; j < PDM_QK_K; j++)                         /* block 3: ties x.5 */
+        x[3 * PDM_QK_K + j] = (float)(j % 64 - 32) + 0.5f;
+    x[3 * PDM_QK_K + 11] = -127.0f; /* iscale 1: the other values are k + 0.5 */
+    for (int j = 0; j < PDM_QK_K; j++) x[4 * PDM_QK_K + j] *= 1e-30f; /* block 4: tiny */
+    for (int j = 0; j < PDM_QK_K; j++) x[5 * PDM_QK_K + j] *= 1e30f;  /* block 5: huge */
+    pdm_block_q8_K_t want[N / PDM_QK_K], got[N / PDM_QK_K];
+    pdm_kern_ops_generic.act_convert(PDM_DT_Q4_K, x, N, 0, 1, want);
+    ck_assert_int_eq(want[3].qs[0], -32); /* -31.5 -> -32 (ties to even) */
+    ck_assert_int_eq(want[3].qs[1], -30); /* -30.5 -> -30 */
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    for (int v = 0; list[v]; v++) {
+        memset(got, 0x5a, sizeof(got));
+        list[v]->act_convert(PDM_DT_Q4_K, x, N, 0, 1, got);
+        for (int i = 0; i < N / PDM_QK_K; i++)
+            ck_assert_msg(!memcmp(&got[i], &want[i], sizeof(got[i])),
+                          "%s: Q8_K block %d differs from the reference", list[v]->name, i);
+    }
 }
 END_TEST
 
@@ -909,6 +949,7 @@ Suite *suite_kernels(void)
     tcase_add_test(tc, test_dtype_traits);
     tcase_add_test(tc, test_matmul_variants);
     tcase_add_test(tc, test_matmul_kquants);
+    tcase_add_test(tc, test_q8_K_activations);
     tcase_add_test(tc, test_q8_kv);
     tcase_add_test(tc, test_attention_variants);
     tcase_add_test(tc, test_attention_gqa);
