@@ -33,7 +33,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -44,7 +43,7 @@ import numpy as np
 
 import llama_cpp
 from llama_cpp import Llama
-import llama_cpp.llama as llama_mod
+from llamaref import disable_extra_bufts, sha256_file  # noqa: E402
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3", "gemma3"]
 MAKE_ARGS = ["--wtype", "f32", "--emb-type", "f32", "--seed", "1"]
@@ -54,29 +53,6 @@ TOP_K = 16
 N_CTX = 128
 
 
-def disable_extra_bufts() -> bool:
-    """Extra buffer types (repacked weights, AMX) off for every model loaded from now on;
-    False when this llama-cpp-python has no such parameter (as make_kld_base.py)."""
-    probe = llama_cpp.llama_model_default_params()
-    if not hasattr(probe, "use_extra_bufts"):
-        return False
-    original = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params_without_extra_bufts():
-        p = original()
-        p.use_extra_bufts = False
-        return p
-
-    llama_mod.llama_cpp.llama_model_default_params = params_without_extra_bufts
-    return True
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def prompt_ids(n_vocab: int) -> list[int]:

@@ -33,6 +33,7 @@ import numpy as np
 
 import llama_cpp
 from llama_cpp import Llama
+from llamaref import sha256_file  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # Fixed run configuration.  Changing any of these changes the reference data.
@@ -208,13 +209,6 @@ ONE_TOKEN_PROMPT = "Once"  # asserted below to be a single token
 # ---------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def render_chat(template_src: str, messages: list[dict], bos: str, eos: str) -> str:
     """Render a chat template the way Hugging Face transformers does

@@ -27,7 +27,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -38,37 +37,12 @@ import time
 import numpy as np
 
 import llama_cpp
-import llama_cpp.llama as llama_mod
 from llama_cpp import Llama
+from llamaref import disable_extra_bufts, sha256_file  # noqa: E402
 
 LOGP_FLOOR = 16.0  # llama.cpp keeps log-probabilities within 16 nats of the top
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def disable_extra_bufts() -> bool:
-    """Turn llama.cpp's extra buffer types (weight repacking, AMX) off for every model
-    llama-cpp-python loads from now on. Returns False when this version has no such
-    parameter. Llama() takes its model parameters from llama_model_default_params(),
-    so the default is patched where llama.py looks it up."""
-    probe = llama_cpp.llama_model_default_params()
-    if not hasattr(probe, "use_extra_bufts"):
-        return False
-    original = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params_without_extra_bufts():
-        p = original()
-        p.use_extra_bufts = False
-        return p
-
-    llama_mod.llama_cpp.llama_model_default_params = params_without_extra_bufts
-    return True
 
 
 def encode_record(logits: np.ndarray) -> tuple[bytes, float]:

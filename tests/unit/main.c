@@ -10,6 +10,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
+
+#include "common/pdm.h"
+
 static const struct {
     const char *name;
     Suite *(*make)(void);
@@ -24,6 +28,18 @@ static const struct {
     {"curve", suite_curve},     {"nodeproto", suite_nodeproto}, {"quant", suite_quant},
     {"arch", suite_arch},
 };
+
+struct cJSON *pdm_test_load_json(const char *path)
+{
+    size_t n = 0;
+    char *text = NULL;
+    ck_assert_msg(pdm_file_read(path, 64u << 20, &text, &n) == 0, "cannot read %s: %s", path,
+                  pdm_error_last());
+    cJSON *root = cJSON_ParseWithLength(text, n);
+    free(text);
+    ck_assert_msg(root != NULL, "%s is not valid JSON", path);
+    return root;
+}
 
 int32_t pdm_test_argmax(const float *x, uint32_t n)
 {

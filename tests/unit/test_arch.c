@@ -42,23 +42,6 @@
 
 static const char *const pdm__archs[] = {"llama", "llama3", "qwen2", "qwen3", "gemma3"};
 
-static cJSON *load_json(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    ck_assert_msg(f != NULL, "cannot open %s", path);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    ck_assert_uint_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
-    buf[n] = 0;
-    fclose(f);
-    cJSON *root = cJSON_Parse(buf);
-    free(buf);
-    ck_assert_msg(root != NULL, "%s is not valid JSON", path);
-    return root;
-}
-
 static void sha256_hex(const char *path, char out[65])
 {
     FILE *f = fopen(path, "rb");
@@ -204,7 +187,7 @@ static float check_arch(const char *arch, const cJSON *g, const pdm_kern_ops_t *
 START_TEST(test_arch_vs_llama_cpp)
 {
     const char *arch = pdm__archs[_i];
-    cJSON *root = load_json(PDM_ARCH_GOLDEN_PATH);
+    cJSON *root = pdm_test_load_json(PDM_ARCH_GOLDEN_PATH);
     const cJSON *g = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "archs"), arch);
     ck_assert_msg(g != NULL, "%s has no entry for %s", PDM_ARCH_GOLDEN_PATH, arch);
     check_arch(arch, g, NULL);
@@ -245,7 +228,7 @@ START_TEST(test_arch_gemma3_270m)
         return;
     }
     fclose(f);
-    cJSON *root = load_json(PDM_ARCH_GOLDEN_PATH);
+    cJSON *root = pdm_test_load_json(PDM_ARCH_GOLDEN_PATH);
     const cJSON *g = cJSON_GetObjectItem(root, gc->entry);
     ck_assert_msg(g != NULL, "%s has no %s entry", PDM_ARCH_GOLDEN_PATH, gc->entry);
     char sha[65];

@@ -31,23 +31,6 @@
 #define PDM_GOLDEN_PATH "tests/golden/golden.json"
 #endif
 
-static cJSON *load_golden(void)
-{
-    FILE *f = fopen(PDM_GOLDEN_PATH, "rb");
-    ck_assert_msg(f != NULL, "cannot open %s", PDM_GOLDEN_PATH);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    ck_assert_uint_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
-    buf[n] = 0;
-    fclose(f);
-    cJSON *root = cJSON_Parse(buf);
-    free(buf);
-    ck_assert_msg(root != NULL, "%s is not valid JSON", PDM_GOLDEN_PATH);
-    return root;
-}
-
 static pdm_model_t *load_real_model(void)
 {
     const char *path = pdm_test_model_path();
@@ -72,7 +55,7 @@ START_TEST(test_golden_tokenize)
 {
     pdm_model_t *m = load_real_model();
     if (!m) return;
-    cJSON *root = load_golden();
+    cJSON *root = pdm_test_load_json(PDM_GOLDEN_PATH);
     const cJSON *list = cJSON_GetObjectItem(root, "tokenize");
     int n_cases = cJSON_GetArraySize(list), failed = 0;
     ck_assert_int_ge(n_cases, 50);
@@ -121,7 +104,7 @@ START_TEST(test_golden_chat_template)
 {
     pdm_model_t *m = load_real_model();
     if (!m) return;
-    cJSON *root = load_golden();
+    cJSON *root = pdm_test_load_json(PDM_GOLDEN_PATH);
     const cJSON *list = cJSON_GetObjectItem(root, "generate");
     int checked = 0;
     for (int c = 0; c < cJSON_GetArraySize(list); c++) {
@@ -252,7 +235,7 @@ START_TEST(test_golden_generate)
     if (!list[_i]) return;
     pdm_model_t *m = load_real_model();
     if (!m) return;
-    cJSON *root = load_golden();
+    cJSON *root = pdm_test_load_json(PDM_GOLDEN_PATH);
     golden_generate(m, root, list[_i]);
     cJSON_Delete(root);
     pdm_model_free(m);
@@ -368,7 +351,7 @@ START_TEST(test_golden_q8_accuracy)
 {
     pdm_model_t *m = load_real_model();
     if (!m) return;
-    cJSON *root = load_golden();
+    cJSON *root = pdm_test_load_json(PDM_GOLDEN_PATH);
     pdm_model_ctx_t *ctx;
     ck_assert_int_eq(pdm_model_ctx_create(m, 2, 512, &ctx), PDM_OK);
     const cJSON *list = cJSON_GetObjectItem(root, "generate");

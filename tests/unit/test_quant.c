@@ -54,16 +54,6 @@ static void hex32(const uint8_t d[32], char out[65])
     for (int i = 0; i < 32; i++) snprintf(out + 2 * i, 3, "%02x", d[i]);
 }
 
-static cJSON *load_quant_golden(void)
-{
-    char *text = read_all(PDM_QUANT_GOLDEN, NULL);
-    ck_assert_msg(text != NULL, "cannot read %s", PDM_QUANT_GOLDEN);
-    cJSON *root = cJSON_Parse(text);
-    free(text);
-    ck_assert_msg(root != NULL, "%s is not valid JSON", PDM_QUANT_GOLDEN);
-    return root;
-}
-
 /* One recorded tensor: whole-tensor sha256 and (for the first of each type) one row. */
 static void check_tensor(const pdm_gguf_t *g, const char *file, const cJSON *rec)
 {
@@ -134,7 +124,7 @@ static float check_logits(const pdm_model_t *m, const pdm_kern_ops_t *ops, const
 
 START_TEST(test_llama_cpp_files)
 {
-    cJSON *root = load_quant_golden();
+    cJSON *root = pdm_test_load_json(PDM_QUANT_GOLDEN);
     const cJSON *config = cJSON_GetObjectItem(root, "config");
     const cJSON *jt = cJSON_GetObjectItem(config, "tokens");
     const int n_tok = cJSON_GetArraySize(jt);
@@ -188,7 +178,7 @@ END_TEST
  * writer with the script's arguments reproduces it byte for byte (its recorded sha256). */
 START_TEST(test_golden_base_model)
 {
-    cJSON *root = load_quant_golden();
+    cJSON *root = pdm_test_load_json(PDM_QUANT_GOLDEN);
     const cJSON *base = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "config"), "base");
     pdm_testmodel_params_t p;
     pdm_testmodel_params_default(&p);

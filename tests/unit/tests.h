@@ -33,6 +33,10 @@ Suite *suite_arch(void);
 /* Path of a scratch directory for this test run (created on first use; from PDM_TEST_TMP or
  * under /tmp). */
 const char *pdm_test_tmpdir(void);
+/* A JSON file parsed (the test fails with the path if it is missing or not JSON); free it with
+ * cJSON_Delete. */
+struct cJSON;
+struct cJSON *pdm_test_load_json(const char *path);
 /* Index of the largest of x[0..n) (the first on ties): the greedy token of a logit row. */
 int32_t pdm_test_argmax(const float *x, uint32_t n);
 /* Path of the real model, or NULL when it is not present (tests then skip with a message). */
