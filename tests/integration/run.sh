@@ -282,9 +282,11 @@ kill_dispatched_decode() {
   [ -n "$vp" ] && kill -9 "$vp" && wait "$vp" 2>/dev/null
 }
 before=$(grep -c "attempt 1 ->" "$RUN/router.log")
-gen --prompt "$STORY" -n 150 --stream --deadline-ms 90000 > "$RUN/mig.json" &
+# (long enough that the kill lands mid-generation however fast the kernels are: 500 tokens
+# without an early end of sequence; a sanitizer build still ends well before the deadline)
+gen --prompt "$STORY" -n 500 --ignore-eos --stream --deadline-ms 120000 > "$RUN/mig.json" &
 g=$!
-kill_dispatched_decode "$before" 1.5
+kill_dispatched_decode "$before" 1
 wait $g
 check "kill -9 of the decode node ($victim) mid-request: completed on the other node, no token lost or repeated" \
   "[ \"\$(jq_ 'd[0].get(\"ok\") and d[0][\"usage\"][\"attempts\"]>=2 and d[0][\"stream_matches\"] and len(d[0][\"tokens\"])>0 and d[0][\"usage\"][\"decode_node\"]!=\"$victim\"' < $RUN/mig.json)\" = True ]"
@@ -295,9 +297,9 @@ check "metrics count the migration" "jq_ 'd[0][\"text\"]' < $RUN/stats.json | gr
 # on another node (no token was streamed) and the n best equal an undisturbed run ---
 start_decode d3
 check "a fourth decode node registers" "wait_nodes 4 60"
-gen --prompt "$STORY" -n 160 --beams 4 --n-best 2 --deadline-ms 90000 > "$RUN/bmig.ref"
+gen --prompt "$STORY" -n 400 --beams 4 --n-best 2 --deadline-ms 120000 > "$RUN/bmig.ref"
 before=$(grep -c "attempt 1 ->" "$RUN/router.log")
-gen --prompt "$STORY" -n 160 --beams 4 --n-best 2 --deadline-ms 90000 > "$RUN/bmig.json" &
+gen --prompt "$STORY" -n 400 --beams 4 --n-best 2 --deadline-ms 120000 > "$RUN/bmig.json" &
 g=$!
 kill_dispatched_decode "$before" 1
 wait $g
@@ -309,14 +311,14 @@ check "kill -9 of the decode node ($victim) mid beam search: restarted elsewhere
 # its completion equals the undisturbed run's ---
 start_decode d4
 check "a decode node registers again" "wait_nodes 4 60"
-gen --prompt "$STORY" -n 150 --temp 0.8 --seed 77 --ignore-eos --deadline-ms 90000 > "$RUN/smig.ref"
+gen --prompt "$STORY" -n 500 --temp 0.8 --seed 77 --ignore-eos --deadline-ms 120000 > "$RUN/smig.ref"
 before=$(grep -c "attempt 1 ->" "$RUN/router.log")
-gen --prompt "$STORY" -n 150 --temp 0.8 --seed 77 --ignore-eos --stream --deadline-ms 90000 > "$RUN/smig.json" &
+gen --prompt "$STORY" -n 500 --temp 0.8 --seed 77 --ignore-eos --stream --deadline-ms 120000 > "$RUN/smig.json" &
 g=$!
-kill_dispatched_decode "$before" 1.5
+kill_dispatched_decode "$before" 1
 wait $g
 check "kill -9 of the decode node ($victim) mid seeded sampling: the migrated text equals the undisturbed run's" \
-  "[ \"\$($PY -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(b.get(\"ok\") and b[\"usage\"][\"attempts\"]>=2 and b[\"usage\"][\"decode_node\"]!=\"$victim\" and len(a[\"tokens\"])==150 and b[\"tokens\"]==a[\"tokens\"] and b[\"text\"]==a[\"text\"])' $RUN/smig.ref $RUN/smig.json)\" = True ]"
+  "[ \"\$($PY -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(b.get(\"ok\") and b[\"usage\"][\"attempts\"]>=2 and b[\"usage\"][\"decode_node\"]!=\"$victim\" and len(a[\"tokens\"])==500 and b[\"tokens\"]==a[\"tokens\"] and b[\"text\"]==a[\"text\"])' $RUN/smig.ref $RUN/smig.json)\" = True ]"
 
 # --- kill -9 of a client mid-stream: its request is cancelled, nothing stays open. The
 # router notices the dead client at its next token chunk; the wait is generous (sanitizer
