@@ -17,6 +17,7 @@
  * Diagnostics go to stderr. SIGTERM ends the process cleanly (Deregister first).
  */
 #include <getopt.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -496,6 +497,12 @@ static void pdm__usage(FILE *f)
 
 int main(int argc, char **argv)
 {
+    /* Every sequence allocates vocabulary-sized buffers (sampler candidates and counts,
+     * logits: 0.2-0.4 MB each). glibc maps blocks that large, but raises its mapping threshold
+     * to the largest block freed, after which they come from the heap, whose holes it cannot
+     * return: the node's RSS at idle then swings with how the frees fell. A fixed threshold
+     * keeps them mapped and returned on free (tests/hardening/memory_rounds.py). */
+    mallopt(M_MMAP_THRESHOLD, 128 * 1024);
     const char *model_path = pdm_model_default_path();
     static pdm__daemon_t dn; /* the task table is large: not on the stack */
     pdm_decode_params_default(&dn.dp);
