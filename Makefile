@@ -84,7 +84,7 @@ PREFILLD_SRC := prefill_node/main.c
 # router core (tests/http/fake_core.c: the real server on a scripted core).
 HTTP_SRC := router/http.c router/http_openai.c
 HTTP_FAKE_SRC := tests/http/fake_core.c router/http.c router/http_openai.c
-ROUTER_SRC := router/main.c router/core.c router/api.c router/schedule.c router/request.c router/beams.c router/registry.c router/admin.c router/zfront.c router/curve.c \
+ROUTER_SRC := router/main.c router/core.c router/api.c router/schedule.c router/prefix.c router/request.c router/beams.c router/registry.c router/admin.c router/zfront.c router/curve.c \
               $(HTTP_SRC)
 RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c

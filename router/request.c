@@ -52,7 +52,7 @@
 #include "router/internal.h"
 #include "router/beams.h"
 #include "router/request.h"
-#include "router/schedule.h"
+#include "router/prefix.h"
 
 static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg);
 

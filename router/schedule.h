@@ -11,9 +11,4 @@
  * whose tokens were all delivered before its node failed ends here. */
 void rt_schedule(pdm_router_t *r);
 
-/* Request q ended normally on decode node `node`: if that node keeps a prefix pool, its
- * block keys of the prompt and the generated tokens fed back (what the pool now holds) point
- * at the node, so a follow-up turn is prefilled there from the pooled KV. */
-void rt_decode_prefix_note(pdm_router_t *r, const rt_req_t *q, int node);
-
 #endif
