@@ -22,7 +22,9 @@ sha256 checked): a 600-token prompt of ids (llama.cpp's tokenization of docs/pre
 longer than the 512-token sliding window), the top-20 logits of its last position and a
 16-token greedy continuation with each step's top-20. The same for a copy of it with every
 layer tensor dequantized to F32 (written next to it as gemma-3-270m-f32layers.gguf, sha256
-recorded): the architecture's math without quantized products.
+recorded): the architecture's math without quantized products. And a 1,000-token document
+(the first GEMMA_DOC_TOKENS ids of the same text) with every token's negative log-likelihood
+and the document's perplexity, from llama.cpp's logits of all positions in one batch.
 
 Usage:
     build/venv/bin/python tests/golden/make_arch_golden.py \
@@ -72,6 +74,17 @@ def top(logits: np.ndarray) -> list[list]:
     return [[int(i), float(logits[i])] for i in order]
 
 
+def token_nll(scores: np.ndarray, tokens: list[int]) -> list[float]:
+    """-log p(tokens[i + 1] | tokens[..i]) from the logits rows scores[i], in f64."""
+    out = []
+    for i in range(len(tokens) - 1):
+        row = scores[i].astype(np.float64)
+        mx = row.max()
+        lse = mx + np.log(np.exp(row - mx).sum())
+        out.append(float(lse - row[tokens[i + 1]]))
+    return out
+
+
 def run_arch(pdmesh: str, arch: str, threads: int, tmp: str) -> dict:
     path = os.path.join(tmp, f"{arch}.gguf")
     args = ["make-test-model", "--arch", arch, *MAKE_ARGS]
@@ -84,6 +97,7 @@ def run_arch(pdmesh: str, arch: str, threads: int, tmp: str) -> dict:
     llm.eval(prompt)
     scores = np.array(llm.scores[:PROMPT_LEN], dtype=np.float32)
     prompt_top = [top(scores[i]) for i in range(PROMPT_LEN)]
+    nll = token_nll(scores, prompt)
     greedy, greedy_top = [], []
     logits = scores[-1]
     for _ in range(N_GREEDY):
@@ -99,6 +113,8 @@ def run_arch(pdmesh: str, arch: str, threads: int, tmp: str) -> dict:
         "n_vocab": n_vocab,
         "prompt": prompt,
         "prompt_top": prompt_top,
+        "prompt_nll": nll,
+        "prompt_ppl": float(np.exp(np.mean(nll))),
         "greedy": greedy,
         "greedy_top": greedy_top,
     }
@@ -108,6 +124,7 @@ GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 GEMMA_PROMPT_TOKENS = 600  # longer than Gemma 3's 512-token sliding window
 GEMMA_TOP_K = 20
 GEMMA_GREEDY = 16
+GEMMA_DOC_TOKENS = 1000
 
 
 def write_f32_layers(src: str, dst: str) -> None:
@@ -179,6 +196,26 @@ def run_gemma(path: str, text_path: str, threads: int, expect_sha: str | None) -
             "first_top": first_top, "greedy": greedy, "greedy_top": greedy_top}
 
 
+def run_gemma_doc(path: str, text_path: str, threads: int) -> dict:
+    """The real Gemma 3 270M on a GEMMA_DOC_TOKENS-token document (llama.cpp's tokenization
+    of `text_path`, BOS first): every token's negative log-likelihood from llama.cpp's
+    logits of all positions, evaluated in one batch, and the document's perplexity."""
+    n_ctx = GEMMA_DOC_TOKENS + 8
+    llm = Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+    with open(text_path, "rb") as f:
+        text = f.read()
+    doc = [int(t) for t in llm.tokenize(text, add_bos=True, special=False)][:GEMMA_DOC_TOKENS]
+    if len(doc) < GEMMA_DOC_TOKENS:
+        sys.exit(f"make_arch_golden: {text_path} has only {len(doc)} tokens")
+    llm.reset()
+    llm.eval(doc)
+    nll = token_nll(np.array(llm.scores[:len(doc)], dtype=np.float32), doc)
+    del llm
+    return {"model_sha256": sha256_file(path), "text": text_path, "tokens": doc,
+            "nll": [round(x, 6) for x in nll], "ppl": float(np.exp(np.mean(nll)))}
+
+
 def to_json(obj, indent: int = 0) -> str:
     """JSON with one line per innermost record: lists without dicts and at most two levels
     deep (a prompt, one position's top-k) on one line, everything else one item per line."""
@@ -226,6 +263,9 @@ def main() -> None:
         print("make_arch_golden: gemma3 270M", file=sys.stderr)
         result["gemma3_270m"] = run_gemma(args.gemma, args.gemma_text, args.threads,
                                           GEMMA_SHA256)
+        print("make_arch_golden: gemma3 270M, %d-token document" % GEMMA_DOC_TOKENS,
+              file=sys.stderr)
+        result["gemma3_270m_doc"] = run_gemma_doc(args.gemma, args.gemma_text, args.threads)
         f32 = args.gemma_f32 or os.path.join(os.path.dirname(args.gemma),
                                              "gemma-3-270m-f32layers.gguf")
         print(f"make_arch_golden: gemma3 270M with F32 layers ({f32})", file=sys.stderr)
