@@ -8,6 +8,7 @@
 #   make asan     the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make demo     deps + model + build, then start a local mesh, stream one chat answer, stop it
 #   make bench-prefill  TTFT of every prefill method (docs/perf/prefill.md)
+#   make bench-prefill-models  2-rank groups on Gemma 3 270M / 1B vs the simulator
 #   make bench-router   router overhead per request with instant nodes (docs/router.md)
 #   make bench-sim      predicted TTFT up to 64 ranks / 1M tokens (docs/perf/sim.md)
 #   make bench-transfer KV streaming vs ucx_perftest (docs/perf/transfer.md)
@@ -25,7 +26,8 @@
 #   make cuda-check  compile every .cu file (what CI runs; no GPU needed)
 #   make image    the container image pdmesh:dev from deploy/Containerfile on a local Debian 12
 #                 base (debootstrap, no registry; root; docs/deployment.md)
-#   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated
+#   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated vs
+#                      llama-server
 #   make bench-prefix  follow-up turns: TTFT with prefix reuse vs whole-prompt prefill
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
 #
@@ -138,7 +140,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch clean distclean format \
         format-check \
         integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
-        bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
+        bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
         sdk-test image container-test fidelity
 
@@ -378,11 +380,13 @@ bench-transfer: deps model all $(BUILD)/bin/stream_bench
 	STREAM_BENCH=$(BUILD)/bin/stream_bench $(PYTHON) bench/transfer/run.py
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/transfer/ttft.py
 
-# Serving over the HTTP API: rates x prompt mix, disaggregated vs colocated, router overhead
-# (docs/perf/serve.*). BENCH_QUICK=1: a ~3-minute run.
+# Serving over the HTTP API: rates x prompt mix, disaggregated vs colocated vs llama.cpp's
+# llama-server, router overhead (docs/perf/serve.*). BENCH_QUICK=1: a ~5-minute run. The first
+# run builds llama-server (tools/llama_tools.sh, ~8 min); without it that arm is skipped.
 bench-serve: deps model all
 	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/run.py --bindir $(BUILD)/bin \
+	  --llama-bindir "$$(tools/llama_tools.sh | tail -n 1)" \
 	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
 # Prefix reuse: follow-up turns with and without partial prefill (docs/perf/prefix.*).
@@ -390,9 +394,11 @@ bench-prefix: deps model all
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/prefix.py --bindir $(BUILD)/bin \
 	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
-# Multi-turn chat sessions with and without the decode node's prefix pool (docs/perf/sessions.*).
+# Multi-turn chat sessions with and without the decode node's prefix pool, and on llama.cpp's
+# llama-server (docs/perf/sessions.*; llama-server as in bench-serve).
 bench-sessions: deps model all
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/sessions.py --bindir $(BUILD)/bin \
+	  --llama-bindir "$$(tools/llama_tools.sh | tail -n 1)" \
 	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
 # Batched decode throughput beside llama.cpp (docs/perf/decode.*). BENCH_QUICK=1: short run.
@@ -435,6 +441,12 @@ bench-prefill: deps model all
 	@command -v iperf3 >/dev/null || apt-get install -y -q iperf3 >/dev/null || true
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/prefill/run.py
 	PDMESH=$(BUILD)/bin/pdmesh PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/prefill/shaped.py
+
+# Prefill groups on bigger models (PREFILL_MODELS: GGUF paths; default the real Gemma 3 270M),
+# 2 ranks at 4K and 8K tokens beside the simulator's prediction (docs/perf/prefill-models.*).
+PREFILL_MODELS ?= models/gemma-3-270m-q4_k_m.gguf
+bench-prefill-models: deps all
+	PDMESH=$(BUILD)/bin/pdmesh $(VENV)/bin/python bench/prefill/models.py $(PREFILL_MODELS)
 
 # The whole mesh on this machine: pdmesh up, one streamed chat answer through the SDK with TTFT
 # and tokens/s, pdmesh down (tools/demo.sh).

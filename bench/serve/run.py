@@ -27,6 +27,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "integration"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "http"))
 import loadgen  # noqa: E402
+from llamaserver import LlamaServer, find as find_llama_server  # noqa: E402
 from mesh import Mesh, mesh_argparser  # noqa: E402
 
 WORDS = ("the river carried small boats past the old mill while children counted clouds and "
@@ -69,9 +70,12 @@ def overhead_fake(bindir, n):
 
 
 def run_config(name, args, prompts, rates):
-    thr = 0 if name == "disagg" else 1 << 20
-    mesh = Mesh(args.bindir, args.model, prefill_ranks=1, threads=1, local_threshold=thr,
-                router_args=["--queue-max", "1024", "--per-client-max", "1024"])
+    if name == "llama-server":
+        mesh = LlamaServer(args.llama_server, args.model, threads=2)
+    else:
+        thr = 0 if name == "disagg" else 1 << 20
+        mesh = Mesh(args.bindir, args.model, prefill_ranks=1, threads=1, local_threshold=thr,
+                    router_args=["--queue-max", "1024", "--per-client-max", "1024"])
     rows = []
     try:
         mesh.wait_ready(groups=True)
@@ -117,7 +121,9 @@ def write_outputs(out, result):
         "%d output tokens each (ignore_eos), temperature 0, streamed. SLO for goodput: TTFT <= "
         "%.1f s and TPOT <= %.0f ms. `disagg`: prefill group (1 rank) + decode node, every "
         "prompt's KV streamed; `colocated`: the decode node prefills every prompt itself "
-        "(conditional-disaggregation threshold forced above every prompt)." % (
+        "(conditional-disaggregation threshold forced above every prompt); `llama-server`: "
+        "llama.cpp's server on the same model and both cores (`-t 2 --parallel 4`, prompt "
+        "cache on, `--no-repack`; bench/serve/llamaserver.py)." % (
             result["duration_s"], "/".join(str(x) for x in result["prompt_words"]),
             result["max_tokens"], result["slo_ttft_s"], 1e3 * result["slo_tpot_s"]),
         "",
@@ -158,30 +164,33 @@ def write_outputs(out, result):
 def plot(out, result):
     if not shutil.which("gnuplot"):
         return
+    arms = ("disagg", "colocated", "llama-server")
     dat = os.path.join(out, "serve.dat")
     with open(dat, "w") as f:
-        for cfg in ("disagg", "colocated"):
+        for cfg in arms:
             f.write("# %s\n" % cfg)
             for r in result["rows"]:
                 if r["config"] == cfg:
                     f.write("%g %s %s %s\n" % (r["rate_req_s"], r["ttft_p50_ms"] or "NaN",
                                                r["tpot_p50_ms"] or "NaN", r["goodput_req_s"]))
             f.write("\n\n")
-    script = """set terminal pngcairo size 1000,380
-set output '%s'
-set multiplot layout 1,3 title 'pdmesh serving over HTTP (noisy, shared 2-vCPU machine)'
-set xlabel 'offered rate (req/s)'
-set xtics (%s)
-set key top left
-set ylabel 'TTFT p50 (ms)'
-plot '%s' index 0 u 1:2 w lp t 'disagg', '' index 1 u 1:2 w lp t 'colocated'
-set ylabel 'TPOT p50 (ms)'
-plot '%s' index 0 u 1:3 w lp t 'disagg', '' index 1 u 1:3 w lp t 'colocated'
-set ylabel 'goodput (req/s)'
-plot '%s' index 0 u 1:4 w lp t 'disagg', '' index 1 u 1:4 w lp t 'colocated'
-unset multiplot
-""" % (os.path.join(out, "serve.png"), ", ".join("%g" % r for r in result["rates"]), dat, dat,
-       dat)
+    have = [c for c in arms if any(r["config"] == c for r in result["rows"])]
+
+    def plot_cmd(col):
+        return "plot " + ", ".join("'%s' index %d u 1:%d w lp t '%s'" % (
+            dat, arms.index(c), col, c) for c in have)
+    script = "\n".join([
+        "set terminal pngcairo size 1000,380",
+        "set output '%s'" % os.path.join(out, "serve.png"),
+        "set multiplot layout 1,3 title 'pdmesh serving over HTTP (noisy, shared 2-vCPU "
+        "machine)'",
+        "set xlabel 'offered rate (req/s)'",
+        "set xtics (%s)" % ", ".join("%g" % r for r in result["rates"]),
+        "set key top left",
+        "set ylabel 'TTFT p50 (ms)'", plot_cmd(2),
+        "set ylabel 'TPOT p50 (ms)'", plot_cmd(3),
+        "set ylabel 'goodput (req/s)'", plot_cmd(4),
+        "unset multiplot", ""])
     subprocess.run(["gnuplot"], input=script, text=True, timeout=60)
     os.remove(dat)
 
@@ -194,7 +203,14 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--slo-ttft", type=float, default=2.0)
     ap.add_argument("--slo-tpot", type=float, default=0.25)
+    ap.add_argument("--llama-bindir", help="where llama-server is (default: $LLAMA_SERVER or "
+                    "build/llama.cpp, built by tools/llama_tools.sh); without one its arm is "
+                    "skipped with a message")
     args = ap.parse_args()
+    args.llama_server = find_llama_server(args.llama_bindir)
+    if not args.llama_server:
+        print("serve: no llama-server binary (tools/llama_tools.sh builds one); its arm is "
+              "skipped", file=sys.stderr)
     if args.duration is None:
         args.duration = 12 if args.quick else 40
     rates = [0.5, 1.0, 2.0, 4.0] if args.quick else [0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0]
@@ -203,7 +219,7 @@ def main():
     t0 = time.time()
     load_before = os.getloadavg()
     rows = []
-    for cfg in ("disagg", "colocated"):
+    for cfg in ("disagg", "colocated") + (("llama-server",) if args.llama_server else ()):
         rows += run_config(cfg, args, prompts, rates)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "integration"))
 import loadgen  # noqa: E402
+from llamaserver import LlamaServer, find as find_llama_server  # noqa: E402
 from mesh import Mesh, mesh_argparser  # noqa: E402
 
 SYSTEM = ("You are a patient assistant for a city library. You answer questions about opening "
@@ -58,10 +59,15 @@ def session(k, args, port, rng, rows, lock):
         time.sleep(rng.expovariate(1.0 / args.think))
 
 
-def run(args, pool):
-    mesh = Mesh(args.bindir, args.model, prefill_ranks=2, threads=1, local_threshold=16,
-                router_args=["--prefix-reuse", "1", "--block-tokens", "16"],
-                decode_args=["--kv-pool", str(pool)])
+def run(args, pool, llama_server=None):
+    """One arm: the mesh with a decode-node pool of `pool` tokens (0: none), or llama.cpp's
+    llama-server (binary path) on the same model and cores."""
+    if llama_server:
+        mesh = LlamaServer(llama_server, args.model, threads=2)
+    else:
+        mesh = Mesh(args.bindir, args.model, prefill_ranks=2, threads=1, local_threshold=16,
+                    router_args=["--prefix-reuse", "1", "--block-tokens", "16"],
+                    decode_args=["--kv-pool", str(pool)])
     rows, lock, threads = [], threading.Lock(), []
     try:
         mesh.wait_ready(groups=True)
@@ -80,19 +86,22 @@ def run(args, pool):
             next_at += rng.expovariate(args.rate)
         for th in threads:
             th.join(600)
-        return rows
+        return rows, time.time() - t0
     finally:
         mesh.stop()
 
 
-def summary(rows, slo):
+def summary(run_result, slo):
+    rows, wall = run_result
+
     def stats(xs):
         t = [x["ttft"] for x in xs if x["ok"] and x["ttft"] is not None]
         return {"n": len(xs), "failed": sum(1 for x in xs if not x["ok"]),
                 "ttft_p50_ms": 1e3 * statistics.median(t) if t else None,
                 "ttft_p90_ms": 1e3 * loadgen.pct(t, 90) if t else None,
                 "within_slo": sum(1 for v in t if v <= slo) / max(1, len(xs)),
-                "cached_p50": statistics.median(x["cached"] or 0 for x in xs) if xs else 0}
+                "cached_p50": statistics.median(x["cached"] or 0 for x in xs) if xs else 0,
+                "goodput_turns_s": sum(1 for v in t if v <= slo) / wall}
     return {"first": stats([r for r in rows if r["turn"] == 0]),
             "followup": stats([r for r in rows if r["turn"] > 0]), "all": stats(rows)}
 
@@ -109,12 +118,21 @@ def main():
     ap.add_argument("--slo-ttft", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="40 s of arrivals")
+    ap.add_argument("--llama-bindir", help="where llama-server is (default: $LLAMA_SERVER or "
+                    "build/llama.cpp, built by tools/llama_tools.sh); without one its arm is "
+                    "skipped with a message")
     args = ap.parse_args()
     if args.quick:
         args.duration = 40
     t0, load_before = time.time(), os.getloadavg()
     res = {"without pool": summary(run(args, 0), args.slo_ttft),
            "with pool": summary(run(args, 65536), args.slo_ttft)}
+    ls = find_llama_server(args.llama_bindir)
+    if ls:
+        res["llama-server"] = summary(run(args, 0, llama_server=ls), args.slo_ttft)
+    else:
+        print("sessions: no llama-server binary (tools/llama_tools.sh builds one); its arm is "
+              "skipped", file=sys.stderr)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "machine": "%d vCPUs" % os.cpu_count(), "args": vars(args), "results": res,
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
@@ -126,20 +144,22 @@ def main():
           "%s, %s, load average %.1f before / %.1f after. Sessions arrive at %.2f/s for %.0f s, "
           "%d turns each, think time %.1f s (mean), a shared %d-word system text, %d new "
           "tokens per turn; router + 2-rank prefill group + decode node, 1 thread per process; "
+          "`llama-server`: the same model on the same 2 cores (`-t 2 --parallel 4`, prompt cache "
+          "and `--cache-reuse 256` on, `--no-repack`; bench/serve/llamaserver.py); "
           "TTFT SLO %.1f s." % (out["date"], out["machine"], load_before[0],
                                 out["loadavg_after"][0], args.rate, args.duration, args.turns,
                                 args.think, args.system_words, args.max_tokens, args.slo_ttft),
           "", "| mesh | turns | first-turn TTFT p50 / p90 (ms) | follow-up TTFT p50 / p90 (ms) | "
-          "follow-up cached tokens (p50) | turns within SLO | failed |",
-          "|---|---|---|---|---|---|---|"]
+          "follow-up cached tokens (p50) | turns within SLO | goodput (turns/s) | failed |",
+          "|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
         f, u = r["first"], r["followup"]
-        md.append("| %s | %d | %s / %s | %s / %s | %.0f | %.0f %% | %d |" % (
+        md.append("| %s | %d | %s / %s | %s / %s | %.0f | %.0f %% | %.3f | %d |" % (
             name, r["all"]["n"], "%.0f" % f["ttft_p50_ms"] if f["ttft_p50_ms"] else "-",
             "%.0f" % f["ttft_p90_ms"] if f["ttft_p90_ms"] else "-",
             "%.0f" % u["ttft_p50_ms"] if u["ttft_p50_ms"] else "-",
             "%.0f" % u["ttft_p90_ms"] if u["ttft_p90_ms"] else "-", u["cached_p50"],
-            100 * r["all"]["within_slo"], r["all"]["failed"]))
+            100 * r["all"]["within_slo"], r["all"]["goodput_turns_s"], r["all"]["failed"]))
     md += ["", "Without the pool a follow-up is prefilled by the group, which keeps only the "
            "conversation it prefilled last (its partial prefill helps only when no other session "
            "came between); with it, the decode node that served the earlier turn still holds "
