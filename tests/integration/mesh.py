@@ -62,9 +62,10 @@ class Mesh:
         self.procs = {}
         p = [free_port() for _ in range(4)]
         self.node_ep = "tcp://127.0.0.1:%d" % p[1]
+        self.client_ep = "tcp://127.0.0.1:%d" % p[0]
         self.http_port = p[3]
         self._start("router", [os.path.join(bindir, "pdmesh-router"), "--model", model,
-                               "--client", "tcp://127.0.0.1:%d" % p[0], "--node", self.node_ep,
+                               "--client", self.client_ep, "--node", self.node_ep,
                                "--admin", "tcp://127.0.0.1:%d" % p[2],
                                "--http", "127.0.0.1:%d" % self.http_port,
                                "--local-threshold", str(local_threshold), *router_args])
