@@ -245,6 +245,19 @@ if [ -x "$prefilld" ] && [ -x "$decoded" ]; then
 import json,sys
 rows=[json.loads(l) for l in open(sys.argv[1])]
 assert len(rows)==2 and all(len(r["token_ids"])>=1 and r["kv_bytes"]>0 for r in rows), rows' "$tmp/out"; then ok "disagg-run json"; else bad "disagg-run json"; fi
+  # Every architecture's preset: disagg-run (2-rank group, each preset another method, KV
+  # streamed to a decode node) gives the engine's greedy tokens (pdmesh generate --temp 0).
+  for am in llama3:tsp qwen2:cp-q qwen3:cp-kv gemma3:kvr-e; do
+    a=${am%%:*} meth=${am#*:}
+    "$bin" make-test-model --arch "$a" --seed 1 --out "$tmp/arch-$a.gguf" >/dev/null 2>&1
+    ap="the quick brown fox jumps over the lazy dog while the small cat sleeps near the window"
+    "$bin" generate --model "$tmp/arch-$a.gguf" --prompt "$ap" -n 12 --temp 0 --json >"$tmp/arch-ref.json" 2>/dev/null
+    expect "disagg-run $a $meth" 0 "$bin" disagg-run --model "$tmp/arch-$a.gguf" --prefill-ranks 2 --method "$meth" --prompt "$ap" -n 12 --temp 0 --json
+    if $py -c '
+import json,sys
+ref=json.load(open(sys.argv[1])); got=json.loads(open(sys.argv[2]).read().splitlines()[-1])
+assert len(ref["tokens"])>=6 and got["token_ids"]==ref["tokens"], (got["token_ids"], ref["tokens"])' "$tmp/arch-ref.json" "$tmp/out"; then ok "disagg-run $a = engine's greedy tokens"; else bad "disagg-run $a = engine's greedy tokens" "$(head -c 400 "$tmp/out")"; fi
+  done
   # int8 KV end to end: the stream carries half of f16's bytes, the same tokens' count
   expect "disagg-run f16" 0 "$bin" disagg-run --model "$tmp/tiny.gguf" --prefill-ranks 2 --method kvr-e --prompt "the quick brown fox" -n 4 --temp 0 --kv-dtype f16 --json
   cp "$tmp/out" "$tmp/f16.json"
