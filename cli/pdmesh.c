@@ -428,16 +428,25 @@ static int cmd_tokenize(int argc, char **argv)
         if (!(owned = cli_read_stdin(&len))) return cli_runtime_error("cannot read stdin");
         text = owned;
     }
-    pdm_model_t *model;
-    if (cli_load_model(model_path, &model)) {
+    /* Only the tokenizer is needed, so vocabulary-only GGUF files (llama.cpp's
+     * ggml-vocab-*.gguf) work too and no weights are read. */
+    pdm_gguf_t *g;
+    pdm_tokenizer_t *tok;
+    if (pdm_gguf_open(model_path, &g) != PDM_OK) {
         free(owned);
-        return 1;
+        return cli_runtime_error("cannot open the model file");
+    }
+    int rc = pdm_tokenizer_create(g, &tok);
+    pdm_gguf_close(g);
+    if (rc != PDM_OK) {
+        free(owned);
+        return cli_runtime_error("cannot build the tokenizer");
     }
     int32_t *ids = NULL;
     size_t n = 0;
     int flags = (special ? PDM_TOKENIZE_SPECIAL : 0) | (bos ? PDM_TOKENIZE_ADD_BOS : 0);
     int status = 0;
-    if (cli_tokenize_alloc(model->tokenizer, text, len, flags, &ids, &n)) {
+    if (cli_tokenize_alloc(tok, text, len, flags, &ids, &n)) {
         status = cli_runtime_error("cannot tokenize");
     } else {
         for (size_t i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
@@ -445,7 +454,7 @@ static int cmd_tokenize(int argc, char **argv)
     }
     free(ids);
     free(owned);
-    pdm_model_free(model);
+    pdm_tokenizer_destroy(tok);
     return status;
 }
 
