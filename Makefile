@@ -59,7 +59,7 @@ COMMON_SRC := common/common.c common/file.c common/wire.c common/curve.c
 COMMON_NODE_SRC := common/nodelink.c common/auth.c common/health.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
-MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
+MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/chat.c model/model.c \
              model/forward.c model/reference.c model/kv_cache.c model/kv_quant.c model/sampler.c \
              model/testmodel.c model/quantize.c
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/checksum.c \

