@@ -307,6 +307,54 @@ def chat_cases(templates):
     return out
 
 
+# ---- end to end on the real Gemma 3 270M ---------------------------------------------------
+
+GEMMA_PROMPTS = [
+    ("chat", [{"role": "user",
+               "content": "What is the capital of France? Answer in one sentence."}]),
+    ("plain", "The capital of France is"),
+    ("plain", "def fibonacci(n):"),
+]
+GEMMA_GREEDY = 24
+
+
+def gemma_generate(path):
+    """llama.cpp's greedy continuation (argmax, lowest id on ties, stop at EOG) of each prompt,
+    with the gap between the two best logits at every step so that a comparison can stop at
+    a near-tie. Chat prompts are rendered with llama.cpp's built-in 'gemma' format: the file
+    has no template (llama.cpp alone would use ChatML, whose markers the vocabulary lacks)."""
+    import numpy as np
+    from llamaref import disable_extra_bufts
+    disable_extra_bufts()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2,
+                          n_threads_batch=2, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    n_vocab = llm.n_vocab()
+    out = []
+    for kind, p in GEMMA_PROMPTS:
+        text = apply_template("gemma", p, True) if kind == "chat" else p
+        ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=kind == "chat")
+        llm.reset()
+        llm.eval(ids)
+        greedy, gaps = [], []
+        for _ in range(GEMMA_GREEDY):
+            lg = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                       shape=(n_vocab,)).astype(np.float64)
+            top = np.argsort(-lg, kind="stable")[:2]
+            tok = int(top[0])
+            gaps.append(float(lg[top[0]] - lg[top[1]]))
+            if llama_cpp.llama_vocab_is_eog(vocab, tok):
+                break
+            greedy.append(tok)
+            llm.eval([tok])
+        out.append({"chat": kind == "chat", "messages": p if kind == "chat" else None,
+                    "prompt": p if kind != "chat" else p[0]["content"], "rendered": text,
+                    "prompt_ids": ids, "greedy": greedy, "gaps": gaps,
+                    "text": llm.detokenize(greedy).decode("utf-8", "replace")})
+    del llm
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-src", required=True, help="vendor/llama.cpp of the sdist")
@@ -364,6 +412,7 @@ def main():
         "chat": chat_cases(templates),
         "gemma3_file_has_template": field(gguf.GGUFReader(args.gemma),
                                           "tokenizer.chat_template") is not None,
+        "gemma3_generate": gemma_generate(args.gemma),
     }
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(out, f, ensure_ascii=False, indent=1)

@@ -865,6 +865,29 @@ START_TEST(test_golden_gemma_file)
     ck_assert_int_eq(ids[0], 2);   /* <bos> */
     ck_assert_int_eq(ids[1], 105); /* <start_of_turn> */
     free(s);
+    /* The end-to-end prompts (tests/cli/run.sh generates from them): rendering and ids. */
+    const cJSON *gen = cJSON_GetObjectItem(root, "gemma3_generate");
+    ck_assert_int_ge(cJSON_GetArraySize(gen), 2);
+    for (int k = 0; k < cJSON_GetArraySize(gen); k++) {
+        const cJSON *e = cJSON_GetArrayItem(gen, k);
+        int chat = cJSON_IsTrue(cJSON_GetObjectItem(e, "chat"));
+        const char *prompt = cJSON_GetObjectItem(e, "prompt")->valuestring;
+        char *text = NULL;
+        if (chat) {
+            const char *role = "user";
+            text = pdm_tokenizer_chat_render(t, &role, &prompt, 1, 1);
+            ck_assert_str_eq(text, cJSON_GetObjectItem(e, "rendered")->valuestring);
+        }
+        const char *src = text ? text : prompt;
+        ck_assert_int_eq(pdm_tokenizer_encode(t, src, strlen(src), PDM_TOKENIZE_ADD_BOS |
+                                              (chat ? PDM_TOKENIZE_SPECIAL : 0), ids, 64, &n),
+                         0);
+        const cJSON *want = cJSON_GetObjectItem(e, "prompt_ids");
+        ck_assert_int_eq((int)n, cJSON_GetArraySize(want));
+        for (size_t i = 0; i < n; i++)
+            ck_assert_int_eq(ids[i], cJSON_GetArrayItem(want, (int)i)->valueint);
+        free(text);
+    }
     pdm_tokenizer_destroy(t);
     cJSON_Delete(root);
 }
