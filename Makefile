@@ -1,7 +1,8 @@
 # pdmesh - the one entry point.
 #
 #   make deps     install Debian packages and the Python test tools (idempotent)
-#   make model    fetch the default model into models/ (sha256-checked)
+#   make model    fetch the default model into models/ (sha256-checked); MODEL=gemma3-270m
+#                 fetches Gemma 3 270M Q4_K_M instead (docs/models.md)
 #   make          build everything into build/
 #   make test     deps + model + build + every test (= make check; container-test builds the
 #                 image first, ~2-3 min from nothing)
@@ -36,6 +37,10 @@ OPT ?= -O2
 BUILD ?= build
 PYTHON ?= python3
 MODEL_FILE := models/SmolLM2-135M-Instruct.Q4_1.gguf
+# make model MODEL=gemma3-270m: the second real model (SentencePiece, sliding-window layers);
+# MODEL_FILE stays SmolLM2, which the tests and the demo use.
+MODEL ?= smollm2
+GEMMA_FILE := models/gemma-3-270m-q4_k_m.gguf
 VENV := $(BUILD)/venv
 IMAGE ?= pdmesh:dev
 
@@ -261,10 +266,20 @@ $(TEST_BIN): $(TEST_OBJ) $(SDK_OBJ) $(LIB)
 deps:
 	@tools/deps.sh $(VENV)
 
+ifeq ($(MODEL),smollm2)
 model: $(MODEL_FILE)
+else ifeq ($(MODEL),gemma3-270m)
+model: $(GEMMA_FILE)
+else
+model:
+	@echo "make model: unknown MODEL=$(MODEL) (smollm2 or gemma3-270m)" >&2; exit 2
+endif
 
 $(MODEL_FILE):
 	@tools/fetch_model.sh $@
+
+$(GEMMA_FILE):
+	@tools/fetch_model.sh $@ gemma3-270m
 
 # The unit and golden suites run in one Check binary (fork mode, a timeout per test case);
 # the CLI tests drive the real binary.
