@@ -382,6 +382,107 @@ START_TEST(test_syn_detok_stream)
 }
 END_TEST
 
+/* ---- Synthetic SentencePiece vocabulary -------------------------------------------------- */
+
+enum {
+    SPM_UNK = 0, SPM_BOS = 1, SPM_EOS = 2, SPM_BYTE0 = 3, /* 256 byte tokens <0xXX> */
+    SPM_SPACE = 259, /* "▁" */
+    SPM_A, SPM_B, SPM_AB, SPM_SPACE_A, SPM_N_VOCAB
+};
+
+/* Writes a SentencePiece vocabulary in which "ab" scores `ab_score` against "▁a"'s -1 (so the
+ * merge order decides "▁ab"), and opens it. n_scores < SPM_N_VOCAB makes the file malformed. */
+static int spm_create(float ab_score, int add_space_prefix, int n_scores, pdm_tokenizer_t **out)
+{
+    static char bytes[256][8];
+    const char *tokens[SPM_N_VOCAB];
+    int32_t types[SPM_N_VOCAB];
+    float scores[SPM_N_VOCAB];
+    tokens[SPM_UNK] = "<unk>";
+    tokens[SPM_BOS] = "<s>";
+    tokens[SPM_EOS] = "</s>";
+    for (int b = 0; b < 256; b++) {
+        snprintf(bytes[b], sizeof(bytes[b]), "<0x%02X>", b);
+        tokens[SPM_BYTE0 + b] = bytes[b];
+    }
+    tokens[SPM_SPACE] = "\xE2\x96\x81";
+    tokens[SPM_A] = "a";
+    tokens[SPM_B] = "b";
+    tokens[SPM_AB] = "ab";
+    tokens[SPM_SPACE_A] = "\xE2\x96\x81" "a";
+    for (int i = 0; i < SPM_N_VOCAB; i++) {
+        types[i] = i >= SPM_BYTE0 && i < SPM_SPACE ? 6 : 1;
+        scores[i] = -10;
+    }
+    types[SPM_UNK] = 2;
+    types[SPM_BOS] = types[SPM_EOS] = 3;
+    scores[SPM_SPACE_A] = -1;
+    scores[SPM_AB] = ab_score;
+
+    pdm_gguf_writer_t *w = pdm_gguf_writer_create();
+    ck_assert_int_eq(pdm_gguf_writer_set_str(w, "tokenizer.ggml.model", "llama"), 0);
+    ck_assert_int_eq(pdm_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", tokens, SPM_N_VOCAB), 0);
+    ck_assert_int_eq(pdm_gguf_writer_set_arr_i32(w, "tokenizer.ggml.token_type", types, SPM_N_VOCAB), 0);
+    ck_assert_int_eq(pdm_gguf_writer_set_arr_f32(w, "tokenizer.ggml.scores", scores, (uint64_t)n_scores), 0);
+    ck_assert_int_eq(pdm_gguf_writer_set_bool(w, "tokenizer.ggml.add_space_prefix", add_space_prefix), 0);
+    /* no bos/eos/unk ids and no add_bos_token: llama.cpp's SentencePiece defaults apply */
+    char path[600];
+    snprintf(path, sizeof(path), "%s/tok_spm_%d.gguf", pdm_test_tmpdir(), (int)getpid());
+    ck_assert_int_eq(pdm_gguf_writer_write(w, path), 0);
+    pdm_gguf_writer_destroy(w);
+    pdm_gguf_t *g;
+    ck_assert_msg(pdm_gguf_open(path, &g) == 0, "%s", pdm_error_last());
+    pdm_tokenizer_t *t = NULL;
+    int status = pdm_tokenizer_create(g, &t);
+    pdm_gguf_close(g);
+    unlink(path);
+    if (status == 0) *out = t;
+    return status;
+}
+
+/* Highest score merges first, byte fallback, the space prefix (also after a special token),
+ * defaults, decoding; a short scores array is refused. */
+START_TEST(test_syn_sentencepiece)
+{
+    pdm_tokenizer_t *t;
+    ck_assert_int_eq(spm_create(-2, 1, SPM_N_VOCAB, &t), 0);
+    ck_assert_int_eq(pdm_tokenizer_bos(t), SPM_BOS);
+    ck_assert_int_eq(pdm_tokenizer_eos(t), SPM_EOS);
+    ck_assert_int_eq(pdm_tokenizer_add_bos(t), 1);
+    ck_assert(pdm_tokenizer_is_eog(t, SPM_EOS));
+    /* "▁a" (-1) beats "ab" (-2): ▁a + b */
+    CHECK_IDS(t, "ab", 0, SPM_SPACE_A, SPM_B);
+    CHECK_IDS(t, "ab", PDM_TOKENIZE_ADD_BOS, SPM_BOS, SPM_SPACE_A, SPM_B);
+    /* "é" is no token: its two bytes; the inner space is "▁" */
+    CHECK_IDS(t, "\xC3\xA9 a", 0, SPM_SPACE, SPM_BYTE0 + 0xC3, SPM_BYTE0 + 0xA9, SPM_SPACE_A);
+    /* special text: parsed only when asked, and the text after it gets the prefix again */
+    CHECK_IDS(t, "a<s>a", PDM_TOKENIZE_SPECIAL, SPM_SPACE_A, SPM_BOS, SPM_SPACE_A);
+    char buf[16];
+    ck_assert_int_eq(pdm_tokenizer_token_bytes(t, SPM_SPACE_A, 0, buf, sizeof(buf)), 2);
+    ck_assert_int_eq(memcmp(buf, " a", 2), 0);
+    ck_assert_int_eq(pdm_tokenizer_token_bytes(t, SPM_BYTE0 + 0xC3, 0, buf, sizeof(buf)), 1);
+    ck_assert_int_eq((uint8_t)buf[0], 0xC3);
+    ck_assert_int_eq(pdm_tokenizer_token_bytes(t, SPM_BOS, 0, buf, sizeof(buf)), 0);
+    pdm_tokenizer_destroy(t);
+
+    /* "ab" (-0.5) beats "▁a" (-1): ▁ + ab */
+    ck_assert_int_eq(spm_create(-0.5f, 1, SPM_N_VOCAB, &t), 0);
+    CHECK_IDS(t, "ab", 0, SPM_SPACE, SPM_AB);
+    pdm_tokenizer_destroy(t);
+
+    /* add_space_prefix = false (Gemma) */
+    ck_assert_int_eq(spm_create(-2, 0, SPM_N_VOCAB, &t), 0);
+    CHECK_IDS(t, "ab", 0, SPM_AB);
+    CHECK_IDS(t, " ab", 0, SPM_SPACE_A, SPM_B);
+    pdm_tokenizer_destroy(t);
+
+    t = NULL;
+    ck_assert_int_eq(spm_create(-2, 1, SPM_N_VOCAB - 1, &t), PDM_EFORMAT);
+    ck_assert_msg(strstr(pdm_error_last(), "scores"), "%s", pdm_error_last());
+    ck_assert_ptr_null(t);
+}
+END_TEST
+
 START_TEST(test_syn_bad_metadata)
 {
     pdm_tokenizer_t *t = NULL;
@@ -976,6 +1077,7 @@ Suite *suite_tokenizer(void)
     tcase_add_test(syn, test_syn_detok_stream);
     tcase_add_test(syn, test_syn_bad_metadata);
     tcase_add_test(syn, test_syn_chat);
+    tcase_add_test(syn, test_syn_sentencepiece);
     suite_add_tcase(s, syn);
 
     TCase *real = tcase_create("real_model");
