@@ -20,6 +20,7 @@
 #   make fidelity  perplexity and KL divergence vs llama.cpp and the exact model
 #                 (docs/perf/fidelity.md, docs/fidelity.md)
 #   make golden-arch  regenerate tests/golden/arch_golden.json (every architecture, llama.cpp)
+#   make golden-tok   regenerate tests/golden/tok_golden.json + tok/ (tokenizers, chat templates)
 #   make format   clang-format the sources in place (.clang-format); make format-check lists
 #                 the files that differ (not part of make test)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
@@ -140,7 +141,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch clean distclean format \
+.PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch golden-tok clean distclean format \
         format-check \
         integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
@@ -511,6 +512,24 @@ golden-arch: $(BUILD)/bin/pdmesh
 	@tools/deps.sh $(VENV) --golden
 	$(VENV)/bin/python tests/golden/make_arch_golden.py --pdmesh $(BUILD)/bin/pdmesh \
 	  --out tests/golden/arch_golden.json $(if $(GEMMA),--gemma $(GEMMA))
+
+# Tokenizers and chat templates against llama.cpp (tests/golden/tok_golden.json and the
+# vocabulary fixtures tests/golden/tok/*.gguf; see tests/golden/README.md). Needs the
+# llama-cpp-python sdist's vendor/llama.cpp (test vocabularies and templates; downloaded and
+# unpacked into build/llama.cpp when absent), SmolLM2 and Gemma 3 270M.
+golden-tok: model
+	@tools/deps.sh $(VENV) --golden
+	@$(MAKE) --no-print-directory model MODEL=gemma3-270m
+	@src=$$(ls -d build/llama.cpp/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | head -n 1); \
+	if [ -z "$$src" ]; then \
+	  v=$$($(VENV)/bin/python -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))'); \
+	  mkdir -p build/llama.cpp/sdist && \
+	  python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$$v" -d build/llama.cpp/sdist && \
+	  tar -C build/llama.cpp -xzf build/llama.cpp/sdist/llama_cpp_python-$$v.tar.gz && \
+	  src=build/llama.cpp/llama_cpp_python-$$v/vendor/llama.cpp; \
+	fi; \
+	$(VENV)/bin/python tests/golden/make_tok_golden.py --llama-src "$$src" \
+	  --gemma $(GEMMA_FILE) --smollm $(MODEL_FILE) --out tests/golden/tok_golden.json
 
 # Formatting with the committed .clang-format: every C/CUDA source and header of the tree
 # (not build output). `make format` rewrites them in place; `make format-check` only lists the
