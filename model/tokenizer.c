@@ -82,6 +82,12 @@ enum {
     "| ?[^" PDM_TOK__WS "\\p{L}\\p{N}]+[\\r\\n]*|[" PDM_TOK__WS "]*[\\r\\n]+"                    \
     "|[" PDM_TOK__WS "]+(?![^" PDM_TOK__WS "])|[" PDM_TOK__WS "]+"
 
+/* Qwen3.5: letters may carry combining marks (\p{M}) inside a word. */
+#define PDM_TOK__RE_QWEN35                                                                     \
+    PDM_TOK__CONTRACTIONS_CI "|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}"                   \
+    "| ?[^" PDM_TOK__WS "\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|[" PDM_TOK__WS "]*[\\r\\n]+"             \
+    "|[" PDM_TOK__WS "]+(?![^" PDM_TOK__WS "])|[" PDM_TOK__WS "]+"
+
 typedef struct {
     const char *name;                           /* canonical name used in log messages */
     const char *patterns[PDM_TOK__MAX_REGEX + 1]; /* applied in order; NULL-terminated */
@@ -100,6 +106,7 @@ static const pdm_tok__pre_t pdm_tok__pre_smollm = {
 static const pdm_tok__pre_t pdm_tok__pre_llama3 = {"llama3", {PDM_TOK__RE_LLAMA3, NULL}, 1, 1};
 static const pdm_tok__pre_t pdm_tok__pre_dbrx = {"dbrx", {PDM_TOK__RE_LLAMA3, NULL}, 0, 0};
 static const pdm_tok__pre_t pdm_tok__pre_qwen2 = {"qwen2", {PDM_TOK__RE_QWEN2, NULL}, 0, 0};
+static const pdm_tok__pre_t pdm_tok__pre_qwen35 = {"qwen35", {PDM_TOK__RE_QWEN35, NULL}, 0, 0};
 
 /* `tokenizer.ggml.pre` values and the pre-tokenizer llama.cpp selects for them. */
 static const struct {
@@ -119,6 +126,7 @@ static const struct {
     {"exaone", &pdm_tok__pre_smollm},      {"minerva-7b", &pdm_tok__pre_smollm},
     {"qwen2", &pdm_tok__pre_qwen2},        {"deepseek-r1-qwen", &pdm_tok__pre_qwen2},
     {"stablelm2", &pdm_tok__pre_qwen2},    {"megrez", &pdm_tok__pre_qwen2},
+    {"qwen35", &pdm_tok__pre_qwen35},
 };
 
 /* Token texts that end generation: llama.cpp's list, without the gpt-oss/solar markers

@@ -18,9 +18,10 @@ tokenizes the test strings exactly as the full one does; the fixture's
 `pdmesh.fixture.orig_ids` maps its ids back to the original ids the JSON records.
 
 Vocabularies: llama.cpp's own test vocabularies ggml-vocab-llama-spm (Llama 2, SentencePiece
-with the space prefix), ggml-vocab-llama-bpe (Llama 3) and ggml-vocab-qwen2 (Qwen2/2.5/3)
-from the sdist's vendor/llama.cpp/models, with their .inp test strings, and the Gemma 3 270M
-file (SentencePiece without the space prefix, 262k tokens). Chat templates: the real Jinja
+with the space prefix), ggml-vocab-llama-bpe (Llama 3), ggml-vocab-qwen2 (Qwen2/2.5/3) and
+ggml-vocab-qwen35 (Qwen3.5: marks inside words) from the sdist's vendor/llama.cpp/models, with
+their .inp test strings, and the Gemma 3 270M file (SentencePiece without the space prefix,
+262k tokens). Chat templates: the real Jinja
 templates in vendor/llama.cpp/models/templates, the SmolLM2 file's own template, and every
 built-in format name.
 
@@ -370,6 +371,7 @@ def main():
     specs = [("llama-spm", os.path.join(models, "ggml-vocab-llama-spm.gguf")),
              ("llama-bpe", os.path.join(models, "ggml-vocab-llama-bpe.gguf")),
              ("qwen2", os.path.join(models, "ggml-vocab-qwen2.gguf")),
+             ("qwen35", os.path.join(models, "ggml-vocab-qwen35.gguf")),
              ("gemma3", args.gemma)]
     for name, path in specs:
         inp = path + ".inp"
