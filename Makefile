@@ -1,7 +1,8 @@
 # pdmesh - the one entry point.
 #
 #   make deps     install Debian packages and the Python test tools (idempotent)
-#   make model    fetch the default model into models/ (sha256-checked)
+#   make model    fetch the default model into models/ (sha256-checked); MODEL=gemma3-270m
+#                 fetches Gemma 3 270M Q4_K_M instead (docs/models.md)
 #   make          build everything into build/
 #   make test     deps + model + build + every test (= make check; container-test builds the
 #                 image first, ~2-3 min from nothing)
@@ -20,6 +21,7 @@
 #   make fidelity  perplexity and KL divergence vs llama.cpp and the exact model
 #                 (docs/perf/fidelity.md, docs/fidelity.md)
 #   make golden-arch  regenerate tests/golden/arch_golden.json (every architecture, llama.cpp)
+#   make golden-tok   regenerate tests/golden/tok_golden.json + tok/ (tokenizers, chat templates)
 #   make format   clang-format the sources in place (.clang-format); make format-check lists
 #                 the files that differ (not part of make test)
 #   make cuda     the CUDA kernel variant and the tests into build-cuda/ (nvcc, sm_80/sm_90)
@@ -38,6 +40,10 @@ OPT ?= -O2
 BUILD ?= build
 PYTHON ?= python3
 MODEL_FILE := models/SmolLM2-135M-Instruct.Q4_1.gguf
+# make model MODEL=gemma3-270m: the second real model (SentencePiece, sliding-window layers);
+# MODEL_FILE stays SmolLM2, which the tests and the demo use.
+MODEL ?= smollm2
+GEMMA_FILE := models/gemma-3-270m-q4_k_m.gguf
 VENV := $(BUILD)/venv
 IMAGE ?= pdmesh:dev
 
@@ -61,7 +67,7 @@ COMMON_SRC := common/common.c common/file.c common/wire.c common/curve.c
 COMMON_NODE_SRC := common/nodelink.c common/auth.c common/health.c
 KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
-MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/model.c \
+MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/chat.c model/model.c \
              model/forward.c model/reference.c model/kv_cache.c model/kv_quant.c model/sampler.c \
              model/testmodel.c model/quantize.c
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/checksum.c \
@@ -137,7 +143,7 @@ BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-deco
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
 TEST_BIN := $(BUILD)/bin/pdm-tests
 
-.PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch clean distclean format \
+.PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch golden-tok clean distclean format \
         format-check \
         integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
         bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
@@ -263,10 +269,20 @@ $(TEST_BIN): $(TEST_OBJ) $(SDK_OBJ) $(LIB)
 deps:
 	@tools/deps.sh $(VENV)
 
+ifeq ($(MODEL),smollm2)
 model: $(MODEL_FILE)
+else ifeq ($(MODEL),gemma3-270m)
+model: $(GEMMA_FILE)
+else
+model:
+	@echo "make model: unknown MODEL=$(MODEL) (smollm2 or gemma3-270m)" >&2; exit 2
+endif
 
 $(MODEL_FILE):
 	@tools/fetch_model.sh $@
+
+$(GEMMA_FILE):
+	@tools/fetch_model.sh $@ gemma3-270m
 
 # The unit and golden suites run in one Check binary (fork mode, a timeout per test case);
 # the CLI tests drive the real binary.
@@ -511,6 +527,24 @@ golden-arch: $(BUILD)/bin/pdmesh
 	@tools/deps.sh $(VENV) --golden
 	$(VENV)/bin/python tests/golden/make_arch_golden.py --pdmesh $(BUILD)/bin/pdmesh \
 	  --out tests/golden/arch_golden.json $(if $(GEMMA),--gemma $(GEMMA))
+
+# Tokenizers and chat templates against llama.cpp (tests/golden/tok_golden.json and the
+# vocabulary fixtures tests/golden/tok/*.gguf; see tests/golden/README.md). Needs the
+# llama-cpp-python sdist's vendor/llama.cpp (test vocabularies and templates; downloaded and
+# unpacked into build/llama.cpp when absent), SmolLM2 and Gemma 3 270M.
+golden-tok: model
+	@tools/deps.sh $(VENV) --golden
+	@$(MAKE) --no-print-directory model MODEL=gemma3-270m
+	@src=$$(ls -d build/llama.cpp/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | head -n 1); \
+	if [ -z "$$src" ]; then \
+	  v=$$($(VENV)/bin/python -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))'); \
+	  mkdir -p build/llama.cpp/sdist && \
+	  python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$$v" -d build/llama.cpp/sdist && \
+	  tar -C build/llama.cpp -xzf build/llama.cpp/sdist/llama_cpp_python-$$v.tar.gz && \
+	  src=build/llama.cpp/llama_cpp_python-$$v/vendor/llama.cpp; \
+	fi; \
+	$(VENV)/bin/python tests/golden/make_tok_golden.py --llama-src "$$src" \
+	  --gemma $(GEMMA_FILE) --smollm $(MODEL_FILE) --out tests/golden/tok_golden.json
 
 # Formatting with the committed .clang-format: every C/CUDA source and header of the tree
 # (not build output). `make format` rewrites them in place; `make format-check` only lists the

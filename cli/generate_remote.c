@@ -115,7 +115,7 @@ int cmd_generate_remote(int argc, char **argv)
     sp.repeat_penalty = 0; /* unset: the router's default (off) */
     sp.seed = 0;           /* unset: the router picks one */
     enum { O_STOP = 256, O_ROUTER, O_TIMEOUT, O_BEAMS, O_LOCAL_ONLY, O_MESH, O_CONFIG, O_CSRV,
-           O_CKEY, O_NBEST, O_LP, O_ES, O_IGNORE_EOS };
+           O_CKEY, O_NBEST, O_LP, O_ES, O_IGNORE_EOS, O_CHAT_TEMPLATE };
     static const struct option opts[] = {
         {"router", required_argument, 0, O_ROUTER}, {"prompt", required_argument, 0, 'p'},
         {"mesh", no_argument, 0, O_MESH},          {"config", required_argument, 0, O_CONFIG},
@@ -133,6 +133,7 @@ int cmd_generate_remote(int argc, char **argv)
         {"kv-dtype", required_argument, 0, O_LOCAL_ONLY},
         {"curve-server-key", required_argument, 0, O_CSRV},
         {"curve-key", required_argument, 0, O_CKEY},
+        {"chat-template", required_argument, 0, O_CHAT_TEMPLATE},
         {0, 0, 0, 0}};
     int c;
     double dv;
@@ -184,6 +185,10 @@ int cmd_generate_remote(int argc, char **argv)
         case O_LOCAL_ONLY:
             return cli_usage_error("%s", "--threads, --batch, --ctx and --kv-dtype apply to "
                                          "local generation only, not with --router");
+        case O_CHAT_TEMPLATE:
+            return cli_usage_error("%s", "the router renders chats with its model's format: give "
+                                         "--chat-template to pdmesh-router (router.chat_template "
+                                         "in a mesh config), not to a remote generate");
         default: return cli_usage_error("%s", "invalid option");
         }
     }

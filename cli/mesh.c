@@ -577,11 +577,24 @@ int cmd_up(int argc, char **argv)
     snprintf(b_dec, sizeof(b_dec), "%s/pdmesh-decode", m.bin);
     snprintf(s_http, sizeof(s_http), "%ld", http_port);
     snprintf(s_local, sizeof(s_local), "%ld", local_thr);
-    char *ra[] = {b_router, "--model", (char *)model, "--client", (char *)client, "--node",
-                  (char *)node, "--admin", (char *)admin, "--http-port", s_http,
-                  "--admin-token-file", token, "--local-threshold", s_local, "--method",
-                  (char *)method, "--curve-secret-file", c_srv_key, "--curve-allow", c_allow, NULL};
-    if (!curve) ra[PDM_ARRAY_SIZE(ra) - 5] = NULL;
+    char *ra[32] = {b_router, "--model", (char *)model, "--client", (char *)client, "--node",
+                    (char *)node, "--admin", (char *)admin, "--http-port", s_http,
+                    "--admin-token-file", token, "--local-threshold", s_local, "--method",
+                    (char *)method};
+    int n_ra = 17;
+    /* router.chat_template: a format name (model/chat.h) instead of the file's template */
+    const char *chat_template = y_str(rt, "chat_template", NULL);
+    if (chat_template) {
+        ra[n_ra++] = "--chat-template";
+        ra[n_ra++] = (char *)chat_template;
+    }
+    if (curve) {
+        ra[n_ra++] = "--curve-secret-file";
+        ra[n_ra++] = c_srv_key;
+        ra[n_ra++] = "--curve-allow";
+        ra[n_ra++] = c_allow;
+    }
+    ra[n_ra] = NULL;
     st = mesh_add(&m, "router", ra, NULL, NULL, NULL);
     char hdir[1100], hf[1300];
     snprintf(hdir, sizeof(hdir), "%s/health", m.run);

@@ -31,6 +31,8 @@ static void usage(FILE *f)
             "              [--min-p P] [--repeat-penalty R] [--seed S] [--stop STR]...\n"
             "              [--threads N] [--batch N] [--ctx N] [--kv-dtype f32|f16|q8]\n"
             "              [--stats] [--json] [--ignore-eos]\n"
+            "              [--chat-template NAME]  chatml, llama3, gemma, mistral-v7, ... instead\n"
+            "              of the file's template (docs/models.md)\n"
             "              [--router ENDPOINT | --mesh | --config FILE] [--timeout MS]\n"
             "              [--beams B [--n-best N] [--length-penalty X] [--early-stopping R]]\n"
             "              [--ignore-eos]\n"
@@ -39,7 +41,7 @@ static void usage(FILE *f)
             "  tokenize    [--special] TEXT|-      print token ids (- reads stdin)\n"
             "  detokenize  ID...|-                 print the text of token ids\n"
             "  prefill-run --ranks R --method M (--prompt TEXT|--prompt-file F|--random N)\n"
-            "              [--chat] [--length N] [--cached P] [--partition a,b,..]\n"
+            "              [--chat [--chat-template NAME]] [--length N] [--cached P] [--partition a,b,..]\n"
             "              [--table FILE] [--calibration FILE] [--threads N] [--pin] [--ctx N]\n"
             "              [--kv-dtype f32|f16|q8] [--timeout S] [--kv-out FILE]\n"
             "              [--logits-out FILE] [--repeat N] [--plan] [--json]\n"
@@ -49,7 +51,8 @@ static void usage(FILE *f)
             "  calibrate   [--length N] [--out FILE] [--pin]  achieved compute and link speed\n"
             "  disagg-run  --prefill-ranks R --method M (--prompt TEXT|--prompt-file F|--random N)...\n"
             "              [-n N] [--temp T] [--top-k K] [--top-p P] [--min-p P]\n"
-            "              [--repeat-penalty R] [--seed S] [--stop S] [--chat] [--decode-batch N]\n"
+            "              [--repeat-penalty R] [--seed S] [--stop S] [--chat] [--chat-template NAME]\n"
+            "              [--decode-batch N]\n"
             "              [--kv-dtype f32|f16|q8] [--json]\n"
             "              [--beams B] [--length-penalty X] [--n-best N] [--early-stopping R]\n"
             "              [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR]\n"
@@ -92,6 +95,7 @@ static void usage(FILE *f)
 typedef struct {
     const char *model_path;
     const char *prompt;
+    const char *chat_template; /* --chat-template NAME, or NULL: the file's */
     int chat, stats, json;
     long n_predict, threads, batch, ctx;
     pdm_dtype_t kv_dtype;
@@ -165,7 +169,7 @@ static int cmd_generate(int argc, char **argv)
                     .batch = 512, .ctx = 0, .kv_dtype = PDM_DT_F16};
     pdm_sampler_params_default(&o.sp);
     o.sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
-    enum { O_STOP = 256, O_BATCH, O_CTX, O_KV, O_IGNORE_EOS };
+    enum { O_STOP = 256, O_BATCH, O_CTX, O_KV, O_IGNORE_EOS, O_CHAT_TEMPLATE };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"prompt", required_argument, 0, 'p'},
         {"chat", no_argument, 0, 'c'},            {"n-predict", required_argument, 0, 'n'},
@@ -175,6 +179,7 @@ static int cmd_generate(int argc, char **argv)
         {"batch", required_argument, 0, O_BATCH}, {"ctx", required_argument, 0, O_CTX},
         {"kv-dtype", required_argument, 0, O_KV}, {"help", no_argument, 0, 'h'},
         {"ignore-eos", no_argument, 0, O_IGNORE_EOS},
+        {"chat-template", required_argument, 0, O_CHAT_TEMPLATE},
         {0, 0, 0, 0}};
     int c;
     optind = 1;
@@ -205,6 +210,11 @@ static int cmd_generate(int argc, char **argv)
                 return cli_usage_error("invalid --ctx '%s'", optarg);
             break;
         case O_IGNORE_EOS: o.ignore_eos = 1; break;
+        case O_CHAT_TEMPLATE:
+            if (pdm_chat_from_name(optarg) == PDM_CHAT_UNKNOWN)
+                return cli_usage_error("unknown --chat-template '%s'", optarg);
+            o.chat_template = optarg;
+            break;
         case O_STOP:
             if (o.n_stops == PDM__MAX_STOPS) return cli_usage_error("too many --stop strings%s", "");
             if (!*optarg) return cli_usage_error("empty --stop string%s", "");
@@ -239,6 +249,11 @@ static int cmd_generate(int argc, char **argv)
     int flags = PDM_TOKENIZE_ADD_BOS;
     if (o.chat) {
         const char *role = "user";
+        if (o.chat_template &&
+            pdm_tokenizer_set_chat_template(model->tokenizer, o.chat_template)) {
+            cli_runtime_error("--chat-template");
+            goto out;
+        }
         rendered = pdm_tokenizer_chat_render(model->tokenizer, &role, &o.prompt, 1, 1);
         if (!rendered) {
             cli_runtime_error("cannot apply the chat template");
@@ -428,16 +443,25 @@ static int cmd_tokenize(int argc, char **argv)
         if (!(owned = cli_read_stdin(&len))) return cli_runtime_error("cannot read stdin");
         text = owned;
     }
-    pdm_model_t *model;
-    if (cli_load_model(model_path, &model)) {
+    /* Only the tokenizer is needed, so vocabulary-only GGUF files (llama.cpp's
+     * ggml-vocab-*.gguf) work too and no weights are read. */
+    pdm_gguf_t *g;
+    pdm_tokenizer_t *tok;
+    if (pdm_gguf_open(model_path, &g) != PDM_OK) {
         free(owned);
-        return 1;
+        return cli_runtime_error("cannot open the model file");
+    }
+    int rc = pdm_tokenizer_create(g, &tok);
+    pdm_gguf_close(g);
+    if (rc != PDM_OK) {
+        free(owned);
+        return cli_runtime_error("cannot build the tokenizer");
     }
     int32_t *ids = NULL;
     size_t n = 0;
     int flags = (special ? PDM_TOKENIZE_SPECIAL : 0) | (bos ? PDM_TOKENIZE_ADD_BOS : 0);
     int status = 0;
-    if (cli_tokenize_alloc(model->tokenizer, text, len, flags, &ids, &n)) {
+    if (cli_tokenize_alloc(tok, text, len, flags, &ids, &n)) {
         status = cli_runtime_error("cannot tokenize");
     } else {
         for (size_t i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
@@ -445,7 +469,7 @@ static int cmd_tokenize(int argc, char **argv)
     }
     free(ids);
     free(owned);
-    pdm_model_free(model);
+    pdm_tokenizer_destroy(tok);
     return status;
 }
 

@@ -23,6 +23,7 @@ typedef struct {
     char bin[PATH_MAX];
     const char *prompt, *prompt_file;
     int chat;
+    const char *chat_template; /* --chat-template NAME, or NULL: the file's */
     long length;   /* exact prompt length (the text is repeated), 0: as tokenized */
     long random;   /* random prompt of this many tokens, 0: off */
     uint64_t seed;
@@ -32,7 +33,7 @@ enum {
     O_RANKS = 1000, O_METHOD, O_PROMPT, O_PROMPT_FILE, O_CHAT, O_LENGTH, O_RANDOM, O_SEED,
     O_PARTITION, O_CACHED, O_TABLE, O_CALIB, O_THREADS, O_PIN, O_CTX, O_KV_DTYPE, O_TIMEOUT,
     O_KV_OUT, O_LOGITS_OUT, O_REPEAT, O_JSON, O_MODEL, O_LENGTHS, O_OUT, O_REPS, O_STRIDE,
-    O_PLAN
+    O_PLAN, O_CHAT_TEMPLATE
 };
 
 #define GROUP_LONG_OPTS                                                                        \
@@ -43,7 +44,7 @@ enum {
         {"pin", no_argument, 0, O_PIN}, {"ctx", required_argument, 0, O_CTX},                   \
         {"kv-dtype", required_argument, 0, O_KV_DTYPE},                                         \
         {"timeout", required_argument, 0, O_TIMEOUT}, {"model", required_argument, 0, O_MODEL}, \
-        {"json", no_argument, 0, O_JSON}
+        {"json", no_argument, 0, O_JSON}, {"chat-template", required_argument, 0, O_CHAT_TEMPLATE}
 
 static void group_opts_init(group_opts_t *o)
 {
@@ -81,6 +82,14 @@ static int group_opt(group_opts_t *o, int c, const char *arg, int *json)
     case O_PROMPT: o->prompt = arg; return 1;
     case O_PROMPT_FILE: o->prompt_file = arg; return 1;
     case O_CHAT: o->chat = 1; return 1;
+    case O_CHAT_TEMPLATE:
+        if (pdm_chat_from_name(arg) == PDM_CHAT_UNKNOWN) {
+            fprintf(stderr, "%s: unknown --chat-template '%s' (known: %s)\n", cli_prog, arg,
+                    pdm_chat_names());
+            return -1;
+        }
+        o->chat_template = arg;
+        return 1;
     case O_LENGTH:
         if (pdm_parse_long(arg, 1, 1 << 22, &o->length)) return -1;
         return 1;
@@ -143,6 +152,11 @@ static int prompt_tokens(const group_opts_t *o, const pdm_model_t *model, int32_
         const char *src = text;
         if (o->chat) {
             const char *role = "user";
+            if (o->chat_template &&
+                pdm_tokenizer_set_chat_template(model->tokenizer, o->chat_template)) {
+                free(text);
+                return cli_runtime_error("--chat-template");
+            }
             rendered = pdm_tokenizer_chat_render(model->tokenizer, &role, (const char **)&text,
                                                  1, 1);
             if (!rendered) {
@@ -672,6 +686,7 @@ int cmd_disagg_run(int argc, char **argv)
         {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-file", required_argument, 0, O_PROMPT_FILE},
         {"chat", no_argument, 0, O_CHAT},
+        {"chat-template", required_argument, 0, O_CHAT_TEMPLATE},
         {"random", required_argument, 0, O_RANDOM},
         {"length", required_argument, 0, O_LENGTH},
         {"n-predict", required_argument, 0, D_N},

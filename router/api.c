@@ -40,7 +40,11 @@ int pdm_router_render_chat(pdm_router_t *r, const Pdmesh__ChatMessage *const *ms
                                  roles[i]);
     }
     char *text = pdm_tokenizer_chat_render(r->model->tokenizer, roles, contents, (int)n, 1);
-    if (!text) return pdm_error_set(PDM_EUNSUPPORTED, "cannot apply the chat template");
+    if (!text) {
+        char why[256]; /* the tokenizer's reason (no known format: names --chat-template) */
+        snprintf(why, sizeof(why), "%s", pdm_error_last());
+        return pdm_error_set(PDM_EUNSUPPORTED, "cannot apply the chat template: %s", why);
+    }
     size_t len = strlen(text), need = 0;
     int32_t *ids = malloc(sizeof(int32_t) * (len + 8));
     int st = ids ? pdm_tokenizer_encode(r->model->tokenizer, text, len,

@@ -172,6 +172,13 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
         st = pdm_error_set(PDM_EUNSUPPORTED, "%s has no tokenizer", cfg->model_path);
         goto fail;
     }
+    /* before any thread uses the tokenizer (tokenizer.h) */
+    if (cfg->chat_template &&
+        (st = pdm_tokenizer_set_chat_template(r->model->tokenizer, cfg->chat_template)))
+        goto fail;
+    if (pdm_tokenizer_chat_format(r->model->tokenizer) == PDM_CHAT_UNKNOWN)
+        pdm_log_warn("router: %s has no chat format pdmesh renders; chat requests will fail "
+                     "until --chat-template NAME is given", cfg->model_path);
     const char *base = strrchr(cfg->model_path, '/');
     snprintf(r->model_name, sizeof(r->model_name), "%s", base ? base + 1 : cfg->model_path);
     char *dot = strstr(r->model_name, ".gguf");

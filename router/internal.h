@@ -42,6 +42,7 @@
 typedef struct {
     const char *client_ep, *node_ep, *admin_ep;
     const char *model_path;
+    const char *chat_template;    /* format name (model/chat.h) overriding the file's, or NULL */
     const char *secret_file;      /* NULL: $PDMESH_SECRET_FILE / $PDMESH_SECRET */
     const char *admin_token_file; /* NULL: $PDMESH_ADMIN_TOKEN_FILE / $PDMESH_ADMIN_TOKEN */
     const char *curve_secret_file; /* CURVE on every socket (router/curve.c), or NULL: plain */

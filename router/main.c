@@ -57,6 +57,8 @@ static void rt_usage(FILE *f)
     fprintf(f,
             "usage: pdmesh-router [options]\n"
             "  --model FILE              GGUF of the served model (tokenizer, chat template)\n"
+            "  --chat-template NAME      chat format instead of the file's template (chatml,\n"
+            "                            llama3, gemma, mistral-v7, ...; docs/models.md)\n"
             "  --client EP --node EP --admin EP   ZeroMQ endpoints (default tcp://127.0.0.1:7700/1/2)\n"
             "  --http-host H --http-port P        OpenAI-compatible HTTP (default 127.0.0.1:8080,\n"
             "                            -1: off)\n"
@@ -103,10 +105,12 @@ int main(int argc, char **argv)
         O_CLIENT = 1000, O_NODE, O_ADMIN, O_HTTP_HOST, O_HTTP_PORT, O_SECRET, O_TOKEN, O_HB, O_LEASE,
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
         O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW,
-        O_PREFIX_REUSE, O_POOL_LOCAL, O_HTTP_CONNS, O_HTTP_PER_PEER, O_HTTP_HEAD, O_HTTP_BODY, O_HTTP_IDLE
+        O_PREFIX_REUSE, O_POOL_LOCAL, O_HTTP_CONNS, O_HTTP_PER_PEER, O_HTTP_HEAD, O_HTTP_BODY, O_HTTP_IDLE,
+        O_CHAT_TEMPLATE
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},
+        {"chat-template", required_argument, 0, O_CHAT_TEMPLATE},
         {"client", required_argument, 0, O_CLIENT},
         {"node", required_argument, 0, O_NODE},
         {"admin", required_argument, 0, O_ADMIN},
@@ -152,6 +156,14 @@ int main(int argc, char **argv)
     } while (0)
         switch (c) {
         case 'm': cfg.model_path = optarg; break;
+        case O_CHAT_TEMPLATE:
+            if (pdm_chat_from_name(optarg) == PDM_CHAT_UNKNOWN) {
+                fprintf(stderr, "pdmesh-router: unknown --chat-template '%s' (known: %s)\n",
+                        optarg, pdm_chat_names());
+                return 2;
+            }
+            cfg.chat_template = optarg;
+            break;
         case O_CLIENT: cfg.client_ep = optarg; break;
         case O_NODE: cfg.node_ep = optarg; break;
         case O_ADMIN: cfg.admin_ep = optarg; break;

@@ -328,5 +328,45 @@ else
   skipped=$((skipped + 1)); echo "skip daemons (binaries not next to $bin)"
 fi
 
+# ---- Gemma 3 270M (SentencePiece, Gemma chat format): greedy tokens equal llama.cpp's ----
+# tests/golden/tok_golden.json's gemma3_generate: llama.cpp's greedy continuation of a chat
+# prompt (rendered with llama.cpp's built-in gemma format) and two plain prompts, with the gap
+# between the two best logits at each step. pdmesh must produce the same tokens up to the end
+# or up to a step where llama.cpp's two best logits are within 0.5 (a near-tie that Q4_K
+# rounding may flip); the prompt lengths must be equal (the unit test compares the ids).
+gemma=${PDMESH_GEMMA:-models/gemma-3-270m-q4_k_m.gguf}
+golden=tests/golden/tok_golden.json
+[ -f "$golden" ] || golden="$(dirname "$0")/../golden/tok_golden.json"
+expect "unknown chat template name" 2 "$bin" generate --prompt x --chat --chat-template nope && contains "unknown chat template named" "$tmp/err" "nope"
+expect "chat template on a remote generate" 2 "$bin" generate --mesh --prompt x --chat-template gemma && contains "remote chat template names the router" "$tmp/err" "pdmesh-router"
+if [ -f "$gemma" ]; then
+  for i in 0 1 2; do
+    read -r chat prompt < <($py -c '
+import json,sys; g=json.load(open(sys.argv[1]))["gemma3_generate"][int(sys.argv[2])]
+print(int(g["chat"]), json.dumps(g["prompt"]))' "$golden" "$i")
+    prompt=$($py -c 'import json,sys; print(json.loads(sys.argv[1]))' "$prompt")
+    args=(generate --model "$gemma" --prompt "$prompt" -n 24 --temp 0 --json)
+    [ "$chat" = 1 ] && args+=(--chat)
+    expect "gemma generate $i" 0 "$bin" "${args[@]}"
+    if $py -c '
+import json,sys
+g=json.load(open(sys.argv[1]))["gemma3_generate"][int(sys.argv[2])]; d=json.load(open(sys.argv[3]))
+assert d["prompt_tokens"]==len(g["prompt_ids"]), (d["prompt_tokens"], len(g["prompt_ids"]))
+n=0
+for i,(a,b) in enumerate(zip(d["tokens"], g["greedy"])):
+    if a!=b:
+        assert g["gaps"][i] < 0.5, ("step", i, a, b, g["gaps"][i])
+        break
+    n+=1
+assert n >= 8 or n == len(g["greedy"]), (n, d["tokens"], g["greedy"])
+print(n, "of", len(g["greedy"]), "tokens equal", file=sys.stderr)
+' "$golden" "$i" "$tmp/out" 2>"$tmp/cmp"; then ok "gemma greedy $i equals llama.cpp ($(cat "$tmp/cmp"))"; else bad "gemma greedy $i equals llama.cpp" "$(tail -c 600 "$tmp/cmp")"; fi
+  done
+  expect "gemma tokenize" 0 "$bin" tokenize --model "$gemma" --special $'<start_of_turn>user\nHi<end_of_turn>'
+  contains "gemma special tokens" "$tmp/out" "105 2364 107 10979 106"
+else
+  skip "Gemma 3 270M (not in models/: make model MODEL=gemma3-270m)"
+fi
+
 echo "cli: $passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

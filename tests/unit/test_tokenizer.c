@@ -11,6 +11,8 @@
 #include "model/gguf.h"
 #include "model/tokenizer.h"
 
+#include <cjson/cJSON.h>
+
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,7 +43,7 @@ typedef enum {
     SYN_OK,
     SYN_SHORT_TYPES,  /* token_type has fewer entries than tokens */
     SYN_BOS_RANGE,    /* bos_token_id outside the vocabulary */
-    SYN_SPM,          /* tokenizer.ggml.model = "llama" */
+    SYN_WPM,          /* tokenizer.ggml.model = "bert" (WordPiece: not supported) */
     SYN_DUPLICATE,    /* two tokens with the same text */
     SYN_NO_TOKENIZER, /* no tokenizer.ggml.model at all */
     SYN_NO_MERGES,    /* no tokenizer.ggml.merges */
@@ -105,7 +107,7 @@ static int syn_create(syn_variant_t variant, pdm_tokenizer_t **out)
     ck_assert_ptr_nonnull(w);
     if (variant != SYN_NO_TOKENIZER)
         ck_assert_int_eq(pdm_gguf_writer_set_str(w, "tokenizer.ggml.model",
-                                                 variant == SYN_SPM ? "llama" : "gpt2"), 0);
+                                                 variant == SYN_WPM ? "bert" : "gpt2"), 0);
     ck_assert_int_eq(pdm_gguf_writer_set_str(w, "tokenizer.ggml.pre",
                                              variant == SYN_UNKNOWN_PRE ? "no-such-pre" : "gpt-2"),
                      0);
@@ -380,6 +382,107 @@ START_TEST(test_syn_detok_stream)
 }
 END_TEST
 
+/* ---- Synthetic SentencePiece vocabulary -------------------------------------------------- */
+
+enum {
+    SPM_UNK = 0, SPM_BOS = 1, SPM_EOS = 2, SPM_BYTE0 = 3, /* 256 byte tokens <0xXX> */
+    SPM_SPACE = 259, /* "▁" */
+    SPM_A, SPM_B, SPM_AB, SPM_SPACE_A, SPM_N_VOCAB
+};
+
+/* Writes a SentencePiece vocabulary in which "ab" scores `ab_score` against "▁a"'s -1 (so the
+ * merge order decides "▁ab"), and opens it. n_scores < SPM_N_VOCAB makes the file malformed. */
+static int spm_create(float ab_score, int add_space_prefix, int n_scores, pdm_tokenizer_t **out)
+{
+    static char bytes[256][8];
+    const char *tokens[SPM_N_VOCAB];
+    int32_t types[SPM_N_VOCAB];
+    float scores[SPM_N_VOCAB];
+    tokens[SPM_UNK] = "<unk>";
+    tokens[SPM_BOS] = "<s>";
+    tokens[SPM_EOS] = "</s>";
+    for (int b = 0; b < 256; b++) {
+        snprintf(bytes[b], sizeof(bytes[b]), "<0x%02X>", b);
+        tokens[SPM_BYTE0 + b] = bytes[b];
+    }
+    tokens[SPM_SPACE] = "\xE2\x96\x81";
+    tokens[SPM_A] = "a";
+    tokens[SPM_B] = "b";
+    tokens[SPM_AB] = "ab";
+    tokens[SPM_SPACE_A] = "\xE2\x96\x81" "a";
+    for (int i = 0; i < SPM_N_VOCAB; i++) {
+        types[i] = i >= SPM_BYTE0 && i < SPM_SPACE ? 6 : 1;
+        scores[i] = -10;
+    }
+    types[SPM_UNK] = 2;
+    types[SPM_BOS] = types[SPM_EOS] = 3;
+    scores[SPM_SPACE_A] = -1;
+    scores[SPM_AB] = ab_score;
+
+    pdm_gguf_writer_t *w = pdm_gguf_writer_create();
+    ck_assert_int_eq(pdm_gguf_writer_set_str(w, "tokenizer.ggml.model", "llama"), 0);
+    ck_assert_int_eq(pdm_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", tokens, SPM_N_VOCAB), 0);
+    ck_assert_int_eq(pdm_gguf_writer_set_arr_i32(w, "tokenizer.ggml.token_type", types, SPM_N_VOCAB), 0);
+    ck_assert_int_eq(pdm_gguf_writer_set_arr_f32(w, "tokenizer.ggml.scores", scores, (uint64_t)n_scores), 0);
+    ck_assert_int_eq(pdm_gguf_writer_set_bool(w, "tokenizer.ggml.add_space_prefix", add_space_prefix), 0);
+    /* no bos/eos/unk ids and no add_bos_token: llama.cpp's SentencePiece defaults apply */
+    char path[600];
+    snprintf(path, sizeof(path), "%s/tok_spm_%d.gguf", pdm_test_tmpdir(), (int)getpid());
+    ck_assert_int_eq(pdm_gguf_writer_write(w, path), 0);
+    pdm_gguf_writer_destroy(w);
+    pdm_gguf_t *g;
+    ck_assert_msg(pdm_gguf_open(path, &g) == 0, "%s", pdm_error_last());
+    pdm_tokenizer_t *t = NULL;
+    int status = pdm_tokenizer_create(g, &t);
+    pdm_gguf_close(g);
+    unlink(path);
+    if (status == 0) *out = t;
+    return status;
+}
+
+/* Highest score merges first, byte fallback, the space prefix (also after a special token),
+ * defaults, decoding; a short scores array is refused. */
+START_TEST(test_syn_sentencepiece)
+{
+    pdm_tokenizer_t *t;
+    ck_assert_int_eq(spm_create(-2, 1, SPM_N_VOCAB, &t), 0);
+    ck_assert_int_eq(pdm_tokenizer_bos(t), SPM_BOS);
+    ck_assert_int_eq(pdm_tokenizer_eos(t), SPM_EOS);
+    ck_assert_int_eq(pdm_tokenizer_add_bos(t), 1);
+    ck_assert(pdm_tokenizer_is_eog(t, SPM_EOS));
+    /* "▁a" (-1) beats "ab" (-2): ▁a + b */
+    CHECK_IDS(t, "ab", 0, SPM_SPACE_A, SPM_B);
+    CHECK_IDS(t, "ab", PDM_TOKENIZE_ADD_BOS, SPM_BOS, SPM_SPACE_A, SPM_B);
+    /* "é" is no token: its two bytes; the inner space is "▁" */
+    CHECK_IDS(t, "\xC3\xA9 a", 0, SPM_SPACE, SPM_BYTE0 + 0xC3, SPM_BYTE0 + 0xA9, SPM_SPACE_A);
+    /* special text: parsed only when asked, and the text after it gets the prefix again */
+    CHECK_IDS(t, "a<s>a", PDM_TOKENIZE_SPECIAL, SPM_SPACE_A, SPM_BOS, SPM_SPACE_A);
+    char buf[16];
+    ck_assert_int_eq(pdm_tokenizer_token_bytes(t, SPM_SPACE_A, 0, buf, sizeof(buf)), 2);
+    ck_assert_int_eq(memcmp(buf, " a", 2), 0);
+    ck_assert_int_eq(pdm_tokenizer_token_bytes(t, SPM_BYTE0 + 0xC3, 0, buf, sizeof(buf)), 1);
+    ck_assert_int_eq((uint8_t)buf[0], 0xC3);
+    ck_assert_int_eq(pdm_tokenizer_token_bytes(t, SPM_BOS, 0, buf, sizeof(buf)), 0);
+    pdm_tokenizer_destroy(t);
+
+    /* "ab" (-0.5) beats "▁a" (-1): ▁ + ab */
+    ck_assert_int_eq(spm_create(-0.5f, 1, SPM_N_VOCAB, &t), 0);
+    CHECK_IDS(t, "ab", 0, SPM_SPACE, SPM_AB);
+    pdm_tokenizer_destroy(t);
+
+    /* add_space_prefix = false (Gemma) */
+    ck_assert_int_eq(spm_create(-2, 0, SPM_N_VOCAB, &t), 0);
+    CHECK_IDS(t, "ab", 0, SPM_AB);
+    CHECK_IDS(t, " ab", 0, SPM_SPACE_A, SPM_B);
+    pdm_tokenizer_destroy(t);
+
+    t = NULL;
+    ck_assert_int_eq(spm_create(-2, 1, SPM_N_VOCAB - 1, &t), PDM_EFORMAT);
+    ck_assert_msg(strstr(pdm_error_last(), "scores"), "%s", pdm_error_last());
+    ck_assert_ptr_null(t);
+}
+END_TEST
+
 START_TEST(test_syn_bad_metadata)
 {
     pdm_tokenizer_t *t = NULL;
@@ -387,8 +490,8 @@ START_TEST(test_syn_bad_metadata)
     ck_assert_msg(strstr(pdm_error_last(), "token_type"), "%s", pdm_error_last());
     ck_assert_int_eq(syn_create(SYN_BOS_RANGE, &t), PDM_ERANGE);
     ck_assert_msg(strstr(pdm_error_last(), "bos_token_id"), "%s", pdm_error_last());
-    ck_assert_int_eq(syn_create(SYN_SPM, &t), PDM_EUNSUPPORTED);
-    ck_assert_msg(strstr(pdm_error_last(), "llama"), "%s", pdm_error_last());
+    ck_assert_int_eq(syn_create(SYN_WPM, &t), PDM_EUNSUPPORTED);
+    ck_assert_msg(strstr(pdm_error_last(), "bert"), "%s", pdm_error_last());
     ck_assert_int_eq(syn_create(SYN_DUPLICATE, &t), PDM_EFORMAT);
     ck_assert_msg(strstr(pdm_error_last(), "duplicate"), "%s", pdm_error_last());
     ck_assert_int_eq(syn_create(SYN_NO_TOKENIZER, &t), PDM_ENOTFOUND);
@@ -418,8 +521,18 @@ START_TEST(test_syn_chat)
     pdm_tokenizer_destroy(t);
 
     ck_assert_int_eq(syn_create(SYN_PLAIN_TEMPLATE, &t), 0);
+    ck_assert_int_eq(pdm_tokenizer_chat_format(t), PDM_CHAT_UNKNOWN);
     ck_assert_ptr_null(pdm_tokenizer_chat_render(t, roles, contents, 2, 1));
-    ck_assert_msg(strstr(pdm_error_last(), "ChatML"), "%s", pdm_error_last());
+    ck_assert_msg(strstr(pdm_error_last(), "--chat-template"), "%s", pdm_error_last());
+    /* Choosing a format by name makes it render; an unknown name changes nothing. */
+    ck_assert_int_eq(pdm_tokenizer_set_chat_template(t, "no-such-format"), PDM_EINVAL);
+    ck_assert_msg(strstr(pdm_error_last(), "gemma"), "%s", pdm_error_last());
+    ck_assert_int_eq(pdm_tokenizer_chat_format(t), PDM_CHAT_UNKNOWN);
+    ck_assert_int_eq(pdm_tokenizer_set_chat_template(t, "gemma"), 0);
+    s = pdm_tokenizer_chat_render(t, roles, contents, 2, 1);
+    ck_assert_ptr_nonnull(s);
+    ck_assert_ptr_nonnull(strstr(s, "<start_of_turn>model\n"));
+    free(s);
     pdm_tokenizer_destroy(t);
 }
 END_TEST
@@ -685,6 +798,273 @@ START_TEST(test_real_speed_and_threads)
 }
 END_TEST
 
+/* ---- Golden data from llama.cpp (tests/golden/make_tok_golden.py) ------------------------ */
+
+#ifndef PDM_TOK_GOLDEN_PATH
+#define PDM_TOK_GOLDEN_PATH "tests/golden/tok_golden.json"
+#endif
+#define PDM_TOK_GOLDEN_DIR "tests/golden/"
+#define GEMMA_PATH "models/gemma-3-270m-q4_k_m.gguf"
+
+/* Opens a tokenizer on a GGUF file (vocabulary only is enough). */
+static pdm_tokenizer_t *open_tokenizer(const char *path)
+{
+    pdm_gguf_t *g;
+    ck_assert_msg(pdm_gguf_open(path, &g) == 0, "%s", pdm_error_last());
+    pdm_tokenizer_t *t = NULL;
+    ck_assert_msg(pdm_tokenizer_create(g, &t) == 0, "%s: %s", path, pdm_error_last());
+    pdm_gguf_close(g);
+    return t;
+}
+
+/* The fixture's id -> original id map (pdmesh.fixture.orig_ids), malloc'd. */
+static int32_t *fixture_orig_ids(const char *path, int32_t *n_out)
+{
+    pdm_gguf_t *g;
+    const pdm_gguf_kv_t *kv;
+    ck_assert_int_eq(pdm_gguf_open(path, &g), 0);
+    ck_assert_int_eq(pdm_gguf_get_arr(g, "pdmesh.fixture.orig_ids", PDM_GGUF_INT32, &kv), 0);
+    int32_t n = (int32_t)kv->v.arr.n;
+    int32_t *ids = malloc((size_t)n * sizeof(*ids));
+    for (int32_t i = 0; i < n; i++) ids[i] = (int32_t)pdm_gguf_arr_int(kv, (uint64_t)i);
+    pdm_gguf_close(g);
+    *n_out = n;
+    return ids;
+}
+
+static int hex_nibble(char c)
+{
+    return c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10;
+}
+
+/* Checks every case of one vocabulary entry against tokenizer `t`, whose ids map to the
+ * original ones through orig (NULL: identity). Returns the number of cases checked. */
+static int check_vocab_cases(pdm_tokenizer_t *t, const cJSON *vocab, const int32_t *orig,
+                             int32_t n_orig)
+{
+    const char *name = cJSON_GetObjectItem(vocab, "name")->valuestring;
+    const cJSON *cases = cJSON_GetObjectItem(vocab, "cases");
+    int n_cases = cJSON_GetArraySize(cases);
+    static int32_t ids[4096];
+    static char pieces[16384];
+    for (int c = 0; c < n_cases; c++) {
+        const cJSON *e = cJSON_GetArrayItem(cases, c);
+        const char *text = cJSON_GetObjectItem(e, "text")->valuestring;
+        int flags = (cJSON_IsTrue(cJSON_GetObjectItem(e, "add_bos")) ? PDM_TOKENIZE_ADD_BOS : 0) |
+                    (cJSON_IsTrue(cJSON_GetObjectItem(e, "special")) ? PDM_TOKENIZE_SPECIAL : 0);
+        const cJSON *want = cJSON_GetObjectItem(e, "ids");
+        size_t n = 0;
+        ck_assert_msg(pdm_tokenizer_encode(t, text, strlen(text), flags, ids, 4096, &n) == 0,
+                      "%s: %s", name, pdm_error_last());
+        int same = (int)n == cJSON_GetArraySize(want);
+        for (size_t i = 0; same && i < n; i++) {
+            ck_assert(ids[i] >= 0 && (!orig || ids[i] < n_orig));
+            same = (orig ? orig[ids[i]] : ids[i]) == cJSON_GetArrayItem(want, (int)i)->valueint;
+        }
+        if (!same) {
+            char got[512] = "", exp[512] = "";
+            for (size_t i = 0; i < n && strlen(got) < 480; i++)
+                snprintf(got + strlen(got), sizeof(got) - strlen(got), " %d",
+                         orig ? orig[ids[i]] : ids[i]);
+            for (int i = 0; i < cJSON_GetArraySize(want) && strlen(exp) < 480; i++)
+                snprintf(exp + strlen(exp), sizeof(exp) - strlen(exp), " %d",
+                         cJSON_GetArrayItem(want, i)->valueint);
+            ck_abort_msg("%s: '%s' (flags %d): got [%s ] want [%s ]", name, text, flags, got,
+                         exp);
+        }
+        /* The pieces of those ids, special tokens rendered, are llama.cpp's bytes. */
+        size_t len = 0;
+        for (size_t i = 0; i < n; i++) {
+            int k = pdm_tokenizer_token_bytes(t, ids[i], 1, pieces + len, sizeof(pieces) - len);
+            ck_assert_int_ge(k, 0);
+            len += (size_t)k;
+        }
+        const char *hex = cJSON_GetObjectItem(e, "pieces_hex")->valuestring;
+        ck_assert_msg(strlen(hex) == 2 * len, "%s: '%s': pieces are %zu bytes, llama.cpp %zu",
+                      name, text, len, strlen(hex) / 2);
+        for (size_t i = 0; i < len; i++)
+            ck_assert_msg((uint8_t)pieces[i] ==
+                              (hex_nibble(hex[2 * i]) << 4 | hex_nibble(hex[2 * i + 1])),
+                          "%s: '%s': piece byte %zu differs", name, text, i);
+    }
+    return n_cases;
+}
+
+/* Every vocabulary's committed fixture: SentencePiece (Llama 2 with the space prefix, Gemma 3
+ * without) and byte-level BPE (Llama 3, Qwen2), ids and pieces equal to llama.cpp's. */
+START_TEST(test_golden_fixtures)
+{
+    cJSON *root = pdm_test_load_json(PDM_TOK_GOLDEN_PATH);
+    const cJSON *vocabs = cJSON_GetObjectItem(root, "vocabs");
+    ck_assert_int_ge(cJSON_GetArraySize(vocabs), 4);
+    int total = 0;
+    for (int v = 0; v < cJSON_GetArraySize(vocabs); v++) {
+        const cJSON *vocab = cJSON_GetArrayItem(vocabs, v);
+        char path[512];
+        snprintf(path, sizeof(path), PDM_TOK_GOLDEN_DIR "%s",
+                 cJSON_GetObjectItem(vocab, "fixture")->valuestring);
+        int32_t n_orig;
+        int32_t *orig = fixture_orig_ids(path, &n_orig);
+        pdm_tokenizer_t *t = open_tokenizer(path);
+        total += check_vocab_cases(t, vocab, orig, n_orig);
+        /* BOS/EOS and the end-of-generation set, on the ids the fixture has. */
+        ck_assert_int_eq(orig[pdm_tokenizer_bos(t)], cJSON_GetObjectItem(vocab, "bos")->valueint);
+        ck_assert_int_eq(orig[pdm_tokenizer_eos(t)], cJSON_GetObjectItem(vocab, "eos")->valueint);
+        const cJSON *eog = cJSON_GetObjectItem(vocab, "eog");
+        for (int32_t id = 0; id < n_orig; id++) {
+            int want = 0;
+            for (int k = 0; k < cJSON_GetArraySize(eog); k++)
+                want |= cJSON_GetArrayItem(eog, k)->valueint == orig[id];
+            ck_assert_msg(pdm_tokenizer_is_eog(t, id) == want, "%s: token %d eog",
+                          cJSON_GetObjectItem(vocab, "name")->valuestring, orig[id]);
+        }
+        pdm_tokenizer_destroy(t);
+        free(orig);
+    }
+    ck_assert_int_ge(total, 400);
+    cJSON_Delete(root);
+}
+END_TEST
+
+/* The real Gemma 3 270M file (262,144 tokens), when `make model MODEL=gemma3-270m` fetched
+ * it: the same golden strings on the full vocabulary, its EOG set, and its chat format. */
+START_TEST(test_golden_gemma_file)
+{
+    if (access(GEMMA_PATH, R_OK) != 0) {
+        fprintf(stderr, "test_golden_gemma_file: skipped, %s is absent (make model "
+                        "MODEL=gemma3-270m); the committed fixture covers its tokenizer\n",
+                GEMMA_PATH);
+        return;
+    }
+    cJSON *root = pdm_test_load_json(PDM_TOK_GOLDEN_PATH);
+    const cJSON *vocabs = cJSON_GetObjectItem(root, "vocabs"), *vocab = NULL;
+    for (int v = 0; v < cJSON_GetArraySize(vocabs); v++)
+        if (!strcmp(cJSON_GetObjectItem(cJSON_GetArrayItem(vocabs, v), "name")->valuestring,
+                    "gemma3"))
+            vocab = cJSON_GetArrayItem(vocabs, v);
+    ck_assert_ptr_nonnull(vocab);
+    pdm_tokenizer_t *t = open_tokenizer(GEMMA_PATH);
+    ck_assert_int_eq(pdm_tokenizer_n_vocab(t), cJSON_GetObjectItem(vocab, "n_vocab")->valueint);
+    ck_assert_int_ge(check_vocab_cases(t, vocab, NULL, 0), 100);
+    const cJSON *eog = cJSON_GetObjectItem(vocab, "eog");
+    int n_eog = 0;
+    for (int32_t id = 0; id < pdm_tokenizer_n_vocab(t); id++) n_eog += pdm_tokenizer_is_eog(t, id);
+    ck_assert_int_eq(n_eog, cJSON_GetArraySize(eog));
+    for (int k = 0; k < cJSON_GetArraySize(eog); k++)
+        ck_assert(pdm_tokenizer_is_eog(t, cJSON_GetArrayItem(eog, k)->valueint));
+    /* The file has no chat template: Gemma's format comes from its architecture. */
+    ck_assert(!cJSON_IsTrue(cJSON_GetObjectItem(root, "gemma3_file_has_template")));
+    ck_assert_int_eq(pdm_tokenizer_chat_format(t), PDM_CHAT_GEMMA);
+    const char *roles[] = {"system", "user"}, *contents[] = {"Be brief.", "Hi"};
+    char *s = pdm_tokenizer_chat_render(t, roles, contents, 2, 1);
+    ck_assert_str_eq(s, "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                        "<start_of_turn>model\n");
+    int32_t ids[64];
+    size_t n;
+    ck_assert_int_eq(pdm_tokenizer_encode(t, s, strlen(s), PDM_TOKENIZE_SPECIAL |
+                                          PDM_TOKENIZE_ADD_BOS, ids, 64, &n), 0);
+    ck_assert_int_eq(ids[0], 2);   /* <bos> */
+    ck_assert_int_eq(ids[1], 105); /* <start_of_turn> */
+    free(s);
+    /* The end-to-end prompts (tests/cli/run.sh generates from them): rendering and ids. */
+    const cJSON *gen = cJSON_GetObjectItem(root, "gemma3_generate");
+    ck_assert_int_ge(cJSON_GetArraySize(gen), 2);
+    for (int k = 0; k < cJSON_GetArraySize(gen); k++) {
+        const cJSON *e = cJSON_GetArrayItem(gen, k);
+        int chat = cJSON_IsTrue(cJSON_GetObjectItem(e, "chat"));
+        const char *prompt = cJSON_GetObjectItem(e, "prompt")->valuestring;
+        char *text = NULL;
+        if (chat) {
+            const char *role = "user";
+            text = pdm_tokenizer_chat_render(t, &role, &prompt, 1, 1);
+            ck_assert_str_eq(text, cJSON_GetObjectItem(e, "rendered")->valuestring);
+        }
+        const char *src = text ? text : prompt;
+        ck_assert_int_eq(pdm_tokenizer_encode(t, src, strlen(src), PDM_TOKENIZE_ADD_BOS |
+                                              (chat ? PDM_TOKENIZE_SPECIAL : 0), ids, 64, &n),
+                         0);
+        const cJSON *want = cJSON_GetObjectItem(e, "prompt_ids");
+        ck_assert_int_eq((int)n, cJSON_GetArraySize(want));
+        for (size_t i = 0; i < n; i++)
+            ck_assert_int_eq(ids[i], cJSON_GetArrayItem(want, (int)i)->valueint);
+        free(text);
+    }
+    pdm_tokenizer_destroy(t);
+    cJSON_Delete(root);
+}
+END_TEST
+
+/* Chat templates: the family llama.cpp detects for each real template (and format name), and
+ * the rendering of every conversation equal to llama_chat_apply_template's (plus the
+ * template's default system prompt for ChatML, chat.h). */
+START_TEST(test_golden_chat_templates)
+{
+    cJSON *root = pdm_test_load_json(PDM_TOK_GOLDEN_PATH);
+    const cJSON *list = cJSON_GetObjectItem(root, "chat");
+    int n_rendered = 0, n_unknown = 0;
+    for (int c = 0; c < cJSON_GetArraySize(list); c++) {
+        const cJSON *e = cJSON_GetArrayItem(list, c);
+        const char *name = cJSON_GetObjectItem(e, "name")->valuestring;
+        const char *tmpl = cJSON_GetObjectItem(e, "template")->valuestring;
+        const cJSON *fmt_name = cJSON_GetObjectItem(e, "pdmesh_format");
+        pdm_chat_format_t fmt = pdm_chat_detect(tmpl);
+        if (!cJSON_IsString(fmt_name)) {
+            ck_assert_msg(fmt == PDM_CHAT_UNKNOWN, "%s: detected as %s, llama.cpp says %s",
+                          name, pdm_chat_name(fmt),
+                          cJSON_GetObjectItem(e, "llama_cpp_family")->valuestring);
+            const char *r[] = {"user"}, *m[] = {"hi"};
+            ck_assert_ptr_null(pdm_chat_render(fmt, NULL, r, m, 1, 1));
+            n_unknown++;
+            continue;
+        }
+        ck_assert_msg(fmt == pdm_chat_from_name(fmt_name->valuestring), "%s: detected as %s, "
+                      "llama.cpp's family is %s", name, pdm_chat_name(fmt),
+                      fmt_name->valuestring);
+        ck_assert_str_eq(pdm_chat_name(fmt), fmt_name->valuestring);
+        char *sys = fmt == PDM_CHAT_CHATML ? pdm_chat_default_system(tmpl) : NULL;
+        const cJSON *want_sys = cJSON_GetObjectItem(e, "default_system");
+        if (cJSON_IsString(want_sys)) {
+            ck_assert_ptr_nonnull(sys);
+            ck_assert_str_eq(sys, want_sys->valuestring);
+        } else {
+            ck_assert_msg(sys == NULL, "%s: default system prompt '%s'", name, sys);
+        }
+        const cJSON *renders = cJSON_GetObjectItem(e, "renders");
+        for (int k = 0; k < cJSON_GetArraySize(renders); k++) {
+            const cJSON *rd = cJSON_GetArrayItem(renders, k);
+            const cJSON *msgs = cJSON_GetObjectItem(rd, "messages");
+            const char *roles[8], *contents[8];
+            int n = cJSON_GetArraySize(msgs);
+            ck_assert_int_le(n, 8);
+            for (int i = 0; i < n; i++) {
+                roles[i] = cJSON_GetObjectItem(cJSON_GetArrayItem(msgs, i), "role")->valuestring;
+                contents[i] =
+                    cJSON_GetObjectItem(cJSON_GetArrayItem(msgs, i), "content")->valuestring;
+            }
+            char *out = pdm_chat_render(fmt, sys, roles, contents, n,
+                                        cJSON_IsTrue(cJSON_GetObjectItem(rd,
+                                                                         "add_generation_prompt")));
+            ck_assert_msg(out != NULL, "%s: %s", name, pdm_error_last());
+            const char *want = cJSON_GetObjectItem(rd, "expect")->valuestring;
+            ck_assert_msg(!strcmp(out, want), "%s, conversation %d:\n--- got\n%s\n--- want\n%s",
+                          name, k, out, want);
+            free(out);
+            n_rendered++;
+        }
+        free(sys);
+    }
+    ck_assert_int_ge(n_rendered, 200);
+    ck_assert_int_ge(n_unknown, 2);
+    /* Names: every format round-trips, and nothing else is one. */
+    for (int f = PDM_CHAT_UNKNOWN + 1; f < PDM_CHAT_N_FORMATS; f++)
+        ck_assert_int_eq(pdm_chat_from_name(pdm_chat_name((pdm_chat_format_t)f)), f);
+    ck_assert_int_eq(pdm_chat_from_name("chatml "), PDM_CHAT_UNKNOWN);
+    ck_assert_int_eq(pdm_chat_detect(NULL), PDM_CHAT_UNKNOWN);
+    ck_assert_ptr_nonnull(strstr(pdm_chat_names(), "mistral-v7-tekken"));
+    cJSON_Delete(root);
+}
+END_TEST
+
 Suite *suite_tokenizer(void)
 {
     Suite *s = suite_create("tokenizer");
@@ -697,6 +1077,7 @@ Suite *suite_tokenizer(void)
     tcase_add_test(syn, test_syn_detok_stream);
     tcase_add_test(syn, test_syn_bad_metadata);
     tcase_add_test(syn, test_syn_chat);
+    tcase_add_test(syn, test_syn_sentencepiece);
     suite_add_tcase(s, syn);
 
     TCase *real = tcase_create("real_model");
@@ -707,5 +1088,12 @@ Suite *suite_tokenizer(void)
     tcase_add_test(real, test_real_chat);
     tcase_add_test(real, test_real_speed_and_threads);
     suite_add_tcase(s, real);
+
+    TCase *gold = tcase_create("golden");
+    tcase_set_timeout(gold, 120);
+    tcase_add_test(gold, test_golden_fixtures);
+    tcase_add_test(gold, test_golden_gemma_file);
+    tcase_add_test(gold, test_golden_chat_templates);
+    suite_add_tcase(s, gold);
     return s;
 }
