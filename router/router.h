@@ -37,6 +37,10 @@ typedef struct {
     void (*on_result)(void *ctx, const Pdmesh__GenerateResult *res);
     /* Final failure: code is a Pdmesh__ErrorCode, message a clear sentence. */
     void (*on_error)(void *ctx, int code, const char *message);
+    /* May be NULL. With GenerateRequest.prompt_logprobs: called once, before any on_tokens,
+     * with the log-probabilities of the n prompt tokens (lps[0] is missing: nothing predicts
+     * the first token; valid during the call). res->prompt_logprobs repeats them. */
+    void (*on_prompt)(void *ctx, Pdmesh__TokenLogprob *const *lps, size_t n);
 } pdm_router_sink_t;
 
 /* Submits a request. `client` identifies the caller for per-client limits (ZeroMQ identity in
