@@ -326,13 +326,16 @@ container-test: $(BINS) $(BUILD)/bin/pdctl python-sdk
 
 # The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
 # mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients
-# against the engine's greedy output, a real Prometheus scrape (docs/http.md).
+# against the engine's greedy output, a real Prometheus scrape, echo's prompt log-probabilities
+# against pdmesh perplexity and llama.cpp, lists of prompts (docs/http.md).
 http-test: $(BINS)
 	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_fake.py
 	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_abuse.py
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_http_mesh.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_prefix_pool.py \
+	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_echo.py \
 	  --bindir $(BUILD)/bin
 
 # The hardening suite (issue 18, docs/security.md) on a mesh started by pdmesh up: idle floods,

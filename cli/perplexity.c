@@ -307,7 +307,6 @@ static int ppl_run_text(const ppl_opts_t *o, const pdm_model_t *model)
                 goto out;
             }
         }
-        cJSON_Delete(lps);
         nll += chunk_nll;
         count += scored;
         if (o->json) {
@@ -327,6 +326,7 @@ static int ppl_run_text(const ppl_opts_t *o, const pdm_model_t *model)
             printf("[%d]%.4f,", k + 1, exp(nll / (double)count));
             fflush(stdout);
         }
+        cJSON_Delete(lps);
         if (k == 0) fprintf(stderr, "%s: %.2f seconds per chunk\n", cli_prog, pdm_now() - t0);
     }
     if (base.f) {

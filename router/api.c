@@ -294,3 +294,32 @@ struct pdm_metrics *pdm_router_metrics(pdm_router_t *r)
     rt_node_metrics(r);
     return r->m.reg;
 }
+
+int pdm_router_tokenize(pdm_router_t *r, const char *text, size_t len, int add_special,
+                        int32_t **out, size_t *n_out)
+{
+    const int flags = PDM_TOKENIZE_SPECIAL | (add_special ? PDM_TOKENIZE_ADD_BOS : 0);
+    size_t cap = len + 8, need = 0;
+    int32_t *ids = malloc(sizeof(int32_t) * cap);
+    if (!ids) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    int st = pdm_tokenizer_encode(r->model->tokenizer, text, len, flags, ids, cap, &need);
+    if (st) {
+        free(ids);
+        return pdm_error_set(PDM_EINVAL, "cannot tokenize the text");
+    }
+    *out = ids;
+    *n_out = need;
+    return PDM_OK;
+}
+
+int pdm_router_token_text(pdm_router_t *r, int32_t id, char *buf, size_t cap)
+{
+    if (id < 0 || (uint32_t)id >= r->model->hp.n_vocab) return PDM_ERANGE;
+    return pdm_tokenizer_token_bytes(r->model->tokenizer, id, 1, buf, cap);
+}
+
+int32_t pdm_router_special_token(pdm_router_t *r, int which)
+{
+    return which == 0 ? pdm_tokenizer_bos(r->model->tokenizer)
+                      : pdm_tokenizer_eos(r->model->tokenizer);
+}

@@ -904,6 +904,125 @@ static void handle_metrics(conn_t *c)
     free(text);
 }
 
+/* ------------------------------------------------------------------ tokenizer endpoints
+ *
+ * vLLM's shapes (lm-evaluation-harness's remote tokenizer speaks them): POST /tokenize
+ * {"prompt", "add_special_tokens" (default true)} -> {"tokens", "count", "max_model_len"};
+ * POST /detokenize {"tokens"} -> {"prompt"}; GET /tokenizer_info -> {"bos_token",
+ * "eos_token", "pad_token", "model"}. */
+
+static void respond_json(conn_t *c, cJSON *root)
+{
+    char *body = root ? cJSON_PrintUnformatted(root) : NULL;
+    cJSON_Delete(root);
+    if (!body) {
+        conn_respond_error(c, 500, "internal_error", "out of memory");
+        return;
+    }
+    conn_respond(c, 200, "application/json", body, strlen(body), "");
+    free(body);
+}
+
+/* The text of ids[n] (control tokens rendered), made valid UTF-8; NULL when out of memory or
+ * an id is outside the vocabulary (*bad set). */
+static char *detokenize(pdm_router_t *r, const cJSON *ids, int *bad)
+{
+    size_t cap = 256, len = 0;
+    char *raw = malloc(cap), piece[256];
+    const cJSON *t;
+    *bad = 0;
+    cJSON_ArrayForEach(t, ids) {
+        int w = cJSON_IsNumber(t) && t->valuedouble >= 0 && t->valuedouble <= INT32_MAX &&
+                        t->valuedouble == (int32_t)t->valuedouble
+                    ? pdm_router_token_text(r, (int32_t)t->valuedouble, piece, sizeof(piece))
+                    : PDM_ERANGE;
+        if (w < 0) {
+            *bad = 1;
+            free(raw);
+            return NULL;
+        }
+        if (raw && len + (size_t)w + 1 > cap) {
+            char *grown = realloc(raw, cap = 2 * cap + (size_t)w);
+            if (!grown) free(raw);
+            raw = grown;
+        }
+        if (!raw) return NULL;
+        memcpy(raw + len, piece, (size_t)w);
+        len += (size_t)w;
+    }
+    char *clean = raw ? pdm_http__utf8_sanitize(raw, len) : NULL;
+    free(raw);
+    return clean;
+}
+
+static void handle_tokenizer(conn_t *c, const char *what)
+{
+    pdm_router_t *r = c->http->router;
+    if (!strcmp(what, "info")) {
+        cJSON *root = cJSON_CreateObject();
+        static const char *const names[] = {"bos_token", "eos_token"};
+        for (int i = 0; i < 2 && root; i++) {
+            int32_t id = pdm_router_special_token(r, i);
+            char piece[256];
+            int w = id >= 0 ? pdm_router_token_text(r, id, piece, sizeof(piece) - 1) : -1;
+            if (w >= 0) {
+                piece[w] = 0;
+                cJSON_AddStringToObject(root, names[i], piece);
+            } else {
+                cJSON_AddNullToObject(root, names[i]);
+            }
+        }
+        cJSON_AddNullToObject(root, "pad_token");
+        cJSON_AddStringToObject(root, "model", pdm_router_model_name(r));
+        respond_json(c, root);
+        return;
+    }
+    cJSON *in = cJSON_ParseWithLength(c->body ? c->body : "", c->body_len);
+    if (!cJSON_IsObject(in)) {
+        cJSON_Delete(in);
+        conn_respond_error(c, 400, "invalid_json", "the request body must be a JSON object");
+        return;
+    }
+    cJSON *out = cJSON_CreateObject();
+    if (!strcmp(what, "tokenize")) {
+        const cJSON *p = cJSON_GetObjectItemCaseSensitive(in, "prompt");
+        const cJSON *sp = cJSON_GetObjectItemCaseSensitive(in, "add_special_tokens");
+        int32_t *ids = NULL;
+        size_t n = 0;
+        if (!cJSON_IsString(p)) {
+            conn_respond_error(c, 400, "invalid_type", "'prompt' must be a string");
+        } else if (pdm_router_tokenize(r, p->valuestring, strlen(p->valuestring),
+                                       !cJSON_IsFalse(sp), &ids, &n)) {
+            conn_respond_error(c, 400, "invalid_value", pdm_error_last());
+        } else {
+            cJSON_AddItemToObject(out, "tokens", cJSON_CreateIntArray((const int *)ids, (int)n));
+            cJSON_AddNumberToObject(out, "count", (double)n);
+            const pdm_router_limits_t *lim = pdm_router_limits(r);
+            cJSON_AddNumberToObject(out, "max_model_len", lim->max_prompt_tokens);
+            respond_json(c, out);
+            out = NULL;
+        }
+        free(ids);
+    } else {
+        const cJSON *ids = cJSON_GetObjectItemCaseSensitive(in, "tokens");
+        int bad = 0;
+        char *text = cJSON_IsArray(ids) ? detokenize(r, ids, &bad) : NULL;
+        if (!cJSON_IsArray(ids) || bad) {
+            conn_respond_error(c, 400, "invalid_value",
+                               "'tokens' must be a list of token ids of the vocabulary");
+        } else if (!text) {
+            conn_respond_error(c, 500, "internal_error", "out of memory");
+        } else {
+            cJSON_AddStringToObject(out, "prompt", text);
+            respond_json(c, out);
+            out = NULL;
+        }
+        free(text);
+    }
+    cJSON_Delete(out);
+    cJSON_Delete(in);
+}
+
 /* Percent-decoding is not needed: every route and model name is plain ASCII. */
 static void conn_dispatch(conn_t *c)
 {
@@ -925,6 +1044,16 @@ static void conn_dispatch(conn_t *c)
     if (!strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11)) {
         if (!get) goto bad_method;
         handle_models(c, path[10] == '/' ? path + 11 : NULL);
+        return;
+    }
+    if (!strcmp(path, "/tokenize") || !strcmp(path, "/detokenize")) {
+        if (!post) goto bad_method;
+        handle_tokenizer(c, path + 1);
+        return;
+    }
+    if (!strcmp(path, "/tokenizer_info")) {
+        if (!get) goto bad_method;
+        handle_tokenizer(c, "info");
         return;
     }
     if (!strcmp(path, "/metrics")) {
