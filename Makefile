@@ -140,6 +140,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
         integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
+        python-pb python-package-test \
         sdk-test image container-test fidelity
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS) $(SDK_A) $(SDK_SO) $(SDK_BINS)
@@ -213,8 +214,19 @@ $(BUILD)/bin/pdm-sdk-itest: $(BUILD)/obj/tests/integration/sdk_itest.o $(SDK_A)
 python-sdk: $(PYSDK)
 $(PYSDK): proto/pdmesh.proto $(wildcard sdk/python/pdmesh/*.py)
 	@mkdir -p $(dir $@)
-	cp sdk/python/pdmesh/*.py $(dir $@)
+	cp sdk/python/pdmesh/*.py sdk/python/pdmesh/py.typed $(dir $@)
 	$(VENV)/bin/python -m grpc_tools.protoc -Iproto --python_out=$(dir $@) proto/pdmesh.proto
+
+# The pip-installable package (sdk/python/pyproject.toml) ships the generated pdmesh_pb2.py:
+# regenerate it after changing proto/pdmesh.proto (python-package-test checks it is fresh).
+python-pb:
+	$(VENV)/bin/python -m grpc_tools.protoc -Iproto --python_out=sdk/python/pdmesh proto/pdmesh.proto
+
+# `pip install sdk/python` into a fresh venv (PyPI for pyzmq and protobuf), then the installed
+# package against a live mesh (tests/integration/test_python_package.py).
+python-package-test: $(BINS)
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_python_package.py \
+	  --bindir $(BUILD)/bin
 
 $(BUILD)/bin/pdmesh: $(CLI_OBJ) $(SDK_OBJ) $(LIB)
 	@mkdir -p $(dir $@)

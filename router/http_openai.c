@@ -155,6 +155,7 @@ static int take_prompt(const cJSON *root, int index, Pdmesh__GenerateRequest *re
                        uint32_t max_prompt, pdm_http_err_t *err)
 {
     const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "prompt");
+    if (!p || cJSON_IsNull(p)) return fail(err, 400, "missing_field", "'prompt' is required");
     if (cJSON_IsString(p)) {
         if (!p->valuestring[0]) return fail(err, 400, "invalid_value", "'prompt' is empty");
         req->prompt = strdup(p->valuestring);

@@ -62,6 +62,7 @@ class Mesh:
         self.procs = {}
         p = [free_port() for _ in range(4)]
         self.node_ep = "tcp://127.0.0.1:%d" % p[1]
+        self.client_ep = "tcp://127.0.0.1:%d" % p[0]
         self.http_port = p[3]
         self._start("router", [os.path.join(bindir, "pdmesh-router"), "--model", model,
                                "--client", "tcp://127.0.0.1:%d" % p[0], "--node", self.node_ep,
