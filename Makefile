@@ -140,7 +140,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
         integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
-        python-pb python-package-test \
+        python-pb python-package-test lm-eval-test \
         sdk-test image container-test fidelity
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS) $(SDK_A) $(SDK_SO) $(SDK_BINS)
@@ -221,6 +221,13 @@ $(PYSDK): proto/pdmesh.proto $(wildcard sdk/python/pdmesh/*.py)
 # regenerate it after changing proto/pdmesh.proto (python-package-test checks it is fresh).
 python-pb:
 	$(VENV)/bin/python -m grpc_tools.protoc -Iproto --python_out=sdk/python/pdmesh proto/pdmesh.proto
+
+# lm-evaluation-harness's local-completions against a mesh (tests/integration/test_lm_eval.py):
+# needs LM_EVAL_PYTHON, a Python with lm-eval[api] (not in build/venv: ~760 MB); skipped
+# without it.
+lm-eval-test: $(BINS)
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_lm_eval.py \
+	  --bindir $(BUILD)/bin
 
 # `pip install sdk/python` into a fresh venv (PyPI for pyzmq and protobuf), then the installed
 # package against a live mesh (tests/integration/test_python_package.py).

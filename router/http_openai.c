@@ -546,9 +546,9 @@ static int parse_one(const cJSON *root, int chat, int index, const pdm_router_li
             st = fail(err, 400, "invalid_value", "'best_of' > 1 cannot be streamed");
             goto done;
         }
-        if (opts->logprobs >= 0) {
-            st = fail(err, 400, "unsupported_value",
-                      "'logprobs' are not reported with 'best_of' > 1 (beam search)");
+        if (opts->logprobs >= 0 || opts->echo) {
+            st = fail(err, 400, "unsupported_value", "'%s' is not supported with 'best_of' > 1 "
+                      "(beam search)", opts->echo ? "echo" : "logprobs");
             goto done;
         }
         req->beams = (uint32_t)v;

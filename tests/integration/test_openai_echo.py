@@ -22,7 +22,6 @@ completions with echo, logprobs and max_tokens 0, and lists of prompts.
 
   python3 tests/integration/test_openai_echo.py [--bindir build/bin] [--model FILE]"""
 import json
-import math
 import os
 import subprocess
 import sys
@@ -48,11 +47,11 @@ N_CTX = 128  # one perplexity chunk: positions 65..127 are scored
 PPL_TOL = 1e-5
 CP_TOL = 0.5
 CP_MEAN_TOL = 0.12
-# |mesh - llama.cpp| for one continuation's summed log-probability (a few tokens): different
-# kernels (pdmesh's Q4_1 x Q8 dot products vs ggml's), docs/fidelity.md measures their KL
-# divergence; per token the log-probabilities agree to a few 1e-2 (measured max 0.045 per
-# continuation of 1-8 tokens).
-LLAMA_TOL = 0.1
+# |mesh - llama.cpp| for one continuation's summed log-probability (1-8 tokens): different
+# kernels (pdmesh's and ggml's Q4_1 x Q8 dot products round 8-bit activations differently;
+# docs/fidelity.md measures the KL divergence). Measured here 0.045 at most; on unlikely tokens
+# after a short context up to 0.32 per token (test_lm_eval.py), hence the bound.
+LLAMA_TOL = 0.5
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
            "Water boils at"]
@@ -228,25 +227,13 @@ def main():
 def llama_logprobs(model, tokens):
     """log p(tokens[i] | tokens[:i]) for i >= 1 from llama.cpp (llama-cpp-python)."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "golden"))
-    import llama_cpp
-    from llamaref import disable_extra_bufts
-    disable_extra_bufts()
-    llm = llama_cpp.Llama(model_path=model, n_ctx=256, n_batch=256, logits_all=True,
-                          n_threads=1, verbose=False)
-    llm.eval(tokens)
-    out = [None]
-    for i in range(1, len(tokens)):
-        row = llm.scores[i - 1]
-        mx = max(row)
-        lse = mx + math.log(sum(math.exp(v - mx) for v in row))
-        out.append(float(row[tokens[i]]) - lse)
-    return out
+    from llamaref import token_logprobs
+    return token_logprobs(model, tokens, n_ctx=256)
 
 
 def check_lm_eval_shape(ck, c, model):
     """What lm-eval's local-completions sends for loglikelihood(context, continuation), and
     how it reads the answer (lm_eval/models/openai_completions.py, 0.4.x)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests", "golden"))
     pairs = [("The capital of France is", " Paris"),
              ("Water boils at a temperature of", " one hundred degrees"),
              ("Once upon a time, there was a", " little girl who lived in a village")]
@@ -285,8 +272,8 @@ def check_lm_eval_shape(ck, c, model):
 
 
 def client_tokenize(c):
-    """The mesh's own tokenization of a text: the echoed prompt's tokens, mapped to ids by a
-    second echo of candidate ids is overkill; /tokenize gives them directly."""
+    """The mesh's own tokenization of a text (POST /tokenize, as lm-eval's remote tokenizer
+    asks for it: no special tokens added)."""
     import urllib.request
 
     def tok(text):
