@@ -512,7 +512,7 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
             .followup = {.method = want, .ranks = (int)gr->size, .tokens = q->prompt,
                          .n_tokens = (int32_t)q->n_prompt, .min_cached = r->cfg.block_tokens,
                          .reuse = r->cfg.prefix_reuse && gr->inflight == 1 &&
-                                  !gr->reuse_pending && !q->want_plp},
+                                  !gr->reuse_pending && !(q->want_plp && !q->plp_sent)},
             .hp = &r->model->hp, .table = r->has_table ? &r->table : NULL,
             .calib = r->has_calib ? &r->calib : NULL, .fallback = 1};
         pdm_prefill_task_plan_t plan_, *plan = &plan_;
@@ -588,7 +588,9 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     t.sampling = &sp;
     q->has_first_lp = 0;
     q->has_first = 0;
-    if (q->want_plp) { /* every rank scores the prompt tokens its rows predict */
+    if (q->want_plp && !q->plp_sent) { /* every rank scores the prompt tokens its rows
+                                         * predict (once: a retry after they were merged and
+                                         * handed on does not ask again) */
         t.prompt_logprobs = 1;
         t.prompt_top_logprobs = q->plp_stride - 1;
         memset(q->plp_n, -1, q->n_prompt);
@@ -731,7 +733,8 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
         memcpy(q->first_lp.top_logprobs, flp->top_logprobs, sizeof(float) * flp->n_top_ids);
         q->has_first_lp = 1;
     }
-    if (q->want_plp && !q->started && rt_plp_take(r, q, p)) {
+    const int need_plp = q->want_plp && !q->plp_sent;
+    if (need_plp && !q->started && rt_plp_take(r, q, p)) {
         char m2[512];
         snprintf(m2, sizeof(m2), "prefill rank %s sent malformed prompt log-probabilities",
                  r->nodes[node].id);
@@ -751,7 +754,7 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
         q->has_first = 1;
     }
     if (q->started) return;
-    if (!q->want_plp) {
+    if (!need_plp) {
         if (first >= 0) rt_send_start(r, q, first);
         return;
     }
@@ -765,15 +768,13 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
         rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, m2);
         return;
     }
-    if (!q->plp_sent) {
-        q->plp_sent = 1;
-        q->plp_n[0] = -1; /* nothing predicts the first token */
-        Pdmesh__TokenLogprob **list = NULL;
-        rt_lp_store_t pls = rt_lp_prompt(q);
-        void *block = q->sink.on_prompt ? rt_lp_build(r, &pls, 0, q->n_prompt, &list) : NULL;
-        if (block) q->sink.on_prompt(q->sink.ctx, list, q->n_prompt);
-        free(block);
-    }
+    q->plp_sent = 1;
+    q->plp_n[0] = -1; /* nothing predicts the first token */
+    Pdmesh__TokenLogprob **list = NULL;
+    rt_lp_store_t pls = rt_lp_prompt(q);
+    void *block = q->sink.on_prompt ? rt_lp_build(r, &pls, 0, q->n_prompt, &list) : NULL;
+    if (block) q->sink.on_prompt(q->sink.ctx, list, q->n_prompt);
+    free(block);
     if (q->prompt_only) {
         rt_req_release_nodes(r, q, 1); /* the decode node's reservation is not needed */
         rt_req_finish(r, q, PDMESH__FINISH_REASON__FINISH_LENGTH);
