@@ -55,6 +55,9 @@
 #include "router/prefix.h"
 
 static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg);
+static int rt_plp_take(pdm_router_t *r, rt_req_t *q, const uint32_t *positions, size_t n_pos,
+                       Pdmesh__SampledLogprob *const *lps, size_t n_lps);
+static void rt_plp_complete(pdm_router_t *r, rt_req_t *q, int32_t first);
 
 rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id)
 {
@@ -493,6 +496,10 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
          * exactly. */
         t.n_generated = q->n_gen;
         t.replay_generated = q->n_gen > 0 && q->sp.temperature > 0;
+        if (q->want_plp && !q->plp_sent) { /* a new prompt (no token delivered yet) */
+            t.prompt_logprobs = 1;
+            t.prompt_top_logprobs = q->plp_stride - 1;
+        }
     } else {
         rt_group_t *gr = &r->groups[g];
         gr->inflight++;
@@ -682,8 +689,22 @@ void rt_req_on_reserved(pdm_router_t *r, int node, const Pdmesh__DecodeReserved 
         }
         return;
     }
-    if (q->local) rt_send_start(r, q, -1);
-    else rt_send_prefill(r, q);
+    if (!q->local) {
+        rt_send_prefill(r, q);
+    } else if (q->want_plp && !q->plp_sent) {
+        /* the node prefilled and scored the prompt itself */
+        memset(q->plp_n, -1, q->n_prompt);
+        q->plp_have = 0;
+        if (rt_plp_take(r, q, d->prompt_positions, d->n_prompt_positions, d->prompt_logprobs,
+                        d->n_prompt_logprobs)) {
+            rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL,
+                              "the decode node sent malformed prompt log-probabilities");
+            return;
+        }
+        rt_plp_complete(r, q, -1);
+    } else {
+        rt_send_start(r, q, -1);
+    }
 }
 
 void rt_req_on_task_error(pdm_router_t *r, int node, const Pdmesh__Error *e)
@@ -697,18 +718,46 @@ void rt_req_on_task_error(pdm_router_t *r, int node, const Pdmesh__Error *e)
 
 /* Takes a rank's share of the prompt log-probabilities into q's store: positions in
  * [1, n_prompt), each at most once per attempt. Nonzero when the message is malformed. */
-static int rt_plp_take(pdm_router_t *r, rt_req_t *q, const Pdmesh__PrefillResult *p)
+static int rt_plp_take(pdm_router_t *r, rt_req_t *q, const uint32_t *positions, size_t n_pos,
+                       Pdmesh__SampledLogprob *const *lps, size_t n_lps)
 {
-    if (p->n_prompt_positions != p->n_prompt_logprobs) return 1;
+    if (n_pos != n_lps) return 1;
     rt_lp_store_t pls = rt_lp_prompt(q);
-    for (size_t i = 0; i < p->n_prompt_positions; i++) {
-        const uint32_t pos = p->prompt_positions[i];
+    for (size_t i = 0; i < n_pos; i++) {
+        const uint32_t pos = positions[i];
         if (pos < 1 || pos >= q->n_prompt || q->plp_n[pos] >= 0) return 1;
-        if (!rt_lp_store(&pls, pos, q->prompt[pos], p->prompt_logprobs[i], r->model->hp.n_vocab))
-            return 1;
+        if (!rt_lp_store(&pls, pos, q->prompt[pos], lps[i], r->model->hp.n_vocab)) return 1;
         q->plp_have++;
     }
     return 0;
+}
+
+/* Every source of the prompt log-probabilities reported (the group's ranks, or the decode
+ * node's local prefill): checks that each position 1..n-1 came, hands them to the sink, then
+ * starts the decode node with `first` (-1: it samples the first token itself) or, scoring
+ * only, releases it and ends the request. */
+static void rt_plp_complete(pdm_router_t *r, rt_req_t *q, int32_t first)
+{
+    if (q->plp_have + 1 != q->n_prompt) {
+        char m2[160];
+        snprintf(m2, sizeof(m2), "%u of %u prompt log-probabilities came back", q->plp_have,
+                 q->n_prompt - 1);
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, m2);
+        return;
+    }
+    q->plp_sent = 1;
+    q->plp_n[0] = -1; /* nothing predicts the first token */
+    Pdmesh__TokenLogprob **list = NULL;
+    rt_lp_store_t pls = rt_lp_prompt(q);
+    void *block = q->sink.on_prompt ? rt_lp_build(r, &pls, 0, q->n_prompt, &list) : NULL;
+    if (block) q->sink.on_prompt(q->sink.ctx, list, q->n_prompt);
+    free(block);
+    if (q->prompt_only) {
+        rt_req_release_nodes(r, q, 1); /* the decode node's reservation is not needed */
+        rt_req_finish(r, q, PDMESH__FINISH_REASON__FINISH_LENGTH);
+        return;
+    }
+    rt_send_start(r, q, first);
 }
 
 void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillResult *p)
@@ -734,7 +783,9 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
         q->has_first_lp = 1;
     }
     const int need_plp = q->want_plp && !q->plp_sent;
-    if (need_plp && !q->started && rt_plp_take(r, q, p)) {
+    if (need_plp && !q->started &&
+        rt_plp_take(r, q, p->prompt_positions, p->n_prompt_positions, p->prompt_logprobs,
+                    p->n_prompt_logprobs)) {
         char m2[512];
         snprintf(m2, sizeof(m2), "prefill rank %s sent malformed prompt log-probabilities",
                  r->nodes[node].id);
@@ -761,26 +812,12 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
     /* Prompt log-probabilities: the decode node starts (or, scoring only, is released) once
      * every rank has reported its share, so that they reach the client before any token. */
     if (!all_done) return;
-    if (!q->has_first || q->plp_have + 1 != q->n_prompt) {
-        char m2[160];
-        snprintf(m2, sizeof(m2), "the prefill group returned %u of %u prompt log-probabilities",
-                 q->plp_have, q->n_prompt - 1);
-        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, m2);
+    if (!q->has_first) {
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL,
+                          "no prefill rank reported the first token");
         return;
     }
-    q->plp_sent = 1;
-    q->plp_n[0] = -1; /* nothing predicts the first token */
-    Pdmesh__TokenLogprob **list = NULL;
-    rt_lp_store_t pls = rt_lp_prompt(q);
-    void *block = q->sink.on_prompt ? rt_lp_build(r, &pls, 0, q->n_prompt, &list) : NULL;
-    if (block) q->sink.on_prompt(q->sink.ctx, list, q->n_prompt);
-    free(block);
-    if (q->prompt_only) {
-        rt_req_release_nodes(r, q, 1); /* the decode node's reservation is not needed */
-        rt_req_finish(r, q, PDMESH__FINISH_REASON__FINISH_LENGTH);
-        return;
-    }
-    rt_send_start(r, q, q->first_token);
+    rt_plp_complete(r, q, q->first_token);
 }
 
 void rt_req_on_tokens(pdm_router_t *r, int node, const Pdmesh__DecodeTokens *d)

@@ -127,20 +127,14 @@ void rt_schedule(pdm_router_t *r)
             continue;
         }
         int migrate = q->n_gen > 0;
-        /* Prompt log-probabilities come from a group's ranks (a decode node's local prefill
-         * does not compute them): such a request waits for a group, or fails without one. */
-        const int needs_group = q->want_plp && !q->plp_sent;
-        if (needs_group && !rt_any_group_alive(r)) {
-            rt_req_fail(r, q, PDMESH__ERROR_CODE__ERR_UNAVAILABLE,
-                        "prompt log-probabilities need a prefill group, and none is alive");
-            continue;
-        }
-        int want_local = !needs_group && (migrate || q->n_prompt < r->cfg.local_threshold ||
-                                          !rt_any_group_alive(r));
+        int want_local = migrate || q->n_prompt < r->cfg.local_threshold || !rt_any_group_alive(r);
+        /* Prompt log-probabilities need every prompt row computed: not from a pooled prefix
+         * (a group's prefix reuse is turned off in rt_req_dispatch). */
+        const int score_prompt = q->want_plp && !q->plp_sent;
         /* A decode node's prefix pool holds most of the prompt (a chat's next turn): prefill
          * the rest there instead of streaming the whole prompt from a group. */
         uint32_t cached = 0;
-        int pd = migrate || needs_group ? -1 : rt_pick_decode_prefix(r, q, rt_kv_need(q, q->n_prompt,
+        int pd = migrate || score_prompt ? -1 : rt_pick_decode_prefix(r, q, rt_kv_need(q, q->n_prompt,
                                                                         q->max_new), &cached);
         if (pd >= 0 && q->n_prompt - cached <= r->cfg.pool_local_max) {
             pdm_metric_inc(r->m.method, "local", 1);

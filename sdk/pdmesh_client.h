@@ -178,9 +178,10 @@ typedef struct {
     int prompt_logprobs;             /* nonzero: every prompt token's log-probability given the
                                         tokens before it (result.prompt_logprobs; the first is
                                         NAN), with top_logprobs alternatives when logprobs is
-                                        set; computed by the prefill group (each rank for its
-                                        tokens), so never prefilled locally or from a cache.
-                                        Raw logits: no bias, penalty or temperature */
+                                        set; computed where the prompt is prefilled (each
+                                        group rank for its tokens, or the decode node), never
+                                        from a cached prefix. Raw logits: no bias, penalty or
+                                        temperature */
     int prompt_only;                 /* with prompt_logprobs: generate nothing, only score the
                                         prompt (a text's log-likelihood; max_tokens ignored) */
 } pdm_client_request_t;

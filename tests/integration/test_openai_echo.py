@@ -5,9 +5,9 @@ completions with echo, logprobs and max_tokens 0, and lists of prompts.
 
 - echo + logprobs + max_tokens 0 on a chunk of tests/golden/ppl_text.txt: every token's
   log-probability equals `pdmesh perplexity --per-token`'s for the same chunk within PPL_TOL
-  through a single rank and groups of 2 ranks running kvr-e and tsp (each rank scores its own
-  token range, the router merges them), within CP_TOL for cp-kv and cp-q (their documented
-  8-bit activation effect); the first token's is null;
+  through the decode node's local prefill, a single rank and groups of 2 ranks running kvr-e
+  and tsp (each rank scores its own token range, the router merges them), within CP_TOL for
+  cp-kv and cp-q (their documented 8-bit activation effect); the first token's is null;
   the top alternatives are sorted and hold the greedy token;
 - echo of a text prompt: the choice's text is the prompt, the tokens' texts and text_offset
   cover it; with max_tokens > 0 the completion follows (prompt + completion entries), equal
@@ -89,6 +89,9 @@ def check_perplexity(ck, m, label, tokens, first, ref):
           "%d ranks)" % (label, len(ref), diff, mean,
                          r.usage.model_extra["pdmesh"]["prefill_method"],
                          r.usage.model_extra["pdmesh"]["prefill_ranks"]))
+    method = r.usage.model_extra["pdmesh"]["prefill_method"]
+    ck(label + ": prefilled by %s" % method, method == (label if label != "single" else "single"),
+       method)
     if label.startswith("cp-"):
         ck(label + ": within %g (mean %g) of pdmesh perplexity" % (CP_TOL, CP_MEAN_TOL),
            diff <= CP_TOL and mean <= CP_MEAN_TOL, "max %.3e mean %.3e" % (diff, mean))
@@ -114,8 +117,11 @@ def main():
     ck("pdmesh perplexity --per-token: %d tokens, %d scored" % (len(tokens), len(ref)),
        len(tokens) == N_CTX and len(ref) == N_CTX - first)
 
-    for method, ranks in (("single", 1), ("tsp", 2), ("cp-kv", 2), ("cp-q", 2)):
+    for method, ranks in (("local", 1), ("single", 1), ("tsp", 2), ("cp-kv", 2), ("cp-q", 2)):
+        # "local": every prompt under the local-prefill threshold, so the decode node
+        # prefills and scores it itself (conditional disaggregation)
         m = Mesh(args.bindir, args.model, prefill_ranks=ranks,
+                 local_threshold=100000 if method == "local" else 16,
                  router_args=("--method", method) if ranks > 1 else ())
         try:
             m.wait_ready()

@@ -466,8 +466,8 @@ class Client:
         logprobs=True fills Chunk.logprobs and Result.logprobs with top_logprobs (<= 20)
         alternatives per token. prompt_logprobs=True fills Result.prompt_logprobs: every
         prompt token's log-probability given the tokens before it (raw logits: no bias,
-        penalty or temperature; with logprobs, top_logprobs alternatives), computed by the
-        prefill group; prompt_only=True with it generates nothing (max_tokens is ignored): the
+        penalty or temperature; with logprobs, top_logprobs alternatives), computed where
+        the prompt is prefilled; prompt_only=True with it generates nothing (max_tokens is ignored): the
         loglikelihood of a text is then sum(lp.logprob for lp in prompt_logprobs[1:])."""
         req, timeout = self._request(prompt, prompt_tokens, messages, True, max_tokens,
                                      temperature, top_k, top_p, min_p, repeat_penalty, seed,
