@@ -208,6 +208,24 @@ def main():
         ck("list + echo + max_tokens 0: every prompt scored",
            [x.text for x in echo_many.choices] == PROMPTS and
            all(x.logprobs.token_logprobs[0] is None for x in echo_many.choices))
+        st = list(c.completions.create(model="", prompt=PROMPTS, echo=True, logprobs=1,
+                                       max_tokens=0, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+        texts, lps, fins = {}, {}, {}
+        for ch in st:
+            for x in ch.choices:
+                texts[x.index] = texts.get(x.index, "") + x.text
+                if x.logprobs:
+                    lps.setdefault(x.index, []).extend(x.logprobs.token_logprobs)
+                if x.finish_reason:
+                    fins[x.index] = x.finish_reason
+        ck("streamed list + echo + max_tokens 0: each prompt's echo, entries and finish",
+           [texts.get(i) for i in range(len(PROMPTS))] == PROMPTS and
+           [lps.get(i) for i in range(len(PROMPTS))] ==
+           [x.logprobs.token_logprobs for x in echo_many.choices] and
+           fins == {i: "length" for i in range(len(PROMPTS))} and
+           st[-1].usage.completion_tokens == 0 and
+           st[-1].usage.prompt_tokens == echo_many.usage.prompt_tokens, repr((texts, fins)))
 
         # refusals
         for kw, what in (({"prompt": p, "max_tokens": 0}, "max_tokens 0 without echo"),):
