@@ -304,7 +304,8 @@ bench-router: $(BINS)
 
 test check: deps model all
 	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test \
-	  curve-test deploy-test fault-test container-test hardening-test
+	  curve-test deploy-test fault-test container-test hardening-test python-package-test \
+	  lm-eval-test
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
