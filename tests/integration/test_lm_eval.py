@@ -5,8 +5,9 @@ ships in the repository (tests/lm_eval/tiny_facts.jsonl: 8 questions x 4 choices
 loglikelihood requests; no hub download: HF_DATASETS_OFFLINE, the tokenizer through the mesh's
 /tokenize, i.e. tokenizer_backend=remote). Checks: the run completes, every request's
 loglikelihood (its log_samples) equals llama.cpp's for the same token ids (llama-cpp-python,
-logits_all) within LLAMA_TOL, and the accuracy equals the one llama.cpp's loglikelihoods
-give.
+logits_all) within LLAMA_TOL and the mesh's own echo + max_tokens 0 scoring of those tokens
+within 1e-5 (lm-eval reads the right entries), and the accuracy equals the one llama.cpp's
+loglikelihoods give.
 
 lm-eval is not in build/venv: `pip install "lm-eval[api]"` 0.4.x needs no torch but pulls
 datasets (pyarrow, pandas), scikit-learn (scipy), sacrebleu, rouge-score, evaluate: ~760 MB in
@@ -101,7 +102,10 @@ def main():
     tmp = tempfile.mkdtemp(prefix="pdm-lmeval-")
     with open(os.path.join(tmp, "tiny_facts.yaml"), "w") as f:
         f.write(TASK % DATA)
-    m = Mesh(args.bindir, args.model, prefill_ranks=2, router_args=("--method", "kvr-e"))
+    # local_threshold 0: even these short prompts go through the group (each rank scoring its
+    # own tokens), not the decode node's local prefill
+    m = Mesh(args.bindir, args.model, prefill_ranks=2, local_threshold=0,
+             router_args=("--method", "kvr-e"))
     try:
         m.wait_ready()
         env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
@@ -125,7 +129,7 @@ def main():
         results = json.load(open(glob.glob(os.path.join(tmp, "out", "*", "results_*.json"))[0]))
         acc = results["results"]["pdmesh_tiny_facts"]["acc,none"]
         ck("32 loglikelihood requests answered", sum(len(s["resps"]) for s in samples) == 32)
-        worst, ref_correct = 0.0, 0
+        worst, ref_correct, own_worst, methods = 0.0, 0, 0.0, set()
         for s in samples:
             ref_lls = []
             for k, resp in enumerate(s["resps"]):
@@ -134,6 +138,17 @@ def main():
                 whole, n_ctx = encode_pair(m.http_port, a["arg_0"], a["arg_1"])
                 ref = token_logprobs(args.model, whole, n_ctx=256)
                 ref_ll = sum(ref[n_ctx:])
+                # the mesh's own scoring of the same tokens (echo, max_tokens 0): lm-eval read
+                # the right entries (token_logprobs[ctxlen:-1] of its max_tokens 1 request)
+                body = {"prompt": whole, "echo": True, "logprobs": 0, "max_tokens": 0}
+                req = urllib.request.Request("http://127.0.0.1:%d/v1/completions" % m.http_port,
+                                             data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    j = json.loads(r.read())
+                own = j["choices"][0]["logprobs"]["token_logprobs"]
+                methods.add(j["usage"]["pdmesh"]["prefill_method"])
+                own_worst = max(own_worst, abs(ll - sum(own[n_ctx:])))
                 ref_lls.append(ref_ll)
                 worst = max(worst, abs(ll - ref_ll))
             ref_correct += max(range(len(ref_lls)), key=lambda i: ref_lls[i]) == s["doc"]["answer"]
@@ -141,7 +156,10 @@ def main():
               "per continuation %.3e" % (acc, ref_correct / len(samples), worst))
         ck("every loglikelihood equals llama.cpp's within %g" % LLAMA_TOL, worst <= LLAMA_TOL,
            "%.3e" % worst)
+        ck("every loglikelihood equals the mesh's own echo scoring of its tokens (1e-5)",
+           own_worst <= 1e-5, "%.3e" % own_worst)
         ck("the accuracy equals llama.cpp's", abs(acc - ref_correct / len(samples)) < 1e-9)
+        ck("scored by the prefill group (kvr-e, 2 ranks)", methods == {"kvr-e"}, methods)
     finally:
         ck("mesh stops cleanly", m.stop() == 0)
     print("%d passed, %d failed" % (ck.passed, ck.failed))
