@@ -148,6 +148,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
         integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
         bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
+        python-pb python-package-test lm-eval-test \
         sdk-test image container-test fidelity
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS) $(SDK_A) $(SDK_SO) $(SDK_BINS)
@@ -221,8 +222,26 @@ $(BUILD)/bin/pdm-sdk-itest: $(BUILD)/obj/tests/integration/sdk_itest.o $(SDK_A)
 python-sdk: $(PYSDK)
 $(PYSDK): proto/pdmesh.proto $(wildcard sdk/python/pdmesh/*.py)
 	@mkdir -p $(dir $@)
-	cp sdk/python/pdmesh/*.py $(dir $@)
+	cp sdk/python/pdmesh/*.py sdk/python/pdmesh/py.typed $(dir $@)
 	$(VENV)/bin/python -m grpc_tools.protoc -Iproto --python_out=$(dir $@) proto/pdmesh.proto
+
+# The pip-installable package (sdk/python/pyproject.toml) ships the generated pdmesh_pb2.py:
+# regenerate it after changing proto/pdmesh.proto (python-package-test checks it is fresh).
+python-pb:
+	$(VENV)/bin/python -m grpc_tools.protoc -Iproto --python_out=sdk/python/pdmesh proto/pdmesh.proto
+
+# lm-evaluation-harness's local-completions against a mesh (tests/integration/test_lm_eval.py):
+# needs LM_EVAL_PYTHON, a Python with lm-eval[api] (not in build/venv: ~760 MB); skipped
+# without it.
+lm-eval-test: $(BINS)
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_lm_eval.py \
+	  --bindir $(BUILD)/bin
+
+# `pip install sdk/python` into a fresh venv (PyPI for pyzmq and protobuf), then the installed
+# package against a live mesh (tests/integration/test_python_package.py).
+python-package-test: $(BINS)
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_python_package.py \
+	  --bindir $(BUILD)/bin
 
 $(BUILD)/bin/pdmesh: $(CLI_OBJ) $(SDK_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
@@ -303,7 +322,8 @@ bench-router: $(BINS)
 
 test check: deps model all
 	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test \
-	  curve-test deploy-test fault-test container-test hardening-test
+	  curve-test deploy-test fault-test container-test hardening-test python-package-test \
+	  lm-eval-test
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
@@ -344,7 +364,8 @@ container-test: $(BINS) $(BUILD)/bin/pdctl python-sdk
 
 # The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
 # mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients
-# against the engine's greedy output, a real Prometheus scrape (docs/http.md); then every
+# against the engine's greedy output, a real Prometheus scrape, echo's prompt log-probabilities
+# against pdmesh perplexity and llama.cpp, lists of prompts (docs/http.md); then every
 # architecture's preset through a mesh over HTTP, the Python package and the C SDK.
 http-test: $(BINS) python-sdk
 	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_fake.py
@@ -352,6 +373,8 @@ http-test: $(BINS) python-sdk
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_http_mesh.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_prefix_pool.py \
+	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_echo.py \
 	  --bindir $(BUILD)/bin
 	PYTHONPATH=$(BUILD)/python $(VENV)/bin/python tests/integration/test_arch_mesh.py \
 	  --bindir $(BUILD)/bin

@@ -45,6 +45,7 @@ static void usage(FILE *f)
             "              [--table FILE] [--calibration FILE] [--threads N] [--pin] [--ctx N]\n"
             "              [--kv-dtype f32|f16|q8] [--timeout S] [--kv-out FILE]\n"
             "              [--logits-out FILE] [--repeat N] [--plan] [--json]\n"
+            "              [--prompt-logprobs]  (every rank also scores its prompt tokens)\n"
             "              methods: single tsp kvr-e kvr-s kvr-p cp-kv cp-q auto\n"
             "  partition-search --ranks R --lengths N,N,.. [--out FILE] [--reps N]\n"
             "              [--min-stride N] [--threads N] [--pin]   KVR-S lookup table\n"

@@ -49,6 +49,8 @@ typedef struct {
     long chunks;           /* -1: all */
     long threads;
     int json, exact, kl_divergence;
+    int per_token;         /* --per-token (with --json): each chunk's tokens and scored
+                            * log-probabilities */
     pdm_model_ref_params_t ref; /* --exact: act_q8 (--exact-q8) and perturb (--perturb) */
     pdm_dtype_t kv_dtype;
 } ppl_opts_t;
@@ -132,7 +134,7 @@ static void ppl_usage(FILE *f)
 {
     fprintf(
         f, "usage: pdmesh perplexity [--model M] --file TEXT [--ctx N] [--batch N] [--chunks K]\n"
-           "                         [--threads T] [--kv-dtype f16|f32] [--json]\n"
+           "                         [--threads T] [--kv-dtype f16|f32] [--json [--per-token]]\n"
            "                         [--exact | --exact-q8 [--perturb REL]]\n"
            "                         [--kl-divergence-base FILE]\n"
            "       pdmesh perplexity [--model M] --kl-divergence --kl-divergence-base FILE\n"
@@ -148,7 +150,9 @@ static void ppl_usage(FILE *f)
            "--exact-q8 also rounds matrix inputs to 8 bits as the engines do, and --perturb REL\n"
            "multiplies them by 1 + REL*u (u fixed in [-0.5, 0.5)): experiments on where the\n"
            "engines' error comes from (docs/fidelity.md).\n"
-           "`pdmesh kld BASE OTHER` reports KL(BASE || OTHER) between two such files.\n");
+           "`pdmesh kld BASE OTHER` reports KL(BASE || OTHER) between two such files.\n"
+           "--per-token adds each chunk's tokens and its scored tokens' log-probabilities to\n"
+           "the JSON (what a request's prompt log-probabilities are compared with).\n");
 }
 
 /* ---- output ------------------------------------------------------------------------------ */
@@ -291,9 +295,11 @@ static int ppl_run_text(const ppl_opts_t *o, const pdm_model_t *model)
             goto out;
         }
         double chunk_nll = 0;
+        cJSON *lps = o->per_token ? cJSON_CreateArray() : NULL;
         for (int i = 0; i < scored; i++) {
             const float *row = logits + (size_t)i * n_vocab;
             double v = ppl_nll(row, n_vocab, chunk[first + 1 + i]);
+            if (lps) cJSON_AddItemToArray(lps, cJSON_CreateNumber(-v));
             chunk_nll += v;
             nll2 += v * v;
             if (base.f && cli_kld_file_write(&base, row)) {
@@ -307,11 +313,20 @@ static int ppl_run_text(const ppl_opts_t *o, const pdm_model_t *model)
             cJSON *c = cJSON_CreateObject();
             cJSON_AddNumberToObject(c, "ppl", exp(chunk_nll / scored));
             cJSON_AddNumberToObject(c, "running_ppl", exp(nll / (double)count));
+            if (lps) {
+                /* the chunk as evaluated (BOS substituted) and log p(tokens[first + 1 + i] |
+                 * tokens[0 .. first + i]) for i < scored */
+                cJSON_AddItemToObject(c, "tokens", cJSON_CreateIntArray(chunk, n_ctx));
+                cJSON_AddNumberToObject(c, "first_scored", first + 1);
+                cJSON_AddItemToObject(c, "token_logprobs", lps);
+                lps = NULL;
+            }
             cJSON_AddItemToArray(per_chunk, c);
         } else {
             printf("[%d]%.4f,", k + 1, exp(nll / (double)count));
             fflush(stdout);
         }
+        cJSON_Delete(lps);
         if (k == 0) fprintf(stderr, "%s: %.2f seconds per chunk\n", cli_prog, pdm_now() - t0);
     }
     if (base.f) {
@@ -461,7 +476,8 @@ int cmd_perplexity(int argc, char **argv)
 {
     ppl_opts_t o = {.model_path = pdm_model_default_path(), .chunks = -1, .kv_dtype = PDM_DT_F16};
     pdm_model_ref_params_default(&o.ref);
-    enum { O_CTX = 256, O_BATCH, O_CHUNKS, O_BASE, O_KLD, O_EXACT, O_KV, O_EXACT_Q8, O_PERTURB };
+    enum { O_CTX = 256, O_BATCH, O_CHUNKS, O_BASE, O_KLD, O_EXACT, O_KV, O_EXACT_Q8, O_PERTURB,
+           O_PER_TOKEN };
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},
                                          {"file", required_argument, 0, 'f'},
                                          {"ctx", required_argument, 0, O_CTX},
@@ -469,6 +485,7 @@ int cmd_perplexity(int argc, char **argv)
                                          {"chunks", required_argument, 0, O_CHUNKS},
                                          {"threads", required_argument, 0, 't'},
                                          {"json", no_argument, 0, 'j'},
+                                         {"per-token", no_argument, 0, O_PER_TOKEN},
                                          {"exact", no_argument, 0, O_EXACT},
                                          {"exact-q8", no_argument, 0, O_EXACT_Q8},
                                          {"perturb", required_argument, 0, O_PERTURB},
@@ -485,6 +502,7 @@ int cmd_perplexity(int argc, char **argv)
         case 'm': o.model_path = optarg; break;
         case 'f': o.text_path = optarg; break;
         case 'j': o.json = 1; break;
+        case O_PER_TOKEN: o.per_token = o.json = 1; break;
         case O_EXACT: o.exact = 1; break;
         case O_EXACT_Q8:
             o.exact = 1;

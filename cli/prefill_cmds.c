@@ -33,7 +33,7 @@ enum {
     O_RANKS = 1000, O_METHOD, O_PROMPT, O_PROMPT_FILE, O_CHAT, O_LENGTH, O_RANDOM, O_SEED,
     O_PARTITION, O_CACHED, O_TABLE, O_CALIB, O_THREADS, O_PIN, O_CTX, O_KV_DTYPE, O_TIMEOUT,
     O_KV_OUT, O_LOGITS_OUT, O_REPEAT, O_JSON, O_MODEL, O_LENGTHS, O_OUT, O_REPS, O_STRIDE,
-    O_PLAN, O_CHAT_TEMPLATE
+    O_PLAN, O_CHAT_TEMPLATE, O_PROMPT_LP
 };
 
 #define GROUP_LONG_OPTS                                                                        \
@@ -222,7 +222,7 @@ static int cmp_double(const void *a, const void *b)
 static int run_measured(pdm_launch_t *l, pdm_prefill_method_t method, const int32_t *ids,
                         int32_t n, int32_t cached, const int *chunks, int reps,
                         const char *kv_out, const char *logits_out, pdm_launch_result_t *res,
-                        double *ttfts)
+                        double *ttfts, int prompt_logprobs)
 {
     for (int rep = 0; rep < reps; rep++) {
         if (cached > 0) {
@@ -236,10 +236,13 @@ static int run_measured(pdm_launch_t *l, pdm_prefill_method_t method, const int3
             if (st) return st;
         }
         pdm_prefill_task_t t = {.method = method, .start = cached, .tokens = ids + cached,
-                                .n_tokens = n - cached, .chunks = chunks};
+                                .n_tokens = n - cached, .chunks = chunks,
+                                .prompt_logprobs = prompt_logprobs, .prompt_top = 5};
         pdm_launch_result_t r;
         int last = rep == reps - 1;
         int st = pdm_launch_task(l, &t, last ? kv_out : NULL, last ? logits_out : NULL, &r);
+        free(r.prompt_logprobs);
+        r.prompt_logprobs = NULL;
         if (st) return st;
         ttfts[rep] = r.ttft;
         if (rep == 0 || last) {
@@ -262,9 +265,10 @@ int cmd_prefill_run(int argc, char **argv)
     const char *method_name = "kvr-e", *partition = NULL, *table_path = NULL, *calib_path = NULL;
     const char *kv_out = NULL, *logits_out = NULL;
     long cached = 0, repeat = 1;
-    int json = 0, plan_only = 0;
+    int json = 0, plan_only = 0, prompt_logprobs = 0;
     static const struct option opts[] = {
         GROUP_LONG_OPTS,
+        {"prompt-logprobs", no_argument, 0, O_PROMPT_LP},
         {"method", required_argument, 0, O_METHOD},
         {"partition", required_argument, 0, O_PARTITION},
         {"cached", required_argument, 0, O_CACHED},
@@ -293,6 +297,7 @@ int cmd_prefill_run(int argc, char **argv)
         case O_KV_OUT: kv_out = optarg; break;
         case O_LOGITS_OUT: logits_out = optarg; break;
         case O_PLAN: plan_only = 1; break;
+        case O_PROMPT_LP: prompt_logprobs = 1; break;
         case O_REPEAT:
             if (pdm_parse_long(optarg, 1, 64, &repeat))
                 return cli_usage_error("invalid --repeat '%s' (1..64)", optarg);
@@ -372,7 +377,7 @@ int cmd_prefill_run(int argc, char **argv)
     pdm_launch_result_t res = {0};
     double ttfts[64];
     if (run_measured(l, resolved, ids, (int32_t)n, (int32_t)cached, has_chunks ? chunks : NULL,
-                     (int)repeat, kv_out, logits_out, &res, ttfts)) {
+                     (int)repeat, kv_out, logits_out, &res, ttfts, prompt_logprobs)) {
         cli_runtime_error("prefill");
         pdm_launch_stop(l);
         goto out_ids;
@@ -455,7 +460,7 @@ static double measure_kvr(void *data, const int *chunks)
     pdm_launch_result_t res = {0};
     double ttfts[64];
     if (run_measured(s->l, PDM_PREFILL_KVR_S, s->ids, s->n, 0, chunks, s->reps, NULL, NULL,
-                     &res, ttfts)) {
+                     &res, ttfts, 0)) {
         fprintf(stderr, "%s: partition-search: %s\n", cli_prog, pdm_error_last());
         return INFINITY;
     }
@@ -534,7 +539,7 @@ int cmd_partition_search(int argc, char **argv)
         pdm_launch_result_t res = {0};
         if (isfinite(best_t) && o.lp.ranks > 1 &&
             run_measured(l, PDM_PREFILL_CP_KV, ids, n, 0, NULL, (int)reps, NULL, NULL, &res,
-                         ttfts) == 0)
+                         ttfts, 0) == 0)
             cp_t = res.ttft;
         free(ids);
         if (!isfinite(best_t)) {
@@ -616,7 +621,7 @@ int cmd_calibrate(int argc, char **argv)
         goto out;
     }
     if (run_measured(l, PDM_PREFILL_SINGLE, ids, (int32_t)length, 0, NULL, (int)reps, NULL, NULL,
-                     &res, ttfts)) {
+                     &res, ttfts, 0)) {
         pdm_launch_stop(l);
         rc = cli_runtime_error("calibrate: compute");
         goto out;

@@ -147,6 +147,13 @@ typedef struct {
                                  * logits are bit-identical to the uninterrupted run's (a
                                  * batched prefill rounds differently); costs one step per
                                  * token. The router asks for it for temperature > 0. */
+    pdm_token_logprobs_t *prompt_lp; /* NULL, or [n_tokens] (caller's): a new prompt
+                                 * (n_generated 0) is scored as a prefill rank scores it:
+                                 * [p] = log p(tokens[p] | tokens[0..p)) with prompt_top
+                                 * alternatives, for p >= 1 ([0] untouched); the prefix pool is
+                                 * not used then (its rows' logits are gone); an f16/f32 KV cache
+                                 * is needed (PDM_EUNSUPPORTED for q8) */
+    int prompt_top;
 } pdm_decode_local_t;
 
 /* Reserves KV for n_tokens + max_new (beam search: pdm_beam_kv_slots, the prompt's KV once)

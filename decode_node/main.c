@@ -88,10 +88,39 @@ static void pdm__task_free(pdm__daemon_t *dn, pdm__task_t *t)
     while (dn->n_tasks > 0 && !dn->tasks[dn->n_tasks - 1].used) dn->n_tasks--;
 }
 
-static void pdm__reserved(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, int st)
+/* DecodeReserved for task t (st: the reservation's status); plp (may be NULL): a local
+ * prefill's prompt log-probabilities, [t->n_prompt_tokens], positions 1.. reported. */
+static void pdm__reserved(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, int st,
+                          const pdm_token_logprobs_t *plp)
 {
     Pdmesh__DecodeReserved r = PDMESH__DECODE_RESERVED__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
+    Pdmesh__SampledLogprob *msgs = NULL, **list = NULL;
+    uint32_t *pos = NULL;
+    const size_t n = !st && plp && t->n_prompt_tokens > 1 ? t->n_prompt_tokens - 1 : 0;
+    if (n) {
+        msgs = malloc(sizeof(*msgs) * n);
+        list = malloc(sizeof(*list) * n);
+        pos = malloc(sizeof(*pos) * n);
+        if (!msgs || !list || !pos) st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    }
+    for (size_t i = 0; !st && i < n; i++) {
+        const pdm_token_logprobs_t *x = &plp[i + 1];
+        pdmesh__sampled_logprob__init(&msgs[i]);
+        msgs[i].logprob = x->logprob;
+        msgs[i].top_ids = (int32_t *)x->top_ids;
+        msgs[i].n_top_ids = (size_t)x->n_top;
+        msgs[i].top_logprobs = (float *)x->top_logprobs;
+        msgs[i].n_top_logprobs = (size_t)x->n_top;
+        list[i] = &msgs[i];
+        pos[i] = (uint32_t)(i + 1);
+    }
+    if (!st && n) {
+        r.prompt_logprobs = list;
+        r.n_prompt_logprobs = n;
+        r.prompt_positions = pos;
+        r.n_prompt_positions = n;
+    }
     r.task_id = e.task_id = t->task_id;
     r.attempt = e.attempt = t->attempt;
     r.epoch = pdm_link_epoch(dn->link);
@@ -103,11 +132,15 @@ static void pdm__reserved(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, int st
         r.error = &e;
     }
     pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESERVED, &r.base);
+    free(msgs);
+    free(list);
+    free(pos);
 }
 
 /* Connects the prefill ranks (cached peers) and posts the receives of the plan, or prefills
  * locally. */
-static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pdm__task_t *rec)
+static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pdm__task_t *rec,
+                        pdm_token_logprobs_t *plp)
 {
     const uint64_t key = rec->key;
     const int beams = rec->beams ? (int)rec->beams : -1; /* -1: none, whatever --beams says */
@@ -124,7 +157,8 @@ static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pd
                                  .n_tokens = (int32_t)t->n_prompt_tokens,
                                  .max_new = (int32_t)t->max_new, .beams = beams,
                                  .n_generated = (int32_t)t->n_generated,
-                                 .replay = t->replay_generated};
+                                 .replay = t->replay_generated, .prompt_lp = plp,
+                                 .prompt_top = (int)t->prompt_top_logprobs};
         return pdm_decode_node_reserve_local(dn->node, &lr);
     }
     if (!t->n_prefill_addresses || t->n_prefill_addresses > PDM_KVT_MAX_RANKS ||
@@ -166,13 +200,13 @@ static void pdm__on_decode_task(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t)
     if (pdm__task_find(dn, key)) {
         pdm__reserved(dn, t, pdm_error_set(PDM_EINVAL, "DecodeTask: task %llu attempt %u is "
                                          "already held", (unsigned long long)t->task_id,
-                                         t->attempt));
+                                         t->attempt), NULL);
         return;
     }
     pdm__task_t *rec = pdm__task_new(dn, t->task_id, t->attempt);
     if (!rec) {
         pdm__reserved(dn, t, pdm_error_set(PDM_EOVERFLOW, "decode node full: %d tasks held",
-                                         PDM__MAX_TASKS));
+                                         PDM__MAX_TASKS), NULL);
         return;
     }
     if (t->beams > 1) {
@@ -182,9 +216,23 @@ static void pdm__on_decode_task(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t)
         snprintf(rec->early_stopping, sizeof(rec->early_stopping), "%s",
                  t->early_stopping && t->early_stopping[0] ? t->early_stopping : "heuristic");
     }
-    int st = pdm__reserve(dn, t, rec);
+    /* A local prefill that scores the prompt (the router's echo / prompt_logprobs). */
+    pdm_token_logprobs_t *plp = NULL;
+    int st = PDM_OK;
+    if (t->prompt_logprobs) {
+        if (!t->local_prefill || t->n_generated || !t->n_prompt_tokens ||
+            t->n_prompt_tokens > (1u << 30) ||
+            t->prompt_top_logprobs > PDM_SAMPLER_MAX_TOP_LOGPROBS)
+            st = pdm_error_set(PDM_EINVAL, "DecodeTask: prompt_logprobs need a local prefill of "
+                               "a new prompt and at most %d alternatives",
+                               PDM_SAMPLER_MAX_TOP_LOGPROBS);
+        else if (!(plp = malloc(sizeof(*plp) * t->n_prompt_tokens)))
+            st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    }
+    if (!st) st = pdm__reserve(dn, t, rec, plp);
     if (st) pdm__task_free(dn, rec);
-    pdm__reserved(dn, t, st);
+    pdm__reserved(dn, t, st, plp);
+    free(plp);
 }
 
 /* DecodeResult of a task that ends with an error (its record is released). */

@@ -403,6 +403,32 @@ static int pdm__beam_start(pdm_decode_node_t *n, pdm__seq_t *s, const pdm_decode
     return PDM_OK;
 }
 
+/* A local prefill that also scores the prompt (r->prompt_lp): the prompt in blocks of
+ * PDM__SCORE_ROWS rows with every row's logits, each row scoring the next token as a prefill
+ * rank does (pdm_sampler_score), the last row's logits kept for the first token. */
+#define PDM__SCORE_ROWS 32
+static int pdm__prefill_scored(pdm_decode_node_t *n, pdm__seq_t *s, const pdm_decode_local_t *r)
+{
+    const size_t n_vocab = n->model->hp.n_vocab;
+    float *rows = malloc(sizeof(float) * PDM__SCORE_ROWS * n_vocab);
+    if (!rows) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    int st = PDM_OK;
+    for (int32_t c0 = 0; c0 < r->n_tokens && !st; c0 += PDM__SCORE_ROWS) {
+        const int cn = (int)PDM_MIN(PDM__SCORE_ROWS, r->n_tokens - c0);
+        st = pdm_model_prefill_logits(n->ctx, s->cache, r->tokens + c0, cn, 0, rows);
+        for (int i = 0; !st && i < cn; i++) {
+            const int32_t p = c0 + i + 1; /* the position row c0 + i predicts */
+            if (p < r->n_tokens)
+                pdm_sampler_score(rows + (size_t)i * n_vocab, (int32_t)n_vocab, r->tokens[p],
+                                  r->prompt_top, &r->prompt_lp[p]);
+        }
+        if (!st && c0 + cn == r->n_tokens)
+            memcpy(s->local_logits, rows + (size_t)(cn - 1) * n_vocab, sizeof(float) * n_vocab);
+    }
+    free(rows);
+    return st;
+}
+
 int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t *r)
 {
     const uint64_t id = r->id;
@@ -433,7 +459,10 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     /* The prefix pool's longest match, found before making room (which may evict it). */
     int32_t m = 0;
     /* (a replayed migration recomputes the delivered tokens as they were first computed) */
-    pdm__pooled_t *hit = width || n->p.kv_dtype == PDM_DT_I8 || r->replay
+    if (r->prompt_lp && (r->n_generated || width))
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: prompt log-probabilities "
+                             "of a new prompt only, without beam search", (unsigned long long)id);
+    pdm__pooled_t *hit = width || n->p.kv_dtype == PDM_DT_I8 || r->replay || r->prompt_lp
                              ? NULL : pdm__pool_match(n, tokens, n_tokens, &m);
     if (hit) hit->stamp = ++n->pool_stamp; /* most recently used: evicted last */
     if (!pdm__kv_fits(n, need))
@@ -478,7 +507,9 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     /* Conditional disaggregation / migration: this node computes the prompt's KV itself. */
     const int32_t replay = r->replay ? r->n_generated : 0; /* as first computed: one by one */
     const int32_t upto = n_tokens - replay; /* prefilled in one batch: [cached, upto) */
-    if (!st && upto > s->cached)
+    if (!st && r->prompt_lp)
+        st = pdm__prefill_scored(n, s, r);
+    else if (!st && upto > s->cached)
         st = pdm_model_prefill(n->ctx, s->cache, tokens + s->cached, upto - s->cached,
                                s->local_logits);
     for (int32_t i = PDM_MAX(upto, s->cached); !st && i < n_tokens; i++)

@@ -346,6 +346,14 @@ typedef struct {
     float top_logprobs[PDM_SAMPLER_MAX_TOP_LOGPROBS];
 } pdm_token_logprobs_t;
 
+/* log_softmax(logits)[token] (logits as given: no bias, penalty or temperature) into
+ * lp->logprob, and the `top` (<= PDM_SAMPLER_MAX_TOP_LOGPROBS) most likely tokens as in step 4
+ * (most likely first, lower id on ties). The sum is llama.cpp's (float differences from the
+ * maximum, expf summed in double), so `pdmesh perplexity` and the prompt log-probabilities of
+ * a request give the same value for the same logits. Never allocates. */
+void pdm_sampler_score(const float *logits, int32_t n_vocab, int32_t token, int32_t top,
+                       pdm_token_logprobs_t *lp);
+
 /* SamplingParams (proto/pdmesh.proto) <-> sampler parameters, one mapping for the router and
  * both daemons. from_msg: defaults for what the message leaves at 0 (top_p 0 -> 1, repeat
  * penalty 0 -> 1, seed 0 -> the default seed), then pdm_sampler_params_check; the bias arrays

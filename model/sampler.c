@@ -276,6 +276,33 @@ static double pdm__logprobs_top(const pdm__cand_t *c, int n, int k, pdm_token_lo
     return lse;
 }
 
+void pdm_sampler_score(const float *logits, int32_t n_vocab, int32_t token, int32_t top,
+                       pdm_token_logprobs_t *lp)
+{
+    float maxl = logits[0];
+    for (int32_t i = 1; i < n_vocab; i++) maxl = logits[i] > maxl ? logits[i] : maxl;
+    double total = 0.0;
+    for (int32_t i = 0; i < n_vocab; i++) total += (double)expf(logits[i] - maxl);
+    const double log_total = log(total);
+    lp->logprob = (float)((double)(logits[token] - maxl) - log_total);
+    int k = top < 0 ? 0 : top > PDM_SAMPLER_MAX_TOP_LOGPROBS ? PDM_SAMPLER_MAX_TOP_LOGPROBS : top;
+    if (k > n_vocab) k = n_vocab;
+    int have = 0;
+    for (int32_t i = 0; i < n_vocab && k > 0; i++) {
+        /* insertion into the sorted k best; a tie stays behind the earlier (lower) id */
+        if (have == k && !(logits[i] > logits[lp->top_ids[k - 1]])) continue;
+        int j = have < k ? have++ : k - 1;
+        while (j > 0 && logits[i] > logits[lp->top_ids[j - 1]]) {
+            lp->top_ids[j] = lp->top_ids[j - 1];
+            j--;
+        }
+        lp->top_ids[j] = i;
+    }
+    lp->n_top = have;
+    for (int j = 0; j < have; j++)
+        lp->top_logprobs[j] = (float)((double)(logits[lp->top_ids[j]] - maxl) - log_total);
+}
+
 int32_t pdm_sampler_sample(pdm_sampler_t *s, const float *logits, const int32_t *history,
                            int n_history, pdm_token_logprobs_t *lp)
 {

@@ -709,6 +709,13 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
     }
     t.top_logits = 16;
     t.want_logits = logits_out != NULL;
+    if (task->prompt_logprobs) {
+        t.prompt_logprobs = 1;
+        t.prompt_top_logprobs = (uint32_t)task->prompt_top;
+        if (!(res->prompt_logprobs = malloc(sizeof(float) * (size_t)task->n_tokens)))
+            return pdm_error_set(PDM_ENOMEM, "out of memory");
+        for (int32_t i = 0; i < task->n_tokens; i++) res->prompt_logprobs[i] = NAN;
+    }
     t.kv_dump = kv_out ? dump_name : "";
     t.deadline_ms = (uint32_t)(l->p.timeout * 1000);
     double t0 = pdm_now(), deadline = t0 + l->p.timeout;
@@ -754,6 +761,13 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
                     res->rank[from].t_wait = r->t_wait;
                     res->rank[from].bytes_sent = (double)r->bytes_sent;
                     res->rank[from].bytes_received = (double)r->bytes_received;
+                    for (size_t j = 0; res->prompt_logprobs && j < r->n_prompt_positions &&
+                                       j < r->n_prompt_logprobs; j++) {
+                        /* positions are absolute: index into this task's tokens */
+                        int64_t at = (int64_t)r->prompt_positions[j] - task->start;
+                        if (at >= 0 && at < task->n_tokens)
+                            res->prompt_logprobs[at] = r->prompt_logprobs[j]->logprob;
+                    }
                     if (kv_out && !r->kv_dumped && !first_err) {
                         first_err = PDM_EPEER;
                         snprintf(err_msg, sizeof(err_msg), "%s wrote no KV dump",

@@ -67,6 +67,9 @@ typedef struct {
     float top_logits[16];
     double ttft; /* seconds from dispatch to the owner's result */
     int owner;
+    float *prompt_logprobs; /* task->prompt_logprobs: malloc'ed [task->n_tokens], [i] the
+                             * log-probability of token i given the tokens before it as the
+                             * ranks reported it (NAN: none did; [0] always); free() it */
     struct {
         int n_local;
         double t_total, t_compute, t_wait;

@@ -163,6 +163,11 @@ static int pdm__task_from_msg(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, p
     task->n_tokens = (int32_t)t->n_tokens;
     task->chunks = t->n_chunks ? (const int32_t *)t->chunks : NULL;
     task->stream = NULL;
+    if (t->prompt_top_logprobs > PDM_SAMPLER_MAX_TOP_LOGPROBS)
+        return pdm_error_set(PDM_ERANGE, "PrefillTask: prompt_top_logprobs is over %d",
+                             PDM_SAMPLER_MAX_TOP_LOGPROBS);
+    task->prompt_logprobs = t->prompt_logprobs;
+    task->prompt_top = (int)t->prompt_top_logprobs;
     if (t->kv_key.len && t->kv_key.len != PDM_KVT_KEY_BYTES)
         return pdm_error_set(PDM_EFORMAT, "PrefillTask: kv_key must be %d bytes",
                              PDM_KVT_KEY_BYTES);
@@ -260,6 +265,37 @@ static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t)
         flp.n_top_logprobs = (size_t)lp.n_top;
         r.first_logprob = &flp;
     }
+    /* The prompt tokens this rank's rows predict: views into the rank's entries. */
+    Pdmesh__SampledLogprob *plp = NULL, **plpp = NULL;
+    uint32_t *plp_pos = NULL;
+    if (r.ok && res.n_prompt_lp > 0) {
+        const size_t n = (size_t)res.n_prompt_lp;
+        plp = malloc(sizeof(*plp) * n);
+        plpp = malloc(sizeof(*plpp) * n);
+        plp_pos = malloc(sizeof(*plp_pos) * n);
+        if (!plp || !plpp || !plp_pos) {
+            e.code = PDMESH__ERROR_CODE__ERR_INTERNAL;
+            e.message = "out of memory for the prompt log-probabilities";
+            r.ok = 0;
+            r.error = &e;
+        } else {
+            for (size_t i = 0; i < n; i++) {
+                const pdm_token_logprobs_t *x = &res.prompt_lp[i];
+                pdmesh__sampled_logprob__init(&plp[i]);
+                plp[i].logprob = x->logprob;
+                plp[i].top_ids = (int32_t *)x->top_ids;
+                plp[i].n_top_ids = (size_t)x->n_top;
+                plp[i].top_logprobs = (float *)x->top_logprobs;
+                plp[i].n_top_logprobs = (size_t)x->n_top;
+                plpp[i] = &plp[i];
+                plp_pos[i] = (uint32_t)res.prompt_lp_pos[i];
+            }
+            r.prompt_logprobs = plpp;
+            r.n_prompt_logprobs = n;
+            r.prompt_positions = plp_pos;
+            r.n_prompt_positions = n;
+        }
+    }
     if (res.owner) {
         uint32_t k = PDM_MIN(PDM_MIN(t->top_logits, 100u), n_vocab);
         k = pdm__top_logits(res.logits, n_vocab, k, top_ids, top_values);
@@ -273,6 +309,9 @@ static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t)
         }
     }
     pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, &r.base);
+    free(plp);
+    free(plpp);
+    free(plp_pos);
 }
 
 /* Ranks 0 and 1 bounce a message of `bytes` back and forth `iters` times (after one warm-up

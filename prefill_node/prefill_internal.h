@@ -87,7 +87,15 @@ struct pdm_prefill_rank {
     int n_mine;
     pdm_prefill_range_t prefix_mine[PDM_PREFILL_MAX_PREFIX_RUNS]; /* cached runs it streams */
     int n_prefix_mine;
+
+    /* Prompt log-probabilities of the running task (task.prompt_logprobs), grown as needed. */
+    int32_t *plp_pos;             /* [plp_cap] positions scored */
+    pdm_token_logprobs_t *plp;    /* [plp_cap] their log-probabilities */
+    int32_t n_plp, plp_cap;
+    float *plp_logits;            /* [PDM_PREFILL__SCORE_ROWS][n_vocab] logits of a block of rows */
 };
+
+#define PDM_PREFILL__SCORE_ROWS 32 /* rows whose logits are computed at once for scoring */
 
 /* Runs `stmt` and counts its time as compute. */
 #define PDM_PREFILL__COMPUTE(r, stmt)                                                          \
@@ -143,6 +151,15 @@ int pdm_prefill__q8_scales(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t, i
                            int n_local);
 /* Streams this rank's final rows of `layer` to the decode node (no-op without a stream). */
 int pdm_prefill__stream_layer(pdm_prefill_rank_t *r, int layer);
+
+/* Prompt log-probabilities (task.prompt_logprobs): logits[n][n_vocab] are the rows of
+ * positions pos[n]; every row whose next position is still in the task scores that token
+ * into r->plp. PDM_ENOMEM when the entries cannot grow. */
+int pdm_prefill__score_logits(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
+                              const float *logits, const int32_t *pos, int n);
+/* The same for rows [0, n) of r->act after the last layer (their logits computed here, in
+ * blocks of PDM_PREFILL__SCORE_ROWS). */
+int pdm_prefill__score_act(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t, int n);
 
 /* ---- The methods, one file each ----------------------------------------------------------- */
 

@@ -68,6 +68,9 @@ void pdm_prefill_rank_destroy(pdm_prefill_rank_t *r)
     free(r->recv_msgs);
     free(r->layout);
     free(r->scratch);
+    free(r->plp_pos);
+    free(r->plp);
+    free(r->plp_logits);
     free(r);
 }
 
@@ -78,13 +81,37 @@ int32_t pdm_prefill_rank_seq_len(const pdm_prefill_rank_t *r)
 
 /* ---- single ----------------------------------------------------------------------------- */
 
+/* 'single' with prompt log-probabilities: the prompt in blocks of PDM_PREFILL__SCORE_ROWS
+ * with every row's logits (pdm_model_prefill_logits), each block scored before the next. */
+static int pdm__single_scored(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
+{
+    const size_t n_vocab = r->hp->n_vocab;
+    if (!r->plp_logits &&
+        !(r->plp_logits = malloc(sizeof(float) * PDM_PREFILL__SCORE_ROWS * n_vocab)))
+        return pdm_error_set(PDM_ENOMEM, "prefill: out of memory");
+    int32_t pos[PDM_PREFILL__SCORE_ROWS];
+    for (int32_t c0 = 0; c0 < t->n_tokens; c0 += PDM_PREFILL__SCORE_ROWS) {
+        const int cn = (int)PDM_MIN(PDM_PREFILL__SCORE_ROWS, t->n_tokens - c0);
+        int st = pdm_model_prefill_logits(r->ctx, r->cache, t->tokens + c0, cn, 0, r->plp_logits);
+        for (int i = 0; i < cn; i++) pos[i] = t->start + c0 + i;
+        if (!st) st = pdm_prefill__score_logits(r, t, r->plp_logits, pos, cn);
+        if (st) return st;
+        if (c0 + cn == t->n_tokens)
+            memcpy(r->logits, r->plp_logits + (size_t)(cn - 1) * n_vocab, sizeof(float) * n_vocab);
+    }
+    return PDM_OK;
+}
+
 static int pdm__run_single(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
 {
     int st = pdm_prefill__ensure_ctx(r, PDM_MIN(t->n_tokens, 512));
     if (st) return st;
     r->cache->n_tokens = t->start;
-    PDM_PREFILL__COMPUTE(
-        r, st = pdm_model_prefill(r->ctx, r->cache, t->tokens, t->n_tokens, r->logits));
+    if (t->prompt_logprobs)
+        PDM_PREFILL__COMPUTE(r, st = pdm__single_scored(r, t));
+    else
+        PDM_PREFILL__COMPUTE(
+            r, st = pdm_model_prefill(r->ctx, r->cache, t->tokens, t->n_tokens, r->logits));
     /* The engine's chunked prefill finishes all layers of a chunk before the next: the KV is
      * final only at the end, so a single rank streams after it (no overlap). */
     for (int l = 0; l < (int)r->hp->n_layers && !st; l++) st = pdm_prefill__stream_layer(r, l);
@@ -103,6 +130,12 @@ static int pdm__validate(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *
         return pdm_error_set(PDM_EINVAL, "prefill: method '%s' must be resolved before a task "
                              "runs", name);
     if (t->n_tokens < 1) return pdm_error_set(PDM_EINVAL, "prefill: a task needs new tokens");
+    if (t->prompt_logprobs && t->start > 0)
+        return pdm_error_set(PDM_EUNSUPPORTED, "prefill: prompt log-probabilities need the whole "
+                             "prompt computed (start 0, not %d)", t->start);
+    if (t->prompt_logprobs && (t->prompt_top < 0 || t->prompt_top > PDM_SAMPLER_MAX_TOP_LOGPROBS))
+        return pdm_error_set(PDM_EINVAL, "prefill: %d prompt alternatives (at most %d)",
+                             t->prompt_top, PDM_SAMPLER_MAX_TOP_LOGPROBS);
     /* A task naming its prefix may cut a longer conversation short; one without must
      * continue exactly where the group stands. */
     if (t->start < 0 || (t->start > 0 && (t->prefix ? t->start > r->conv.n
@@ -195,6 +228,7 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     pdm_kvt_stats(r->g->kvt, &s0);
     r->g->task = t->id;
     r->t_wait = r->t_compute = 0;
+    r->n_plp = 0;
     double t0 = pdm_now();
     const int32_t end = t->start + t->n_tokens;
     /* Who computes what (the same function tells the decode node where blocks come from). */
@@ -244,6 +278,10 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
         st = pdm_prefill__run_ring(r, t);
         break;
     }
+    /* The other methods leave this rank's rows, ascending positions, in r->act: score them
+     * while the stream's last blocks are in flight. */
+    if (!st && t->prompt_logprobs && t->method != PDM_PREFILL_SINGLE && n_local > 0)
+        PDM_PREFILL__COMPUTE(r, st = pdm_prefill__score_act(r, t, n_local));
     uint64_t streamed = 0;
     if (r->tx) {
         if (!st) {
@@ -275,6 +313,9 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     res->bytes_sent = s1.bytes_sent - s0.bytes_sent;
     res->bytes_received = s1.bytes_received - s0.bytes_received;
     res->bytes_streamed = streamed;
+    res->n_prompt_lp = r->n_plp;
+    res->prompt_lp_pos = r->plp_pos;
+    res->prompt_lp = r->plp;
     if (res->owner) {
         res->logits = r->logits;
         int32_t best = 0;

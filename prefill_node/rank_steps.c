@@ -236,3 +236,46 @@ int pdm_prefill__stream_layer(pdm_prefill_rank_t *r, int layer)
     }
     return st;
 }
+
+/* ---- Prompt log-probabilities ------------------------------------------------------------- */
+
+int pdm_prefill__score_logits(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
+                              const float *logits, const int32_t *pos, int n)
+{
+    const int32_t end = t->start + t->n_tokens, n_vocab = (int32_t)r->hp->n_vocab;
+    for (int i = 0; i < n; i++) {
+        const int32_t p = pos[i] + 1; /* the position row i predicts */
+        if (p >= end || p <= t->start) continue;
+        if (r->n_plp == r->plp_cap) {
+            int32_t cap = r->plp_cap ? 2 * r->plp_cap : 256;
+            int32_t *np = realloc(r->plp_pos, sizeof(int32_t) * (size_t)cap);
+            if (np) r->plp_pos = np;
+            pdm_token_logprobs_t *nl = realloc(r->plp, sizeof(*nl) * (size_t)cap);
+            if (nl) r->plp = nl;
+            if (!np || !nl) return pdm_error_set(PDM_ENOMEM, "prefill: out of memory");
+            r->plp_cap = cap;
+        }
+        pdm_sampler_score(logits + (size_t)i * n_vocab, n_vocab, t->tokens[p - t->start],
+                          t->prompt_top, &r->plp[r->n_plp]);
+        r->plp_pos[r->n_plp++] = p;
+    }
+    return PDM_OK;
+}
+
+int pdm_prefill__score_act(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t, int n)
+{
+    const size_t d = r->hp->d_model;
+    if (!r->plp_logits &&
+        !(r->plp_logits = malloc(sizeof(float) * PDM_PREFILL__SCORE_ROWS * r->hp->n_vocab)))
+        return pdm_error_set(PDM_ENOMEM, "prefill: out of memory");
+    for (int i0 = 0; i0 < n; i0 += PDM_PREFILL__SCORE_ROWS) {
+        const int nb = PDM_MIN(PDM_PREFILL__SCORE_ROWS, n - i0);
+        pdm_act_t rows = r->act; /* logits_batch reads rows from x[0] */
+        rows.x = r->act.x + (size_t)i0 * d;
+        rows.n = nb;
+        pdm_model_logits_batch(r->ctx, &rows, nb, r->plp_logits);
+        int st = pdm_prefill__score_logits(r, t, r->plp_logits, r->act.pos + i0, nb);
+        if (st) return st;
+    }
+    return PDM_OK;
+}

@@ -50,6 +50,10 @@ typedef struct {
                                          * streams the KV of its new tokens and, for a
                                          * partial prefill, its runs of the cached prefix
                                          * (pdm_prefill_conv_prefix_runs) */
+    int prompt_logprobs;         /* 1: every rank scores the prompt tokens its rows predict
+                                  * (the result's prompt_lp); needs start 0 and, for 'single',
+                                  * an f16/f32 KV cache */
+    int prompt_top;              /* ... with this many alternatives each (<= 20) */
 } pdm_prefill_task_t;
 
 typedef struct {
@@ -62,6 +66,12 @@ typedef struct {
     double t_wait;         /* seconds blocked on communication */
     uint64_t bytes_sent, bytes_received;
     uint64_t bytes_streamed; /* KV sent to the decode node */
+    /* task.prompt_logprobs: entry i is log p(tokens[p] | tokens[0..p)) for p =
+     * prompt_lp_pos[i], a position whose predicting row p - 1 this rank computed (p >= 1,
+     * ascending); owned by the rank, valid until its next task */
+    int32_t n_prompt_lp;
+    const int32_t *prompt_lp_pos;
+    const pdm_token_logprobs_t *prompt_lp;
 } pdm_prefill_result_t;
 
 #endif /* PDM_PREFILL_TASK_H */

@@ -115,7 +115,14 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_NOT_FOUND, PDM_ENOTFOUND,
                          "model \"%.64s\" is not served (this router serves \"%s\")", req->model,
                          r->model_name);
-    uint32_t max_new = req->max_tokens ? req->max_tokens : r->cfg.default_max_tokens;
+    if (req->prompt_only && !req->prompt_logprobs)
+        return rt_refuse(code, INV, PDM_EINVAL, "prompt_only needs prompt_logprobs");
+    if (req->prompt_logprobs && req->beams > 1)
+        return rt_refuse(code, INV, PDM_EINVAL, "prompt_logprobs are not reported with beam "
+                         "search");
+    /* scoring only: one token's room is reserved as for any request, none is generated */
+    uint32_t max_new = req->prompt_only ? 1
+                       : req->max_tokens ? req->max_tokens : r->cfg.default_max_tokens;
     if (r->cfg.max_tokens && max_new > r->cfg.max_tokens)
         return rt_refuse(code, INV, PDM_EINVAL, "max_tokens %u over the limit of %u", max_new,
                          r->cfg.max_tokens);
@@ -182,8 +189,40 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
                          "(prompt limit %u, context %u)", n, max_new, r->cfg.max_prompt_tokens,
                          r->model->hp.n_ctx_train);
     }
+    /* The prompt's entries travel in the same result. */
+    const uint32_t plp_stride =
+        req->prompt_logprobs ? 1u + (uint32_t)(sp.logprobs > 0 ? sp.logprobs : 0) : 0;
+    if (plp_stride && (uint64_t)n * plp_stride + (uint64_t)max_new * lp_stride >
+                          rt_logprob_entries_max(r)) {
+        free(tok);
+        return rt_refuse(code, INV, PDM_EINVAL, "prompt logprobs: %zu prompt tokens x (1 + %d "
+                         "alternatives) with the completion's are over %u entries", n,
+                         sp.logprobs > 0 ? sp.logprobs : 0, rt_logprob_entries_max(r));
+    }
+    if (plp_stride && n < 2) {
+        free(tok);
+        return rt_refuse(code, INV, PDM_EINVAL, "prompt logprobs need a prompt of at least 2 "
+                         "tokens");
+    }
     rt_req_t *q = calloc(1, sizeof(*q));
     if (q) q->gen = malloc(sizeof(int32_t) * max_new);
+    if (q && plp_stride) {
+        q->plp_stride = plp_stride;
+        q->plp_ids = malloc(sizeof(int32_t) * n * plp_stride);
+        q->plp_vals = malloc(sizeof(float) * n * plp_stride);
+        q->plp_n = malloc(n);
+        if (!q->plp_ids || !q->plp_vals || !q->plp_n) {
+            free(q->plp_ids);
+            free(q->plp_vals);
+            free(q->plp_n);
+            free(q->gen);
+            free(q);
+            free(tok);
+            return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
+        }
+        q->want_plp = 1;
+        q->prompt_only = req->prompt_only;
+    }
     if (q && lp_stride) {
         q->lp_stride = lp_stride;
         q->lp_ids = malloc(sizeof(int32_t) * max_new * lp_stride);
@@ -196,6 +235,9 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
             free(q->lp_ids);
             free(q->lp_vals);
             free(q->lp_n);
+            free(q->plp_ids);
+            free(q->plp_vals);
+            free(q->plp_n);
         }
         free(q);
         free(tok);
@@ -207,6 +249,9 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         free(q->lp_ids);
         free(q->lp_vals);
         free(q->lp_n);
+        free(q->plp_ids);
+        free(q->plp_vals);
+        free(q->plp_n);
         free(q);
         free(tok);
         return bst;
@@ -252,4 +297,33 @@ struct pdm_metrics *pdm_router_metrics(pdm_router_t *r)
 {
     rt_node_metrics(r);
     return r->m.reg;
+}
+
+int pdm_router_tokenize(pdm_router_t *r, const char *text, size_t len, int add_special,
+                        int32_t **out, size_t *n_out)
+{
+    const int flags = PDM_TOKENIZE_SPECIAL | (add_special ? PDM_TOKENIZE_ADD_BOS : 0);
+    size_t cap = len + 8, need = 0;
+    int32_t *ids = malloc(sizeof(int32_t) * cap);
+    if (!ids) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    int st = pdm_tokenizer_encode(r->model->tokenizer, text, len, flags, ids, cap, &need);
+    if (st) {
+        free(ids);
+        return pdm_error_set(PDM_EINVAL, "cannot tokenize the text");
+    }
+    *out = ids;
+    *n_out = need;
+    return PDM_OK;
+}
+
+int pdm_router_token_text(pdm_router_t *r, int32_t id, char *buf, size_t cap)
+{
+    if (id < 0 || (uint32_t)id >= r->model->hp.n_vocab) return PDM_ERANGE;
+    return pdm_tokenizer_token_bytes(r->model->tokenizer, id, 1, buf, cap);
+}
+
+int32_t pdm_router_special_token(pdm_router_t *r, int which)
+{
+    return which == 0 ? pdm_tokenizer_bos(r->model->tokenizer)
+                      : pdm_tokenizer_eos(r->model->tokenizer);
 }

@@ -33,6 +33,7 @@
  */
 #include "router/http.h"
 
+#include <cjson/cJSON.h>
 #include <ctype.h>
 #include <http_parser.h>
 #include <stdarg.h>
@@ -73,18 +74,37 @@ enum deadline { DL_IDLE, DL_HEAD, DL_BODY };
 
 typedef struct conn conn_t;
 
-typedef struct gen {
-    conn_t *conn;            /* NULL once the client is gone */
+typedef struct gen gen_t;
+
+/* One prompt of a request (completions take a list): its router request and what its stream
+ * has sent. The router's sink context. */
+typedef struct {
+    gen_t *g;
+    uint32_t index;          /* the choice's index */
     uint64_t router_id;
-    int chat, stream, include_usage;
-    int logprobs;            /* the request asked for log-probabilities */
-    int headers_sent;
+    int done;                /* the router ended it (or it was never submitted) */
     size_t streamed;         /* bytes of completion text already sent */
     size_t text_offset;      /* completions' text_offset of the next streamed token */
+    char *prompt;            /* echo: the prompt text as sent (NULL: token ids, or no echo) */
+    cJSON *choice;           /* not streamed: the finished choice, until every part is done */
+} gen_part_t;
+
+/* A request being answered: n_parts prompts, each its own router request. It is freed once
+ * every part has ended, whether or not the client is still there. */
+struct gen {
+    conn_t *conn;            /* NULL once the client is gone */
+    int chat, stream, include_usage;
+    int logprobs;            /* the request asked for log-probabilities */
+    int echo;                /* completions' echo */
+    int headers_sent;
+    int answered;            /* the answer (or an error) went out; later parts are ignored */
     long created;
     char id[48];
     char *model;
-} gen_t;
+    cJSON *usage;            /* the parts' usage, counts summed */
+    size_t n_parts, n_done;
+    gen_part_t parts[];
+};
 
 enum conn_state { C_READING, C_BUSY, C_CLOSING };
 
@@ -443,10 +463,17 @@ static void conn_close_now(conn_t *c)
     uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);
     uv_close((uv_handle_t *)&c->tcp, on_conn_handle_closed);
     if (g) {
-        g->conn = NULL; /* the sink frees g when the router ends it (maybe inside cancel) */
-        pdm_log_debug("http %s: client gone, cancelling request %llu", c->peer_name,
-                      (unsigned long long)g->router_id);
-        pdm_router_cancel(h->router, g->router_id);
+        g->conn = NULL; /* the sink frees g when the router ends its last part (maybe inside
+                         * cancel): the ids are taken first */
+        uint64_t ids[PDM_HTTP_MAX_PROMPTS];
+        size_t n = 0;
+        for (size_t i = 0; i < g->n_parts && n < PDM_HTTP_MAX_PROMPTS; i++)
+            if (!g->parts[i].done) ids[n++] = g->parts[i].router_id;
+        for (size_t i = 0; i < n; i++) {
+            pdm_log_debug("http %s: client gone, cancelling request %llu", c->peer_name,
+                          (unsigned long long)ids[i]);
+            pdm_router_cancel(h->router, ids[i]);
+        }
     }
 }
 
@@ -539,8 +566,27 @@ static void deadline_arm(conn_t *c, enum deadline kind)
 
 static void gen_free(gen_t *g)
 {
+    for (size_t i = 0; i < g->n_parts; i++) {
+        free(g->parts[i].prompt);
+        cJSON_Delete(g->parts[i].choice);
+    }
+    cJSON_Delete(g->usage);
     free(g->model);
     free(g);
+}
+
+/* A part ended: counted; g is freed once every part has ended and the caller is done with it
+ * (gen_release). */
+static void gen_part_done(gen_part_t *p)
+{
+    if (p->done) return;
+    p->done = 1;
+    p->g->n_done++;
+}
+
+static void gen_release(gen_t *g)
+{
+    if (g->n_done == g->n_parts) gen_free(g);
 }
 
 /* Writes one chunk of a chunked body (or raw bytes for HTTP/1.0). */
@@ -604,39 +650,82 @@ static void sse_end(conn_t *c)
     }
 }
 
+static void gen_on_prompt(void *ctx, Pdmesh__TokenLogprob *const *lps, size_t n)
+{
+    gen_part_t *p = ctx;
+    gen_t *g = p->g;
+    conn_t *c = g->conn;
+    if (!c || c->closed || g->answered || !g->stream || !g->echo) return;
+    /* The echo goes out first: the prompt's text and, with logprobs, its tokens' entries. */
+    sse_start(g);
+    char *echo = pdm_http__echo_text(p->prompt, lps, n);
+    pdm_http_logprobs_t lp = {lps, n, 0};
+    sse_event(c, pdm_http__chunk_json_at(0, g->id, g->created, g->model, p->index,
+                                         echo ? echo : "", NULL, 0, NULL,
+                                         g->logprobs ? &lp : NULL));
+    free(echo);
+    p->text_offset = pdm_http__logprobs_text_len(lps, n);
+}
+
 static void gen_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, size_t n,
                           const char *text, Pdmesh__TokenLogprob *const *logprobs)
 {
-    gen_t *g = ctx;
+    gen_part_t *p = ctx;
+    gen_t *g = p->g;
     conn_t *c = g->conn;
-    if (!c || c->closed || !g->stream) return;
+    if (!c || c->closed || !g->stream || g->answered) return;
     /* With logprobs, every token's entry goes out in the chunk of its arrival, even when its
      * text is still held back (a possible stop string): the chunk's text is then "". */
     const int with_lp = g->logprobs && logprobs && n > 0;
     if (!with_lp && (!text || !text[0])) return;
     sse_start(g);
-    pdm_http_logprobs_t lp = {logprobs, n, g->text_offset};
-    sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model, text ? text : "",
-                                      NULL, 0, NULL, with_lp ? &lp : NULL));
-    if (with_lp) g->text_offset += pdm_http__logprobs_text_len(logprobs, n);
-    g->streamed += text ? strlen(text) : 0;
+    pdm_http_logprobs_t lp = {logprobs, n, p->text_offset};
+    sse_event(c, pdm_http__chunk_json_at(g->chat, g->id, g->created, g->model, p->index,
+                                         text ? text : "", NULL, 0, NULL, with_lp ? &lp : NULL));
+    if (with_lp) p->text_offset += pdm_http__logprobs_text_len(logprobs, n);
+    p->streamed += text ? strlen(text) : 0;
+}
+
+/* Every part of a non-streamed request has its choice: the response. */
+static void gen_respond_all(gen_t *g, conn_t *c)
+{
+    cJSON *choices = cJSON_CreateArray();
+    for (size_t i = 0; choices && i < g->n_parts; i++) {
+        if (g->parts[i].choice) cJSON_AddItemToArray(choices, g->parts[i].choice);
+        g->parts[i].choice = NULL;
+    }
+    char *body = pdm_http__response_json(g->chat, g->id, g->created, g->model, choices, g->usage);
+    g->usage = NULL;
+    if (!body) conn_respond_error(c, 500, "internal_error", "out of memory");
+    else conn_respond(c, 200, "application/json", body, strlen(body), "");
+    free(body);
 }
 
 static void gen_on_result(void *ctx, const Pdmesh__GenerateResult *res)
 {
-    gen_t *g = ctx;
+    gen_part_t *p = ctx;
+    gen_t *g = p->g;
     conn_t *c = g->conn;
-    if (!c || c->closed) {
-        gen_free(g);
+    gen_part_done(p);
+    if (!c || c->closed || g->answered) {
+        gen_release(g);
         return;
     }
-    c->gen = NULL;
+    const uint32_t pt = res->usage ? res->usage->prompt_tokens : 0;
+    const uint32_t ct = res->usage ? res->usage->completion_tokens : 0;
+    if (!g->usage) g->usage = pdm_http__usage_json(res->usage);
+    else pdm_http__usage_add(g->usage, pt, ct);
     if (!g->stream) {
-        char *body = pdm_http__result_json(g->chat, g->id, g->created, g->model, res,
-                                           g->logprobs);
-        if (!body) conn_respond_error(c, 500, "internal_error", "out of memory");
-        else conn_respond(c, 200, "application/json", body, strlen(body), "");
-        free(body);
+        char *echo = g->echo ? pdm_http__echo_text(p->prompt, res->prompt_logprobs,
+                                                   res->n_prompt_logprobs)
+                             : NULL;
+        p->choice = pdm_http__choice_json(g->chat, p->index, res, g->logprobs,
+                                          g->echo ? (echo ? echo : "") : NULL);
+        free(echo);
+        if (g->n_done < g->n_parts) return;
+        g->answered = 1;
+        c->gen = NULL;
+        gen_respond_all(g, c);
         gen_free(g);
         return;
     }
@@ -644,16 +733,20 @@ static void gen_on_result(void *ctx, const Pdmesh__GenerateResult *res)
     /* Whatever the token chunks did not carry (text completed only at the end). */
     const char *text = res->text ? res->text : "";
     size_t tl = strlen(text);
-    if (tl > g->streamed)
-        sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model,
-                                          text + g->streamed, NULL, 0, NULL, NULL));
+    if (tl > p->streamed)
+        sse_event(c, pdm_http__chunk_json_at(g->chat, g->id, g->created, g->model, p->index,
+                                             text + p->streamed, NULL, 0, NULL, NULL));
     const char *fr = pdm_http__finish_reason(res->finish);
-    sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model, g->chat ? NULL : "",
-                                      fr ? fr : "stop", 0, NULL, NULL));
+    sse_event(c, pdm_http__chunk_json_at(g->chat, g->id, g->created, g->model, p->index,
+                                         g->chat ? NULL : "", fr ? fr : "stop", 0, NULL, NULL));
+    if (g->n_done < g->n_parts) return;
+    g->answered = 1;
+    c->gen = NULL;
     if (g->include_usage) {
-        Pdmesh__Usage empty = PDMESH__USAGE__INIT;
-        sse_event(c, pdm_http__chunk_json(g->chat, g->id, g->created, g->model, NULL, NULL, 0,
-                                          res->usage ? res->usage : &empty, NULL));
+        cJSON *u = g->usage ? g->usage : pdm_http__usage_json(NULL);
+        g->usage = NULL;
+        sse_event(c, pdm_http__chunk_json_at(g->chat, g->id, g->created, g->model, 0, NULL, NULL,
+                                             0, u, NULL));
     }
     static const char done[] = "data: [DONE]\n\n";
     conn_write_chunk(c, done, sizeof(done) - 1);
@@ -664,24 +757,28 @@ static void gen_on_result(void *ctx, const Pdmesh__GenerateResult *res)
 
 static void gen_on_error(void *ctx, int code, const char *message)
 {
-    gen_t *g = ctx;
+    gen_part_t *p = ctx;
+    gen_t *g = p->g;
     conn_t *c = g->conn;
-    if (!c || c->closed) {
-        gen_free(g);
+    gen_part_done(p);
+    if (!c || c->closed || g->answered) {
+        gen_release(g);
         return;
     }
+    /* The first part to fail answers for the request; the others run out unseen. */
+    g->answered = 1;
     c->gen = NULL;
     int status = pdm_http__status_for_code(code);
     const char *msg = message && *message ? message : "the request failed";
     if (!g->headers_sent) {
         conn_respond_error(c, status, pdm_http__code_name(code), msg);
-        gen_free(g);
+        gen_release(g);
         return;
     }
     /* Tokens went out already: an error event, and no [DONE] (see the top of this file). */
     sse_event(c, pdm_http__error_json(status, pdm_http__code_name(code), msg));
     sse_end(c);
-    gen_free(g);
+    gen_release(g);
     conn_finish(c);
 }
 
@@ -691,18 +788,19 @@ static void handle_generate(conn_t *c, int chat)
 {
     pdm_http_t *h = c->http;
     const char *model = pdm_router_model_name(h->router);
-    Pdmesh__GenerateRequest *req = NULL;
+    Pdmesh__GenerateRequest **reqs = NULL;
+    size_t n = 0;
     pdm_http_opts_t opts;
     pdm_http_err_t err;
-    if (pdm_http__parse_request(c->body, c->body_len, chat, pdm_router_limits(h->router), model,
-                                &req, &opts, &err) != PDM_OK) {
+    if (pdm_http__parse_batch(c->body, c->body_len, chat, pdm_router_limits(h->router), model,
+                              &reqs, &n, &opts, &err) != PDM_OK) {
         conn_respond_error(c, err.status, err.code, err.message);
         return;
     }
-    gen_t *g = calloc(1, sizeof(*g));
+    gen_t *g = calloc(1, sizeof(*g) + n * sizeof(gen_part_t));
     if (!g || !(g->model = strdup(model ? model : ""))) {
         free(g);
-        pdm_http__request_free(req);
+        pdm_http__batch_free(reqs, n);
         conn_respond_error(c, 500, "internal_error", "out of memory");
         return;
     }
@@ -711,33 +809,59 @@ static void handle_generate(conn_t *c, int chat)
     g->stream = opts.stream;
     g->include_usage = opts.include_usage;
     g->logprobs = opts.logprobs >= 0;
+    g->echo = opts.echo;
     g->created = (long)time(NULL);
-    req->request_id = ++h->next_request_id;
+    g->n_parts = n;
     uint64_t rnd = 0;
     pdm_random_bytes(&rnd, sizeof(rnd));
     snprintf(g->id, sizeof(g->id), "%s-%016llx", chat ? "chatcmpl" : "cmpl",
              (unsigned long long)rnd);
-
-    pdm_router_sink_t sink = {g, gen_on_tokens, gen_on_result, gen_on_error};
     char client[80];
     snprintf(client, sizeof(client), "http:%s", c->peer_name);
-    uint64_t id = 0;
-    int code = 0;
-    pdm_error_clear();
-    int st = pdm_router_submit(h->router, req, client, &sink, &id, &code);
-    pdm_http__request_free(req);
-    if (st != PDM_OK) {
-        gen_free(g);
-        if (code == 0)
-            code = st == PDM_EINVAL || st == PDM_ERANGE ? PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT
-                   : st == PDM_EOVERFLOW               ? PDMESH__ERROR_CODE__ERR_OVERLOADED
-                                                       : PDMESH__ERROR_CODE__ERR_UNAVAILABLE;
-        conn_respond_error(c, pdm_http__status_for_code(code), pdm_http__code_name(code),
-                           pdm_error_last());
+    size_t i = 0;
+    int st = PDM_OK, code = 0;
+    for (; i < n; i++) {
+        gen_part_t *p = &g->parts[i];
+        p->g = g;
+        p->index = (uint32_t)i;
+        if (g->echo && reqs[i]->prompt && !(p->prompt = strdup(reqs[i]->prompt))) {
+            st = PDM_ENOMEM;
+            pdm_error_set(st, "out of memory");
+            code = PDMESH__ERROR_CODE__ERR_INTERNAL;
+            break;
+        }
+        reqs[i]->request_id = ++h->next_request_id;
+        pdm_router_sink_t sink = {p, gen_on_tokens, gen_on_result, gen_on_error, gen_on_prompt};
+        pdm_error_clear();
+        if ((st = pdm_router_submit(h->router, reqs[i], client, &sink, &p->router_id, &code)))
+            break;
+    }
+    pdm_http__batch_free(reqs, n);
+    if (st == PDM_OK) {
+        c->gen = g;
         return;
     }
-    g->router_id = id;
-    c->gen = g;
+    /* Prompt i was refused: the request fails as a whole, the parts already submitted are
+     * cancelled (their ends free g: it is not touched after the last cancel). */
+    if (code == 0)
+        code = st == PDM_EINVAL || st == PDM_ERANGE ? PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT
+               : st == PDM_EOVERFLOW               ? PDMESH__ERROR_CODE__ERR_OVERLOADED
+                                                   : PDMESH__ERROR_CODE__ERR_UNAVAILABLE;
+    char msg[300];
+    if (n > 1) snprintf(msg, sizeof(msg), "prompt %zu: %s", i, pdm_error_last());
+    else snprintf(msg, sizeof(msg), "%s", pdm_error_last());
+    conn_respond_error(c, pdm_http__status_for_code(code), pdm_http__code_name(code), msg);
+    g->answered = 1;
+    g->conn = NULL;
+    for (size_t j = i; j < n; j++) gen_part_done(&g->parts[j]);
+    uint64_t ids[PDM_HTTP_MAX_PROMPTS];
+    size_t k = 0;
+    for (size_t j = 0; j < i && k < PDM_HTTP_MAX_PROMPTS; j++) ids[k++] = g->parts[j].router_id;
+    if (k == 0) {
+        gen_free(g);
+        return;
+    }
+    for (size_t j = 0; j < k; j++) pdm_router_cancel(h->router, ids[j]);
 }
 
 static void handle_models(conn_t *c, const char *one)
@@ -780,6 +904,125 @@ static void handle_metrics(conn_t *c)
     free(text);
 }
 
+/* ------------------------------------------------------------------ tokenizer endpoints
+ *
+ * vLLM's shapes (lm-evaluation-harness's remote tokenizer speaks them): POST /tokenize
+ * {"prompt", "add_special_tokens" (default true)} -> {"tokens", "count", "max_model_len"};
+ * POST /detokenize {"tokens"} -> {"prompt"}; GET /tokenizer_info -> {"bos_token",
+ * "eos_token", "pad_token", "model"}. */
+
+static void respond_json(conn_t *c, cJSON *root)
+{
+    char *body = root ? cJSON_PrintUnformatted(root) : NULL;
+    cJSON_Delete(root);
+    if (!body) {
+        conn_respond_error(c, 500, "internal_error", "out of memory");
+        return;
+    }
+    conn_respond(c, 200, "application/json", body, strlen(body), "");
+    free(body);
+}
+
+/* The text of ids[n] (control tokens rendered), made valid UTF-8; NULL when out of memory or
+ * an id is outside the vocabulary (*bad set). */
+static char *detokenize(pdm_router_t *r, const cJSON *ids, int *bad)
+{
+    size_t cap = 256, len = 0;
+    char *raw = malloc(cap), piece[256];
+    const cJSON *t;
+    *bad = 0;
+    cJSON_ArrayForEach(t, ids) {
+        int w = cJSON_IsNumber(t) && t->valuedouble >= 0 && t->valuedouble <= INT32_MAX &&
+                        t->valuedouble == (int32_t)t->valuedouble
+                    ? pdm_router_token_text(r, (int32_t)t->valuedouble, piece, sizeof(piece))
+                    : PDM_ERANGE;
+        if (w < 0) {
+            *bad = 1;
+            free(raw);
+            return NULL;
+        }
+        if (raw && len + (size_t)w + 1 > cap) {
+            char *grown = realloc(raw, cap = 2 * cap + (size_t)w);
+            if (!grown) free(raw);
+            raw = grown;
+        }
+        if (!raw) return NULL;
+        memcpy(raw + len, piece, (size_t)w);
+        len += (size_t)w;
+    }
+    char *clean = raw ? pdm_http__utf8_sanitize(raw, len) : NULL;
+    free(raw);
+    return clean;
+}
+
+static void handle_tokenizer(conn_t *c, const char *what)
+{
+    pdm_router_t *r = c->http->router;
+    if (!strcmp(what, "info")) {
+        cJSON *root = cJSON_CreateObject();
+        static const char *const names[] = {"bos_token", "eos_token"};
+        for (int i = 0; i < 2 && root; i++) {
+            int32_t id = pdm_router_special_token(r, i);
+            char piece[256];
+            int w = id >= 0 ? pdm_router_token_text(r, id, piece, sizeof(piece) - 1) : -1;
+            if (w >= 0) {
+                piece[w] = 0;
+                cJSON_AddStringToObject(root, names[i], piece);
+            } else {
+                cJSON_AddNullToObject(root, names[i]);
+            }
+        }
+        cJSON_AddNullToObject(root, "pad_token");
+        cJSON_AddStringToObject(root, "model", pdm_router_model_name(r));
+        respond_json(c, root);
+        return;
+    }
+    cJSON *in = cJSON_ParseWithLength(c->body ? c->body : "", c->body_len);
+    if (!cJSON_IsObject(in)) {
+        cJSON_Delete(in);
+        conn_respond_error(c, 400, "invalid_json", "the request body must be a JSON object");
+        return;
+    }
+    cJSON *out = cJSON_CreateObject();
+    if (!strcmp(what, "tokenize")) {
+        const cJSON *p = cJSON_GetObjectItemCaseSensitive(in, "prompt");
+        const cJSON *sp = cJSON_GetObjectItemCaseSensitive(in, "add_special_tokens");
+        int32_t *ids = NULL;
+        size_t n = 0;
+        if (!cJSON_IsString(p)) {
+            conn_respond_error(c, 400, "invalid_type", "'prompt' must be a string");
+        } else if (pdm_router_tokenize(r, p->valuestring, strlen(p->valuestring),
+                                       !cJSON_IsFalse(sp), &ids, &n)) {
+            conn_respond_error(c, 400, "invalid_value", pdm_error_last());
+        } else {
+            cJSON_AddItemToObject(out, "tokens", cJSON_CreateIntArray((const int *)ids, (int)n));
+            cJSON_AddNumberToObject(out, "count", (double)n);
+            const pdm_router_limits_t *lim = pdm_router_limits(r);
+            cJSON_AddNumberToObject(out, "max_model_len", lim->max_prompt_tokens);
+            respond_json(c, out);
+            out = NULL;
+        }
+        free(ids);
+    } else {
+        const cJSON *ids = cJSON_GetObjectItemCaseSensitive(in, "tokens");
+        int bad = 0;
+        char *text = cJSON_IsArray(ids) ? detokenize(r, ids, &bad) : NULL;
+        if (!cJSON_IsArray(ids) || bad) {
+            conn_respond_error(c, 400, "invalid_value",
+                               "'tokens' must be a list of token ids of the vocabulary");
+        } else if (!text) {
+            conn_respond_error(c, 500, "internal_error", "out of memory");
+        } else {
+            cJSON_AddStringToObject(out, "prompt", text);
+            respond_json(c, out);
+            out = NULL;
+        }
+        free(text);
+    }
+    cJSON_Delete(out);
+    cJSON_Delete(in);
+}
+
 /* Percent-decoding is not needed: every route and model name is plain ASCII. */
 static void conn_dispatch(conn_t *c)
 {
@@ -801,6 +1044,16 @@ static void conn_dispatch(conn_t *c)
     if (!strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11)) {
         if (!get) goto bad_method;
         handle_models(c, path[10] == '/' ? path + 11 : NULL);
+        return;
+    }
+    if (!strcmp(path, "/tokenize") || !strcmp(path, "/detokenize")) {
+        if (!post) goto bad_method;
+        handle_tokenizer(c, path + 1);
+        return;
+    }
+    if (!strcmp(path, "/tokenizer_info")) {
+        if (!get) goto bad_method;
+        handle_tokenizer(c, "info");
         return;
     }
     if (!strcmp(path, "/metrics")) {

@@ -19,6 +19,7 @@
 #define PDM_HTTP_MAX_MESSAGES 1024            /* chat messages per request */
 #define PDM_HTTP_MAX_TOKENS_HARD 1000000u     /* max_tokens ceiling when the router has none */
 #define PDM_HTTP_COMPLETIONS_DEFAULT_TOKENS 16 /* OpenAI's default for /v1/completions */
+#define PDM_HTTP_MAX_PROMPTS 64               /* prompts in one completions request */
 
 /* What a parsed request needs besides the GenerateRequest itself. */
 typedef struct {
@@ -27,6 +28,8 @@ typedef struct {
     int include_usage;   /* stream_options.include_usage */
     int logprobs;        /* -1: none; else alternatives per token (completions' logprobs: N,
                           * chat's top_logprobs) */
+    int echo;            /* completions' echo: true */
+    int n_prompts;       /* prompts (choices) of the request */
 } pdm_http_opts_t;
 
 /* The log-probabilities a response or chunk carries: lps[n] (one per token, in order);
@@ -55,6 +58,14 @@ int pdm_http__parse_request(const char *body, size_t len, int chat,
                             pdm_http_err_t *err);
 void pdm_http__request_free(Pdmesh__GenerateRequest *req);
 
+/* pdm_http__parse_request for a body that may hold a list of prompts (completions): one
+ * GenerateRequest per prompt, in order, in *out[*n_out] (free with pdm_http__batch_free).
+ * pdm_http__parse_request keeps the first of them. */
+int pdm_http__parse_batch(const char *body, size_t len, int chat, const pdm_router_limits_t *lim,
+                          const char *model_name, Pdmesh__GenerateRequest ***out, size_t *n_out,
+                          pdm_http_opts_t *opts, pdm_http_err_t *err);
+void pdm_http__batch_free(Pdmesh__GenerateRequest **reqs, size_t n);
+
 /* HTTP status and OpenAI error type/code for a Pdmesh__ErrorCode. */
 int pdm_http__status_for_code(int code);
 const char *pdm_http__code_name(int code);
@@ -77,6 +88,29 @@ const char *pdm_http__finish_reason(int finish);
  * when there are none); else "logprobs": null. */
 char *pdm_http__result_json(int chat, const char *id, long created, const char *model,
                             const Pdmesh__GenerateResult *res, int logprobs);
+
+struct cJSON;
+
+/* The pieces of a response with several choices (a list of prompts): one choice (index,
+ * text, logprobs, finish_reason; echo non-NULL: the completions' echo, the text after `echo`
+ * and the prompt's log-probabilities res->prompt_logprobs before the completion's), a usage
+ * object (pdm_http__usage_add sums another choice's counts into it), and the body made of a
+ * choices array and a usage object (both taken; either may be NULL). */
+struct cJSON *pdm_http__choice_json(int chat, uint32_t index, const Pdmesh__GenerateResult *res,
+                                    int logprobs, const char *echo);
+struct cJSON *pdm_http__usage_json(const Pdmesh__Usage *u);
+void pdm_http__usage_add(struct cJSON *usage, uint32_t prompt_tokens, uint32_t completion_tokens);
+char *pdm_http__response_json(int chat, const char *id, long created, const char *model,
+                              struct cJSON *choices, struct cJSON *usage);
+
+/* The text an echoed choice starts with: the prompt as the client sent it (prompt non-NULL),
+ * else its tokens' texts lps[n] made valid UTF-8. malloc'ed; NULL when out of memory. */
+char *pdm_http__echo_text(const char *prompt, Pdmesh__TokenLogprob *const *lps, size_t n);
+
+/* pdm_http__chunk_json of choice `index`; usage (taken; NULL: none) makes the usage chunk. */
+char *pdm_http__chunk_json_at(int chat, const char *id, long created, const char *model,
+                              uint32_t index, const char *text, const char *finish,
+                              int role_delta, struct cJSON *usage, const pdm_http_logprobs_t *lp);
 
 /* One streamed chunk as JSON (malloc'ed). text may be NULL (no content); finish may be NULL;
  * role_delta adds "role":"assistant" to a chat delta. usage (may be NULL) produces the

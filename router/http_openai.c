@@ -130,8 +130,29 @@ static int take_token_array(const cJSON *arr, Pdmesh__GenerateRequest *req, uint
     return PDM_OK;
 }
 
-static int take_prompt(const cJSON *root, Pdmesh__GenerateRequest *req, uint32_t max_prompt,
-                       pdm_http_err_t *err)
+/* How many prompts the body's "prompt" holds: 1 for a string or a list of token ids, else the
+ * length of the list (of strings or lists of token ids). 0 with err set when it is none of
+ * those. */
+static int prompt_count(const cJSON *root, pdm_http_err_t *err)
+{
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "prompt");
+    if (!p || cJSON_IsNull(p)) return fail(err, 400, "missing_field", "'prompt' is required"), 0;
+    if (cJSON_IsString(p)) return 1;
+    if (!cJSON_IsArray(p))
+        return fail(err, 400, "invalid_type", "'prompt' must be a string, a list of token ids, "
+                    "or a list of those"), 0;
+    int n = cJSON_GetArraySize(p);
+    if (n == 0) return fail(err, 400, "invalid_value", "'prompt' is empty"), 0;
+    if (cJSON_IsNumber(cJSON_GetArrayItem(p, 0))) return 1;
+    if (n > PDM_HTTP_MAX_PROMPTS)
+        return fail(err, 400, "invalid_value", "'prompt' holds %d prompts (at most %d)", n,
+                    PDM_HTTP_MAX_PROMPTS), 0;
+    return n;
+}
+
+/* Prompt `index` of the body (prompt_count says how many) into req. */
+static int take_prompt(const cJSON *root, int index, Pdmesh__GenerateRequest *req,
+                       uint32_t max_prompt, pdm_http_err_t *err)
 {
     const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "prompt");
     if (!p || cJSON_IsNull(p)) return fail(err, 400, "missing_field", "'prompt' is required");
@@ -140,24 +161,18 @@ static int take_prompt(const cJSON *root, Pdmesh__GenerateRequest *req, uint32_t
         req->prompt = strdup(p->valuestring);
         return req->prompt ? PDM_OK : fail(err, 500, "internal_error", "out of memory");
     }
-    if (!cJSON_IsArray(p))
-        return fail(err, 400, "invalid_type",
-                    "'prompt' must be a string, a list of token ids, or a list of one of those");
-    int n = cJSON_GetArraySize(p);
-    if (n == 0) return fail(err, 400, "invalid_value", "'prompt' is empty");
     const cJSON *first = cJSON_GetArrayItem(p, 0);
     if (cJSON_IsNumber(first)) return take_token_array(p, req, max_prompt, err);
-    if (n != 1)
-        return fail(err, 400, "unsupported_value",
-                    "batched prompts are not supported: send one prompt per request");
-    if (cJSON_IsString(first)) {
-        if (!first->valuestring[0]) return fail(err, 400, "invalid_value", "'prompt' is empty");
-        req->prompt = strdup(first->valuestring);
+    const cJSON *one = cJSON_GetArrayItem(p, index);
+    if (cJSON_IsString(one)) {
+        if (!one->valuestring[0])
+            return fail(err, 400, "invalid_value", "'prompt[%d]' is empty", index);
+        req->prompt = strdup(one->valuestring);
         return req->prompt ? PDM_OK : fail(err, 500, "internal_error", "out of memory");
     }
-    if (cJSON_IsArray(first)) return take_token_array(first, req, max_prompt, err);
+    if (cJSON_IsArray(one)) return take_token_array(one, req, max_prompt, err);
     return fail(err, 400, "invalid_type",
-                "'prompt' must be a string, a list of token ids, or a list of one of those");
+                "'prompt' must be a string, a list of token ids, or a list of those");
 }
 
 /* A message's content: a string, or a list of parts of which only {"type":"text"} is
@@ -277,13 +292,6 @@ static int take_stop(const cJSON *root, Pdmesh__GenerateRequest *req, pdm_http_e
  * answer. */
 static int refuse_unsupported(const cJSON *root, pdm_http_err_t *err)
 {
-    static const char *const must_be_false[] = {"echo"};
-    for (size_t i = 0; i < PDM_ARRAY_SIZE(must_be_false); i++) {
-        const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, must_be_false[i]);
-        if (v && !cJSON_IsNull(v) && !cJSON_IsFalse(v) &&
-            !(cJSON_IsNumber(v) && v->valuedouble == 0))
-            return fail(err, 400, "unsupported_value", "'%s' is not supported", must_be_false[i]);
-    }
     static const char *const must_be_absent[] = {"suffix", "tools", "functions",
                                                  "response_format"};
     for (size_t i = 0; i < PDM_ARRAY_SIZE(must_be_absent); i++) {
@@ -374,23 +382,26 @@ static int take_logprobs(const cJSON *root, int chat, Pdmesh__SamplingParams *sp
     return PDM_OK;
 }
 
-int pdm_http__parse_request(const char *body, size_t len, int chat,
-                            const pdm_router_limits_t *lim, const char *model_name,
-                            Pdmesh__GenerateRequest **out, pdm_http_opts_t *opts,
-                            pdm_http_err_t *err)
+/* echo (completions): the prompt is prepended to the choice's text and, with logprobs, its
+ * tokens' log-probabilities to the choice's (the request then asks for prompt_logprobs). */
+static int take_echo(const cJSON *root, int chat, pdm_http_opts_t *opts, pdm_http_err_t *err)
 {
-    memset(err, 0, sizeof(*err));
-    memset(opts, 0, sizeof(*opts));
-    opts->chat = chat;
-    if (!body || len == 0) return fail(err, 400, "invalid_json", "the request body is empty");
-    cJSON *root = cJSON_ParseWithLength(body, len);
-    if (!root) return fail(err, 400, "invalid_json", "the request body is not valid JSON");
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "echo");
+    if (!v || cJSON_IsNull(v)) return PDM_OK;
+    if (!cJSON_IsBool(v)) return fail(err, 400, "invalid_type", "'echo' must be a boolean");
+    if (cJSON_IsTrue(v) && chat)
+        return fail(err, 400, "unsupported_value", "'echo' belongs to /v1/completions");
+    opts->echo = cJSON_IsTrue(v);
+    return PDM_OK;
+}
+
+/* One GenerateRequest of the body: prompt `index` (completions) and every other field. */
+static int parse_one(const cJSON *root, int chat, int index, const pdm_router_limits_t *lim,
+                     const char *model_name, Pdmesh__GenerateRequest **out,
+                     pdm_http_opts_t *opts, pdm_http_err_t *err)
+{
     Pdmesh__GenerateRequest *req = NULL;
     int st = PDM_OK;
-    if (!cJSON_IsObject(root)) {
-        st = fail(err, 400, "invalid_json", "the request body must be a JSON object");
-        goto done;
-    }
     req = calloc(1, sizeof(*req));
     Pdmesh__SamplingParams *sp = calloc(1, sizeof(*sp));
     if (!req || !sp) {
@@ -441,8 +452,9 @@ int pdm_http__parse_request(const char *body, size_t len, int chat,
                       "'messages' belongs to /v1/chat/completions; completions take 'prompt'");
             goto done;
         }
-        if ((st = take_prompt(root, req, max_prompt, err))) goto done;
+        if ((st = take_prompt(root, index, req, max_prompt, err))) goto done;
     }
+    if ((st = take_echo(root, chat, opts, err))) goto done;
 
     double v;
     int have;
@@ -453,13 +465,23 @@ int pdm_http__parse_request(const char *body, size_t len, int chat,
     for (int i = 0; i < 2; i++) {
         if ((st = get_integer(root, mt_names[i], -1e18, 1e18, &v, &have, err))) goto done;
         if (!have) continue;
+        /* echo with max_tokens 0: the prompt alone, scored (a text's log-likelihood) */
+        if (v == 0 && opts->echo) {
+            req->prompt_only = 1;
+            req->max_tokens = 0;
+            continue;
+        }
         if (v < 1 || v > max_tokens_cap) {
-            st = fail(err, 400, "invalid_value", "'%s' must be between 1 and %u (got %.0f)",
-                      mt_names[i], max_tokens_cap, v);
+            st = fail(err, 400, "invalid_value", "'%s' must be between %d and %u (got %.0f)",
+                      mt_names[i], opts->echo ? 0 : 1, max_tokens_cap, v);
             goto done;
         }
         req->max_tokens = (uint32_t)v;
+        req->prompt_only = 0;
     }
+    /* echo needs the prompt's tokens (their texts, and with logprobs their log-probabilities),
+     * which the prefill group reports with prompt_logprobs */
+    req->prompt_logprobs = opts->echo;
     sp->temperature = 1.0f; /* OpenAI's default */
     if ((st = get_number(root, "temperature", 0, 2, &v, &have, err))) goto done;
     if (have) sp->temperature = (float)v;
@@ -524,9 +546,9 @@ int pdm_http__parse_request(const char *body, size_t len, int chat,
             st = fail(err, 400, "invalid_value", "'best_of' > 1 cannot be streamed");
             goto done;
         }
-        if (opts->logprobs >= 0) {
-            st = fail(err, 400, "unsupported_value",
-                      "'logprobs' are not reported with 'best_of' > 1 (beam search)");
+        if (opts->logprobs >= 0 || opts->echo) {
+            st = fail(err, 400, "unsupported_value", "'%s' is not supported with 'best_of' > 1 "
+                      "(beam search)", opts->echo ? "echo" : "logprobs");
             goto done;
         }
         req->beams = (uint32_t)v;
@@ -536,12 +558,77 @@ int pdm_http__parse_request(const char *body, size_t len, int chat,
     if ((st = take_stop(root, req, err))) goto done;
 
 done:
-    cJSON_Delete(root);
     if (st) {
         pdm_http__request_free(req);
         return st;
     }
     *out = req;
+    return PDM_OK;
+}
+
+void pdm_http__batch_free(Pdmesh__GenerateRequest **reqs, size_t n)
+{
+    if (!reqs) return;
+    for (size_t i = 0; i < n; i++) pdm_http__request_free(reqs[i]);
+    free(reqs);
+}
+
+int pdm_http__parse_batch(const char *body, size_t len, int chat, const pdm_router_limits_t *lim,
+                          const char *model_name, Pdmesh__GenerateRequest ***out, size_t *n_out,
+                          pdm_http_opts_t *opts, pdm_http_err_t *err)
+{
+    memset(err, 0, sizeof(*err));
+    memset(opts, 0, sizeof(*opts));
+    opts->chat = chat;
+    if (!body || len == 0) return fail(err, 400, "invalid_json", "the request body is empty");
+    cJSON *root = cJSON_ParseWithLength(body, len);
+    if (!root) return fail(err, 400, "invalid_json", "the request body is not valid JSON");
+    int st = PDM_OK, n = 1;
+    Pdmesh__GenerateRequest **reqs = NULL;
+    if (!cJSON_IsObject(root)) {
+        st = fail(err, 400, "invalid_json", "the request body must be a JSON object");
+        goto done;
+    }
+    if (!chat && cJSON_GetObjectItemCaseSensitive(root, "prompt") &&
+        !(n = prompt_count(root, err))) {
+        st = PDM_EINVAL;
+        goto done;
+    }
+    if (!(reqs = calloc((size_t)n, sizeof(*reqs)))) {
+        st = fail(err, 500, "internal_error", "out of memory");
+        goto done;
+    }
+    /* Each prompt parsed from the same body: the same fields, its own prompt (and, without a
+     * seed, its own random seed). */
+    for (int i = 0; i < n && !st; i++) {
+        memset(opts, 0, sizeof(*opts));
+        opts->chat = chat;
+        st = parse_one(root, chat, i, lim, model_name, &reqs[i], opts, err);
+    }
+    opts->n_prompts = n;
+done:
+    cJSON_Delete(root);
+    if (st) {
+        pdm_http__batch_free(reqs, (size_t)n);
+        return st;
+    }
+    *out = reqs;
+    *n_out = (size_t)n;
+    return PDM_OK;
+}
+
+int pdm_http__parse_request(const char *body, size_t len, int chat,
+                            const pdm_router_limits_t *lim, const char *model_name,
+                            Pdmesh__GenerateRequest **out, pdm_http_opts_t *opts,
+                            pdm_http_err_t *err)
+{
+    Pdmesh__GenerateRequest **reqs = NULL;
+    size_t n = 0;
+    int st = pdm_http__parse_batch(body, len, chat, lim, model_name, &reqs, &n, opts, err);
+    if (st) return st;
+    *out = reqs[0];
+    for (size_t i = 1; i < n; i++) pdm_http__request_free(reqs[i]);
+    free(reqs);
     return PDM_OK;
 }
 
@@ -700,22 +787,22 @@ const char *pdm_http__finish_reason(int finish)
     }
 }
 
-static void add_usage(cJSON *root, const Pdmesh__Usage *u)
+cJSON *pdm_http__usage_json(const Pdmesh__Usage *u)
 {
-    cJSON *usage = cJSON_AddObjectToObject(root, "usage");
-    if (!usage) return;
+    cJSON *usage = cJSON_CreateObject();
+    if (!usage) return NULL;
     uint32_t p = u ? u->prompt_tokens : 0, c = u ? u->completion_tokens : 0;
     cJSON_AddNumberToObject(usage, "prompt_tokens", p);
     cJSON_AddNumberToObject(usage, "completion_tokens", c);
     cJSON_AddNumberToObject(usage, "total_tokens", (double)p + c);
-    if (!u) return;
+    if (!u) return usage;
     if (u->cached_tokens) {
         cJSON *d = cJSON_AddObjectToObject(usage, "prompt_tokens_details");
         if (d) cJSON_AddNumberToObject(d, "cached_tokens", u->cached_tokens);
     }
     /* pdmesh's own figures, under one extension key. */
     cJSON *x = cJSON_AddObjectToObject(usage, "pdmesh");
-    if (!x) return;
+    if (!x) return usage;
     cJSON_AddNumberToObject(x, "ttft_ms", u->ttft_ms);
     cJSON_AddNumberToObject(x, "tpot_ms", u->tpot_ms);
     cJSON_AddNumberToObject(x, "total_ms", u->total_ms);
@@ -728,6 +815,18 @@ static void add_usage(cJSON *root, const Pdmesh__Usage *u)
     cJSON_AddNumberToObject(x, "prefill_ranks", ranks);
     cJSON_AddStringToObject(x, "decode_node", u->decode_node ? u->decode_node : "");
     cJSON_AddNumberToObject(x, "attempts", u->attempts);
+    return usage;
+}
+
+void pdm_http__usage_add(cJSON *usage, uint32_t prompt_tokens, uint32_t completion_tokens)
+{
+    static const char *const keys[] = {"prompt_tokens", "completion_tokens", "total_tokens"};
+    const double add[] = {prompt_tokens, completion_tokens,
+                          (double)prompt_tokens + completion_tokens};
+    for (int i = 0; i < 3; i++) {
+        cJSON *v = cJSON_GetObjectItemCaseSensitive(usage, keys[i]);
+        if (cJSON_IsNumber(v)) cJSON_SetNumberValue(v, v->valuedouble + add[i]);
+    }
 }
 
 static cJSON *response_head(const char *object, const char *id, long created, const char *model)
@@ -832,19 +931,41 @@ static cJSON *logprobs_json(int chat, const pdm_http_logprobs_t *lp)
     return root;
 }
 
-char *pdm_http__result_json(int chat, const char *id, long created, const char *model,
-                            const Pdmesh__GenerateResult *res, int logprobs)
+char *pdm_http__echo_text(const char *prompt, Pdmesh__TokenLogprob *const *lps, size_t n)
 {
-    cJSON *root = response_head(chat ? "chat.completion" : "text_completion", id, created, model);
-    if (!root) return NULL;
-    cJSON *choices = cJSON_AddArrayToObject(root, "choices");
-    cJSON *c = cJSON_CreateObject();
-    if (!choices || !c) {
-        cJSON_Delete(c);
-        return finish_json(root);
+    if (prompt) return strdup(prompt);
+    size_t len = pdm_http__logprobs_text_len(lps, n), at = 0;
+    char *raw = malloc(len + 1);
+    if (!raw) return NULL;
+    for (size_t i = 0; i < n; i++) {
+        if (lps[i]->text.len) memcpy(raw + at, lps[i]->text.data, lps[i]->text.len);
+        at += lps[i]->text.len;
     }
-    cJSON_AddItemToArray(choices, c);
-    cJSON_AddNumberToObject(c, "index", 0);
+    char *clean = pdm_http__utf8_sanitize(raw, len);
+    free(raw);
+    return clean;
+}
+
+/* Completions' logprobs of an echoed choice: the prompt's entries, then the completion's. */
+static cJSON *echo_logprobs_json(Pdmesh__TokenLogprob *const *prompt, size_t n_prompt,
+                                 Pdmesh__TokenLogprob *const *gen, size_t n_gen)
+{
+    Pdmesh__TokenLogprob **all = malloc(sizeof(*all) * (n_prompt + n_gen + 1));
+    if (!all) return NULL;
+    if (n_prompt) memcpy(all, prompt, sizeof(*all) * n_prompt);
+    if (n_gen) memcpy(all + n_prompt, gen, sizeof(*all) * n_gen);
+    pdm_http_logprobs_t lp = {all, n_prompt + n_gen, 0};
+    cJSON *j = logprobs_json(0, &lp);
+    free(all);
+    return j;
+}
+
+cJSON *pdm_http__choice_json(int chat, uint32_t index, const Pdmesh__GenerateResult *res,
+                             int logprobs, const char *echo)
+{
+    cJSON *c = cJSON_CreateObject();
+    if (!c) return NULL;
+    cJSON_AddNumberToObject(c, "index", index);
     const char *text = res->text ? res->text : "";
     /* Beam search: the best beam is the answer. */
     if (res->n_beams > 0 && res->beams[0] && res->beams[0]->text) text = res->beams[0]->text;
@@ -854,27 +975,70 @@ char *pdm_http__result_json(int chat, const char *id, long created, const char *
             cJSON_AddStringToObject(msg, "role", "assistant");
             cJSON_AddStringToObject(msg, "content", text);
         }
+    } else if (echo) {
+        size_t el = strlen(echo), tl = strlen(text);
+        char *both = malloc(el + tl + 1);
+        if (both) {
+            memcpy(both, echo, el);
+            memcpy(both + el, text, tl + 1);
+        }
+        cJSON_AddStringToObject(c, "text", both ? both : "");
+        free(both);
     } else {
         cJSON_AddStringToObject(c, "text", text);
     }
-    if (logprobs) {
+    cJSON *l = NULL;
+    if (logprobs && echo) {
+        l = echo_logprobs_json(res->prompt_logprobs, res->n_prompt_logprobs, res->logprobs,
+                               res->n_logprobs);
+    } else if (logprobs) {
         pdm_http_logprobs_t lp = {res->logprobs, res->n_logprobs, 0};
-        cJSON *l = logprobs_json(chat, &lp);
-        if (l) cJSON_AddItemToObject(c, "logprobs", l);
-        else cJSON_AddNullToObject(c, "logprobs");
-    } else {
-        cJSON_AddNullToObject(c, "logprobs");
+        l = logprobs_json(chat, &lp);
     }
+    if (l) cJSON_AddItemToObject(c, "logprobs", l);
+    else cJSON_AddNullToObject(c, "logprobs");
     const char *fr = pdm_http__finish_reason(res->finish);
     if (fr) cJSON_AddStringToObject(c, "finish_reason", fr);
     else cJSON_AddNullToObject(c, "finish_reason");
-    add_usage(root, res->usage);
+    return c;
+}
+
+char *pdm_http__response_json(int chat, const char *id, long created, const char *model,
+                              cJSON *choices, cJSON *usage)
+{
+    cJSON *root = response_head(chat ? "chat.completion" : "text_completion", id, created, model);
+    if (!root) {
+        cJSON_Delete(choices);
+        cJSON_Delete(usage);
+        return NULL;
+    }
+    cJSON_AddItemToObject(root, "choices", choices ? choices : cJSON_CreateArray());
+    if (usage) cJSON_AddItemToObject(root, "usage", usage);
     return finish_json(root);
+}
+
+char *pdm_http__result_json(int chat, const char *id, long created, const char *model,
+                            const Pdmesh__GenerateResult *res, int logprobs)
+{
+    cJSON *choices = cJSON_CreateArray();
+    cJSON *c = pdm_http__choice_json(chat, 0, res, logprobs, NULL);
+    if (choices && c) cJSON_AddItemToArray(choices, c);
+    else cJSON_Delete(c);
+    return pdm_http__response_json(chat, id, created, model, choices,
+                                   pdm_http__usage_json(res->usage));
 }
 
 char *pdm_http__chunk_json(int chat, const char *id, long created, const char *model,
                            const char *text, const char *finish, int role_delta,
                            const Pdmesh__Usage *usage, const pdm_http_logprobs_t *lp)
+{
+    return pdm_http__chunk_json_at(chat, id, created, model, 0, text, finish, role_delta,
+                                   usage ? pdm_http__usage_json(usage) : NULL, lp);
+}
+
+char *pdm_http__chunk_json_at(int chat, const char *id, long created, const char *model,
+                              uint32_t index, const char *text, const char *finish,
+                              int role_delta, cJSON *usage, const pdm_http_logprobs_t *lp)
 {
     cJSON *root =
         response_head(chat ? "chat.completion.chunk" : "text_completion", id, created, model);
@@ -882,13 +1046,13 @@ char *pdm_http__chunk_json(int chat, const char *id, long created, const char *m
     cJSON *choices = cJSON_AddArrayToObject(root, "choices");
     if (!choices) return finish_json(root);
     if (usage) {
-        add_usage(root, usage);
+        cJSON_AddItemToObject(root, "usage", usage);
         return finish_json(root);
     }
     cJSON *c = cJSON_CreateObject();
     if (!c) return finish_json(root);
     cJSON_AddItemToArray(choices, c);
-    cJSON_AddNumberToObject(c, "index", 0);
+    cJSON_AddNumberToObject(c, "index", index);
     if (chat) {
         cJSON *delta = cJSON_AddObjectToObject(c, "delta");
         if (delta && role_delta) cJSON_AddStringToObject(delta, "role", "assistant");

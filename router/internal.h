@@ -135,6 +135,18 @@ typedef struct rt_req {
     uint32_t lp_stride;
     pdm_token_logprobs_t first_lp; /* the owner rank's (PrefillResult), for DecodeStart */
     int has_first_lp;
+    /* prompt log-probabilities (GenerateRequest.prompt_logprobs): the same layout as lp_*,
+     * per prompt position, plp_stride = 1 + alternatives; merged from the group's ranks */
+    int want_plp;                 /* asked for */
+    int prompt_only;              /* score the prompt, generate nothing */
+    int32_t *plp_ids;             /* [n_prompt * plp_stride] */
+    float *plp_vals;              /* [n_prompt * plp_stride] */
+    int8_t *plp_n;                /* [n_prompt] -1: not received (yet) */
+    uint32_t plp_stride;
+    uint32_t plp_have;            /* positions the current attempt's ranks reported */
+    int plp_sent;                 /* complete and handed to sink.on_prompt */
+    int32_t first_token;          /* the owner's first token, kept until every rank reported */
+    int has_first;
     char *stops[RT_MAX_STOPS];
     size_t n_stops;
     int ignore_eos;

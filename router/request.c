@@ -55,6 +55,9 @@
 #include "router/prefix.h"
 
 static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg);
+static int rt_plp_take(pdm_router_t *r, rt_req_t *q, const uint32_t *positions, size_t n_pos,
+                       Pdmesh__SampledLogprob *const *lps, size_t n_lps);
+static void rt_plp_complete(pdm_router_t *r, rt_req_t *q, int32_t first);
 
 rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id)
 {
@@ -75,6 +78,9 @@ static void rt_req_unlink_free(pdm_router_t *r, rt_req_t *q)
     free(q->lp_ids);
     free(q->lp_vals);
     free(q->lp_n);
+    free(q->plp_ids);
+    free(q->plp_vals);
+    free(q->plp_n);
     free(q->text);
     for (size_t i = 0; i < q->n_stops; i++) free(q->stops[i]);
     free(q);
@@ -175,37 +181,59 @@ static int rt_text_append(rt_req_t *q, const char *s, size_t n)
     return PDM_OK;
 }
 
-/* Stores the log-probabilities of delivered token i (lp NULL or malformed: missing). */
-static void rt_lp_store(rt_req_t *q, uint32_t i, int32_t tok, const Pdmesh__SampledLogprob *lp,
-                        uint32_t n_vocab)
+/* A store of log-probability entries: per token i, `stride` slots at ids/vals[i * stride]
+ * (the token itself, then its alternatives) and n[i] alternatives kept, -1 when missing.
+ * The completion's (lp_*) and the prompt's (plp_*) have this shape. */
+typedef struct {
+    int32_t *ids;
+    float *vals;
+    int8_t *n;
+    uint32_t stride;
+    const int32_t *tokens; /* [i] the token whose entry slot i holds */
+} rt_lp_store_t;
+
+static rt_lp_store_t rt_lp_gen(rt_req_t *q)
 {
-    int32_t *ids = q->lp_ids + (size_t)i * q->lp_stride;
-    float *vals = q->lp_vals + (size_t)i * q->lp_stride;
-    q->lp_n[i] = -1;
-    if (!lp || lp->n_top_ids != lp->n_top_logprobs || lp->n_top_ids > q->lp_stride - 1) return;
+    return (rt_lp_store_t){q->lp_ids, q->lp_vals, q->lp_n, q->lp_stride, q->gen};
+}
+
+static rt_lp_store_t rt_lp_prompt(rt_req_t *q)
+{
+    return (rt_lp_store_t){q->plp_ids, q->plp_vals, q->plp_n, q->plp_stride, q->prompt};
+}
+
+/* Stores the log-probabilities of token i (lp NULL or malformed: missing); 1 if stored. */
+static int rt_lp_store(const rt_lp_store_t *s, uint32_t i, int32_t tok,
+                       const Pdmesh__SampledLogprob *lp, uint32_t n_vocab)
+{
+    int32_t *ids = s->ids + (size_t)i * s->stride;
+    float *vals = s->vals + (size_t)i * s->stride;
+    s->n[i] = -1;
+    if (!lp || lp->n_top_ids != lp->n_top_logprobs || lp->n_top_ids > s->stride - 1) return 0;
     for (size_t k = 0; k < lp->n_top_ids; k++)
-        if (lp->top_ids[k] < 0 || (uint32_t)lp->top_ids[k] >= n_vocab) return;
+        if (lp->top_ids[k] < 0 || (uint32_t)lp->top_ids[k] >= n_vocab) return 0;
     ids[0] = tok;
     vals[0] = lp->logprob;
     memcpy(ids + 1, lp->top_ids, sizeof(int32_t) * lp->n_top_ids);
     memcpy(vals + 1, lp->top_logprobs, sizeof(float) * lp->n_top_ids);
-    q->lp_n[i] = (int8_t)lp->n_top_ids;
+    s->n[i] = (int8_t)lp->n_top_ids;
+    return 1;
 }
 
-/* The client's TokenLogprob messages of delivered tokens [from, from + n): one allocation
+/* The client's TokenLogprob messages of tokens [from, from + n) of a store: one allocation
  * (free with free()) holding the messages, their pointer arrays and the tokens' texts;
  * *out_list is the list of the n messages. NULL when out of memory. */
-static void *rt_lp_build(pdm_router_t *r, const rt_req_t *q, uint32_t from, size_t n,
+static void *rt_lp_build(pdm_router_t *r, const rt_lp_store_t *s, uint32_t from, size_t n,
                          Pdmesh__TokenLogprob ***out_list)
 {
     const pdm_tokenizer_t *tk = r->model->tokenizer;
     char piece[256];
     size_t entries = 0, text_bytes = 0;
     for (size_t i = 0; i < n; i++) {
-        const int k = q->lp_n[from + i];
-        const int32_t *ids = q->lp_ids + (size_t)(from + i) * q->lp_stride;
+        const int k = s->n[from + i];
+        const int32_t *ids = s->ids + (size_t)(from + i) * s->stride;
         for (int j = 0; j <= (k < 0 ? 0 : k); j++) {
-            int32_t id = k < 0 ? q->gen[from + i] : ids[j];
+            int32_t id = k < 0 ? s->tokens[from + i] : ids[j];
             int w = pdm_tokenizer_token_bytes(tk, id, 1, piece, sizeof(piece));
             text_bytes += w > 0 ? (size_t)w : 0;
         }
@@ -221,15 +249,15 @@ static void *rt_lp_build(pdm_router_t *r, const rt_req_t *q, uint32_t from, size
     char *text = (char *)(msgs + entries);
     for (size_t i = 0; i < n; i++) {
         const uint32_t t = from + (uint32_t)i;
-        const int k = q->lp_n[t];
-        const int32_t *ids = q->lp_ids + (size_t)t * q->lp_stride;
-        const float *vals = q->lp_vals + (size_t)t * q->lp_stride;
+        const int k = s->n[t];
+        const int32_t *ids = s->ids + (size_t)t * s->stride;
+        const float *vals = s->vals + (size_t)t * s->stride;
         for (int j = 0; j <= (k < 0 ? 0 : k); j++) {
             Pdmesh__TokenLogprob *m = msgs++;
             pdmesh__token_logprob__init(m);
             if (j == 0) list[i] = m;
             else tops[j - 1] = m;
-            m->token = k < 0 ? q->gen[t] : ids[j];
+            m->token = k < 0 ? s->tokens[t] : ids[j];
             if (k < 0) {
                 m->missing = 1;
             } else {
@@ -265,7 +293,10 @@ static int rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int
         if (idx > q->n_gen || q->n_gen >= q->max_new) break; /* a gap: the result fills it */
         int32_t t = toks[k];
         if (t < 0 || !r->model || (uint32_t)t >= r->model->hp.n_vocab) break;
-        if (q->lp_stride) rt_lp_store(q, q->n_gen, t, lps ? lps[k] : NULL, r->model->hp.n_vocab);
+        if (q->lp_stride) {
+            rt_lp_store_t ls = rt_lp_gen(q);
+            rt_lp_store(&ls, q->n_gen, t, lps ? lps[k] : NULL, r->model->hp.n_vocab);
+        }
         q->gen[q->n_gen++] = t;
         char piece[256];
         int w = pdm_detok_feed(&q->detok, r->model->tokenizer, t, piece, sizeof(piece));
@@ -285,7 +316,8 @@ static int rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int
     if (safe > q->text_sent) chunk = strndup(q->text + q->text_sent, safe - q->text_sent);
     if (safe > q->text_sent) q->text_sent = safe;
     Pdmesh__TokenLogprob **lpl = NULL;
-    void *lp_block = q->lp_stride ? rt_lp_build(r, q, first, q->n_gen - first, &lpl) : NULL;
+    rt_lp_store_t ls = rt_lp_gen(q);
+    void *lp_block = q->lp_stride ? rt_lp_build(r, &ls, first, q->n_gen - first, &lpl) : NULL;
     if (q->sink.on_tokens)
         q->sink.on_tokens(q->sink.ctx, first, q->gen + first, q->n_gen - first, chunk ? chunk : "",
                           lp_block ? lpl : NULL);
@@ -347,14 +379,21 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
     pdm_metric_inc(r->m.requests, "ok", 1);
     pdm_router_sink_t sink = q->sink;
     rt_beams_result(q, &res);
-    Pdmesh__TokenLogprob **lpl = NULL;
-    void *lp_block = q->lp_stride ? rt_lp_build(r, q, 0, q->n_gen, &lpl) : NULL;
+    Pdmesh__TokenLogprob **lpl = NULL, **plpl = NULL;
+    rt_lp_store_t ls = rt_lp_gen(q), pls = rt_lp_prompt(q);
+    void *lp_block = q->lp_stride ? rt_lp_build(r, &ls, 0, q->n_gen, &lpl) : NULL;
     if (lp_block) {
         res.logprobs = lpl;
         res.n_logprobs = q->n_gen;
     }
+    void *plp_block = q->plp_sent ? rt_lp_build(r, &pls, 0, q->n_prompt, &plpl) : NULL;
+    if (plp_block) {
+        res.prompt_logprobs = plpl;
+        res.n_prompt_logprobs = q->n_prompt;
+    }
     if (sink.on_result) sink.on_result(sink.ctx, &res);
     free(lp_block);
+    free(plp_block);
     rt_req_unlink_free(r, q);
 }
 
@@ -457,6 +496,10 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
          * exactly. */
         t.n_generated = q->n_gen;
         t.replay_generated = q->n_gen > 0 && q->sp.temperature > 0;
+        if (q->want_plp && !q->plp_sent) { /* a new prompt (no token delivered yet) */
+            t.prompt_logprobs = 1;
+            t.prompt_top_logprobs = q->plp_stride - 1;
+        }
     } else {
         rt_group_t *gr = &r->groups[g];
         gr->inflight++;
@@ -475,7 +518,8 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
         pdm_prefill_task_plan_params_t pp = {
             .followup = {.method = want, .ranks = (int)gr->size, .tokens = q->prompt,
                          .n_tokens = (int32_t)q->n_prompt, .min_cached = r->cfg.block_tokens,
-                         .reuse = r->cfg.prefix_reuse && gr->inflight == 1 && !gr->reuse_pending},
+                         .reuse = r->cfg.prefix_reuse && gr->inflight == 1 &&
+                                  !gr->reuse_pending && !(q->want_plp && !q->plp_sent)},
             .hp = &r->model->hp, .table = r->has_table ? &r->table : NULL,
             .calib = r->has_calib ? &r->calib : NULL, .fallback = 1};
         pdm_prefill_task_plan_t plan_, *plan = &plan_;
@@ -550,6 +594,15 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     pdm_sampler_params_to_msg(&q->sp, &sp); /* the owner rank samples the first token */
     t.sampling = &sp;
     q->has_first_lp = 0;
+    q->has_first = 0;
+    if (q->want_plp && !q->plp_sent) { /* every rank scores the prompt tokens its rows
+                                         * predict (once: a retry after they were merged and
+                                         * handed on does not ask again) */
+        t.prompt_logprobs = 1;
+        t.prompt_top_logprobs = q->plp_stride - 1;
+        memset(q->plp_n, -1, q->n_prompt);
+        q->plp_have = 0;
+    }
     double left = q->deadline - pdm_now();
     t.deadline_ms = left > 0 ? (uint32_t)(left * 1e3) : 1;
     q->state = RQ_PREFILL;
@@ -636,8 +689,22 @@ void rt_req_on_reserved(pdm_router_t *r, int node, const Pdmesh__DecodeReserved 
         }
         return;
     }
-    if (q->local) rt_send_start(r, q, -1);
-    else rt_send_prefill(r, q);
+    if (!q->local) {
+        rt_send_prefill(r, q);
+    } else if (q->want_plp && !q->plp_sent) {
+        /* the node prefilled and scored the prompt itself */
+        memset(q->plp_n, -1, q->n_prompt);
+        q->plp_have = 0;
+        if (rt_plp_take(r, q, d->prompt_positions, d->n_prompt_positions, d->prompt_logprobs,
+                        d->n_prompt_logprobs)) {
+            rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL,
+                              "the decode node sent malformed prompt log-probabilities");
+            return;
+        }
+        rt_plp_complete(r, q, -1);
+    } else {
+        rt_send_start(r, q, -1);
+    }
 }
 
 void rt_req_on_task_error(pdm_router_t *r, int node, const Pdmesh__Error *e)
@@ -647,6 +714,50 @@ void rt_req_on_task_error(pdm_router_t *r, int node, const Pdmesh__Error *e)
     char m2[512];
     snprintf(m2, sizeof(m2), "%s refused the task: %s", r->nodes[node].id, rt_err_text(e));
     rt_attempt_failed(r, q, e->code ? (int)e->code : PDMESH__ERROR_CODE__ERR_INTERNAL, m2);
+}
+
+/* Takes a rank's share of the prompt log-probabilities into q's store: positions in
+ * [1, n_prompt), each at most once per attempt. Nonzero when the message is malformed. */
+static int rt_plp_take(pdm_router_t *r, rt_req_t *q, const uint32_t *positions, size_t n_pos,
+                       Pdmesh__SampledLogprob *const *lps, size_t n_lps)
+{
+    if (n_pos != n_lps) return 1;
+    rt_lp_store_t pls = rt_lp_prompt(q);
+    for (size_t i = 0; i < n_pos; i++) {
+        const uint32_t pos = positions[i];
+        if (pos < 1 || pos >= q->n_prompt || q->plp_n[pos] >= 0) return 1;
+        if (!rt_lp_store(&pls, pos, q->prompt[pos], lps[i], r->model->hp.n_vocab)) return 1;
+        q->plp_have++;
+    }
+    return 0;
+}
+
+/* Every source of the prompt log-probabilities reported (the group's ranks, or the decode
+ * node's local prefill): checks that each position 1..n-1 came, hands them to the sink, then
+ * starts the decode node with `first` (-1: it samples the first token itself) or, scoring
+ * only, releases it and ends the request. */
+static void rt_plp_complete(pdm_router_t *r, rt_req_t *q, int32_t first)
+{
+    if (q->plp_have + 1 != q->n_prompt) {
+        char m2[160];
+        snprintf(m2, sizeof(m2), "%u of %u prompt log-probabilities came back", q->plp_have,
+                 q->n_prompt - 1);
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, m2);
+        return;
+    }
+    q->plp_sent = 1;
+    q->plp_n[0] = -1; /* nothing predicts the first token */
+    Pdmesh__TokenLogprob **list = NULL;
+    rt_lp_store_t pls = rt_lp_prompt(q);
+    void *block = q->sink.on_prompt ? rt_lp_build(r, &pls, 0, q->n_prompt, &list) : NULL;
+    if (block) q->sink.on_prompt(q->sink.ctx, list, q->n_prompt);
+    free(block);
+    if (q->prompt_only) {
+        rt_req_release_nodes(r, q, 1); /* the decode node's reservation is not needed */
+        rt_req_finish(r, q, PDMESH__FINISH_REASON__FINISH_LENGTH);
+        return;
+    }
+    rt_send_start(r, q, first);
 }
 
 void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillResult *p)
@@ -671,14 +782,42 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
         memcpy(q->first_lp.top_logprobs, flp->top_logprobs, sizeof(float) * flp->n_top_ids);
         q->has_first_lp = 1;
     }
-    if (q->group >= 0 && q->ranks_done == r->groups[q->group].size) {
+    const int need_plp = q->want_plp && !q->plp_sent;
+    if (need_plp && !q->started &&
+        rt_plp_take(r, q, p->prompt_positions, p->n_prompt_positions, p->prompt_logprobs,
+                    p->n_prompt_logprobs)) {
+        char m2[512];
+        snprintf(m2, sizeof(m2), "prefill rank %s sent malformed prompt log-probabilities",
+                 r->nodes[node].id);
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, m2);
+        return;
+    }
+    const int all_done = q->group >= 0 && q->ranks_done == r->groups[q->group].size;
+    if (all_done) {
         /* Every rank finished: the group is free and the request no longer depends on it
          * (a rank dying now does not touch the request). */
         if (r->groups[q->group].inflight > 0) r->groups[q->group].inflight--;
         rt_group_prefilled(r, q);
         q->group = -1;
     }
-    if (first >= 0 && !q->started) rt_send_start(r, q, first);
+    if (first >= 0) {
+        q->first_token = first;
+        q->has_first = 1;
+    }
+    if (q->started) return;
+    if (!need_plp) {
+        if (first >= 0) rt_send_start(r, q, first);
+        return;
+    }
+    /* Prompt log-probabilities: the decode node starts (or, scoring only, is released) once
+     * every rank has reported its share, so that they reach the client before any token. */
+    if (!all_done) return;
+    if (!q->has_first) {
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL,
+                          "no prefill rank reported the first token");
+        return;
+    }
+    rt_plp_complete(r, q, q->first_token);
 }
 
 void rt_req_on_tokens(pdm_router_t *r, int node, const Pdmesh__DecodeTokens *d)

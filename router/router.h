@@ -37,6 +37,10 @@ typedef struct {
     void (*on_result)(void *ctx, const Pdmesh__GenerateResult *res);
     /* Final failure: code is a Pdmesh__ErrorCode, message a clear sentence. */
     void (*on_error)(void *ctx, int code, const char *message);
+    /* May be NULL. With GenerateRequest.prompt_logprobs: called once, before any on_tokens,
+     * with the log-probabilities of the n prompt tokens (lps[0] is missing: nothing predicts
+     * the first token; valid during the call). res->prompt_logprobs repeats them. */
+    void (*on_prompt)(void *ctx, Pdmesh__TokenLogprob *const *lps, size_t n);
 } pdm_router_sink_t;
 
 /* Submits a request. `client` identifies the caller for per-client limits (ZeroMQ identity in
@@ -78,5 +82,16 @@ struct pdm_metrics *pdm_router_metrics(pdm_router_t *r);
  * need the token count up front. *out is malloc'ed. */
 int pdm_router_render_chat(pdm_router_t *r, const Pdmesh__ChatMessage *const *msgs, size_t n,
                            int32_t **out, size_t *n_out);
+
+/* The served model's tokenizer, for the front ends' /tokenize, /detokenize and
+ * /tokenizer_info (vLLM's shapes, which lm-evaluation-harness's remote tokenizer uses).
+ * tokenize: text -> ids (*out malloc'ed), special-token texts parsed, BOS prepended when
+ * add_special and the model adds one; PDM_EINVAL with a message otherwise. token_text: the
+ * bytes of token `id` (control tokens rendered), their length, or a negative status for an
+ * id outside the vocabulary. special_token: the BOS (which 0) or EOS (1) id, -1 if none. */
+int pdm_router_tokenize(pdm_router_t *r, const char *text, size_t len, int add_special,
+                        int32_t **out, size_t *n_out);
+int pdm_router_token_text(pdm_router_t *r, int32_t id, char *buf, size_t cap);
+int32_t pdm_router_special_token(pdm_router_t *r, int which);
 
 #endif

@@ -128,10 +128,13 @@ void rt_schedule(pdm_router_t *r)
         }
         int migrate = q->n_gen > 0;
         int want_local = migrate || q->n_prompt < r->cfg.local_threshold || !rt_any_group_alive(r);
+        /* Prompt log-probabilities need every prompt row computed: not from a pooled prefix
+         * (a group's prefix reuse is turned off in rt_req_dispatch). */
+        const int score_prompt = q->want_plp && !q->plp_sent;
         /* A decode node's prefix pool holds most of the prompt (a chat's next turn): prefill
          * the rest there instead of streaming the whole prompt from a group. */
         uint32_t cached = 0;
-        int pd = migrate ? -1 : rt_pick_decode_prefix(r, q, rt_kv_need(q, q->n_prompt,
+        int pd = migrate || score_prompt ? -1 : rt_pick_decode_prefix(r, q, rt_kv_need(q, q->n_prompt,
                                                                         q->max_new), &cached);
         if (pd >= 0 && q->n_prompt - cached <= r->cfg.pool_local_max) {
             pdm_metric_inc(r->m.method, "local", 1);

@@ -146,7 +146,7 @@ void rt_on_client_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
         char *hex = pdm_hex_encode(ident, PDM_MIN(ident_len, 40));
         snprintf(client + 4, sizeof(client) - 4, "%s", hex ? hex : "?");
         free(hex);
-        pdm_router_sink_t sink = {c, rt_zc_on_tokens, rt_zc_on_result, rt_zc_on_error};
+        pdm_router_sink_t sink = {c, rt_zc_on_tokens, rt_zc_on_result, rt_zc_on_error, NULL};
         int code = 0;
         if (pdm_router_submit(r, g, client, &sink, &c->router_id, &code)) {
             pdm_wire_send_error(s, ident, ident_len, code, g->request_id, "%s", pdm_error_last());

@@ -759,6 +759,7 @@ void pdm_client_result_fini(pdm_client_result_t *r)
     }
     free(r->beams);
     free(r->logprobs);
+    free(r->prompt_logprobs);
     memset(r, 0, sizeof(*r));
 }
 
@@ -820,6 +821,8 @@ static int pdmc__validate(const pdm_client_request_t *q)
     if (q->top_logprobs > PDMC_MAX_TOP_LOGPROBS)
         return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "top_logprobs must be <= %d",
                                 PDMC_MAX_TOP_LOGPROBS);
+    if (q->prompt_only && !q->prompt_logprobs)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "prompt_only needs prompt_logprobs");
     if (!isfinite(q->length_penalty))
         return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "length_penalty must be finite");
     if (q->n_stop > PDMC_MAX_STOPS)
@@ -883,6 +886,8 @@ static int pdmc__pack_request(const pdm_client_request_t *q, uint64_t id, int st
     sp.logprobs = q->logprobs != 0;
     sp.top_logprobs = q->logprobs ? q->top_logprobs : 0;
     m.sampling = &sp;
+    m.prompt_logprobs = q->prompt_logprobs != 0;
+    m.prompt_only = q->prompt_only != 0;
     m.max_tokens = q->max_tokens;
     m.stop = (char **)q->stop;
     m.n_stop = q->n_stop;
@@ -944,6 +949,12 @@ static int pdmc__fill_result(const Pdmesh__GenerateResult *g, pdm_client_result_
         if (!pdmc__logprobs_copy(g->logprobs, g->n_logprobs, &r->logprobs))
             return PDM_CLIENT_ENOMEM;
         r->n_logprobs = g->n_logprobs;
+    }
+    if (g->n_prompt_logprobs) {
+        free(r->prompt_logprobs);
+        if (!pdmc__logprobs_copy(g->prompt_logprobs, g->n_prompt_logprobs, &r->prompt_logprobs))
+            return PDM_CLIENT_ENOMEM;
+        r->n_prompt_logprobs = g->n_prompt_logprobs;
     }
     if (g->n_beams) {
         if (!(r->beams = calloc(g->n_beams, sizeof(*r->beams)))) return PDM_CLIENT_ENOMEM;

@@ -175,6 +175,15 @@ typedef struct {
     int logprobs;                    /* nonzero: each token's log-probability in the result
                                         and the chunks (not with beam search) */
     uint32_t top_logprobs;           /* with logprobs: the most likely alternatives, <= 20 */
+    int prompt_logprobs;             /* nonzero: every prompt token's log-probability given the
+                                        tokens before it (result.prompt_logprobs; the first is
+                                        NAN), with top_logprobs alternatives when logprobs is
+                                        set; computed where the prompt is prefilled (each
+                                        group rank for its tokens, or the decode node), never
+                                        from a cached prefix. Raw logits: no bias, penalty or
+                                        temperature */
+    int prompt_only;                 /* with prompt_logprobs: generate nothing, only score the
+                                        prompt (a text's log-likelihood; max_tokens ignored) */
 } pdm_client_request_t;
 
 /* Fills r with the defaults (greedy, router defaults for the rest). */
@@ -232,6 +241,9 @@ typedef struct {
     double client_total_ms;          /* call start -> end */
     pdm_client_logprob_t *logprobs;  /* (n_logprobs) request.logprobs: one per token */
     size_t n_logprobs;
+    pdm_client_logprob_t *prompt_logprobs; /* (n_prompt_logprobs) request.prompt_logprobs: one
+                                        per prompt token (the first's logprob is NAN) */
+    size_t n_prompt_logprobs;
 } pdm_client_result_t;
 
 void pdm_client_result_fini(pdm_client_result_t *r);

@@ -32,3 +32,23 @@ def disable_extra_bufts() -> bool:
 
     llama_mod.llama_cpp.llama_model_default_params = params_without_extra_bufts
     return True
+
+
+def token_logprobs(model_path: str, tokens: list, n_ctx: int = 512) -> list:
+    """llama.cpp's log p(tokens[i] | tokens[:i]) for every i >= 1 (None for i = 0), from one
+    evaluation with logits_all, log_softmax in double precision, one thread, the extra buffer
+    types off (the kernels llama-perplexity uses)."""
+    import math
+    disable_extra_bufts()
+    llm = llama_cpp.Llama(model_path=model_path, n_ctx=max(n_ctx, len(tokens)),
+                          n_batch=max(n_ctx, len(tokens)), logits_all=True, n_threads=1,
+                          verbose=False)
+    llm.eval(tokens)
+    out = [None]
+    for i in range(1, len(tokens)):
+        row = llm.scores[i - 1]
+        mx = max(row)
+        lse = mx + math.log(sum(math.exp(v - mx) for v in row))
+        out.append(float(row[tokens[i]]) - lse)
+    llm.close() if hasattr(llm, "close") else None
+    return out

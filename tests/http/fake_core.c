@@ -335,6 +335,28 @@ int pdm_router_render_chat(pdm_router_t *r, const Pdmesh__ChatMessage *const *ms
     return pdm_error_set(PDM_EUNSUPPORTED, "fake core: no chat template");
 }
 
+/* A byte tokenizer: token i is the byte i. */
+int pdm_router_tokenize(pdm_router_t *r, const char *text, size_t len, int add_special,
+                        int32_t **out, size_t *n_out)
+{
+    int32_t *ids = malloc(sizeof(int32_t) * (len + 1));
+    if (!ids) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    for (size_t i = 0; i < len; i++) ids[i] = (unsigned char)text[i];
+    *out = ids;
+    *n_out = len;
+    return PDM_OK;
+}
+
+int pdm_router_token_text(pdm_router_t *r, int32_t id, char *buf, size_t cap)
+{
+    if (id < 0 || id > 255) return PDM_ERANGE;
+    if (cap < 1) return PDM_EOVERFLOW;
+    buf[0] = (char)id;
+    return 1;
+}
+
+int32_t pdm_router_special_token(pdm_router_t *r, int which) { return -1; }
+
 static pdm_http_t *g_http;
 static uv_signal_t g_sigterm, g_sigint;
 

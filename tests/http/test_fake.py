@@ -253,7 +253,11 @@ def test_bad_requests(f):
         ({"prompt": "a", "temperature": "hot"}, 400, "invalid_type"),
         ({"prompt": "a", "top_p": 0}, 400, "invalid_value"),
         ({"prompt": "a", "n": 2}, 400, "unsupported_value"),
-        ({"prompt": "a", "echo": True}, 400, "unsupported_value"),
+        ({"prompt": "a", "echo": "yes"}, 400, "invalid_type"),
+        ({"prompt": "a", "max_tokens": -1, "echo": True}, 400, "invalid_value"),
+        ({"prompt": ["a"] * 65}, 400, "invalid_value"),
+        ({"prompt": ["a", 5]}, 400, "invalid_type"),
+        ({"prompt": ["a", ""]}, 400, "invalid_value"),
         ({"prompt": "a", "logprobs": 21}, 400, "invalid_value"),
         ({"prompt": "a", "logprobs": -1}, 400, "invalid_value"),
         ({"prompt": "a", "logprobs": "3"}, 400, "invalid_type"),
@@ -276,7 +280,6 @@ def test_bad_requests(f):
         ({"prompt": "a", "stream": "yes"}, 400, "invalid_type"),
         ({"prompt": "a", "best_of": 2, "stream": True}, 400, "invalid_value"),
         ({"prompt": "a", "best_of": 99}, 400, "invalid_value"),
-        ({"prompt": ["a", "b"]}, 400, "unsupported_value"),
         ({"prompt": []}, 400, "invalid_value"),
         ({"prompt": [1, -2]}, 400, "invalid_type"),
         ({"prompt": list(range(9000))}, 400, "context_length_exceeded"),
@@ -307,6 +310,7 @@ def test_bad_requests(f):
          "invalid_value"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "invalid_type"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "unsupported_value"),
+        ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "unsupported_value"),
     ]
     for body, code in chat_cases:
         r = comp(f.port, body, "/v1/chat/completions")
@@ -332,6 +336,48 @@ def test_refusal_codes(f):
             r = comp(f.port, {"prompt": "EARLY %d" % code, "stream": stream})
             assert r.status == status, (code, stream, r)
             assert "error" in r.json(), r
+
+
+def test_prompt_list(f):
+    """A list of prompts: one router request each, one choice each with its index, usage
+    summed; streamed chunks carry their index; a disconnect cancels every part; a refused
+    prompt fails the whole request and cancels the parts already submitted."""
+    r = comp(f.port, {"prompt": ["alpha beta", "x y z"], "max_tokens": 3})
+    assert r.status == 200, r
+    j = r.json()
+    assert [c["index"] for c in j["choices"]] == [0, 1], j
+    assert [c["text"] for c in j["choices"]] == ["alpha beta alpha", "x y z"], j
+    assert j["usage"]["completion_tokens"] == 6, j
+    assert j["usage"]["prompt_tokens"] == len("alpha beta") + len("x y z"), j
+    r = comp(f.port, {"prompt": [[1, 2], [3]], "max_tokens": 2})
+    assert r.status == 200 and len(r.json()["choices"]) == 2, r
+    r = comp(f.port, {"prompt": ["a b", "c d"], "max_tokens": 4, "stream": True,
+                      "stream_options": {"include_usage": True}})
+    ev = sse_events(r.body)
+    assert ev[-1] == "[DONE]", ev
+    chunks = [json.loads(e) for e in ev[:-1]]
+    per = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            per[ch["index"]] = per.get(ch["index"], "") + ch["text"]
+    assert per == {0: "a b a b", 1: "c d c d"}, per
+    fins = [ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert sorted(fins) == [0, 1], chunks
+    assert chunks[-1]["usage"]["completion_tokens"] == 8, chunks[-1]
+    before = len(f.events("cancel"))
+    r = comp(f.port, {"prompt": ["SLOW", "REFUSE 9"], "max_tokens": 50})
+    assert r.status == 503 and "prompt 1" in r.json()["error"]["message"], r
+    wait_for(lambda: len(f.events("cancel")) > before, 10, "cancel of the submitted part")
+    before = len(f.events("cancel"))
+    s = connect(f.port)
+    s.sendall(request_bytes("POST", "/v1/completions",
+                            {"prompt": ["SLOW", "SLOW"], "max_tokens": 500, "stream": True}))
+    rd = Reader(s)
+    status, _ = rd.head()
+    assert status == 200
+    next(rd.chunks())
+    s.close()
+    wait_for(lambda: len(f.events("cancel")) >= before + 2, 10, "both parts cancelled")
 
 
 def test_stream_completion(f):

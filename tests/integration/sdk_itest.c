@@ -21,8 +21,10 @@
  *        greedy with presence_penalty 0.5, frequency_penalty 0.5, logit_bias {13: -100},
  *        logprobs with K alternatives, blocking and streaming: tokens equal REF.json's
  *        (pdmesh generate --json with the same flags), each logprob within LP_TOL of its, the
- *        alternatives sorted and the chosen token first; then two calls at temperature 0.8
- *        with seed 11 are equal and one with seed 12 differs
+ *        alternatives sorted and the chosen token first; prompt_logprobs with prompt_only:
+ *        one entry per prompt token (the first NAN), nothing generated, and the same values
+ *        again with a completion; then two calls at temperature 0.8 with seed 11 are equal
+ *        and one with seed 12 differs
  * Exit status 0 when the check holds, 1 otherwise (with a message on stderr).
  */
 #include <cjson/cJSON.h>
@@ -394,6 +396,44 @@ static int cmd_sampling(const char *ep, long n, int k, const char *prompt, const
             if (status)
                 fprintf(stderr, "sampling: the chunks' logprobs differ from the result's\n");
         }
+        pdm_client_result_fini(&r);
+    }
+    /* prompt log-probabilities: scoring only, then with a completion (the same values) */
+    float first_pass[512];
+    size_t n_first = 0;
+    for (int gen = 0; gen < 2 && !status; gen++) {
+        pdm_client_request_t s;
+        greedy(&s, prompt, n);
+        s.prompt_logprobs = 1;
+        s.prompt_only = !gen;
+        s.logprobs = 1;
+        s.top_logprobs = (uint32_t)k;
+        pdm_client_result_t r;
+        int rc = pdm_client_generate(c, &s, &r);
+        if (rc) {
+            status = fail("prompt logprobs", &r, rc);
+            pdm_client_result_fini(&r);
+            break;
+        }
+        const size_t np = r.n_prompt_logprobs;
+        if (np != r.usage.prompt_tokens || np < 2 || np > 512 ||
+            !isnan(r.prompt_logprobs[0].logprob) || (!gen && r.n_tokens != 0) ||
+            (gen && r.n_tokens == 0) || (gen && np != n_first)) {
+            fprintf(stderr, "prompt logprobs: %zu entries for %u prompt tokens, %zu generated\n",
+                    np, r.usage.prompt_tokens, r.n_tokens);
+            status = 1;
+        }
+        for (size_t i = 1; !status && i < np; i++) {
+            const pdm_client_logprob_t *e = &r.prompt_logprobs[i];
+            if (!(e->logprob <= 0) || e->n_top != (size_t)k ||
+                (gen && e->logprob != first_pass[i])) {
+                fprintf(stderr, "prompt logprobs: entry %zu: %g with %zu alternatives\n", i,
+                        e->logprob, e->n_top);
+                status = 1;
+            }
+            if (!gen) first_pass[i] = e->logprob;
+        }
+        n_first = np;
         pdm_client_result_fini(&r);
     }
     /* seeded sampling */

@@ -79,6 +79,98 @@ START_TEST(test_http_parse_fields)
 }
 END_TEST
 
+/* echo, max_tokens 0 with echo (scoring only), lists of prompts (one request each). */
+START_TEST(test_http_parse_echo_and_lists)
+{
+    pdm_http_opts_t o;
+    Pdmesh__GenerateRequest *r =
+        parse_ok("{\"prompt\":\"hi there\",\"echo\":true,\"max_tokens\":0,\"logprobs\":3}", 0,
+                 &o);
+    ck_assert(o.echo && r->prompt_logprobs && r->prompt_only);
+    ck_assert_int_eq(o.logprobs, 3);
+    pdm_http__request_free(r);
+    r = parse_ok("{\"prompt\":\"hi\",\"echo\":true,\"max_tokens\":4}", 0, &o);
+    ck_assert(o.echo && r->prompt_logprobs && !r->prompt_only && r->max_tokens == 4);
+    pdm_http__request_free(r);
+    r = parse_ok("{\"prompt\":\"hi\",\"echo\":false}", 0, &o);
+    ck_assert(!o.echo && !r->prompt_logprobs);
+    pdm_http__request_free(r);
+
+    static const char body[] = "{\"prompt\":[\"a\",[5,6],\"c\"],\"max_tokens\":2,\"seed\":9}";
+    Pdmesh__GenerateRequest **reqs = NULL;
+    size_t n = 0;
+    pdm_http_err_t err;
+    ck_assert_int_eq(pdm_http__parse_batch(body, strlen(body), 0, &limits, "m", &reqs, &n, &o,
+                                           &err), PDM_OK);
+    ck_assert_uint_eq(n, 3);
+    ck_assert_int_eq(o.n_prompts, 3);
+    ck_assert_str_eq(reqs[0]->prompt, "a");
+    ck_assert_uint_eq(reqs[1]->n_prompt_tokens, 2);
+    ck_assert_int_eq(reqs[1]->prompt_tokens[1], 6);
+    ck_assert_str_eq(reqs[2]->prompt, "c");
+    for (size_t i = 0; i < n; i++)
+        ck_assert(reqs[i]->max_tokens == 2 && reqs[i]->sampling->seed == 9);
+    pdm_http__batch_free(reqs, n);
+
+    parse_fails("{\"prompt\":\"a\",\"max_tokens\":0}", 0, 400, "invalid_value");
+    parse_fails("{\"prompt\":\"a\",\"echo\":1}", 0, 400, "invalid_type");
+    parse_fails("{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"echo\":true}", 1,
+                400, "unsupported_value");
+    parse_fails("{\"prompt\":[\"a\",7]}", 0, 400, "invalid_type");
+    parse_fails("{\"prompt\":[\"a\",\"\"]}", 0, 400, "invalid_value");
+}
+END_TEST
+
+/* An echoed choice: the prompt's text then the completion's, the prompt's entries then the
+ * completion's, text_offset running over both, the first prompt token's logprob null. */
+START_TEST(test_http_echo_choice)
+{
+    Pdmesh__TokenLogprob e[4], *p[2], *g[2];
+    const char *texts[4] = {"Hi", " there", "!", " ok"};
+    for (int i = 0; i < 4; i++) {
+        pdmesh__token_logprob__init(&e[i]);
+        e[i].token = i;
+        e[i].logprob = -1.0f - (float)i;
+        e[i].text.data = (uint8_t *)texts[i];
+        e[i].text.len = strlen(texts[i]);
+    }
+    e[0].missing = 1;
+    p[0] = &e[0], p[1] = &e[1], g[0] = &e[2], g[1] = &e[3];
+    Pdmesh__GenerateResult res = PDMESH__GENERATE_RESULT__INIT;
+    res.text = "! ok";
+    res.finish = PDMESH__FINISH_REASON__FINISH_LENGTH;
+    res.prompt_logprobs = p;
+    res.n_prompt_logprobs = 2;
+    res.logprobs = g;
+    res.n_logprobs = 2;
+    char *echo = pdm_http__echo_text(NULL, p, 2);
+    ck_assert_str_eq(echo, "Hi there");
+    cJSON *c = pdm_http__choice_json(0, 3, &res, 1, echo);
+    free(echo);
+    ck_assert_int_eq(cJSON_GetObjectItem(c, "index")->valueint, 3);
+    ck_assert_str_eq(cJSON_GetObjectItem(c, "text")->valuestring, "Hi there! ok");
+    cJSON *lp = cJSON_GetObjectItem(c, "logprobs");
+    cJSON *tl = cJSON_GetObjectItem(lp, "token_logprobs");
+    cJSON *off = cJSON_GetObjectItem(lp, "text_offset");
+    ck_assert_int_eq(cJSON_GetArraySize(tl), 4);
+    ck_assert(cJSON_IsNull(cJSON_GetArrayItem(tl, 0)));
+    ck_assert(cJSON_GetArrayItem(tl, 3)->valuedouble == -4.0);
+    const int want[4] = {0, 2, 8, 9};
+    for (int i = 0; i < 4; i++) ck_assert_int_eq(cJSON_GetArrayItem(off, i)->valueint, want[i]);
+    cJSON_Delete(c);
+    /* usage summed over choices */
+    Pdmesh__Usage u = PDMESH__USAGE__INIT;
+    u.prompt_tokens = 5;
+    u.completion_tokens = 2;
+    cJSON *us = pdm_http__usage_json(&u);
+    pdm_http__usage_add(us, 3, 4);
+    ck_assert_int_eq(cJSON_GetObjectItem(us, "prompt_tokens")->valueint, 8);
+    ck_assert_int_eq(cJSON_GetObjectItem(us, "completion_tokens")->valueint, 6);
+    ck_assert_int_eq(cJSON_GetObjectItem(us, "total_tokens")->valueint, 14);
+    cJSON_Delete(us);
+}
+END_TEST
+
 START_TEST(test_http_parse_refusals)
 {
     parse_fails("{", 0, 400, "invalid_json");
@@ -238,6 +330,8 @@ Suite *suite_http(void)
     TCase *tc = tcase_create("openai");
     tcase_add_test(tc, test_http_parse_fields);
     tcase_add_test(tc, test_http_parse_refusals);
+    tcase_add_test(tc, test_http_parse_echo_and_lists);
+    tcase_add_test(tc, test_http_echo_choice);
     tcase_add_test(tc, test_http_parse_fuzz);
     tcase_add_test(tc, test_http_responses);
     tcase_add_test(tc, test_http_utf8_sanitize);

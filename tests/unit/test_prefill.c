@@ -258,6 +258,73 @@ static void run_group_case_on(int R, const char *path)
 
 static void run_group_case(int R) { run_group_case_on(R, model_path); }
 
+/* Prompt log-probabilities (PrefillTask.prompt_logprobs): every method on groups of 1, 2 and 3
+ * ranks, each rank scoring the tokens its rows predict, merged by position, equal the
+ * engine's log_softmax of every row (pdm_model_prefill_logits) within 1e-4 on the f32 model
+ * (the same last-bit tolerance as the logits). */
+START_TEST(test_group_prompt_logprobs)
+{
+    make_model();
+    enum { N = 45 };
+    pdm_model_t *m;
+    pdm_model_ctx_t *ctx;
+    pdm_kv_cache_t *cache;
+    ck_assert_int_eq(pdm_model_load(model_path, &m), 0);
+    const uint32_t V = m->hp.n_vocab;
+    int32_t ids[N];
+    tokens_random(ids, N, V, 4242);
+    float *logits = malloc(sizeof(float) * V * N);
+    double ref[N];
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
+    ck_assert_int_eq(pdm_kv_cache_create(&m->hp, N, PDM_DT_F32, &cache), 0);
+    ck_assert_int_eq(pdm_model_prefill_logits(ctx, cache, ids, N, 0, logits), 0);
+    for (int p = 1; p < N; p++) {
+        const float *row = logits + (size_t)(p - 1) * V;
+        double mx = row[0], sum = 0;
+        for (uint32_t i = 1; i < V; i++) mx = fmax(mx, row[i]);
+        for (uint32_t i = 0; i < V; i++) sum += exp(row[i] - mx);
+        ref[p] = row[ids[p]] - mx - log(sum);
+    }
+    pdm_kv_cache_destroy(cache);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+    free(logits);
+    for (int R = 1; R <= 3; R++) {
+        pdm_launch_t *l = start_group(R, model_path, "f32", 60);
+        for (int mi = 0; mi < PDM_PREFILL_AUTO; mi++) {
+            pdm_prefill_method_t meth = (pdm_prefill_method_t)mi;
+            if (meth == PDM_PREFILL_KVR_P || (meth == PDM_PREFILL_SINGLE) != (R == 1)) continue;
+            pdm_prefill_task_t t = {.method = meth, .tokens = ids, .n_tokens = N,
+                                    .prompt_logprobs = 1, .prompt_top = 3};
+            pdm_launch_result_t res;
+            int st = pdm_launch_task(l, &t, NULL, NULL, &res);
+            ck_assert_msg(st == 0, "R=%d %s: %s", R, pdm_prefill_method_name(meth),
+                          pdm_error_last());
+            ck_assert(isnan(res.prompt_logprobs[0]));
+            double worst = 0;
+            for (int p = 1; p < N; p++) {
+                ck_assert_msg(!isnan(res.prompt_logprobs[p]), "R=%d %s: position %d missing", R,
+                              pdm_prefill_method_name(meth), p);
+                worst = fmax(worst, fabs(res.prompt_logprobs[p] - ref[p]));
+            }
+            ck_assert_msg(worst <= 1e-4, "R=%d %s: prompt log-probabilities differ by %g", R,
+                          pdm_prefill_method_name(meth), worst);
+            free(res.prompt_logprobs);
+        }
+        /* a partial prefill cannot score the cached tokens: refused */
+        pdm_prefill_task_t first = {.method = PDM_PREFILL_CP_KV, .tokens = ids, .n_tokens = 20};
+        pdm_launch_result_t res;
+        ck_assert_int_eq(pdm_launch_task(l, &first, NULL, NULL, &res), 0);
+        pdm_prefill_task_t part = {.method = PDM_PREFILL_CP_KV, .start = 20, .tokens = ids + 20,
+                                   .n_tokens = N - 20, .prompt_logprobs = 1};
+        ck_assert(pdm_launch_task(l, &part, NULL, NULL, &res) != 0);
+        ck_assert_msg(strstr(pdm_error_last(), "start 0"), "%s", pdm_error_last());
+        free(res.prompt_logprobs);
+        ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
+    }
+}
+END_TEST
+
 /* The other architectures' per-layer differences (Q/K norms, biases, NEOX RoPE, post norms,
  * GeGLU, sliding-window layers) live in the steps every method calls, and the window is a
  * mask on absolute positions, so every method holds for them too. The gemma3 preset's window
@@ -863,6 +930,11 @@ Suite *suite_prefill(void)
     tcase_add_test(tc, test_group_frozen_rank);
     tcase_add_test(tc, test_group_real_model);
     suite_add_tcase(s, tc);
+    TCase *plp = tcase_create("prompt_logprobs"); /* each rank scores its own rows */
+    tcase_add_unchecked_fixture(plp, setup_model, NULL);
+    tcase_set_timeout(plp, 300);
+    tcase_add_test(plp, test_group_prompt_logprobs);
+    suite_add_tcase(s, plp);
     TCase *q8 = tcase_create("q8"); /* int8 KV across every method */
     tcase_add_unchecked_fixture(q8, setup_model, NULL);
     tcase_set_timeout(q8, 300);

@@ -296,6 +296,43 @@ START_TEST(test_seed_resume)
 }
 END_TEST
 
+/* pdm_sampler_score (prompt log-probabilities): log_softmax of the raw logits at any token,
+ * the same numbers as a greedy step's logprobs without adjustments, ties by lower id. */
+START_TEST(test_score)
+{
+    enum { V = 50 };
+    float logits[V];
+    for (int i = 0; i < V; i++) logits[i] = cosf((float)i * 0.9f) * 4.0f;
+    logits[7] = logits[3]; /* a tie */
+    pdm_sampler_params_t p;
+    pdm_sampler_params_default(&p);
+    p.temperature = 0.0f;
+    p.logprobs = 5;
+    pdm_sampler_t *s = NULL;
+    ck_assert_int_eq(pdm_sampler_create(&p, V, &s), PDM_OK);
+    pdm_token_logprobs_t step, sc;
+    int32_t tok = pdm_sampler_sample(s, logits, NULL, 0, &step);
+    pdm_sampler_score(logits, V, tok, 5, &sc);
+    ck_assert(sc.logprob == step.logprob);
+    ck_assert_int_eq(sc.n_top, step.n_top);
+    for (int k = 0; k < sc.n_top; k++) {
+        ck_assert_int_eq(sc.top_ids[k], step.top_ids[k]);
+        ck_assert(sc.top_logprobs[k] == step.top_logprobs[k]);
+    }
+    double mx = logits[0], sum = 0;
+    for (int i = 1; i < V; i++) mx = fmax(mx, logits[i]);
+    for (int i = 0; i < V; i++) sum += exp(logits[i] - mx);
+    for (int t = 0; t < V; t += 7) {
+        pdm_sampler_score(logits, V, t, 0, &sc);
+        ck_assert_int_eq(sc.n_top, 0);
+        ck_assert_msg(fabs(sc.logprob - (logits[t] - mx - log(sum))) < 1e-5, "token %d", t);
+    }
+    pdm_sampler_score(logits, 3, 1, 20, &sc); /* more alternatives than the vocabulary */
+    ck_assert_int_eq(sc.n_top, 3);
+    pdm_sampler_destroy(s);
+}
+END_TEST
+
 Suite *suite_sampler(void)
 {
     Suite *s = suite_create("sampler");
@@ -307,6 +344,7 @@ Suite *suite_sampler(void)
     tcase_add_test(tc, test_params_invalid);
     tcase_add_test(tc, test_penalties_bias_logprobs);
     tcase_add_test(tc, test_seed_resume);
+    tcase_add_test(tc, test_score);
     suite_add_tcase(s, tc);
     return s;
 }

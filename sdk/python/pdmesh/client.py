@@ -7,12 +7,15 @@ that the thread iterating the stream (or blocked in generate) sees within 50 ms,
 thread sends the CancelRequest. A socket monitor tells an unreachable router (no TCP
 connection within connect_timeout) from one that is connected but silent (timeout).
 """
+from __future__ import annotations
+
 import itertools
 import os
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -68,12 +71,12 @@ class Logprob:
     the token's bytes; `logprob` is None when the router had none; `top` the most likely
     tokens, most likely first (their own `top` is empty)."""
     token: int
-    logprob: object
+    logprob: Optional[float]
     text: bytes
-    top: list = field(default_factory=list)
+    top: List["Logprob"] = field(default_factory=list)
 
 
-def _logprobs(lst):
+def _logprobs(lst) -> List[Logprob]:
     return [Logprob(token=e.token, logprob=None if e.missing else e.logprob, text=e.text,
                     top=[Logprob(token=t.token, logprob=t.logprob, text=t.text) for t in e.top])
             for e in lst]
@@ -82,23 +85,26 @@ def _logprobs(lst):
 @dataclass
 class Chunk:
     index: int
-    tokens: list
+    tokens: List[int]
     text: str
-    logprobs: list = field(default_factory=list)   # one Logprob per token with logprobs=True
+    logprobs: List[Logprob] = field(default_factory=list)  # one per token with logprobs=True
 
 
 @dataclass
 class Result:
     text: str
-    tokens: list
+    tokens: List[int]
     finish: str                      # "eos", "length", "stop"
-    usage: dict
-    beams: list = field(default_factory=list)
+    usage: Dict[str, Any]
+    beams: List[Dict[str, Any]] = field(default_factory=list)
     request_id: int = 0
     router_request_id: int = 0
     ttft: float = 0.0                # seconds, call start -> first token (streaming)
     total: float = 0.0               # seconds, call start -> end
-    logprobs: list = field(default_factory=list)   # one Logprob per token with logprobs=True
+    logprobs: List[Logprob] = field(default_factory=list)  # one per token with logprobs=True
+    # prompt_logprobs=True: one per prompt token, log p(token | the tokens before it); the
+    # first one's logprob is None (nothing predicts it)
+    prompt_logprobs: List[Logprob] = field(default_factory=list)
 
 
 class Stream:
@@ -110,33 +116,33 @@ class Stream:
         self._timeout = timeout
         self._cancel = threading.Event()
         self._done = False
-        self.result = None
-        self.request_id = request.request_id
-        self.router_request_id = 0
+        self.result: Optional[Result] = None
+        self.request_id: int = request.request_id
+        self.router_request_id: int = 0
         self._sock = None
         self._gen = None
 
-    def cancel(self):
+    def cancel(self) -> None:
         """Cancels the generation; safe from any thread. The iterating thread raises
         CancelledError (or stops, if it already ended)."""
         self._cancel.set()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Chunk]:
         if self._gen is None:
             self._gen = self._run()
         return self._gen
 
-    def __next__(self):
+    def __next__(self) -> Chunk:
         return next(iter(self))
 
-    def close(self):
+    def close(self) -> None:
         if self._gen is not None:
             self._gen.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "Stream":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> bool:
         self.close()
         return False
 
@@ -258,7 +264,7 @@ def _result(m, router_id, ttft, total):
     return Result(text=m.text, tokens=list(m.tokens), finish=_FINISH.get(m.finish, "none"),
                   usage=usage, beams=beams, request_id=m.request_id,
                   router_request_id=router_id, ttft=ttft, total=total,
-                  logprobs=_logprobs(m.logprobs))
+                  logprobs=_logprobs(m.logprobs), prompt_logprobs=_logprobs(m.prompt_logprobs))
 
 
 def _read_keys(path, secret):
@@ -326,8 +332,10 @@ class Client:
     $PDMESH_CURVE_SERVER_KEY_FILE / $PDMESH_CURVE_KEY_FILE, else a plain connection. A key the
     router does not allow fails with UnauthorizedError."""
 
-    def __init__(self, endpoint=None, timeout=60.0, connect_timeout=3.0, max_frame=16 << 20,
-                 curve_server_key_file=None, curve_key_file=None):
+    def __init__(self, endpoint: Optional[str] = None, timeout: float = 60.0,
+                 connect_timeout: float = 3.0, max_frame: int = 16 << 20,
+                 curve_server_key_file: Optional[str] = None,
+                 curve_key_file: Optional[str] = None) -> None:
         self.endpoint = endpoint or os.environ.get("PDMESH_ROUTER") or DEFAULT_ENDPOINT
         if timeout <= 0 or connect_timeout <= 0:
             raise errors.InvalidArgumentError("timeouts must be positive")
@@ -349,15 +357,15 @@ class Client:
             sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self._curve
         return sock
 
-    def close(self):
+    def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._ctx.term()
 
-    def __enter__(self):
+    def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> bool:
         self.close()
         return False
 
@@ -369,7 +377,7 @@ class Client:
                  top_p, min_p, repeat_penalty, seed, stop, deadline_ms, beams, n_best,
                  length_penalty, ignore_eos, model, timeout, early_stopping=None,
                  presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, logprobs=False,
-                 top_logprobs=0):
+                 top_logprobs=0, prompt_logprobs=False, prompt_only=False):
         if self._closed:
             raise errors.ClosedError("the client is closed")
         given = sum(x is not None for x in (prompt, prompt_tokens, messages))
@@ -393,6 +401,8 @@ class Client:
                 "logit_bias: at most 300 {token id (int >= 0): bias in [-100, 100]}")
         if not 0 <= top_logprobs <= 20:
             raise errors.InvalidArgumentError("top_logprobs must be in [0, 20]")
+        if prompt_only and not prompt_logprobs:
+            raise errors.InvalidArgumentError("prompt_only needs prompt_logprobs")
         stop = list(stop or [])
         if len(stop) > 16 or any(not isinstance(s, str) or not s for s in stop):
             raise errors.InvalidArgumentError("at most 16 stop strings, none empty")
@@ -403,7 +413,9 @@ class Client:
                                  deadline_ms=deadline_ms or int(timeout * 1000), beams=beams,
                                  n_best=n_best, length_penalty=length_penalty, stream=stream,
                                  ignore_eos=ignore_eos, model=model or "",
-                                 early_stopping=early_stopping or "")
+                                 early_stopping=early_stopping or "",
+                                 prompt_logprobs=bool(prompt_logprobs),
+                                 prompt_only=bool(prompt_only))
         req.sampling.CopyFrom(pb.SamplingParams(temperature=temperature, top_k=top_k,
                                                 top_p=top_p, min_p=min_p,
                                                 repeat_penalty=repeat_penalty, seed=seed,
@@ -435,32 +447,49 @@ class Client:
             raise errors.InvalidArgumentError("request over the frame size limit")
         return req, timeout
 
-    def stream(self, prompt=None, *, prompt_tokens=None, messages=None, max_tokens=0,
-               temperature=0.0, top_k=0, top_p=0.0, min_p=0.0, repeat_penalty=0.0, seed=0,
-               stop=None, deadline_ms=0, beams=0, n_best=0, length_penalty=0.0,
-               ignore_eos=False, model=None, timeout=None, early_stopping=None,
-               presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, logprobs=False,
-               top_logprobs=0):
+    def stream(self, prompt: Optional[str] = None, *,
+               prompt_tokens: Optional[Sequence[int]] = None,
+               messages: Optional[Sequence[Mapping[str, str]]] = None, max_tokens: int = 0,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
+               min_p: float = 0.0, repeat_penalty: float = 0.0, seed: int = 0,
+               stop: Optional[Iterable[str]] = None, deadline_ms: int = 0, beams: int = 0,
+               n_best: int = 0, length_penalty: float = 0.0, ignore_eos: bool = False,
+               model: Optional[str] = None, timeout: Optional[float] = None,
+               early_stopping: Optional[str] = None, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, logit_bias: Optional[Mapping[int, float]] = None,
+               logprobs: bool = False, top_logprobs: int = 0, prompt_logprobs: bool = False,
+               prompt_only: bool = False) -> "Stream":
         """A Stream: iterate it for Chunks as the router produces them; its .result holds
         the final Result once iteration ends. .cancel() works from any thread.
         presence_penalty / frequency_penalty ([-2, 2]) and logit_bias ({token id: bias in
         [-100, 100]}, at most 300) as OpenAI's; seed: the same seed, the same completion;
         logprobs=True fills Chunk.logprobs and Result.logprobs with top_logprobs (<= 20)
-        alternatives per token."""
+        alternatives per token. prompt_logprobs=True fills Result.prompt_logprobs: every
+        prompt token's log-probability given the tokens before it (raw logits: no bias,
+        penalty or temperature; with logprobs, top_logprobs alternatives), computed where
+        the prompt is prefilled; prompt_only=True with it generates nothing (max_tokens is ignored): the
+        loglikelihood of a text is then sum(lp.logprob for lp in prompt_logprobs[1:])."""
         req, timeout = self._request(prompt, prompt_tokens, messages, True, max_tokens,
                                      temperature, top_k, top_p, min_p, repeat_penalty, seed,
                                      stop, deadline_ms, beams, n_best, length_penalty,
                                      ignore_eos, model, timeout, early_stopping,
                                      presence_penalty, frequency_penalty, logit_bias, logprobs,
-                                     top_logprobs)
+                                     top_logprobs, prompt_logprobs, prompt_only)
         return Stream(self, req, timeout)
 
-    def generate(self, prompt=None, *, prompt_tokens=None, messages=None, max_tokens=0,
-                 temperature=0.0, top_k=0, top_p=0.0, min_p=0.0, repeat_penalty=0.0, seed=0,
-                 stop=None, deadline_ms=0, beams=0, n_best=0, length_penalty=0.0,
-                 ignore_eos=False, model=None, timeout=None, call=None, early_stopping=None,
-                 presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, logprobs=False,
-                 top_logprobs=0):
+    def generate(self, prompt: Optional[str] = None, *,
+                 prompt_tokens: Optional[Sequence[int]] = None,
+                 messages: Optional[Sequence[Mapping[str, str]]] = None, max_tokens: int = 0,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
+                 min_p: float = 0.0, repeat_penalty: float = 0.0, seed: int = 0,
+                 stop: Optional[Iterable[str]] = None, deadline_ms: int = 0, beams: int = 0,
+                 n_best: int = 0, length_penalty: float = 0.0, ignore_eos: bool = False,
+                 model: Optional[str] = None, timeout: Optional[float] = None,
+                 call: Optional[List["Stream"]] = None, early_stopping: Optional[str] = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: Optional[Mapping[int, float]] = None, logprobs: bool = False,
+                 top_logprobs: int = 0, prompt_logprobs: bool = False,
+                 prompt_only: bool = False) -> Result:
         """Blocks until the whole completion is there; returns a Result. Raises a
         PdmeshError subclass on failure. `call`, if given, is a list that receives the
         Stream object first, so another thread can call .cancel() on it.
@@ -475,7 +504,7 @@ class Client:
                                      stop, deadline_ms, beams, n_best, length_penalty,
                                      ignore_eos, model, timeout, early_stopping,
                                      presence_penalty, frequency_penalty, logit_bias, logprobs,
-                                     top_logprobs)
+                                     top_logprobs, prompt_logprobs, prompt_only)
         s = Stream(self, req, timeout)
         if call is not None:
             call.append(s)
@@ -483,7 +512,7 @@ class Client:
             pass
         return s.result
 
-    def ping(self, timeout=None):
+    def ping(self, timeout: Optional[float] = None) -> float:
         """Round trip to the router; returns seconds. Raises UnreachableError/PdmeshTimeout."""
         timeout = self.timeout if timeout is None else float(timeout)
         sock = self._socket()
