@@ -233,9 +233,19 @@ python-pb:
 # lm-evaluation-harness's local-completions against a mesh (tests/integration/test_lm_eval.py):
 # needs LM_EVAL_PYTHON, a Python with lm-eval[api] (not in build/venv: ~760 MB); skipped
 # without it.
+# lm-evaluation-harness's local-completions model against a mesh (tests/integration/
+# test_lm_eval.py). lm-eval[api] (~760 MB, no torch) goes into its own venv, $(LMEVAL_VENV);
+# without network the test is skipped with a message.
+LMEVAL_VENV ?= $(BUILD)/lmeval-venv
 lm-eval-test: $(BINS)
-	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_lm_eval.py \
-	  --bindir $(BUILD)/bin
+	@if [ ! -x $(LMEVAL_VENV)/bin/lm_eval ]; then \
+	  echo "lm-eval-test: installing lm-eval[api]==0.4.13 into $(LMEVAL_VENV)"; \
+	  python3 -m venv $(LMEVAL_VENV) && \
+	  $(LMEVAL_VENV)/bin/python -m pip install -q "lm-eval[api]==0.4.13" || \
+	  echo "lm-eval-test: could not install lm-eval (no network?); the test will skip"; \
+	fi
+	LM_EVAL_PYTHON=$(LMEVAL_VENV)/bin/python PDMESH_MODEL=$(MODEL_FILE) \
+	  $(VENV)/bin/python tests/integration/test_lm_eval.py --bindir $(BUILD)/bin
 
 # `pip install sdk/python` into a fresh venv (PyPI for pyzmq and protobuf), then the installed
 # package against a live mesh (tests/integration/test_python_package.py).

@@ -3,18 +3,20 @@
 kvr-e, a decode node): its `local-completions` model on a tiny multiple-choice task whose data
 ships in the repository (tests/lm_eval/tiny_facts.jsonl: 8 questions x 4 choices = 32
 loglikelihood requests; no hub download: HF_DATASETS_OFFLINE, the tokenizer through the mesh's
-/tokenize, i.e. tokenizer_backend=remote). Checks: the run completes, every request's
-loglikelihood (its log_samples) equals llama.cpp's for the same token ids (llama-cpp-python,
-logits_all) within LLAMA_TOL and the mesh's own echo + max_tokens 0 scoring of those tokens
-within 1e-5 (lm-eval reads the right entries), and the accuracy equals the one llama.cpp's
-loglikelihoods give.
+/tokenize, i.e. tokenizer_backend=remote). Checks: the run completes, every request's token ids
+(lm-eval's split through /tokenize) and loglikelihood (its log_samples) equal llama.cpp's
+(tests/golden/lm_eval_golden.json, written by tests/golden/make_lm_eval_golden.py with
+llama-cpp-python, logits_all) within LLAMA_TOL and the mesh's own echo + max_tokens 0 scoring
+of those tokens within 1e-5 (lm-eval reads the right entries), and the accuracy equals the one
+llama.cpp's loglikelihoods give.
 
-lm-eval is not in build/venv: `pip install "lm-eval[api]"` 0.4.x needs no torch but pulls
+lm-eval is kept out of build/venv: `pip install "lm-eval[api]"` 0.4.x needs no torch but pulls
 datasets (pyarrow, pandas), scikit-learn (scipy), sacrebleu, rouge-score, evaluate: ~760 MB in
 a fresh venv (measured: pyarrow 170 MB, scipy 143, pandas 84, lm_eval 78, sklearn 51, numpy
-73; 60 s to install). This test therefore runs with the Python given by $LM_EVAL_PYTHON (a
-venv with lm-eval[api]), or build/venv's if it has lm_eval, and is skipped with a message
-otherwise; test_openai_echo.py always tests the requests lm-eval sends with the openai client.
+73; 60 s to install). `make lm-eval-test` installs it into build/lmeval-venv and runs this
+test with that Python ($LM_EVAL_PYTHON); without any lm-eval (no network) the test is
+skipped with a message, and test_openai_echo.py still tests the requests lm-eval sends with
+the openai client.
 
   LM_EVAL_PYTHON=/path/venv/bin/python python3 tests/integration/test_lm_eval.py \\
       [--bindir build/bin] [--model FILE]"""
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "golden"))
 from mesh import Checks, Mesh, mesh_argparser  # noqa: E402
 
 DATA = os.path.join(ROOT, "tests", "lm_eval", "tiny_facts.jsonl")
+GOLDEN = os.path.join(ROOT, "tests", "golden", "lm_eval_golden.json")
 # |lm-eval through the mesh - llama.cpp| per continuation (1-3 tokens after 3-8 tokens of
 # context). The two engines' Q4_1 kernels round 8-bit activations differently (docs/prefill.md,
 # docs/fidelity.md): measured per token up to 0.32, the largest on unlikely choices (" red"
@@ -62,8 +65,9 @@ metadata:
 
 
 def lm_eval_python():
-    for py in (os.environ.get("LM_EVAL_PYTHON"), os.path.join(ROOT, "build", "venv", "bin",
-                                                             "python")):
+    for py in (os.environ.get("LM_EVAL_PYTHON"),
+               os.path.join(ROOT, "build", "lmeval-venv", "bin", "python"),
+               os.path.join(ROOT, "build", "venv", "bin", "python")):
         if py and os.path.exists(py) and subprocess.run(
                 [py, "-c", "import lm_eval, tenacity"], capture_output=True).returncode == 0:
             return py
@@ -97,7 +101,12 @@ def main():
         print("SKIP: lm-eval is not installed (set LM_EVAL_PYTHON to a Python with "
               "lm-eval[api]; see this file's docstring for why build/venv has none)")
         return 0
-    from llamaref import token_logprobs
+    from llamaref import sha256_file
+    golden = json.load(open(GOLDEN))
+    if sha256_file(args.model) != golden["model_sha256"]:
+        print("SKIP: %s is not the model %s was made with" % (args.model, GOLDEN))
+        return 0
+    ref_of = {(p["context"], p["continuation"]): p for p in golden["pairs"]}
     ck = Checks()
     tmp = tempfile.mkdtemp(prefix="pdm-lmeval-")
     with open(os.path.join(tmp, "tiny_facts.yaml"), "w") as f:
@@ -129,15 +138,17 @@ def main():
         results = json.load(open(glob.glob(os.path.join(tmp, "out", "*", "results_*.json"))[0]))
         acc = results["results"]["pdmesh_tiny_facts"]["acc,none"]
         ck("32 loglikelihood requests answered", sum(len(s["resps"]) for s in samples) == 32)
-        worst, ref_correct, own_worst, methods = 0.0, 0, 0.0, set()
+        worst, ref_correct, own_worst, methods, tok_diff = 0.0, 0, 0.0, set(), []
         for s in samples:
             ref_lls = []
             for k, resp in enumerate(s["resps"]):
                 a = s["arguments"]["gen_args_%d" % k]
                 ll = float(resp[0][0])
                 whole, n_ctx = encode_pair(m.http_port, a["arg_0"], a["arg_1"])
-                ref = token_logprobs(args.model, whole, n_ctx=256)
-                ref_ll = sum(ref[n_ctx:])
+                g = ref_of[(a["arg_0"], a["arg_1"])]
+                if (whole, n_ctx) != (g["tokens"], g["n_ctx"]):
+                    tok_diff.append((a["arg_0"], a["arg_1"], whole, g["tokens"]))
+                ref_ll = g["loglikelihood"]
                 # the mesh's own scoring of the same tokens (echo, max_tokens 0): lm-eval read
                 # the right entries (token_logprobs[ctxlen:-1] of its max_tokens 1 request)
                 body = {"prompt": whole, "echo": True, "logprobs": 0, "max_tokens": 0}
@@ -154,6 +165,8 @@ def main():
             ref_correct += max(range(len(ref_lls)), key=lambda i: ref_lls[i]) == s["doc"]["answer"]
         print("  lm-eval acc %.3f (llama.cpp's loglikelihoods: %.3f); max |mesh - llama.cpp| "
               "per continuation %.3e" % (acc, ref_correct / len(samples), worst))
+        ck("every request's tokens (context + continuation split) equal llama.cpp's", not tok_diff,
+           tok_diff[:3])
         ck("every loglikelihood equals llama.cpp's within %g" % LLAMA_TOL, worst <= LLAMA_TOL,
            "%.3e" % worst)
         ck("every loglikelihood equals the mesh's own echo scoring of its tokens (1e-5)",

@@ -248,19 +248,30 @@ def main():
     return 1 if ck.failed else 0
 
 
-def llama_logprobs(model, tokens):
-    """log p(tokens[i] | tokens[:i]) for i >= 1 from llama.cpp (llama-cpp-python)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests", "golden"))
-    from llamaref import token_logprobs
-    return token_logprobs(model, tokens, n_ctx=256)
+def lm_eval_golden(model):
+    """llama.cpp's loglikelihoods of lm-eval's (context, continuation) pairs on the shipped
+    task (tests/golden/lm_eval_golden.json, make_lm_eval_golden.py), or None when `model` is
+    not the file it was made with."""
+    import hashlib
+    g = json.load(open(os.path.join(ROOT, "tests", "golden", "lm_eval_golden.json")))
+    h = hashlib.sha256()
+    with open(model, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return g if h.hexdigest() == g["model_sha256"] else None
 
 
 def check_lm_eval_shape(ck, c, model):
     """What lm-eval's local-completions sends for loglikelihood(context, continuation), and
     how it reads the answer (lm_eval/models/openai_completions.py, 0.4.x)."""
-    pairs = [("The capital of France is", " Paris"),
-             ("Water boils at a temperature of", " one hundred degrees"),
-             ("Once upon a time, there was a", " little girl who lived in a village")]
+    golden = lm_eval_golden(model)
+    if golden is None:
+        print("  SKIP lm-eval shape: %s is not the model of tests/golden/lm_eval_golden.json"
+              % model)
+        return
+    # three pairs of the golden data: a likely and an unlikely answer, and another question
+    ref_pairs = [golden["pairs"][i] for i in (0, 3, 5)]
+    pairs = [(p["context"], p["continuation"]) for p in ref_pairs]
     tok = client_tokenize(c)
     reqs, ctxlens = [], []
     for ctx, cont in pairs:
@@ -280,8 +291,10 @@ def check_lm_eval_shape(ck, c, model):
         i = ch1.index
         s1 = sum(ch1.logprobs.token_logprobs[ctxlens[i]:-1])
         s0 = sum(ch0.logprobs.token_logprobs[ctxlens[i]:])
-        ref = llama_logprobs(model, reqs[i])
-        sr = sum(ref[ctxlens[i]:])
+        ck("lm-eval shape %d: the mesh's tokens equal llama.cpp's" % i,
+           (reqs[i], ctxlens[i]) == (ref_pairs[i]["tokens"], ref_pairs[i]["n_ctx"]),
+           (reqs[i], ref_pairs[i]["tokens"]))
+        sr = ref_pairs[i]["loglikelihood"]
         worst = max(worst, abs(s1 - sr), abs(s0 - sr))
         ck("lm-eval shape %d: max_tokens 1 and 0 give the same loglikelihood" % i,
            abs(s1 - s0) < 1e-6, "%r vs %r" % (s1, s0))
