@@ -483,6 +483,7 @@ static void pdm__usage(FILE *f)
                "       [--health-file F] [--drain-grace S]\n"
                "       [--model FILE] [--threads N] [--batch N] [--max-sequences N]\n"
                "       [--kv-budget TOKENS] [--kv-pool TOKENS] [--kv-dtype f32|f16|q8] [--kv-timeout S]\n"
+               "       [--kv-window R]\n"
                "       [--beams B] [--length-penalty X] [--n-best N] "
                "[--early-stopping heuristic|early|never]\n"
                "       [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR] "
@@ -492,7 +493,10 @@ static void pdm__usage(FILE *f)
                "second for `pdmesh health` (liveness and readiness probes). --drain-grace: on\n"
                "SIGTERM take no new work and stop once idle, for at most S seconds (0).\n"
                "--kv-pool: finished sequences keep their KV in up to TOKENS slots (evicted when\n"
-               "work needs them) for later prompts that start with theirs (0: off).\n");
+               "work needs them) for later prompts that start with theirs (0: off).\n"
+               "--kv-window: sliding-window layers (Gemma 3's local layers) keep only their\n"
+               "window S, in R x (S-1) rows per head (the static-window KV manager; 1.5 to 8,\n"
+               "default 2; 0: every layer keeps the whole context).\n");
 }
 
 int main(int argc, char **argv)
@@ -507,7 +511,8 @@ int main(int argc, char **argv)
     static pdm__daemon_t dn; /* the task table is large: not on the stack */
     pdm_decode_params_default(&dn.dp);
     pdm_kvoff_params_default(&dn.offload);
-    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN, O_POOL };
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN, O_POOL,
+           O_WINDOW };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"threads", required_argument, 0, 't'},
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
@@ -525,7 +530,8 @@ int main(int argc, char **argv)
         {"kv-interface", required_argument, 0, O_KV_IFACE},
         {"health-file", required_argument, 0, O_HEALTH},
         {"drain-grace", required_argument, 0, O_DRAIN},
-        {"kv-pool", required_argument, 0, O_POOL}, {0, 0, 0, 0}};
+        {"kv-pool", required_argument, 0, O_POOL},
+        {"kv-window", required_argument, 0, O_WINDOW}, {0, 0, 0, 0}};
     const char *kv_iface = NULL;
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
@@ -559,6 +565,10 @@ int main(int argc, char **argv)
         case O_KV_IFACE: kv_iface = optarg; break;
         case O_HEALTH: lp.health_file = optarg; break;
         case O_POOL: if (pdm_parse_long(optarg, 0, 1L << 30, &v)) goto bad; dp->pool_tokens = v; break;
+        case O_WINDOW:
+            if (pdm_parse_double(optarg, 0, 8, &d) || (d != 0 && d < 1.5)) goto bad;
+            dp->kv_window = d;
+            break;
         case O_DRAIN:
             if (pdm_parse_double(optarg, 0, 3600, &d)) goto bad;
             lp.drain_grace = d;
