@@ -245,6 +245,10 @@ static int pdm__spawn_decode(pdm_launch_t *l)
         argv[a++] = "--kv-slow-tier";
         argv[a++] = (char *)p->decode_kv_slow_tier;
     }
+    if (p->decode_kv_window) {
+        argv[a++] = "--kv-window";
+        argv[a++] = (char *)p->decode_kv_window;
+    }
     argv[a] = NULL;
     return pdm__spawn_argv(l, argv, pr);
 }

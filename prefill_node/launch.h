@@ -39,6 +39,8 @@ typedef struct {
                                   * another to check that mismatched blocks are rejected) */
     const char *decode_kv_fast_budget; /* head-wise KV offload: --kv-fast-budget (NULL: off) */
     const char *decode_kv_slow_tier;   /* --kv-slow-tier ram|file:DIR (NULL: default) */
+    const char *decode_kv_window;      /* --kv-window R: windowed local layers' reserve, "0"
+                                        * off (NULL: the node's default, 2) */
 } pdm_launch_params_t;
 
 void pdm_launch_params_default(pdm_launch_params_t *p);
