@@ -605,14 +605,31 @@ int main(int argc, char **argv)
     /* the widest beam search this node runs (node.c: at most the batch) */
     lp.capacity.max_beams = (uint32_t)PDM_MIN(PDM_BEAM_MAX_WIDTH, dp->max_batch);
     lp.capacity.pool_tokens = (uint64_t)dp->pool_tokens;
-    /* First, before any library starts a thread: signals are blocked from here on. */
-    if (pdm_link_create(&lp, &dn.link)) {
+    /* The model first (a loader, no threads): the router counts a sequence's KV slots as
+     * this node does, which needs the windowed layers' layout (decode.h). Streamed sampling
+     * sequences are windowed unless offload is on; a q8 node is announced without windows
+     * because its local prefills keep full KV (the router then over-reserves, never under). */
+    pdm_model_t *model = NULL;
+    if (pdm_model_load(model_path, &model)) {
         fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
         return 1;
     }
-    pdm_model_t *model = NULL;
+    pdm_kvwin_plan_t wp;
+    if (!dp->offload && dp->kv_dtype != PDM_DT_I8 &&
+        !pdm_kvwin_plan(model, dp->kv_dtype, dp->kv_window, 1, INT32_MAX - 1, &wp) &&
+        wp.layout.win_rows) {
+        lp.capacity.kv_layers = model->hp.n_layers;
+        lp.capacity.kv_windowed_layers = wp.layout.n_windowed;
+        lp.capacity.kv_window_rows = (uint32_t)wp.layout.win_rows;
+    }
+    /* First, before any library starts a thread: signals are blocked from here on. */
+    if (pdm_link_create(&lp, &dn.link)) {
+        fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
+        pdm_model_free(model);
+        return 1;
+    }
     int status = 1;
-    if (pdm_model_load(model_path, &model) || pdm_kvt_listen_on(kv_iface) ||
+    if (pdm_kvt_listen_on(kv_iface) ||
         pdm_kvt_create(NULL, &dn.kvt) ||
         pdm_decode_node_create(model, dn.kvt, dp, &dn.node)) {
         fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
