@@ -137,7 +137,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch clean distclean format \
         format-check \
-        integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
+        integration-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
         sdk-test image container-test fidelity
@@ -278,6 +278,11 @@ cli-test: $(BINS)
 # The router with a prefill group and decode nodes as real processes (tests/integration).
 integration-test: $(BINS)
 	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/run.sh
+	BIN=$(BUILD)/bin tests/integration/window.sh
+
+# Windowed local layers (Gemma 3) through the router, on a random gemma3 model.
+window-test: $(BINS)
+	BIN=$(BUILD)/bin tests/integration/window.sh
 
 # Router overhead per request with a decode node that answers at once (docs/router.md).
 bench-router: $(BINS)
