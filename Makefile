@@ -139,7 +139,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
         format-check \
         integration-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
         bench-prefill cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
-        bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
+        bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory bench-decode-memory-window python-sdk \
         sdk-test image container-test fidelity
 
 all: $(BINS) $(TEST_BIN) $(BENCH_BINS) $(SDK_A) $(SDK_SO) $(SDK_BINS)
@@ -420,6 +420,15 @@ bench-decode-memory-beam: model $(BUILD)/bin/beam_bench
 	  --md docs/perf/decode-memory-beam.md $(BEAM_BENCH_ARGS)
 # Head-wise offload: decode time vs all resident at 4K/32K/128K, longest context per placement
 # (PDM_BENCH_QUICK=1: fewer steps; OFFLOAD_GROUPS=1,2,3 sweeps the group size).
+# Windowed local layers (Gemma 3 270M): KV bytes per token of context with and without the
+# window, decode step time (docs/decode-memory.md "Windowed local layers").
+GEMMA_MODEL ?= models/gemma-3-270m-q4_k_m.gguf
+bench-decode-memory-window: $(BUILD)/bin/window_bench
+	$(BUILD)/bin/window_bench --model $(GEMMA_MODEL) --json docs/perf/decode-memory-window.json \
+	  --md docs/perf/decode-memory-window.md
+	$(BUILD)/bin/window_bench --model $(GEMMA_MODEL) --kv-dtype q8 \
+	  --json docs/perf/decode-memory-window-q8.json --md docs/perf/decode-memory-window-q8.md
+
 bench-decode-memory: model $(BUILD)/bin/offload_bench
 	OFFLOAD_BENCH=$(BUILD)/bin/offload_bench PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/decode-memory/run.py
 

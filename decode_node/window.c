@@ -1,8 +1,8 @@
 /*
  * window.c - the static-window KV manager (Qualcomm AI Research, "KV cache implementation
- * for inference on HTP": reserve 2(S-1) rows per K/V so that append is a write and sliding is
- * pointer arithmetic; with a smaller reserve, e.g. 1.5(S-1), one copy every
- * reserve - (S-1) tokens).
+ * for inference on HTP", section "KV cache buffer management optimizations", c and d: reserve
+ * 2(S-1) rows per K/V so that append is a write and sliding is pointer arithmetic; with a
+ * smaller reserve, e.g. 1.5(S-1), one copy every reserve - (S-1) tokens).
  *
  * Two users: pdm_kvwin_t below, a whole-model window for static-shape engines (every layer
  * sees the last S - 1 tokens), and the decode node's windowed layers (Gemma 3's local
