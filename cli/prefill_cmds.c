@@ -885,6 +885,9 @@ int cmd_disagg_run(int argc, char **argv)
             cJSON_AddNumberToObject(j, "time_per_output_token", out[i].step_seconds);
             cJSON_AddNumberToObject(j, "total", out[i].total);
             cJSON_AddNumberToObject(j, "kv_bytes", out[i].kv_bytes);
+            cJSON *kc = cJSON_AddObjectToObject(j, "kv_cache"); /* on the decode node */
+            cJSON_AddNumberToObject(kc, "local_bytes", out[i].kv_local_bytes);
+            cJSON_AddNumberToObject(kc, "global_bytes", out[i].kv_global_bytes);
             cJSON_AddStringToObject(j, "kv_dtype", o.lp.kv_dtype);
             cJSON_AddNumberToObject(j, "kv_seconds", out[i].kv_seconds);
             cJSON_AddStringToObject(j, "transports", transports);

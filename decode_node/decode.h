@@ -105,6 +105,10 @@ typedef struct {
 } pdm_kvwin_plan_t;
 int pdm_kvwin_plan(const pdm_model_t *m, pdm_dtype_t dtype, double r, int32_t n_prompt,
                    int32_t max_new, pdm_kvwin_plan_t *out);
+/* Bytes of cache c (a sequence of model m) in local (sliding-window) layers and in global
+ * ones: windowed local layers count their window rows, others their capacity. */
+void pdm_kvwin_cache_bytes(const pdm_model_t *m, const pdm_kv_cache_t *c, uint64_t *local,
+                           uint64_t *global);
 
 /* ---- The node --------------------------------------------------------------------------- */
 
@@ -238,6 +242,8 @@ typedef struct {
     int kv_error;           /* ERROR: 1 when the prompt's KV failed to arrive or verify */
     const pdm_beam_report_t *beam; /* DONE of a beam search: n-best list and memory; else NULL */
     int32_t cached_tokens;  /* DONE: prompt tokens whose KV came from the prefix pool */
+    uint64_t kv_local_bytes, kv_global_bytes; /* DONE: the sequence's KV cache on this node per
+                                               * layer kind (pdm_kvwin_cache_bytes) */
 } pdm_decode_event_t;
 
 typedef void (*pdm_decode_event_cb)(void *arg, const pdm_decode_event_t *ev);

@@ -465,6 +465,8 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
     r.kv_seconds = ev->kv_seconds;
     r.step_seconds = ev->step_seconds;
     r.kv_bytes = ev->kv_bytes;
+    r.kv_local_bytes = ev->kv_local_bytes;
+    r.kv_global_bytes = ev->kv_global_bytes;
     r.cached_tokens = (uint32_t)(ev->cached_tokens > 0 ? ev->cached_tokens : 0);
     if (ev->beam) pdm__beam_result(ev->beam, &r, beams, bp, &rep);
     pdm_kvoff_stats_t os; /* head-wise offload: what it did so far (node-wide) */

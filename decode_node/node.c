@@ -710,6 +710,7 @@ static void pdm__finish(pdm_decode_node_t *n, pdm__seq_t *s, const char *why,
         .n_tokens = s->n_tokens, .text = s->text ? s->text : "", .kv_seconds = s->kv_seconds,
         .step_seconds = s->steps ? s->step_total / s->steps : 0, .kv_bytes = s->kv_bytes,
         .cached_tokens = s->cached};
+    if (s->cache) pdm_kvwin_cache_bytes(n->model, s->cache, &ev.kv_local_bytes, &ev.kv_global_bytes);
     if (s->beam) {
         pdm__beam_done(n, s, &ev, cb, arg);
         pdm__seq_release(n, s);

@@ -133,3 +133,16 @@ int pdm_kvwin_plan(const pdm_model_t *m, pdm_dtype_t dtype, double r, int32_t n_
     *out = p;
     return PDM_OK;
 }
+
+void pdm_kvwin_cache_bytes(const pdm_model_t *m, const pdm_kv_cache_t *c, uint64_t *local,
+                           uint64_t *global)
+{
+    const uint64_t row = pdm_dtype_row_bytes(c->dtype, c->head_dim) * 2 * c->n_kv_heads;
+    *local = *global = 0;
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        const uint64_t rows = c->windowed && c->windowed[l] ? (uint64_t)c->win_rows
+                                                            : (uint64_t)c->capacity;
+        if (m->layers[l].window > 0) *local += rows * row;
+        else *global += rows * row;
+    }
+}

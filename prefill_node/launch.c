@@ -965,6 +965,8 @@ static void pdm__apply_result(pdm__gen_t *g, int i, const Pdmesh__DecodeResult *
     r->step_seconds = d->step_seconds;
     r->kv_seconds = d->kv_seconds;
     r->kv_bytes = (double)d->kv_bytes;
+    r->kv_local_bytes = (double)d->kv_local_bytes;
+    r->kv_global_bytes = (double)d->kv_global_bytes;
     if (d->n_beams || d->beam_report) r->beam_json = pdm__beam_json(d);
     free(r->offload_json);
     r->offload_json = d->offload ? pdm__offload_json(d->offload) : NULL;

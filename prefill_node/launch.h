@@ -117,6 +117,8 @@ typedef struct {
     double step_seconds; /* mean seconds per decode step */
     double kv_seconds;   /* decode node: start -> KV verified */
     double kv_bytes;     /* KV bytes the decode node received */
+    double kv_local_bytes, kv_global_bytes; /* the sequence's KV cache on the decode node in
+                                             * local (sliding-window) and global layers */
     int32_t cached;      /* prompt tokens reused from the group's cache (reuse_prefix) */
     char *offload_json;  /* malloc'd: the decode node's head-wise offload report, or NULL */
     double prefill_wait; /* max over ranks of time blocked in communication (streaming too) */

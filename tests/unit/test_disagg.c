@@ -229,6 +229,11 @@ START_TEST(test_disagg_gemma3_window)
     pdm_kvwin_plan_t wp[NREQ];
     for (int i = 0; i < NREQ; i++)
         ck_assert_int_eq(pdm_kvwin_plan(m, PDM_DT_F32, 2, lens[i], MAX_NEW, &wp[i]), 0);
+    /* the DONE report's cache bytes per layer kind: local layers in their window rows */
+    uint32_t n_local = 0;
+    for (uint32_t l = 0; l < m->hp.n_layers; l++) n_local += m->layers[l].window > 0;
+    const double row = (double)m->hp.head_dim * 4 * 2 * m->hp.n_kv_heads; /* f32, K and V */
+    const uint32_t n_layers = m->hp.n_layers;
     pdm_model_free(m);
     ck_assert_int_gt(wp[0].stage_slots, 0);  /* staged */
     ck_assert_int_eq(wp[1].stage_slots, 0);  /* in place */
@@ -270,6 +275,12 @@ START_TEST(test_disagg_gemma3_window)
             for (int k = 0; k < n_want[i]; k++)
                 ck_assert_msg(out[i].tokens[k] == want[i][k], "window %s prompt %d token %d: %d, "
                               "engine %d", windows[w], i, k, out[i].tokens[k], want[i][k]);
+            const int cap = lens[i] + MAX_NEW;
+            const int rows = w == 2 ? cap : w == 0 ? 30 : 23; /* ceil(r * 15) */
+            ck_assert_msg(out[i].kv_local_bytes == n_local * rows * row &&
+                          out[i].kv_global_bytes == (n_layers - n_local) * cap * row,
+                          "window %s prompt %d: local %.0f global %.0f bytes", windows[w], i,
+                          out[i].kv_local_bytes, out[i].kv_global_bytes);
             pdm_launch_response_free(&out[i]);
         }
         assert_idle(l);
