@@ -679,7 +679,7 @@ int pdm_model_prefill_logits(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const 
         }
         for (int i = 0; i < cn; i++) positions[i] = cache->pos0 + slot + i;
         rc = pdm_model_embed(ctx, tokens + c0, positions, cn, act);
-        if (rc) {
+        if (rc) { /* (not reached: the tokens were checked above) */
             cache->n_tokens = n_tokens0;
             return rc;
         }
