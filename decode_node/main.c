@@ -498,7 +498,8 @@ static void pdm__usage(FILE *f)
                "work needs them) for later prompts that start with theirs (0: off).\n"
                "--kv-window: sliding-window layers (Gemma 3's local layers) keep only their\n"
                "window S, in R x (S-1) rows per head (the static-window KV manager; 1.5 to 8,\n"
-               "default 2; 0: every layer keeps the whole context).\n");
+               "default 2; 0: every layer keeps the whole context); --kv-budget then counts\n"
+               "their smaller footprint. Beam searches and --kv-fast-budget keep full KV.\n");
 }
 
 int main(int argc, char **argv)
