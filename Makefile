@@ -428,6 +428,8 @@ bench-decode-memory-window: $(BUILD)/bin/window_bench
 	  --md docs/perf/decode-memory-window.md
 	$(BUILD)/bin/window_bench --model $(GEMMA_MODEL) --kv-dtype q8 \
 	  --json docs/perf/decode-memory-window-q8.json --md docs/perf/decode-memory-window-q8.md
+	$(BUILD)/bin/window_bench --model $(GEMMA_MODEL) --threads 2 --check 1100,700
+	$(BUILD)/bin/window_bench --model $(GEMMA_MODEL) --threads 2 --kv-dtype q8 --check 1100,700
 
 bench-decode-memory: model $(BUILD)/bin/offload_bench
 	OFFLOAD_BENCH=$(BUILD)/bin/offload_bench PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/decode-memory/run.py

@@ -17,6 +17,12 @@
  *
  * Writes a JSON report (--json FILE) and a markdown table (--md FILE). The machine may be
  * shared: numbers are labelled so unless --quiet-machine is given.
+ *
+ * --check P,N instead: the real model end to end on real activations. A prompt of P random
+ * token ids is prefilled into a full and a windowed cache in the same chunks (q8: the full
+ * cache's prompt, the window keeping its tail, as from a KV stream), then N - 1 greedy decode
+ * steps run on each; every step's logits must be equal bit for bit and the greedy tokens the
+ * same (exit 1 otherwise). P + N past 2 (S - 1) + (S - 1) makes the window move.
  */
 #include <math.h>
 #include <stdio.h>
@@ -171,10 +177,90 @@ out:
     return st;
 }
 
+static int argmax(const float *x, int n)
+{
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return b;
+}
+
+/* --check (above): 0 when windowed and full caches agree at every step. */
+static int run_check(pdm_model_ctx_t *ctx, pdm_dtype_t dt, double r, int P, int N)
+{
+    const pdm_model_t *m = pdm_model_ctx_model(ctx);
+    const int V = (int)m->hp.n_vocab;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)P);
+    float *lf = malloc(sizeof(float) * (size_t)V), *lw = malloc(sizeof(float) * (size_t)V);
+    pdm_kv_cache_params_t fp = {.capacity = P + N, .dtype = dt};
+    pdm_kv_cache_params_t wp = {.capacity = P + N, .dtype = dt, .model = m, .window_reserve = r};
+    pdm_kv_cache_t *cf = NULL, *cw = NULL;
+    pdm_act_t act = {0};
+    int st = !ids || !lf || !lw ? PDM_ENOMEM : 0, differ = 0, same = 1;
+    if (!st) st = pdm_act_alloc(&m->hp, 1, &act);
+    if (!st) st = pdm_kv_cache_create_params(&m->hp, &fp, &cf);
+    if (!st) st = pdm_kv_cache_create_params(&m->hp, &wp, &cw);
+    if (st) goto out;
+    uint64_t seed = 5;
+    for (int i = 0; i < P; i++) ids[i] = (int32_t)(pdm_splitmix64(&seed) % (uint64_t)V);
+    const double t0 = pdm_now();
+    if (dt == PDM_DT_I8 && cw->windowed) {
+        if ((st = pdm_model_prefill(ctx, cf, ids, P, lf))) goto out;
+        const size_t row = pdm_dtype_row_bytes(dt, m->hp.head_dim);
+        for (uint32_t l = 0; l < m->hp.n_layers; l++)
+            for (uint32_t h = 0; !cw->windowed[l] && h < m->hp.n_kv_heads; h++) {
+                memcpy(pdm_kv_cache_k(cw, l, h), pdm_kv_cache_k(cf, l, h), row * (size_t)P);
+                memcpy(pdm_kv_cache_v(cw, l, h), pdm_kv_cache_v(cf, l, h), row * (size_t)P);
+            }
+        pdm_kv_cache_window_fill(cw, cf->k, cf->v, P);
+        memcpy(cw->scale, cf->scale, sizeof(float) * 2 * m->hp.n_layers * m->hp.n_kv_heads);
+        cw->scales_fixed = 1;
+        cw->n_tokens = P;
+        memcpy(lw, lf, sizeof(float) * (size_t)V);
+    } else if (dt == PDM_DT_I8) {
+        if ((st = pdm_model_prefill(ctx, cf, ids, P, lf)) ||
+            (st = pdm_model_prefill(ctx, cw, ids, P, lw)))
+            goto out;
+    } else {
+        const int chunk = pdm_kv_cache_append_max(cw);
+        for (int c0 = 0; c0 < P; c0 += chunk) {
+            const int cn = PDM_MIN(chunk, P - c0);
+            if ((st = pdm_model_prefill(ctx, cf, ids + c0, cn, lf)) ||
+                (st = pdm_model_prefill(ctx, cw, ids + c0, cn, lw)))
+                goto out;
+        }
+    }
+    differ = memcmp(lf, lw, sizeof(float) * (size_t)V) != 0;
+    int32_t tf = argmax(lf, V), tw = argmax(lw, V);
+    for (int s = 0; s < N - 1; s++) {
+        same &= tf == tw;
+        pdm_decode_seq_t a = {cf, tf, lf}, b = {cw, tw, lw};
+        if ((st = pdm_decode_step(ctx, &act, &a, 1)) || (st = pdm_decode_step(ctx, &act, &b, 1)))
+            goto out;
+        differ += memcmp(lf, lw, sizeof(float) * (size_t)V) != 0;
+        tf = argmax(lf, V);
+        tw = argmax(lw, V);
+    }
+    same &= tf == tw;
+    printf("check %s r=%g: prompt %d + %d tokens; KV %zu (full) vs %zu (windowed) bytes; window "
+           "copies %llu; steps whose logits differ: %d; greedy tokens identical: %s (%.0f s)\n",
+           pdm_dtype_name(dt), r, P, N, pdm_kv_cache_bytes(cf), pdm_kv_cache_bytes(cw),
+           (unsigned long long)cw->win_copies, differ, same ? "yes" : "no", pdm_now() - t0);
+out:
+    if (st) fprintf(stderr, "window_bench: %s\n", pdm_error_last());
+    pdm_kv_cache_destroy(cf);
+    pdm_kv_cache_destroy(cw);
+    pdm_act_free(&act);
+    free(ids);
+    free(lf);
+    free(lw);
+    return st || differ || !same;
+}
+
 int main(int argc, char **argv)
 {
     const char *model_path = pdm_model_default_path(), *json_path = NULL, *md_path = NULL;
-    int threads = 1, quiet = 0, n_ctx = 0;
+    int threads = 1, quiet = 0, n_ctx = 0, check_p = 0, check_n = 0;
     int32_t ctxs[MAX_CTX];
     double r = 2;
     pdm_dtype_t dt = PDM_DT_F16;
@@ -188,6 +274,10 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--kv-dtype") && v) {
             if (pdm_kv_dtype_parse(argv[++i], &dt)) return 2;
         } else if (!strcmp(a, "--quiet-machine")) quiet = 1;
+        else if (!strcmp(a, "--check") && v) {
+            if (sscanf(argv[++i], "%d,%d", &check_p, &check_n) != 2 || check_p < 1 || check_n < 1)
+                return 2;
+        }
         else if (!strcmp(a, "--contexts") && v) {
             for (char *s = argv[++i]; *s && n_ctx < MAX_CTX;) {
                 ctxs[n_ctx++] = (int32_t)strtol(s, &s, 10);
@@ -196,7 +286,7 @@ int main(int argc, char **argv)
         } else {
             fprintf(stderr, "usage: window_bench [--model F] [--threads N] [--reserve R] "
                             "[--kv-dtype f16|f32|q8] [--contexts 512,2048,...] [--json F] "
-                            "[--md F] [--quiet-machine]\n");
+                            "[--md F] [--quiet-machine] [--check PROMPT,NEW]\n");
             return 2;
         }
     }
@@ -207,9 +297,15 @@ int main(int argc, char **argv)
     }
     pdm_model_t *m;
     pdm_model_ctx_t *ctx;
-    if (pdm_model_load(model_path, &m) || pdm_model_ctx_create(m, threads, 1, &ctx)) {
+    if (pdm_model_load(model_path, &m) || pdm_model_ctx_create(m, threads, 64, &ctx)) {
         fprintf(stderr, "window_bench: %s\n", pdm_error_last());
         return 1;
+    }
+    if (check_p) {
+        const int bad = run_check(ctx, dt, r, check_p, check_n);
+        pdm_model_ctx_destroy(ctx);
+        pdm_model_free(m);
+        return bad;
     }
     int32_t window = 0;
     uint32_t n_local = 0;
