@@ -37,11 +37,11 @@ enum { MAX_CTX = 8, STEPS = 48 };
 
 typedef struct {
     int32_t context;
-    size_t full_bytes, win_bytes;        /* allocated KV of one sequence */
+    size_t full_bytes, win_bytes; /* allocated KV of one sequence */
     size_t win_local_bytes, win_global_bytes;
     double full_mean, full_median, win_mean, win_median; /* seconds per decode step */
-    double copies_per_token, moved_per_token;           /* window moves, bytes */
-    int windowed;                        /* 0: the context is within the window rows */
+    double copies_per_token, moved_per_token;            /* window moves, bytes */
+    int windowed; /* 0: the context is within the window rows */
 } result_t;
 
 static int cmp_double(const void *a, const void *b)
@@ -100,7 +100,9 @@ static int run_context(pdm_model_ctx_t *ctx, pdm_dtype_t dt, double r, int32_t C
     const pdm_model_t *m = pdm_model_ctx_model(ctx);
     const uint32_t V = m->hp.n_vocab;
     pdm_kv_cache_params_t fp = {.capacity = C + STEPS, .dtype = dt};
-    pdm_kv_cache_params_t wp = {.capacity = C + STEPS, .dtype = dt, .model = m,
+    pdm_kv_cache_params_t wp = {.capacity = C + STEPS,
+                                .dtype = dt,
+                                .model = m,
                                 .window_reserve = r};
     pdm_kv_cache_t *full = NULL, *win = NULL;
     pdm_act_t act = {0};
@@ -277,8 +279,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--check") && v) {
             if (sscanf(argv[++i], "%d,%d", &check_p, &check_n) != 2 || check_p < 1 || check_n < 1)
                 return 2;
-        }
-        else if (!strcmp(a, "--contexts") && v) {
+        } else if (!strcmp(a, "--contexts") && v) {
             for (char *s = argv[++i]; *s && n_ctx < MAX_CTX;) {
                 ctxs[n_ctx++] = (int32_t)strtol(s, &s, 10);
                 if (*s == ',') s++;
@@ -319,9 +320,11 @@ int main(int argc, char **argv)
             fprintf(stderr, "window_bench: %s\n", pdm_error_last());
             return 1;
         }
-        fprintf(stderr, "context %6d: KV %9zu -> %9zu bytes (%.0f -> %.0f per token), step "
-                "%.2f -> %.2f ms (median)\n", res[i].context, res[i].full_bytes,
-                res[i].win_bytes, (double)res[i].full_bytes / res[i].context,
+        fprintf(stderr,
+                "context %6d: KV %9zu -> %9zu bytes (%.0f -> %.0f per token), step "
+                "%.2f -> %.2f ms (median)\n",
+                res[i].context, res[i].full_bytes, res[i].win_bytes,
+                (double)res[i].full_bytes / res[i].context,
                 (double)res[i].win_bytes / res[i].context, 1e3 * res[i].full_median,
                 1e3 * res[i].win_median);
     }
@@ -329,12 +332,15 @@ int main(int argc, char **argv)
     if (json_path) {
         FILE *f = fopen(json_path, "w");
         if (!f) return 1;
-        fprintf(f, "{\"model\": \"%s\", \"kv_dtype\": \"%s\", \"reserve\": %g, \"window\": %d, "
+        fprintf(f,
+                "{\"model\": \"%s\", \"kv_dtype\": \"%s\", \"reserve\": %g, \"window\": %d, "
                 "\"layers\": %u, \"local_layers\": %u, \"threads\": %d, \"steps\": %d, "
-                "\"machine\": \"%s\", \"contexts\": [", model_path, pdm_dtype_name(dt), r,
-                window, m->hp.n_layers, n_local, threads, STEPS, machine);
+                "\"machine\": \"%s\", \"contexts\": [",
+                model_path, pdm_dtype_name(dt), r, window, m->hp.n_layers, n_local, threads, STEPS,
+                machine);
         for (int i = 0; i < n_ctx; i++)
-            fprintf(f, "%s\n  {\"context\": %d, \"windowed\": %d, \"kv_bytes_full\": %zu, "
+            fprintf(f,
+                    "%s\n  {\"context\": %d, \"windowed\": %d, \"kv_bytes_full\": %zu, "
                     "\"kv_bytes_windowed\": %zu, \"kv_bytes_local\": %zu, \"kv_bytes_global\": "
                     "%zu, \"bytes_per_token_full\": %.1f, \"bytes_per_token_windowed\": %.1f, "
                     "\"step_ms_full_mean\": %.3f, \"step_ms_full_median\": %.3f, "
@@ -352,23 +358,25 @@ int main(int argc, char **argv)
     if (md_path) {
         FILE *f = fopen(md_path, "w");
         if (!f) return 1;
-        fprintf(f, "KV of one sequence, %s, %u layers (%u local, window %d), windowed reserve "
+        fprintf(f,
+                "KV of one sequence, %s, %u layers (%u local, window %d), windowed reserve "
                 "r = %g; decode step of one sequence, %d thread(s), median of %d steps; "
-                "machine: %s.\n\n", pdm_dtype_name(dt), m->hp.n_layers, n_local, window, r,
-                threads, STEPS, machine);
+                "machine: %s.\n\n",
+                pdm_dtype_name(dt), m->hp.n_layers, n_local, window, r, threads, STEPS, machine);
         fprintf(f, "| context | KV full (MiB) | KV windowed (MiB) | local / global (MiB) | "
-                "bytes/token full | bytes/token windowed | ratio | step full (ms) | "
-                "step windowed (ms) | bytes moved/token |\n");
+                   "bytes/token full | bytes/token windowed | ratio | step full (ms) | "
+                   "step windowed (ms) | bytes moved/token |\n");
         fprintf(f, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for (int i = 0; i < n_ctx; i++)
-            fprintf(f, "| %d | %.2f | %.2f | %.2f / %.2f | %.0f | %.0f | %.2f | %.2f | %.2f | "
-                    "%.0f |\n", res[i].context, res[i].full_bytes / 1048576.0,
-                    res[i].win_bytes / 1048576.0, res[i].win_local_bytes / 1048576.0,
-                    res[i].win_global_bytes / 1048576.0,
+            fprintf(f,
+                    "| %d | %.2f | %.2f | %.2f / %.2f | %.0f | %.0f | %.2f | %.2f | %.2f | "
+                    "%.0f |\n",
+                    res[i].context, res[i].full_bytes / 1048576.0, res[i].win_bytes / 1048576.0,
+                    res[i].win_local_bytes / 1048576.0, res[i].win_global_bytes / 1048576.0,
                     (double)res[i].full_bytes / res[i].context,
                     (double)res[i].win_bytes / res[i].context,
-                    (double)res[i].full_bytes / (double)res[i].win_bytes,
-                    1e3 * res[i].full_median, 1e3 * res[i].win_median, res[i].moved_per_token);
+                    (double)res[i].full_bytes / (double)res[i].win_bytes, 1e3 * res[i].full_median,
+                    1e3 * res[i].win_median, res[i].moved_per_token);
         fclose(f);
     }
     pdm_model_ctx_destroy(ctx);
