@@ -14,7 +14,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "common/pdm.h"
 
@@ -53,20 +52,10 @@ static void pdm__kvwin_room(pdm_kvwin_t *w, int n)
 {
     if (w->end + n <= w->reserve) return;
     const int32_t new_end = PDM_MIN(w->window, w->reserve - n);
-    if (w->n_valid > 0) {
-        pdm_kv_cache_t *c = w->cache;
-        const size_t row = pdm_dtype_row_bytes(c->dtype, c->head_dim);
-        const size_t from = (size_t)(w->end - w->n_valid) * row;
-        const size_t to = (size_t)(new_end - w->n_valid) * row;
-        const size_t bytes = (size_t)w->n_valid * row;
-        for (uint32_t l = 0; l < c->n_layers; l++)
-            for (uint32_t h = 0; h < c->n_kv_heads; h++) {
-                char *k = pdm_kv_cache_k(c, l, h), *v = pdm_kv_cache_v(c, l, h);
-                memmove(k + to, k + from, bytes);
-                memmove(v + to, v + from, bytes);
-            }
-        w->copies++;
-        w->bytes_moved += (uint64_t)bytes * 2 * c->n_layers * c->n_kv_heads;
+    if (w->n_valid > 0) { /* the same move as the decode node's windowed layers */
+        pdm_kv_cache_move_rows(w->cache, w->end - w->n_valid, new_end - w->n_valid, w->n_valid);
+        w->copies = w->cache->win_copies;
+        w->bytes_moved = w->cache->win_bytes_moved;
     }
     w->end = new_end;
 }

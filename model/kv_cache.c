@@ -178,17 +178,15 @@ int32_t pdm_kv_cache_append_max(const pdm_kv_cache_t *c)
     return PDM_MIN(free_slots, c->win_rows - c->win_keep);
 }
 
-/* Moves rows [from, from + n) of every windowed array to row 0. */
-static void pdm__window_move(pdm_kv_cache_t *c, int32_t from, int32_t n)
+void pdm_kv_cache_move_rows(pdm_kv_cache_t *c, int32_t from, int32_t to, int32_t n)
 {
     const size_t row = pdm_dtype_row_bytes(c->dtype, c->head_dim);
     for (uint32_t l = 0; l < c->n_layers; l++) {
-        if (!c->windowed[l]) continue;
+        if (c->windowed && !c->windowed[l]) continue;
         for (uint32_t h = 0; h < c->n_kv_heads; h++) {
-            memmove(pdm_kv_cache_k(c, l, h), (char *)pdm_kv_cache_k(c, l, h) + from * row,
-                    (size_t)n * row);
-            memmove(pdm_kv_cache_v(c, l, h), (char *)pdm_kv_cache_v(c, l, h) + from * row,
-                    (size_t)n * row);
+            char *k = pdm_kv_cache_k(c, l, h), *v = pdm_kv_cache_v(c, l, h);
+            memmove(k + (size_t)to * row, k + (size_t)from * row, (size_t)n * row);
+            memmove(v + (size_t)to * row, v + (size_t)from * row, (size_t)n * row);
             c->win_bytes_moved += 2 * (uint64_t)n * row;
         }
     }
@@ -205,7 +203,7 @@ int pdm_kv_cache_room(pdm_kv_cache_t *c, int32_t n)
     /* The note's one copy: the kept rows (the last S - 1 slots) go back to row 0. */
     const int32_t keep_from = PDM_MAX(c->win_first, c->n_tokens - c->win_keep);
     const int32_t kept = c->n_tokens - keep_from;
-    if (kept > 0) pdm__window_move(c, keep_from - c->win_first, kept);
+    if (kept > 0) pdm_kv_cache_move_rows(c, keep_from - c->win_first, 0, kept);
     c->win_first = keep_from;
     return PDM_OK;
 }

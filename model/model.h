@@ -194,6 +194,11 @@ int32_t pdm_kv_cache_append_max(const pdm_kv_cache_t *c);
  * copy). PDM_EOVERFLOW (nothing changed) when n exceeds pdm_kv_cache_append_max. No-op for
  * a cache without windowed layers. */
 int pdm_kv_cache_room(pdm_kv_cache_t *c, int32_t n);
+/* The static window's one copy: moves rows [from, from + n) of each head's arrays to row `to`
+ * (memmove) in every windowed layer, or in every layer of a cache without windowed layers
+ * (decode_node/window.c's whole-model window), and counts it in win_copies and
+ * win_bytes_moved. */
+void pdm_kv_cache_move_rows(pdm_kv_cache_t *c, int32_t from, int32_t to, int32_t n);
 /* Windowed layers, after their slots [0, n_prompt) were written somewhere else (a KV stream
  * received into full-size staging arrays): copies the last S - 1 rows of each staging array
  * (stage_k/v[layer * n_kv_heads + head], n_prompt rows, NULL for full layers) into the
