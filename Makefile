@@ -145,9 +145,9 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch golden-tok clean distclean format \
         format-check \
-        integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
+        integration-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
         bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
-        bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
+        bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory bench-decode-memory-window python-sdk \
         python-pb python-package-test lm-eval-test \
         sdk-test image container-test fidelity
 
@@ -325,6 +325,11 @@ cli-test: $(BINS)
 # The router with a prefill group and decode nodes as real processes (tests/integration).
 integration-test: $(BINS)
 	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/run.sh
+	BIN=$(BUILD)/bin tests/integration/window.sh
+
+# Windowed local layers (Gemma 3) through the router, on a random gemma3 model.
+window-test: $(BINS)
+	BIN=$(BUILD)/bin tests/integration/window.sh
 
 # Router overhead per request with a decode node that answers at once (docs/router.md).
 bench-router: $(BINS)
@@ -473,6 +478,17 @@ bench-decode-memory-beam: model $(BUILD)/bin/beam_bench
 	  --md docs/perf/decode-memory-beam.md $(BEAM_BENCH_ARGS)
 # Head-wise offload: decode time vs all resident at 4K/32K/128K, longest context per placement
 # (PDM_BENCH_QUICK=1: fewer steps; OFFLOAD_GROUPS=1,2,3 sweeps the group size).
+# Windowed local layers (Gemma 3 270M): KV bytes per token of context with and without the
+# window, decode step time (docs/decode-memory.md "Windowed local layers").
+GEMMA_MODEL ?= models/gemma-3-270m-q4_k_m.gguf
+bench-decode-memory-window: $(BUILD)/bin/window_bench
+	$(BUILD)/bin/window_bench --model $(GEMMA_MODEL) --json docs/perf/decode-memory-window.json \
+	  --md docs/perf/decode-memory-window.md
+	$(BUILD)/bin/window_bench --model $(GEMMA_MODEL) --kv-dtype q8 \
+	  --json docs/perf/decode-memory-window-q8.json --md docs/perf/decode-memory-window-q8.md
+	$(BUILD)/bin/window_bench --model $(GEMMA_MODEL) --threads 2 --check 1100,700
+	$(BUILD)/bin/window_bench --model $(GEMMA_MODEL) --threads 2 --kv-dtype q8 --check 1100,700
+
 bench-decode-memory: model $(BUILD)/bin/offload_bench
 	OFFLOAD_BENCH=$(BUILD)/bin/offload_bench PDMESH_MODEL=$(MODEL_FILE) $(PYTHON) bench/decode-memory/run.py
 

@@ -632,6 +632,11 @@ int cmd_up(int argc, char **argv)
         st = y_int(d, "threads", 1, 1, 256, &threads);
         if (!st) st = y_int(d, "kv_budget", 65536, 1, 1L << 30, &budget);
         if (!st) st = y_int(d, "kv_pool", 0, 0, 1L << 30, &pool_tokens);
+        /* windowed local layers (pdmesh-decode --kv-window: 0, or 1.5 to 8; default 2) */
+        const char *win = y_str(d, "kv_window", "2");
+        double r;
+        if (!st && (pdm_parse_double(win, 0, 8, &r) || (r != 0 && r < 1.5)))
+            st = pdm_error_set(PDM_EINVAL, "config: kv_window must be 0 or in [1.5, 8]");
         snprintf(th, sizeof(th), "%ld", threads);
         snprintf(kv, sizeof(kv), "%ld", budget);
         snprintf(pool, sizeof(pool), "%ld", pool_tokens);
@@ -639,7 +644,8 @@ int cmd_up(int argc, char **argv)
         for (char *q = hf + strlen(hdir) + 1; *q; q++)
             if (*q == '/') *q = '-';
         char *da[] = {b_dec, "--model", (char *)model, "--router", (char *)node, "--node-id", id,
-                      "--threads", th, "--kv-budget", kv, "--kv-pool", pool, "--health-file", hf,
+                      "--threads", th, "--kv-budget", kv, "--kv-pool", pool,
+                      "--kv-window", (char *)win, "--health-file", hf,
                       kv_iface ? "--kv-interface" : NULL, (char *)kv_iface, NULL};
         if (!st) st = mesh_add(&m, id, da, curve ? c_dec : NULL, curve ? c_srv_pub : NULL, hf);
         expected++;

@@ -56,7 +56,7 @@ static void usage(FILE *f)
             "              [--decode-batch N]\n"
             "              [--kv-dtype f32|f16|q8] [--json]\n"
             "              [--beams B] [--length-penalty X] [--n-best N] [--early-stopping R]\n"
-            "              [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR]\n"
+            "              [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR] [--kv-window R]\n"
             "              [--reuse-prefix [--block-tokens N]]   follow-up turns as the router\n"
             "              prefill group -> KV stream -> decode node, end to end\n"
             "  plan        --context N [--beams B] [--fast-budget BYTES] [--chunk C] [--json]\n"

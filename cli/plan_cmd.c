@@ -12,6 +12,7 @@
 
 #include "cli/cli.h"
 #include "common/pdm.h"
+#include "decode_node/decode.h"
 #include "decode_node/offload.h"
 
 /* "123", "64K", "3M", "2G" (powers of 1024) -> bytes. */
@@ -52,12 +53,87 @@ static int32_t longest(const pdm_model_t *m, int which, int beams, int64_t budge
     return lo;
 }
 
+/* The KV of one sequence of `context` tokens per layer kind on a decode node whose local
+ * (sliding-window) layers keep only their window in r (S - 1) rows (decode.h, --kv-window; r
+ * = 0: every layer keeps the whole context), against full KV in every layer. */
+typedef struct {
+    pdm_kv_cache_layout_t win, full;
+    int32_t window; /* S (0: no local layer) */
+} plan_kinds_t;
+
+static int plan_kinds(const pdm_model_t *m, int32_t context, pdm_dtype_t dt, double r,
+                      plan_kinds_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    for (uint32_t l = 0; l < m->hp.n_layers; l++)
+        out->window = PDM_MAX(out->window, m->layers[l].window);
+    pdm_kv_cache_params_t p = {.capacity = context, .dtype = dt, .model = m,
+                               .window_reserve = r};
+    int st = pdm_kv_cache_layout(&m->hp, &p, &out->win);
+    p.window_reserve = 0;
+    if (!st) st = pdm_kv_cache_layout(&m->hp, &p, &out->full);
+    return st;
+}
+
+static void plan_kinds_json(cJSON *o, const pdm_model_t *m, const plan_kinds_t *k, double r,
+                            int32_t context)
+{
+    uint32_t n_local = 0;
+    for (uint32_t l = 0; l < m->hp.n_layers; l++) n_local += m->layers[l].window > 0;
+    cJSON *kv = cJSON_AddObjectToObject(o, "kv_layers");
+    cJSON_AddNumberToObject(kv, "window_reserve", r);
+    cJSON_AddNumberToObject(kv, "window", k->window);
+    cJSON *g = cJSON_AddObjectToObject(kv, "global");
+    cJSON_AddNumberToObject(g, "layers", m->hp.n_layers - n_local);
+    cJSON_AddNumberToObject(g, "rows_per_head", context);
+    const size_t per_layer_full = k->full.full_bytes / (k->full.n_full ? k->full.n_full : 1);
+    cJSON_AddNumberToObject(g, "bytes", (double)per_layer_full * (m->hp.n_layers - n_local));
+    cJSON *lo = cJSON_AddObjectToObject(kv, "local");
+    cJSON_AddNumberToObject(lo, "layers", n_local);
+    const int32_t local_rows = k->win.win_rows ? k->win.win_rows : context;
+    cJSON_AddNumberToObject(lo, "rows_per_head", local_rows);
+    cJSON_AddNumberToObject(lo, "bytes", k->win.win_rows ? (double)k->win.win_bytes
+                                                          : (double)per_layer_full * n_local);
+    cJSON_AddNumberToObject(lo, "bytes_full_kv", (double)per_layer_full * n_local);
+    const double tot = (double)(k->win.full_bytes + k->win.win_bytes);
+    cJSON_AddNumberToObject(kv, "bytes", tot);
+    cJSON_AddNumberToObject(kv, "bytes_full_kv", (double)k->full.full_bytes);
+    cJSON_AddNumberToObject(kv, "bytes_per_token", tot / context);
+    cJSON_AddNumberToObject(kv, "bytes_per_token_full_kv", (double)k->full.full_bytes / context);
+}
+
+static void plan_kinds_print(const pdm_model_t *m, const plan_kinds_t *k, double r,
+                             int32_t context)
+{
+    uint32_t n_local = 0;
+    for (uint32_t l = 0; l < m->hp.n_layers; l++) n_local += m->layers[l].window > 0;
+    if (!n_local) return;
+    const size_t per_layer_full = k->full.full_bytes / (k->full.n_full ? k->full.n_full : 1);
+    const double local = k->win.win_rows ? (double)k->win.win_bytes
+                                         : (double)per_layer_full * n_local;
+    const double global = (double)per_layer_full * (m->hp.n_layers - n_local);
+    printf("KV per layer kind, one sequence of %d tokens (decode node, --kv-window %g: local "
+           "layers keep their window of %d in %d rows per head):\n", context, r, k->window,
+           k->win.win_rows ? k->win.win_rows : context);
+    printf("%-8s %6s %10s %12s %14s\n", "kind", "layers", "rows/head", "MiB", "MiB (full KV)");
+    printf("%-8s %6u %10d %12.2f %14.2f\n", "global", m->hp.n_layers - n_local, context,
+           global / 1048576.0, global / 1048576.0);
+    printf("%-8s %6u %10d %12.2f %14.2f\n", "local", n_local,
+           k->win.win_rows ? k->win.win_rows : context, local / 1048576.0,
+           (double)per_layer_full * n_local / 1048576.0);
+    printf("%-8s %6u %10s %12.2f %14.2f   (%.0f vs %.0f bytes per token of context)\n", "total",
+           m->hp.n_layers, "", (global + local) / 1048576.0,
+           (double)k->full.full_bytes / 1048576.0, (global + local) / context,
+           (double)k->full.full_bytes / context);
+}
+
 int cmd_plan(int argc, char **argv)
 {
     const char *model_path = pdm_model_default_path();
     long context = 0, beams = 1, chunk = 512;
     int64_t budget = 0;
     int json = 0;
+    double kv_window = 2; /* the decode node's default */
     pdm_dtype_t dt = PDM_DT_F16;
     pdm_kvoff_params_t p;
     pdm_kvoff_params_default(&p);
@@ -66,6 +142,7 @@ int cmd_plan(int argc, char **argv)
         {"fast-budget", required_argument, 0, 'f'}, {"chunk", required_argument, 0, 'k'},
         {"kv-dtype", required_argument, 0, 'd'},   {"groups", required_argument, 0, 'g'},
         {"model", required_argument, 0, 'm'},      {"json", no_argument, 0, 'j'},
+        {"kv-window", required_argument, 0, 'w'},
         {"help", no_argument, 0, 'h'},             {0, 0, 0, 0}};
     int c;
     optind = 1;
@@ -94,10 +171,17 @@ int cmd_plan(int argc, char **argv)
             if (pdm_kvoff_parse_groups(optarg, &p)) return cli_usage_error("%s", pdm_error_last());
             break;
         case 'm': model_path = optarg; break;
+        case 'w':
+            if (pdm_parse_double(optarg, 0, 8, &kv_window) || (kv_window != 0 && kv_window < 1.5))
+                return cli_usage_error("invalid --kv-window '%s' (0, or 1.5 to 8)", optarg);
+            break;
         case 'j': json = 1; break;
         case 'h':
             printf("usage: pdmesh plan --context N [--beams B] [--fast-budget BYTES] [--chunk C]\n"
-                   "                   [--kv-dtype f16|f32] [--groups CTX:G,...] [--json]\n");
+                   "                   [--kv-dtype f16|f32] [--groups CTX:G,...] [--kv-window R]\n"
+                   "                   [--json]\n"
+                   "The placements keep every layer's whole context; the table per layer kind\n"
+                   "(models with sliding-window layers) shows the decode node's windowed KV.\n");
             return 0;
         default: return cli_usage_error("%s", "invalid option");
         }
@@ -105,11 +189,16 @@ int cmd_plan(int argc, char **argv)
     if (optind < argc) return cli_usage_error("unexpected argument '%s'", argv[optind]);
     if (!context) return cli_usage_error("%s", "plan needs --context N");
     pdm_model_t *m;
-    int rc = cli_load_model(model_path, &m);
-    if (rc) return rc;
+    /* (the plan needs shapes and layer kinds only, not the tokenizer) */
+    if (pdm_model_load(model_path, &m)) return cli_runtime_error("cannot load model");
     pdm_kvplan_row_t rows[4];
     int n = pdm_kvplan(m, (int32_t)context, (int)beams, budget, (int)chunk, dt, &p, rows);
     if (n < 0) {
+        pdm_model_free(m);
+        return cli_runtime_error("plan");
+    }
+    plan_kinds_t kinds;
+    if (plan_kinds(m, (int32_t)context, dt, kv_window, &kinds)) {
         pdm_model_free(m);
         return cli_runtime_error("plan");
     }
@@ -140,6 +229,7 @@ int cmd_plan(int argc, char **argv)
             if (budget > 0) cJSON_AddNumberToObject(r, "max_context_in_budget", maxctx[i]);
             cJSON_AddItemToArray(arr, r);
         }
+        plan_kinds_json(o, m, &kinds, kv_window, (int32_t)context);
         cli_print_json_line(o);
     } else {
         char b[6][32];
@@ -160,6 +250,7 @@ int cmd_plan(int argc, char **argv)
         if (budget > 0 && n < 4)
             printf("head-wise+resident: %ld sequence(s) of %ld tokens do not fit the fast budget\n",
                    beams, context);
+        plan_kinds_print(m, &kinds, kv_window, (int32_t)context);
         if ((uint32_t)context > m->hp.n_ctx_train)
             printf("note: the model was trained for %u tokens\n", m->hp.n_ctx_train);
     }

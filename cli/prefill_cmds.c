@@ -677,13 +677,14 @@ int cmd_disagg_run(int argc, char **argv)
     pdm_sampler_params_default(&sp);
     sp.temperature = 0; /* greedy unless asked */
     enum { D_N = 2000, D_STOP, D_DBATCH, D_DTHREADS, D_BEAMS, D_LPEN, D_NBEST, D_ESTOP, D_FAST,
-           D_SLOW, D_REUSE, D_BLOCK };
+           D_SLOW, D_REUSE, D_BLOCK, D_WINDOW };
     int reuse_prefix = 0;
     long block_tokens = 64; /* the router's default --block-tokens */
     long beams = 0, n_best = 1;
     double length_penalty = 1.0;
     const char *early_stopping = "heuristic";
     const char *kv_fast = NULL, *kv_slow = NULL; /* head-wise KV offload on the decode node */
+    const char *kv_window = NULL; /* the decode node's --kv-window (NULL: its default) */
     static const struct option opts[] = {
         {"prefill-ranks", required_argument, 0, O_RANKS},
         {"method", required_argument, 0, O_METHOD},
@@ -705,6 +706,7 @@ int cmd_disagg_run(int argc, char **argv)
         {"early-stopping", required_argument, 0, D_ESTOP},
         {"kv-fast-budget", required_argument, 0, D_FAST},
         {"kv-slow-tier", required_argument, 0, D_SLOW},
+        {"kv-window", required_argument, 0, D_WINDOW},
         {"reuse-prefix", no_argument, 0, D_REUSE},
         {"block-tokens", required_argument, 0, D_BLOCK},
         {"threads", required_argument, 0, O_THREADS},
@@ -781,6 +783,13 @@ int cmd_disagg_run(int argc, char **argv)
                 return cli_usage_error("bad --kv-slow-tier '%s' (ram or file:DIR)", optarg);
             kv_slow = optarg;
             break;
+        case D_WINDOW: {
+            double r;
+            if (pdm_parse_double(optarg, 0, 8, &r) || (r != 0 && r < 1.5))
+                return cli_usage_error("bad --kv-window '%s' (0, or 1.5 to 8)", optarg);
+            kv_window = optarg;
+            break;
+        }
         default: return cli_usage_error("%s", "unknown option (see pdmesh --help)");
         }
     }
@@ -861,6 +870,7 @@ int cmd_disagg_run(int argc, char **argv)
     o.lp.decode_threads = (int)decode_threads;
     o.lp.decode_kv_fast_budget = kv_fast;
     o.lp.decode_kv_slow_tier = kv_slow;
+    o.lp.decode_kv_window = kv_window;
     pdm_launch_t *l;
     if (pdm_launch_start(&o.lp, &l)) {
         cli_runtime_error("mesh");
@@ -895,6 +905,9 @@ int cmd_disagg_run(int argc, char **argv)
             cJSON_AddNumberToObject(j, "time_per_output_token", out[i].step_seconds);
             cJSON_AddNumberToObject(j, "total", out[i].total);
             cJSON_AddNumberToObject(j, "kv_bytes", out[i].kv_bytes);
+            cJSON *kc = cJSON_AddObjectToObject(j, "kv_cache"); /* on the decode node */
+            cJSON_AddNumberToObject(kc, "local_bytes", out[i].kv_local_bytes);
+            cJSON_AddNumberToObject(kc, "global_bytes", out[i].kv_global_bytes);
             cJSON_AddStringToObject(j, "kv_dtype", o.lp.kv_dtype);
             cJSON_AddNumberToObject(j, "kv_seconds", out[i].kv_seconds);
             cJSON_AddStringToObject(j, "transports", transports);

@@ -80,6 +80,36 @@ void pdm_kvwin_destroy(pdm_kvwin_t *w);
 int pdm_kvwin_forward(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_kvwin_t *w,
                       const int32_t *tokens, int n, float *logits);
 
+/* ---- Windowed layers on the decode node ------------------------------------------------ *
+ * Gemma 3's local layers (sliding window of S tokens) keep only their window: the same
+ * static-window scheme, applied per layer inside a sequence's ordinary cache (model.h,
+ * pdm_kv_cache_t, "Windowed layers"), while global layers keep the whole context. The node's
+ * KV budget counts token slots of every layer; a sequence of n tokens then occupies fewer. */
+
+/* KV token slots (rows of all layers over n_layers: the unit of the node's kv_budget) a
+ * sequence of n_tokens occupies when n_windowed of the n_layers layers hold at most win_rows
+ * rows: ceil((n_full n + n_windowed min(n, win_rows)) / n_layers). win_rows 0 or n_windowed
+ * 0: n_tokens. */
+int64_t pdm_kvwin_slots(uint32_t n_layers, uint32_t n_windowed, int32_t win_rows,
+                        int64_t n_tokens);
+
+/* What the node reserves for a sequence of n_prompt + max_new tokens with window reserve r
+ * (0: off): the cache's layout, the slots it counts, and the slots its staging takes while
+ * the prompt's KV arrives (a KV stream carries the full prompt of every layer; the windowed
+ * layers' rows land in staging arrays of n_prompt rows first and only the last S - 1 are
+ * kept: pdm_kv_cache_window_fill). PDM_EINVAL for bad sizes or r. */
+typedef struct {
+    pdm_kv_cache_layout_t layout;
+    int64_t slots;       /* the cache */
+    int64_t stage_slots; /* the staging, while the KV arrives (0: received in place) */
+} pdm_kvwin_plan_t;
+int pdm_kvwin_plan(const pdm_model_t *m, pdm_dtype_t dtype, double r, int32_t n_prompt,
+                   int32_t max_new, pdm_kvwin_plan_t *out);
+/* Bytes of cache c (a sequence of model m) in local (sliding-window) layers and in global
+ * ones: windowed local layers count their window rows, others their capacity. */
+void pdm_kvwin_cache_bytes(const pdm_model_t *m, const pdm_kv_cache_t *c, uint64_t *local,
+                           uint64_t *global);
+
 /* ---- The node --------------------------------------------------------------------------- */
 
 typedef struct {
@@ -94,6 +124,12 @@ typedef struct {
     const pdm_kvoff_params_t *offload; /* head-wise KV offload (offload.h), or NULL */
     int64_t pool_tokens;    /* prefix pool: KV token slots finished sequences may keep (0:
                              * off; see pdm_decode_node_reserve_local) */
+    double kv_window;       /* windowed layers: the static window's reserve r in [1.5, 8]
+                             * (default 2), 0: every layer keeps the whole context. Applies to
+                             * models with local layers (Gemma 3) and sampled sequences; beam
+                             * searches, head-wise offload and a q8 local prefill keep full KV
+                             * (docs/decode-memory.md); windowed sequences do not join the
+                             * prefix pool */
 } pdm_decode_params_t;
 
 void pdm_decode_params_default(pdm_decode_params_t *p);
@@ -213,6 +249,8 @@ typedef struct {
     int kv_error;           /* ERROR: 1 when the prompt's KV failed to arrive or verify */
     const pdm_beam_report_t *beam; /* DONE of a beam search: n-best list and memory; else NULL */
     int32_t cached_tokens;  /* DONE: prompt tokens whose KV came from the prefix pool */
+    uint64_t kv_local_bytes, kv_global_bytes; /* DONE: the sequence's KV cache on this node per
+                                               * layer kind (pdm_kvwin_cache_bytes) */
 } pdm_decode_event_t;
 
 typedef void (*pdm_decode_event_cb)(void *arg, const pdm_decode_event_t *ev);

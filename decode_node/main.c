@@ -513,6 +513,8 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
     r.kv_seconds = ev->kv_seconds;
     r.step_seconds = ev->step_seconds;
     r.kv_bytes = ev->kv_bytes;
+    r.kv_local_bytes = ev->kv_local_bytes;
+    r.kv_global_bytes = ev->kv_global_bytes;
     r.cached_tokens = (uint32_t)(ev->cached_tokens > 0 ? ev->cached_tokens : 0);
     if (ev->beam) pdm__beam_result(ev->beam, &r, beams, bp, &rep);
     pdm_kvoff_stats_t os; /* head-wise offload: what it did so far (node-wide) */
@@ -531,6 +533,7 @@ static void pdm__usage(FILE *f)
                "       [--health-file F] [--drain-grace S]\n"
                "       [--model FILE] [--threads N] [--batch N] [--max-sequences N]\n"
                "       [--kv-budget TOKENS] [--kv-pool TOKENS] [--kv-dtype f32|f16|q8] [--kv-timeout S]\n"
+               "       [--kv-window R]\n"
                "       [--beams B] [--length-penalty X] [--n-best N] "
                "[--early-stopping heuristic|early|never]\n"
                "       [--kv-fast-budget BYTES] [--kv-slow-tier ram|file:DIR] "
@@ -540,7 +543,11 @@ static void pdm__usage(FILE *f)
                "second for `pdmesh health` (liveness and readiness probes). --drain-grace: on\n"
                "SIGTERM take no new work and stop once idle, for at most S seconds (0).\n"
                "--kv-pool: finished sequences keep their KV in up to TOKENS slots (evicted when\n"
-               "work needs them) for later prompts that start with theirs (0: off).\n");
+               "work needs them) for later prompts that start with theirs (0: off).\n"
+               "--kv-window: sliding-window layers (Gemma 3's local layers) keep only their\n"
+               "window S, in R x (S-1) rows per head (the static-window KV manager; 1.5 to 8,\n"
+               "default 2; 0: every layer keeps the whole context); --kv-budget then counts\n"
+               "their smaller footprint. Beam searches and --kv-fast-budget keep full KV.\n");
 }
 
 int main(int argc, char **argv)
@@ -555,7 +562,8 @@ int main(int argc, char **argv)
     static pdm__daemon_t dn; /* the task table is large: not on the stack */
     pdm_decode_params_default(&dn.dp);
     pdm_kvoff_params_default(&dn.offload);
-    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN, O_POOL };
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN, O_POOL,
+           O_WINDOW };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"threads", required_argument, 0, 't'},
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
@@ -573,7 +581,8 @@ int main(int argc, char **argv)
         {"kv-interface", required_argument, 0, O_KV_IFACE},
         {"health-file", required_argument, 0, O_HEALTH},
         {"drain-grace", required_argument, 0, O_DRAIN},
-        {"kv-pool", required_argument, 0, O_POOL}, {0, 0, 0, 0}};
+        {"kv-pool", required_argument, 0, O_POOL},
+        {"kv-window", required_argument, 0, O_WINDOW}, {0, 0, 0, 0}};
     const char *kv_iface = NULL;
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
@@ -607,6 +616,10 @@ int main(int argc, char **argv)
         case O_KV_IFACE: kv_iface = optarg; break;
         case O_HEALTH: lp.health_file = optarg; break;
         case O_POOL: if (pdm_parse_long(optarg, 0, 1L << 30, &v)) goto bad; dp->pool_tokens = v; break;
+        case O_WINDOW:
+            if (pdm_parse_double(optarg, 0, 8, &d) || (d != 0 && d < 1.5)) goto bad;
+            dp->kv_window = d;
+            break;
         case O_DRAIN:
             if (pdm_parse_double(optarg, 0, 3600, &d)) goto bad;
             lp.drain_grace = d;
@@ -643,14 +656,31 @@ int main(int argc, char **argv)
     /* the widest beam search this node runs (node.c: at most the batch) */
     lp.capacity.max_beams = (uint32_t)PDM_MIN(PDM_BEAM_MAX_WIDTH, dp->max_batch);
     lp.capacity.pool_tokens = (uint64_t)dp->pool_tokens;
-    /* First, before any library starts a thread: signals are blocked from here on. */
-    if (pdm_link_create(&lp, &dn.link)) {
+    /* The model first (a loader, no threads): the router counts a sequence's KV slots as
+     * this node does, which needs the windowed layers' layout (decode.h). Streamed sampling
+     * sequences are windowed unless offload is on; a q8 node is announced without windows
+     * because its local prefills keep full KV (the router then over-reserves, never under). */
+    pdm_model_t *model = NULL;
+    if (pdm_model_load(model_path, &model)) {
         fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
         return 1;
     }
-    pdm_model_t *model = NULL;
+    pdm_kvwin_plan_t wp;
+    if (!dp->offload && dp->kv_dtype != PDM_DT_I8 &&
+        !pdm_kvwin_plan(model, dp->kv_dtype, dp->kv_window, 1, INT32_MAX - 1, &wp) &&
+        wp.layout.win_rows) {
+        lp.capacity.kv_layers = model->hp.n_layers;
+        lp.capacity.kv_windowed_layers = wp.layout.n_windowed;
+        lp.capacity.kv_window_rows = (uint32_t)wp.layout.win_rows;
+    }
+    /* First, before any library starts a thread: signals are blocked from here on. */
+    if (pdm_link_create(&lp, &dn.link)) {
+        fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());
+        pdm_model_free(model);
+        return 1;
+    }
     int status = 1;
-    if (pdm_model_load(model_path, &model) || pdm_kvt_listen_on(kv_iface) ||
+    if (pdm_kvt_listen_on(kv_iface) ||
         pdm_kvt_create(NULL, &dn.kvt) ||
         pdm_decode_node_create(model, dn.kvt, dp, &dn.node)) {
         fprintf(stderr, "pdmesh-decode: %s\n", pdm_error_last());

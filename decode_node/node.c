@@ -41,7 +41,13 @@ typedef struct {
     double deadline, t_start, kv_seconds, step_total;
     int steps;
     uint64_t kv_bytes;
-    int64_t kv_slots;          /* KV token slots reserved for it */
+    int64_t kv_slots;          /* KV token slots reserved for it (stage_slots included) */
+    void *stage;               /* windowed layers: [n_windowed * n_kv_heads][2][n_prompt] rows
+                                * the prompt's KV stream lands in (then only the last S - 1
+                                * are kept), or NULL */
+    void **rx_k, **rx_v;       /* [n_layers * n_kv_heads] where each head's prompt rows land:
+                                * the cache's arrays, or staging for windowed layers */
+    int64_t stage_slots;       /* KV token slots the staging counts until the KV arrives */
     int beam_width;            /* 0: sampling; else a beam search (beam.c, beam_search.c) */
     pdm_beam_params_t beam_p;
     pdm_beam_kv_t *beam_kv;    /* segmented response KV over `cache` (the shared prompt) */
@@ -96,6 +102,7 @@ void pdm_decode_params_default(pdm_decode_params_t *p)
     p->kv_timeout = 30;
     pdm_beam_params_default(&p->beam);
     p->offload = NULL;
+    p->kv_window = 2; /* the Qualcomm note's no-copy reserve, 2(S-1) */
 }
 
 int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
@@ -103,7 +110,8 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
 {
     if (p->threads < 1 || p->max_batch < 1 || p->max_sequences < 1 || p->kv_budget < 1 ||
         (p->kv_dtype != PDM_DT_F16 && p->kv_dtype != PDM_DT_F32 && p->kv_dtype != PDM_DT_I8) ||
-        !(p->kv_timeout > 0) || pdm_beam_params_check(&p->beam))
+        !(p->kv_timeout > 0) || pdm_beam_params_check(&p->beam) ||
+        (p->kv_window != 0 && !(p->kv_window >= 1.5 && p->kv_window <= 8)))
         return pdm_error_set(PDM_EINVAL, "decode node: bad parameters");
     pdm_decode_node_t *n = calloc(1, sizeof(*n));
     if (!n) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
@@ -188,7 +196,7 @@ static pdm__pooled_t *pdm__pool_match(pdm_decode_node_t *n, const int32_t *token
 static void pdm__pool_put(pdm_decode_node_t *n, pdm__seq_t *s)
 {
     pdm_kv_cache_t *c = s->cache;
-    if (n->p.pool_tokens <= 0 || !s->prompt || s->beam_width || s->off || !c ||
+    if (n->p.pool_tokens <= 0 || !s->prompt || s->beam_width || s->off || !c || c->windowed ||
         c->dtype == PDM_DT_I8 || c->pos0 != 0 || c->n_tokens < PDM_DECODE_POOL_MIN ||
         c->n_tokens > s->n_prompt + s->n_tokens)
         return;
@@ -228,6 +236,9 @@ void pdm_decode_node_pool_stats(const pdm_decode_node_t *n, pdm_decode_pool_stat
 static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
 {
     pdm_kvt_stream_rx_destroy(s->rx); /* cancels receives before the cache goes away */
+    free(s->stage);                   /* (and before the staging goes away) */
+    free(s->rx_k);
+    free(s->rx_v);
     n->kv_used -= s->kv_slots;
     pdm_beam_kv_destroy(s->beam_kv);
     pdm_beam_search_destroy(s->beam);
@@ -276,6 +287,37 @@ static int pdm__beam_width_check(const pdm_decode_node_t *n, uint64_t id, int wi
     return PDM_OK;
 }
 
+/* Staging for a windowed cache's prompt stream: rx_k/rx_v point at the cache's arrays for
+ * full layers and at n_prompt-row staging arrays for windowed ones. */
+static int pdm__stage_alloc(pdm__seq_t *s, int32_t n_prompt)
+{
+    const pdm_kv_cache_t *c = s->cache;
+    const size_t n_arrays = (size_t)c->n_layers * c->n_kv_heads;
+    const size_t rows = (size_t)n_prompt * pdm_dtype_row_bytes(c->dtype, c->head_dim);
+    size_t n_win = 0;
+    for (uint32_t l = 0; l < c->n_layers; l++) n_win += c->windowed[l];
+    s->rx_k = malloc(sizeof(void *) * n_arrays);
+    s->rx_v = malloc(sizeof(void *) * n_arrays);
+    s->stage = malloc(2 * rows * n_win * c->n_kv_heads);
+    if (!s->rx_k || !s->rx_v || !s->stage)
+        return pdm_error_set(PDM_ENOMEM, "decode node: no memory to stage %d prompt tokens",
+                             n_prompt);
+    char *at = s->stage;
+    for (uint32_t l = 0; l < c->n_layers; l++)
+        for (uint32_t h = 0; h < c->n_kv_heads; h++) {
+            const size_t i = (size_t)l * c->n_kv_heads + h;
+            if (!c->windowed[l]) {
+                s->rx_k[i] = c->k[i];
+                s->rx_v[i] = c->v[i];
+                continue;
+            }
+            s->rx_k[i] = at;
+            s->rx_v[i] = at + rows;
+            at += 2 * rows;
+        }
+    return PDM_OK;
+}
+
 int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
 {
     const pdm_model_hparams_t *hp = &n->model->hp;
@@ -291,8 +333,13 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
     const int width = r->beams < 0 ? 0 : r->beams ? r->beams : n->p.beam.width;
     int st = pdm__beam_width_check(n, r->id, width);
     if (st) return st;
+    /* Windowed layers (decode.h): sampled sequences on the resident cache only. */
+    pdm_kvwin_plan_t wp;
+    st = pdm_kvwin_plan(n->model, n->p.kv_dtype, width || n->offload ? 0 : n->p.kv_window,
+                        r->n_prompt, r->max_new, &wp);
+    if (st) return st;
     const int64_t need = width ? pdm_beam_kv_slots(width, r->n_prompt, r->max_new)
-                               : (int64_t)r->n_prompt + r->max_new;
+                               : wp.slots + wp.stage_slots;
     if (!pdm__kv_fits(n, need))
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: request %llu needs %lld KV slots, "
                              "%lld of %lld are free", (unsigned long long)r->id, (long long)need,
@@ -322,9 +369,14 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
     if (n->offload && !width) {
         st = pdm_kvoff_create(n->offload, hp, (int32_t)need, n->p.kv_dtype, &s->off);
         if (!st) s->cache = pdm_kvoff_cache(s->off);
+    } else if (width) {
+        st = pdm_kv_cache_create(hp, r->n_prompt, n->p.kv_dtype, &s->cache);
     } else {
-        st = pdm_kv_cache_create(hp, width ? r->n_prompt : (int32_t)need, n->p.kv_dtype,
-                                 &s->cache);
+        const pdm_kv_cache_params_t cp = {
+            .capacity = r->n_prompt + r->max_new, .dtype = n->p.kv_dtype, .model = n->model,
+            .window_reserve = n->p.kv_window};
+        st = pdm_kv_cache_create_params(hp, &cp, &s->cache);
+        if (!st && wp.stage_slots) st = pdm__stage_alloc(s, r->n_prompt);
     }
     s->tokens = malloc(sizeof(int32_t) * (size_t)r->max_new);
     s->text = malloc(PDM__TEXT_CAP);
@@ -338,12 +390,14 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
     }
     if (!st) {
         s->kv_slots = need;
+        s->stage_slots = width ? 0 : wp.stage_slots;
         n->kv_used += need;
         pdm_kvt_stream_rx_params_t rp = {
             .request_id = r->id, .attempt = r->attempt, .n_layers = hp->n_layers,
             .n_kv_heads = hp->n_kv_heads, .dtype = (uint16_t)n->p.kv_dtype,
             .row_bytes = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim),
-            .n_tokens = r->n_prompt, .k = s->cache->k, .v = s->cache->v,
+            .n_tokens = r->n_prompt, .k = s->rx_k ? s->rx_k : s->cache->k,
+            .v = s->rx_v ? s->rx_v : s->cache->v,
             /* q8: the blocks' headers carry each head's scales, fixed at prefill; response
              * rows are appended with them (no re-quantization) */
             .scales = n->p.kv_dtype == PDM_DT_I8 ? s->cache->scale : NULL, .blocks = blocks,
@@ -454,8 +508,13 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     int st = pdm__beam_width_check(n, id, width);
     if (st) return st;
     /* Beam search: the prompt once, response segments for every beam (eq. 3, beam.h). */
-    const int64_t need = width ? pdm_beam_kv_slots(width, n_tokens, max_new)
-                               : (int64_t)n_tokens + max_new;
+    /* Windowed layers (decode.h): not for beams, nor a q8 prompt (its scales come from every
+     * layer's whole prompt before any row is stored). */
+    const double r_win = width || n->p.kv_dtype == PDM_DT_I8 ? 0 : n->p.kv_window;
+    pdm_kvwin_plan_t wp;
+    st = pdm_kvwin_plan(n->model, n->p.kv_dtype, r_win, n_tokens, max_new, &wp);
+    if (st) return st;
+    const int64_t need = width ? pdm_beam_kv_slots(width, n_tokens, max_new) : wp.slots;
     /* The prefix pool's longest match, found before making room (which may evict it). */
     int32_t m = 0;
     /* (a replayed migration recomputes the delivered tokens as they were first computed) */
@@ -476,7 +535,10 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     if (!s)
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: %d sequences held",
                              n->p.max_sequences);
-    st = pdm_kv_cache_create(hp, width ? n_tokens : (int32_t)need, n->p.kv_dtype, &s->cache);
+    const pdm_kv_cache_params_t cp = {.capacity = width ? n_tokens : n_tokens + max_new,
+                                      .dtype = n->p.kv_dtype, .model = n->model,
+                                      .window_reserve = r_win};
+    st = pdm_kv_cache_create_params(hp, &cp, &s->cache);
     if (!st) {
         s->kv_slots = need;
         n->kv_used += need;
@@ -496,9 +558,12 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     if (!st && hit) {
         const size_t row = pdm_dtype_row_bytes(s->cache->dtype, hp->head_dim);
         for (uint32_t i = 0; i < hp->n_layers * hp->n_kv_heads; i++) {
+            if (s->cache->windowed && s->cache->windowed[i / hp->n_kv_heads]) continue;
             memcpy(s->cache->k[i], hit->cache->k[i], row * (size_t)m);
             memcpy(s->cache->v[i], hit->cache->v[i], row * (size_t)m);
         }
+        /* windowed layers: the last S - 1 of the m rows (pooled caches are never windowed) */
+        pdm_kv_cache_window_fill(s->cache, hit->cache->k, hit->cache->v, m);
         s->cache->n_tokens = m;
         s->cached = m;
         n->pool_st.hits++;
@@ -676,6 +741,7 @@ static void pdm__finish(pdm_decode_node_t *n, pdm__seq_t *s, const char *why,
         .n_tokens = s->n_tokens, .text = s->text ? s->text : "", .kv_seconds = s->kv_seconds,
         .step_seconds = s->steps ? s->step_total / s->steps : 0, .kv_bytes = s->kv_bytes,
         .cached_tokens = s->cached};
+    if (s->cache) pdm_kvwin_cache_bytes(n->model, s->cache, &ev.kv_local_bytes, &ev.kv_global_bytes);
     if (s->beam) {
         pdm__beam_done(n, s, &ev, cb, arg);
         pdm__seq_release(n, s);
@@ -765,6 +831,17 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
             s->kv_seconds = pdm_now() - s->t_start;
             pdm_kvt_stream_rx_destroy(s->rx); /* every receive completed: drains leftovers */
             s->rx = NULL;
+            if (s->stage) { /* windowed layers keep the last S - 1 prompt rows */
+                pdm_kv_cache_window_fill(s->cache, s->rx_k, s->rx_v, s->n_prompt);
+                free(s->stage);
+                free(s->rx_k);
+                free(s->rx_v);
+                s->stage = NULL;
+                s->rx_k = s->rx_v = NULL;
+                n->kv_used -= s->stage_slots;
+                s->kv_slots -= s->stage_slots;
+                s->stage_slots = 0;
+            }
             s->cache->n_tokens = s->n_prompt;
             pdm_kv_cache_fix_scales(s->cache); /* q8: set from the verified headers */
             if (s->beam) { /* the search picks the first token itself (beam.h) */

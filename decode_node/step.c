@@ -54,6 +54,12 @@ int pdm_decode_step_timed(pdm_model_ctx_t *ctx, pdm_act_t *act, pdm_decode_seq_t
         tokens[i] = seqs[i].token;
         positions[i] = c->pos0 + c->n_tokens;
     }
+    /* Static-window KV: windowed layers make room for this token's row before any layer
+     * runs (the Qualcomm note's copy, once every win_rows - (S - 1) steps). After the checks
+     * above so that an error leaves the caches as they were (a move keeps their content). */
+    for (int i = 0; i < n; i++)
+        if (!(beams && beams[i]) && seqs[i].cache->windowed && !seqs[i].cache->offload)
+            pdm_kv_cache_room(seqs[i].cache, 1); /* cannot fail: a slot is free, S - 1 < rows */
     double t = phases ? pdm_now() : 0;
     int st = pdm_model_embed(ctx, tokens, positions, n, act);
     if (st) return st;

@@ -26,6 +26,7 @@
 #include "model.h"
 #include "model_internal.h"
 
+#include <assert.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -617,13 +618,17 @@ void pdm_model_kv_store(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int layer,
 {
     const uint32_t hd = cache->head_dim, nkv = cache->n_kv_heads;
     const size_t esz = pdm_dtype_row_bytes(cache->dtype, 1);
+    /* a windowed layer's row 0 holds slot win_first (pdm_kv_cache_room made the room) */
+    const int32_t row = slot - pdm_kv_cache_row0(cache, (uint32_t)layer);
+    assert(row >= 0 && row + act->n <= (cache->windowed && cache->windowed[layer]
+                                            ? cache->win_rows : cache->capacity));
     if (cache->dtype == PDM_DT_I8) {
-        pdm_model__kv_store_q8(cache, layer, act, slot);
+        pdm_model__kv_store_q8(cache, layer, act, row);
         return;
     }
     for (int i = 0; i < act->n; i++) {
         for (uint32_t h = 0; h < nkv; h++) {
-            size_t off = (size_t)(slot + i) * hd * esz;
+            size_t off = (size_t)(row + i) * hd * esz;
             ctx->ops->kv_store(cache->dtype, act->k + ((size_t)i * nkv + h) * hd,
                                (char *)pdm_kv_cache_k(cache, layer, h) + off, (int)hd);
             ctx->ops->kv_store(cache->dtype, act->v + ((size_t)i * nkv + h) * hd,
@@ -658,12 +663,26 @@ int pdm_model_prefill_logits(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const 
     pdm_act_t *act = &ctx->batch;
     int32_t *positions = act->pos; /* filled before embed copies it onto itself */
     const size_t n_vocab = m->hp.n_vocab;
-    for (int c0 = 0; c0 < n; c0 += ctx->max_batch) {
-        int cn = PDM_MIN(ctx->max_batch, n - c0);
-        int32_t slot = cache->n_tokens + c0;
+    const int32_t n_tokens0 = cache->n_tokens;
+    /* windowed layers (static-window KV) take at most win_rows - (S - 1) rows per chunk */
+    const int chunk = cache->windowed ? PDM_MIN(ctx->max_batch,
+                                                cache->win_rows - cache->win_keep)
+                                      : ctx->max_batch;
+    for (int c0 = 0; c0 < n; c0 += chunk) {
+        int cn = PDM_MIN(chunk, n - c0);
+        int32_t slot = n_tokens0 + c0;
+        cache->n_tokens = slot; /* what pdm_kv_cache_room keeps is counted from here */
+        int rc = pdm_kv_cache_room(cache, cn);
+        if (rc) {
+            cache->n_tokens = n_tokens0;
+            return rc;
+        }
         for (int i = 0; i < cn; i++) positions[i] = cache->pos0 + slot + i;
-        int rc = pdm_model_embed(ctx, tokens + c0, positions, cn, act);
-        if (rc) return rc;
+        rc = pdm_model_embed(ctx, tokens + c0, positions, cn, act);
+        if (rc) { /* (not reached: the tokens were checked above) */
+            cache->n_tokens = n_tokens0;
+            return rc;
+        }
         for (uint32_t l = 0; l < m->hp.n_layers; l++) {
             pdm_model_attn_in(ctx, (int)l, act);
             pdm_model_kv_store(ctx, cache, (int)l, act, slot);
@@ -687,7 +706,7 @@ int pdm_model_prefill_logits(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const 
             pdm_model_logits_batch(ctx, act, cn - r0, out);
         }
     }
-    cache->n_tokens += n;
+    cache->n_tokens = n_tokens0 + n;
     return PDM_OK;
 }
 

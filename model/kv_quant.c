@@ -54,13 +54,13 @@ void pdm_kv_cache_fix_scales(pdm_kv_cache_t *c)
 }
 
 void pdm_model__kv_store_q8(pdm_kv_cache_t *cache, int layer, const pdm_act_t *act,
-                            int32_t slot)
+                            int32_t row)
 {
     const uint32_t hd = cache->head_dim, nkv = cache->n_kv_heads;
     for (uint32_t h = 0; h < nkv; h++) {
         const float *s = cache->scale + 2 * ((size_t)layer * nkv + h);
-        int8_t *k = (int8_t *)pdm_kv_cache_k(cache, (uint32_t)layer, h) + (size_t)slot * hd;
-        int8_t *v = (int8_t *)pdm_kv_cache_v(cache, (uint32_t)layer, h) + (size_t)slot * hd;
+        int8_t *k = (int8_t *)pdm_kv_cache_k(cache, (uint32_t)layer, h) + (size_t)row * hd;
+        int8_t *v = (int8_t *)pdm_kv_cache_v(cache, (uint32_t)layer, h) + (size_t)row * hd;
         for (int i = 0; i < act->n; i++) {
             pdm_q8_quantize_row(act->k + ((size_t)i * nkv + h) * hd, k + (size_t)i * hd, hd, s[0]);
             pdm_q8_quantize_row(act->v + ((size_t)i * nkv + h) * hd, v + (size_t)i * hd, hd, s[1]);
@@ -92,6 +92,9 @@ int pdm_model__prefill_q8_prompt(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache,
     const pdm_model_hparams_t *hp = &pdm_model_ctx_model(ctx)->hp;
     const int mb = pdm_model_ctx_max_batch(ctx);
     const int32_t slot0 = cache->n_tokens;
+    if (cache->windowed) /* every layer of the whole prompt is stored before attention */
+        return pdm_error_set(PDM_EUNSUPPORTED, "a q8 prompt prefill needs a cache without "
+                             "windowed layers (its scales come from the whole prompt)");
     pdm_act_t all;
     int st = pdm_act_alloc(hp, n, &all);
     if (st) return st;

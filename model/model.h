@@ -137,10 +137,74 @@ typedef struct {
     int scales_fixed;
     struct pdm_kvoff *offload; /* set when the heads live in offload tiers (decode_node/
                                 * offload.h): the decode step then goes through it */
+    /* Windowed layers (the static-window KV manager of the Qualcomm note, "KV cache buffer
+     * management optimizations"): a local layer (sliding window of S tokens) needs only the
+     * S - 1 keys before the oldest token it has yet to attend for. Its arrays hold win_rows
+     * rows (about r(S-1)); slot s sits at row s - win_first. Appending writes the next row;
+     * the window slides by itself (the view starts at win_first); when the rows run out,
+     * pdm_kv_cache_room moves the last S - 1 rows to the front: one copy every
+     * win_rows - (S - 1) tokens. Global layers keep every slot. */
+    uint8_t *windowed;        /* [n_layers] 1 for a windowed layer; NULL: none (all full) */
+    int32_t win_keep;         /* past rows a windowed layer keeps: S - 1 */
+    int32_t win_rows;         /* rows per head of a windowed layer (> win_keep) */
+    int32_t win_first;        /* slot held by row 0 of every windowed array */
+    uint64_t win_copies;      /* window moves so far */
+    uint64_t win_bytes_moved; /* bytes those moves copied (all windowed layers, heads, K, V) */
 } pdm_kv_cache_t;
 
 int pdm_kv_cache_create(const pdm_model_hparams_t *hp, int32_t capacity, pdm_dtype_t dtype,
                         pdm_kv_cache_t **out);
+
+/* A cache with windowed layers (above). `model` names the local layers (layers[l].window >
+ * 0) and their window S; window_reserve is the note's r, rows per windowed head =
+ * max(ceil(r (S - 1)), S) (r = 2: one copy of S - 1 rows every S - 1 tokens, the note's
+ * no-copy reserve; r = 1.5: twice as many copies). When those rows would not be fewer than
+ * `capacity` (short sequences), or the model has no local layer, or window_reserve is 0, the
+ * cache is an ordinary full one (windowed = NULL). */
+typedef struct {
+    int32_t capacity;          /* token slots of the sequence (what a global layer holds) */
+    pdm_dtype_t dtype;
+    const struct pdm_model *model; /* its layer kinds; NULL: no windowed layers */
+    double window_reserve;     /* r in [1.5, 8], or 0: no windowed layers */
+} pdm_kv_cache_params_t;
+
+/* The layout such a cache would have, without allocating it: rows per head of a full and of a
+ * windowed layer, how many layers are windowed, and the bytes of the whole cache. PDM_EINVAL
+ * for a reserve outside [1.5, 8] (0 allowed). */
+typedef struct {
+    int32_t full_rows, win_rows; /* win_rows 0: no windowed layer */
+    int32_t win_keep;            /* S - 1 */
+    uint32_t n_windowed, n_full; /* layers of each kind */
+    size_t full_bytes, win_bytes; /* K and V of all heads of all layers of that kind */
+} pdm_kv_cache_layout_t;
+int pdm_kv_cache_layout(const pdm_model_hparams_t *hp, const pdm_kv_cache_params_t *p,
+                        pdm_kv_cache_layout_t *out);
+int pdm_kv_cache_create_params(const pdm_model_hparams_t *hp, const pdm_kv_cache_params_t *p,
+                               pdm_kv_cache_t **out);
+/* The slot held by row 0 of `layer`'s arrays (win_first for a windowed layer, else 0). */
+static inline int32_t pdm_kv_cache_row0(const pdm_kv_cache_t *c, uint32_t layer)
+{
+    return c->windowed && c->windowed[layer] ? c->win_first : 0;
+}
+/* The most tokens one append (a prefill chunk) may add: the free slots, and for windowed
+ * layers the rows beyond the S - 1 kept ones. */
+int32_t pdm_kv_cache_append_max(const pdm_kv_cache_t *c);
+/* Makes windowed layers ready to take slots [n_tokens, n_tokens + n): when those rows would
+ * run past win_rows, moves the kept rows (the last S - 1 slots) to row 0 (the note's one
+ * copy). PDM_EOVERFLOW (nothing changed) when n exceeds pdm_kv_cache_append_max. No-op for
+ * a cache without windowed layers. */
+int pdm_kv_cache_room(pdm_kv_cache_t *c, int32_t n);
+/* The static window's one copy: moves rows [from, from + n) of each head's arrays to row `to`
+ * (memmove) in every windowed layer, or in every layer of a cache without windowed layers
+ * (decode_node/window.c's whole-model window), and counts it in win_copies and
+ * win_bytes_moved. */
+void pdm_kv_cache_move_rows(pdm_kv_cache_t *c, int32_t from, int32_t to, int32_t n);
+/* Windowed layers, after their slots [0, n_prompt) were written somewhere else (a KV stream
+ * received into full-size staging arrays): copies the last S - 1 rows of each staging array
+ * (stage_k/v[layer * n_kv_heads + head], n_prompt rows, NULL for full layers) into the
+ * window and sets win_first. */
+void pdm_kv_cache_window_fill(pdm_kv_cache_t *c, void *const *stage_k, void *const *stage_v,
+                              int32_t n_prompt);
 void pdm_kv_cache_destroy(pdm_kv_cache_t *c);
 void pdm_kv_cache_clear(pdm_kv_cache_t *c);
 size_t pdm_kv_cache_bytes(const pdm_kv_cache_t *c);
@@ -177,7 +241,9 @@ typedef struct {
     float k_scale[PDM_MAX_KV_HEADS], v_scale[PDM_MAX_KV_HEADS]; /* q8 only, per kv head */
 } pdm_kv_view_t;
 
-/* The view of slots [start, start + n) of `layer`. */
+/* The view of slots [start, start + n) of `layer`. For a windowed layer the view begins at
+ * the first slot it still holds (max(start, win_first)): the slots before it are outside the
+ * window of every token not yet appended. */
 void pdm_kv_cache_view(const pdm_kv_cache_t *c, uint32_t layer, int32_t start, int32_t n,
                        pdm_kv_view_t *out);
 

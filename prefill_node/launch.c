@@ -245,6 +245,10 @@ static int pdm__spawn_decode(pdm_launch_t *l)
         argv[a++] = "--kv-slow-tier";
         argv[a++] = (char *)p->decode_kv_slow_tier;
     }
+    if (p->decode_kv_window) {
+        argv[a++] = "--kv-window";
+        argv[a++] = (char *)p->decode_kv_window;
+    }
     argv[a] = NULL;
     return pdm__spawn_argv(l, argv, pr);
 }
@@ -975,6 +979,8 @@ static void pdm__apply_result(pdm__gen_t *g, int i, const Pdmesh__DecodeResult *
     r->step_seconds = d->step_seconds;
     r->kv_seconds = d->kv_seconds;
     r->kv_bytes = (double)d->kv_bytes;
+    r->kv_local_bytes = (double)d->kv_local_bytes;
+    r->kv_global_bytes = (double)d->kv_global_bytes;
     if (d->n_beams || d->beam_report) r->beam_json = pdm__beam_json(d);
     free(r->offload_json);
     r->offload_json = d->offload ? pdm__offload_json(d->offload) : NULL;

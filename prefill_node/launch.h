@@ -39,6 +39,8 @@ typedef struct {
                                   * another to check that mismatched blocks are rejected) */
     const char *decode_kv_fast_budget; /* head-wise KV offload: --kv-fast-budget (NULL: off) */
     const char *decode_kv_slow_tier;   /* --kv-slow-tier ram|file:DIR (NULL: default) */
+    const char *decode_kv_window;      /* --kv-window R: windowed local layers' reserve, "0"
+                                        * off (NULL: the node's default, 2) */
 } pdm_launch_params_t;
 
 void pdm_launch_params_default(pdm_launch_params_t *p);
@@ -118,6 +120,8 @@ typedef struct {
     double step_seconds; /* mean seconds per decode step */
     double kv_seconds;   /* decode node: start -> KV verified */
     double kv_bytes;     /* KV bytes the decode node received */
+    double kv_local_bytes, kv_global_bytes; /* the sequence's KV cache on the decode node in
+                                             * local (sliding-window) and global layers */
     int32_t cached;      /* prompt tokens reused from the group's cache (reuse_prefix) */
     char *offload_json;  /* malloc'd: the decode node's head-wise offload report, or NULL */
     double prefill_wait; /* max over ranks of time blocked in communication (streaming too) */

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "decode_node/beam.h"
+#include "decode_node/decode.h"
 #include "router/internal.h"
 #include "router/beams.h"
 
@@ -74,10 +75,17 @@ int rt_beams_any_node(const pdm_router_t *r, uint32_t beams)
     return 0;
 }
 
-int64_t rt_kv_need(const rt_req_t *q, uint32_t n_in, uint32_t remaining)
+int64_t rt_kv_need(const rt_node_t *n, const rt_req_t *q, uint32_t n_in, uint32_t remaining,
+                   int local)
 {
     if (q->beams > 1) return pdm_beam_kv_slots((int)q->beams, (int32_t)n_in, (int32_t)remaining);
-    return (int64_t)n_in + remaining;
+    const int64_t all = (int64_t)n_in + remaining;
+    if (!n->kv_win_rows || !n->kv_layers) return all;
+    /* the node's rule (pdm_kvwin_plan), from the layout it announced */
+    int64_t need = pdm_kvwin_slots(n->kv_layers, n->kv_win_layers, (int32_t)n->kv_win_rows, all);
+    if (!local && all > n->kv_win_rows && n_in > n->kv_win_rows)
+        need += ((int64_t)n->kv_win_layers * n_in + n->kv_layers - 1) / n->kv_layers;
+    return PDM_MIN(need, all + (int64_t)n_in); /* (never more than full KV plus staging) */
 }
 
 void rt_beams_task(const rt_req_t *q, Pdmesh__DecodeTask *t)

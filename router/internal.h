@@ -91,6 +91,8 @@ typedef struct {
     double full_until;            /* refused a reservation: skip it until then */
     uint32_t max_beams;           /* decode: widest beam search it runs (Capacity.max_beams) */
     uint64_t pool_tokens;         /* decode: its prefix pool's size (Capacity.pool_tokens) */
+    uint32_t kv_layers, kv_win_layers, kv_win_rows; /* decode: its windowed local layers
+                                                     * (Capacity.kv_*; 0: none) */
 } rt_node_t;
 
 typedef struct {

@@ -291,6 +291,10 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
         n->max_prompt = m->capacity->max_prompt;
         n->max_beams = m->capacity->max_beams;
         n->pool_tokens = m->capacity->pool_tokens;
+        n->kv_layers = m->capacity->kv_layers;
+        n->kv_win_layers = m->capacity->kv_windowed_layers;
+        n->kv_win_rows = m->capacity->kv_window_rows;
+        if (n->kv_win_layers > n->kv_layers) n->kv_win_layers = n->kv_win_rows = 0;
     }
     n->epoch = ++r->next_epoch;
     n->last_hb = n->registered_at = pdm_now();

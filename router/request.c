@@ -465,7 +465,7 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
     const uint32_t remaining = q->max_new - q->n_gen;
     const uint32_t n_in = q->local ? q->n_prompt + q->n_gen : q->n_prompt;
     n->tasks++;
-    q->kv_held = rt_kv_need(q, n_in, remaining);
+    q->kv_held = rt_kv_need(n, q, n_in, remaining, q->local);
     n->kv_reserved += q->kv_held;
     Pdmesh__DecodeTask t = PDMESH__DECODE_TASK__INIT;
     t.task_id = q->id;

@@ -15,7 +15,7 @@
 #include "router/prefix.h"
 #include "router/schedule.h"
 
-static int rt_pick_decode(pdm_router_t *r, const rt_req_t *q, int64_t need)
+static int rt_pick_decode(pdm_router_t *r, const rt_req_t *q, int local)
 {
     int best = -1;
     double best_score = 0, now = pdm_now();
@@ -25,7 +25,7 @@ static int rt_pick_decode(pdm_router_t *r, const rt_req_t *q, int64_t need)
         if (n->full_until > now || !rt_beams_node_ok(r, i, q)) continue;
         if (n->max_sequences && n->tasks >= (int)n->max_sequences) continue;
         int64_t free_kv = (int64_t)n->kv_tokens - n->kv_reserved;
-        if (n->kv_tokens && free_kv < need) continue;
+        if (n->kv_tokens && free_kv < rt_kv_need(n, q, q->n_prompt, q->max_new, local)) continue;
         /* Most free KV, then fewest running sequences (ARCHITECTURE.md: decode node by free
          * KV capacity and load). */
         double score = (double)free_kv - 512.0 * (n->tasks + n->running);
@@ -80,8 +80,7 @@ static int rt_pick_group(pdm_router_t *r, rt_req_t *q)
 /* The usable decode node whose prefix pool holds the longest known prefix of q's prompt,
  * with room for it; *cached is that prefix's length in tokens. -1 if none. (The node checks
  * the tokens themselves: a pool that evicted the prefix since just prefills it all.) */
-static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, int64_t need,
-                                 uint32_t *cached)
+static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, uint32_t *cached)
 {
     enum { MAXB = 512 };
     int any = 0;
@@ -100,7 +99,8 @@ static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, int64_t nee
             continue;
         const rt_node_t *n = &r->nodes[d];
         if (n->full_until > pdm_now() || (n->max_sequences && n->tasks >= (int)n->max_sequences) ||
-            (n->kv_tokens && (int64_t)n->kv_tokens - n->kv_reserved < need))
+            (n->kv_tokens && (int64_t)n->kv_tokens - n->kv_reserved <
+                                 rt_kv_need(n, q, q->n_prompt, q->max_new, 1)))
             continue;
         best = d;
         *cached = (uint32_t)(b + 1) * bt;
@@ -134,8 +134,7 @@ void rt_schedule(pdm_router_t *r)
         /* A decode node's prefix pool holds most of the prompt (a chat's next turn): prefill
          * the rest there instead of streaming the whole prompt from a group. */
         uint32_t cached = 0;
-        int pd = migrate || score_prompt ? -1 : rt_pick_decode_prefix(r, q, rt_kv_need(q, q->n_prompt,
-                                                                        q->max_new), &cached);
+        int pd = migrate || score_prompt ? -1 : rt_pick_decode_prefix(r, q, &cached);
         if (pd >= 0 && q->n_prompt - cached <= r->cfg.pool_local_max) {
             pdm_metric_inc(r->m.method, "local", 1);
             rt_req_dispatch(r, q, pd, -1);
@@ -147,8 +146,7 @@ void rt_schedule(pdm_router_t *r)
             q->waits_for_group = g < 0;
             if (g < 0) continue; /* every group is busy: wait */
         }
-        int64_t need = rt_kv_need(q, q->n_prompt, q->max_new);
-        int d = rt_pick_decode(r, q, need);
+        int d = rt_pick_decode(r, q, g < 0);
         q->waits_for_group = 0;
         if (d < 0) continue; /* wait for capacity (the deadline bounds the wait) */
         /* local prefills count here, a group's methods in rt_send_prefill */

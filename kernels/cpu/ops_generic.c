@@ -311,22 +311,28 @@ static void generic_swiglu(float *out, const float *gate, const float *up, int n
     for (int i = 0; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-void pdm_kern__rope_ext_generic(float *x, int n_heads, int head_dim, int32_t pos,
-                                const pdm_kern_rope_t *r)
+void pdm_kern__rope_ext_table(int head_dim, int32_t pos, const pdm_kern_rope_t *r, float *cs,
+                              float *sn)
 {
     /* As pdm_kern__rope_generic, with each pair's angle divided by its frequency factor and
      * multiplied by freq_scale in the order ggml's rope_yarn applies them. */
     const float step = powf(r->theta, -2.0f / (float)head_dim);
-    const int half = head_dim / 2;
-    float cs[256], sn[256];
     float angle = (float)pos;
-    for (int i = 0; i < half; i++) {
+    for (int i = 0; i < head_dim / 2; i++) {
         float a = r->freq_factors ? angle / r->freq_factors[i] : angle;
         a *= r->freq_scale;
         cs[i] = cosf(a);
         sn[i] = sinf(a);
         angle *= step;
     }
+}
+
+void pdm_kern__rope_ext_generic(float *x, int n_heads, int head_dim, int32_t pos,
+                                const pdm_kern_rope_t *r)
+{
+    const int half = head_dim / 2;
+    float cs[256], sn[256];
+    pdm_kern__rope_ext_table(head_dim, pos, r, cs, sn);
     /* pair i is (x[i0], x[i1]): adjacent values (NORM) or half a head apart (NEOX) */
     const int stride = r->neox ? 1 : 2, gap = r->neox ? half : 1;
     for (int h = 0; h < n_heads; h++) {

@@ -35,6 +35,10 @@ int pdm_kern__visible_range(const pdm_kern_attn_t *a, int32_t qpos, int *first);
 void pdm_kern__rope_generic(float *x, int n_heads, int head_dim, int32_t pos, float theta);
 void pdm_kern__rope_ext_generic(float *x, int n_heads, int head_dim, int32_t pos,
                                 const pdm_kern_rope_t *r);
+/* cs[i], sn[i] = cos and sin of pair i's rope_ext angle (head_dim / 2 <= 256 pairs), scalar
+ * libm in the reference's order, so that every variant rotates by the same angles. */
+void pdm_kern__rope_ext_table(int head_dim, int32_t pos, const pdm_kern_rope_t *r, float *cs,
+                              float *sn);
 void pdm_kern__attn_merge_generic(float *o1, float *lse1, const float *o2, float lse2, int n);
 void pdm_kern__kv_store_generic(pdm_dtype_t type, const float *src, void *dst, int n);
 

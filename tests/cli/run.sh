@@ -104,6 +104,25 @@ assert p["head-wise"]["max_context_in_budget"] > p["layer-wise"]["max_context_in
 assert p["head-wise+resident"]["kv_fast"] <= 40*1048576, p
 ' "$tmp/out"; then ok "plan placements ordered"; else bad "plan placements ordered" "$(head -c 600 "$tmp/out")"; fi
 expect "plan table" 0 "$bin" plan --model "$tmp/tiny.gguf" --context 4096 && contains "plan names head-wise" "$tmp/out" "head-wise"
+# KV per layer kind (windowed local layers on the decode node): gemma3 preset, window 16
+expect "plan bad kv-window" 2 "$bin" plan --model "$tmp/tiny.gguf" --context 100 --kv-window 1.2 && contains "kv-window named" "$tmp/err" "--kv-window"
+expect "make gemma3 model" 0 "$bin" make-test-model --arch gemma3 --out "$tmp/g3.gguf"
+expect "plan layer kinds" 0 "$bin" plan --model "$tmp/g3.gguf" --context 1000 && contains "plan local row" "$tmp/out" "local"
+expect "plan layer kinds json" 0 "$bin" plan --model "$tmp/g3.gguf" --context 1000 --json
+if $py -c '
+import json,sys
+k=json.load(open(sys.argv[1]))["kv_layers"]
+assert k["window"]==16 and k["local"]["layers"]==6 and k["global"]["layers"]==1, k
+assert k["local"]["rows_per_head"]==30 and k["bytes"] < k["bytes_full_kv"], k
+assert k["bytes"]==k["local"]["bytes"]+k["global"]["bytes"], k
+' "$tmp/out"; then ok "plan kv_layers: local layers in 30 rows, less than full KV"; else bad "plan kv_layers" "$(head -c 600 "$tmp/out")"; fi
+expect "plan kv-window 0 is full KV" 0 "$bin" plan --model "$tmp/g3.gguf" --context 1000 --kv-window 0 --json
+if $py -c '
+import json,sys
+k=json.load(open(sys.argv[1]))["kv_layers"]
+assert k["bytes"]==k["bytes_full_kv"] and k["local"]["rows_per_head"]==1000, k
+' "$tmp/out"; then ok "plan --kv-window 0: local layers keep the context"; else bad "plan --kv-window 0" "$(head -c 600 "$tmp/out")"; fi
+expect "disagg-run bad kv-window" 2 "$bin" disagg-run --prefill-ranks 1 --method single --random 8 --kv-window 9 && contains "disagg kv-window named" "$tmp/err" "--kv-window"
 # the reference GGUF reader (the gguf package from llama.cpp's authors) reads our writer's file
 if $py -c 'import gguf' 2>/dev/null; then
   if $py - "$tmp/tiny.gguf" <<'PY'

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "common/pdm.h"
+#include "decode_node/decode.h"
 #include "prefill_node/prefill.h"
 #include "tests.h"
 
@@ -43,6 +44,7 @@ static const char *bin(const char *env, const char *def)
 }
 
 static const char *decode_kv_dtype; /* NULL: the ranks' */
+static const char *decode_kv_window; /* NULL: the node's default */
 
 static pdm_launch_t *start_mesh(const char *model, int ranks, const char *kv_dtype, long budget,
                                 double timeout)
@@ -59,6 +61,7 @@ static pdm_launch_t *start_mesh(const char *model, int ranks, const char *kv_dty
     lp.decode_batch = 8;
     lp.decode_kv_budget = budget;
     lp.decode_kv_dtype = decode_kv_dtype;
+    lp.decode_kv_window = decode_kv_window;
     pdm_launch_t *l = NULL;
     ck_assert_msg(pdm_launch_start(&lp, &l) == 0, "mesh: %s", pdm_error_last());
     return l;
@@ -199,6 +202,91 @@ END_TEST
 START_TEST(test_disagg_qwen3_q8_r2) { run_arch_methods("qwen3", 2, "q8", PDM_DT_I8); }
 END_TEST
 START_TEST(test_disagg_llama3_r3) { run_arch_methods("llama3", 3, "f16", PDM_DT_F16); }
+END_TEST
+
+/* Windowed local layers on the decode node (decode.h, --kv-window): a gemma3 model with a
+ * 16-token window, a 70-token prompt (its local layers' rows land in staging, the last 15
+ * are kept) and a 25-token one (received in place), 60 new tokens each, generated in one
+ * batch: the greedy output equals the single-process engine's (full KV + mask) with r = 2,
+ * r = 1.5 and the window off. The node counts the smaller footprint: a budget one slot short
+ * of the full KV of both requests refuses the second with the window off and takes both with
+ * it on. */
+START_TEST(test_disagg_gemma3_window)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/disagg-gemma3-window.gguf", pdm_test_tmpdir());
+    pdm_testmodel_params_t p;
+    ck_assert_int_eq(pdm_testmodel_params_preset(&p, "gemma3"), 0);
+    p.wtype = PDM_DT_F32;
+    p.embtype = PDM_DT_F32;
+    p.n_ctx = 1024;
+    ck_assert_int_eq(pdm_testmodel_write(path, &p), 0);
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    const uint32_t vocab = m->hp.n_vocab;
+    enum { NREQ = 2, MAX_NEW = 60 };
+    const int lens[NREQ] = {70, 25};
+    pdm_kvwin_plan_t wp[NREQ];
+    for (int i = 0; i < NREQ; i++)
+        ck_assert_int_eq(pdm_kvwin_plan(m, PDM_DT_F32, 2, lens[i], MAX_NEW, &wp[i]), 0);
+    /* the DONE report's cache bytes per layer kind: local layers in their window rows */
+    uint32_t n_local = 0;
+    for (uint32_t l = 0; l < m->hp.n_layers; l++) n_local += m->layers[l].window > 0;
+    const double row = (double)m->hp.head_dim * 4 * 2 * m->hp.n_kv_heads; /* f32, K and V */
+    const uint32_t n_layers = m->hp.n_layers;
+    pdm_model_free(m);
+    ck_assert_int_gt(wp[0].stage_slots, 0);  /* staged */
+    ck_assert_int_eq(wp[1].stage_slots, 0);  /* in place */
+    const long budget = lens[0] + lens[1] + 2 * MAX_NEW - 1;
+    ck_assert_int_le(wp[0].slots + wp[0].stage_slots + wp[1].slots, budget);
+    int32_t ids[NREQ][80], want[NREQ][MAX_NEW];
+    int n_want[NREQ];
+    for (int i = 0; i < NREQ; i++) {
+        random_ids(ids[i], lens[i], vocab, 700 + (uint64_t)i);
+        n_want[i] = engine_greedy(path, PDM_DT_F32, ids[i], lens[i], MAX_NEW, want[i]);
+    }
+    const char *windows[] = {"2", "1.5", "0"};
+    for (int w = 0; w < 3; w++) {
+        decode_kv_window = windows[w];
+        const int R = w == 0 ? 2 : 1;
+        pdm_launch_t *l = start_mesh(path, R, "f32", budget, 60);
+        decode_kv_window = NULL;
+        pdm_launch_request_t reqs[NREQ];
+        for (int i = 0; i < NREQ; i++) {
+            reqs[i] = (pdm_launch_request_t){.tokens = ids[i], .n_tokens = lens[i],
+                                             .method = R == 2 ? PDM_PREFILL_KVR_E
+                                                              : PDM_PREFILL_SINGLE,
+                                             .max_new = MAX_NEW};
+            pdm_sampler_params_default(&reqs[i].sp);
+            reqs[i].sp.temperature = 0;
+        }
+        pdm_launch_response_t out[NREQ];
+        ck_assert_msg(pdm_launch_generate(l, reqs, NREQ, out) == 0, "%s", pdm_error_last());
+        for (int i = 0; i < NREQ; i++) {
+            if (w == 2 && i == 1) { /* full KV: the second does not fit */
+                ck_assert_msg(!out[i].ok && strstr(out[i].error, "full"), "window off: %s",
+                              out[i].ok ? "accepted" : out[i].error);
+                pdm_launch_response_free(&out[i]);
+                continue;
+            }
+            ck_assert_msg(out[i].ok, "window %s prompt %d: %s", windows[w], i, out[i].error);
+            ck_assert_msg(out[i].n_tokens == n_want[i], "window %s prompt %d: %d tokens, engine "
+                          "%d", windows[w], i, out[i].n_tokens, n_want[i]);
+            for (int k = 0; k < n_want[i]; k++)
+                ck_assert_msg(out[i].tokens[k] == want[i][k], "window %s prompt %d token %d: %d, "
+                              "engine %d", windows[w], i, k, out[i].tokens[k], want[i][k]);
+            const int cap = lens[i] + MAX_NEW;
+            const int rows = w == 2 ? cap : w == 0 ? 30 : 23; /* ceil(r * 15) */
+            ck_assert_msg(out[i].kv_local_bytes == n_local * rows * row &&
+                          out[i].kv_global_bytes == (n_layers - n_local) * cap * row,
+                          "window %s prompt %d: local %.0f global %.0f bytes", windows[w], i,
+                          out[i].kv_local_bytes, out[i].kv_global_bytes);
+            pdm_launch_response_free(&out[i]);
+        }
+        assert_idle(l);
+        ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
+    }
+}
 END_TEST
 
 static void run_methods(int R) { run_methods_kv(R, "f32", PDM_DT_F32); }
@@ -521,6 +609,7 @@ Suite *suite_disagg(void)
     tcase_add_test(tc, test_disagg_r2);
     tcase_add_test(tc, test_disagg_r3);
     tcase_add_test(tc, test_disagg_gemma3_r2);
+    tcase_add_test(tc, test_disagg_gemma3_window);
     tcase_add_test(tc, test_disagg_qwen3_q8_r2);
     tcase_add_test(tc, test_disagg_llama3_r3);
     tcase_add_test(tc, test_disagg_prefix_reuse);

@@ -414,6 +414,87 @@ START_TEST(test_decode_prefix_pool)
 }
 END_TEST
 
+/* Windowed local layers in local prefills (decode.h): a gemma3 model with a 16-token window
+ * (30 rows per windowed head at r = 2). Turn 1, 20 + 8 tokens, fits the rows: full KV, pooled.
+ * Turn 2 (turn 1, its answer and 30 new tokens; 40 new) is windowed: its global layers copy the
+ * pooled rows, its local layers keep the last 15 of them (pdm_kv_cache_window_fill), the rest
+ * is prefilled in chunks of 15 and decoded past the window; the greedy output equals the
+ * engine's full KV on the whole prompt; the node counts fewer slots than tokens; a windowed
+ * sequence does not join the pool. */
+START_TEST(test_decode_window_local)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/router-gemma3-window.gguf", pdm_test_tmpdir());
+    pdm_testmodel_params_t tp;
+    ck_assert_int_eq(pdm_testmodel_params_preset(&tp, "gemma3"), 0);
+    tp.wtype = PDM_DT_F32;
+    tp.embtype = PDM_DT_F32;
+    tp.n_ctx = 1024;
+    ck_assert_int_eq(pdm_testmodel_write(path, &tp), 0);
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(path, &m), 0);
+    enum { P = 20, NEW1 = 8, EXTRA = 30, NEW2 = 40 };
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
+    pdm_kvt_t *kvt;
+    ck_assert_int_eq(pdm_kvt_create(NULL, &kvt), 0);
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_dtype = PDM_DT_F32;
+    dp.kv_budget = 1000;
+    dp.pool_tokens = 1000;
+    pdm_decode_node_t *node;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    pdm_sampler_params_t greedy;
+    pdm_sampler_params_default(&greedy);
+    greedy.temperature = 0;
+    int32_t turn[P + NEW1 + EXTRA];
+    for (int i = 0; i < P; i++) turn[i] = (int32_t)((i * 29 + 3) % (int)m->hp.n_vocab);
+    ck_assert_int_eq(reserve_local(node, 1, turn, P, NEW1, 0), 0);
+    pdm_decode_start_t s = {.id = 1, .first_token = -1, .sp = greedy};
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    local_events_t ev = {0};
+    for (int round = 0; round < 100 && !ev.done; round++) pdm_decode_node_run_once(node, local_cb, &ev);
+    ck_assert_int_eq(ev.done, 1);
+    ck_assert_int_eq(ev.n, NEW1);
+    pdm_decode_pool_stats_t ps;
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.entries, 1); /* 28 slots < 30 rows: full KV, pooled */
+
+    int n2 = P;
+    for (int k = 0; k < NEW1; k++) turn[n2++] = ev.toks[k];
+    for (int i = 0; i < EXTRA; i++) turn[n2++] = (int32_t)((i * 7 + 1) % (int)m->hp.n_vocab);
+    int32_t ref[NEW2];
+    engine_greedy(ctx, m, turn, n2, NEW2, PDM_DT_F32, ref);
+    ck_assert_int_eq(reserve_local(node, 2, turn, n2, NEW2, 0), 0);
+    int held;
+    int64_t slots;
+    pdm_decode_node_usage(node, &held, &slots);
+    pdm_kvwin_plan_t wp;
+    ck_assert_int_eq(pdm_kvwin_plan(m, PDM_DT_F32, 2, n2, NEW2, &wp), 0);
+    ck_assert_int_eq(slots, wp.slots);
+    ck_assert_int_lt(slots, n2 + NEW2);
+    s.id = 2;
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    local_events_t ev2 = {0};
+    for (int round = 0; round < 200 && !ev2.done; round++) pdm_decode_node_run_once(node, local_cb, &ev2);
+    ck_assert_int_eq(ev2.done, 1);
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.hits, 1);
+    ck_assert_int_eq((int32_t)ps.reused_tokens, P + NEW1 - 1);
+    ck_assert_int_eq(ev2.n, NEW2);
+    for (int k = 0; k < NEW2; k++) ck_assert_int_eq(ev2.toks[k], ref[k]);
+    ck_assert_int_eq(ps.entries, 1); /* turn 1's; turn 2 (windowed) was not pooled */
+    pdm_decode_node_usage(node, &held, &slots);
+    ck_assert_int_eq(held, 0);
+    ck_assert_int_eq(slots, 0);
+    pdm_decode_node_destroy(node);
+    pdm_kvt_destroy(kvt);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+END_TEST
+
 Suite *suite_router(void)
 {
     Suite *s = suite_create("router");
@@ -424,6 +505,7 @@ Suite *suite_router(void)
     TCase *tl = tcase_create("local_prefill");
     tcase_add_test(tl, test_decode_local_prefill);
     tcase_add_test(tl, test_decode_prefix_pool);
+    tcase_add_test(tl, test_decode_window_local);
     tcase_add_test(tl, test_decode_migration_resume);
     suite_add_tcase(s, tl);
     return s;
