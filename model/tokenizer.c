@@ -893,7 +893,7 @@ int pdm_tokenizer_add_bos(const pdm_tokenizer_t *t) { return t->add_bos; }
 
 int pdm_tokenizer_is_eog(const pdm_tokenizer_t *t, int32_t id)
 {
-    return id >= 0 && id < t->n_vocab && (t->token_flags[id] & PDM_TOK__F_EOG);
+    return t && id >= 0 && id < t->n_vocab && (t->token_flags[id] & PDM_TOK__F_EOG);
 }
 
 /* ---- Encoding --------------------------------------------------------------------------- */

@@ -28,7 +28,9 @@ int32_t pdm_tokenizer_bos(const pdm_tokenizer_t *t); /* -1 if none */
 int32_t pdm_tokenizer_eos(const pdm_tokenizer_t *t); /* -1 if none */
 int32_t pdm_tokenizer_pad(const pdm_tokenizer_t *t); /* -1 if none */
 int pdm_tokenizer_add_bos(const pdm_tokenizer_t *t); /* tokenizer.ggml.add_bos_token */
-/* 1 if generation should stop at `id` (EOS or an end-of-generation control token). */
+/* 1 if generation should stop at `id` (EOS or an end-of-generation control token). A NULL
+ * tokenizer (a model loaded without one: its tokenizer type is unsupported, so it runs on
+ * token ids) has no such token: 0. */
 int pdm_tokenizer_is_eog(const pdm_tokenizer_t *t, int32_t id);
 
 typedef enum {

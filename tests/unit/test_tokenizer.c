@@ -238,6 +238,9 @@ END_TEST
 
 START_TEST(test_syn_special_tokens)
 {
+    /* A model loaded without a tokenizer has no end-of-generation token (the decode node
+     * asks for every id). */
+    ck_assert_int_eq(pdm_tokenizer_is_eog(NULL, 0), 0);
     pdm_tokenizer_t *t = syn_tokenizer();
     /* Control tokens are parsed only with PDM_TOKENIZE_SPECIAL. */
     CHECK_IDS(t, "x<|im_start|>y", PDM_TOKENIZE_SPECIAL, SYN_BYTE('x'), SYN_IM_START,
