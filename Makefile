@@ -335,7 +335,9 @@ window-test: $(BINS)
 bench-router: $(BINS)
 	BIN=$(BUILD)/bin PDMESH_MODEL=$(MODEL_FILE) tests/integration/overhead.sh
 
-test check: deps model all
+# The tests also fetch the real Gemma 3 270M (a second architecture, SentencePiece, K-quants,
+# sliding windows): its golden, CLI and mesh checks skip with a message only without it.
+test check: deps model $(GEMMA_FILE) all
 	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test \
 	  curve-test deploy-test fault-test container-test hardening-test python-package-test \
 	  lm-eval-test
