@@ -244,7 +244,7 @@ lm-eval-test: $(BINS)
 	  $(LMEVAL_VENV)/bin/python -m pip install -q "lm-eval[api]==0.4.13" || \
 	  echo "lm-eval-test: could not install lm-eval (no network?); the test will skip"; \
 	fi
-	LM_EVAL_PYTHON=$(LMEVAL_VENV)/bin/python PDMESH_MODEL=$(MODEL_FILE) \
+	LM_EVAL_PYTHON=$(abspath $(LMEVAL_VENV))/bin/python PDMESH_MODEL=$(MODEL_FILE) \
 	  $(VENV)/bin/python tests/integration/test_lm_eval.py --bindir $(BUILD)/bin
 
 # `pip install sdk/python` into a fresh venv (PyPI for pyzmq and protobuf), then the installed

@@ -70,7 +70,7 @@ def lm_eval_python():
                os.path.join(ROOT, "build", "venv", "bin", "python")):
         if py and os.path.exists(py) and subprocess.run(
                 [py, "-c", "import lm_eval, tenacity"], capture_output=True).returncode == 0:
-            return py
+            return os.path.abspath(py)  # lm_eval runs in a temporary directory
     return None
 
 
