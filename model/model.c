@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 const char *pdm_model_default_path(void)
 {
@@ -353,6 +355,60 @@ static int pdm__check_unsupported(const pdm_gguf_t *g, const char *path, uint32_
     return PDM_OK;
 }
 
+/* Returns the pages lying wholly inside [p, p + n) of the read-only file mapping to the
+ * kernel; they are read again from the file if anything touches them. */
+static void pdm__drop_pages(const void *p, size_t n)
+{
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t b = ((uintptr_t)p + page - 1) & ~(page - 1), e = ((uintptr_t)p + n) & ~(page - 1);
+    if (e > b) madvise((void *)b, e - b, MADV_DONTNEED);
+}
+
+/* Repacks every matrix that has a faster layout (see pdm_model_load) into one owned block,
+ * one matrix after the other, dropping each one's file pages once it is copied: the peak is
+ * the repacked size plus one matrix. The token embeddings stay in the file's layout (rows are
+ * looked up one by one), and so does a tied output matrix. Returns PDM_OK (nothing changed
+ * when there is nothing to repack or PDMESH_REPACK=0) or PDM_ENOMEM. */
+static int pdm__repack(pdm_model_t *m)
+{
+    const char *env = getenv("PDMESH_REPACK");
+    if (env && !strcmp(env, "0")) return PDM_OK;
+    const size_t n_mats = 7 * (size_t)m->hp.n_layers + 1;
+    pdm_kern_mat_t **mats = malloc(n_mats * sizeof(*mats));
+    if (!mats) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    size_t n = 0;
+    for (uint32_t l = 0; l < m->hp.n_layers; l++) {
+        pdm_model_layer_t *L = &m->layers[l];
+        pdm_kern_mat_t *layer[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t k = 0; k < 7; k++) mats[n++] = layer[k];
+    }
+    if (m->output.data != m->tok_embd.data) mats[n++] = &m->output;
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) total += (pdm_kern_repack_bytes(mats[i]) + 63) / 64 * 64;
+    if (total == 0) {
+        free(mats);
+        return PDM_OK;
+    }
+    char *buf = aligned_alloc(64, total);
+    if (!buf) {
+        free(mats);
+        return pdm_error_set(PDM_ENOMEM, "cannot allocate %zu bytes for repacked weights", total);
+    }
+    size_t off = 0;
+    for (size_t i = 0; i < n; i++) {
+        const size_t bytes = pdm_kern_repack_bytes(mats[i]);
+        if (!bytes) continue;
+        const pdm_kern_mat_t file = *mats[i];
+        pdm_kern_repack(&file, buf + off, mats[i]);
+        pdm__drop_pages(file.data, file.row_bytes * (size_t)file.rows);
+        off += (bytes + 63) / 64 * 64;
+    }
+    free(mats);
+    m->repacked = buf;
+    m->repacked_bytes = total;
+    return PDM_OK;
+}
+
 int pdm_model_load(const char *path, pdm_model_t **out)
 {
     int rc;
@@ -491,6 +547,7 @@ int pdm_model_load(const char *path, pdm_model_t **out)
             goto err_tokenizer;
         }
     }
+    if ((rc = pdm__repack(m))) goto err_tokenizer;
     *out = m;
     return PDM_OK;
 
@@ -519,6 +576,7 @@ void pdm_model_free(pdm_model_t *model)
     pdm_tokenizer_destroy(model->tokenizer);
     free(model->layers);
     free(model->norms);
+    free(model->repacked);
     pdm_gguf_close(model->gguf);
     free(model);
 }

@@ -114,9 +114,7 @@ static void pdm__ref_matmul(pdm__ref_ctx_t *rc, pdm_dtype_t wtype, const float *
 /* Dequantizes matrix m into dst (rows * cols floats). */
 static void pdm__ref_dequant(const pdm_kern_mat_t *m, float *dst)
 {
-    for (int64_t r = 0; r < m->rows; r++)
-        pdm_dequantize_row(m->type, (const char *)m->data + r * m->row_bytes, dst + r * m->cols,
-                           m->cols);
+    for (int64_t r = 0; r < m->rows; r++) pdm_kern_mat_dequantize_row(m, r, dst + r * m->cols);
 }
 
 static void pdm__ref_rmsnorm(double *o, const double *x, const float *w, int n, double eps)
