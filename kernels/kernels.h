@@ -188,7 +188,8 @@ void pdm_kern_split(int64_t n, int ith, int nth, int64_t align, int64_t *begin, 
 typedef enum {
     PDM_KERN_LAYOUT_ROWS = 0, /* the file's: row r at data + r * row_bytes */
     PDM_KERN_LAYOUT_X8 = 1,   /* repacked at load (pdm_kern_repack): groups of 8 rows, see
-                               * pdm_block_q4_Kx8_t; the last group padded with zero rows */
+                               * pdm_block_q4_Kx8_t and pdm_block_q6_Kx8_t; the last group
+                               * padded with zero rows */
 } pdm_kern_layout_t;
 
 /* A weight matrix: `rows` rows of `cols` elements of `type`. With the ROWS layout (the
@@ -204,7 +205,7 @@ typedef struct {
 
 /* ---- Repacking at load -------------------------------------------------------------------
  *
- * Q4_K matrices can be rearranged once, at load, into a layout the CPU kernels compute on
+ * Q4_K and Q6_K matrices can be rearranged once, at load, into a layout the CPU kernels compute on
  * faster (the idea of llama.cpp's ggml-cpu repack.cpp, block_q4_Kx8; the layout here is our
  * own): 8 rows interleaved so that one 32-byte vector holds 4 consecutive 4-bit values of
  * each of the 8 rows, and each row's 6-bit packed sub-block scales and minimums decoded once
@@ -222,8 +223,25 @@ typedef struct {
                                    * (sub-block 2p + 1): byte 32p + 4k + l of the file's qs */
 } pdm_block_q4_Kx8_t;
 
+/* Q6_K's group super-block (1680 bytes, 8 x 210 as in the file): the low 4 bits of q as
+ * Q4_K's qs above, the high 2 bits of four such vectors packed in one, sub-block scales
+ * pre-arranged in int16-pair order. x = d * scale_j * (q - 32), j = e / 16, q 6 bits. The
+ * high bits of a 64-element run sit right after its low bits, so that one forward stream
+ * reads the block (with them at the end, matrix-vector products ran at 8 instead of 28 GB/s:
+ * the hardware prefetcher did not follow the two interleaved streams). */
+typedef struct {
+    uint16_t d[8];                /* f16 super-block scale of each row */
+    int8_t scales[8][8][2];       /* [j / 2][row r][j % 2]: scale of sub-block j of 16 */
+    struct {
+        uint8_t ql[8][32];        /* low 4 bits of q, as pdm_block_q4_Kx8_t.qs[p] */
+        uint8_t qh[4][32];        /* [k / 2][4 r + l]: high 2 bits of the values of
+                                   * ql[k][4 r + l] at bits 4 (k % 2) (low nibble's) and
+                                   * 4 (k % 2) + 2 (high nibble's) */
+    } run[4];                     /* [p]: elements 64p .. 64p + 63 */
+} pdm_block_q6_Kx8_t;
+
 /* Bytes matrix `m` takes repacked (0 if its type or shape has no repacked layout: today
- * Q4_K with ROWS layout). */
+ * Q4_K and Q6_K with ROWS layout). */
 size_t pdm_kern_repack_bytes(const pdm_kern_mat_t *m);
 /* Repacks `m` (ROWS layout) into `dst` (pdm_kern_repack_bytes(m) bytes, 32-byte aligned) and
  * writes the repacked matrix (data = dst) to *out. Returns 0, or -1 (nothing written) if the

@@ -19,7 +19,7 @@
  * repacked layout. */
 static int64_t pdm__x8_groups(const pdm_kern_mat_t *m, int64_t *nb)
 {
-    if (m->type != PDM_DT_Q4_K || m->layout != PDM_KERN_LAYOUT_ROWS || m->rows < 1 ||
+    if ((m->type != PDM_DT_Q4_K && m->type != PDM_DT_Q6_K) || m->layout != PDM_KERN_LAYOUT_ROWS || m->rows < 1 ||
         m->cols < PDM_QK_K || m->cols % PDM_QK_K)
         return 0;
     *nb = m->cols / PDM_QK_K;
@@ -29,33 +29,56 @@ static int64_t pdm__x8_groups(const pdm_kern_mat_t *m, int64_t *nb)
 size_t pdm_kern_repack_bytes(const pdm_kern_mat_t *m)
 {
     int64_t nb = 0, groups = pdm__x8_groups(m, &nb);
-    return (size_t)groups * (size_t)nb * sizeof(pdm_block_q4_Kx8_t);
+    return (size_t)groups * (size_t)nb *
+           (m->type == PDM_DT_Q4_K ? sizeof(pdm_block_q4_Kx8_t) : sizeof(pdm_block_q6_Kx8_t));
+}
+
+/* Row r (0..7) of group super-block o from the file's Q6_K block b. */
+static void pdm__repack_q6_K(const pdm_block_q6_K_t *b, int r, pdm_block_q6_Kx8_t *o)
+{
+    o->d[r] = b->d;
+    for (int j = 0; j < 16; j++) o->scales[j / 2][r][j % 2] = b->scales[j];
+    for (int e = 0; e < PDM_QK_K; e++) {
+        const int q = pdm_ql_q6(b->ql, b->qh, e);
+        const int p = e / 64, hi = (e / 32) % 2, k = (e % 32) / 4, l = e % 4;
+        o->run[p].ql[k][4 * r + l] |= (uint8_t)((q & 0x0f) << (4 * hi));
+        o->run[p].qh[k / 2][4 * r + l] |= (uint8_t)((q >> 4) << (4 * (k % 2) + 2 * hi));
+    }
+}
+
+/* Row r (0..7) of group super-block o from the file's Q4_K block b. */
+static void pdm__repack_q4_K(const pdm_block_q4_K_t *b, int r, pdm_block_q4_Kx8_t *o)
+{
+    o->d[r] = b->d;
+    o->dmin[r] = b->dmin;
+    for (int j = 0; j < 8; j++) {
+        int scale, min;
+        pdm_ql_scale_min_k4(b->scales, j, &scale, &min);
+        o->scales[j][r] = (uint8_t)scale;
+        o->mins[j / 2][r][j % 2] = (uint8_t)min;
+    }
+    for (int p = 0; p < 4; p++)
+        for (int k = 0; k < 8; k++) memcpy(&o->qs[p][k][4 * r], b->qs + 32 * p + 4 * k, 4);
 }
 
 int pdm_kern_repack(const pdm_kern_mat_t *m, void *dst, pdm_kern_mat_t *out)
 {
     int64_t nb = 0, groups = pdm__x8_groups(m, &nb);
     if (!groups) return -1;
-    pdm_block_q4_Kx8_t *o = dst;
+    const size_t ob = pdm_kern_repack_bytes(m) / (size_t)(groups * nb); /* group block bytes */
+    const size_t fb = pdm_dtype_block_bytes(m->type);
+    char *o = dst;
     for (int64_t g = 0; g < groups; g++) {
-        for (int64_t i = 0; i < nb; i++, o++) {
-            memset(o, 0, sizeof(*o)); /* rows past the end stay zero: d = 0 gives 0 */
+        for (int64_t i = 0; i < nb; i++, o += ob) {
+            memset(o, 0, ob); /* rows past the end stay zero: d = 0 gives 0 */
             for (int r = 0; r < PDM_X8_ROWS; r++) {
                 const int64_t row = g * PDM_X8_ROWS + r;
                 if (row >= m->rows) break;
-                const pdm_block_q4_K_t *b =
-                    (const pdm_block_q4_K_t *)((const char *)m->data + (size_t)row * m->row_bytes) + i;
-                o->d[r] = b->d;
-                o->dmin[r] = b->dmin;
-                for (int j = 0; j < 8; j++) {
-                    int scale, min;
-                    pdm_ql_scale_min_k4(b->scales, j, &scale, &min);
-                    o->scales[j][r] = (uint8_t)scale;
-                    o->mins[j / 2][r][j % 2] = (uint8_t)min;
-                }
-                for (int p = 0; p < 4; p++)
-                    for (int k = 0; k < 8; k++)
-                        memcpy(&o->qs[p][k][4 * r], b->qs + 32 * p + 4 * k, 4);
+                const char *b = (const char *)m->data + (size_t)row * m->row_bytes + (size_t)i * fb;
+                if (m->type == PDM_DT_Q4_K)
+                    pdm__repack_q4_K((const pdm_block_q4_K_t *)b, r, (pdm_block_q4_Kx8_t *)o);
+                else
+                    pdm__repack_q6_K((const pdm_block_q6_K_t *)b, r, (pdm_block_q6_Kx8_t *)o);
             }
         }
     }
@@ -72,6 +95,14 @@ static inline int pdm__x8_q(const pdm_block_q4_Kx8_t *b, int r, int e)
     return (b->qs[p][k][4 * r + l] >> (4 * hi)) & 0x0f;
 }
 
+/* The 6-bit value (0..63) of element e of row r in a repacked Q6_K group super-block. */
+static inline int pdm__x8_q6(const pdm_block_q6_Kx8_t *b, int r, int e)
+{
+    const int p = e / 64, hi = (e / 32) % 2, k = (e % 32) / 4, l = e % 4;
+    const int lo = (b->run[p].ql[k][4 * r + l] >> (4 * hi)) & 0x0f;
+    return lo | ((b->run[p].qh[k / 2][4 * r + l] >> (4 * (k % 2) + 2 * hi)) & 3) << 4;
+}
+
 void pdm_kern_mat_dequantize_row(const pdm_kern_mat_t *m, int64_t r, float *dst)
 {
     if (m->layout == PDM_KERN_LAYOUT_ROWS) {
@@ -79,8 +110,22 @@ void pdm_kern_mat_dequantize_row(const pdm_kern_mat_t *m, int64_t r, float *dst)
                            m->cols);
         return;
     }
-    /* X8 (Q4_K): the arithmetic of pdm_dequantize_row's K-quant path, value for value */
+    /* X8: the arithmetic of pdm_dequantize_row's K-quant path, value for value */
     const int64_t nb = m->cols / PDM_QK_K;
+    if (m->type == PDM_DT_Q6_K) {
+        const pdm_block_q6_Kx8_t *g = (const pdm_block_q6_Kx8_t *)m->data + (r / PDM_X8_ROWS) * nb;
+        const int rr = (int)(r % PDM_X8_ROWS);
+        for (int64_t i = 0; i < nb; i++) {
+            const float d = pdm_f16_to_f32(g[i].d[rr]), ml = 0.0f * 0.0f; /* no minimum */
+            for (int j = 0; j < 16; j++) {
+                const float dl = d * (float)g[i].scales[j / 2][rr][j % 2];
+                for (int l = 0; l < 16; l++)
+                    dst[i * PDM_QK_K + 16 * j + l] =
+                        dl * (float)(pdm__x8_q6(&g[i], rr, 16 * j + l) - 32) - ml;
+            }
+        }
+        return;
+    }
     const pdm_block_q4_Kx8_t *g = (const pdm_block_q4_Kx8_t *)m->data + (r / PDM_X8_ROWS) * nb;
     const int rr = (int)(r % PDM_X8_ROWS);
     for (int64_t i = 0; i < nb; i++) {
@@ -90,6 +135,39 @@ void pdm_kern_mat_dequantize_row(const pdm_kern_mat_t *m, int64_t r, float *dst)
             const float ml = dmin * (float)g[i].mins[j / 2][rr][j % 2];
             for (int l = 0; l < 32; l++)
                 dst[i * PDM_QK_K + 32 * j + l] = dl * (float)pdm__x8_q(&g[i], rr, 32 * j + l) - ml;
+        }
+    }
+}
+
+/* The reference product on a repacked Q6_K matrix: per output, super-block by super-block,
+ *   sumi = sum_j scale_j * (q_j . x_j) - 32 * sum_j scale_j * bsum_j  (j over 16 of 16)
+ *   acc = fma(d * dx, sumi, acc)
+ * with the same exactness argument as Q4_K's below. */
+static void matmul_q6_Kx8(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
+                          int64_t ldy, int64_t r0, int64_t r1)
+{
+    const int64_t nb = w->cols / PDM_QK_K;
+    const pdm_block_q6_Kx8_t *wb = w->data;
+    const pdm_block_q8_K_t *x = act;
+    for (int t = 0; t < n_tok; t++) {
+        const pdm_block_q8_K_t *xt = x + (size_t)t * nb;
+        for (int64_t r = r0; r < r1; r++) {
+            const pdm_block_q6_Kx8_t *g = wb + (r / PDM_X8_ROWS) * nb;
+            const int rr = (int)(r % PDM_X8_ROWS);
+            float acc = 0.0f;
+            for (int64_t i = 0; i < nb; i++) {
+                int32_t sumi = 0, offs = 0;
+                for (int j = 0; j < 16; j++) {
+                    const int scale = g[i].scales[j / 2][rr][j % 2];
+                    int32_t s = 0;
+                    for (int l = 0; l < 16; l++)
+                        s += pdm__x8_q6(&g[i], rr, 16 * j + l) * xt[i].qs[16 * j + l];
+                    sumi += scale * s;
+                    offs += scale * xt[i].bsums[j];
+                }
+                acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * xt[i].d, (float)(sumi - 32 * offs), acc);
+            }
+            y[(size_t)t * ldy + r] = acc;
         }
     }
 }
@@ -106,6 +184,10 @@ void pdm_kern__matmul_x8_generic(const pdm_kern_mat_t *w, const void *act, int n
     const int64_t nb = w->cols / PDM_QK_K;
     const pdm_block_q4_Kx8_t *wb = w->data;
     const pdm_block_q8_K_t *x = act;
+    if (w->type == PDM_DT_Q6_K) {
+        matmul_q6_Kx8(w, act, n_tok, y, ldy, r0, r1);
+        return;
+    }
     for (int t = 0; t < n_tok; t++) {
         const pdm_block_q8_K_t *xt = x + (size_t)t * nb;
         for (int64_t r = r0; r < r1; r++) {

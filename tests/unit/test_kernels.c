@@ -353,14 +353,13 @@ END_TEST
  * largest magnitude twice with both signs (the first fixes the scale's sign), exact ties of
  * the rounding, +128 after scaling (clipped to 127), tiny and huge scales. Every variant
  * must equal the reference byte for byte. */
-/* Repacked Q4_K (PDM_KERN_LAYOUT_X8) on odd shapes: rows that do not fill a group of 8,
+/* Repacked Q4_K and Q6_K (PDM_KERN_LAYOUT_X8) on odd shapes: rows that do not fill a group of 8,
  * row ranges cut inside groups, token counts around the 4-token tile. Every variant on the
  * repacked matrix equals the repacked reference bit for bit; the repacked reference matches
  * the file-layout reference to float summation order; dequantized rows are identical. */
-static void check_repack(int rows, int cols, int n_tok)
+static void check_repack(pdm_dtype_t wtype, int rows, int cols, int n_tok)
 {
     const pdm_kern_ops_t *ref = &pdm_kern_ops_generic;
-    const pdm_dtype_t wtype = PDM_DT_Q4_K;
     size_t rb = pdm_dtype_row_bytes(wtype, cols);
     float *wf = malloc((size_t)rows * cols * sizeof(float));
     char *w = malloc(rb * rows);
@@ -376,7 +375,8 @@ static void check_repack(int rows, int cols, int n_tok)
         pdm_quantize_row(wtype, wf + (size_t)r * cols, w + (size_t)r * rb, cols);
     pdm_kern_mat_t m = {.data = w, .type = wtype, .rows = rows, .cols = cols, .row_bytes = rb};
     size_t pb = pdm_kern_repack_bytes(&m);
-    ck_assert_uint_eq(pb, (size_t)(rows + 7) / 8 * (size_t)(cols / 256) * sizeof(pdm_block_q4_Kx8_t));
+    ck_assert_uint_eq(pb, (size_t)(rows + 7) / 8 * (size_t)(cols / 256) *
+                              (wtype == PDM_DT_Q4_K ? sizeof(pdm_block_q4_Kx8_t) : sizeof(pdm_block_q6_Kx8_t)));
     void *packed = aligned_alloc(64, (pb + 63) / 64 * 64);
     pdm_kern_mat_t mp;
     ck_assert_int_eq(pdm_kern_repack(&m, packed, &mp), 0);
@@ -403,8 +403,8 @@ static void check_repack(int rows, int cols, int n_tok)
         list[v]->matmul(&mp, act, n_tok, y, rows, 0, cut);
         list[v]->matmul(&mp, act, n_tok, y, rows, cut, rows);
         ck_assert_msg(!memcmp(y, yr, (size_t)n_tok * rows * sizeof(float)),
-                      "%s repacked q4_k rows %d cols %d tok %d differs from the reference",
-                      list[v]->name, rows, cols, n_tok);
+                      "%s repacked %s rows %d cols %d tok %d differs from the reference",
+                      list[v]->name, pdm_dtype_name(wtype), rows, cols, n_tok);
     }
     free(packed);
     free(act);
@@ -418,18 +418,19 @@ static void check_repack(int rows, int cols, int n_tok)
     free(yf);
 }
 
-START_TEST(test_repack_q4_k)
+START_TEST(test_repack_kquants)
 {
     static const int toks[] = {1, 2, 3, 4, 5, 8, 9};
     static const int shapes[][2] = {{1, 256}, {7, 512}, {8, 256}, {13, 768}, {64, 256}, {67, 1280}};
     for (size_t s = 0; s < PDM_ARRAY_SIZE(shapes); s++)
         for (size_t k = 0; k < PDM_ARRAY_SIZE(toks); k++)
-            check_repack(shapes[s][0], shapes[s][1], toks[k]);
+            for (int q6 = 0; q6 < 2; q6++)
+                check_repack(q6 ? PDM_DT_Q6_K : PDM_DT_Q4_K, shapes[s][0], shapes[s][1], toks[k]);
     /* types without a repacked layout are left alone */
-    pdm_kern_mat_t q6 = {.type = PDM_DT_Q6_K, .rows = 8, .cols = 256, .row_bytes = 210};
-    ck_assert_uint_eq(pdm_kern_repack_bytes(&q6), 0);
+    pdm_kern_mat_t q5 = {.type = PDM_DT_Q5_K, .rows = 8, .cols = 256, .row_bytes = 176};
+    ck_assert_uint_eq(pdm_kern_repack_bytes(&q5), 0);
     pdm_kern_mat_t out;
-    ck_assert_int_eq(pdm_kern_repack(&q6, NULL, &out), -1);
+    ck_assert_int_eq(pdm_kern_repack(&q5, NULL, &out), -1);
 }
 END_TEST
 
@@ -1029,7 +1030,7 @@ Suite *suite_kernels(void)
     tcase_add_test(tc, test_dtype_traits);
     tcase_add_test(tc, test_matmul_variants);
     tcase_add_test(tc, test_matmul_kquants);
-    tcase_add_test(tc, test_repack_q4_k);
+    tcase_add_test(tc, test_repack_kquants);
     tcase_add_test(tc, test_q8_K_activations);
     tcase_add_test(tc, test_q8_kv);
     tcase_add_test(tc, test_attention_variants);
