@@ -188,8 +188,8 @@ void pdm_kern_split(int64_t n, int ith, int nth, int64_t align, int64_t *begin, 
 typedef enum {
     PDM_KERN_LAYOUT_ROWS = 0, /* the file's: row r at data + r * row_bytes */
     PDM_KERN_LAYOUT_X8 = 1,   /* repacked at load (pdm_kern_repack): groups of 8 rows, see
-                               * pdm_block_q4_Kx8_t and pdm_block_q6_Kx8_t; the last group
-                               * padded with zero rows */
+                               * pdm_block_q4_Kx8_t, pdm_block_q6_Kx8_t, pdm_block_q8_0x8_t;
+                               * the last group padded with zero rows */
 } pdm_kern_layout_t;
 
 /* A weight matrix: `rows` rows of `cols` elements of `type`. With the ROWS layout (the
@@ -205,7 +205,7 @@ typedef struct {
 
 /* ---- Repacking at load -------------------------------------------------------------------
  *
- * Q4_K and Q6_K matrices can be rearranged once, at load, into a layout the CPU kernels compute on
+ * Q4_K, Q6_K and Q8_0 matrices can be rearranged once, at load, into a layout the CPU kernels compute on
  * faster (the idea of llama.cpp's ggml-cpu repack.cpp, block_q4_Kx8; the layout here is our
  * own): 8 rows interleaved so that one 32-byte vector holds 4 consecutive 4-bit values of
  * each of the 8 rows, and each row's 6-bit packed sub-block scales and minimums decoded once
@@ -240,8 +240,15 @@ typedef struct {
     } run[4];                     /* [p]: elements 64p .. 64p + 63 */
 } pdm_block_q6_Kx8_t;
 
+/* Q8_0's group block (272 bytes, 8 x 34 as in the file): values stored plus 128 (w ^ 0x80)
+ * so that vpdpbusd takes them as unsigned bytes; the kernels take 128 * sum(x) off. */
+typedef struct {
+    uint16_t d[8];                /* f16 scale of each row */
+    uint8_t qs[8][32];            /* [k][4 r + l]: element 4k + l of row r, plus 128 */
+} pdm_block_q8_0x8_t;
+
 /* Bytes matrix `m` takes repacked (0 if its type or shape has no repacked layout: today
- * Q4_K and Q6_K with ROWS layout). */
+ * Q4_K, Q6_K and Q8_0 with ROWS layout). */
 size_t pdm_kern_repack_bytes(const pdm_kern_mat_t *m);
 /* Repacks `m` (ROWS layout) into `dst` (pdm_kern_repack_bytes(m) bytes, 32-byte aligned) and
  * writes the repacked matrix (data = dst) to *out. Returns 0, or -1 (nothing written) if the

@@ -366,9 +366,9 @@ static void pdm__drop_pages(const void *p, size_t n)
 
 /* Repacks every matrix that has a faster layout (see pdm_model_load) into one owned block,
  * one matrix after the other, dropping each one's file pages once it is copied: the peak is
- * the repacked size plus one matrix. The token embeddings stay in the file's layout (rows are
- * looked up one by one), and so does a tied output matrix. Returns PDM_OK (nothing changed
- * when there is nothing to repack or PDMESH_REPACK=0) or PDM_ENOMEM. */
+ * the repacked size plus one matrix. Untied token embeddings stay in the file's layout (they
+ * are only looked up row by row). Returns PDM_OK (nothing changed when there is nothing to
+ * repack or PDMESH_REPACK=0) or PDM_ENOMEM. */
 static int pdm__repack(pdm_model_t *m)
 {
     const char *env = getenv("PDMESH_REPACK");
@@ -382,7 +382,10 @@ static int pdm__repack(pdm_model_t *m)
         pdm_kern_mat_t *layer[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
         for (size_t k = 0; k < 7; k++) mats[n++] = layer[k];
     }
-    if (m->output.data != m->tok_embd.data) mats[n++] = &m->output;
+    /* the output matrix, tied or not; tied, the embeddings are looked up through the layout
+     * (pdm_kern_mat_dequantize_row) and output follows tok_embd below */
+    const int tied = m->output.data == m->tok_embd.data;
+    mats[n++] = tied ? &m->tok_embd : &m->output;
     size_t total = 0;
     for (size_t i = 0; i < n; i++) total += (pdm_kern_repack_bytes(mats[i]) + 63) / 64 * 64;
     if (total == 0) {
@@ -404,6 +407,7 @@ static int pdm__repack(pdm_model_t *m)
         off += (bytes + 63) / 64 * 64;
     }
     free(mats);
+    if (tied) m->output = m->tok_embd;
     m->repacked = buf;
     m->repacked_bytes = total;
     return PDM_OK;

@@ -242,9 +242,7 @@ int pdm_model_reference_logits(const pdm_model_t *m, const pdm_model_ref_params_
     }
 
     for (int i = 0; i < n; i++) {
-        pdm_dequantize_row(
-            m->tok_embd.type,
-            (const char *)m->tok_embd.data + (size_t)tokens[i] * m->tok_embd.row_bytes, row, d);
+        pdm_kern_mat_dequantize_row(&m->tok_embd, tokens[i], row);
         for (int c = 0; c < d; c++) x[(size_t)i * d + c] = row[c];
     }
     for (uint32_t l = 0; l < hp->n_layers; l++) {

@@ -19,18 +19,34 @@
  * repacked layout. */
 static int64_t pdm__x8_groups(const pdm_kern_mat_t *m, int64_t *nb)
 {
-    if ((m->type != PDM_DT_Q4_K && m->type != PDM_DT_Q6_K) || m->layout != PDM_KERN_LAYOUT_ROWS || m->rows < 1 ||
-        m->cols < PDM_QK_K || m->cols % PDM_QK_K)
+    if ((m->type != PDM_DT_Q4_K && m->type != PDM_DT_Q6_K && m->type != PDM_DT_Q8_0) ||
+        m->layout != PDM_KERN_LAYOUT_ROWS || m->rows < 1 || m->cols < 1)
         return 0;
-    *nb = m->cols / PDM_QK_K;
+    const int be = pdm_dtype_block_elems(m->type);
+    if (m->cols % be) return 0;
+    *nb = m->cols / be;
     return (m->rows + PDM_X8_ROWS - 1) / PDM_X8_ROWS;
+}
+
+/* Bytes of one group block of a repacked type. */
+static size_t pdm__x8_block_bytes(pdm_dtype_t type)
+{
+    return type == PDM_DT_Q4_K   ? sizeof(pdm_block_q4_Kx8_t)
+           : type == PDM_DT_Q6_K ? sizeof(pdm_block_q6_Kx8_t)
+                                 : sizeof(pdm_block_q8_0x8_t);
 }
 
 size_t pdm_kern_repack_bytes(const pdm_kern_mat_t *m)
 {
     int64_t nb = 0, groups = pdm__x8_groups(m, &nb);
-    return (size_t)groups * (size_t)nb *
-           (m->type == PDM_DT_Q4_K ? sizeof(pdm_block_q4_Kx8_t) : sizeof(pdm_block_q6_Kx8_t));
+    return groups ? (size_t)groups * (size_t)nb * pdm__x8_block_bytes(m->type) : 0;
+}
+
+/* Row r (0..7) of group block o from the file's Q8_0 block b. */
+static void pdm__repack_q8_0(const pdm_block_q8_0_t *b, int r, pdm_block_q8_0x8_t *o)
+{
+    o->d[r] = b->d;
+    for (int e = 0; e < PDM_QK; e++) o->qs[e / 4][4 * r + e % 4] = (uint8_t)b->qs[e] ^ 0x80;
 }
 
 /* Row r (0..7) of group super-block o from the file's Q6_K block b. */
@@ -70,13 +86,17 @@ int pdm_kern_repack(const pdm_kern_mat_t *m, void *dst, pdm_kern_mat_t *out)
     char *o = dst;
     for (int64_t g = 0; g < groups; g++) {
         for (int64_t i = 0; i < nb; i++, o += ob) {
-            memset(o, 0, ob); /* rows past the end stay zero: d = 0 gives 0 */
+            /* rows past the end: d = 0 and q = 0 (Q8_0: stored as 0x80) give 0 */
+            memset(o, 0, ob);
+            if (m->type == PDM_DT_Q8_0) memset(((pdm_block_q8_0x8_t *)o)->qs, 0x80, 256);
             for (int r = 0; r < PDM_X8_ROWS; r++) {
                 const int64_t row = g * PDM_X8_ROWS + r;
                 if (row >= m->rows) break;
                 const char *b = (const char *)m->data + (size_t)row * m->row_bytes + (size_t)i * fb;
                 if (m->type == PDM_DT_Q4_K)
                     pdm__repack_q4_K((const pdm_block_q4_K_t *)b, r, (pdm_block_q4_Kx8_t *)o);
+                else if (m->type == PDM_DT_Q8_0)
+                    pdm__repack_q8_0((const pdm_block_q8_0_t *)b, r, (pdm_block_q8_0x8_t *)o);
                 else
                     pdm__repack_q6_K((const pdm_block_q6_K_t *)b, r, (pdm_block_q6_Kx8_t *)o);
             }
@@ -110,7 +130,18 @@ void pdm_kern_mat_dequantize_row(const pdm_kern_mat_t *m, int64_t r, float *dst)
                            m->cols);
         return;
     }
-    /* X8: the arithmetic of pdm_dequantize_row's K-quant path, value for value */
+    if (m->type == PDM_DT_Q8_0) { /* as pdm_dequantize_row: q * d */
+        const int64_t nb = m->cols / PDM_QK;
+        const pdm_block_q8_0x8_t *g = (const pdm_block_q8_0x8_t *)m->data + (r / PDM_X8_ROWS) * nb;
+        const int rr = (int)(r % PDM_X8_ROWS);
+        for (int64_t i = 0; i < nb; i++) {
+            const float d = pdm_f16_to_f32(g[i].d[rr]);
+            for (int e = 0; e < PDM_QK; e++)
+                dst[i * PDM_QK + e] = (float)((int)g[i].qs[e / 4][4 * rr + e % 4] - 128) * d;
+        }
+        return;
+    }
+    /* X8 K-quants: the arithmetic of pdm_dequantize_row's K-quant path, value for value */
     const int64_t nb = m->cols / PDM_QK_K;
     if (m->type == PDM_DT_Q6_K) {
         const pdm_block_q6_Kx8_t *g = (const pdm_block_q6_Kx8_t *)m->data + (r / PDM_X8_ROWS) * nb;
@@ -172,6 +203,31 @@ static void matmul_q6_Kx8(const pdm_kern_mat_t *w, const void *act, int n_tok, f
     }
 }
 
+/* The reference product on a repacked Q8_0 matrix (Q8_0 activations): per output, block by
+ * block, acc = fma(d_w * d_x, sum of w * x, acc). */
+static void matmul_q8_0x8(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
+                          int64_t ldy, int64_t r0, int64_t r1)
+{
+    const int64_t nb = w->cols / PDM_QK;
+    const pdm_block_q8_0x8_t *wb = w->data;
+    const pdm_block_q8_0_t *x = act;
+    for (int t = 0; t < n_tok; t++) {
+        const pdm_block_q8_0_t *xt = x + (size_t)t * nb;
+        for (int64_t r = r0; r < r1; r++) {
+            const pdm_block_q8_0x8_t *g = wb + (r / PDM_X8_ROWS) * nb;
+            const int rr = (int)(r % PDM_X8_ROWS);
+            float acc = 0.0f;
+            for (int64_t i = 0; i < nb; i++) {
+                int32_t sumi = 0;
+                for (int e = 0; e < PDM_QK; e++)
+                    sumi += ((int)g[i].qs[e / 4][4 * rr + e % 4] - 128) * xt[i].qs[e];
+                acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * pdm_f16_to_f32(xt[i].d), (float)sumi, acc);
+            }
+            y[(size_t)t * ldy + r] = acc;
+        }
+    }
+}
+
 /* The reference product on a repacked Q4_K matrix. Per output, super-block by super-block:
  *   sumi = sum_j scale_j * (q_j . x_j),  summ = sum_j min_j * (bsum_2j + bsum_2j+1)
  *   acc = fma(d * dx, sumi, acc);  acc = fma(-(dmin * dx), summ, acc)
@@ -186,6 +242,10 @@ void pdm_kern__matmul_x8_generic(const pdm_kern_mat_t *w, const void *act, int n
     const pdm_block_q8_K_t *x = act;
     if (w->type == PDM_DT_Q6_K) {
         matmul_q6_Kx8(w, act, n_tok, y, ldy, r0, r1);
+        return;
+    }
+    if (w->type == PDM_DT_Q8_0) {
+        matmul_q8_0x8(w, act, n_tok, y, ldy, r0, r1);
         return;
     }
     for (int t = 0; t < n_tok; t++) {
