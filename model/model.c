@@ -365,10 +365,12 @@ static void pdm__drop_pages(const void *p, size_t n)
 }
 
 /* Repacks every matrix that has a faster layout (see pdm_model_load) into one owned block,
- * one matrix after the other, dropping each one's file pages once it is copied: the peak is
- * the repacked size plus one matrix. Untied token embeddings stay in the file's layout (they
+ * slice by slice, dropping each slice's file pages once it is copied: the peak is the
+ * repacked size plus 1024 rows. Untied token embeddings stay in the file's layout (they
  * are only looked up row by row). Returns PDM_OK (nothing changed when there is nothing to
  * repack or PDMESH_REPACK=0) or PDM_ENOMEM. */
+#define PDM__REPACK_ROWS 1024 /* rows repacked before their file pages are dropped */
+
 static int pdm__repack(pdm_model_t *m)
 {
     const char *env = getenv("PDMESH_REPACK");
@@ -401,9 +403,22 @@ static int pdm__repack(pdm_model_t *m)
     for (size_t i = 0; i < n; i++) {
         const size_t bytes = pdm_kern_repack_bytes(mats[i]);
         if (!bytes) continue;
+        /* slices of PDM__REPACK_ROWS rows (whole groups of 8): a slice's groups follow the
+         * previous slice's in the repacked layout, and its file pages go as soon as it is
+         * copied, so that a large matrix (Gemma's 262144-row tied embeddings) is never
+         * resident twice */
         const pdm_kern_mat_t file = *mats[i];
-        pdm_kern_repack(&file, buf + off, mats[i]);
-        pdm__drop_pages(file.data, file.row_bytes * (size_t)file.rows);
+        for (int64_t r0 = 0; r0 < file.rows; r0 += PDM__REPACK_ROWS) {
+            pdm_kern_mat_t slice = file, done = file, packed;
+            slice.data = (const char *)file.data + (size_t)r0 * file.row_bytes;
+            slice.rows = PDM_MIN(file.rows - r0, (int64_t)PDM__REPACK_ROWS);
+            done.rows = r0; /* rows before the slice: their repacked size is the offset */
+            pdm_kern_repack(&slice, buf + off + (r0 ? pdm_kern_repack_bytes(&done) : 0), &packed);
+            pdm__drop_pages(slice.data, file.row_bytes * (size_t)slice.rows);
+        }
+        *mats[i] = file;
+        mats[i]->data = buf + off;
+        mats[i]->layout = PDM_KERN_LAYOUT_X8;
         off += (bytes + 63) / 64 * 64;
     }
     free(mats);
