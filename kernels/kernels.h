@@ -205,9 +205,9 @@ typedef struct {
 
 /* ---- Repacking at load -------------------------------------------------------------------
  *
- * Q4_K, Q6_K and Q8_0 matrices can be rearranged once, at load, into a layout the CPU kernels compute on
- * faster (the idea of llama.cpp's ggml-cpu repack.cpp, block_q4_Kx8; the layout here is our
- * own): 8 rows interleaved so that one 32-byte vector holds 4 consecutive 4-bit values of
+ * Q4_K, Q6_K and Q8_0 matrices can be rearranged once, at load, into a layout the CPU
+ * kernels compute on faster (the idea of llama.cpp's ggml-cpu repack.cpp, block_q4_Kx8; the
+ * layouts here are our own): 8 rows interleaved so that one 32-byte vector holds 4 consecutive 4-bit values of
  * each of the 8 rows, and each row's 6-bit packed sub-block scales and minimums decoded once
  * to bytes. A u8 x s8 dot product against 4 broadcast activation bytes (vpdpbusd) then gives
  * the 8 rows' partial sums in the 8 int32 lanes: no horizontal sums, no per-row scale

@@ -124,10 +124,12 @@ int main(int argc, char **argv)
     const double best = times[0], med = times[iters / 2];
     const double macs = (double)rows * cols * n_tok;
     printf("{\"kernels\": \"%s\", \"type\": \"%s\", \"rows\": %d, \"cols\": %d, \"tokens\": %d, "
-           "\"repack\": %d, \"iters\": %d, \"best_ms\": %.4f, \"median_ms\": %.4f, \"best_gb_s\": %.2f, "
+           "\"repack\": %d, \"iters\": %d, \"best_ms\": %.4f, \"median_ms\": %.4f, "
+           "\"best_gb_s\": %.2f, "
            "\"best_gmac_s\": %.2f, \"median_gmac_s\": %.2f}\n",
-           ops->name, pdm_dtype_name((pdm_dtype_t)type), rows, cols, n_tok, repack, iters, best * 1e3,
-           med * 1e3, (double)mat_bytes / best / 1e9, macs / best / 1e9, macs / med / 1e9);
+           ops->name, pdm_dtype_name((pdm_dtype_t)type), rows, cols, n_tok, repack, iters,
+           best * 1e3, med * 1e3, (double)mat_bytes / best / 1e9, macs / best / 1e9,
+           macs / med / 1e9);
     free(w);
     free(row);
     free(x);

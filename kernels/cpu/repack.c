@@ -97,8 +97,7 @@ int pdm_kern_repack(const pdm_kern_mat_t *m, void *dst, pdm_kern_mat_t *out)
                     pdm__repack_q4_K((const pdm_block_q4_K_t *)b, r, (pdm_block_q4_Kx8_t *)o);
                 else if (m->type == PDM_DT_Q8_0)
                     pdm__repack_q8_0((const pdm_block_q8_0_t *)b, r, (pdm_block_q8_0x8_t *)o);
-                else
-                    pdm__repack_q6_K((const pdm_block_q6_K_t *)b, r, (pdm_block_q6_Kx8_t *)o);
+                else pdm__repack_q6_K((const pdm_block_q6_K_t *)b, r, (pdm_block_q6_Kx8_t *)o);
             }
         }
     }
@@ -126,8 +125,7 @@ static inline int pdm__x8_q6(const pdm_block_q6_Kx8_t *b, int r, int e)
 void pdm_kern_mat_dequantize_row(const pdm_kern_mat_t *m, int64_t r, float *dst)
 {
     if (m->layout == PDM_KERN_LAYOUT_ROWS) {
-        pdm_dequantize_row(m->type, (const char *)m->data + (size_t)r * m->row_bytes, dst,
-                           m->cols);
+        pdm_dequantize_row(m->type, (const char *)m->data + (size_t)r * m->row_bytes, dst, m->cols);
         return;
     }
     if (m->type == PDM_DT_Q8_0) { /* as pdm_dequantize_row: q * d */
@@ -261,7 +259,8 @@ void pdm_kern__matmul_x8_generic(const pdm_kern_mat_t *w, const void *act, int n
                     for (int l = 0; l < 32; l++)
                         s += pdm__x8_q(&g[i], rr, 32 * j + l) * xt[i].qs[32 * j + l];
                     sumi += g[i].scales[j][rr] * s;
-                    summ += g[i].mins[j / 2][rr][j % 2] * (xt[i].bsums[2 * j] + xt[i].bsums[2 * j + 1]);
+                    summ += g[i].mins[j / 2][rr][j % 2] *
+                            (xt[i].bsums[2 * j] + xt[i].bsums[2 * j + 1]);
                 }
                 const float dx = xt[i].d;
                 acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * dx, (float)sumi, acc);
