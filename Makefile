@@ -478,7 +478,10 @@ bench-engine: deps model all
 KQUANT_DIR := $(BUILD)/kquant
 GEMMA_FILE := models/gemma-3-270m-q4_k_m.gguf
 KQUANT_ARGS ?=
-$(KQUANT_DIR)/l1b-f32.gguf: $(BUILD)/bin/pdmesh
+# (order-only on pdmesh: a rebuild does not remake the models; the F32 file is secondary, so
+# deleting it does not either)
+.SECONDARY: $(KQUANT_DIR)/l1b-f32.gguf
+$(KQUANT_DIR)/l1b-f32.gguf: | $(BUILD)/bin/pdmesh
 	mkdir -p $(KQUANT_DIR)
 	$(BUILD)/bin/pdmesh make-test-model --out $@ --layers 16 --d-model 2048 --ffn 8192 \
 	  --heads 32 --kv-heads 8 --wtype f32 --emb-type f32 --seed 1

@@ -381,7 +381,8 @@ static int pdm__repack(pdm_model_t *m)
     size_t n = 0;
     for (uint32_t l = 0; l < m->hp.n_layers; l++) {
         pdm_model_layer_t *L = &m->layers[l];
-        pdm_kern_mat_t *layer[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        pdm_kern_mat_t *layer[] = {&L->wq,     &L->wk,   &L->wv,    &L->wo,
+                                   &L->w_gate, &L->w_up, &L->w_down};
         for (size_t k = 0; k < 7; k++) mats[n++] = layer[k];
     }
     /* the output matrix, tied or not; tied, the embeddings are looked up through the layout
