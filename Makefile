@@ -32,6 +32,8 @@
 #                      llama-server
 #   make bench-prefix  follow-up turns: TTFT with prefix reuse vs whole-prompt prefill
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
+#   make bench-kquant  issue 14's table: default model, Gemma 3 270M Q4_K_M, 1B-shaped Q4_K_M and
+#                 Q8_0 (llama.cpp-quantized) against llama-bench into docs/perf/kquant-table.*
 #
 # Variables: OPT (optimisation flags), BUILD (output directory), CC, IMAGE (make image's tag).
 
@@ -65,7 +67,7 @@ AVX512_FLAGS := $(AVX2_FLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx51
 # and the cluster secret).
 COMMON_SRC := common/common.c common/file.c common/wire.c common/curve.c
 COMMON_NODE_SRC := common/nodelink.c common/auth.c common/health.c
-KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c \
+KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c kernels/cpu/repack.c \
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/chat.c model/model.c \
              model/forward.c model/reference.c model/kv_cache.c model/kv_quant.c model/sampler.c \
@@ -147,7 +149,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
         format-check \
         integration-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
         bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
-        bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory bench-decode-memory-window python-sdk \
+        bench-engine bench-kquant cuda cuda-check bench-decode-memory-beam bench-decode-memory bench-decode-memory-window python-sdk \
         python-pb python-package-test lm-eval-test \
         sdk-test image container-test fidelity
 
@@ -547,6 +549,34 @@ bench-engine: deps model all
 	$(BENCH_VENV)/bin/python bench/engine/run.py --pdm-bench $(BUILD)/bin/pdm-engine-bench \
 	  --roofline $(BUILD)/bin/pdm-roofline --python $(BENCH_VENV)/bin/python \
 	  --model $(MODEL_FILE) --out docs/perf
+
+# Issue 14's benchmark table (reports only): pdmesh against llama.cpp's own llama-bench (repack
+# on = the anchor, and off), alternating, threads 1 and 2, prefill 512 and decode at context
+# 128 by default (KQUANT_ARGS="--prefill 512,2048 --depth 128,4096" for the long ones), into
+# docs/perf/kquant-table.{md,json}. The 1B-shaped models (random weights, the test
+# tokenizer's 339-token vocabulary) are made once into $(BUILD)/kquant/ by make-test-model (F32,
+# 3.9 GB) and llama.cpp's quantizer; Gemma 3 270M is used when models/ has it (docs/models.md).
+# About 20 minutes with 3 repetitions on 2 cores.
+KQUANT_DIR := $(BUILD)/kquant
+GEMMA_FILE := models/gemma-3-270m-q4_k_m.gguf
+KQUANT_ARGS ?=
+# (order-only on pdmesh: a rebuild does not remake the models; the F32 file is secondary, so
+# deleting it does not either)
+.SECONDARY: $(KQUANT_DIR)/l1b-f32.gguf
+$(KQUANT_DIR)/l1b-f32.gguf: | $(BUILD)/bin/pdmesh
+	mkdir -p $(KQUANT_DIR)
+	$(BUILD)/bin/pdmesh make-test-model --out $@ --layers 16 --d-model 2048 --ffn 8192 \
+	  --heads 32 --kv-heads 8 --wtype f32 --emb-type f32 --seed 1
+$(KQUANT_DIR)/l1b-q4_k_m.gguf $(KQUANT_DIR)/l1b-q8_0.gguf: $(KQUANT_DIR)/l1b-%.gguf: $(KQUANT_DIR)/l1b-f32.gguf
+	$(VENV)/bin/python bench/kquant/llama_quantize.py $< $@ $*
+bench-kquant: deps model all $(KQUANT_DIR)/l1b-q4_k_m.gguf $(KQUANT_DIR)/l1b-q8_0.gguf
+	bin=$$(tools/llama_tools.sh $(BUILD)/llama.cpp | tail -n 1) && \
+	$(VENV)/bin/python bench/kquant/table.py --pdm-bench $(BUILD)/bin/pdm-engine-bench \
+	  --roofline $(BUILD)/bin/pdm-roofline --llama-bench "$$bin/llama-bench" \
+	  --model smollm2-135m-q4_1=$(MODEL_FILE) \
+	  $(if $(wildcard $(GEMMA_FILE)),--model gemma3-270m-q4_k_m=$(GEMMA_FILE)) \
+	  --model l1b-q4_k_m=$(KQUANT_DIR)/l1b-q4_k_m.gguf --model l1b-q8_0=$(KQUANT_DIR)/l1b-q8_0.gguf \
+	  --out docs/perf $(KQUANT_ARGS)
 
 # Fidelity (reports, never fails on a missed bar): pdmesh perplexity and KL divergence against
 # llama-perplexity, llama.cpp through llama-cpp-python and the exact f64 model on

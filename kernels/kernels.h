@@ -184,14 +184,78 @@ void pdm_kern_split(int64_t n, int ith, int nth, int64_t align, int64_t *begin, 
 
 /* ---- Ops table -------------------------------------------------------------------------- */
 
-/* A weight matrix as stored: `rows` rows of `cols` elements of `type`, row-major, rows
- * `row_bytes` apart. y = W x means y[r] = sum_c W[r][c] * x[c]. */
+/* How a weight matrix's bytes are arranged. */
+typedef enum {
+    PDM_KERN_LAYOUT_ROWS = 0, /* the file's: row r at data + r * row_bytes */
+    PDM_KERN_LAYOUT_X8 = 1,   /* repacked at load (pdm_kern_repack): groups of 8 rows, see
+                               * pdm_block_q4_Kx8_t, pdm_block_q6_Kx8_t, pdm_block_q8_0x8_t;
+                               * the last group padded with zero rows */
+} pdm_kern_layout_t;
+
+/* A weight matrix: `rows` rows of `cols` elements of `type`. With the ROWS layout (the
+ * default, zero) rows are row-major, `row_bytes` apart; row_bytes is the file's row size in
+ * every layout. y = W x means y[r] = sum_c W[r][c] * x[c]. */
 typedef struct {
     const void *data;
     pdm_dtype_t type;
     int64_t rows, cols;
     size_t row_bytes;
+    pdm_kern_layout_t layout;
 } pdm_kern_mat_t;
+
+/* ---- Repacking at load -------------------------------------------------------------------
+ *
+ * Q4_K, Q6_K and Q8_0 matrices can be rearranged once, at load, into a layout the CPU
+ * kernels compute on faster (the idea of llama.cpp's ggml-cpu repack.cpp, block_q4_Kx8; the
+ * layouts here are our own): 8 rows interleaved so that one 32-byte vector holds 4 consecutive 4-bit values of
+ * each of the 8 rows, and each row's 6-bit packed sub-block scales and minimums decoded once
+ * to bytes. A u8 x s8 dot product against 4 broadcast activation bytes (vpdpbusd) then gives
+ * the 8 rows' partial sums in the 8 int32 lanes: no horizontal sums, no per-row scale
+ * unpacking, and the 4-bit values of a super-block are unpacked once per 4 tokens for 8 rows.
+ * Group super-block i (1184 bytes for 8 x 144 in the file) of rows 8g..8g+7: */
+typedef struct {
+    uint16_t d[8], dmin[8];       /* f16 super-block scale and minimum scale of each row */
+    uint8_t scales[8][8];         /* [sub-block j][row r]: 6-bit scale */
+    uint8_t mins[4][8][2];        /* [j / 2][row r][j % 2]: 6-bit minimum (int16 pairs with
+                                   * vpmaddwd against pairs of sub-block activation sums) */
+    uint8_t qs[4][8][32];         /* [p][k][4 r + l]: low nibble element 64p + 4k + l of row
+                                   * r (sub-block 2p), high nibble element 64p + 32 + 4k + l
+                                   * (sub-block 2p + 1): byte 32p + 4k + l of the file's qs */
+} pdm_block_q4_Kx8_t;
+
+/* Q6_K's group super-block (1680 bytes, 8 x 210 as in the file): the low 4 bits of q as
+ * Q4_K's qs above, the high 2 bits of four such vectors packed in one, sub-block scales
+ * pre-arranged in int16-pair order. x = d * scale_j * (q - 32), j = e / 16, q 6 bits. The
+ * high bits of a 64-element run sit right after its low bits, so that one forward stream
+ * reads the block (with them at the end, matrix-vector products ran at 8 instead of 28 GB/s:
+ * the hardware prefetcher did not follow the two interleaved streams). */
+typedef struct {
+    uint16_t d[8];                /* f16 super-block scale of each row */
+    int8_t scales[8][8][2];       /* [j / 2][row r][j % 2]: scale of sub-block j of 16 */
+    struct {
+        uint8_t ql[8][32];        /* low 4 bits of q, as pdm_block_q4_Kx8_t.qs[p] */
+        uint8_t qh[4][32];        /* [k / 2][4 r + l]: high 2 bits of the values of
+                                   * ql[k][4 r + l] at bits 4 (k % 2) (low nibble's) and
+                                   * 4 (k % 2) + 2 (high nibble's) */
+    } run[4];                     /* [p]: elements 64p .. 64p + 63 */
+} pdm_block_q6_Kx8_t;
+
+/* Q8_0's group block (272 bytes, 8 x 34 as in the file): values stored plus 128 (w ^ 0x80)
+ * so that vpdpbusd takes them as unsigned bytes; the kernels take 128 * sum(x) off. */
+typedef struct {
+    uint16_t d[8];                /* f16 scale of each row */
+    uint8_t qs[8][32];            /* [k][4 r + l]: element 4k + l of row r, plus 128 */
+} pdm_block_q8_0x8_t;
+
+/* Bytes matrix `m` takes repacked (0 if its type or shape has no repacked layout: today
+ * Q4_K, Q6_K and Q8_0 with ROWS layout). */
+size_t pdm_kern_repack_bytes(const pdm_kern_mat_t *m);
+/* Repacks `m` (ROWS layout) into `dst` (pdm_kern_repack_bytes(m) bytes, 32-byte aligned) and
+ * writes the repacked matrix (data = dst) to *out. Returns 0, or -1 (nothing written) if the
+ * matrix has no repacked layout. */
+int pdm_kern_repack(const pdm_kern_mat_t *m, void *dst, pdm_kern_mat_t *out);
+/* Row r of `m` in f32 in any layout: exactly pdm_dequantize_row of the file's row. */
+void pdm_kern_mat_dequantize_row(const pdm_kern_mat_t *m, int64_t r, float *dst);
 
 /* Attention of a block of query rows of one head against one KV view of the matching KV
  * head. Positions are absolute. With `causal`, query row i sees key j iff

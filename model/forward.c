@@ -348,9 +348,8 @@ int pdm_model_embed(pdm_model_ctx_t *ctx, const int32_t *tokens, const int32_t *
             return pdm_error_set(PDM_ERANGE, "token id %d is outside the vocabulary (0..%u)",
                                  tokens[i], m->hp.n_vocab - 1);
     for (int i = 0; i < n; i++) {
-        const void *row = (const char *)m->tok_embd.data + (size_t)tokens[i] * m->tok_embd.row_bytes;
         float *x = act->x + (size_t)i * m->hp.d_model;
-        pdm_dequantize_row(m->tok_embd.type, row, x, m->hp.d_model);
+        pdm_kern_mat_dequantize_row(&m->tok_embd, tokens[i], x); /* any layout (tied output) */
         if (m->hp.embd_scale != 1.0f)
             for (uint32_t j = 0; j < m->hp.d_model; j++) x[j] *= m->hp.embd_scale;
         act->pos[i] = positions[i];

@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 const char *pdm_model_default_path(void)
 {
@@ -353,6 +355,80 @@ static int pdm__check_unsupported(const pdm_gguf_t *g, const char *path, uint32_
     return PDM_OK;
 }
 
+/* Returns the pages lying wholly inside [p, p + n) of the read-only file mapping to the
+ * kernel; they are read again from the file if anything touches them. */
+static void pdm__drop_pages(const void *p, size_t n)
+{
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t b = ((uintptr_t)p + page - 1) & ~(page - 1), e = ((uintptr_t)p + n) & ~(page - 1);
+    if (e > b) madvise((void *)b, e - b, MADV_DONTNEED);
+}
+
+/* Repacks every matrix that has a faster layout (see pdm_model_load) into one owned block,
+ * slice by slice, dropping each slice's file pages once it is copied: the peak is the
+ * repacked size plus 1024 rows. Untied token embeddings stay in the file's layout (they
+ * are only looked up row by row). Returns PDM_OK (nothing changed when there is nothing to
+ * repack or PDMESH_REPACK=0) or PDM_ENOMEM. */
+#define PDM__REPACK_ROWS 1024 /* rows repacked before their file pages are dropped */
+
+static int pdm__repack(pdm_model_t *m)
+{
+    const char *env = getenv("PDMESH_REPACK");
+    if (env && !strcmp(env, "0")) return PDM_OK;
+    const size_t n_mats = 7 * (size_t)m->hp.n_layers + 1;
+    pdm_kern_mat_t **mats = malloc(n_mats * sizeof(*mats));
+    if (!mats) return pdm_error_set(PDM_ENOMEM, "out of memory");
+    size_t n = 0;
+    for (uint32_t l = 0; l < m->hp.n_layers; l++) {
+        pdm_model_layer_t *L = &m->layers[l];
+        pdm_kern_mat_t *layer[] = {&L->wq,     &L->wk,   &L->wv,    &L->wo,
+                                   &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t k = 0; k < 7; k++) mats[n++] = layer[k];
+    }
+    /* the output matrix, tied or not; tied, the embeddings are looked up through the layout
+     * (pdm_kern_mat_dequantize_row) and output follows tok_embd below */
+    const int tied = m->output.data == m->tok_embd.data;
+    mats[n++] = tied ? &m->tok_embd : &m->output;
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) total += (pdm_kern_repack_bytes(mats[i]) + 63) / 64 * 64;
+    if (total == 0) {
+        free(mats);
+        return PDM_OK;
+    }
+    char *buf = aligned_alloc(64, total);
+    if (!buf) {
+        free(mats);
+        return pdm_error_set(PDM_ENOMEM, "cannot allocate %zu bytes for repacked weights", total);
+    }
+    size_t off = 0;
+    for (size_t i = 0; i < n; i++) {
+        const size_t bytes = pdm_kern_repack_bytes(mats[i]);
+        if (!bytes) continue;
+        /* slices of PDM__REPACK_ROWS rows (whole groups of 8): a slice's groups follow the
+         * previous slice's in the repacked layout, and its file pages go as soon as it is
+         * copied, so that a large matrix (Gemma's 262144-row tied embeddings) is never
+         * resident twice */
+        const pdm_kern_mat_t file = *mats[i];
+        for (int64_t r0 = 0; r0 < file.rows; r0 += PDM__REPACK_ROWS) {
+            pdm_kern_mat_t slice = file, done = file, packed;
+            slice.data = (const char *)file.data + (size_t)r0 * file.row_bytes;
+            slice.rows = PDM_MIN(file.rows - r0, (int64_t)PDM__REPACK_ROWS);
+            done.rows = r0; /* rows before the slice: their repacked size is the offset */
+            pdm_kern_repack(&slice, buf + off + (r0 ? pdm_kern_repack_bytes(&done) : 0), &packed);
+            pdm__drop_pages(slice.data, file.row_bytes * (size_t)slice.rows);
+        }
+        *mats[i] = file;
+        mats[i]->data = buf + off;
+        mats[i]->layout = PDM_KERN_LAYOUT_X8;
+        off += (bytes + 63) / 64 * 64;
+    }
+    free(mats);
+    if (tied) m->output = m->tok_embd;
+    m->repacked = buf;
+    m->repacked_bytes = total;
+    return PDM_OK;
+}
+
 int pdm_model_load(const char *path, pdm_model_t **out)
 {
     int rc;
@@ -491,6 +567,7 @@ int pdm_model_load(const char *path, pdm_model_t **out)
             goto err_tokenizer;
         }
     }
+    if ((rc = pdm__repack(m))) goto err_tokenizer;
     *out = m;
     return PDM_OK;
 
@@ -519,6 +596,7 @@ void pdm_model_free(pdm_model_t *model)
     pdm_tokenizer_destroy(model->tokenizer);
     free(model->layers);
     free(model->norms);
+    free(model->repacked);
     pdm_gguf_close(model->gguf);
     free(model);
 }

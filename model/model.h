@@ -99,10 +99,18 @@ typedef struct pdm_model {
     pdm_model_layer_t *layers;  /* [n_layers] */
     pdm_tokenizer_t *tokenizer; /* NULL if the file has no tokenizer */
     float *norms;               /* owned f32 copies of all norm and bias vectors */
+    void *repacked;             /* owned: the matrices repacked at load (pdm_kern_repack), or
+                                 * NULL; their pdm_kern_mat_t point here instead of the file */
+    size_t repacked_bytes;
 } pdm_model_t;
 
 /* Opens a GGUF file of a supported architecture (pdm_model_arch_t) and validates every shape
- * against the hyperparameters. Weights stay quantized in the mapping. On error *out is
+ * against the hyperparameters. Weights stay quantized in the mapping, except the layer and
+ * output matrices (tied or not) of a type with a layout the CPU kernels compute on faster
+ * (today Q4_K, Q6_K, Q8_0): those are repacked into memory of the model's own
+ * (pdm_kern_repack) and their pages of the mapping are dropped, so resident memory stays
+ * about the file's size. PDMESH_REPACK=0 keeps every matrix in the file's layout. On error
+ * *out is
  * untouched and pdm_error_last() names the file and the problem (an unsupported
  * architecture, a missing key or tensor, with its name). */
 int pdm_model_load(const char *path, pdm_model_t **out);

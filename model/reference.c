@@ -114,9 +114,7 @@ static void pdm__ref_matmul(pdm__ref_ctx_t *rc, pdm_dtype_t wtype, const float *
 /* Dequantizes matrix m into dst (rows * cols floats). */
 static void pdm__ref_dequant(const pdm_kern_mat_t *m, float *dst)
 {
-    for (int64_t r = 0; r < m->rows; r++)
-        pdm_dequantize_row(m->type, (const char *)m->data + r * m->row_bytes, dst + r * m->cols,
-                           m->cols);
+    for (int64_t r = 0; r < m->rows; r++) pdm_kern_mat_dequantize_row(m, r, dst + r * m->cols);
 }
 
 static void pdm__ref_rmsnorm(double *o, const double *x, const float *w, int n, double eps)
@@ -244,9 +242,7 @@ int pdm_model_reference_logits(const pdm_model_t *m, const pdm_model_ref_params_
     }
 
     for (int i = 0; i < n; i++) {
-        pdm_dequantize_row(
-            m->tok_embd.type,
-            (const char *)m->tok_embd.data + (size_t)tokens[i] * m->tok_embd.row_bytes, row, d);
+        pdm_kern_mat_dequantize_row(&m->tok_embd, tokens[i], row);
         for (int c = 0; c < d; c++) x[(size_t)i * d + c] = row[c];
     }
     for (uint32_t l = 0; l < hp->n_layers; l++) {

@@ -4,6 +4,10 @@
  * (prefill), best and median of repeated runs. Prints one JSON object.
  *
  *   pdm-matmul-bench --type T [--rows R] [--cols C] [--tokens N] [--kernels NAME] [--iters K]
+ *                    [--repack 0|1]
+ *
+ * --repack 1 computes on the layout the loader repacks the type into (pdm_kern_repack), as the
+ * engine does by default; 0 (default) on the file's layout.
  *
  * The matrix is copied enough times to exceed 256 MiB and the runs cycle through the copies,
  * so that a matrix-vector product reads its weights from DRAM as in a real decode step (the
@@ -33,7 +37,7 @@ static int pdm__cmp(const void *a, const void *b)
 int main(int argc, char **argv)
 {
     const char *tname = NULL, *kernels = NULL;
-    int rows = 8192, cols = 2048, n_tok = 1, iters = 0;
+    int rows = 8192, cols = 2048, n_tok = 1, iters = 0, repack = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--type")) tname = argv[i + 1];
         else if (!strcmp(argv[i], "--rows")) rows = atoi(argv[i + 1]);
@@ -41,6 +45,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--tokens")) n_tok = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--kernels")) kernels = argv[i + 1];
         else if (!strcmp(argv[i], "--iters")) iters = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--repack")) repack = atoi(argv[i + 1]);
         else {
             fprintf(stderr, "unknown option %s\n", argv[i]);
             return 2;
@@ -51,7 +56,7 @@ int main(int argc, char **argv)
     if (type < 0 || !pdm_dtype_is_weight((pdm_dtype_t)type) || rb == 0 || rows < 1 || n_tok < 1) {
         fprintf(stderr,
                 "usage: %s --type T [--rows R] [--cols C] [--tokens N] [--kernels NAME] "
-                "[--iters K]\n",
+                "[--iters K] [--repack 0|1]\n",
                 argv[0]);
         return 2;
     }
@@ -86,8 +91,29 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < (size_t)n_tok * cols; i++) x[i] = PDM__RAND();
 #undef PDM__RAND
     pdm_kern_mat_t m = {.type = (pdm_dtype_t)type, .rows = rows, .cols = cols, .row_bytes = rb};
+    size_t stride = mat_bytes; /* bytes between the copies */
+    if (repack) {
+        m.data = w;
+        const size_t pb = pdm_kern_repack_bytes(&m);
+        if (!pb) {
+            fprintf(stderr, "type %s has no repacked layout\n", tname);
+            return 2;
+        }
+        stride = (pb + 63) / 64 * 64;
+        char *packed = aligned_alloc(64, stride * (size_t)copies);
+        if (!packed) {
+            fprintf(stderr, "out of memory\n");
+            return 1;
+        }
+        pdm_kern_mat_t mp;
+        pdm_kern_repack(&m, packed, &mp);
+        for (int k = 1; k < copies; k++) memcpy(packed + stride * (size_t)k, packed, pb);
+        free(w);
+        w = packed;
+        m = mp;
+    }
     for (int it = 0; it < iters; it++) {
-        m.data = w + mat_bytes * (size_t)(it % copies);
+        m.data = w + stride * (size_t)(it % copies);
         double t0 = pdm__now();
         if (ab) ops->act_convert((pdm_dtype_t)type, x, cols, 0, n_tok, act);
         for (int r = 0; r < rows; r += 32) /* the engine's chunks (model/forward.c) */
@@ -98,10 +124,12 @@ int main(int argc, char **argv)
     const double best = times[0], med = times[iters / 2];
     const double macs = (double)rows * cols * n_tok;
     printf("{\"kernels\": \"%s\", \"type\": \"%s\", \"rows\": %d, \"cols\": %d, \"tokens\": %d, "
-           "\"iters\": %d, \"best_ms\": %.4f, \"median_ms\": %.4f, \"best_gb_s\": %.2f, "
+           "\"repack\": %d, \"iters\": %d, \"best_ms\": %.4f, \"median_ms\": %.4f, "
+           "\"best_gb_s\": %.2f, "
            "\"best_gmac_s\": %.2f, \"median_gmac_s\": %.2f}\n",
-           ops->name, pdm_dtype_name((pdm_dtype_t)type), rows, cols, n_tok, iters, best * 1e3,
-           med * 1e3, (double)mat_bytes / best / 1e9, macs / best / 1e9, macs / med / 1e9);
+           ops->name, pdm_dtype_name((pdm_dtype_t)type), rows, cols, n_tok, repack, iters,
+           best * 1e3, med * 1e3, (double)mat_bytes / best / 1e9, macs / best / 1e9,
+           macs / med / 1e9);
     free(w);
     free(row);
     free(x);

@@ -233,6 +233,10 @@ static float dot_float(pdm_dtype_t type, const void *w, const float *x, int64_t 
 static void generic_matmul(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
                            int64_t ldy, int64_t r0, int64_t r1)
 {
+    if (w->layout == PDM_KERN_LAYOUT_X8) {
+        pdm_kern__matmul_x8_generic(w, act, n_tok, y, ldy, r0, r1);
+        return;
+    }
     if (pdm_kern__is_kblock(w->type)) {
         matmul_kblocks(w, act, n_tok, y, ldy, r0, r1);
         return;

@@ -42,6 +42,11 @@ void pdm_kern__rope_ext_table(int head_dim, int32_t pos, const pdm_kern_rope_t *
 void pdm_kern__attn_merge_generic(float *o1, float *lse1, const float *o2, float lse2, int n);
 void pdm_kern__kv_store_generic(pdm_dtype_t type, const float *src, void *dst, int n);
 
+/* The scalar reference product on a repacked (PDM_KERN_LAYOUT_X8) matrix (repack.c); every
+ * ops table's matmul sends X8 matrices there unless it has its own kernel for them. */
+void pdm_kern__matmul_x8_generic(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
+                                 int64_t ldy, int64_t r0, int64_t r1);
+
 /* Variants compiled with per-ISA flags; their tables are only used after a CPUID check. */
 extern const pdm_kern_ops_t pdm_kern_ops_avx2;
 extern const pdm_kern_ops_t pdm_kern_ops_avx512;

@@ -407,6 +407,12 @@ static void cuda_matmul(const pdm_kern_mat_t *w, const void *act, int n_tok, flo
                         int64_t ldy, int64_t r0, int64_t r1)
 {
     if (r1 <= r0 || n_tok <= 0) return;
+    if (w->layout != PDM_KERN_LAYOUT_ROWS) {
+        /* Layouts repacked for the CPU kernels have no device kernel: compute on the host
+         * (a model meant for the GPU is loaded with PDMESH_REPACK=0). */
+        pdm_kern_ops_generic.matmul(w, act, n_tok, y, ldy, r0, r1);
+        return;
+    }
     pthread_mutex_lock(&pdm_cuda_lock);
     pdm_dtype_t at = pdm_kern__act_type(w->type);
     size_t arb = at == PDM_DT_F32 ? (size_t)w->cols * sizeof(float)

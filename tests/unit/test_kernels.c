@@ -355,6 +355,94 @@ END_TEST
  * largest magnitude twice with both signs (the first fixes the scale's sign), exact ties of
  * the rounding, +128 after scaling (clipped to 127), tiny and huge scales. Every variant
  * must equal the reference byte for byte. */
+/* Repacked Q4_K, Q6_K and Q8_0 (PDM_KERN_LAYOUT_X8) on odd shapes: rows that do not fill a group of 8,
+ * row ranges cut inside groups, token counts around the 4-token tile. Every variant on the
+ * repacked matrix equals the repacked reference bit for bit; the repacked reference matches
+ * the file-layout reference to float summation order; dequantized rows are identical. */
+static void check_repack(pdm_dtype_t wtype, int rows, int cols, int n_tok)
+{
+    const pdm_kern_ops_t *ref = &pdm_kern_ops_generic;
+    size_t rb = pdm_dtype_row_bytes(wtype, cols);
+    float *wf = malloc((size_t)rows * cols * sizeof(float));
+    char *w = malloc(rb * rows);
+    float *x = malloc((size_t)n_tok * cols * sizeof(float));
+    float *y = malloc((size_t)n_tok * rows * sizeof(float));
+    float *yr = malloc((size_t)n_tok * rows * sizeof(float));
+    float *yf = malloc((size_t)n_tok * rows * sizeof(float));
+    float *d0 = malloc((size_t)cols * sizeof(float)), *d1 = malloc((size_t)cols * sizeof(float));
+    void *act = malloc(ref->act_bytes(wtype, cols, n_tok));
+    fill(wf, (size_t)rows * cols, 1.0f);
+    fill(x, (size_t)n_tok * cols, 2.0f);
+    for (int r = 0; r < rows; r++)
+        pdm_quantize_row(wtype, wf + (size_t)r * cols, w + (size_t)r * rb, cols);
+    pdm_kern_mat_t m = {.data = w, .type = wtype, .rows = rows, .cols = cols, .row_bytes = rb};
+    size_t pb = pdm_kern_repack_bytes(&m);
+    const size_t gb = wtype == PDM_DT_Q4_K   ? sizeof(pdm_block_q4_Kx8_t)
+                      : wtype == PDM_DT_Q6_K ? sizeof(pdm_block_q6_Kx8_t)
+                                             : sizeof(pdm_block_q8_0x8_t);
+    ck_assert_uint_eq(pb, (size_t)(rows + 7) / 8 * (size_t)(cols / pdm_dtype_block_elems(wtype)) * gb);
+    void *packed = aligned_alloc(64, (pb + 63) / 64 * 64);
+    pdm_kern_mat_t mp;
+    ck_assert_int_eq(pdm_kern_repack(&m, packed, &mp), 0);
+    ck_assert_int_eq(mp.layout, PDM_KERN_LAYOUT_X8);
+    ck_assert_uint_eq(pdm_kern_repack_bytes(&mp), 0); /* repacked once only */
+    for (int r = 0; r < rows; r++) {
+        pdm_kern_mat_dequantize_row(&m, r, d0);
+        pdm_kern_mat_dequantize_row(&mp, r, d1);
+        ck_assert_msg(!memcmp(d0, d1, (size_t)cols * sizeof(float)), "row %d dequantizes differently", r);
+    }
+    ref->act_convert(wtype, x, cols, 0, n_tok, act);
+    ref->matmul(&m, act, n_tok, yf, rows, 0, rows);
+    ref->matmul(&mp, act, n_tok, yr, rows, 0, rows);
+    for (int i = 0; i < n_tok * rows; i++) {
+        double mag = 0.0; /* |w| . |x| bounds the summation-order difference */
+        for (int c = 0; c < cols; c++)
+            mag += fabs(wf[(size_t)(i % rows) * cols + c] * x[(size_t)(i / rows) * cols + c]);
+        ck_assert_msg(fabs(yr[i] - yf[i]) <= 1e-5 * mag + 1e-6, "repacked ref %g vs file %g", yr[i], yf[i]);
+    }
+    const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+    for (int v = 0; list[v]; v++) {
+        for (int i = 0; i < n_tok * rows; i++) y[i] = NAN;
+        const int cut = rows / 3; /* two calls, the cut usually inside a group */
+        list[v]->matmul(&mp, act, n_tok, y, rows, 0, cut);
+        list[v]->matmul(&mp, act, n_tok, y, rows, cut, rows);
+        ck_assert_msg(!memcmp(y, yr, (size_t)n_tok * rows * sizeof(float)),
+                      "%s repacked %s rows %d cols %d tok %d differs from the reference",
+                      list[v]->name, pdm_dtype_name(wtype), rows, cols, n_tok);
+    }
+    free(packed);
+    free(act);
+    free(d0);
+    free(d1);
+    free(wf);
+    free(w);
+    free(x);
+    free(y);
+    free(yr);
+    free(yf);
+}
+
+START_TEST(test_repack_kquants)
+{
+    static const pdm_dtype_t types[] = {PDM_DT_Q4_K, PDM_DT_Q6_K, PDM_DT_Q8_0};
+    static const int toks[] = {1, 2, 3, 4, 5, 8, 9};
+    static const int shapes[][2] = {{1, 256}, {7, 512}, {8, 256}, {13, 768}, {64, 256}, {67, 1280}};
+    for (size_t s = 0; s < PDM_ARRAY_SIZE(shapes); s++)
+        for (size_t k = 0; k < PDM_ARRAY_SIZE(toks); k++)
+            for (size_t t = 0; t < PDM_ARRAY_SIZE(types); t++)
+                check_repack(types[t], shapes[s][0], shapes[s][1], toks[k]);
+    for (size_t k = 0; k < PDM_ARRAY_SIZE(toks); k++) { /* Q8_0 rows of 1 and 3 blocks */
+        check_repack(PDM_DT_Q8_0, 5, 32, toks[k]);
+        check_repack(PDM_DT_Q8_0, 19, 96, toks[k]);
+    }
+    /* types without a repacked layout are left alone */
+    pdm_kern_mat_t q5 = {.type = PDM_DT_Q5_K, .rows = 8, .cols = 256, .row_bytes = 176};
+    ck_assert_uint_eq(pdm_kern_repack_bytes(&q5), 0);
+    pdm_kern_mat_t out;
+    ck_assert_int_eq(pdm_kern_repack(&q5, NULL, &out), -1);
+}
+END_TEST
+
 START_TEST(test_q8_K_activations)
 {
     enum { N = 6 * PDM_QK_K };
@@ -1003,6 +1091,7 @@ Suite *suite_kernels(void)
     tcase_add_test(tc, test_dtype_traits);
     tcase_add_test(tc, test_matmul_variants);
     tcase_add_test(tc, test_matmul_kquants);
+    tcase_add_test(tc, test_repack_kquants);
     tcase_add_test(tc, test_q8_K_activations);
     tcase_add_test(tc, test_q8_kv);
     tcase_add_test(tc, test_attention_variants);

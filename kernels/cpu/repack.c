@@ -1,0 +1,272 @@
+/*
+ * repack.c - weight layouts rearranged at load for the CPU kernels (kernels.h, "Repacking at
+ * load"): the conversion from the file's layout, the row dequantization of a repacked
+ * matrix, and the scalar reference product on it that the SIMD variants are tested against.
+ *
+ * The technique (interleaving rows so that SIMD lanes hold rows, scales decoded ahead) is the
+ * one of llama.cpp's ggml-cpu repack.cpp (block_q4_Kx8, ggml_gemm_q4_K_8x8_q8_K); the layout
+ * and the code here are pdmesh's own.
+ */
+#include "ops_internal.h"
+#include "quant_layout.h"
+
+#include <math.h>
+#include <string.h>
+
+#define PDM_X8_ROWS 8
+
+/* Super-blocks per row and groups of 8 rows of a repackable matrix; 0 groups if `m` has no
+ * repacked layout. */
+static int64_t pdm__x8_groups(const pdm_kern_mat_t *m, int64_t *nb)
+{
+    if ((m->type != PDM_DT_Q4_K && m->type != PDM_DT_Q6_K && m->type != PDM_DT_Q8_0) ||
+        m->layout != PDM_KERN_LAYOUT_ROWS || m->rows < 1 || m->cols < 1)
+        return 0;
+    const int be = pdm_dtype_block_elems(m->type);
+    if (m->cols % be) return 0;
+    *nb = m->cols / be;
+    return (m->rows + PDM_X8_ROWS - 1) / PDM_X8_ROWS;
+}
+
+/* Bytes of one group block of a repacked type. */
+static size_t pdm__x8_block_bytes(pdm_dtype_t type)
+{
+    return type == PDM_DT_Q4_K   ? sizeof(pdm_block_q4_Kx8_t)
+           : type == PDM_DT_Q6_K ? sizeof(pdm_block_q6_Kx8_t)
+                                 : sizeof(pdm_block_q8_0x8_t);
+}
+
+size_t pdm_kern_repack_bytes(const pdm_kern_mat_t *m)
+{
+    int64_t nb = 0, groups = pdm__x8_groups(m, &nb);
+    return groups ? (size_t)groups * (size_t)nb * pdm__x8_block_bytes(m->type) : 0;
+}
+
+/* Row r (0..7) of group block o from the file's Q8_0 block b. */
+static void pdm__repack_q8_0(const pdm_block_q8_0_t *b, int r, pdm_block_q8_0x8_t *o)
+{
+    o->d[r] = b->d;
+    for (int e = 0; e < PDM_QK; e++) o->qs[e / 4][4 * r + e % 4] = (uint8_t)b->qs[e] ^ 0x80;
+}
+
+/* Row r (0..7) of group super-block o from the file's Q6_K block b. */
+static void pdm__repack_q6_K(const pdm_block_q6_K_t *b, int r, pdm_block_q6_Kx8_t *o)
+{
+    o->d[r] = b->d;
+    for (int j = 0; j < 16; j++) o->scales[j / 2][r][j % 2] = b->scales[j];
+    for (int e = 0; e < PDM_QK_K; e++) {
+        const int q = pdm_ql_q6(b->ql, b->qh, e);
+        const int p = e / 64, hi = (e / 32) % 2, k = (e % 32) / 4, l = e % 4;
+        o->run[p].ql[k][4 * r + l] |= (uint8_t)((q & 0x0f) << (4 * hi));
+        o->run[p].qh[k / 2][4 * r + l] |= (uint8_t)((q >> 4) << (4 * (k % 2) + 2 * hi));
+    }
+}
+
+/* Row r (0..7) of group super-block o from the file's Q4_K block b. */
+static void pdm__repack_q4_K(const pdm_block_q4_K_t *b, int r, pdm_block_q4_Kx8_t *o)
+{
+    o->d[r] = b->d;
+    o->dmin[r] = b->dmin;
+    for (int j = 0; j < 8; j++) {
+        int scale, min;
+        pdm_ql_scale_min_k4(b->scales, j, &scale, &min);
+        o->scales[j][r] = (uint8_t)scale;
+        o->mins[j / 2][r][j % 2] = (uint8_t)min;
+    }
+    for (int p = 0; p < 4; p++)
+        for (int k = 0; k < 8; k++) memcpy(&o->qs[p][k][4 * r], b->qs + 32 * p + 4 * k, 4);
+}
+
+int pdm_kern_repack(const pdm_kern_mat_t *m, void *dst, pdm_kern_mat_t *out)
+{
+    int64_t nb = 0, groups = pdm__x8_groups(m, &nb);
+    if (!groups) return -1;
+    const size_t ob = pdm_kern_repack_bytes(m) / (size_t)(groups * nb); /* group block bytes */
+    const size_t fb = pdm_dtype_block_bytes(m->type);
+    char *o = dst;
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t i = 0; i < nb; i++, o += ob) {
+            /* rows past the end: d = 0 and q = 0 (Q8_0: stored as 0x80) give 0 */
+            memset(o, 0, ob);
+            if (m->type == PDM_DT_Q8_0) memset(((pdm_block_q8_0x8_t *)o)->qs, 0x80, 256);
+            for (int r = 0; r < PDM_X8_ROWS; r++) {
+                const int64_t row = g * PDM_X8_ROWS + r;
+                if (row >= m->rows) break;
+                const char *b = (const char *)m->data + (size_t)row * m->row_bytes + (size_t)i * fb;
+                if (m->type == PDM_DT_Q4_K)
+                    pdm__repack_q4_K((const pdm_block_q4_K_t *)b, r, (pdm_block_q4_Kx8_t *)o);
+                else if (m->type == PDM_DT_Q8_0)
+                    pdm__repack_q8_0((const pdm_block_q8_0_t *)b, r, (pdm_block_q8_0x8_t *)o);
+                else pdm__repack_q6_K((const pdm_block_q6_K_t *)b, r, (pdm_block_q6_Kx8_t *)o);
+            }
+        }
+    }
+    *out = *m;
+    out->data = dst;
+    out->layout = PDM_KERN_LAYOUT_X8;
+    return 0;
+}
+
+/* The 4-bit value of element e of row r (0..7) in a repacked group super-block. */
+static inline int pdm__x8_q(const pdm_block_q4_Kx8_t *b, int r, int e)
+{
+    const int p = e / 64, hi = (e / 32) % 2, k = (e % 32) / 4, l = e % 4;
+    return (b->qs[p][k][4 * r + l] >> (4 * hi)) & 0x0f;
+}
+
+/* The 6-bit value (0..63) of element e of row r in a repacked Q6_K group super-block. */
+static inline int pdm__x8_q6(const pdm_block_q6_Kx8_t *b, int r, int e)
+{
+    const int p = e / 64, hi = (e / 32) % 2, k = (e % 32) / 4, l = e % 4;
+    const int lo = (b->run[p].ql[k][4 * r + l] >> (4 * hi)) & 0x0f;
+    return lo | ((b->run[p].qh[k / 2][4 * r + l] >> (4 * (k % 2) + 2 * hi)) & 3) << 4;
+}
+
+void pdm_kern_mat_dequantize_row(const pdm_kern_mat_t *m, int64_t r, float *dst)
+{
+    if (m->layout == PDM_KERN_LAYOUT_ROWS) {
+        pdm_dequantize_row(m->type, (const char *)m->data + (size_t)r * m->row_bytes, dst, m->cols);
+        return;
+    }
+    if (m->type == PDM_DT_Q8_0) { /* as pdm_dequantize_row: q * d */
+        const int64_t nb = m->cols / PDM_QK;
+        const pdm_block_q8_0x8_t *g = (const pdm_block_q8_0x8_t *)m->data + (r / PDM_X8_ROWS) * nb;
+        const int rr = (int)(r % PDM_X8_ROWS);
+        for (int64_t i = 0; i < nb; i++) {
+            const float d = pdm_f16_to_f32(g[i].d[rr]);
+            for (int e = 0; e < PDM_QK; e++)
+                dst[i * PDM_QK + e] = (float)((int)g[i].qs[e / 4][4 * rr + e % 4] - 128) * d;
+        }
+        return;
+    }
+    /* X8 K-quants: the arithmetic of pdm_dequantize_row's K-quant path, value for value */
+    const int64_t nb = m->cols / PDM_QK_K;
+    if (m->type == PDM_DT_Q6_K) {
+        const pdm_block_q6_Kx8_t *g = (const pdm_block_q6_Kx8_t *)m->data + (r / PDM_X8_ROWS) * nb;
+        const int rr = (int)(r % PDM_X8_ROWS);
+        for (int64_t i = 0; i < nb; i++) {
+            const float d = pdm_f16_to_f32(g[i].d[rr]), ml = 0.0f * 0.0f; /* no minimum */
+            for (int j = 0; j < 16; j++) {
+                const float dl = d * (float)g[i].scales[j / 2][rr][j % 2];
+                for (int l = 0; l < 16; l++)
+                    dst[i * PDM_QK_K + 16 * j + l] =
+                        dl * (float)(pdm__x8_q6(&g[i], rr, 16 * j + l) - 32) - ml;
+            }
+        }
+        return;
+    }
+    const pdm_block_q4_Kx8_t *g = (const pdm_block_q4_Kx8_t *)m->data + (r / PDM_X8_ROWS) * nb;
+    const int rr = (int)(r % PDM_X8_ROWS);
+    for (int64_t i = 0; i < nb; i++) {
+        const float d = pdm_f16_to_f32(g[i].d[rr]), dmin = pdm_f16_to_f32(g[i].dmin[rr]);
+        for (int j = 0; j < 8; j++) {
+            const float dl = d * (float)g[i].scales[j][rr];
+            const float ml = dmin * (float)g[i].mins[j / 2][rr][j % 2];
+            for (int l = 0; l < 32; l++)
+                dst[i * PDM_QK_K + 32 * j + l] = dl * (float)pdm__x8_q(&g[i], rr, 32 * j + l) - ml;
+        }
+    }
+}
+
+/* The reference product on a repacked Q6_K matrix: per output, super-block by super-block,
+ *   sumi = sum_j scale_j * (q_j . x_j) - 32 * sum_j scale_j * bsum_j  (j over 16 of 16)
+ *   acc = fma(d * dx, sumi, acc)
+ * with the same exactness argument as Q4_K's below. */
+static void matmul_q6_Kx8(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
+                          int64_t ldy, int64_t r0, int64_t r1)
+{
+    const int64_t nb = w->cols / PDM_QK_K;
+    const pdm_block_q6_Kx8_t *wb = w->data;
+    const pdm_block_q8_K_t *x = act;
+    for (int t = 0; t < n_tok; t++) {
+        const pdm_block_q8_K_t *xt = x + (size_t)t * nb;
+        for (int64_t r = r0; r < r1; r++) {
+            const pdm_block_q6_Kx8_t *g = wb + (r / PDM_X8_ROWS) * nb;
+            const int rr = (int)(r % PDM_X8_ROWS);
+            float acc = 0.0f;
+            for (int64_t i = 0; i < nb; i++) {
+                int32_t sumi = 0, offs = 0;
+                for (int j = 0; j < 16; j++) {
+                    const int scale = g[i].scales[j / 2][rr][j % 2];
+                    int32_t s = 0;
+                    for (int l = 0; l < 16; l++)
+                        s += pdm__x8_q6(&g[i], rr, 16 * j + l) * xt[i].qs[16 * j + l];
+                    sumi += scale * s;
+                    offs += scale * xt[i].bsums[j];
+                }
+                acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * xt[i].d, (float)(sumi - 32 * offs), acc);
+            }
+            y[(size_t)t * ldy + r] = acc;
+        }
+    }
+}
+
+/* The reference product on a repacked Q8_0 matrix (Q8_0 activations): per output, block by
+ * block, acc = fma(d_w * d_x, sum of w * x, acc). */
+static void matmul_q8_0x8(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
+                          int64_t ldy, int64_t r0, int64_t r1)
+{
+    const int64_t nb = w->cols / PDM_QK;
+    const pdm_block_q8_0x8_t *wb = w->data;
+    const pdm_block_q8_0_t *x = act;
+    for (int t = 0; t < n_tok; t++) {
+        const pdm_block_q8_0_t *xt = x + (size_t)t * nb;
+        for (int64_t r = r0; r < r1; r++) {
+            const pdm_block_q8_0x8_t *g = wb + (r / PDM_X8_ROWS) * nb;
+            const int rr = (int)(r % PDM_X8_ROWS);
+            float acc = 0.0f;
+            for (int64_t i = 0; i < nb; i++) {
+                int32_t sumi = 0;
+                for (int e = 0; e < PDM_QK; e++)
+                    sumi += ((int)g[i].qs[e / 4][4 * rr + e % 4] - 128) * xt[i].qs[e];
+                acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * pdm_f16_to_f32(xt[i].d), (float)sumi, acc);
+            }
+            y[(size_t)t * ldy + r] = acc;
+        }
+    }
+}
+
+/* The reference product on a repacked Q4_K matrix. Per output, super-block by super-block:
+ *   sumi = sum_j scale_j * (q_j . x_j),  summ = sum_j min_j * (bsum_2j + bsum_2j+1)
+ *   acc = fma(d * dx, sumi, acc);  acc = fma(-(dmin * dx), summ, acc)
+ * Integer sums are exact, and every SIMD variant performs these two roundings per super-block
+ * in this order, so all variants give the same bits. Against the file-layout kernels the
+ * results differ in float summation order only. */
+void pdm_kern__matmul_x8_generic(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
+                                 int64_t ldy, int64_t r0, int64_t r1)
+{
+    const int64_t nb = w->cols / PDM_QK_K;
+    const pdm_block_q4_Kx8_t *wb = w->data;
+    const pdm_block_q8_K_t *x = act;
+    if (w->type == PDM_DT_Q6_K) {
+        matmul_q6_Kx8(w, act, n_tok, y, ldy, r0, r1);
+        return;
+    }
+    if (w->type == PDM_DT_Q8_0) {
+        matmul_q8_0x8(w, act, n_tok, y, ldy, r0, r1);
+        return;
+    }
+    for (int t = 0; t < n_tok; t++) {
+        const pdm_block_q8_K_t *xt = x + (size_t)t * nb;
+        for (int64_t r = r0; r < r1; r++) {
+            const pdm_block_q4_Kx8_t *g = wb + (r / PDM_X8_ROWS) * nb;
+            const int rr = (int)(r % PDM_X8_ROWS);
+            float acc = 0.0f;
+            for (int64_t i = 0; i < nb; i++) {
+                int32_t sumi = 0, summ = 0;
+                for (int j = 0; j < 8; j++) {
+                    int32_t s = 0;
+                    for (int l = 0; l < 32; l++)
+                        s += pdm__x8_q(&g[i], rr, 32 * j + l) * xt[i].qs[32 * j + l];
+                    sumi += g[i].scales[j][rr] * s;
+                    summ += g[i].mins[j / 2][rr][j % 2] *
+                            (xt[i].bsums[2 * j] + xt[i].bsums[2 * j + 1]);
+                }
+                const float dx = xt[i].d;
+                acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * dx, (float)sumi, acc);
+                acc = fmaf(-(pdm_f16_to_f32(g[i].dmin[rr]) * dx), (float)summ, acc);
+            }
+            y[(size_t)t * ldy + r] = acc;
+        }
+    }
+}
