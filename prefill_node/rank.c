@@ -61,6 +61,7 @@ void pdm_prefill_rank_destroy(pdm_prefill_rank_t *r)
     if (!r) return;
     pdm_model_ctx_destroy(r->ctx);
     pdm_kv_cache_destroy(r->cache);
+    pdm_kv_cache_destroy(r->solo_cache);
     pdm_act_free(&r->act);
     pdm_prefill_conv_free(&r->conv);
     free(r->logits);
@@ -89,6 +90,97 @@ static int pdm__run_single(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
      * final only at the end, so a single rank streams after it (no overlap). */
     for (int l = 0; l < (int)r->hp->n_layers && !st; l++) st = pdm_prefill__stream_layer(r, l);
     return st;
+}
+
+/* ---- Streaming -------------------------------------------------------------------------- */
+
+/* Opens the task's stream to its decode node (no-op without one). */
+static int pdm__stream_open(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
+{
+    if (!t->stream) return PDM_OK;
+    int st = pdm_kvt_stream_tx_create(r->g->kvt, t->stream->peer, t->stream->request_id,
+                                      t->stream->attempt, t->stream->max_in_flight,
+                                      r->p.timeout, &r->tx);
+    if (st) return st;
+    pdm_kvt_stream_tx_set_key(r->tx, t->stream->key);
+    return PDM_OK;
+}
+
+/* Waits for the stream's last blocks (when st is OK) and closes it; returns the task's
+ * status and sets *streamed to the bytes sent. */
+static int pdm__stream_close(pdm_prefill_rank_t *r, int st, uint64_t *streamed)
+{
+    *streamed = 0;
+    if (!r->tx) return st;
+    if (!st) {
+        double tw = pdm_now();
+        st = pdm_kvt_stream_tx_finish(r->tx, pdm_now() + r->p.timeout);
+        r->t_wait += pdm_now() - tw;
+    }
+    *streamed = pdm_kvt_stream_tx_bytes(r->tx);
+    pdm_kvt_stream_tx_destroy(r->tx);
+    r->tx = NULL;
+    return st;
+}
+
+/* ---- Solo (load-adaptive groups) ---------------------------------------------------------- */
+
+/* A solo task: this rank alone prefills the whole prompt with the engine (as `single`) into
+ * its scratch cache and streams all of it; the group's cache and conversation are not touched
+ * (on success or failure), so a later partial prefill finds what the group held before. */
+static int pdm__run_solo(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
+                         pdm_prefill_result_t *res)
+{
+    const int me = r->g->rank;
+    if (t->method != PDM_PREFILL_SINGLE || t->start != 0 || t->prefix)
+        return pdm_error_set(PDM_EINVAL, "prefill: a solo task is a 'single' prefill of a whole "
+                             "prompt (got '%s' at position %d)",
+                             pdm_prefill_method_name(t->method), t->start);
+    if (t->n_tokens < 1) return pdm_error_set(PDM_EINVAL, "prefill: a task needs new tokens");
+    if (t->n_tokens > r->p.ctx_tokens)
+        return pdm_error_set(PDM_EOVERFLOW, "prefill: %d tokens exceed the KV capacity of %d "
+                             "(--ctx)", t->n_tokens, r->p.ctx_tokens);
+    if (t->stream && (t->stream->max_in_flight < 1 || t->stream->peer < 0))
+        return pdm_error_set(PDM_EINVAL, "prefill: bad stream target");
+    for (int32_t i = 0; i < t->n_tokens; i++)
+        if (t->tokens[i] < 0 || (uint32_t)t->tokens[i] >= r->hp->n_vocab)
+            return pdm_error_set(PDM_ERANGE, "prefill: token %d at index %d is outside the "
+                                 "vocabulary", t->tokens[i], i);
+    if (!r->solo_cache || r->solo_cache->capacity < t->n_tokens) {
+        /* grown in steps of 256 tokens so a mix of prompt lengths settles quickly */
+        int32_t cap = PDM_MIN((t->n_tokens + 255) / 256 * 256, r->p.ctx_tokens);
+        pdm_kv_cache_destroy(r->solo_cache);
+        r->solo_cache = NULL;
+        int st = pdm_kv_cache_create(r->hp, cap, r->p.kv_dtype, &r->solo_cache);
+        if (st) return st;
+    }
+    pdm_kv_cache_t *group_cache = r->cache;
+    r->cache = r->solo_cache;
+    r->cache->scales_fixed = 0; /* q8: this prompt's own scales */
+    r->n_mine = 1;
+    r->mine[0] = (pdm_prefill_range_t){0, t->n_tokens, me, 0};
+    r->n_prefix_mine = 0;
+    r->t_wait = r->t_compute = 0;
+    double t0 = pdm_now();
+    uint64_t streamed;
+    int st = pdm__stream_open(r, t);
+    if (!st) st = pdm__run_single(r, t);
+    st = pdm__stream_close(r, st, &streamed);
+    r->cache = group_cache;
+    if (st) return st;
+    memset(res, 0, sizeof(*res));
+    res->owner = 1;
+    res->n_local = t->n_tokens;
+    res->t_total = pdm_now() - t0;
+    res->t_compute = r->t_compute;
+    res->t_wait = r->t_wait;
+    res->bytes_streamed = streamed;
+    res->logits = r->logits;
+    int32_t best = 0;
+    for (uint32_t i = 1; i < r->hp->n_vocab; i++)
+        if (r->logits[i] > r->logits[best]) best = (int32_t)i;
+    res->first_token = best;
+    return PDM_OK;
 }
 
 /* ---- Task ------------------------------------------------------------------------------- */
@@ -183,6 +275,7 @@ static int pdm__validate(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *
 int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
                          pdm_prefill_result_t *res)
 {
+    if (t->solo) return pdm__run_solo(r, t, res);
     const int R = r->g->size, me = r->g->rank;
     int chunks[PDM_KVT_MAX_RANKS], head = 0;
     int st = pdm__validate(r, t, chunks, &head);
@@ -220,13 +313,7 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
         for (int i = 0; i < nr; i++)
             if (runs[i].rank == me) r->prefix_mine[r->n_prefix_mine++] = runs[i];
     }
-    if (t->stream) {
-        st = pdm_kvt_stream_tx_create(r->g->kvt, t->stream->peer, t->stream->request_id,
-                                      t->stream->attempt, t->stream->max_in_flight,
-                                      r->p.timeout, &r->tx);
-        if (st) return st;
-        pdm_kvt_stream_tx_set_key(r->tx, t->stream->key);
-    }
+    if ((st = pdm__stream_open(r, t))) return st;
 
     switch (t->method) {
     case PDM_PREFILL_SINGLE:
@@ -244,17 +331,8 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
         st = pdm_prefill__run_ring(r, t);
         break;
     }
-    uint64_t streamed = 0;
-    if (r->tx) {
-        if (!st) {
-            double tw = pdm_now();
-            st = pdm_kvt_stream_tx_finish(r->tx, pdm_now() + r->p.timeout);
-            r->t_wait += pdm_now() - tw;
-        }
-        streamed = pdm_kvt_stream_tx_bytes(r->tx);
-        pdm_kvt_stream_tx_destroy(r->tx);
-        r->tx = NULL;
-    }
+    uint64_t streamed;
+    st = pdm__stream_close(r, st, &streamed);
     if (!st)
         st = pdm_prefill_conv_commit(&r->conv, t->method, R, t->start, t->tokens, t->n_tokens,
                                      ranges, n_ranges);

@@ -1,0 +1,101 @@
+/*
+ * adapt.c - load-adaptive parallelism: the cost model and the group-or-solo decision
+ * (adapt.h has the formulas and the rule).
+ */
+#include "router/adapt.h"
+
+#include "common/pdm.h"
+
+void rt_adapt_cost_init(rt_adapt_cost_t *c, const pdm_model_hparams_t *hp, int ranks,
+                        const pdm_calibration_t *calib)
+{
+    const double d = hp->d_model, hd = hp->head_dim, nh = hp->n_heads, nkv = hp->n_kv_heads;
+    c->ranks = ranks < 1 ? 1 : ranks;
+    c->layers = hp->n_layers;
+    /* pdmesh calibrate's count (cli/prefill_cmds.c prefill_flops) */
+    c->linear_per_token = hp->n_layers * 2 * (d * nh * hd * 2 + d * nkv * hd * 2 + 3 * d * hp->n_ff);
+    c->attn_per_pair_layer = 4 * hd * nh;
+    c->attn_per_pair = hp->n_layers * c->attn_per_pair_layer;
+    c->kv_bytes_per_token = nkv * hd * 2 * 2;
+    c->flops = calib && calib->flops > 0 ? calib->flops : 30.8e9;
+    c->bandwidth = calib && calib->bandwidth > 0 ? calib->bandwidth : 2.5e9;
+    c->latency = calib && calib->latency > 0 ? calib->latency : 5e-6;
+    c->k_solo = 1.0;
+    c->k_group = 1.0 / 0.75;
+}
+
+/* FLOPs of n new tokens after `cached` ones: causal pairs sum_{i=cached}^{cached+n-1} (i+1). */
+static double rt_adapt__flops(const rt_adapt_cost_t *c, double n, double cached)
+{
+    const double pairs = n * cached + n * (n + 1) / 2;
+    return c->linear_per_token * n + c->attn_per_pair * pairs;
+}
+
+double rt_adapt_t1(const rt_adapt_cost_t *c, int32_t n)
+{
+    return c->k_solo * rt_adapt__flops(c, n, 0) / c->flops;
+}
+
+double rt_adapt_tR(const rt_adapt_cost_t *c, int32_t n, int32_t cached)
+{
+    const double R = c->ranks;
+    double t = rt_adapt__flops(c, n, cached) / (R * c->flops);
+    if (c->ranks > 1) {
+        /* pass-KV (context parallelism §3.5.2): per layer R - 1 ring steps, each sending a
+         * block of (n + cached) / R rows of K and V while attending n / R queries to it. */
+        const double rows = ((double)n + cached) / R, q_rows = (double)n / R;
+        const double t_kv = c->latency + rows * c->kv_bytes_per_token / c->bandwidth;
+        const double t_step = c->attn_per_pair_layer * q_rows * rows / c->flops;
+        t += c->layers * (R - 1) * PDM_MAX(0.0, t_kv - t_step);
+    }
+    return c->k_group * t;
+}
+
+void rt_adapt_learn(rt_adapt_cost_t *c, int solo, int32_t n, int32_t cached, double seconds)
+{
+    if (!(seconds > 0) || n < 1) return;
+    double *k = solo ? &c->k_solo : &c->k_group;
+    const double saved = *k;
+    *k = 1.0; /* the prediction of the bare model */
+    const double pred = solo ? rt_adapt_t1(c, n) : rt_adapt_tR(c, n, cached);
+    double ratio = pred > 0 ? seconds / pred : saved;
+    ratio = PDM_MIN(20.0, PDM_MAX(0.1, ratio));
+    *k = 0.7 * saved + 0.3 * ratio;
+}
+
+rt_adapt_choice_t rt_adapt_decide(const rt_adapt_cost_t *c, const rt_adapt_input_t *in,
+                                  int *rank, double *cost_group, double *cost_solo)
+{
+    const int R = c->ranks, nq = PDM_MIN(in->n_queue, RT_ADAPT_MAX_QUEUE);
+    double free_at[PDM_PREFILL_MAX_RANKS], start = 0;
+    for (int k = 0; k < R; k++) {
+        free_at[k] = in->busy[k];
+        start = PDM_MAX(start, in->busy[k]);
+    }
+    /* group: one prompt after another on all ranks, once all are free */
+    double t = start, sum_group = 0;
+    for (int i = 0; i < nq; i++) {
+        const int32_t cached = i == 0 ? in->head_cached : 0;
+        t += rt_adapt_tR(c, in->queue[i] - cached, cached);
+        sum_group += t;
+    }
+    /* solo: each prompt on the rank free first */
+    double sum_solo = 0;
+    int first = -1;
+    for (int i = 0; i < nq; i++) {
+        int best = 0;
+        for (int k = 1; k < R; k++)
+            if (free_at[k] < free_at[best]) best = k;
+        free_at[best] += rt_adapt_t1(c, in->queue[i]);
+        sum_solo += free_at[best];
+        if (i == 0) first = best;
+    }
+    if (cost_group) *cost_group = sum_group;
+    if (cost_solo) *cost_solo = sum_solo;
+    if (R > 1 && nq > 0 && sum_solo < sum_group) {
+        if (in->busy[first] > 0) return RT_ADAPT_WAIT;
+        *rank = first;
+        return RT_ADAPT_SOLO;
+    }
+    return in->group_ok ? RT_ADAPT_GROUP : RT_ADAPT_WAIT;
+}
