@@ -353,6 +353,8 @@ http-test: $(BINS) python-sdk
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_prefix_pool.py \
 	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_adaptive_mesh.py \
+	  --bindir $(BUILD)/bin
 	PYTHONPATH=$(BUILD)/python $(VENV)/bin/python tests/integration/test_arch_mesh.py \
 	  --bindir $(BUILD)/bin
 
