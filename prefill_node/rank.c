@@ -125,9 +125,44 @@ static int pdm__stream_close(pdm_prefill_rank_t *r, int st, uint64_t *streamed)
 
 /* ---- Solo (load-adaptive groups) ---------------------------------------------------------- */
 
-/* A solo task: this rank alone prefills the whole prompt with the engine (as `single`) into
- * its scratch cache and streams all of it; the group's cache and conversation are not touched
- * (on success or failure), so a later partial prefill finds what the group held before. */
+/* Solo prompts up to this length run as one batch through the per-layer steps, so that each
+ * layer's KV streams while the next layers compute (as a group's ranks do); longer ones take
+ * the engine's chunked prefill (bounded activations) and stream at the end. */
+#define PDM__SOLO_LAYERED_MAX 2048
+
+/* The whole prompt as one batch, layer by layer: embed, then per layer QKV, (q8: this
+ * prompt's scales, from its own rows - no all-reduce, the rank is alone), store, stream,
+ * attention over [0, n), output projection and FFN; the last token's logits. */
+static int pdm__run_solo_layers(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
+{
+    const int n = t->n_tokens;
+    const pdm_prefill__span_t all = {0, n};
+    int st = pdm_prefill__ensure_ctx(r, n);
+    if (!st) PDM_PREFILL__COMPUTE(r, st = pdm_prefill__embed_local(r, t, &all, 1, n));
+    for (int l = 0; l < (int)r->hp->n_layers && !st; l++) {
+        PDM_PREFILL__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act));
+        if (r->cache->dtype == PDM_DT_I8) {
+            float absmax[2 * PDM_MAX_KV_HEADS] = {0};
+            pdm_act_t rows = r->act;
+            rows.n = n;
+            PDM_PREFILL__COMPUTE(r, pdm_kv_absmax(r->hp, &rows, absmax));
+            pdm_kv_cache_set_scales(r->cache, (uint32_t)l, absmax);
+        }
+        PDM_PREFILL__COMPUTE(r, pdm_prefill__store_local(r, l, &all, 1));
+        if ((st = pdm_prefill__stream_layer(r, l))) break;
+        pdm_kv_view_t view;
+        pdm_kv_cache_view(r->cache, (uint32_t)l, 0, n, &view);
+        PDM_PREFILL__COMPUTE(r, pdm_model_attention(r->ctx, l, &r->act, &view, 1);
+                             pdm_model_attn_out_ffn(r->ctx, l, &r->act));
+    }
+    if (!st) PDM_PREFILL__COMPUTE(r, pdm_model_logits(r->ctx, &r->act, n - 1, r->logits));
+    return st;
+}
+
+/* A solo task: this rank alone prefills the whole prompt (the engine's single-rank prefill,
+ * or its per-layer steps so that the KV streams layer by layer) into its scratch cache and
+ * streams all of it; the group's cache and conversation are not touched (on success or
+ * failure), so a later partial prefill finds what the group held before. */
 static int pdm__run_solo(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
                          pdm_prefill_result_t *res)
 {
@@ -164,7 +199,8 @@ static int pdm__run_solo(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     double t0 = pdm_now();
     uint64_t streamed;
     int st = pdm__stream_open(r, t);
-    if (!st) st = pdm__run_single(r, t);
+    if (!st) st = t->n_tokens <= PDM__SOLO_LAYERED_MAX ? pdm__run_solo_layers(r, t)
+                                                       : pdm__run_single(r, t);
     st = pdm__stream_close(r, st, &streamed);
     r->cache = group_cache;
     if (st) return st;

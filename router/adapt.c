@@ -6,6 +6,9 @@
 
 #include "common/pdm.h"
 
+/* The prior parallel efficiency of the group (docs/perf/prefill.md, R = 2, 1024 tokens). */
+#define RT_ADAPT_E0 0.75
+
 void rt_adapt_cost_init(rt_adapt_cost_t *c, const pdm_model_hparams_t *hp, int ranks,
                         const pdm_calibration_t *calib)
 {
@@ -20,8 +23,20 @@ void rt_adapt_cost_init(rt_adapt_cost_t *c, const pdm_model_hparams_t *hp, int r
     c->flops = calib && calib->flops > 0 ? calib->flops : 30.8e9;
     c->bandwidth = calib && calib->bandwidth > 0 ? calib->bandwidth : 2.5e9;
     c->latency = calib && calib->latency > 0 ? calib->latency : 5e-6;
-    c->k_solo = 1.0;
-    c->k_group = 1.0 / 0.75;
+    /* the prior lines, as two pseudo-measurements each, at 0.1 s and 1 s of prediction */
+    const double prior[2][2] = {{1.0, 0.0}, {1.0 / RT_ADAPT_E0, 0.02}};
+    struct rt_adapt_fit *f[2] = {&c->solo, &c->group};
+    for (int k = 0; k < 2; k++) {
+        *f[k] = (struct rt_adapt_fit){.a = prior[k][0], .b = prior[k][1]};
+        for (double x = 0.1; x < 2; x *= 10) {
+            const double y = prior[k][0] * x + prior[k][1];
+            f[k]->s0 += 1;
+            f[k]->sx += x;
+            f[k]->sy += y;
+            f[k]->sxx += x * x;
+            f[k]->sxy += x * y;
+        }
+    }
 }
 
 /* FLOPs of n new tokens after `cached` ones: causal pairs sum_{i=cached}^{cached+n-1} (i+1). */
@@ -31,12 +46,13 @@ static double rt_adapt__flops(const rt_adapt_cost_t *c, double n, double cached)
     return c->linear_per_token * n + c->attn_per_pair * pairs;
 }
 
-double rt_adapt_t1(const rt_adapt_cost_t *c, int32_t n)
+/* The bare models (a = 1, b = 0). */
+static double rt_adapt__t1(const rt_adapt_cost_t *c, int32_t n)
 {
-    return c->k_solo * rt_adapt__flops(c, n, 0) / c->flops;
+    return rt_adapt__flops(c, n, 0) / c->flops;
 }
 
-double rt_adapt_tR(const rt_adapt_cost_t *c, int32_t n, int32_t cached)
+static double rt_adapt__tR(const rt_adapt_cost_t *c, int32_t n, int32_t cached)
 {
     const double R = c->ranks;
     double t = rt_adapt__flops(c, n, cached) / (R * c->flops);
@@ -48,19 +64,48 @@ double rt_adapt_tR(const rt_adapt_cost_t *c, int32_t n, int32_t cached)
         const double t_step = c->attn_per_pair_layer * q_rows * rows / c->flops;
         t += c->layers * (R - 1) * PDM_MAX(0.0, t_kv - t_step);
     }
-    return c->k_group * t;
+    return t;
+}
+
+double rt_adapt_t1(const rt_adapt_cost_t *c, int32_t n)
+{
+    if (!c->solo.measured && c->group.measured) /* scaled from the group's line */
+        return RT_ADAPT_E0 * c->group.a * rt_adapt__t1(c, n);
+    return c->solo.a * rt_adapt__t1(c, n) + c->solo.b;
+}
+
+double rt_adapt_tR(const rt_adapt_cost_t *c, int32_t n, int32_t cached)
+{
+    if (!c->group.measured && c->solo.measured)
+        return c->solo.a / RT_ADAPT_E0 * rt_adapt__tR(c, n, cached) + 0.02;
+    return c->group.a * rt_adapt__tR(c, n, cached) + c->group.b;
 }
 
 void rt_adapt_learn(rt_adapt_cost_t *c, int solo, int32_t n, int32_t cached, double seconds)
 {
     if (!(seconds > 0) || n < 1) return;
-    double *k = solo ? &c->k_solo : &c->k_group;
-    const double saved = *k;
-    *k = 1.0; /* the prediction of the bare model */
-    const double pred = solo ? rt_adapt_t1(c, n) : rt_adapt_tR(c, n, cached);
-    double ratio = pred > 0 ? seconds / pred : saved;
-    ratio = PDM_MIN(20.0, PDM_MAX(0.1, ratio));
-    *k = 0.7 * saved + 0.3 * ratio;
+    struct rt_adapt_fit *f = solo ? &c->solo : &c->group;
+    const double x = solo ? rt_adapt__t1(c, n) : rt_adapt__tR(c, n, cached), y = seconds;
+    const double w = RT_ADAPT_DECAY;
+    f->s0 = w * f->s0 + 1;
+    f->sx = w * f->sx + x;
+    f->sy = w * f->sy + y;
+    f->sxx = w * f->sxx + x * x;
+    f->sxy = w * f->sxy + x * y;
+    const double den = f->s0 * f->sxx - f->sx * f->sx;
+    double a = den > 1e-12 * f->s0 * f->sxx ? (f->s0 * f->sxy - f->sx * f->sy) / den
+                                             : (f->sx > 0 ? f->sy / f->sx : f->a);
+    a = PDM_MIN(20.0, PDM_MAX(0.1, a));
+    /* the intercept for that slope, never negative: a slope fitted to noise then gives way
+     * to the line through the origin */
+    double b = (f->sy - a * f->sx) / f->s0;
+    if (b < 0) {
+        b = 0;
+        a = PDM_MIN(20.0, PDM_MAX(0.1, f->sxy / f->sxx));
+    }
+    f->a = a;
+    f->b = PDM_MIN(5.0, b);
+    f->measured++;
 }
 
 rt_adapt_choice_t rt_adapt_decide(const rt_adapt_cost_t *c, const rt_adapt_input_t *in,
@@ -92,6 +137,16 @@ rt_adapt_choice_t rt_adapt_decide(const rt_adapt_cost_t *c, const rt_adapt_input
     }
     if (cost_group) *cost_group = sum_group;
     if (cost_solo) *cost_solo = sum_solo;
+    if (in->rule == RT_ADAPT_QUEUE) {
+        /* others wait, or a solo task runs: an idle rank alone; else the whole group */
+        if (R < 2 || (nq < 2 && in->group_ok)) return in->group_ok ? RT_ADAPT_GROUP : RT_ADAPT_WAIT;
+        for (int k = 0; k < R; k++)
+            if (in->busy[k] == 0) {
+                *rank = k;
+                return RT_ADAPT_SOLO;
+            }
+        return RT_ADAPT_WAIT;
+    }
     if (R > 1 && nq > 0 && sum_solo < sum_group) {
         if (in->busy[first] > 0) return RT_ADAPT_WAIT;
         *rank = first;

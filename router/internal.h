@@ -65,8 +65,9 @@ typedef struct {
                                    * prefilled there when at most this many tokens are left */
     double max_skew_s;            /* registration timestamp skew */
     int group_inflight;           /* prefill tasks queued per group */
-    int adaptive_group;           /* load-adaptive parallelism (adapt.h): a request may go to
-                                   * one idle rank of a group alone (solo) when others wait */
+    int adaptive_group;           /* load-adaptive parallelism (adapt.h, rt_adapt_rule_t): a
+                                   * request may go to one idle rank of a group alone (solo):
+                                   * 0 never, 1 by the cost model, 2 whenever others wait */
     const char *http_host;
     int http_port;                /* -1: no HTTP */
 } rt_config_t;

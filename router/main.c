@@ -92,8 +92,9 @@ static void rt_usage(FILE *f)
             "  --pool-local-max N        a prompt whose prefix a decode node's pool holds is\n"
             "                            prefilled there if at most N tokens are left (512)\n"
             "  --group-inflight N        prefill tasks queued per group (2)\n"
-            "  --adaptive-group 0|1      while requests wait, a group's idle ranks may prefill\n"
-            "                            different prompts alone (solo tasks) (1)\n");
+            "  --adaptive-group 0|1|2    while requests wait, a group's idle ranks may prefill\n"
+            "                            different prompts alone (solo tasks): 1 by the cost\n"
+            "                            model, 2 whenever others wait, 0 never (1)\n");
 }
 
 int main(int argc, char **argv)
@@ -214,7 +215,7 @@ int main(int argc, char **argv)
         case O_PREFIX_REUSE: NUM(0, 1, cfg.prefix_reuse); break;
         case O_POOL_LOCAL: NUM(0, 1 << 20, cfg.pool_local_max); break;
         case O_GINF: NUM(1, 64, cfg.group_inflight); break;
-        case O_ADAPTIVE: NUM(0, 1, cfg.adaptive_group); break;
+        case O_ADAPTIVE: NUM(0, 2, cfg.adaptive_group); break;
         case 'h': rt_usage(stdout); return 0;
         default: rt_usage(stderr); return 2;
         }

@@ -76,6 +76,32 @@ static int rt_wants_group(const pdm_router_t *r, const rt_req_t *q)
     return q->state == RQ_QUEUED && q->n_gen == 0 && q->n_prompt >= r->cfg.local_threshold;
 }
 
+/* The tokens of q's prompt a whole-group task would reuse once group g is idle: of the
+ * conversation its mirror holds (pdm_prefill_conv_followup_start, as request.c plans it), or,
+ * while a whole-group task is in flight, of that task's prompt, which the group will hold
+ * then (an estimate: the common prefix of at least block_tokens). */
+static int32_t rt_adapt_cached(const pdm_router_t *r, const rt_req_t *q, int g)
+{
+    const rt_group_t *gr = &r->groups[g];
+    if (!r->cfg.prefix_reuse || gr->reuse_pending) return 0;
+    const rt_req_t *last = NULL;
+    for (const rt_req_t *w = r->head; w; w = w->next)
+        if (w != q && w->state != RQ_QUEUED && w->group == g && w->solo_rank < 0 &&
+            (!last || w->t_dispatch > last->t_dispatch))
+            last = w;
+    if (!last) {
+        pdm_prefill_method_t want = PDM_PREFILL_AUTO;
+        pdm_prefill_method_parse(r->cfg.method, &want);
+        pdm_prefill_followup_params_t fp = {
+            .method = want, .ranks = (int)gr->size, .tokens = q->prompt,
+            .n_tokens = (int32_t)q->n_prompt, .min_cached = r->cfg.block_tokens, .reuse = 1};
+        return pdm_prefill_conv_followup_start(&gr->conv, &fp);
+    }
+    uint32_t same = 0, most = PDM_MIN(last->n_prompt, q->n_prompt - 1);
+    while (same < most && last->prompt[same] == q->prompt[same]) same++;
+    return same >= (uint32_t)r->cfg.block_tokens ? (int32_t)same : 0;
+}
+
 /* Load-adaptive parallelism: whole group (-1), one rank alone (its index) or wait (-2) for
  * q on group g, from the queue behind q and the group's cost model (adapt.h). */
 static int rt_adapt_choose(pdm_router_t *r, rt_req_t *q, int g)
@@ -95,22 +121,20 @@ static int rt_adapt_choose(pdm_router_t *r, rt_req_t *q, int g)
     int nq = 0;
     for (rt_req_t *w = q; w && nq < RT_ADAPT_MAX_QUEUE; w = w->next)
         if (w == q || rt_wants_group(r, w)) queue[nq++] = (int32_t)w->n_prompt;
-    /* what a whole-group task would reuse of the group's conversation (request.c plans the
-     * same way once it is dispatched) */
-    pdm_prefill_method_t want = PDM_PREFILL_AUTO;
-    pdm_prefill_method_parse(r->cfg.method, &want);
-    pdm_prefill_followup_params_t fp = {
-        .method = want, .ranks = (int)gr->size, .tokens = q->prompt,
-        .n_tokens = (int32_t)q->n_prompt, .min_cached = r->cfg.block_tokens,
-        .reuse = r->cfg.prefix_reuse && gr->inflight == 0 && !gr->reuse_pending};
+    const int32_t cached = rt_adapt_cached(r, q, g);
     rt_adapt_input_t in = {.busy = busy, .group_ok = rt_group_task_ok(r, g), .queue = queue,
-                           .n_queue = nq,
-                           .head_cached = pdm_prefill_conv_followup_start(&gr->conv, &fp)};
+                           .n_queue = nq, .head_cached = cached,
+                           .rule = (rt_adapt_rule_t)r->cfg.adaptive_group};
     int rank = -1;
     double cg = 0, cs = 0;
     rt_adapt_choice_t c = rt_adapt_decide(&gr->cost, &in, &rank, &cg, &cs);
-    pdm_log_debug("router: request %llu on %s: queue %d, group %.3f s vs solo %.3f s -> %s",
-                  (unsigned long long)q->id, gr->name, nq, cg, cs,
+    /* request.c plans a partial prefill only on an idle group: a task that counts on one
+     * waits for the group's tasks in flight instead of queueing behind them */
+    if (c == RT_ADAPT_GROUP && cached > 0 && gr->inflight > 0) c = RT_ADAPT_WAIT;
+    pdm_log_debug("router: request %llu on %s: queue %d, %d cached; sums of completion times: "
+                  "group %.3f s, solo %.3f s (lines: group %.2fx%+.3f, solo %.2fx%+.3f) -> %s",
+                  (unsigned long long)q->id, gr->name, nq, cached, cg, cs, gr->cost.group.a,
+                  gr->cost.group.b, gr->cost.solo.a, gr->cost.solo.b,
                   c == RT_ADAPT_SOLO ? "solo" : c == RT_ADAPT_GROUP ? "group" : "wait");
     return c == RT_ADAPT_SOLO ? rank : c == RT_ADAPT_GROUP ? -1 : -2;
 }

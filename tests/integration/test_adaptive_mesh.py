@@ -3,14 +3,16 @@
 2-rank prefill group and a decode node as separate processes.
 
 - one request on an idle mesh uses the whole group (not "solo"), its answer equal to the
-  single-process engine's greedy output (`pdmesh generate --temp 0`);
+  single-process engine's greedy output (`pdmesh generate --temp 0`), with the cost model
+  (--adaptive-group 1, the default) and with the queue rule (2);
+- the rest runs the queue rule, whose choices do not depend on timings the router learns:
 - a burst of concurrent requests: while requests wait, the group's ranks prefill different
   prompts alone ("solo", usage.pdmesh.prefill_rank), both ranks at once
   (pdmesh_prefill_solo_concurrent_total, pdmesh_prefill_method_total{method="solo"}), every
   answer equal to the engine's;
-- solo tasks keep the group's conversation as it was: a follow-up of the first request's
-  prompt, sent after the burst, is a partial prefill on the group (cached tokens > 0) whose
-  answer equals the engine's;
+- solo tasks keep the group's conversation as it was: a follow-up of the prompt the group
+  prefilled last (solo tasks ran after it), sent after the burst, is a partial prefill on the
+  group (cached tokens > 0) whose answer equals the engine's;
 - --adaptive-group 0: the same burst never runs a solo task;
 - a rank killed (SIGKILL) while solo tasks run: the requests are retried (pdmesh_retries_total)
   and every answer is still the engine's.
@@ -32,10 +34,12 @@ N = 8
 BASE = ("In the small harbour town the fishermen mended their nets while the gulls circled "
         "above the boats, and the children ran along the stone quay shouting at the waves. ")
 # Prompts of a few hundred tokens: long enough for the group (local threshold 16) and for two
-# solo prefills to overlap in time, short enough for a loaded 2-core machine.
-PROMPTS = [BASE * 3 + "Question %d: what did the old captain say about the storm?" % i
+# solo prefills to overlap in time, short enough for a loaded 2-core machine. They differ from
+# their first tokens on: a prompt sharing most of the group's conversation is better served by
+# a partial prefill on the group than by a solo rank, and the policy knows it.
+PROMPTS = ["Story number %d. " % i + BASE * 3 + "What did the old captain say about the storm?"
            for i in range(6)]
-FOLLOWUP = PROMPTS[0] + " " + BASE * 2 + "And what happened the next morning?"
+MORE = " " + BASE * 2 + "And what happened the next morning?"
 
 
 def complete(port, prompt, n=N, timeout=300):
@@ -71,10 +75,22 @@ def main():
     args = mesh_argparser(__doc__).parse_args()
     check = Checks()
     refs = {p: reference(args.bindir, args.model, p, N, extra=("--ignore-eos",))["text"]
-            for p in PROMPTS + [FOLLOWUP]}
+            for p in PROMPTS}
+
+    m = Mesh(args.bindir, args.model, prefill_ranks=2)
+    try:
+        m.wait_ready()
+        r0 = complete(m.http_port, PROMPTS[0])
+        check("cost model: one request on an idle mesh uses the whole group",
+              px(r0).get("prefill_method") not in ("solo", "local", None) and
+              text(r0) == refs[PROMPTS[0]], (px(r0), text(r0)))
+    finally:
+        m.stop()
 
     # --pool-local-max 0: the follow-up must go to the group, not to the decode node's pool
-    m = Mesh(args.bindir, args.model, prefill_ranks=2, router_args=("--pool-local-max", "0"))
+    queue_rule = ("--adaptive-group", "2")
+    m = Mesh(args.bindir, args.model, prefill_ranks=2,
+             router_args=("--pool-local-max", "0") + queue_rule)
     try:
         m.wait_ready()
         r0 = complete(m.http_port, PROMPTS[0])
@@ -100,13 +116,21 @@ def main():
         check("metrics: solo prefills counted, two at once on the group",
               solo_total == methods.count("solo") and conc >= 1, (solo_total, conc))
 
-        rf = complete(m.http_port, FOLLOWUP)
+        # the group holds the prompt of its last whole-group task (pipelined in arrival order:
+        # the one answered last); the solo tasks ran after it
+        last = max([(px(r).get("ttft_ms", 0), p) for r, p in zip(res, PROMPTS[1:])
+                    if px(r).get("prefill_method") not in ("solo", None)] or
+                   [(0, PROMPTS[0])])[1]
+        followup = last + MORE
+        refs[followup] = reference(args.bindir, args.model, followup, N,
+                                   extra=("--ignore-eos",))["text"]
+        rf = complete(m.http_port, followup)
         cached = rf.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
         check("after solo tasks the group still holds its conversation: the follow-up is a "
               "partial prefill", cached >= 64 and px(rf).get("prefill_method") != "solo",
               (cached, px(rf)))
-        check("... and its answer equals the engine's", text(rf) == refs[FOLLOWUP],
-              (text(rf), refs[FOLLOWUP]))
+        check("... and its answer equals the engine's", text(rf) == refs[followup],
+              (text(rf), refs[followup]))
         check("the router exits cleanly", m.stop() == 0)
     finally:
         m.stop()
@@ -122,7 +146,7 @@ def main():
     finally:
         m.stop()
 
-    m = Mesh(args.bindir, args.model, prefill_ranks=2)
+    m = Mesh(args.bindir, args.model, prefill_ranks=2, router_args=queue_rule)
     try:
         m.wait_ready()
         with concurrent.futures.ThreadPoolExecutor(4) as ex:

@@ -446,22 +446,37 @@ START_TEST(test_adapt_cost_model)
     /* a partial prefill costs less than the whole prompt and more than its new tokens alone */
     ck_assert(rt_adapt_tR(&c, 256, 768) < rt_adapt_tR(&c, 1024, 0));
     ck_assert(rt_adapt_tR(&c, 256, 768) > rt_adapt_tR(&c, 256, 0));
-    /* learning: a moving average of measured / predicted, clamped */
-    const double pred = rt_adapt_t1(&c, 512);
-    rt_adapt_learn(&c, 1, 512, 0, 2 * pred);
-    ck_assert_double_eq_tol(c.k_solo, 0.7 + 0.3 * 2, 1e-9);
+    /* learning: measurements on the line 2 x + 50 ms (x: the bare model's prediction) move
+     * the solo line there, whatever the prior */
+    rt_adapt_cost_t bare;
+    adapt_cost(&bare, 2);
+    for (int i = 0; i < 60; i++) {
+        const int32_t len = 64 + 97 * (i % 9);
+        rt_adapt_learn(&c, 1, len, 0, 2 * rt_adapt_t1(&bare, len) + 0.05);
+    }
+    ck_assert_double_eq_tol(c.solo.a, 2.0, 0.05);
+    ck_assert_double_eq_tol(c.solo.b, 0.05, 0.005);
+    ck_assert_double_eq_tol(rt_adapt_t1(&c, 300), 2 * rt_adapt_t1(&bare, 300) + 0.05, 0.01);
+    /* a fixed cost per group task (short prompts scale worst) is learned as such */
+    for (int i = 0; i < 60; i++) {
+        const int32_t len = 64 + 97 * (i % 9);
+        rt_adapt_learn(&c, 0, len, 0, (rt_adapt_tR(&bare, len, 0) - 0.02) * 0.75 + 0.3);
+    }
+    ck_assert_double_eq_tol(c.group.b, 0.3, 0.01);
+    /* absurd measurements are clamped; nothing measured changes nothing */
     for (int i = 0; i < 100; i++) rt_adapt_learn(&c, 1, 512, 0, 1e6);
-    ck_assert(c.k_solo <= 20 && c.k_solo > 19);
-    const double kg = c.k_group;
-    rt_adapt_learn(&c, 0, 512, 0, 0); /* nothing measured: no change */
-    ck_assert_double_eq(c.k_group, kg);
+    ck_assert(c.solo.a <= 20 && c.solo.b <= 5);
+    const double ga = c.group.a, gb = c.group.b;
+    rt_adapt_learn(&c, 0, 512, 0, 0);
+    ck_assert(c.group.a == ga && c.group.b == gb);
 }
 END_TEST
 
 START_TEST(test_adapt_decide)
 {
-    rt_adapt_cost_t c;
+    rt_adapt_cost_t c, bare_c;
     adapt_cost(&c, 2);
+    adapt_cost(&bare_c, 2);
     double idle[2] = {0, 0};
     int rank = -1;
     /* an empty queue on an idle group: the whole group, whatever the length */
@@ -500,7 +515,8 @@ START_TEST(test_adapt_decide)
     ck_assert_int_eq(rt_adapt_decide(&c, &w, &rank, NULL, NULL), RT_ADAPT_SOLO);
     ck_assert_int_eq(rank, 1);
     /* a group that scales well (learned k_group near 1) keeps short queues whole */
-    c.k_group = 1.0;
+    c.group.a = 1.0;
+    c.group.b = 0;
     int32_t q2[2] = {600, 600};
     rt_adapt_input_t two = {.busy = idle, .group_ok = 1, .queue = q2, .n_queue = 2};
     ck_assert_int_eq(rt_adapt_decide(&c, &two, &rank, NULL, NULL), RT_ADAPT_GROUP);
@@ -510,6 +526,27 @@ START_TEST(test_adapt_decide)
     rt_adapt_input_t p = {.busy = idle, .group_ok = 1, .queue = qp, .n_queue = 3,
                           .head_cached = 960};
     ck_assert_int_eq(rt_adapt_decide(&c, &p, &rank, NULL, NULL), RT_ADAPT_GROUP);
+    /* the queue rule: others waiting -> an idle rank; alone -> the whole group */
+    adapt_cost(&c, 2);
+    c.group.a = 0.1; /* a group the cost model would always keep whole */
+    rt_adapt_input_t qr = {.busy = idle, .group_ok = 1, .queue = q4, .n_queue = 4,
+                           .rule = RT_ADAPT_QUEUE};
+    ck_assert_int_eq(rt_adapt_decide(&c, &qr, &rank, NULL, NULL), RT_ADAPT_SOLO);
+    ck_assert_int_eq(rank, 0);
+    qr.n_queue = 1;
+    ck_assert_int_eq(rt_adapt_decide(&c, &qr, &rank, NULL, NULL), RT_ADAPT_GROUP);
+    double r0_busy[2] = {0.5, 0};
+    qr.busy = r0_busy;
+    qr.group_ok = 0; /* rank 0 runs a solo task */
+    ck_assert_int_eq(rt_adapt_decide(&c, &qr, &rank, NULL, NULL), RT_ADAPT_SOLO);
+    ck_assert_int_eq(rank, 1);
+    qr.busy = both;
+    ck_assert_int_eq(rt_adapt_decide(&c, &qr, &rank, NULL, NULL), RT_ADAPT_WAIT);
+    /* only the group has been measured: the solo line follows it at the prior efficiency */
+    rt_adapt_cost_t g1;
+    adapt_cost(&g1, 2);
+    for (int i = 0; i < 20; i++) rt_adapt_learn(&g1, 0, 300, 0, 0.5 * rt_adapt_tR(&bare_c, 300, 0));
+    ck_assert(rt_adapt_t1(&g1, 300) < 0.6 * rt_adapt_t1(&bare_c, 300));
     /* one rank: never solo */
     adapt_cost(&c, 1);
     double idle1[1] = {0};
