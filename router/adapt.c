@@ -147,6 +147,11 @@ rt_adapt_choice_t rt_adapt_decide(const rt_adapt_cost_t *c, const rt_adapt_input
             }
         return RT_ADAPT_WAIT;
     }
+    /* a lone request on an idle group: the whole group, even where one rank would be as fast
+     * (a short prompt: that is the decode node's local threshold to judge) */
+    int all_idle = 1;
+    for (int k = 0; k < R; k++) all_idle &= in->busy[k] == 0;
+    if (nq <= 1 && all_idle && in->group_ok) return RT_ADAPT_GROUP;
     if (R > 1 && nq > 0 && sum_solo < sum_group) {
         if (in->busy[first] > 0) return RT_ADAPT_WAIT;
         *rank = first;

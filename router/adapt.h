@@ -34,9 +34,9 @@
  *   group: every prompt in turn on the whole group, from when every rank is free;
  *   solo:  every prompt on the rank that is free first (list scheduling).
  * With W equal prompts on R = 2 ranks of parallel efficiency e = t1 / (2 tR), solo wins iff
- * e < (W + 1) / (W + 2): never for one prompt, for two below e = 0.75, for many below 1. A
- * choice that cannot start now (group while a rank is busy with a solo task; solo while no
- * rank is idle) is WAIT.
+ * e < (W + 1) / (W + 2): for two below e = 0.75, for many below 1. A lone request on an idle
+ * group always gets the whole group. A choice that cannot start now (group while a rank is
+ * busy with a solo task; solo while no rank is idle) is WAIT.
  *
  * The queue rule (RT_ADAPT_QUEUE, --adaptive-group 2) leaves the cost model out: a request
  * with others waiting behind it, or arriving while a solo task runs, goes to an idle rank
