@@ -30,6 +30,7 @@
 #                 base (debootstrap, no registry; root; docs/deployment.md)
 #   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated vs
 #                      llama-server
+#   make bench-serve-adaptive  load-adaptive groups (whole group vs solo ranks) under load
 #   make bench-prefix  follow-up turns: TTFT with prefix reuse vs whole-prompt prefill
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
 #
@@ -145,7 +146,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch golden-tok clean distclean format \
         format-check \
-        integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
+        integration-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-serve-adaptive bench-prefix \
         bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine cuda cuda-check bench-decode-memory-beam bench-decode-memory python-sdk \
         sdk-test image container-test fidelity
@@ -408,6 +409,12 @@ bench-serve: deps model all
 	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/run.py --bindir $(BUILD)/bin \
 	  --llama-bindir "$$(tools/llama_tools.sh | tail -n 1)" \
+	  --out docs/perf $(if $(BENCH_QUICK),--quick)
+
+# Load-adaptive groups: whole group vs solo ranks under load, alternating arms
+# (docs/perf/serve-adaptive.*). BENCH_QUICK=1: 12 s per rate, 4 rates.
+bench-serve-adaptive: deps model all
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/adaptive.py --bindir $(BUILD)/bin \
 	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
 # Prefix reuse: follow-up turns with and without partial prefill (docs/perf/prefix.*).
