@@ -47,7 +47,8 @@ void rt_config_default(rt_config_t *c)
     c->pool_local_max = 512;
     c->max_skew_s = 30;
     c->group_inflight = 2;
-    c->adaptive_group = 1;
+    c->adaptive_group = 0; /* off: no consistent win below saturation on the reference machine
+                            * (docs/perf/serve-adaptive.md) */
     c->http_host = "127.0.0.1";
     c->http_port = 8080;
 }

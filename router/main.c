@@ -94,7 +94,7 @@ static void rt_usage(FILE *f)
             "  --group-inflight N        prefill tasks queued per group (2)\n"
             "  --adaptive-group 0|1|2    while requests wait, a group's idle ranks may prefill\n"
             "                            different prompts alone (solo tasks): 1 by the cost\n"
-            "                            model, 2 whenever others wait, 0 never (1)\n");
+            "                            model, 2 whenever others wait, 0 never (0)\n");
 }
 
 int main(int argc, char **argv)

@@ -241,7 +241,11 @@ void rt_schedule(pdm_router_t *r)
         }
         int g = -1, solo = -1;
         if (!want_local) {
-            g = rt_pick_group(r, q);
+            /* no hashing of prompts behind one that holds every group with room */
+            int open = 0;
+            for (int k = 0; k < RT_MAX_GROUPS && !open; k++)
+                open = !(held >> k & 1) && rt_group_has_room(r, k);
+            g = open ? rt_pick_group(r, q) : -1;
             if (g >= 0 && (held >> g & 1)) g = -1;
             if (g >= 0 && (solo = rt_adapt_choose(r, q, g)) == -2) {
                 held |= 1u << g;

@@ -10,8 +10,8 @@ prompt prefilled by the group (--local-threshold 0) - with two arms that differ 
   disagg-queue     --adaptive-group 2: the queue rule (solo whenever others wait), no cost
                    model.
 The arms alternate at every rate (A B C, then C B A, ...) so that a change in the shared
-machine's load hits all of them. Poisson arrivals (bench/serve/loadgen.py), streaming; TTFT and TPOT p50/p99,
-goodput under the SLO, and how many prefills went solo.
+machine's load hits all of them. Poisson arrivals (bench/serve/loadgen.py), streaming; TTFT
+and TPOT p50/p99, goodput under the SLO, and how many prefills went solo.
 
   python3 bench/serve/adaptive.py [--quick] [--bindir build/bin] [--out docs/perf]"""
 import json
@@ -88,9 +88,9 @@ def write(out, result):
         "each, every prompt prefilled by the group (`--local-threshold 0`). Poisson arrivals "
         "for %d s, %s prompts of %s words (about as many tokens), %d output tokens (ignore_eos), "
         "temperature 0, streamed. Goodput: requests per second with TTFT <= %.1f s and TPOT <= "
-        "%.0f ms. `disagg-adaptive` is `--adaptive-group 1` (cost model), `disagg-group` `0` (off), "
-        "`disagg-queue` `2` (queue rule); they alternate at every rate. `solo/group`: prefills by one rank alone / by the whole "
-        "group." % (result["duration_s"],
+        "%.0f ms. `disagg-adaptive` is `--adaptive-group 1` (cost model), `disagg-group` `0` "
+        "(off), `disagg-queue` `2` (queue rule); they alternate at every rate. `solo/group`: "
+        "prefills by one rank alone / by the whole group." % (result["duration_s"],
                     "distinct (no shared prefix)" if result["distinct_prompts"] else
                     "three repeated (prefix reuse on the group)",
                     "/".join(str(x) for x in result["prompt_words"]),
@@ -141,7 +141,8 @@ def main():
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": "%d vCPUs shared with other jobs" % os.cpu_count(),
         "quick": args.quick, "duration_s": args.duration, "rates": rates,
-        "prompt_words": lengths, "distinct_prompts": not args.same_prompts, "max_tokens": args.max_tokens,
+        "prompt_words": lengths, "distinct_prompts": not args.same_prompts,
+        "max_tokens": args.max_tokens,
         "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot, "rows": rows,
         "errors": sorted({e for r in rows for e in r["errors"]}),
         "seconds": time.time() - t0,

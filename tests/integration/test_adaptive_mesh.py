@@ -4,7 +4,7 @@
 
 - one request on an idle mesh uses the whole group (not "solo"), its answer equal to the
   single-process engine's greedy output (`pdmesh generate --temp 0`), with the cost model
-  (--adaptive-group 1, the default) and with the queue rule (2);
+  (--adaptive-group 1) and with the queue rule (2);
 - the rest runs the queue rule, whose choices do not depend on timings the router learns:
 - a burst of concurrent requests: while requests wait, the group's ranks prefill different
   prompts alone ("solo", usage.pdmesh.prefill_rank), both ranks at once
@@ -13,7 +13,7 @@
 - solo tasks keep the group's conversation as it was: a follow-up of the prompt the group
   prefilled last (solo tasks ran after it), sent after the burst, is a partial prefill on the
   group (cached tokens > 0) whose answer equals the engine's;
-- --adaptive-group 0: the same burst never runs a solo task;
+- --adaptive-group 0 (the default): the same burst never runs a solo task;
 - a rank killed (SIGKILL) while solo tasks run: the requests are retried (pdmesh_retries_total)
   and every answer is still the engine's.
 
@@ -77,7 +77,7 @@ def main():
     refs = {p: reference(args.bindir, args.model, p, N, extra=("--ignore-eos",))["text"]
             for p in PROMPTS}
 
-    m = Mesh(args.bindir, args.model, prefill_ranks=2)
+    m = Mesh(args.bindir, args.model, prefill_ranks=2, router_args=("--adaptive-group", "1"))
     try:
         m.wait_ready()
         r0 = complete(m.http_port, PROMPTS[0])
@@ -135,12 +135,12 @@ def main():
     finally:
         m.stop()
 
-    m = Mesh(args.bindir, args.model, prefill_ranks=2, router_args=("--adaptive-group", "0"))
+    m = Mesh(args.bindir, args.model, prefill_ranks=2)  # the default: off
     try:
         m.wait_ready()
         res = burst(m.http_port, PROMPTS[:4])
         methods = [px(r).get("prefill_method") for r in res]
-        check("--adaptive-group 0: no solo task, answers equal the engine's",
+        check("--adaptive-group 0 (default): no solo task, answers equal the engine's",
               "solo" not in methods and all(text(r) == refs[p] for r, p in zip(res, PROMPTS)),
               methods)
     finally:
