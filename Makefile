@@ -30,6 +30,7 @@
 #                 base (debootstrap, no registry; root; docs/deployment.md)
 #   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated vs
 #                      llama-server
+#   make bench-serve-adaptive  load-adaptive groups (whole group vs solo ranks) under load
 #   make bench-prefix  follow-up turns: TTFT with prefix reuse vs whole-prompt prefill
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
 #   make bench-kquant  issue 14's table: default model, Gemma 3 270M Q4_K_M, 1B-shaped Q4_K_M and
@@ -94,7 +95,7 @@ PREFILLD_SRC := prefill_node/main.c
 # router core (tests/http/fake_core.c: the real server on a scripted core).
 HTTP_SRC := router/http.c router/http_openai.c
 HTTP_FAKE_SRC := tests/http/fake_core.c router/http.c router/http_openai.c
-ROUTER_SRC := router/main.c router/core.c router/api.c router/schedule.c router/prefix.c router/request.c router/beams.c router/registry.c router/admin.c router/zfront.c router/curve.c \
+ROUTER_SRC := router/main.c router/core.c router/api.c router/schedule.c router/adapt.c router/prefix.c router/request.c router/beams.c router/registry.c router/admin.c router/zfront.c router/curve.c \
               $(HTTP_SRC)
 RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
@@ -105,7 +106,7 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c \
             tests/unit/test_router.c tests/unit/test_sdk.c tests/unit/test_http.c tests/unit/test_curve.c \
             tests/unit/test_nodeproto.c tests/unit/test_quant.c tests/unit/test_arch.c \
-            router/http_openai.c
+            router/http_openai.c router/adapt.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
 CUDA_HOME ?= /usr/local/cuda
@@ -147,7 +148,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch golden-tok clean distclean format \
         format-check \
-        integration-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-prefix \
+        integration-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-serve-adaptive bench-prefix \
         bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine bench-kquant cuda cuda-check bench-decode-memory-beam bench-decode-memory bench-decode-memory-window python-sdk \
         python-pb python-package-test lm-eval-test \
@@ -395,6 +396,8 @@ http-test: $(BINS) python-sdk
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_echo.py \
 	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_adaptive_mesh.py \
+	  --bindir $(BUILD)/bin
 	PYTHONPATH=$(BUILD)/python $(VENV)/bin/python tests/integration/test_arch_mesh.py \
 	  --bindir $(BUILD)/bin
 
@@ -448,6 +451,12 @@ bench-serve: deps model all
 	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/run.py --bindir $(BUILD)/bin \
 	  --llama-bindir "$$(tools/llama_tools.sh | tail -n 1)" \
+	  --out docs/perf $(if $(BENCH_QUICK),--quick)
+
+# Load-adaptive groups: whole group vs solo ranks under load, alternating arms
+# (docs/perf/serve-adaptive.*). BENCH_QUICK=1: 12 s per rate, 4 rates.
+bench-serve-adaptive: deps model all
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/adaptive.py --bindir $(BUILD)/bin \
 	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
 # Prefix reuse: follow-up turns with and without partial prefill (docs/perf/prefix.*).

@@ -8,6 +8,8 @@
  *   GroupWire      -> connect to the other ranks, barrier      -> GroupReady
  *                     (a later GroupWire re-forms the group: a rank was replaced)
  *   PrefillTask    -> run this rank's share, stream KV         -> PrefillResult
+ *                     (solo: only rank solo_rank runs it, alone, and answers; the others
+ *                     skip it without a word)
  *   GroupPingPong  -> timed round trips between ranks 0 and 1  -> GroupPingPongResult
  *   StatsRequest   ->                                          -> NodeStats
  *
@@ -156,6 +158,9 @@ static int pdm__task_from_msg(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, p
             strlen(t->kv_dump) > 128)
             return pdm_error_set(PDM_EINVAL, "PrefillTask: kv_dump must be a plain file name");
     }
+    if (t->solo && t->kv_dump && t->kv_dump[0])
+        return pdm_error_set(PDM_EUNSUPPORTED, "PrefillTask: a solo task keeps no KV to dump");
+    task->solo = t->solo;
     task->id = (uint32_t)PDM_LINK_TASK_KEY(t->task_id, t->attempt);
     task->start = (int32_t)t->start;
     task->prefix = t->n_prefix ? t->prefix : NULL;
@@ -224,6 +229,12 @@ static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t)
     r.epoch = pdm_link_epoch(pn->link);
     r.rank = pn->grouped ? (uint32_t)pn->group.rank : 0;
     r.first_token = -1;
+    if (t->solo && pn->grouped && t->solo_rank != (uint32_t)pn->group.rank) {
+        /* Another rank's solo task: not ours to run or answer, and nothing here changes. */
+        pdm_log_debug("prefill rank: task %llu is rank %u's solo task: skipped",
+                      (unsigned long long)t->task_id, t->solo_rank);
+        return;
+    }
     pdm__set_running(pn, 1);
     int st = pdm__task_from_msg(pn, t, &task, &stream);
     if (!st) st = pdm_prefill_rank_run(pn->rank, &task, &res);

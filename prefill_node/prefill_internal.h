@@ -63,6 +63,9 @@ struct pdm_prefill_rank {
     pdm_model_ctx_t *ctx; /* recreated when a task needs a larger batch */
     int ctx_batch;
     pdm_kv_cache_t *cache; /* [capacity = ctx_tokens], slot == absolute position */
+    pdm_kv_cache_t *solo_cache; /* solo tasks' scratch KV [capacity: the longest solo prompt
+                                 * so far, at most ctx_tokens], NULL until the first one; the
+                                 * group's `cache` is never written by a solo task */
     pdm_act_t act;         /* this rank's new tokens */
     int act_cap;
     float *logits; /* [n_vocab] */

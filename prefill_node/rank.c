@@ -61,6 +61,7 @@ void pdm_prefill_rank_destroy(pdm_prefill_rank_t *r)
     if (!r) return;
     pdm_model_ctx_destroy(r->ctx);
     pdm_kv_cache_destroy(r->cache);
+    pdm_kv_cache_destroy(r->solo_cache);
     pdm_act_free(&r->act);
     pdm_prefill_conv_free(&r->conv);
     free(r->logits);
@@ -116,6 +117,133 @@ static int pdm__run_single(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
      * final only at the end, so a single rank streams after it (no overlap). */
     for (int l = 0; l < (int)r->hp->n_layers && !st; l++) st = pdm_prefill__stream_layer(r, l);
     return st;
+}
+
+/* ---- Streaming -------------------------------------------------------------------------- */
+
+/* Opens the task's stream to its decode node (no-op without one). */
+static int pdm__stream_open(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
+{
+    if (!t->stream) return PDM_OK;
+    int st = pdm_kvt_stream_tx_create(r->g->kvt, t->stream->peer, t->stream->request_id,
+                                      t->stream->attempt, t->stream->max_in_flight,
+                                      r->p.timeout, &r->tx);
+    if (st) return st;
+    pdm_kvt_stream_tx_set_key(r->tx, t->stream->key);
+    return PDM_OK;
+}
+
+/* Waits for the stream's last blocks (when st is OK) and closes it; returns the task's
+ * status and sets *streamed to the bytes sent. */
+static int pdm__stream_close(pdm_prefill_rank_t *r, int st, uint64_t *streamed)
+{
+    *streamed = 0;
+    if (!r->tx) return st;
+    if (!st) {
+        double tw = pdm_now();
+        st = pdm_kvt_stream_tx_finish(r->tx, pdm_now() + r->p.timeout);
+        r->t_wait += pdm_now() - tw;
+    }
+    *streamed = pdm_kvt_stream_tx_bytes(r->tx);
+    pdm_kvt_stream_tx_destroy(r->tx);
+    r->tx = NULL;
+    return st;
+}
+
+/* ---- Solo (load-adaptive groups) ---------------------------------------------------------- */
+
+/* Solo prompts up to this length run as one batch through the per-layer steps, so that each
+ * layer's KV streams while the next layers compute (as a group's ranks do); longer ones take
+ * the engine's chunked prefill (bounded activations) and stream at the end. */
+#define PDM__SOLO_LAYERED_MAX 2048
+
+/* The whole prompt as one batch, layer by layer: embed, then per layer QKV, (q8: this
+ * prompt's scales, from its own rows - no all-reduce, the rank is alone), store, stream,
+ * attention over [0, n), output projection and FFN; the last token's logits. */
+static int pdm__run_solo_layers(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
+{
+    const int n = t->n_tokens;
+    const pdm_prefill__span_t all = {0, n};
+    int st = pdm_prefill__ensure_ctx(r, n);
+    if (!st) PDM_PREFILL__COMPUTE(r, st = pdm_prefill__embed_local(r, t, &all, 1, n));
+    for (int l = 0; l < (int)r->hp->n_layers && !st; l++) {
+        PDM_PREFILL__COMPUTE(r, pdm_model_attn_in(r->ctx, l, &r->act));
+        if (r->cache->dtype == PDM_DT_I8) {
+            float absmax[2 * PDM_MAX_KV_HEADS] = {0};
+            pdm_act_t rows = r->act;
+            rows.n = n;
+            PDM_PREFILL__COMPUTE(r, pdm_kv_absmax(r->hp, &rows, absmax));
+            pdm_kv_cache_set_scales(r->cache, (uint32_t)l, absmax);
+        }
+        PDM_PREFILL__COMPUTE(r, pdm_prefill__store_local(r, l, &all, 1));
+        if ((st = pdm_prefill__stream_layer(r, l))) break;
+        pdm_kv_view_t view;
+        pdm_kv_cache_view(r->cache, (uint32_t)l, 0, n, &view);
+        PDM_PREFILL__COMPUTE(r, pdm_model_attention(r->ctx, l, &r->act, &view, 1);
+                             pdm_model_attn_out_ffn(r->ctx, l, &r->act));
+    }
+    if (!st) PDM_PREFILL__COMPUTE(r, pdm_model_logits(r->ctx, &r->act, n - 1, r->logits));
+    return st;
+}
+
+/* A solo task: this rank alone prefills the whole prompt (the engine's single-rank prefill,
+ * or its per-layer steps so that the KV streams layer by layer) into its scratch cache and
+ * streams all of it; the group's cache and conversation are not touched (on success or
+ * failure), so a later partial prefill finds what the group held before. */
+static int pdm__run_solo(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
+                         pdm_prefill_result_t *res)
+{
+    const int me = r->g->rank;
+    if (t->method != PDM_PREFILL_SINGLE || t->start != 0 || t->prefix)
+        return pdm_error_set(PDM_EINVAL, "prefill: a solo task is a 'single' prefill of a whole "
+                             "prompt (got '%s' at position %d)",
+                             pdm_prefill_method_name(t->method), t->start);
+    if (t->n_tokens < 1) return pdm_error_set(PDM_EINVAL, "prefill: a task needs new tokens");
+    if (t->n_tokens > r->p.ctx_tokens)
+        return pdm_error_set(PDM_EOVERFLOW, "prefill: %d tokens exceed the KV capacity of %d "
+                             "(--ctx)", t->n_tokens, r->p.ctx_tokens);
+    if (t->stream && (t->stream->max_in_flight < 1 || t->stream->peer < 0))
+        return pdm_error_set(PDM_EINVAL, "prefill: bad stream target");
+    for (int32_t i = 0; i < t->n_tokens; i++)
+        if (t->tokens[i] < 0 || (uint32_t)t->tokens[i] >= r->hp->n_vocab)
+            return pdm_error_set(PDM_ERANGE, "prefill: token %d at index %d is outside the "
+                                 "vocabulary", t->tokens[i], i);
+    if (!r->solo_cache || r->solo_cache->capacity < t->n_tokens) {
+        /* grown in steps of 256 tokens so a mix of prompt lengths settles quickly */
+        int32_t cap = PDM_MIN((t->n_tokens + 255) / 256 * 256, r->p.ctx_tokens);
+        pdm_kv_cache_destroy(r->solo_cache);
+        r->solo_cache = NULL;
+        int st = pdm_kv_cache_create(r->hp, cap, r->p.kv_dtype, &r->solo_cache);
+        if (st) return st;
+    }
+    pdm_kv_cache_t *group_cache = r->cache;
+    r->cache = r->solo_cache;
+    r->cache->scales_fixed = 0; /* q8: this prompt's own scales */
+    r->n_mine = 1;
+    r->mine[0] = (pdm_prefill_range_t){0, t->n_tokens, me, 0};
+    r->n_prefix_mine = 0;
+    r->t_wait = r->t_compute = 0;
+    double t0 = pdm_now();
+    uint64_t streamed;
+    int st = pdm__stream_open(r, t);
+    if (!st) st = t->n_tokens <= PDM__SOLO_LAYERED_MAX ? pdm__run_solo_layers(r, t)
+                                                       : pdm__run_single(r, t);
+    st = pdm__stream_close(r, st, &streamed);
+    r->cache = group_cache;
+    if (st) return st;
+    memset(res, 0, sizeof(*res));
+    res->owner = 1;
+    res->n_local = t->n_tokens;
+    res->t_total = pdm_now() - t0;
+    res->t_compute = r->t_compute;
+    res->t_wait = r->t_wait;
+    res->bytes_streamed = streamed;
+    res->logits = r->logits;
+    int32_t best = 0;
+    for (uint32_t i = 1; i < r->hp->n_vocab; i++)
+        if (r->logits[i] > r->logits[best]) best = (int32_t)i;
+    res->first_token = best;
+    return PDM_OK;
 }
 
 /* ---- Task ------------------------------------------------------------------------------- */
@@ -216,6 +344,7 @@ static int pdm__validate(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *
 int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
                          pdm_prefill_result_t *res)
 {
+    if (t->solo) return pdm__run_solo(r, t, res);
     const int R = r->g->size, me = r->g->rank;
     int chunks[PDM_KVT_MAX_RANKS], head = 0;
     int st = pdm__validate(r, t, chunks, &head);
@@ -254,13 +383,7 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
         for (int i = 0; i < nr; i++)
             if (runs[i].rank == me) r->prefix_mine[r->n_prefix_mine++] = runs[i];
     }
-    if (t->stream) {
-        st = pdm_kvt_stream_tx_create(r->g->kvt, t->stream->peer, t->stream->request_id,
-                                      t->stream->attempt, t->stream->max_in_flight,
-                                      r->p.timeout, &r->tx);
-        if (st) return st;
-        pdm_kvt_stream_tx_set_key(r->tx, t->stream->key);
-    }
+    if ((st = pdm__stream_open(r, t))) return st;
 
     switch (t->method) {
     case PDM_PREFILL_SINGLE:
@@ -282,17 +405,8 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
      * while the stream's last blocks are in flight. */
     if (!st && t->prompt_logprobs && t->method != PDM_PREFILL_SINGLE && n_local > 0)
         PDM_PREFILL__COMPUTE(r, st = pdm_prefill__score_act(r, t, n_local));
-    uint64_t streamed = 0;
-    if (r->tx) {
-        if (!st) {
-            double tw = pdm_now();
-            st = pdm_kvt_stream_tx_finish(r->tx, pdm_now() + r->p.timeout);
-            r->t_wait += pdm_now() - tw;
-        }
-        streamed = pdm_kvt_stream_tx_bytes(r->tx);
-        pdm_kvt_stream_tx_destroy(r->tx);
-        r->tx = NULL;
-    }
+    uint64_t streamed;
+    st = pdm__stream_close(r, st, &streamed);
     if (!st)
         st = pdm_prefill_conv_commit(&r->conv, t->method, R, t->start, t->tokens, t->n_tokens,
                                      ranges, n_ranges);

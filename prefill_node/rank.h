@@ -8,6 +8,10 @@
  * deterministic group state (conv.h: who owns which position, which rank holds which
  * prefix), so no extra messages are needed to agree on it.
  *
+ * A solo task (task.h, load-adaptive groups) is run by one rank alone: the engine's single
+ * prefill of a whole prompt into a scratch cache, streamed to the decode node; it keeps
+ * nothing and leaves the group's state as it was, so the other ranks need not see it.
+ *
  * The methods' per-layer schedules each live in a file named for them: tsp.c (KV-Runahead
  * §4.1), kvr.c (KV-Runahead §4), ring_pass_kv.c and ring_pass_q.c (context parallelism
  * §3.5.2-3.5.3, sharing ring.c); rank.c validates a task and dispatches it.

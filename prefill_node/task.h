@@ -46,6 +46,10 @@ typedef struct {
     int32_t n_tokens;
     const int32_t *chunks;       /* KVR only: [size] chunk sizes in chain order (sum n_tokens);
                                   * NULL for an even split */
+    int solo;                    /* 1: this rank runs the task alone (load-adaptive groups,
+                                  * router/adapt.h): method single, start 0, on the rank's
+                                  * scratch cache; the group's conversation and KV stay as they
+                                  * were, the result keeps nothing. Other ranks never see it. */
     const pdm_prefill_stream_t *stream; /* NULL: the KV stays on the group; else every rank
                                          * streams the KV of its new tokens and, for a
                                          * partial prefill, its runs of the cached prefix

@@ -83,6 +83,7 @@ static int rt_policies(pdm_router_t *r, rt_policy_t *p)
     p[n++] = (rt_policy_t){"max_beams", NULL, &c->max_beams, 1, 8};
     p[n++] = (rt_policy_t){"default_deadline_ms", NULL, &c->default_deadline_ms, 1, 3600000};
     p[n++] = (rt_policy_t){"group_inflight", &c->group_inflight, NULL, 1, 64};
+    p[n++] = (rt_policy_t){"adaptive_group", &c->adaptive_group, NULL, 0, 2};
     p[n++] = (rt_policy_t){"block_tokens", &c->block_tokens, NULL, 1, 4096};
     p[n++] = (rt_policy_t){"prefix_reuse", &c->prefix_reuse, NULL, 0, 1};
     p[n++] = (rt_policy_t){"pool_local_max", NULL, &c->pool_local_max, 0, 1 << 20};

@@ -47,6 +47,8 @@ void rt_config_default(rt_config_t *c)
     c->pool_local_max = 512;
     c->max_skew_s = 30;
     c->group_inflight = 2;
+    c->adaptive_group = 0; /* off: no consistent win below saturation on the reference machine
+                            * (docs/perf/serve-adaptive.md) */
     c->http_host = "127.0.0.1";
     c->http_port = 8080;
 }
@@ -249,6 +251,10 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     r->m.group_inflight_limit = pdm_metrics_add(
         m, PDM_METRIC_GAUGE, "pdmesh_prefill_inflight_limit",
         "Prefill tasks a group may hold (--group-inflight).", NULL, NULL, 0);
+    r->m.solo_concurrent = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_prefill_solo_concurrent_total",
+        "Solo prefill tasks sent while another rank of the group ran one (--adaptive-group).",
+        "group", NULL, 0);
     pdm_metric_set(r->m.queue, NULL, 0);
     pdm_metric_inc(r->m.requests, "ok", 0);
     pdm_metric_inc(r->m.migrations, NULL, 0);

@@ -809,10 +809,20 @@ cJSON *pdm_http__usage_json(const Pdmesh__Usage *u)
     cJSON_AddNumberToObject(x, "kv_bytes", (double)u->kv_bytes);
     cJSON_AddStringToObject(x, "prefill_method", u->prefill_method ? u->prefill_method : "");
     cJSON_AddStringToObject(x, "prefill_group", u->prefill_group ? u->prefill_group : "");
-    uint32_t ranks = 0; /* how many ranks of the group took part: 1 + the highest in the plan */
-    for (size_t k = 0; k < u->n_prefill_ranges; k++)
-        if (u->prefill_ranges[k]->rank + 1 > ranks) ranks = u->prefill_ranges[k]->rank + 1;
+    /* how many ranks of the group took part: the distinct ranks of the plan (a solo prefill
+     * has one, and which one is "prefill_rank") */
+    uint64_t seen = 0;
+    uint32_t ranks = 0;
+    for (size_t k = 0; k < u->n_prefill_ranges; k++) {
+        uint32_t rk = u->prefill_ranges[k]->rank;
+        if (rk < 64 && !(seen >> rk & 1)) {
+            seen |= 1ull << rk;
+            ranks++;
+        }
+    }
     cJSON_AddNumberToObject(x, "prefill_ranks", ranks);
+    if (ranks == 1 && u->prefill_method && !strcmp(u->prefill_method, "solo"))
+        cJSON_AddNumberToObject(x, "prefill_rank", u->prefill_ranges[0]->rank);
     cJSON_AddStringToObject(x, "decode_node", u->decode_node ? u->decode_node : "");
     cJSON_AddNumberToObject(x, "attempts", u->attempts);
     return usage;

@@ -25,6 +25,7 @@
 #include "model/model.h"
 #include "prefill_node/conv.h"    /* the planner (pure; the router links no UCX) */
 #include "prefill_node/plan_io.h"
+#include "router/adapt.h"
 #include "router/metrics.h"
 #include "router/router.h"
 
@@ -64,6 +65,9 @@ typedef struct {
                                    * prefilled there when at most this many tokens are left */
     double max_skew_s;            /* registration timestamp skew */
     int group_inflight;           /* prefill tasks queued per group */
+    int adaptive_group;           /* load-adaptive parallelism (adapt.h, rt_adapt_rule_t): a
+                                   * request may go to one idle rank of a group alone (solo):
+                                   * 0 never, 1 by the cost model, 2 whenever others wait */
     const char *http_host;
     int http_port;                /* -1: no HTTP */
 } rt_config_t;
@@ -113,6 +117,14 @@ typedef struct {
     pdm_prefill_conv_t conv;      /* mirror of the conversation its ranks hold (conv.c) */
     int reuse_pending;            /* a partial prefill is planned and its task not sent yet:
                                    * no other task may overtake it */
+    /* Per rank (load-adaptive groups): tasks assigned to it, whole-group or solo, and not
+     * answered by it; and when the last of them should end (pdm_now() clock, cost model). */
+    int rank_tasks[PDM_PREFILL_MAX_RANKS];
+    double rank_free_at[PDM_PREFILL_MAX_RANKS];
+    int solo_inflight;            /* solo tasks in flight (counted in inflight too): no
+                                   * whole-group task is sent while there is one */
+    rt_adapt_cost_t cost;         /* the group's cost model and its learned corrections */
+    int has_cost;                 /* cost set up for the current wiring */
 } rt_group_t;
 
 enum { RQ_QUEUED = 0, RQ_RESERVING, RQ_PREFILL, RQ_DECODE };
@@ -168,6 +180,9 @@ typedef struct rt_req {
     int local;
     uint32_t base;                /* completion index of this attempt's token 0 */
     uint32_t ranks_done;
+    int solo_rank;                /* the rank of a solo attempt (adapt.h), -1: whole group */
+    uint64_t ranks_answered;      /* bit k: rank k answered this attempt's PrefillTask */
+    double prefill_seconds;       /* slowest rank's PrefillResult.seconds of this attempt */
     int started;                  /* DecodeStart sent */
     int32_t *gen;                 /* [max_new] delivered tokens */
     uint32_t n_gen;
@@ -227,7 +242,7 @@ struct pdm_router {
         pdm_metrics_t *reg;
         pdm_metric_t *requests, *ttft, *tpot, *queue, *method, *kv_bytes, *kv_time, *nodes,
             *migrations, *retries, *offload, *prefix_hits, *prefix_tokens, *waiting, *kv_free,
-            *kv_capacity, *group_inflight, *group_inflight_limit;
+            *kv_capacity, *group_inflight, *group_inflight_limit, *solo_concurrent;
     } m;
 };
 

@@ -91,7 +91,10 @@ static void rt_usage(FILE *f)
             "                            their group still holds (1)\n"
             "  --pool-local-max N        a prompt whose prefix a decode node's pool holds is\n"
             "                            prefilled there if at most N tokens are left (512)\n"
-            "  --group-inflight N        prefill tasks queued per group (2)\n");
+            "  --group-inflight N        prefill tasks queued per group (2)\n"
+            "  --adaptive-group 0|1|2    while requests wait, a group's idle ranks may prefill\n"
+            "                            different prompts alone (solo tasks): 1 by the cost\n"
+            "                            model, 2 whenever others wait, 0 never (0)\n");
 }
 
 int main(int argc, char **argv)
@@ -106,7 +109,7 @@ int main(int argc, char **argv)
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
         O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW,
         O_PREFIX_REUSE, O_POOL_LOCAL, O_HTTP_CONNS, O_HTTP_PER_PEER, O_HTTP_HEAD, O_HTTP_BODY, O_HTTP_IDLE,
-        O_CHAT_TEMPLATE
+        O_CHAT_TEMPLATE, O_ADAPTIVE
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},
@@ -142,6 +145,7 @@ int main(int argc, char **argv)
         {"prefix-reuse", required_argument, 0, O_PREFIX_REUSE},
         {"pool-local-max", required_argument, 0, O_POOL_LOCAL},
         {"group-inflight", required_argument, 0, O_GINF},
+        {"adaptive-group", required_argument, 0, O_ADAPTIVE},
         {"curve-secret-file", required_argument, 0, O_CURVE_SECRET},
         {"curve-allow", required_argument, 0, O_CURVE_ALLOW},
         {"help", no_argument, 0, 'h'},
@@ -211,6 +215,7 @@ int main(int argc, char **argv)
         case O_PREFIX_REUSE: NUM(0, 1, cfg.prefix_reuse); break;
         case O_POOL_LOCAL: NUM(0, 1 << 20, cfg.pool_local_max); break;
         case O_GINF: NUM(1, 64, cfg.group_inflight); break;
+        case O_ADAPTIVE: NUM(0, 2, cfg.adaptive_group); break;
         case 'h': rt_usage(stdout); return 0;
         default: rt_usage(stderr); return 2;
         }

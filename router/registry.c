@@ -132,6 +132,10 @@ static void rt_group_try_wire(pdm_router_t *r, int g)
     }
     gr->wired = 1;
     gr->inflight = 0;
+    gr->solo_inflight = 0;
+    memset(gr->rank_tasks, 0, sizeof(gr->rank_tasks));
+    for (uint32_t k = 0; k < gr->size; k++) gr->rank_free_at[k] = pdm_now();
+    gr->has_cost = 0; /* the model follows the new size; what it learned starts again */
     gr->reuse_pending = 0;
     pdm_prefill_conv_reset(&gr->conv); /* fresh ranks hold nothing */
     pdm_log_info("router: prefill group %s wired (%u ranks%s)", gr->name, gr->size,

@@ -9,7 +9,8 @@
  *              prefill group.
  *   RESERVING  DecodeTask sent; the decode node reserves KV for the attempt.
  *   PREFILL    PrefillTask sent to every rank of the group; the ranks stream the KV to the
- *              decode node and each answers PrefillResult.
+ *              decode node and each answers PrefillResult. A solo attempt (adapt.h) sends
+ *              it to one rank, which streams every token and alone answers.
  *   DECODE     DecodeStart sent (with the first token); DecodeTokens flow back, then one
  *              DecodeResult.
  *   ended      exactly once, through sink.on_result (rt_req_finish) or sink.on_error
@@ -24,7 +25,7 @@
  *                                   RESERVING -> DECODE (local prefill)      DecodeStart to D
  *   D DecodeReserved ERR_NODE_FULL  RESERVING -> QUEUED, not a failure (D skipped for 0.5 s;
  *                                   after 15 dispatches -> ended, OVERLOADED)
- *   P PrefillResult ok              ranks_done++; the last rank frees the group; the rank
+ *   P PrefillResult ok              ranks_done++ (once per rank asked); the last frees the group; the rank
  *                                   that carries the first token: -> DECODE  DecodeStart to D
  *   D DecodeTokens                  DECODE: tokens delivered (a stop string ends the request)
  *   D DecodeResult ok               -> ended (on_result)
@@ -97,6 +98,25 @@ void rt_req_enqueue(pdm_router_t *r, rt_req_t *q)
     pdm_metric_set(r->m.queue, NULL, r->n_req);
 }
 
+/* PrefillResults the current group attempt waits for: 1 for a solo task, else one a rank. */
+static uint32_t rt_req_ranks_expected(const pdm_router_t *r, const rt_req_t *q)
+{
+    return q->solo_rank >= 0 ? 1 : r->groups[q->group].size;
+}
+
+/* Whether rank k of its group runs the current attempt's PrefillTask. */
+static int rt_req_has_rank(const rt_req_t *q, uint32_t k)
+{
+    return q->solo_rank < 0 || (uint32_t)q->solo_rank == k;
+}
+
+/* Rank k of g is done with one of its tasks. */
+static void rt_rank_done(rt_group_t *g, uint32_t k)
+{
+    if (g->rank_tasks[k] > 0) g->rank_tasks[k]--;
+    if (!g->rank_tasks[k]) g->rank_free_at[k] = pdm_now();
+}
+
 /* Gives back what the current attempt holds; cancel: tell the decode node to drop it. */
 static void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel)
 {
@@ -118,7 +138,14 @@ static void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel)
     }
     if (q->group >= 0) {
         rt_group_t *g = &r->groups[q->group];
-        if (q->ranks_done < g->size && g->inflight > 0) g->inflight--;
+        if (q->ranks_done < rt_req_ranks_expected(r, q) && g->inflight > 0) {
+            g->inflight--;
+            if (q->solo_rank >= 0 && g->solo_inflight > 0) g->solo_inflight--;
+        }
+        /* the ranks that did not answer are taken as free: a failed attempt suspects the
+         * group for a lease, a finished request no longer waits for them */
+        for (uint32_t k = 0; k < g->size && k < PDM_PREFILL_MAX_RANKS; k++)
+            if (rt_req_has_rank(q, k) && !(q->ranks_answered >> k & 1)) rt_rank_done(g, k);
         if (q->reuse_pending) g->reuse_pending = 0;
         q->group = -1;
     }
@@ -447,7 +474,7 @@ static void rt_group_prefilled(pdm_router_t *r, rt_req_t *q)
     }
 }
 
-void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
+void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
 {
     rt_node_t *n = &r->nodes[d];
     q->attempt++;
@@ -457,6 +484,9 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
     q->local = g < 0;
     q->base = q->n_gen;
     q->ranks_done = 0;
+    q->ranks_answered = 0;
+    q->prefill_seconds = 0;
+    q->solo_rank = g >= 0 ? solo_rank : -1;
     q->started = 0;
     q->t_dispatch = pdm_now();
     q->cached_tokens = 0;
@@ -510,6 +540,11 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
             addrs[k].len = m->ucx_len;
             q->group_epochs[k] = m->epoch;
         }
+        if (!gr->has_cost) {
+            rt_adapt_cost_init(&gr->cost, &r->model->hp, (int)gr->size,
+                               r->has_calib ? &r->calib : NULL);
+            gr->has_cost = 1;
+        }
         /* Where it starts, the method and partition, who computes what: the planner the
          * harness uses too (conv.c). Prefix reuse only while the group is idle: only then is
          * its mirror what the ranks hold when the task arrives. */
@@ -523,16 +558,38 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g)
             .hp = &r->model->hp, .table = r->has_table ? &r->table : NULL,
             .calib = r->has_calib ? &r->calib : NULL, .fallback = 1};
         pdm_prefill_task_plan_t plan_, *plan = &plan_;
-        if (pdm_prefill_conv_plan_task(&gr->conv, &pp, plan)) {
+        if (q->solo_rank >= 0) {
+            /* A solo task: the whole prompt on one rank (the engine's prefill), streamed by
+             * it alone; the group's conversation and its mirror stay as they are. */
+            memset(plan, 0, sizeof(*plan));
+            plan->method = PDM_PREFILL_SINGLE;
+            plan->ranges[0] = (pdm_prefill_range_t){0, (int32_t)q->n_prompt, q->solo_rank, 0};
+            plan->n_ranges = 1;
+            if (gr->solo_inflight++ > 0) pdm_metric_inc(r->m.solo_concurrent, gr->name, 1);
+            const uint32_t k = (uint32_t)q->solo_rank;
+            gr->rank_free_at[k] = PDM_MAX(gr->rank_free_at[k], q->t_dispatch) +
+                                  rt_adapt_t1(&gr->cost, (int32_t)q->n_prompt);
+            gr->rank_tasks[k]++;
+        } else if (pdm_prefill_conv_plan_task(&gr->conv, &pp, plan)) {
             rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, pdm_error_last());
             return;
+        } else {
+            /* every rank: after the last task it holds, for the predicted group time */
+            double at = q->t_dispatch;
+            for (uint32_t k = 0; k < gr->size; k++) at = PDM_MAX(at, gr->rank_free_at[k]);
+            at += rt_adapt_tR(&gr->cost, (int32_t)q->n_prompt - plan->start, plan->start);
+            for (uint32_t k = 0; k < gr->size; k++) {
+                gr->rank_free_at[k] = at;
+                gr->rank_tasks[k]++;
+            }
         }
         memcpy(q->chunks, plan->chunks, sizeof(q->chunks));
         q->has_chunks = plan->has_chunks;
         q->method_id = (int)plan->method;
         q->cached_tokens = (uint32_t)plan->start;
         q->reuse_pending = gr->reuse_pending = plan->start > 0;
-        snprintf(q->method, sizeof(q->method), "%s", pdm_prefill_method_name(plan->method));
+        snprintf(q->method, sizeof(q->method), "%s",
+                 q->solo_rank >= 0 ? "solo" : pdm_prefill_method_name(plan->method));
         const int nr = plan->n_ranges;
         memcpy(q->plan, plan->ranges, sizeof(pdm_prefill_range_t) * (size_t)nr);
         q->n_plan = nr;
@@ -573,7 +630,9 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     uint32_t chunks[PDM_PREFILL_MAX_RANKS];
     t.task_id = q->id;
     t.attempt = q->attempt;
-    t.method = q->method;
+    t.method = q->solo_rank >= 0 ? "single" : q->method;
+    t.solo = q->solo_rank >= 0;
+    t.solo_rank = q->solo_rank >= 0 ? (uint32_t)q->solo_rank : 0;
     /* A partial prefill names the cached prefix it assumes; the ranks check it. */
     t.start = q->cached_tokens;
     t.tokens = q->prompt + q->cached_tokens;
@@ -608,6 +667,7 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     q->state = RQ_PREFILL;
     pdm_metric_inc(r->m.method, q->method, 1);
     for (uint32_t k = 0; k < g->size; k++) {
+        if (!rt_req_has_rank(q, k)) continue; /* a solo task goes to its rank only */
         rt_node_t *m = &r->nodes[g->member[k]];
         t.epoch = m->epoch;
         if (rt_send(r->node_sock, m->ident, m->ident_len, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base)) {
@@ -770,8 +830,13 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
         rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_KV_TRANSFER, m2);
         return;
     }
+    const uint32_t rank = r->nodes[node].rank;
+    if (!rt_req_has_rank(q, rank) || (q->ranks_answered >> rank & 1)) return; /* not asked */
+    q->ranks_answered |= 1ull << rank;
     q->ranks_done++;
     q->kv_bytes += p->kv_bytes;
+    if (p->seconds > q->prefill_seconds) q->prefill_seconds = p->seconds;
+    if (q->group >= 0) rt_rank_done(&r->groups[q->group], rank);
     int32_t first = p->first_token;
     const Pdmesh__SampledLogprob *flp = p->first_logprob;
     if (first >= 0 && flp && flp->n_top_ids == flp->n_top_logprobs &&
@@ -792,12 +857,20 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
         rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, m2);
         return;
     }
-    const int all_done = q->group >= 0 && q->ranks_done == r->groups[q->group].size;
+    const int all_done = q->group >= 0 && q->ranks_done == rt_req_ranks_expected(r, q);
     if (all_done) {
         /* Every rank finished: the group is free and the request no longer depends on it
          * (a rank dying now does not touch the request). */
-        if (r->groups[q->group].inflight > 0) r->groups[q->group].inflight--;
-        rt_group_prefilled(r, q);
+        rt_group_t *gr = &r->groups[q->group];
+        if (gr->inflight > 0) gr->inflight--;
+        const int32_t cached = (int32_t)q->cached_tokens;
+        rt_adapt_learn(&gr->cost, q->solo_rank >= 0, (int32_t)q->n_prompt - cached, cached,
+                       q->prefill_seconds);
+        if (q->solo_rank >= 0) {
+            if (gr->solo_inflight > 0) gr->solo_inflight--;
+        } else {
+            rt_group_prefilled(r, q);
+        }
         q->group = -1;
     }
     if (first >= 0) {

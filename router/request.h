@@ -15,9 +15,10 @@ rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id);
 /* Admits q, filled in by the front-end API and QUEUED: the router owns it from now on. */
 void rt_req_enqueue(pdm_router_t *r, rt_req_t *q);
 
-/* QUEUED -> RESERVING: a new attempt on decode node d, prefilled by group g (-1: locally);
- * sends the DecodeTask. A failure to plan or send is a failed attempt (q may have ended). */
-void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g);
+/* QUEUED -> RESERVING: a new attempt on decode node d, prefilled by group g (-1: locally),
+ * by all its ranks (solo_rank -1) or by rank solo_rank alone (a solo task, adapt.h); sends
+ * the DecodeTask. A failure to plan or send is a failed attempt (q may have ended). */
+void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank);
 
 /* Ends q with success: flushes the text held back for stop strings, calls sink.on_result and
  * frees q. */

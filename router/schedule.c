@@ -2,8 +2,10 @@
  * schedule.c - dispatch policy: where each QUEUED request goes next. A decode node by free KV
  * and load (ARCHITECTURE.md); a prefill group by the prefix it last prefilled (salted SHA-256
  * block keys), else the least busy one; local prefill on the decode node for short prompts,
- * migrations, and while no group is usable. The chosen pair goes to the request state machine
- * (rt_req_dispatch), which plans the attempt and sends its tasks.
+ * migrations, and while no group is usable. With --adaptive-group, per request the whole
+ * group or one idle rank of it alone (a solo task), from the queue and the cost model
+ * (adapt.h). The choice goes to the request state machine (rt_req_dispatch), which plans the
+ * attempt and sends its tasks.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -34,13 +36,109 @@ static int rt_pick_decode(pdm_router_t *r, const rt_req_t *q, int local)
     return best;
 }
 
-/* A group can take another task: usable, below its queue limit, no planned partial prefill
- * waiting for its decode reservation (the ranks must see that task next), and not about to
- * be wired anew (an elastic group whose membership changed). */
+/* A whole-group task may be sent to group g now: below its queue limit and no solo task in
+ * flight (its ranks would wait for the busy one). */
+static int rt_group_task_ok(const pdm_router_t *r, int g)
+{
+    return r->groups[g].inflight < r->cfg.group_inflight && !r->groups[g].solo_inflight;
+}
+
+/* Whether load-adaptive groups apply to group g (on, and more than one rank). */
+static int rt_group_adaptive(const pdm_router_t *r, int g)
+{
+    return r->cfg.adaptive_group && r->groups[g].size > 1;
+}
+
+/* Rank k of group g holds no task. */
+static int rt_rank_idle(const rt_group_t *gr, uint32_t k)
+{
+    return gr->rank_tasks[k] == 0;
+}
+
+/* A group can take another task: usable, no planned partial prefill waiting for its decode
+ * reservation (the ranks must see that task next), not about to be wired anew (an elastic
+ * group whose membership changed), and either a whole-group task may go or (adaptive) one
+ * of its ranks is idle for a solo task. */
 static int rt_group_has_room(const pdm_router_t *r, int g)
 {
-    return rt_group_usable(r, g) && r->groups[g].inflight < r->cfg.group_inflight &&
-           !r->groups[g].reuse_pending && !r->groups[g].rewire;
+    if (!rt_group_usable(r, g) || r->groups[g].reuse_pending || r->groups[g].rewire) return 0;
+    if (rt_group_task_ok(r, g)) return 1;
+    if (!rt_group_adaptive(r, g)) return 0;
+    for (uint32_t k = 0; k < r->groups[g].size; k++)
+        if (rt_rank_idle(&r->groups[g], k)) return 1;
+    return 0;
+}
+
+/* Whether a QUEUED request waits for a prefill group (not a migration, not a short prompt
+ * prefilled locally). */
+static int rt_wants_group(const pdm_router_t *r, const rt_req_t *q)
+{
+    return q->state == RQ_QUEUED && q->n_gen == 0 && q->n_prompt >= r->cfg.local_threshold;
+}
+
+/* The tokens of q's prompt a whole-group task would reuse once group g is idle: of the
+ * conversation its mirror holds (pdm_prefill_conv_followup_start, as request.c plans it), or,
+ * while a whole-group task is in flight, of that task's prompt, which the group will hold
+ * then (an estimate: the common prefix of at least block_tokens). */
+static int32_t rt_adapt_cached(const pdm_router_t *r, const rt_req_t *q, int g)
+{
+    const rt_group_t *gr = &r->groups[g];
+    if (!r->cfg.prefix_reuse || gr->reuse_pending) return 0;
+    const rt_req_t *last = NULL;
+    for (const rt_req_t *w = r->head; w; w = w->next)
+        if (w != q && w->state != RQ_QUEUED && w->group == g && w->solo_rank < 0 &&
+            (!last || w->t_dispatch > last->t_dispatch))
+            last = w;
+    if (!last) {
+        pdm_prefill_method_t want = PDM_PREFILL_AUTO;
+        pdm_prefill_method_parse(r->cfg.method, &want);
+        pdm_prefill_followup_params_t fp = {
+            .method = want, .ranks = (int)gr->size, .tokens = q->prompt,
+            .n_tokens = (int32_t)q->n_prompt, .min_cached = r->cfg.block_tokens, .reuse = 1};
+        return pdm_prefill_conv_followup_start(&gr->conv, &fp);
+    }
+    uint32_t same = 0, most = PDM_MIN(last->n_prompt, q->n_prompt - 1);
+    while (same < most && last->prompt[same] == q->prompt[same]) same++;
+    return same >= (uint32_t)r->cfg.block_tokens ? (int32_t)same : 0;
+}
+
+/* Load-adaptive parallelism: whole group (-1), one rank alone (its index) or wait (-2) for
+ * q on group g, from the queue behind q and the group's cost model (adapt.h). */
+static int rt_adapt_choose(pdm_router_t *r, rt_req_t *q, int g)
+{
+    rt_group_t *gr = &r->groups[g];
+    /* A solo rank does not score prompt tokens (PrefillTask.solo): those go whole. */
+    if (!rt_group_adaptive(r, g) || (q->want_plp && !q->plp_sent))
+        return rt_group_task_ok(r, g) ? -1 : -2;
+    if (!gr->has_cost) {
+        rt_adapt_cost_init(&gr->cost, &r->model->hp, (int)gr->size,
+                           r->has_calib ? &r->calib : NULL);
+        gr->has_cost = 1;
+    }
+    const double now = pdm_now();
+    double busy[PDM_PREFILL_MAX_RANKS];
+    for (uint32_t k = 0; k < gr->size; k++) /* a busy rank past its estimate: soon free */
+        busy[k] = rt_rank_idle(gr, k) ? 0 : PDM_MAX(0.05, gr->rank_free_at[k] - now);
+    int32_t queue[RT_ADAPT_MAX_QUEUE];
+    int nq = 0;
+    for (rt_req_t *w = q; w && nq < RT_ADAPT_MAX_QUEUE; w = w->next)
+        if (w == q || rt_wants_group(r, w)) queue[nq++] = (int32_t)w->n_prompt;
+    const int32_t cached = rt_adapt_cached(r, q, g);
+    rt_adapt_input_t in = {.busy = busy, .group_ok = rt_group_task_ok(r, g), .queue = queue,
+                           .n_queue = nq, .head_cached = cached,
+                           .rule = (rt_adapt_rule_t)r->cfg.adaptive_group};
+    int rank = -1;
+    double cg = 0, cs = 0;
+    rt_adapt_choice_t c = rt_adapt_decide(&gr->cost, &in, &rank, &cg, &cs);
+    /* request.c plans a partial prefill only on an idle group: a task that counts on one
+     * waits for the group's tasks in flight instead of queueing behind them */
+    if (c == RT_ADAPT_GROUP && cached > 0 && gr->inflight > 0) c = RT_ADAPT_WAIT;
+    pdm_log_debug("router: request %llu on %s: queue %d, %d cached; sums of completion times: "
+                  "group %.3f s, solo %.3f s (lines: group %.2fx%+.3f, solo %.2fx%+.3f) -> %s",
+                  (unsigned long long)q->id, gr->name, nq, cached, cg, cs, gr->cost.group.a,
+                  gr->cost.group.b, gr->cost.solo.a, gr->cost.solo.b,
+                  c == RT_ADAPT_SOLO ? "solo" : c == RT_ADAPT_GROUP ? "group" : "wait");
+    return c == RT_ADAPT_SOLO ? rank : c == RT_ADAPT_GROUP ? -1 : -2;
 }
 
 /* The group for a prompt: the usable group that last prefilled its longest known prefix,
@@ -118,6 +216,11 @@ static int rt_any_group_alive(pdm_router_t *r)
 
 void rt_schedule(pdm_router_t *r)
 {
+    /* groups a request waits for in this pass: no later request overtakes it there (a
+     * request waiting for the whole group would otherwise see solo tasks take its ranks one
+     * after another) */
+    uint32_t held = 0;
+    _Static_assert(RT_MAX_GROUPS <= 32, "held is a 32-bit mask");
     rt_req_t *next;
     for (rt_req_t *q = r->head; q; q = next) {
         next = q->next;
@@ -137,12 +240,21 @@ void rt_schedule(pdm_router_t *r)
         int pd = migrate || score_prompt ? -1 : rt_pick_decode_prefix(r, q, &cached);
         if (pd >= 0 && q->n_prompt - cached <= r->cfg.pool_local_max) {
             pdm_metric_inc(r->m.method, "local", 1);
-            rt_req_dispatch(r, q, pd, -1);
+            rt_req_dispatch(r, q, pd, -1, -1);
             continue;
         }
-        int g = -1;
+        int g = -1, solo = -1;
         if (!want_local) {
-            g = rt_pick_group(r, q);
+            /* no hashing of prompts behind one that holds every group with room */
+            int open = 0;
+            for (int k = 0; k < RT_MAX_GROUPS && !open; k++)
+                open = !(held >> k & 1) && rt_group_has_room(r, k);
+            g = open ? rt_pick_group(r, q) : -1;
+            if (g >= 0 && (held >> g & 1)) g = -1;
+            if (g >= 0 && (solo = rt_adapt_choose(r, q, g)) == -2) {
+                held |= 1u << g;
+                g = -1;
+            }
             q->waits_for_group = g < 0;
             if (g < 0) continue; /* every group is busy: wait */
         }
@@ -151,6 +263,6 @@ void rt_schedule(pdm_router_t *r)
         if (d < 0) continue; /* wait for capacity (the deadline bounds the wait) */
         /* local prefills count here, a group's methods in rt_send_prefill */
         pdm_metric_inc(r->m.method, "local", g < 0 ? 1 : 0);
-        rt_req_dispatch(r, q, d, g);
+        rt_req_dispatch(r, q, d, g, solo);
     }
 }

@@ -9,6 +9,7 @@
 
 #include "common/pdm.h"
 #include "decode_node/decode.h"
+#include "router/adapt.h"
 #include "router/metrics.h"
 #include "tests.h"
 
@@ -495,6 +496,146 @@ START_TEST(test_decode_window_local)
 }
 END_TEST
 
+/* ---- load-adaptive groups (router/adapt.h): the cost model and the decision ---------------- */
+
+static void adapt_cost(rt_adapt_cost_t *c, int ranks)
+{
+    pdm_model_hparams_t hp = {0}; /* SmolLM2-135M's shapes */
+    hp.n_layers = 30;
+    hp.d_model = 576;
+    hp.n_ff = 1536;
+    hp.n_heads = 9;
+    hp.n_kv_heads = 3;
+    hp.head_dim = 64;
+    pdm_calibration_t cal = {.flops = 30.78e9, .bandwidth = 2.54e9, .latency = 4.7e-6};
+    rt_adapt_cost_init(c, &hp, ranks, &cal);
+}
+
+START_TEST(test_adapt_cost_model)
+{
+    rt_adapt_cost_t c;
+    adapt_cost(&c, 2);
+    /* pdmesh calibrate's FLOP count: 1024 tokens at C take what calibrate measured them in */
+    const double d = 576, hd = 64, nh = 9, nkv = 3, n = 1024;
+    const double flops = 30 * (2 * (d * nh * hd * 2 + d * nkv * hd * 2 + 3 * d * 1536) * n +
+                               4 * hd * nh * n * (n + 1) / 2);
+    ck_assert_double_eq_tol(rt_adapt_t1(&c, 1024), flops / 30.78e9, 1e-9);
+    for (int32_t len = 16; len <= 8192; len *= 2) {
+        double t1 = rt_adapt_t1(&c, len), tr = rt_adapt_tR(&c, len, 0);
+        ck_assert_msg(tr < t1 && tr > t1 / 2, "%d tokens: tR %g vs t1 %g", len, tr, t1);
+    }
+    /* a partial prefill costs less than the whole prompt and more than its new tokens alone */
+    ck_assert(rt_adapt_tR(&c, 256, 768) < rt_adapt_tR(&c, 1024, 0));
+    ck_assert(rt_adapt_tR(&c, 256, 768) > rt_adapt_tR(&c, 256, 0));
+    /* learning: measurements on the line 2 x + 50 ms (x: the bare model's prediction) move
+     * the solo line there, whatever the prior */
+    rt_adapt_cost_t bare;
+    adapt_cost(&bare, 2);
+    for (int i = 0; i < 60; i++) {
+        const int32_t len = 64 + 97 * (i % 9);
+        rt_adapt_learn(&c, 1, len, 0, 2 * rt_adapt_t1(&bare, len) + 0.05);
+    }
+    ck_assert_double_eq_tol(c.solo.a, 2.0, 0.05);
+    ck_assert_double_eq_tol(c.solo.b, 0.05, 0.005);
+    ck_assert_double_eq_tol(rt_adapt_t1(&c, 300), 2 * rt_adapt_t1(&bare, 300) + 0.05, 0.01);
+    /* a fixed cost per group task (short prompts scale worst) is learned as such */
+    for (int i = 0; i < 60; i++) {
+        const int32_t len = 64 + 97 * (i % 9);
+        rt_adapt_learn(&c, 0, len, 0, (rt_adapt_tR(&bare, len, 0) - 0.02) * 0.75 + 0.3);
+    }
+    ck_assert_double_eq_tol(c.group.b, 0.3, 0.01);
+    /* absurd measurements are clamped; nothing measured changes nothing */
+    for (int i = 0; i < 100; i++) rt_adapt_learn(&c, 1, 512, 0, 1e6);
+    ck_assert(c.solo.a <= 20 && c.solo.b <= 5);
+    const double ga = c.group.a, gb = c.group.b;
+    rt_adapt_learn(&c, 0, 512, 0, 0);
+    ck_assert(c.group.a == ga && c.group.b == gb);
+}
+END_TEST
+
+START_TEST(test_adapt_decide)
+{
+    rt_adapt_cost_t c, bare_c;
+    adapt_cost(&c, 2);
+    adapt_cost(&bare_c, 2);
+    double idle[2] = {0, 0};
+    int rank = -1;
+    /* an empty queue on an idle group: the whole group, whatever the length */
+    for (int32_t len = 16; len <= 8192; len *= 2) {
+        rt_adapt_input_t in = {.busy = idle, .group_ok = 1, .queue = &len, .n_queue = 1};
+        ck_assert_int_eq(rt_adapt_decide(&c, &in, &rank, NULL, NULL), RT_ADAPT_GROUP);
+    }
+    /* a queue on an idle group: solo on a free rank */
+    int32_t q4[4] = {600, 600, 600, 600};
+    rt_adapt_input_t in = {.busy = idle, .group_ok = 1, .queue = q4, .n_queue = 4};
+    double cg, cs;
+    ck_assert_int_eq(rt_adapt_decide(&c, &in, &rank, &cg, &cs), RT_ADAPT_SOLO);
+    ck_assert_int_eq(rank, 0);
+    ck_assert(cs < cg);
+    /* the next one: rank 0 now busy with it, rank 1 idle */
+    double one_busy[2] = {rt_adapt_t1(&c, 600), 0};
+    in.busy = one_busy;
+    in.queue = q4 + 1;
+    in.n_queue = 3;
+    in.group_ok = 0; /* a solo task is in flight */
+    ck_assert_int_eq(rt_adapt_decide(&c, &in, &rank, NULL, NULL), RT_ADAPT_SOLO);
+    ck_assert_int_eq(rank, 1);
+    /* both ranks busy: wait (solo needs an idle rank, group needs every rank) */
+    double both[2] = {1.0, 1.2};
+    in.busy = both;
+    ck_assert_int_eq(rt_adapt_decide(&c, &in, &rank, NULL, NULL), RT_ADAPT_WAIT);
+    /* one request, one rank almost free: worth waiting for the group, which is not allowed
+     * to start yet */
+    int32_t big = 2048;
+    double almost[2] = {0.01, 0};
+    rt_adapt_input_t w = {.busy = almost, .group_ok = 0, .queue = &big, .n_queue = 1};
+    ck_assert_int_eq(rt_adapt_decide(&c, &w, &rank, NULL, NULL), RT_ADAPT_WAIT);
+    /* ... but not when that rank is busy for long: the idle rank takes it alone */
+    double long_busy[2] = {100, 0};
+    w.busy = long_busy;
+    ck_assert_int_eq(rt_adapt_decide(&c, &w, &rank, NULL, NULL), RT_ADAPT_SOLO);
+    ck_assert_int_eq(rank, 1);
+    /* a group that scales well (learned k_group near 1) keeps short queues whole */
+    c.group.a = 1.0;
+    c.group.b = 0;
+    int32_t q2[2] = {600, 600};
+    rt_adapt_input_t two = {.busy = idle, .group_ok = 1, .queue = q2, .n_queue = 2};
+    ck_assert_int_eq(rt_adapt_decide(&c, &two, &rank, NULL, NULL), RT_ADAPT_GROUP);
+    /* a partial prefill that reuses most of the prompt stays on the group */
+    adapt_cost(&c, 2);
+    int32_t qp[3] = {1024, 1024, 1024};
+    rt_adapt_input_t p = {.busy = idle, .group_ok = 1, .queue = qp, .n_queue = 3,
+                          .head_cached = 960};
+    ck_assert_int_eq(rt_adapt_decide(&c, &p, &rank, NULL, NULL), RT_ADAPT_GROUP);
+    /* the queue rule: others waiting -> an idle rank; alone -> the whole group */
+    adapt_cost(&c, 2);
+    c.group.a = 0.1; /* a group the cost model would always keep whole */
+    rt_adapt_input_t qr = {.busy = idle, .group_ok = 1, .queue = q4, .n_queue = 4,
+                           .rule = RT_ADAPT_QUEUE};
+    ck_assert_int_eq(rt_adapt_decide(&c, &qr, &rank, NULL, NULL), RT_ADAPT_SOLO);
+    ck_assert_int_eq(rank, 0);
+    qr.n_queue = 1;
+    ck_assert_int_eq(rt_adapt_decide(&c, &qr, &rank, NULL, NULL), RT_ADAPT_GROUP);
+    double r0_busy[2] = {0.5, 0};
+    qr.busy = r0_busy;
+    qr.group_ok = 0; /* rank 0 runs a solo task */
+    ck_assert_int_eq(rt_adapt_decide(&c, &qr, &rank, NULL, NULL), RT_ADAPT_SOLO);
+    ck_assert_int_eq(rank, 1);
+    qr.busy = both;
+    ck_assert_int_eq(rt_adapt_decide(&c, &qr, &rank, NULL, NULL), RT_ADAPT_WAIT);
+    /* only the group has been measured: the solo line follows it at the prior efficiency */
+    rt_adapt_cost_t g1;
+    adapt_cost(&g1, 2);
+    for (int i = 0; i < 20; i++) rt_adapt_learn(&g1, 0, 300, 0, 0.5 * rt_adapt_tR(&bare_c, 300, 0));
+    ck_assert(rt_adapt_t1(&g1, 300) < 0.6 * rt_adapt_t1(&bare_c, 300));
+    /* one rank: never solo */
+    adapt_cost(&c, 1);
+    double idle1[1] = {0};
+    rt_adapt_input_t r1 = {.busy = idle1, .group_ok = 1, .queue = q4, .n_queue = 4};
+    ck_assert_int_eq(rt_adapt_decide(&c, &r1, &rank, NULL, NULL), RT_ADAPT_GROUP);
+}
+END_TEST
+
 Suite *suite_router(void)
 {
     Suite *s = suite_create("router");
@@ -508,5 +649,9 @@ Suite *suite_router(void)
     tcase_add_test(tl, test_decode_window_local);
     tcase_add_test(tl, test_decode_migration_resume);
     suite_add_tcase(s, tl);
+    TCase *ta = tcase_create("adaptive");
+    tcase_add_test(ta, test_adapt_cost_model);
+    tcase_add_test(ta, test_adapt_decide);
+    suite_add_tcase(s, ta);
     return s;
 }
