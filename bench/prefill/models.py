@@ -79,8 +79,9 @@ def run(model, args, ctx):
 def bench_model(path):
     m = shape(path)
     sys.stderr.write("%s: %s\n" % (path, json.dumps(m)))
+    cal_out = os.path.join(ROOT, "build", "calibration-%s.json" % os.path.basename(path))
     c = subprocess.run([PDMESH, "calibrate", "--model", path, "--pin", "--json", "--length",
-                        "1024"], capture_output=True, text=True, timeout=3600)
+                        "1024", "--out", cal_out], capture_output=True, text=True, timeout=3600)
     if c.returncode != 0:
         sys.stderr.write("calibrate failed: %s\n" % c.stderr[-2000:])
         return None
