@@ -21,6 +21,7 @@ the openai client.
   LM_EVAL_PYTHON=/path/venv/bin/python python3 tests/integration/test_lm_eval.py \\
       [--bindir build/bin] [--model FILE]"""
 import glob
+import hashlib
 import json
 import os
 import subprocess
@@ -64,6 +65,15 @@ metadata:
 """
 
 
+def sha256_file(path):
+    """The file's sha256 (not llamaref's: that module needs llama-cpp-python, which CI lacks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def lm_eval_python():
     for py in (os.environ.get("LM_EVAL_PYTHON"),
                os.path.join(ROOT, "build", "lmeval-venv", "bin", "python"),
@@ -101,7 +111,6 @@ def main():
         print("SKIP: lm-eval is not installed (set LM_EVAL_PYTHON to a Python with "
               "lm-eval[api]; see this file's docstring for why build/venv has none)")
         return 0
-    from llamaref import sha256_file
     golden = json.load(open(GOLDEN))
     if sha256_file(args.model) != golden["model_sha256"]:
         print("SKIP: %s is not the model %s was made with" % (args.model, GOLDEN))
