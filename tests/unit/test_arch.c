@@ -328,8 +328,10 @@ END_TEST
  * ids recorded): every token's negative log-likelihood from prefills of PDM_DOC_CHUNK tokens
  * at a time (local layers mask across chunks) against llama.cpp's from one batch, and the
  * document's perplexity. Q4_K_M products with 8-bit activations on both sides, so the logits
- * may differ by up to test_golden.c's 1.0: a token's NLL may differ by up to 1.0 (half the
- * 2x bound of a log-softmax; measured 0.79), the perplexity by 1 % (measured -0.10 %). */
+ * may differ by up to test_golden.c's 1.0, so a token's NLL (its logit against the log-sum-exp
+ * of all) by up to 2.0 (measured 0.79 with gcc -O2, 1.13 with the clang -O1 sanitizer build:
+ * the kernels' summation order moves 8-bit activation rounding); the perplexity, where such
+ * errors average out, by 1 % (measured -0.10 % and +0.08 %). */
 #define PDM_DOC_CHUNK 256
 START_TEST(test_arch_gemma3_270m_doc)
 {
@@ -372,7 +374,7 @@ START_TEST(test_arch_gemma3_270m_doc)
     printf("arch gemma3_270m_doc: %d tokens, perplexity %.4f (llama.cpp %.4f, %+.3f %%), max "
            "|token nll diff| %.3f\n", n, ppl, want, 100 * (ppl / want - 1), worst);
     fflush(stdout);
-    ck_assert_msg(worst <= 1.0, "a token's NLL differs from llama.cpp's by %g", worst);
+    ck_assert_msg(worst <= 2.0, "a token's NLL differs from llama.cpp's by %g", worst);
     ck_assert_msg(fabs(ppl / want - 1) <= 0.01, "perplexity %g vs llama.cpp's %g", ppl, want);
     free(logits);
     pdm_kv_cache_destroy(cache);
