@@ -330,20 +330,24 @@ def main():
         migr = mesh.metric("pdmesh_migrations_total")
 
         def dispatches():
+            """(request id, decode node) of every first attempt the router logged."""
             with open(os.path.join(tmp, "router.log")) as f:
-                return [l for l in f if " -> d" in l and "attempt 1 " in l]
-        seen = len(dispatches())
+                return [(int(l.split("request ")[1].split()[0]), l.split(" -> ")[1].split()[0])
+                        for l in f if " -> d" in l and "attempt 1 " in l]
+        # this request is the first one numbered above every request logged so far (a line of
+        # an earlier request that reaches the log late must not name the victim)
+        last_id = max((i for i, _ in dispatches()), default=0)
         holder = {}
         t = threading.Thread(target=lambda: holder.update(
-            r=gen(bindir, mesh.client_ep, LONG, n=500, deadline_ms=90000, timeout=120,
-                  ignore_eos=True)))  # still running 1 s in, however fast the kernels are
+            r=gen(bindir, mesh.client_ep, LONG, n=1024, deadline_ms=90000, timeout=120,
+                  ignore_eos=True)))  # several seconds of decoding after the partition
         t.start()
         victim = None
         end = time.time() + 20
         while time.time() < end and victim is None:  # the node that got this request
-            lines = dispatches()
-            if len(lines) > seen:
-                victim = lines[seen].split(" -> ")[1].split()[0]
+            later = [d for i, d in dispatches() if i > last_id]
+            if later:
+                victim = later[0]
             time.sleep(0.05)
         time.sleep(1.0)
         if victim:
