@@ -188,7 +188,8 @@ void pdm_kern_split(int64_t n, int ith, int nth, int64_t align, int64_t *begin, 
 typedef enum {
     PDM_KERN_LAYOUT_ROWS = 0, /* the file's: row r at data + r * row_bytes */
     PDM_KERN_LAYOUT_X8 = 1,   /* repacked at load (pdm_kern_repack): groups of 8 rows, see
-                               * pdm_block_q4_Kx8_t, pdm_block_q6_Kx8_t, pdm_block_q8_0x8_t;
+                               * pdm_block_q4_Kx8_t, pdm_block_q6_Kx8_t, pdm_block_q8_0x8_t,
+                               * pdm_block_q5_0x8_t;
                                * the last group padded with zero rows */
 } pdm_kern_layout_t;
 
@@ -205,7 +206,7 @@ typedef struct {
 
 /* ---- Repacking at load -------------------------------------------------------------------
  *
- * Q4_K, Q6_K and Q8_0 matrices can be rearranged once, at load, into a layout the CPU
+ * Q4_K, Q6_K, Q8_0 and Q5_0 matrices can be rearranged once, at load, into a layout the CPU
  * kernels compute on faster (the idea of llama.cpp's ggml-cpu repack.cpp, block_q4_Kx8; the
  * layouts here are our own): 8 rows interleaved so that one 32-byte vector holds 4 consecutive 4-bit values of
  * each of the 8 rows, and each row's 6-bit packed sub-block scales and minimums decoded once
@@ -247,8 +248,20 @@ typedef struct {
     uint8_t qs[8][32];            /* [k][4 r + l]: element 4k + l of row r, plus 128 */
 } pdm_block_q8_0x8_t;
 
+/* Q5_0's group block (176 bytes, 8 x 22 as in the file). The value q (0..31, x = d (q - 16))
+ * of element 4k + l of row r is the nibble of qs[k % 4][4 r + l] (low for k < 4: the file's
+ * own pairing of elements j and j + 16 in one byte) with bit 4 from bit k of qh[4 r + l]: a
+ * shift and a mask put the high bits of the 32 lanes of chunk k in place, and the kernels feed
+ * q to vpdpbusd unsigned and take 16 * sum(x) off, as for Q8_0's + 128. */
+typedef struct {
+    uint16_t d[8];                /* f16 scale of each row */
+    uint8_t qh[32];               /* [4 r + l]: bit k = bit 4 of element 4k + l of row r */
+    uint8_t qs[4][32];            /* [k][4 r + l]: low 4 bits of elements 4k + l (low nibble)
+                                   * and 4k + 16 + l (high nibble) of row r */
+} pdm_block_q5_0x8_t;
+
 /* Bytes matrix `m` takes repacked (0 if its type or shape has no repacked layout: today
- * Q4_K, Q6_K and Q8_0 with ROWS layout). */
+ * Q4_K, Q6_K, Q8_0 and Q5_0 with ROWS layout). */
 size_t pdm_kern_repack_bytes(const pdm_kern_mat_t *m);
 /* Repacks `m` (ROWS layout) into `dst` (pdm_kern_repack_bytes(m) bytes, 32-byte aligned) and
  * writes the repacked matrix (data = dst) to *out. Returns 0, or -1 (nothing written) if the

@@ -9,7 +9,7 @@ set -eu
 rounds=${1:-3} variants=${2:-avx512 avx2}
 for r in $(seq "$rounds"); do
     for v in $variants; do
-        for t in q4_k q6_k q8_0; do
+        for t in ${TYPES:-q4_k q6_k q8_0 q5_0}; do
             for shape in "8192 2048 1 200" "2048 2048 128 20" "2048 8192 128 10"; do
                 set -- $shape
                 for p in 0 1; do

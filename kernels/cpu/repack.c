@@ -19,7 +19,8 @@
  * repacked layout. */
 static int64_t pdm__x8_groups(const pdm_kern_mat_t *m, int64_t *nb)
 {
-    if ((m->type != PDM_DT_Q4_K && m->type != PDM_DT_Q6_K && m->type != PDM_DT_Q8_0) ||
+    if ((m->type != PDM_DT_Q4_K && m->type != PDM_DT_Q6_K && m->type != PDM_DT_Q8_0 &&
+         m->type != PDM_DT_Q5_0) ||
         m->layout != PDM_KERN_LAYOUT_ROWS || m->rows < 1 || m->cols < 1)
         return 0;
     const int be = pdm_dtype_block_elems(m->type);
@@ -33,6 +34,7 @@ static size_t pdm__x8_block_bytes(pdm_dtype_t type)
 {
     return type == PDM_DT_Q4_K   ? sizeof(pdm_block_q4_Kx8_t)
            : type == PDM_DT_Q6_K ? sizeof(pdm_block_q6_Kx8_t)
+           : type == PDM_DT_Q5_0 ? sizeof(pdm_block_q5_0x8_t)
                                  : sizeof(pdm_block_q8_0x8_t);
 }
 
@@ -46,7 +48,28 @@ size_t pdm_kern_repack_bytes(const pdm_kern_mat_t *m)
 static void pdm__repack_q8_0(const pdm_block_q8_0_t *b, int r, pdm_block_q8_0x8_t *o)
 {
     o->d[r] = b->d;
-    for (int e = 0; e < PDM_QK; e++) o->qs[e / 4][4 * r + e % 4] = (uint8_t)b->qs[e] ^ 0x80;
+    for (int k = 0; k < 8; k++) { /* 4 values at a time, + 128 each */
+        uint32_t v;
+        memcpy(&v, b->qs + 4 * k, 4);
+        v ^= 0x80808080u;
+        memcpy(&o->qs[k][4 * r], &v, 4);
+    }
+}
+
+/* Row r (0..7) of group block o from the file's Q5_0 block b: the nibbles stay paired as in
+ * the file (bytes 4k..4k+3 of qs hold elements 4k + l and 4k + 16 + l), the 32 high bits are
+ * regrouped so that byte l of row r has those of elements l, 4 + l, ..., 28 + l. */
+static void pdm__repack_q5_0(const pdm_block_q5_0_t *b, int r, pdm_block_q5_0x8_t *o)
+{
+    o->d[r] = b->d;
+    for (int k = 0; k < 4; k++) memcpy(&o->qs[k][4 * r], b->qs + 4 * k, 4);
+    const uint32_t h = (uint32_t)b->qh[0] | (uint32_t)b->qh[1] << 8 | (uint32_t)b->qh[2] << 16 |
+                       (uint32_t)b->qh[3] << 24;
+    for (int l = 0; l < 4; l++) {
+        uint32_t v = 0;
+        for (int k = 0; k < 8; k++) v |= ((h >> (4 * k + l)) & 1) << k;
+        o->qh[4 * r + l] = (uint8_t)v;
+    }
 }
 
 /* Row r (0..7) of group super-block o from the file's Q6_K block b. */
@@ -54,11 +77,30 @@ static void pdm__repack_q6_K(const pdm_block_q6_K_t *b, int r, pdm_block_q6_Kx8_
 {
     o->d[r] = b->d;
     for (int j = 0; j < 16; j++) o->scales[j / 2][r][j % 2] = b->scales[j];
-    for (int e = 0; e < PDM_QK_K; e++) {
-        const int q = pdm_ql_q6(b->ql, b->qh, e);
-        const int p = e / 64, hi = (e / 32) % 2, k = (e % 32) / 4, l = e % 4;
-        o->run[p].ql[k][4 * r + l] |= (uint8_t)((q & 0x0f) << (4 * hi));
-        o->run[p].qh[k / 2][4 * r + l] |= (uint8_t)((q >> 4) << (4 * (k % 2) + 2 * hi));
+    uint8_t q[PDM_QK_K]; /* the 6-bit values, then composed byte by byte (no read-modify-write) */
+    for (int h = 0; h < 2; h++) { /* pdm_ql_q6, 32 elements of each quarter at a time */
+        const uint8_t *ql = b->ql + 64 * h, *qh = b->qh + 32 * h;
+        uint8_t *qq = q + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            qq[l] = (uint8_t)((ql[l] & 0x0f) | (qh[l] & 3) << 4);
+            qq[l + 32] = (uint8_t)((ql[l + 32] & 0x0f) | ((qh[l] >> 2) & 3) << 4);
+            qq[l + 64] = (uint8_t)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4);
+            qq[l + 96] = (uint8_t)((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    for (int p = 0; p < 4; p++) {
+        const uint8_t *lo = q + 64 * p, *hi = lo + 32;
+        for (int k = 0; k < 8; k++)
+            for (int l = 0; l < 4; l++) {
+                const int e = 4 * k + l;
+                o->run[p].ql[k][4 * r + l] = (uint8_t)((lo[e] & 0x0f) | (hi[e] & 0x0f) << 4);
+            }
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 4; l++) {
+                const int e0 = 8 * j + l, e1 = e0 + 4; /* k = 2j and 2j + 1 */
+                o->run[p].qh[j][4 * r + l] = (uint8_t)((lo[e0] >> 4) | (hi[e0] >> 4) << 2 |
+                                                       (lo[e1] >> 4) << 4 | (hi[e1] >> 4) << 6);
+            }
     }
 }
 
@@ -97,6 +139,8 @@ int pdm_kern_repack(const pdm_kern_mat_t *m, void *dst, pdm_kern_mat_t *out)
                     pdm__repack_q4_K((const pdm_block_q4_K_t *)b, r, (pdm_block_q4_Kx8_t *)o);
                 else if (m->type == PDM_DT_Q8_0)
                     pdm__repack_q8_0((const pdm_block_q8_0_t *)b, r, (pdm_block_q8_0x8_t *)o);
+                else if (m->type == PDM_DT_Q5_0)
+                    pdm__repack_q5_0((const pdm_block_q5_0_t *)b, r, (pdm_block_q5_0x8_t *)o);
                 else pdm__repack_q6_K((const pdm_block_q6_K_t *)b, r, (pdm_block_q6_Kx8_t *)o);
             }
         }
@@ -112,6 +156,14 @@ static inline int pdm__x8_q(const pdm_block_q4_Kx8_t *b, int r, int e)
 {
     const int p = e / 64, hi = (e / 32) % 2, k = (e % 32) / 4, l = e % 4;
     return (b->qs[p][k][4 * r + l] >> (4 * hi)) & 0x0f;
+}
+
+/* The 5-bit value (0..31) of element e of row r in a repacked Q5_0 group block. */
+static inline int pdm__x8_q5(const pdm_block_q5_0x8_t *b, int r, int e)
+{
+    const int k = e / 4, l = e % 4;
+    const int lo = (b->qs[k % 4][4 * r + l] >> (4 * (k / 4))) & 0x0f;
+    return lo | ((b->qh[4 * r + l] >> k) & 1) << 4;
 }
 
 /* The 6-bit value (0..63) of element e of row r in a repacked Q6_K group super-block. */
@@ -136,6 +188,17 @@ void pdm_kern_mat_dequantize_row(const pdm_kern_mat_t *m, int64_t r, float *dst)
             const float d = pdm_f16_to_f32(g[i].d[rr]);
             for (int e = 0; e < PDM_QK; e++)
                 dst[i * PDM_QK + e] = (float)((int)g[i].qs[e / 4][4 * rr + e % 4] - 128) * d;
+        }
+        return;
+    }
+    if (m->type == PDM_DT_Q5_0) { /* as pdm_dequantize_row: (q - 16) * d */
+        const int64_t nb = m->cols / PDM_QK;
+        const pdm_block_q5_0x8_t *g = (const pdm_block_q5_0x8_t *)m->data + (r / PDM_X8_ROWS) * nb;
+        const int rr = (int)(r % PDM_X8_ROWS);
+        for (int64_t i = 0; i < nb; i++) {
+            const float d = pdm_f16_to_f32(g[i].d[rr]);
+            for (int e = 0; e < PDM_QK; e++)
+                dst[i * PDM_QK + e] = (float)(pdm__x8_q5(&g[i], rr, e) - 16) * d;
         }
         return;
     }
@@ -201,8 +264,8 @@ static void matmul_q6_Kx8(const pdm_kern_mat_t *w, const void *act, int n_tok, f
     }
 }
 
-/* The reference product on a repacked Q8_0 matrix (Q8_0 activations): per output, block by
- * block, acc = fma(d_w * d_x, sum of w * x, acc). */
+/* The reference product on a repacked Q8_0 or Q5_0 matrix (Q8_0 activations): per output,
+ * block by block, acc = fma(d_w * d_x, sum of w * x, acc). */
 static void matmul_q8_0x8(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
                           int64_t ldy, int64_t r0, int64_t r1)
 {
@@ -219,6 +282,28 @@ static void matmul_q8_0x8(const pdm_kern_mat_t *w, const void *act, int n_tok, f
                 int32_t sumi = 0;
                 for (int e = 0; e < PDM_QK; e++)
                     sumi += ((int)g[i].qs[e / 4][4 * rr + e % 4] - 128) * xt[i].qs[e];
+                acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * pdm_f16_to_f32(xt[i].d), (float)sumi, acc);
+            }
+            y[(size_t)t * ldy + r] = acc;
+        }
+    }
+}
+
+static void matmul_q5_0x8(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
+                          int64_t ldy, int64_t r0, int64_t r1)
+{
+    const int64_t nb = w->cols / PDM_QK;
+    const pdm_block_q5_0x8_t *wb = w->data;
+    const pdm_block_q8_0_t *x = act;
+    for (int t = 0; t < n_tok; t++) {
+        const pdm_block_q8_0_t *xt = x + (size_t)t * nb;
+        for (int64_t r = r0; r < r1; r++) {
+            const pdm_block_q5_0x8_t *g = wb + (r / PDM_X8_ROWS) * nb;
+            const int rr = (int)(r % PDM_X8_ROWS);
+            float acc = 0.0f;
+            for (int64_t i = 0; i < nb; i++) {
+                int32_t sumi = 0;
+                for (int e = 0; e < PDM_QK; e++) sumi += (pdm__x8_q5(&g[i], rr, e) - 16) * xt[i].qs[e];
                 acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * pdm_f16_to_f32(xt[i].d), (float)sumi, acc);
             }
             y[(size_t)t * ldy + r] = acc;
@@ -244,6 +329,10 @@ void pdm_kern__matmul_x8_generic(const pdm_kern_mat_t *w, const void *act, int n
     }
     if (w->type == PDM_DT_Q8_0) {
         matmul_q8_0x8(w, act, n_tok, y, ldy, r0, r1);
+        return;
+    }
+    if (w->type == PDM_DT_Q5_0) {
+        matmul_q5_0x8(w, act, n_tok, y, ldy, r0, r1);
         return;
     }
     for (int t = 0; t < n_tok; t++) {
