@@ -188,8 +188,8 @@ void pdm_kern_split(int64_t n, int ith, int nth, int64_t align, int64_t *begin, 
 typedef enum {
     PDM_KERN_LAYOUT_ROWS = 0, /* the file's: row r at data + r * row_bytes */
     PDM_KERN_LAYOUT_X8 = 1,   /* repacked at load (pdm_kern_repack): groups of 8 rows, see
-                               * pdm_block_q4_Kx8_t, pdm_block_q6_Kx8_t, pdm_block_q8_0x8_t,
-                               * pdm_block_q5_0x8_t;
+                               * pdm_block_q4_Kx8_t, pdm_block_q5_Kx8_t, pdm_block_q6_Kx8_t,
+                               * pdm_block_q8_0x8_t, pdm_block_q5_0x8_t;
                                * the last group padded with zero rows */
 } pdm_kern_layout_t;
 
@@ -206,7 +206,7 @@ typedef struct {
 
 /* ---- Repacking at load -------------------------------------------------------------------
  *
- * Q4_K, Q6_K, Q8_0 and Q5_0 matrices can be rearranged once, at load, into a layout the CPU
+ * Q4_K, Q5_K, Q6_K, Q8_0 and Q5_0 matrices can be rearranged once, at load, into a layout the CPU
  * kernels compute on faster (the idea of llama.cpp's ggml-cpu repack.cpp, block_q4_Kx8; the
  * layouts here are our own): 8 rows interleaved so that one 32-byte vector holds 4 consecutive 4-bit values of
  * each of the 8 rows, and each row's 6-bit packed sub-block scales and minimums decoded once
@@ -223,6 +223,22 @@ typedef struct {
                                    * r (sub-block 2p), high nibble element 64p + 32 + 4k + l
                                    * (sub-block 2p + 1): byte 32p + 4k + l of the file's qs */
 } pdm_block_q4_Kx8_t;
+
+/* Q5_K's group super-block (1440 bytes for 8 x 176 in the file: the decoded scales, as for
+ * Q4_K): Q4_K's scales, minimums and nibbles, with the fifth bit of each value beside the
+ * nibbles of its 64-element run (one forward stream, as Q6_K's below).
+ * x = d * scale_j * q - dmin * min_j, q 5 bits. */
+typedef struct {
+    uint16_t d[8], dmin[8];       /* as pdm_block_q4_Kx8_t */
+    uint8_t scales[8][8];
+    uint8_t mins[4][8][2];
+    struct {
+        uint8_t qs[8][32];        /* as pdm_block_q4_Kx8_t.qs[p] */
+        uint8_t qh[2][32];        /* [k / 4][4 r + l]: bit 4 of the values of qs[k][4 r + l]
+                                   * at bits 2 (k % 4) (low nibble's) and 2 (k % 4) + 1 (high
+                                   * nibble's) */
+    } run[4];                     /* [p]: elements 64p .. 64p + 63 */
+} pdm_block_q5_Kx8_t;
 
 /* Q6_K's group super-block (1680 bytes, 8 x 210 as in the file): the low 4 bits of q as
  * Q4_K's qs above, the high 2 bits of four such vectors packed in one, sub-block scales
@@ -261,7 +277,7 @@ typedef struct {
 } pdm_block_q5_0x8_t;
 
 /* Bytes matrix `m` takes repacked (0 if its type or shape has no repacked layout: today
- * Q4_K, Q6_K, Q8_0 and Q5_0 with ROWS layout). */
+ * Q4_K, Q5_K, Q6_K, Q8_0 and Q5_0 with ROWS layout). */
 size_t pdm_kern_repack_bytes(const pdm_kern_mat_t *m);
 /* Repacks `m` (ROWS layout) into `dst` (pdm_kern_repack_bytes(m) bytes, 32-byte aligned) and
  * writes the repacked matrix (data = dst) to *out. Returns 0, or -1 (nothing written) if the

@@ -19,8 +19,8 @@
  * repacked layout. */
 static int64_t pdm__x8_groups(const pdm_kern_mat_t *m, int64_t *nb)
 {
-    if ((m->type != PDM_DT_Q4_K && m->type != PDM_DT_Q6_K && m->type != PDM_DT_Q8_0 &&
-         m->type != PDM_DT_Q5_0) ||
+    if ((m->type != PDM_DT_Q4_K && m->type != PDM_DT_Q5_K && m->type != PDM_DT_Q6_K &&
+         m->type != PDM_DT_Q8_0 && m->type != PDM_DT_Q5_0) ||
         m->layout != PDM_KERN_LAYOUT_ROWS || m->rows < 1 || m->cols < 1)
         return 0;
     const int be = pdm_dtype_block_elems(m->type);
@@ -33,6 +33,7 @@ static int64_t pdm__x8_groups(const pdm_kern_mat_t *m, int64_t *nb)
 static size_t pdm__x8_block_bytes(pdm_dtype_t type)
 {
     return type == PDM_DT_Q4_K   ? sizeof(pdm_block_q4_Kx8_t)
+           : type == PDM_DT_Q5_K ? sizeof(pdm_block_q5_Kx8_t)
            : type == PDM_DT_Q6_K ? sizeof(pdm_block_q6_Kx8_t)
            : type == PDM_DT_Q5_0 ? sizeof(pdm_block_q5_0x8_t)
                                  : sizeof(pdm_block_q8_0x8_t);
@@ -119,6 +120,31 @@ static void pdm__repack_q4_K(const pdm_block_q4_K_t *b, int r, pdm_block_q4_Kx8_
         for (int k = 0; k < 8; k++) memcpy(&o->qs[p][k][4 * r], b->qs + 32 * p + 4 * k, 4);
 }
 
+/* Row r (0..7) of group super-block o from the file's Q5_K block b: Q4_K's rearrangement,
+ * and the fifth bits (bit 2p of the file's qh[e % 32] for element 64p + e % 32, bit 2p + 1 for
+ * element 64p + 32 + e % 32) next to their run's nibbles. */
+static void pdm__repack_q5_K(const pdm_block_q5_K_t *b, int r, pdm_block_q5_Kx8_t *o)
+{
+    o->d[r] = b->d;
+    o->dmin[r] = b->dmin;
+    for (int j = 0; j < 8; j++) {
+        int scale, min;
+        pdm_ql_scale_min_k4(b->scales, j, &scale, &min);
+        o->scales[j][r] = (uint8_t)scale;
+        o->mins[j / 2][r][j % 2] = (uint8_t)min;
+    }
+    for (int p = 0; p < 4; p++) {
+        for (int k = 0; k < 8; k++) memcpy(&o->run[p].qs[k][4 * r], b->qs + 32 * p + 4 * k, 4);
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 4; l++) {
+                unsigned v = 0;
+                for (int kk = 0; kk < 4; kk++)
+                    v |= ((b->qh[4 * (4 * h + kk) + l] >> (2 * p)) & 3u) << (2 * kk);
+                o->run[p].qh[h][4 * r + l] = (uint8_t)v;
+            }
+    }
+}
+
 int pdm_kern_repack(const pdm_kern_mat_t *m, void *dst, pdm_kern_mat_t *out)
 {
     int64_t nb = 0, groups = pdm__x8_groups(m, &nb);
@@ -137,6 +163,8 @@ int pdm_kern_repack(const pdm_kern_mat_t *m, void *dst, pdm_kern_mat_t *out)
                 const char *b = (const char *)m->data + (size_t)row * m->row_bytes + (size_t)i * fb;
                 if (m->type == PDM_DT_Q4_K)
                     pdm__repack_q4_K((const pdm_block_q4_K_t *)b, r, (pdm_block_q4_Kx8_t *)o);
+                else if (m->type == PDM_DT_Q5_K)
+                    pdm__repack_q5_K((const pdm_block_q5_K_t *)b, r, (pdm_block_q5_Kx8_t *)o);
                 else if (m->type == PDM_DT_Q8_0)
                     pdm__repack_q8_0((const pdm_block_q8_0_t *)b, r, (pdm_block_q8_0x8_t *)o);
                 else if (m->type == PDM_DT_Q5_0)
@@ -156,6 +184,14 @@ static inline int pdm__x8_q(const pdm_block_q4_Kx8_t *b, int r, int e)
 {
     const int p = e / 64, hi = (e / 32) % 2, k = (e % 32) / 4, l = e % 4;
     return (b->qs[p][k][4 * r + l] >> (4 * hi)) & 0x0f;
+}
+
+/* The 5-bit value of element e of row r in a repacked Q5_K group super-block. */
+static inline int pdm__x8_q5k(const pdm_block_q5_Kx8_t *b, int r, int e)
+{
+    const int p = e / 64, hi = (e / 32) % 2, k = (e % 32) / 4, l = e % 4;
+    const int lo = (b->run[p].qs[k][4 * r + l] >> (4 * hi)) & 0x0f;
+    return lo | ((b->run[p].qh[k / 4][4 * r + l] >> (2 * (k % 4) + hi)) & 1) << 4;
 }
 
 /* The 5-bit value (0..31) of element e of row r in a repacked Q5_0 group block. */
@@ -218,15 +254,21 @@ void pdm_kern_mat_dequantize_row(const pdm_kern_mat_t *m, int64_t r, float *dst)
         }
         return;
     }
+    /* Q4_K and Q5_K: the same header, 4- or 5-bit values */
+    const int q5 = m->type == PDM_DT_Q5_K;
     const pdm_block_q4_Kx8_t *g = (const pdm_block_q4_Kx8_t *)m->data + (r / PDM_X8_ROWS) * nb;
+    const pdm_block_q5_Kx8_t *g5 = (const pdm_block_q5_Kx8_t *)m->data + (r / PDM_X8_ROWS) * nb;
     const int rr = (int)(r % PDM_X8_ROWS);
     for (int64_t i = 0; i < nb; i++) {
-        const float d = pdm_f16_to_f32(g[i].d[rr]), dmin = pdm_f16_to_f32(g[i].dmin[rr]);
+        const uint16_t *hd = q5 ? g5[i].d : g[i].d, *hm = q5 ? g5[i].dmin : g[i].dmin;
+        const float d = pdm_f16_to_f32(hd[rr]), dmin = pdm_f16_to_f32(hm[rr]);
         for (int j = 0; j < 8; j++) {
-            const float dl = d * (float)g[i].scales[j][rr];
-            const float ml = dmin * (float)g[i].mins[j / 2][rr][j % 2];
-            for (int l = 0; l < 32; l++)
-                dst[i * PDM_QK_K + 32 * j + l] = dl * (float)pdm__x8_q(&g[i], rr, 32 * j + l) - ml;
+            const float dl = d * (float)(q5 ? g5[i].scales[j][rr] : g[i].scales[j][rr]);
+            const float ml = dmin * (float)(q5 ? g5[i].mins[j / 2][rr][j % 2] : g[i].mins[j / 2][rr][j % 2]);
+            for (int l = 0; l < 32; l++) {
+                const int e = 32 * j + l, q = q5 ? pdm__x8_q5k(&g5[i], rr, e) : pdm__x8_q(&g[i], rr, e);
+                dst[i * PDM_QK_K + e] = dl * (float)q - ml;
+            }
         }
     }
 }
@@ -311,7 +353,7 @@ static void matmul_q5_0x8(const pdm_kern_mat_t *w, const void *act, int n_tok, f
     }
 }
 
-/* The reference product on a repacked Q4_K matrix. Per output, super-block by super-block:
+/* The reference product on a repacked Q4_K (or Q5_K) matrix. Per output, super-block by super-block:
  *   sumi = sum_j scale_j * (q_j . x_j),  summ = sum_j min_j * (bsum_2j + bsum_2j+1)
  *   acc = fma(d * dx, sumi, acc);  acc = fma(-(dmin * dx), summ, acc)
  * Integer sums are exact, and every SIMD variant performs these two roundings per super-block
@@ -335,25 +377,31 @@ void pdm_kern__matmul_x8_generic(const pdm_kern_mat_t *w, const void *act, int n
         matmul_q5_0x8(w, act, n_tok, y, ldy, r0, r1);
         return;
     }
+    const int q5 = w->type == PDM_DT_Q5_K; /* Q5_K: the same header, 5-bit values */
+    const pdm_block_q5_Kx8_t *wb5 = w->data;
     for (int t = 0; t < n_tok; t++) {
         const pdm_block_q8_K_t *xt = x + (size_t)t * nb;
         for (int64_t r = r0; r < r1; r++) {
             const pdm_block_q4_Kx8_t *g = wb + (r / PDM_X8_ROWS) * nb;
+            const pdm_block_q5_Kx8_t *g5 = wb5 + (r / PDM_X8_ROWS) * nb;
             const int rr = (int)(r % PDM_X8_ROWS);
             float acc = 0.0f;
             for (int64_t i = 0; i < nb; i++) {
                 int32_t sumi = 0, summ = 0;
                 for (int j = 0; j < 8; j++) {
                     int32_t s = 0;
-                    for (int l = 0; l < 32; l++)
-                        s += pdm__x8_q(&g[i], rr, 32 * j + l) * xt[i].qs[32 * j + l];
-                    sumi += g[i].scales[j][rr] * s;
-                    summ += g[i].mins[j / 2][rr][j % 2] *
+                    for (int l = 0; l < 32; l++) {
+                        const int e = 32 * j + l;
+                        s += (q5 ? pdm__x8_q5k(&g5[i], rr, e) : pdm__x8_q(&g[i], rr, e)) * xt[i].qs[e];
+                    }
+                    sumi += (q5 ? g5[i].scales[j][rr] : g[i].scales[j][rr]) * s;
+                    summ += (q5 ? g5[i].mins[j / 2][rr][j % 2] : g[i].mins[j / 2][rr][j % 2]) *
                             (xt[i].bsums[2 * j] + xt[i].bsums[2 * j + 1]);
                 }
                 const float dx = xt[i].d;
-                acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * dx, (float)sumi, acc);
-                acc = fmaf(-(pdm_f16_to_f32(g[i].dmin[rr]) * dx), (float)summ, acc);
+                const uint16_t hd = q5 ? g5[i].d[rr] : g[i].d[rr], hm = q5 ? g5[i].dmin[rr] : g[i].dmin[rr];
+                acc = fmaf(pdm_f16_to_f32(hd) * dx, (float)sumi, acc);
+                acc = fmaf(-(pdm_f16_to_f32(hm) * dx), (float)summ, acc);
             }
             y[(size_t)t * ldy + r] = acc;
         }
