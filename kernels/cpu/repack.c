@@ -20,7 +20,7 @@
 static int64_t pdm__x8_groups(const pdm_kern_mat_t *m, int64_t *nb)
 {
     if ((m->type != PDM_DT_Q4_K && m->type != PDM_DT_Q5_K && m->type != PDM_DT_Q6_K &&
-         m->type != PDM_DT_Q8_0 && m->type != PDM_DT_Q5_0) ||
+         m->type != PDM_DT_IQ4_XS && m->type != PDM_DT_Q8_0 && m->type != PDM_DT_Q5_0) ||
         m->layout != PDM_KERN_LAYOUT_ROWS || m->rows < 1 || m->cols < 1)
         return 0;
     const int be = pdm_dtype_block_elems(m->type);
@@ -36,6 +36,7 @@ static size_t pdm__x8_block_bytes(pdm_dtype_t type)
            : type == PDM_DT_Q5_K ? sizeof(pdm_block_q5_Kx8_t)
            : type == PDM_DT_Q6_K ? sizeof(pdm_block_q6_Kx8_t)
            : type == PDM_DT_Q5_0 ? sizeof(pdm_block_q5_0x8_t)
+           : type == PDM_DT_IQ4_XS ? sizeof(pdm_block_iq4_xsx8_t)
                                  : sizeof(pdm_block_q8_0x8_t);
 }
 
@@ -145,6 +146,18 @@ static void pdm__repack_q5_K(const pdm_block_q5_K_t *b, int r, pdm_block_q5_Kx8_
     }
 }
 
+/* Row r (0..7) of group super-block o from the file's IQ4_XS block b. */
+static void pdm__repack_iq4_xs(const pdm_block_iq4_xs_t *b, int r, pdm_block_iq4_xsx8_t *o)
+{
+    o->d[r] = b->d;
+    for (int j = 0; j < 8; j++) {
+        int scale, min;
+        pdm_ql_ksub(PDM_DT_IQ4_XS, b, j, &scale, &min);
+        o->scales[j][r] = (int8_t)scale;
+        for (int k = 0; k < 4; k++) memcpy(&o->qs[j][k][4 * r], b->qs + 16 * j + 4 * k, 4);
+    }
+}
+
 int pdm_kern_repack(const pdm_kern_mat_t *m, void *dst, pdm_kern_mat_t *out)
 {
     int64_t nb = 0, groups = pdm__x8_groups(m, &nb);
@@ -169,6 +182,8 @@ int pdm_kern_repack(const pdm_kern_mat_t *m, void *dst, pdm_kern_mat_t *out)
                     pdm__repack_q8_0((const pdm_block_q8_0_t *)b, r, (pdm_block_q8_0x8_t *)o);
                 else if (m->type == PDM_DT_Q5_0)
                     pdm__repack_q5_0((const pdm_block_q5_0_t *)b, r, (pdm_block_q5_0x8_t *)o);
+                else if (m->type == PDM_DT_IQ4_XS)
+                    pdm__repack_iq4_xs((const pdm_block_iq4_xs_t *)b, r, (pdm_block_iq4_xsx8_t *)o);
                 else pdm__repack_q6_K((const pdm_block_q6_K_t *)b, r, (pdm_block_q6_Kx8_t *)o);
             }
         }
@@ -192,6 +207,13 @@ static inline int pdm__x8_q5k(const pdm_block_q5_Kx8_t *b, int r, int e)
     const int p = e / 64, hi = (e / 32) % 2, k = (e % 32) / 4, l = e % 4;
     const int lo = (b->run[p].qs[k][4 * r + l] >> (4 * hi)) & 0x0f;
     return lo | ((b->run[p].qh[k / 4][4 * r + l] >> (2 * (k % 4) + hi)) & 1) << 4;
+}
+
+/* The IQ4_XS value (kvalues[code]) of element e of row r in a repacked group super-block. */
+static inline int pdm__x8_iq4(const pdm_block_iq4_xsx8_t *b, int r, int e)
+{
+    const int j = e / 32, hi = (e % 32) / 16, k = (e % 16) / 4, l = e % 4;
+    return pdm_ql_iq4((b->qs[j][k][4 * r + l] >> (4 * hi)) & 0x0f);
 }
 
 /* The 5-bit value (0..31) of element e of row r in a repacked Q5_0 group block. */
@@ -240,6 +262,19 @@ void pdm_kern_mat_dequantize_row(const pdm_kern_mat_t *m, int64_t r, float *dst)
     }
     /* X8 K-quants: the arithmetic of pdm_dequantize_row's K-quant path, value for value */
     const int64_t nb = m->cols / PDM_QK_K;
+    if (m->type == PDM_DT_IQ4_XS) {
+        const pdm_block_iq4_xsx8_t *g = (const pdm_block_iq4_xsx8_t *)m->data + (r / PDM_X8_ROWS) * nb;
+        const int rr = (int)(r % PDM_X8_ROWS);
+        for (int64_t i = 0; i < nb; i++) {
+            const float d = pdm_f16_to_f32(g[i].d[rr]), ml = 0.0f * 0.0f; /* no minimum */
+            for (int j = 0; j < 8; j++) {
+                const float dl = d * (float)g[i].scales[j][rr];
+                for (int l = 0; l < 32; l++)
+                    dst[i * PDM_QK_K + 32 * j + l] = dl * (float)pdm__x8_iq4(&g[i], rr, 32 * j + l) - ml;
+            }
+        }
+        return;
+    }
     if (m->type == PDM_DT_Q6_K) {
         const pdm_block_q6_Kx8_t *g = (const pdm_block_q6_Kx8_t *)m->data + (r / PDM_X8_ROWS) * nb;
         const int rr = (int)(r % PDM_X8_ROWS);
@@ -300,6 +335,35 @@ static void matmul_q6_Kx8(const pdm_kern_mat_t *w, const void *act, int n_tok, f
                     offs += scale * xt[i].bsums[j];
                 }
                 acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * xt[i].d, (float)(sumi - 32 * offs), acc);
+            }
+            y[(size_t)t * ldy + r] = acc;
+        }
+    }
+}
+
+/* The reference product on a repacked IQ4_XS matrix: per output, super-block by super-block,
+ * sumi = sum_j scale_j * (q_j . x_j), acc = fma(d * dx, sumi, acc). */
+static void matmul_iq4_xsx8(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
+                            int64_t ldy, int64_t r0, int64_t r1)
+{
+    const int64_t nb = w->cols / PDM_QK_K;
+    const pdm_block_iq4_xsx8_t *wb = w->data;
+    const pdm_block_q8_K_t *x = act;
+    for (int t = 0; t < n_tok; t++) {
+        const pdm_block_q8_K_t *xt = x + (size_t)t * nb;
+        for (int64_t r = r0; r < r1; r++) {
+            const pdm_block_iq4_xsx8_t *g = wb + (r / PDM_X8_ROWS) * nb;
+            const int rr = (int)(r % PDM_X8_ROWS);
+            float acc = 0.0f;
+            for (int64_t i = 0; i < nb; i++) {
+                int32_t sumi = 0;
+                for (int j = 0; j < 8; j++) {
+                    int32_t s = 0;
+                    for (int l = 0; l < 32; l++)
+                        s += pdm__x8_iq4(&g[i], rr, 32 * j + l) * xt[i].qs[32 * j + l];
+                    sumi += g[i].scales[j][rr] * s;
+                }
+                acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * xt[i].d, (float)sumi, acc);
             }
             y[(size_t)t * ldy + r] = acc;
         }
@@ -375,6 +439,10 @@ void pdm_kern__matmul_x8_generic(const pdm_kern_mat_t *w, const void *act, int n
     }
     if (w->type == PDM_DT_Q5_0) {
         matmul_q5_0x8(w, act, n_tok, y, ldy, r0, r1);
+        return;
+    }
+    if (w->type == PDM_DT_IQ4_XS) {
+        matmul_iq4_xsx8(w, act, n_tok, y, ldy, r0, r1);
         return;
     }
     const int q5 = w->type == PDM_DT_Q5_K; /* Q5_K: the same header, 5-bit values */
