@@ -24,6 +24,7 @@
 #include "../common/pdm.h"
 #include "../kernels/kernels.h"
 #include "gguf.h"
+#include "grammar.h"
 #include "tokenizer.h"
 
 #define PDM_MAX_KV_HEADS 64
@@ -449,6 +450,17 @@ void pdm_sampler_destroy(pdm_sampler_t *s);
  * params.logprobs >= 0. Never allocates. */
 int32_t pdm_sampler_sample(pdm_sampler_t *s, const float *logits, const int32_t *history,
                            int n_history, pdm_token_logprobs_t *lp);
+
+/* Constrained sampling (structured output): with a matcher set, step 3 is followed by
+ *   3b. l[t] = -inf for every token the grammar does not allow next (pdm_gmatch_mask),
+ * so the logprobs, greedy choice and the draw all see the constrained distribution. At
+ * temperature 0 without logprobs the sampler first checks the unconstrained argmax with
+ * pdm_gmatch_allows and builds the mask only when the grammar refuses it (the result is the
+ * same: the argmax over the allowed tokens). The sampler borrows m (NULL: none) and does not
+ * advance it: the caller feeds the chosen token with pdm_gmatch_accept_token. If no token is
+ * allowed at all (cannot happen with the grammars pdm_grammar_compile builds), the mask is
+ * ignored. */
+void pdm_sampler_set_grammar(pdm_sampler_t *s, pdm_gmatch_t *m);
 
 /* ---- Quantization ------------------------------------------------------------------------ */
 

@@ -26,6 +26,7 @@ struct pdm_sampler {
     float *bias;            /* [n_vocab] dense logit_bias, or NULL without one */
     int32_t bias_ids_[PDM_SAMPLER_MAX_LOGIT_BIAS];
     float bias_values_[PDM_SAMPLER_MAX_LOGIT_BIAS];
+    pdm_gmatch_t *grammar;  /* borrowed, or NULL */
 };
 
 void pdm_sampler_params_default(pdm_sampler_params_t *p)
@@ -303,6 +304,23 @@ void pdm_sampler_score(const float *logits, int32_t n_vocab, int32_t token, int3
         lp->top_logprobs[j] = (float)((double)(logits[lp->top_ids[j]] - maxl) - log_total);
 }
 
+void pdm_sampler_set_grammar(pdm_sampler_t *s, pdm_gmatch_t *m)
+{
+    s->grammar = m;
+}
+
+/* Step 3b: -inf for the tokens the grammar refuses (unless it refuses every one). */
+static void pdm__apply_mask(pdm_sampler_t *s)
+{
+    const uint32_t *mask = pdm_gmatch_mask(s->grammar);
+    const int n = s->n_vocab;
+    int any = 0;
+    for (int w = 0; w < (n + 31) / 32 && !any; w++) any = mask[w] != 0;
+    if (!any) return;
+    for (int i = 0; i < n; i++)
+        if (!(mask[i >> 5] >> (i & 31) & 1)) s->cand[i].logit = -INFINITY;
+}
+
 int32_t pdm_sampler_sample(pdm_sampler_t *s, const float *logits, const int32_t *history,
                            int n_history, pdm_token_logprobs_t *lp)
 {
@@ -313,6 +331,18 @@ int32_t pdm_sampler_sample(pdm_sampler_t *s, const float *logits, const int32_t 
     pdm_token_logprobs_t unused;
     if (!lp) lp = &unused;
     const int want_lp = p->logprobs >= 0;
+    if (s->grammar) {
+        int fast = 0;
+        if (p->temperature <= 0.0f && !want_lp) {
+            /* the argmax, if the grammar takes it, is the constrained argmax */
+            int best = 0;
+            for (int i = 1; i < n; i++)
+                if (c[i].logit > c[best].logit) best = i;
+            fast = pdm_gmatch_allows(s->grammar, c[best].id);
+            if (fast) return c[best].id;
+        }
+        pdm__apply_mask(s);
+    }
     const double lse = want_lp ? pdm__logprobs_top(c, n, p->logprobs, lp) : 0.0;
     pdm__cand_t chosen;
 
