@@ -945,6 +945,8 @@ err:
 #define PDM__MAX_STACK_DEPTH 400 /* nested rules on one stack (deep JSON nesting) */
 #define PDM__MAX_NODES (1 << 22)
 #define PDM__CACHE 16
+#define PDM__MAX_ISETS 2048
+#define PDM__ITABLE 4096 /* power of two, > 1.5 * PDM__MAX_ISETS */
 
 typedef struct {
     uint32_t pos;   /* element to match (a GE_CHAR, or a GE_REF while parked as a parent) */
@@ -974,6 +976,15 @@ struct pdm_gmatch {
     } cache[PDM__CACHE];
     int n_cache, cache_next;
     uint64_t walks, hits;
+    /* the walk's distinct sets (interned) and their byte transitions: inside a string most trie
+     * nodes map the "in a string" set to itself, so each (set, byte) is computed once per walk
+     * and a trie node costs one table lookup */
+    pdm__gset_t *isets;  /* [PDM__MAX_ISETS] */
+    uint64_t *ihashes;   /* [PDM__MAX_ISETS] */
+    int n_isets;
+    int32_t *itable;     /* [PDM__ITABLE] open addressing: iset index + 1, 0 = free */
+    int32_t *trans;      /* [PDM__MAX_ISETS][256]: next iset, -1 none, -2 not computed */
+    int32_t *ilevel;     /* [PDM__TRIE_MAX_DEPTH + 1] iset of each depth of the walk */
 };
 
 static int32_t pdm__push(pdm_gmatch_t *m, uint32_t pos, int32_t parent)
@@ -1118,7 +1129,14 @@ pdm_gmatch_t *pdm_gmatch_create(const pdm_grammar_t *g, const pdm_vocab_trie_t *
     m->levels = malloc((PDM__TRIE_MAX_DEPTH + 1) * sizeof(*m->levels));
     m->marks = malloc((PDM__TRIE_MAX_DEPTH + 1) * sizeof(*m->marks));
     m->mask = calloc(m->words, sizeof(uint32_t));
-    if (!m->nodes || !m->levels || !m->marks || !m->mask) goto err;
+    m->isets = malloc(PDM__MAX_ISETS * sizeof(*m->isets));
+    m->ihashes = malloc(PDM__MAX_ISETS * sizeof(*m->ihashes));
+    m->itable = malloc(PDM__ITABLE * sizeof(*m->itable));
+    m->trans = malloc((size_t)PDM__MAX_ISETS * 256 * sizeof(*m->trans));
+    m->ilevel = malloc((PDM__TRIE_MAX_DEPTH + 1) * sizeof(*m->ilevel));
+    if (!m->nodes || !m->levels || !m->marks || !m->mask || !m->isets || !m->ihashes ||
+        !m->itable || !m->trans || !m->ilevel)
+        goto err;
     /* the root rule's alternative: expand a reference to it */
     for (uint32_t a = g->rule_first[g->root]; a < g->rule_first[g->root + 1]; a++)
         pdm__expand(m, g->alts[a].start, -1, &m->cur, 0);
@@ -1137,6 +1155,11 @@ void pdm_gmatch_destroy(pdm_gmatch_t *m)
     free(m->levels);
     free(m->marks);
     free(m->mask);
+    free(m->isets);
+    free(m->ihashes);
+    free(m->itable);
+    free(m->trans);
+    free(m->ilevel);
     for (int i = 0; i < m->n_cache; i++) free(m->cache[i].mask);
     free(m);
 }
@@ -1208,12 +1231,12 @@ int pdm_gmatch_allows(pdm_gmatch_t *m, int32_t token)
 
 /* The state's identity for the mask cache: each stack's positions hashed (FNV-1a), the stacks
  * combined independently of their order. */
-static uint64_t pdm__state_key(const pdm_gmatch_t *m)
+static uint64_t pdm__set_key(const pdm_gmatch_t *m, const pdm__gset_t *s)
 {
     uint64_t key = 0x9E3779B97F4A7C15ull;
-    for (int i = 0; i < m->cur.n; i++) {
+    for (int i = 0; i < s->n; i++) {
         uint64_t h = 0xcbf29ce484222325ull;
-        for (int32_t id = m->cur.id[i]; id >= 0; id = m->nodes[id].parent)
+        for (int32_t id = s->id[i]; id >= 0; id = m->nodes[id].parent)
             h = (h ^ m->nodes[id].pos) * 0x100000001b3ull;
         h ^= h >> 29;
         h *= 0xbf58476d1ce4e5b9ull;
@@ -1222,10 +1245,68 @@ static uint64_t pdm__state_key(const pdm_gmatch_t *m)
     return key;
 }
 
+/* Sets equal as sets of stacks (each is deduplicated). */
+static int pdm__set_eq(const pdm_gmatch_t *m, const pdm__gset_t *a, const pdm__gset_t *b)
+{
+    if (a->n != b->n) return 0;
+    for (int i = 0; i < a->n; i++) {
+        int found = 0;
+        for (int j = 0; j < b->n && !found; j++) found = pdm__stack_eq(m, a->id[i], b->id[j]);
+        if (!found) return 0;
+    }
+    return 1;
+}
+
+/* The index of set s among the walk's interned sets (added if new), or -1 when full. */
+static int32_t pdm__intern(pdm_gmatch_t *m, const pdm__gset_t *s)
+{
+    const uint64_t h = pdm__set_key(m, s);
+    uint32_t slot = (uint32_t)(h ^ (h >> 32)) & (PDM__ITABLE - 1);
+    for (; m->itable[slot]; slot = (slot + 1) & (PDM__ITABLE - 1)) {
+        int32_t k = m->itable[slot] - 1;
+        if (m->ihashes[k] == h && pdm__set_eq(m, &m->isets[k], s)) return k;
+    }
+    if (m->n_isets == PDM__MAX_ISETS) return -1;
+    int32_t k = m->n_isets++;
+    m->isets[k] = *s;
+    m->ihashes[k] = h;
+    m->itable[slot] = k + 1;
+    for (int b = 0; b < 256; b++) m->trans[(size_t)k * 256 + (size_t)b] = -2;
+    return k;
+}
+
+/* The walk with interned sets; 0 if the sets overflowed (then the plain walk runs). */
+static int pdm__walk_interned(pdm_gmatch_t *m, uint32_t *mask)
+{
+    const pdm_vocab_trie_t *t = m->trie;
+    memset(m->itable, 0, PDM__ITABLE * sizeof(*m->itable));
+    m->n_isets = 0;
+    m->ilevel[0] = pdm__intern(m, &m->cur);
+    for (uint32_t i = 0; i < t->n_nodes;) {
+        const unsigned d = t->depth[i];
+        const int32_t from = m->ilevel[d - 1];
+        int32_t *tr = &m->trans[(size_t)from * 256 + t->byte[i]];
+        if (*tr == -2) {
+            pdm__gset_t out;
+            if (!pdm__advance(m, &m->isets[from], t->byte[i], &out)) *tr = -1;
+            else if ((*tr = pdm__intern(m, &out)) < 0) return 0;
+        }
+        if (*tr < 0) {
+            i += t->skip[i];
+            continue;
+        }
+        m->ilevel[d] = *tr;
+        for (int32_t k = t->tok_first[i]; k >= 0; k = t->tok_next[k])
+            mask[k >> 5] |= 1u << (k & 31);
+        i++;
+    }
+    return 1;
+}
+
 const uint32_t *pdm_gmatch_mask(pdm_gmatch_t *m)
 {
     const pdm_vocab_trie_t *t = m->trie;
-    const uint64_t key = pdm__state_key(m);
+    const uint64_t key = pdm__set_key(m, &m->cur);
     for (int i = 0; i < m->n_cache; i++)
         if (m->cache[i].key == key) {
             m->hits++;
@@ -1235,6 +1316,10 @@ const uint32_t *pdm_gmatch_mask(pdm_gmatch_t *m)
     uint32_t *mask = m->mask;
     memset(mask, 0, m->words * sizeof(uint32_t));
     const size_t base = m->n_nodes;
+    if (pdm__walk_interned(m, mask) && !m->overflow) goto walked;
+    memset(mask, 0, m->words * sizeof(uint32_t));
+    m->n_nodes = base;
+    m->overflow = 0;
     m->levels[0] = m->cur;
     m->marks[0] = base;
     for (uint32_t i = 0; i < t->n_nodes;) {
@@ -1249,6 +1334,7 @@ const uint32_t *pdm_gmatch_mask(pdm_gmatch_t *m)
             mask[k >> 5] |= 1u << (k & 31);
         i++;
     }
+walked:
     m->n_nodes = base;
     m->overflow = 0;
     if (pdm_gmatch_is_complete(m))
