@@ -398,6 +398,10 @@ typedef struct {
     int32_t n_bias;           /* [0, PDM_SAMPLER_MAX_LOGIT_BIAS] */
     int32_t logprobs;         /* < 0: none; else report the chosen token's log-probability and
                                * the `logprobs` most likely tokens' (<= MAX_TOP_LOGPROBS) */
+    const char *json_schema;  /* structured output: NUL-terminated JSON Schema text (borrowed),
+                               * or NULL. Not used by the sampler itself: the caller compiles it
+                               * (pdm_grammar_compile) and sets the matcher with
+                               * pdm_sampler_set_grammar */
 } pdm_sampler_params_t;
 
 /* The limits pdm_sampler_params_check enforces (the router checks every request with it, and

@@ -105,6 +105,7 @@ int pdm_sampler_params_from_msg(const Pdmesh__SamplingParams *m, pdm_sampler_par
         sp.bias_ids = m->logit_bias_ids;
         sp.bias_values = m->logit_bias_values;
         sp.n_bias = (int32_t)m->n_logit_bias_ids;
+        if (m->json_schema && m->json_schema[0]) sp.json_schema = m->json_schema;
         if (m->logprobs) {
             if (m->top_logprobs > PDM_SAMPLER_MAX_TOP_LOGPROBS)
                 return pdm_error_set(PDM_EINVAL, "top_logprobs %u is over %d", m->top_logprobs,
@@ -134,6 +135,7 @@ void pdm_sampler_params_to_msg(const pdm_sampler_params_t *p, Pdmesh__SamplingPa
     m->n_logit_bias_values = (size_t)p->n_bias;
     m->logprobs = p->logprobs >= 0;
     m->top_logprobs = p->logprobs > 0 ? (uint32_t)p->logprobs : 0;
+    m->json_schema = p->json_schema ? (char *)p->json_schema : (char *)protobuf_c_empty_string;
 }
 
 /* u_i of the rule in model.h: uniform in [0, 1) with 53 bits, from (seed, step) alone. */
@@ -170,6 +172,7 @@ int pdm_sampler_create(const pdm_sampler_params_t *p, int32_t n_vocab, pdm_sampl
     }
     s->p.bias_ids = s->bias_ids_;
     s->p.bias_values = s->bias_values_;
+    s->p.json_schema = NULL; /* borrowed by the caller, never read here */
     *out = s;
     return PDM_OK;
 }
