@@ -812,13 +812,18 @@ done:
 
 #define PDM__TRIE_MAX_DEPTH 128 /* longer tokens are never allowed under a grammar */
 
+/* One trie node; the walk reads nodes in order, so they are packed together. */
+typedef struct {
+    uint32_t skip;     /* size of the node's subtree (itself included) */
+    int32_t tok_first; /* first token ending here, or -1 */
+    uint8_t byte;
+    uint8_t depth;     /* 1.. */
+} pdm__tnode_t;
+
 struct pdm_vocab_trie {
     int32_t n_vocab;
     uint32_t n_nodes;
-    uint8_t *byte;      /* [n_nodes] depth-first order; node i's byte */
-    uint8_t *depth;     /* [n_nodes] 1.. */
-    uint32_t *skip;     /* [n_nodes] size of node i's subtree (i included) */
-    int32_t *tok_first; /* [n_nodes] first token ending at node i, or -1 */
+    pdm__tnode_t *node; /* [n_nodes] depth-first order */
     int32_t *tok_next;  /* [n_vocab] next token with the same bytes, or -1 */
     uint32_t *tok_off;  /* [n_vocab + 1] token t's bytes: bytes[tok_off[t] .. tok_off[t + 1]) */
     char *bytes;
@@ -841,10 +846,7 @@ static int pdm__tok_cmp(const void *a, const void *b)
 void pdm_vocab_trie_destroy(pdm_vocab_trie_t *t)
 {
     if (!t) return;
-    free(t->byte);
-    free(t->depth);
-    free(t->skip);
-    free(t->tok_first);
+    free(t->node);
     free(t->tok_next);
     free(t->tok_off);
     free(t->bytes);
@@ -887,11 +889,7 @@ pdm_vocab_trie_t *pdm_vocab_trie_create(const pdm_tokenizer_t *tk)
     qsort(order, (size_t)n, sizeof(int32_t), pdm__tok_cmp);
     pdm__sort_trie = NULL;
     /* at most one node per byte */
-    t->byte = malloc(used + 1);
-    t->depth = malloc(used + 1);
-    t->skip = malloc(sizeof(uint32_t) * (used + 1));
-    t->tok_first = malloc(sizeof(int32_t) * (used + 1));
-    if (!t->byte || !t->depth || !t->skip || !t->tok_first) goto err;
+    if (!(t->node = malloc(sizeof(*t->node) * (used + 1)))) goto err;
     uint32_t path[PDM__TRIE_MAX_DEPTH + 1]; /* path[d - 1]: node at depth d */
     int path_len = 0;
     const char *prev = NULL;
@@ -905,21 +903,21 @@ pdm_vocab_trie_t *pdm_vocab_trie_create(const pdm_tokenizer_t *tk)
         while (prev && common < len && common < prev_len && b[common] == prev[common]) common++;
         while ((uint32_t)path_len > common) { /* close nodes that this token leaves */
             uint32_t node = path[--path_len];
-            t->skip[node] = t->n_nodes - node;
+            t->node[node].skip = t->n_nodes - node;
         }
         for (uint32_t d = common; d < len; d++) {
             uint32_t node = t->n_nodes++;
-            t->byte[node] = (uint8_t)b[d];
-            t->depth[node] = (uint8_t)(d + 1);
-            t->tok_first[node] = -1;
+            t->node[node].byte = (uint8_t)b[d];
+            t->node[node].depth = (uint8_t)(d + 1);
+            t->node[node].tok_first = -1;
             path[path_len++] = node;
         }
         uint32_t end = path[len - 1];
         /* equal bytes: chain behind the first */
-        if (t->tok_first[end] < 0) {
-            t->tok_first[end] = id;
+        if (t->node[end].tok_first < 0) {
+            t->node[end].tok_first = id;
         } else {
-            int32_t j = t->tok_first[end];
+            int32_t j = t->node[end].tok_first;
             while (t->tok_next[j] >= 0) j = t->tok_next[j];
             t->tok_next[j] = id;
         }
@@ -928,7 +926,7 @@ pdm_vocab_trie_t *pdm_vocab_trie_create(const pdm_tokenizer_t *tk)
     }
     while (path_len > 0) {
         uint32_t node = path[--path_len];
-        t->skip[node] = t->n_nodes - node;
+        t->node[node].skip = t->n_nodes - node;
     }
     free(order);
     return t;
@@ -952,6 +950,7 @@ typedef struct {
     uint32_t pos;   /* element to match (a GE_CHAR, or a GE_REF while parked as a parent) */
     int32_t parent; /* node to continue with when pos's alternative ends; -1: the end */
     uint32_t depth;
+    uint64_t hash;  /* of the positions from this node down to the bottom of its stack */
 } pdm__gnode_t;
 
 typedef struct {
@@ -1001,12 +1000,16 @@ static int32_t pdm__push(pdm_gmatch_t *m, uint32_t pos, int32_t parent)
         m->nodes = nn;
         m->cap_nodes = cap;
     }
-    m->nodes[m->n_nodes] = (pdm__gnode_t){pos, parent, depth};
+    uint64_t h = (parent >= 0 ? m->nodes[parent].hash : 0xcbf29ce484222325ull) ^ pos;
+    h *= 0x100000001b3ull;
+    h ^= h >> 31;
+    m->nodes[m->n_nodes] = (pdm__gnode_t){pos, parent, depth, h};
     return (int32_t)m->n_nodes++;
 }
 
 static int pdm__stack_eq(const pdm_gmatch_t *m, int32_t a, int32_t b)
 {
+    if (a >= 0 && b >= 0 && m->nodes[a].hash != m->nodes[b].hash) return 0;
     while (a != b) {
         if (a < 0 || b < 0 || m->nodes[a].pos != m->nodes[b].pos) return 0;
         a = m->nodes[a].parent;
@@ -1235,9 +1238,7 @@ static uint64_t pdm__set_key(const pdm_gmatch_t *m, const pdm__gset_t *s)
 {
     uint64_t key = 0x9E3779B97F4A7C15ull;
     for (int i = 0; i < s->n; i++) {
-        uint64_t h = 0xcbf29ce484222325ull;
-        for (int32_t id = s->id[i]; id >= 0; id = m->nodes[id].parent)
-            h = (h ^ m->nodes[id].pos) * 0x100000001b3ull;
+        uint64_t h = s->id[i] >= 0 ? m->nodes[s->id[i]].hash : 0x51afd7ed558ccd00ull;
         h ^= h >> 29;
         h *= 0xbf58476d1ce4e5b9ull;
         key += h ^ (h >> 32);
@@ -1283,20 +1284,20 @@ static int pdm__walk_interned(pdm_gmatch_t *m, uint32_t *mask)
     m->n_isets = 0;
     m->ilevel[0] = pdm__intern(m, &m->cur);
     for (uint32_t i = 0; i < t->n_nodes;) {
-        const unsigned d = t->depth[i];
+        const unsigned d = t->node[i].depth;
         const int32_t from = m->ilevel[d - 1];
-        int32_t *tr = &m->trans[(size_t)from * 256 + t->byte[i]];
+        int32_t *tr = &m->trans[(size_t)from * 256 + t->node[i].byte];
         if (*tr == -2) {
             pdm__gset_t out;
-            if (!pdm__advance(m, &m->isets[from], t->byte[i], &out)) *tr = -1;
+            if (!pdm__advance(m, &m->isets[from], t->node[i].byte, &out)) *tr = -1;
             else if ((*tr = pdm__intern(m, &out)) < 0) return 0;
         }
         if (*tr < 0) {
-            i += t->skip[i];
+            i += t->node[i].skip;
             continue;
         }
         m->ilevel[d] = *tr;
-        for (int32_t k = t->tok_first[i]; k >= 0; k = t->tok_next[k])
+        for (int32_t k = t->node[i].tok_first; k >= 0; k = t->tok_next[k])
             mask[k >> 5] |= 1u << (k & 31);
         i++;
     }
@@ -1323,14 +1324,14 @@ const uint32_t *pdm_gmatch_mask(pdm_gmatch_t *m)
     m->levels[0] = m->cur;
     m->marks[0] = base;
     for (uint32_t i = 0; i < t->n_nodes;) {
-        const unsigned d = t->depth[i];
+        const unsigned d = t->node[i].depth;
         m->n_nodes = m->marks[d - 1];
-        if (!pdm__advance(m, &m->levels[d - 1], t->byte[i], &m->levels[d])) {
-            i += t->skip[i];
+        if (!pdm__advance(m, &m->levels[d - 1], t->node[i].byte, &m->levels[d])) {
+            i += t->node[i].skip;
             continue;
         }
         m->marks[d] = m->n_nodes;
-        for (int32_t k = t->tok_first[i]; k >= 0; k = t->tok_next[k])
+        for (int32_t k = t->node[i].tok_first; k >= 0; k = t->tok_next[k])
             mask[k >> 5] |= 1u << (k & 31);
         i++;
     }
