@@ -984,6 +984,9 @@ struct pdm_gmatch {
     int32_t *itable;     /* [PDM__ITABLE] open addressing: iset index + 1, 0 = free */
     int32_t *trans;      /* [PDM__MAX_ISETS][256]: next iset, -1 none, -2 not computed */
     int32_t *ilevel;     /* [PDM__TRIE_MAX_DEPTH + 1] iset of each depth of the walk */
+    pdm__gnode_t *scratch; /* [cap_scratch] pdm__compact's copy ... */
+    int32_t *map;          /* [cap_scratch] ... and its old id -> new id */
+    size_t cap_scratch;
 };
 
 static int32_t pdm__push(pdm_gmatch_t *m, uint32_t pos, int32_t parent)
@@ -1090,13 +1093,19 @@ static int pdm__advance(pdm_gmatch_t *m, const pdm__gset_t *in, unsigned char c,
 /* Copies the stacks of `s` to the bottom of a fresh arena (the rest is garbage). */
 static int pdm__compact(pdm_gmatch_t *m, pdm__gset_t *s)
 {
-    pdm__gnode_t *fresh = malloc(m->cap_nodes * sizeof(*fresh));
-    int32_t *map = malloc(m->n_nodes * sizeof(int32_t));
-    if (!fresh || !map) {
-        free(fresh);
-        free(map);
-        return PDM_ENOMEM;
+    /* scratch kept between calls: the live nodes are far fewer than the arena's capacity,
+     * which the mask walks grow */
+    if (m->cap_scratch < m->n_nodes) {
+        size_t cap = m->n_nodes + m->n_nodes / 2 + 64;
+        pdm__gnode_t *f = realloc(m->scratch, cap * sizeof(*f));
+        if (f) m->scratch = f;
+        int32_t *mp = f ? realloc(m->map, cap * sizeof(*mp)) : NULL;
+        if (mp) m->map = mp;
+        if (!f || !mp) return PDM_ENOMEM;
+        m->cap_scratch = cap;
     }
+    pdm__gnode_t *fresh = m->scratch;
+    int32_t *map = m->map;
     memset(map, 0xff, m->n_nodes * sizeof(int32_t));
     size_t n = 0;
     for (int i = 0; i < s->n; i++) {
@@ -1113,9 +1122,7 @@ static int pdm__compact(pdm_gmatch_t *m, pdm__gset_t *s)
         }
         if (s->id[i] >= 0) s->id[i] = map[s->id[i]];
     }
-    free(map);
-    free(m->nodes);
-    m->nodes = fresh;
+    memcpy(m->nodes, fresh, n * sizeof(*fresh)); /* n <= n_nodes <= cap_nodes */
     m->n_nodes = n;
     return PDM_OK;
 }
@@ -1163,6 +1170,8 @@ void pdm_gmatch_destroy(pdm_gmatch_t *m)
     free(m->itable);
     free(m->trans);
     free(m->ilevel);
+    free(m->scratch);
+    free(m->map);
     for (int i = 0; i < m->n_cache; i++) free(m->cache[i].mask);
     free(m);
 }

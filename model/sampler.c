@@ -339,8 +339,9 @@ int32_t pdm_sampler_sample(pdm_sampler_t *s, const float *logits, const int32_t 
         if (p->temperature <= 0.0f && !want_lp) {
             /* the argmax, if the grammar takes it, is the constrained argmax */
             int best = 0;
+            float top = c[0].logit; /* in a register: no load of c[best] per element */
             for (int i = 1; i < n; i++)
-                if (c[i].logit > c[best].logit) best = i;
+                if (c[i].logit > top) top = c[best = i].logit;
             fast = pdm_gmatch_allows(s->grammar, c[best].id);
             if (fast) return c[best].id;
         }

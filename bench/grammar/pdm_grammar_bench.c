@@ -2,9 +2,11 @@
  * pdm_grammar_bench.c - the cost of structured output on the decode path: TPOT (one decode
  * step + sampling) without and with a response_format constraint, on one thread, for a chat
  * request per schema, greedy and sampled (temperature 0.8, seed 1). Runs alternate
- * unconstrained / constrained `rounds` times so that load drifts hit both alike; every run
- * generates until end of sequence or max_new tokens. It reports per mode the medians of the
- * runs' mean step times, the grammar's own time per step (mask + accept), the trie walks and
+ * constrained / unconstrained `rounds` times so that load drifts hit both alike; the
+ * constrained run generates until end of sequence or max_new tokens, the unconstrained one as
+ * many tokens (ignoring end of sequence), so both attend over the same context lengths. It reports per mode the medians of the
+ * runs' mean step times (thread CPU time, and wall time), the grammar's own CPU time per step
+ * (sampling with the mask + accept, minus unconstrained sampling), the trie walks and
  * cache hits, the CPU model and the load average before and after (a benchmark: it measures
  * and reports, it does not pass or fail). Output: one JSON object on stdout.
  *
@@ -13,8 +15,18 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "model/model.h"
+
+/* This thread's CPU seconds: on a shared, loaded machine the wall clock also counts the time
+ * the thread waited for a core; CPU time is what the step itself costs. */
+static double cpu_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 typedef struct {
     const char *name, *prompt, *schema;
@@ -35,7 +47,8 @@ static const bench_case_t cases[] = {
 };
 
 typedef struct {
-    double step_ms;    /* mean (forward + sampling [+ grammar]) per generated token */
+    double wall_ms;    /* mean wall time per generated token */
+    double step_ms;    /* mean CPU time (forward + sampling [+ grammar]) per generated token */
     double grammar_ms; /* mean sampling + grammar time per token (the part that changes) */
     int tokens;
     uint64_t walks, hits;
@@ -43,7 +56,7 @@ typedef struct {
 
 static int run(pdm_model_t *m, pdm_model_ctx_t *ctx, const pdm_vocab_trie_t *trie,
                const int32_t *prompt, int n_prompt, const pdm_grammar_t *g, float temp,
-               int max_new, run_t *out)
+               int max_new, int ignore_eos, run_t *out)
 {
     const pdm_model_hparams_t *hp = &m->hp;
     pdm_kv_cache_t *cache = NULL;
@@ -63,26 +76,29 @@ static int run(pdm_model_t *m, pdm_model_ctx_t *ctx, const pdm_vocab_trie_t *tri
         else pdm_sampler_set_grammar(s, gm);
     }
     if (!st) st = pdm_model_prefill(ctx, cache, prompt, n_prompt, logits);
-    double t_step = 0, t_sample = 0;
+    double t_step = 0, t_sample = 0, t_wall = 0;
     int n = 0;
     while (!st && n < max_new) {
-        double t0 = pdm_now();
+        double w0 = pdm_now(), t0 = cpu_now();
         int32_t tok = pdm_sampler_sample(s, logits, hist, n, NULL);
         if (gm) pdm_gmatch_accept_token(gm, tok);
-        double t1 = pdm_now();
+        double t1 = cpu_now();
         hist[n++] = tok;
-        if (pdm_tokenizer_is_eog(m->tokenizer, tok)) {
+        if (!ignore_eos && pdm_tokenizer_is_eog(m->tokenizer, tok)) {
             t_sample += t1 - t0;
             t_step += t1 - t0;
+            t_wall += pdm_now() - w0;
             break;
         }
         st = pdm_model_decode(ctx, cache, tok, logits);
         t_sample += t1 - t0;
-        t_step += pdm_now() - t0;
+        t_step += cpu_now() - t0;
+        t_wall += pdm_now() - w0;
     }
     if (!st) {
         out->tokens = n;
         out->step_ms = 1e3 * t_step / n;
+        out->wall_ms = 1e3 * t_wall / n;
         out->grammar_ms = 1e3 * t_sample / n;
         out->walks = out->hits = 0;
         if (gm) pdm_gmatch_stats(gm, &out->walks, &out->hits);
@@ -170,30 +186,39 @@ int main(int argc, char **argv)
         free(text);
         for (int mode = 0; mode < 2; mode++) {
             const float temp = mode ? 0.8f : 0.0f;
-            double free_ms[64], con_ms[64], free_s[64], con_s[64];
+            double free_ms[64], con_ms[64], free_s[64], con_s[64], free_w[64], con_w[64];
             run_t last_free = {0}, last_con = {0};
             for (int r = 0; r < rounds && r < 64; r++) {
-                if (run(m, ctx, trie, ids, (int)n_ids, NULL, temp, max_new, &last_free) ||
-                    run(m, ctx, trie, ids, (int)n_ids, g, temp, max_new, &last_con)) {
+                /* the unconstrained run generates as many tokens as the constrained one (past
+                 * an end of sequence if need be): both steps then attend over the same
+                 * context lengths */
+                if (run(m, ctx, trie, ids, (int)n_ids, g, temp, max_new, 0, &last_con) ||
+                    run(m, ctx, trie, ids, (int)n_ids, NULL, temp, last_con.tokens, 1,
+                        &last_free)) {
                     fprintf(stderr, "pdm-grammar-bench: %s\n", pdm_error_last());
                     return 1;
                 }
                 free_ms[r] = last_free.step_ms;
                 con_ms[r] = last_con.step_ms;
+                free_w[r] = last_free.wall_ms;
+                con_w[r] = last_con.wall_ms;
                 free_s[r] = last_free.grammar_ms;
                 con_s[r] = last_con.grammar_ms;
             }
             const int nr = rounds < 64 ? rounds : 64;
             const double f = median(free_ms, nr), k = median(con_ms, nr);
             const double fs = median(free_s, nr), ks = median(con_s, nr);
+            const double fw = median(free_w, nr), kw = median(con_w, nr);
             printf("%s\n  {\"case\": \"%s\", \"mode\": \"%s\", \"tokens_free\": %d, "
-                   "\"tokens_constrained\": %d, \"tpot_free_ms\": %.3f, "
-                   "\"tpot_constrained_ms\": %.3f, \"ratio\": %.4f, \"sample_free_ms\": %.4f, "
+                   "\"tokens_constrained\": %d, \"tpot_cpu_free_ms\": %.3f, "
+                   "\"tpot_cpu_constrained_ms\": %.3f, \"ratio_cpu\": %.4f, "
+                   "\"tpot_wall_free_ms\": %.3f, \"tpot_wall_constrained_ms\": %.3f, "
+                   "\"ratio_wall\": %.4f, \"sample_free_ms\": %.4f, "
                    "\"sample_constrained_ms\": %.4f, \"grammar_overhead_ms\": %.4f, "
                    "\"ratio_from_overhead\": %.4f, \"mask_walks\": %llu, \"mask_cache_hits\": "
                    "%llu}",
                    first ? "" : ",", cases[c].name, mode ? "sampled_t0.8" : "greedy",
-                   last_free.tokens, last_con.tokens, f, k, k / f, fs, ks, ks - fs,
+                   last_free.tokens, last_con.tokens, f, k, k / f, fw, kw, kw / fw, fs, ks, ks - fs,
                    (f + ks - fs) / f, (unsigned long long)last_con.walks,
                    (unsigned long long)last_con.hits);
             fflush(stdout);
