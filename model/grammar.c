@@ -830,11 +830,10 @@ struct pdm_vocab_trie {
     uint8_t *eog;       /* [n_vocab] ends generation */
 };
 
-static const pdm_vocab_trie_t *pdm__sort_trie; /* qsort has no context argument */
-
-static int pdm__tok_cmp(const void *a, const void *b)
+/* Token order by bytes (then id), for qsort_r (glibc; the build defines _GNU_SOURCE). */
+static int pdm__tok_cmp(const void *a, const void *b, void *arg)
 {
-    const pdm_vocab_trie_t *t = pdm__sort_trie;
+    const pdm_vocab_trie_t *t = arg;
     int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
     uint32_t lx = t->tok_off[x + 1] - t->tok_off[x], ly = t->tok_off[y + 1] - t->tok_off[y];
     int c = memcmp(t->bytes + t->tok_off[x], t->bytes + t->tok_off[y], lx < ly ? lx : ly);
@@ -885,9 +884,7 @@ pdm_vocab_trie_t *pdm_vocab_trie_create(const pdm_tokenizer_t *tk)
         order[i] = i;
     }
     t->tok_off[n] = (uint32_t)used;
-    pdm__sort_trie = t;
-    qsort(order, (size_t)n, sizeof(int32_t), pdm__tok_cmp);
-    pdm__sort_trie = NULL;
+    qsort_r(order, (size_t)n, sizeof(int32_t), pdm__tok_cmp, t);
     /* at most one node per byte */
     if (!(t->node = malloc(sizeof(*t->node) * (used + 1)))) goto err;
     uint32_t path[PDM__TRIE_MAX_DEPTH + 1]; /* path[d - 1]: node at depth d */
