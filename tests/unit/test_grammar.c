@@ -2,7 +2,8 @@
  * test_grammar.c - structured output (model/grammar.h): the JSON-Schema compiler accepts and
  * refuses the right texts, refuses unsupported keywords and oversized schemas, and the matcher
  * on SmolLM2's real vocabulary gives token masks equal to testing every token by itself, the
- * same state fed at once or token by token, and EOS only when the value is complete.
+ * same state fed at once or token by token, EOS only when the value is complete, and a
+ * mutation fuzz of schemas and token streams.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -283,6 +284,75 @@ START_TEST(test_sampler_constrained)
 }
 END_TEST
 
+/* Mutated schemas (bytes replaced, dropped, inserted) either compile or fail with a message;
+ * the matchers of those that compile, driven by random tokens and by tokens drawn from their
+ * own masks, never accept a token the mask refused nor refuse one it allowed (run under the
+ * asan build to catch memory errors). */
+START_TEST(test_mutation_fuzz)
+{
+    pdm_tokenizer_t *tk = smol_tokenizer();
+    if (!tk) return;
+    pdm_vocab_trie_t *trie = pdm_vocab_trie_create(tk);
+    const int32_t n_vocab = pdm_tokenizer_n_vocab(tk);
+    const char *seeds[] = {
+        person,
+        "{\"$ref\":\"#/$defs/N\",\"$defs\":{\"N\":{\"type\":\"object\",\"properties\":{\"k\":"
+        "{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/N\"}}},\"required\":[\"k\"]}}}",
+        "{\"type\":\"object\",\"additionalProperties\":{\"type\":\"array\",\"items\":{\"oneOf\":"
+        "[{\"type\":\"integer\"},{\"type\":\"boolean\"}]}}}",
+        "{\"$ref\":\"#\"}", "{\"anyOf\":[{\"$ref\":\"#\"},{\"type\":\"null\"}]}",
+        "{\"items\":{\"$ref\":\"#\"},\"minItems\":2,\"maxItems\":3}"};
+    uint64_t x = 12345;
+    char buf[4096];
+    int compiled = 0;
+    for (int it = 0; it < 300; it++) {
+        const char *sd = seeds[pdm_splitmix64(&x) % PDM_ARRAY_SIZE(seeds)];
+        size_t len = strlen(sd);
+        memcpy(buf, sd, len);
+        for (int k = (int)(pdm_splitmix64(&x) % 4); k > 0; k--) {
+            size_t at = pdm_splitmix64(&x) % len;
+            int op = (int)(pdm_splitmix64(&x) % 3);
+            if (op == 0) {
+                buf[at] = "{}[]\":,0aA$#/-1 "[pdm_splitmix64(&x) % 17];
+            } else if (op == 1 && len > 2) {
+                memmove(buf + at, buf + at + 1, len - at - 1);
+                len--;
+            } else if (len + 1 < sizeof(buf)) {
+                memmove(buf + at + 1, buf + at, len - at);
+                buf[at] = "{}[]\":,x"[pdm_splitmix64(&x) % 8];
+                len++;
+            }
+        }
+        pdm_grammar_t *g = NULL;
+        if (pdm_grammar_compile(buf, len, &g)) {
+            ck_assert(pdm_error_last()[0]);
+            continue;
+        }
+        compiled++;
+        pdm_gmatch_t *m = pdm_gmatch_create(g, trie);
+        ck_assert_ptr_nonnull(m);
+        for (int step = 0; step < 24; step++) {
+            const uint32_t *mask = pdm_gmatch_mask(m);
+            int32_t tok = (int32_t)(pdm_splitmix64(&x) % (uint64_t)n_vocab);
+            if (step % 2) { /* a token the mask allows, if any */
+                int32_t seen = 0;
+                for (int32_t i = 0; i < n_vocab; i++)
+                    if (mask[i >> 5] >> (i & 31) & 1 && pdm_splitmix64(&x) % (uint64_t)++seen == 0)
+                        tok = i;
+                if (!seen) break;
+            }
+            const int allowed = mask[tok >> 5] >> (tok & 31) & 1;
+            ck_assert_int_eq(pdm_gmatch_accept_token(m, tok), allowed);
+        }
+        pdm_gmatch_destroy(m);
+        pdm_grammar_destroy(g);
+    }
+    ck_assert_int_gt(compiled, 30);
+    pdm_vocab_trie_destroy(trie);
+    pdm_tokenizer_destroy(tk);
+}
+END_TEST
+
 Suite *suite_grammar(void)
 {
     Suite *s = suite_create("grammar");
@@ -293,6 +363,7 @@ Suite *suite_grammar(void)
     tcase_add_test(tc, test_mask_equals_bruteforce);
     tcase_add_test(tc, test_incremental_equals_scratch);
     tcase_add_test(tc, test_sampler_constrained);
+    tcase_add_test(tc, test_mutation_fuzz);
     suite_add_tcase(s, tc);
     return s;
 }
