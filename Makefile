@@ -72,7 +72,7 @@ KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c 
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/chat.c model/model.c \
              model/forward.c model/reference.c model/kv_cache.c model/kv_quant.c model/sampler.c \
-             model/testmodel.c model/quantize.c
+             model/grammar.c model/testmodel.c model/quantize.c
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/checksum.c \
            kvtransfer/checksum_avx2.c
 PREFILL_SRC := prefill_node/plan.c prefill_node/plan_io.c prefill_node/conv.c \
@@ -101,7 +101,7 @@ RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
 TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_tokenizer.c tests/unit/test_kernels.c tests/unit/test_engine.c \
-            tests/unit/test_sampler.c tests/unit/test_golden.c tests/unit/test_prefill.c \
+            tests/unit/test_sampler.c tests/unit/test_grammar.c tests/unit/test_golden.c tests/unit/test_prefill.c \
             tests/unit/test_kvtransfer.c tests/unit/test_decode.c \
             tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c \
             tests/unit/test_router.c tests/unit/test_sdk.c tests/unit/test_http.c tests/unit/test_curve.c \
@@ -137,10 +137,10 @@ SDK_BINS := $(BUILD)/bin/pdctl $(BUILD)/bin/pdmesh-chat $(BUILD)/bin/pdm-sdk-ite
 PYSDK := $(BUILD)/python/pdmesh/pdmesh_pb2.py
 HTTP_FAKE_OBJ := $(HTTP_FAKE_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c \
-             bench/kquant/pdm_matmul_bench.c
+             bench/kquant/pdm_matmul_bench.c bench/grammar/pdm_grammar_bench.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline \
-              $(BUILD)/bin/pdm-matmul-bench
+              $(BUILD)/bin/pdm-matmul-bench $(BUILD)/bin/pdm-grammar-bench
 LIB := $(BUILD)/libpdmesh-core.a
 BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode \
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
@@ -150,7 +150,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
         format-check \
         integration-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-serve-adaptive bench-prefix \
         bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
-        bench-engine bench-kquant cuda cuda-check bench-decode-memory-beam bench-decode-memory bench-decode-memory-window python-sdk \
+        bench-engine bench-grammar bench-kquant cuda cuda-check bench-decode-memory-beam bench-decode-memory bench-decode-memory-window python-sdk \
         python-pb python-package-test lm-eval-test \
         sdk-test image container-test fidelity
 
@@ -286,6 +286,10 @@ $(BUILD)/bin/pdm-engine-bench: $(BUILD)/obj/bench/engine/pdm_engine_bench.o $(LI
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
+$(BUILD)/bin/pdm-grammar-bench: $(BUILD)/obj/bench/grammar/pdm_grammar_bench.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
 $(BUILD)/bin/pdm-matmul-bench: $(BUILD)/obj/bench/kquant/pdm_matmul_bench.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
@@ -395,6 +399,8 @@ http-test: $(BINS) python-sdk
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_prefix_pool.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_echo.py \
+	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_structured.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_adaptive_mesh.py \
 	  --bindir $(BUILD)/bin
@@ -553,6 +559,12 @@ cuda-check:
 # docs/perf/. PDM_BENCH_QUICK=1 for a few-minute run. BENCH_VENV may point at an existing venv
 # with llama-cpp-python to skip its ~8 minute build.
 BENCH_VENV ?= $(VENV)
+# Structured output's cost (docs/perf/grammar.md): TPOT without / with a response_format
+# constraint, one thread, greedy and sampled; JSON in docs/perf/grammar.json.
+bench-grammar: model $(BUILD)/bin/pdm-grammar-bench
+	$(BUILD)/bin/pdm-grammar-bench $(MODEL_FILE) 5 160 > docs/perf/grammar.json
+	@cat docs/perf/grammar.json
+
 bench-engine: deps model all
 	@tools/deps.sh $(BENCH_VENV) --bench
 	$(BENCH_VENV)/bin/python bench/engine/run.py --pdm-bench $(BUILD)/bin/pdm-engine-bench \

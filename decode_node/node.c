@@ -63,6 +63,9 @@ typedef struct {
     pdm_token_logprobs_t first_lp; /* log-probabilities of the first token (logprobs) */
     int want_lp;         /* sp.logprobs >= 0 */
     int first_lp_known;  /* first_lp is set (sampled here, or sent with the first token) */
+    pdm_grammar_t *grammar; /* structured output (sp.json_schema), or NULL */
+    pdm_gmatch_t *gm;       /* its state after the completion's tokens (the sampler masks with
+                             * it; pdm__append feeds it) */
 } pdm__seq_t;
 
 /* A finished sequence kept for its prefix: its tokens and the KV of each of them. */
@@ -90,6 +93,8 @@ struct pdm_decode_node {
     int64_t pool_slots;          /* KV slots its caches hold */
     uint64_t pool_stamp;
     pdm_decode_pool_stats_t pool_st;
+    pdm_vocab_trie_t *trie;      /* the vocabulary's byte trie, built at the first request with
+                                  * a json_schema and shared by every matcher */
 };
 
 void pdm_decode_params_default(pdm_decode_params_t *p)
@@ -245,6 +250,8 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
     if (s->off) pdm_kvoff_destroy(s->off); /* owns s->cache */
     else pdm_kv_cache_destroy(s->cache);
     pdm_sampler_destroy(s->sampler);
+    pdm_gmatch_destroy(s->gm);
+    pdm_grammar_destroy(s->grammar);
     free(s->tokens);
     free(s->text);
     free(s->local_logits);
@@ -264,6 +271,7 @@ void pdm_decode_node_destroy(pdm_decode_node_t *n)
         if (n->seqs[i].state != SEQ_FREE) pdm__seq_release(n, &n->seqs[i]);
     free(n->seqs);
     free(n->logits);
+    pdm_vocab_trie_destroy(n->trie);
     pdm_kvoff_engine_destroy(n->offload);
     pdm_act_free(&n->act);
     pdm_model_ctx_destroy(n->ctx);
@@ -600,6 +608,26 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     return PDM_OK;
 }
 
+/* Structured output: compiles the schema and sets the matcher on the sampler. After a
+ * migration the matcher is rebuilt by feeding it the n_done tokens already delivered (s->hist),
+ * so the continuation is constrained from where the first node left off. */
+static int pdm__grammar_start(pdm_decode_node_t *n, pdm__seq_t *s, const char *schema)
+{
+    if (!n->model->tokenizer)
+        return pdm_error_set(PDM_EUNSUPPORTED, "decode node: json_schema needs the model's "
+                             "tokenizer");
+    if (!n->trie && !(n->trie = pdm_vocab_trie_create(n->model->tokenizer))) return PDM_ENOMEM;
+    int st = pdm_grammar_compile(schema, strlen(schema), &s->grammar);
+    if (st) return st;
+    if (!(s->gm = pdm_gmatch_create(s->grammar, n->trie))) return PDM_ENOMEM;
+    for (int i = 0; i < s->n_done; i++)
+        if (!pdm_gmatch_accept_token(s->gm, s->hist[i]))
+            return pdm_error_set(PDM_EINVAL, "decode node: delivered token %d (step %d) does "
+                                 "not fit the json_schema", s->hist[i], i);
+    pdm_sampler_set_grammar(s->sampler, s->gm);
+    return PDM_OK;
+}
+
 int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
 {
     pdm__seq_t *s = pdm__find(n, st_->id);
@@ -617,6 +645,7 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
     if (s->beam_width) return pdm__beam_start(n, s, st_);
     int st = pdm_sampler_params_check(&st_->sp);
     if (!st) st = pdm_sampler_create(&st_->sp, (int32_t)n->model->hp.n_vocab, &s->sampler);
+    if (!st && st_->sp.json_schema) st = pdm__grammar_start(n, s, st_->sp.json_schema);
     if (st) return st;
     for (int i = 0; i < st_->n_stops; i++) {
         if (!st_->stops[i] || !st_->stops[i][0]) continue;
@@ -708,6 +737,10 @@ static void pdm__beam_done(pdm_decode_node_t *n, pdm__seq_t *s, pdm_decode_event
 static const char *pdm__append(pdm_decode_node_t *n, pdm__seq_t *s, int32_t tok)
 {
     if (s->hist) s->hist[s->n_done + s->n_tokens] = tok;
+    if (s->gm && !pdm_gmatch_accept_token(s->gm, tok)) /* only a first token sampled elsewhere
+                                                         * without the mask can get here */
+        pdm_log_warn("decode node: request %llu: token %d does not fit its json_schema",
+                     (unsigned long long)s->id, tok);
     s->tokens[s->n_tokens++] = tok;
     const int eog = pdm_tokenizer_is_eog(n->model->tokenizer, tok);
     if (eog && !s->ignore_eos) return "eos";

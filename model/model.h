@@ -24,6 +24,7 @@
 #include "../common/pdm.h"
 #include "../kernels/kernels.h"
 #include "gguf.h"
+#include "grammar.h"
 #include "tokenizer.h"
 
 #define PDM_MAX_KV_HEADS 64
@@ -397,6 +398,10 @@ typedef struct {
     int32_t n_bias;           /* [0, PDM_SAMPLER_MAX_LOGIT_BIAS] */
     int32_t logprobs;         /* < 0: none; else report the chosen token's log-probability and
                                * the `logprobs` most likely tokens' (<= MAX_TOP_LOGPROBS) */
+    const char *json_schema;  /* structured output: NUL-terminated JSON Schema text (borrowed),
+                               * or NULL. Not used by the sampler itself: the caller compiles it
+                               * (pdm_grammar_compile) and sets the matcher with
+                               * pdm_sampler_set_grammar */
 } pdm_sampler_params_t;
 
 /* The limits pdm_sampler_params_check enforces (the router checks every request with it, and
@@ -449,6 +454,17 @@ void pdm_sampler_destroy(pdm_sampler_t *s);
  * params.logprobs >= 0. Never allocates. */
 int32_t pdm_sampler_sample(pdm_sampler_t *s, const float *logits, const int32_t *history,
                            int n_history, pdm_token_logprobs_t *lp);
+
+/* Constrained sampling (structured output): with a matcher set, step 3 is followed by
+ *   3b. l[t] = -inf for every token the grammar does not allow next (pdm_gmatch_mask),
+ * so the logprobs, greedy choice and the draw all see the constrained distribution. At
+ * temperature 0 without logprobs the sampler first checks the unconstrained argmax with
+ * pdm_gmatch_allows and builds the mask only when the grammar refuses it (the result is the
+ * same: the argmax over the allowed tokens). The sampler borrows m (NULL: none) and does not
+ * advance it: the caller feeds the chosen token with pdm_gmatch_accept_token. If no token is
+ * allowed at all (cannot happen with the grammars pdm_grammar_compile builds), the mask is
+ * ignored. */
+void pdm_sampler_set_grammar(pdm_sampler_t *s, pdm_gmatch_t *m);
 
 /* ---- Quantization ------------------------------------------------------------------------ */
 

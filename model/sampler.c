@@ -26,6 +26,7 @@ struct pdm_sampler {
     float *bias;            /* [n_vocab] dense logit_bias, or NULL without one */
     int32_t bias_ids_[PDM_SAMPLER_MAX_LOGIT_BIAS];
     float bias_values_[PDM_SAMPLER_MAX_LOGIT_BIAS];
+    pdm_gmatch_t *grammar;  /* borrowed, or NULL */
 };
 
 void pdm_sampler_params_default(pdm_sampler_params_t *p)
@@ -104,6 +105,7 @@ int pdm_sampler_params_from_msg(const Pdmesh__SamplingParams *m, pdm_sampler_par
         sp.bias_ids = m->logit_bias_ids;
         sp.bias_values = m->logit_bias_values;
         sp.n_bias = (int32_t)m->n_logit_bias_ids;
+        if (m->json_schema && m->json_schema[0]) sp.json_schema = m->json_schema;
         if (m->logprobs) {
             if (m->top_logprobs > PDM_SAMPLER_MAX_TOP_LOGPROBS)
                 return pdm_error_set(PDM_EINVAL, "top_logprobs %u is over %d", m->top_logprobs,
@@ -133,6 +135,7 @@ void pdm_sampler_params_to_msg(const pdm_sampler_params_t *p, Pdmesh__SamplingPa
     m->n_logit_bias_values = (size_t)p->n_bias;
     m->logprobs = p->logprobs >= 0;
     m->top_logprobs = p->logprobs > 0 ? (uint32_t)p->logprobs : 0;
+    m->json_schema = p->json_schema ? (char *)p->json_schema : (char *)protobuf_c_empty_string;
 }
 
 /* u_i of the rule in model.h: uniform in [0, 1) with 53 bits, from (seed, step) alone. */
@@ -169,6 +172,7 @@ int pdm_sampler_create(const pdm_sampler_params_t *p, int32_t n_vocab, pdm_sampl
     }
     s->p.bias_ids = s->bias_ids_;
     s->p.bias_values = s->bias_values_;
+    s->p.json_schema = NULL; /* borrowed by the caller, never read here */
     *out = s;
     return PDM_OK;
 }
@@ -303,6 +307,23 @@ void pdm_sampler_score(const float *logits, int32_t n_vocab, int32_t token, int3
         lp->top_logprobs[j] = (float)((double)(logits[lp->top_ids[j]] - maxl) - log_total);
 }
 
+void pdm_sampler_set_grammar(pdm_sampler_t *s, pdm_gmatch_t *m)
+{
+    s->grammar = m;
+}
+
+/* Step 3b: -inf for the tokens the grammar refuses (unless it refuses every one). */
+static void pdm__apply_mask(pdm_sampler_t *s)
+{
+    const uint32_t *mask = pdm_gmatch_mask(s->grammar);
+    const int n = s->n_vocab;
+    int any = 0;
+    for (int w = 0; w < (n + 31) / 32 && !any; w++) any = mask[w] != 0;
+    if (!any) return;
+    for (int i = 0; i < n; i++)
+        if (!(mask[i >> 5] >> (i & 31) & 1)) s->cand[i].logit = -INFINITY;
+}
+
 int32_t pdm_sampler_sample(pdm_sampler_t *s, const float *logits, const int32_t *history,
                            int n_history, pdm_token_logprobs_t *lp)
 {
@@ -313,6 +334,19 @@ int32_t pdm_sampler_sample(pdm_sampler_t *s, const float *logits, const int32_t 
     pdm_token_logprobs_t unused;
     if (!lp) lp = &unused;
     const int want_lp = p->logprobs >= 0;
+    if (s->grammar) {
+        int fast = 0;
+        if (p->temperature <= 0.0f && !want_lp) {
+            /* the argmax, if the grammar takes it, is the constrained argmax */
+            int best = 0;
+            float top = c[0].logit; /* in a register: no load of c[best] per element */
+            for (int i = 1; i < n; i++)
+                if (c[i].logit > top) top = c[best = i].logit;
+            fast = pdm_gmatch_allows(s->grammar, c[best].id);
+            if (fast) return c[best].id;
+        }
+        pdm__apply_mask(s);
+    }
     const double lse = want_lp ? pdm__logprobs_top(c, n, p->logprobs, lp) : 0.0;
     pdm__cand_t chosen;
 

@@ -38,6 +38,8 @@ typedef struct {
     pdm_prefill_rank_t *rank;
     int grouped;
     const char *dump_dir;       /* --dump-dir: where PrefillTask.kv_dump files go (NULL: off) */
+    pdm_vocab_trie_t *trie;     /* the vocabulary's byte trie, built at the first task with a
+                                 * json_schema (its first token is masked here) */
 } pdm__daemon_t;
 
 /* The Error code of a failed task, from its status. */
@@ -201,17 +203,31 @@ static void pdm__set_running(pdm__daemon_t *pn, uint32_t running)
 
 /* The owner's first token: step 0 of the request's sampler (model.h "Sampling": logit_bias,
  * seed, temperature...; no history yet, so no penalty) over the last prompt token's logits,
- * and its log-probabilities. Without sampling parameters, the greedy token. */
+ * and its log-probabilities, masked by the request's json_schema when it has one (the grammar's
+ * start state). Without sampling parameters, the greedy token. */
 static int pdm__sample_first(pdm__daemon_t *pn, const Pdmesh__SamplingParams *m,
                              const float *logits, int32_t *first, pdm_token_logprobs_t *lp)
 {
     pdm_sampler_params_t sp;
     pdm_sampler_t *s = NULL;
+    pdm_grammar_t *g = NULL;
+    pdm_gmatch_t *gm = NULL;
     int st = pdm_sampler_params_from_msg(m, &sp);
     if (!st) st = pdm_sampler_create(&sp, (int32_t)pn->model->hp.n_vocab, &s);
-    if (st) return pdm_error_set(st, "PrefillTask: sampling: %s", pdm_error_last());
-    *first = pdm_sampler_sample(s, logits, NULL, 0, lp);
+    if (!st && sp.json_schema) {
+        if (!pn->model->tokenizer)
+            st = pdm_error_set(PDM_EUNSUPPORTED, "json_schema needs the model's tokenizer");
+        else if (!pn->trie && !(pn->trie = pdm_vocab_trie_create(pn->model->tokenizer)))
+            st = PDM_ENOMEM;
+        if (!st) st = pdm_grammar_compile(sp.json_schema, strlen(sp.json_schema), &g);
+        if (!st && !(gm = pdm_gmatch_create(g, pn->trie))) st = PDM_ENOMEM;
+        if (!st) pdm_sampler_set_grammar(s, gm);
+    }
+    if (!st) *first = pdm_sampler_sample(s, logits, NULL, 0, lp);
     pdm_sampler_destroy(s);
+    pdm_gmatch_destroy(gm);
+    pdm_grammar_destroy(g);
+    if (st) return pdm_error_set(st, "PrefillTask: sampling: %s", pdm_error_last());
     return PDM_OK;
 }
 
@@ -553,6 +569,7 @@ out:
     if (pn.grouped) pdm_kvt_group_fini(&pn.group);
     pdm_link_destroy(pn.link);
     pdm_kvt_destroy(pn.kvt);
+    pdm_vocab_trie_destroy(pn.trie);
     pdm_model_free(model);
     return status;
 }

@@ -136,6 +136,15 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     pdm_sampler_params_t sp;
     if (pdm_sampler_params_from_msg(req->sampling, &sp))
         return rt_refuse(code, INV, PDM_EINVAL, "sampling: %s", pdm_error_last());
+    if (sp.json_schema) { /* a schema we cannot compile is the client's error, here */
+        pdm_grammar_t *gr = NULL;
+        if (req->beams > 1)
+            return rt_refuse(code, INV, PDM_EINVAL, "response_format (json_schema) is not "
+                             "supported with beam search");
+        if (pdm_grammar_compile(sp.json_schema, strlen(sp.json_schema), &gr))
+            return rt_refuse(code, INV, PDM_EINVAL, "%s", pdm_error_last());
+        pdm_grammar_destroy(gr);
+    }
     for (int32_t i = 0; i < sp.n_bias; i++)
         if ((uint32_t)sp.bias_ids[i] >= r->model->hp.n_vocab)
             return rt_refuse(code, INV, PDM_EINVAL, "sampling: logit_bias names token %d, "
@@ -204,6 +213,11 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         return rt_refuse(code, INV, PDM_EINVAL, "prompt logprobs need a prompt of at least 2 "
                          "tokens");
     }
+    char *schema = NULL;
+    if (sp.json_schema && !(schema = strdup(sp.json_schema))) {
+        free(tok);
+        return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
+    }
     rt_req_t *q = calloc(1, sizeof(*q));
     if (q) q->gen = malloc(sizeof(int32_t) * max_new);
     if (q && plp_stride) {
@@ -218,6 +232,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
             free(q->gen);
             free(q);
             free(tok);
+            free(schema);
             return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
         }
         q->want_plp = 1;
@@ -241,6 +256,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         }
         free(q);
         free(tok);
+        free(schema);
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
     }
     int bst = rt_beams_admit(r, req, q, code);
@@ -254,6 +270,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         free(q->plp_n);
         free(q);
         free(tok);
+        free(schema);
         return bst;
     }
     q->id = ++r->next_id;
@@ -270,6 +287,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     }
     q->sp.bias_ids = q->bias_ids;
     q->sp.bias_values = q->bias_values;
+    q->sp.json_schema = q->json_schema = schema; /* the request owns it from here */
     for (size_t i = 0; i < req->n_stop; i++)
         if (req->stop[i][0]) q->stops[q->n_stops++] = strdup(req->stop[i]);
     q->ignore_eos = req->ignore_eos;

@@ -7,7 +7,8 @@
  *   max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
  *   seed, presence_penalty, frequency_penalty, logit_bias, logprobs (completions: an integer
  *   0..20; chat: a boolean) and top_logprobs (chat, 0..20), stop (string or list), stream,
- *   stream_options.include_usage, n (1), best_of (beams), ignore_eos, user.
+ *   stream_options.include_usage, n (1), best_of (beams), ignore_eos, user, response_format
+ *   (text, json_object, json_schema: grammar-constrained sampling, model/grammar.h).
  * Log-probabilities come back in OpenAI's shapes (https://platform.openai.com/docs/api-reference
  * /completions/object: choices[].logprobs = {tokens, token_logprobs, top_logprobs,
  * text_offset}; /chat/object: choices[].logprobs.content = [{token, logprob, bytes,
@@ -58,6 +59,7 @@ void pdm_http__request_free(Pdmesh__GenerateRequest *req)
     if (req->sampling) {
         free(req->sampling->logit_bias_ids);
         free(req->sampling->logit_bias_values);
+        if (req->sampling->json_schema != protobuf_c_empty_string) free(req->sampling->json_schema);
     }
     free(req->sampling);
     free(req);
@@ -292,14 +294,60 @@ static int take_stop(const cJSON *root, Pdmesh__GenerateRequest *req, pdm_http_e
  * answer. */
 static int refuse_unsupported(const cJSON *root, pdm_http_err_t *err)
 {
-    static const char *const must_be_absent[] = {"suffix", "tools", "functions",
-                                                 "response_format"};
+    static const char *const must_be_absent[] = {"suffix", "tools", "functions"};
     for (size_t i = 0; i < PDM_ARRAY_SIZE(must_be_absent); i++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, must_be_absent[i]);
         if (v && !cJSON_IsNull(v) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0) &&
             !(cJSON_IsObject(v) && !v->child) && !(cJSON_IsString(v) && !v->valuestring[0]))
             return fail(err, 400, "unsupported_value", "'%s' is not supported", must_be_absent[i]);
     }
+    return PDM_OK;
+}
+
+/* response_format (https://platform.openai.com/docs/guides/structured-outputs):
+ * {"type": "text"} (nothing), {"type": "json_object"} (any JSON object: the schema
+ * {"type":"object"}), {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}.
+ * The schema travels as text in SamplingParams.json_schema; it is compiled here once so that a
+ * schema the grammar compiler refuses is a 400 naming the keyword (model/grammar.h). */
+static int take_response_format(const cJSON *root, Pdmesh__SamplingParams *sp,
+                                pdm_http_err_t *err)
+{
+    const cJSON *rf = cJSON_GetObjectItemCaseSensitive(root, "response_format");
+    if (!rf || cJSON_IsNull(rf)) return PDM_OK;
+    if (!cJSON_IsObject(rf))
+        return fail(err, 400, "invalid_type", "'response_format' must be an object");
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(rf, "type");
+    if (!cJSON_IsString(type))
+        return fail(err, 400, "invalid_value", "'response_format.type' must be \"text\", "
+                    "\"json_object\" or \"json_schema\"");
+    char *text = NULL;
+    if (!strcmp(type->valuestring, "text")) {
+        return PDM_OK;
+    } else if (!strcmp(type->valuestring, "json_object")) {
+        text = strdup("{\"type\":\"object\"}");
+    } else if (!strcmp(type->valuestring, "json_schema")) {
+        const cJSON *js = cJSON_GetObjectItemCaseSensitive(rf, "json_schema");
+        const cJSON *schema = cJSON_IsObject(js) ? cJSON_GetObjectItemCaseSensitive(js, "schema")
+                                                 : NULL;
+        if (!schema || !(cJSON_IsObject(schema) || cJSON_IsBool(schema)))
+            return fail(err, 400, "invalid_value", "'response_format.json_schema.schema' must "
+                        "be a JSON Schema object");
+        text = cJSON_PrintUnformatted(schema);
+    } else {
+        return fail(err, 400, "unsupported_value", "'response_format.type' \"%.40s\" is not "
+                    "supported (text, json_object, json_schema)", type->valuestring);
+    }
+    if (!text) return fail(err, 500, "internal_error", "out of memory");
+    pdm_grammar_t *g = NULL;
+    int st = pdm_grammar_compile(text, strlen(text), &g);
+    pdm_grammar_destroy(g);
+    if (st) {
+        free(text);
+        return fail(err, 400, strstr(pdm_error_last(), "not supported") ? "unsupported_value"
+                                                                        : "invalid_value",
+                    "%s", pdm_error_last());
+    }
+    sp->json_schema = text;
     return PDM_OK;
 }
 
@@ -508,6 +556,7 @@ static int parse_one(const cJSON *root, int chat, int index, const pdm_router_li
         goto done;
     if (have) sp->frequency_penalty = (float)v;
     if ((st = take_logit_bias(root, sp, err))) goto done;
+    if ((st = take_response_format(root, sp, err))) goto done;
     if ((st = take_logprobs(root, chat, sp, opts, err))) goto done;
     if ((st = get_integer(root, "seed", -9.2e18, 1.8e19, &v, &have, err))) goto done;
     if (have) {

@@ -137,7 +137,9 @@ typedef struct rt_req {
     char client[96];
     int32_t *prompt;
     uint32_t n_prompt, max_new;
-    pdm_sampler_params_t sp;      /* its bias arrays point at bias_ids / bias_values */
+    pdm_sampler_params_t sp;      /* its bias arrays point at bias_ids / bias_values, its
+                                   * json_schema at json_schema */
+    char *json_schema;            /* structured output's schema (malloc'd), or NULL */
     int32_t bias_ids[PDM_SAMPLER_MAX_LOGIT_BIAS];
     float bias_values[PDM_SAMPLER_MAX_LOGIT_BIAS];
     /* logprobs (sp.logprobs >= 0): per delivered token i, lp_stride = 1 + sp.logprobs entries

@@ -84,6 +84,7 @@ static void rt_req_unlink_free(pdm_router_t *r, rt_req_t *q)
     free(q->plp_n);
     free(q->text);
     for (size_t i = 0; i < q->n_stops; i++) free(q->stops[i]);
+    free(q->json_schema);
     free(q);
     pdm_metric_set(r->m.queue, NULL, r->n_req);
 }

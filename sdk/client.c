@@ -818,6 +818,11 @@ static int pdmc__validate(const pdm_client_request_t *q)
             return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "logit_bias %zu: token %d, "
                                     "bias %g (ids >= 0, biases in [-100, 100])", i,
                                     q->logit_bias_ids[i], q->logit_bias_values[i]);
+    if (q->json_object && q->json_schema)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "json_schema and json_object "
+                                "are exclusive");
+    if (q->json_schema && !q->json_schema[0])
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "json_schema is empty");
     if (q->top_logprobs > PDMC_MAX_TOP_LOGPROBS)
         return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "top_logprobs must be <= %d",
                                 PDMC_MAX_TOP_LOGPROBS);
@@ -885,6 +890,8 @@ static int pdmc__pack_request(const pdm_client_request_t *q, uint64_t id, int st
     sp.n_logit_bias_values = q->n_logit_bias;
     sp.logprobs = q->logprobs != 0;
     sp.top_logprobs = q->logprobs ? q->top_logprobs : 0;
+    if (q->json_object) sp.json_schema = (char *)"{\"type\":\"object\"}";
+    else if (q->json_schema) sp.json_schema = (char *)q->json_schema;
     m.sampling = &sp;
     m.prompt_logprobs = q->prompt_logprobs != 0;
     m.prompt_only = q->prompt_only != 0;

@@ -184,6 +184,14 @@ typedef struct {
                                         temperature */
     int prompt_only;                 /* with prompt_logprobs: generate nothing, only score the
                                         prompt (a text's log-likelihood; max_tokens ignored) */
+    /* Structured output (OpenAI's response_format; docs/http.md "Structured output"): the
+     * completion is JSON valid against json_schema (a JSON Schema's text, the subset
+     * docs/http.md lists), or any JSON object with json_object set; at most one of the two.
+     * Enforced by masking the vocabulary at every step, on the prefill group and the decode
+     * node, and across a migration. A schema the router cannot compile is refused with
+     * PDM_CLIENT_EINVALID_ARGUMENT and a message naming the keyword. Not with beam search. */
+    const char *json_schema;
+    int json_object;
 } pdm_client_request_t;
 
 /* Fills r with the defaults (greedy, router defaults for the rest). */

@@ -238,6 +238,8 @@ static char *params_json(const Pdmesh__GenerateRequest *req)
         }
         cJSON_AddBoolToObject(o, "logprobs", req->sampling->logprobs);
         cJSON_AddNumberToObject(o, "top_logprobs", req->sampling->top_logprobs);
+        cJSON_AddStringToObject(o, "json_schema",
+                                req->sampling->json_schema ? req->sampling->json_schema : "");
     }
     cJSON *stop = cJSON_AddArrayToObject(o, "stop");
     for (size_t i = 0; i < req->n_stop; i++) cJSON_AddItemToArray(stop, cJSON_CreateString(req->stop[i]));

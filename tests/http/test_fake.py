@@ -164,6 +164,20 @@ def test_sampling_fields(f):
     assert p["presence_penalty"] == 0.5 and p["frequency_penalty"] == -1.25, p
     assert p["logit_bias"] == {"7": -100, "42": 3.5}, p
     assert p["logprobs"] is True and p["top_logprobs"] == 4 and p["seed"] == "9", p
+    assert p["json_schema"] == "", p
+    # response_format -> SamplingParams.json_schema (json_object is {"type":"object"})
+    p = json.loads(comp(f.port, {"prompt": "PARAMS", "response_format": {"type": "json_object"}}
+                        ).json()["choices"][0]["text"])
+    assert json.loads(p["json_schema"]) == {"type": "object"}, p
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    p = json.loads(comp(f.port, {"messages": [{"role": "user", "content": "PARAMS"}],
+                                 "response_format": {"type": "json_schema", "json_schema": {
+                                     "name": "s", "strict": True, "schema": schema}}},
+                        "/v1/chat/completions").json()["choices"][0]["message"]["content"])
+    assert json.loads(p["json_schema"]) == schema, p
+    p = json.loads(comp(f.port, {"prompt": "PARAMS", "response_format": {"type": "text"}}
+                        ).json()["choices"][0]["text"])
+    assert p["json_schema"] == "", p
     p = json.loads(comp(f.port, {"messages": [{"role": "user", "content": "PARAMS"}],
                                  "logprobs": True, "top_logprobs": 20},
                         "/v1/chat/completions").json()["choices"][0]["message"]["content"])
@@ -273,7 +287,14 @@ def test_bad_requests(f):
         ({"prompt": "a", "logit_bias": [1]}, 400, "invalid_type"),
         ({"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "invalid_value"),
         ({"prompt": "a", "suffix": "z"}, 400, "unsupported_value"),
-        ({"prompt": "a", "response_format": {"type": "json_object"}}, 400, "unsupported_value"),
+        ({"prompt": "a", "response_format": {"type": "xml"}}, 400, "unsupported_value"),
+        ({"prompt": "a", "response_format": "json"}, 400, "invalid_type"),
+        ({"prompt": "a", "response_format": {"type": "json_schema"}}, 400, "invalid_value"),
+        ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "a"}}}}, 400,
+         "unsupported_value"),
+        ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"$ref": "#/$defs/missing"}}}}, 400, "invalid_value"),
         ({"prompt": "a", "stop": 5}, 400, "invalid_type"),
         ({"prompt": "a", "stop": [""]}, 400, "invalid_value"),
         ({"prompt": "a", "stop": ["s"] * 40}, 400, "invalid_value"),

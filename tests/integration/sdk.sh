@@ -184,6 +184,10 @@ sp="The quick brown fox jumps over the lazy dog. The quick brown fox jumps over 
 expect "C SDK: penalties, logit_bias, logprobs, seed" 0 timeout 300 "$bin/pdm-sdk-itest" sampling "$ep" $n 3 "$sp" "$tmp/sampling.ref"
 expect "python: penalties, logit_bias, logprobs, seed" 0 timeout 300 "$py" tests/integration/sdk_python.py sampling "$ep" "$sp" $n 3 "$tmp/sampling.ref"
 grep -q FAIL "$tmp/out" && cat "$tmp/out"
+# Structured output (json_schema / json_object) through both SDKs and the prefill group.
+expect "C SDK: json_schema, json_object, a refused keyword" 0 timeout 300 "$bin/pdm-sdk-itest" structured "$ep" 120
+expect "python: json_schema, json_object, a refused keyword" 0 timeout 300 "$py" tests/integration/sdk_python.py structured "$ep" 120
+grep -q FAIL "$tmp/out" && cat "$tmp/out"
 ctl policy set local_threshold 32 > /dev/null
 
 # Beam search (local prefill at this threshold): C SDK (pdmesh generate --router) and Python

@@ -460,6 +460,59 @@ static int cmd_sampling(const char *ep, long n, int k, const char *prompt, const
     return status;
 }
 
+/* Structured output: json_schema and json_object give JSON; an unsupported keyword is refused
+ * with a message naming it. */
+static int cmd_structured(const char *ep, long n)
+{
+    pdm_client_t *c;
+    if (pdm_client_create(ep, NULL, &c)) return 1;
+    static const pdm_client_message_t msg = {"user", "John is 31. Give his name and age as JSON."};
+    pdm_client_request_t q;
+    greedy(&q, NULL, n);
+    q.messages = &msg;
+    q.n_messages = 1;
+    q.json_schema = "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},"
+                    "\"age\":{\"type\":\"integer\"}},\"required\":[\"name\",\"age\"]}";
+    int status = 0;
+    pdm_client_result_t r;
+    int rc = pdm_client_generate(c, &q, &r);
+    if (rc) {
+        status = fail("structured", &r, rc);
+    } else {
+        cJSON *v = cJSON_Parse(r.text);
+        if (!v || !cJSON_IsNumber(cJSON_GetObjectItem(v, "age")) ||
+            !cJSON_IsString(cJSON_GetObjectItem(v, "name"))) {
+            fprintf(stderr, "structured: not valid against the schema: %s\n", r.text);
+            status = 1;
+        }
+        cJSON_Delete(v);
+    }
+    pdm_client_result_fini(&r);
+    q.json_schema = NULL;
+    q.json_object = 1;
+    if (!status && !(rc = pdm_client_generate(c, &q, &r))) {
+        if (r.text[strspn(r.text, " \n")] != '{') {
+            fprintf(stderr, "structured: json_object gave %s\n", r.text);
+            status = 1;
+        }
+        pdm_client_result_fini(&r);
+    } else if (!status) {
+        status = fail("structured json_object", &r, rc);
+    }
+    q.json_object = 0;
+    q.json_schema = "{\"type\":\"string\",\"format\":\"email\"}";
+    rc = pdm_client_generate(c, &q, &r);
+    if (!status && (rc != PDM_CLIENT_EINVALID_ARGUMENT || !strstr(r.error, "format"))) {
+        fprintf(stderr, "structured: unsupported keyword: rc %d, %s\n", rc,
+                r.error);
+        status = 1;
+    }
+    pdm_client_result_fini(&r);
+    pdm_client_destroy(c);
+    if (!status) printf("structured: ok\n");
+    return status;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 3) {
@@ -471,6 +524,7 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "cancel") && argc == 4) return cmd_cancel(ep, argv[3]);
     if (!strcmp(cmd, "timeout") && argc == 4) return cmd_timeout(ep, atoi(argv[3]));
     if (!strcmp(cmd, "ping") && argc == 4) return cmd_ping(ep, atoi(argv[3]));
+    if (!strcmp(cmd, "structured") && argc == 4) return cmd_structured(ep, atol(argv[3]));
     if (!strcmp(cmd, "sampling") && argc == 7)
         return cmd_sampling(ep, atol(argv[3]), atoi(argv[4]), argv[5], argv[6]);
     if (!strcmp(cmd, "hold") && argc == 5) {

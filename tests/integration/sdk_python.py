@@ -192,6 +192,35 @@ def beams(endpoint, prompt, n, ref_path):
               len(b.tokens) == 24 and b.tokens[:len(a.tokens)] == a.tokens, (a, b))
 
 
+def structured(endpoint, n):
+    """Structured output: json_schema (a dict) and json_object; a refused keyword."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                                "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "John is 31. Give his name and age as JSON."}]
+    with pdmesh.Client(endpoint, timeout=300) as c:
+        r = c.generate(messages=msgs, max_tokens=n, json_schema=schema)
+        try:
+            v = json.loads(r.text)
+            ok = isinstance(v, dict) and set(v) == {"name", "age"} and isinstance(v["age"], int)
+        except ValueError:
+            ok = False
+        check("python json_schema: the completion validates", ok, r.text)
+        s = c.stream(messages=msgs, max_tokens=n, json_schema=json.dumps(schema))
+        check("python json_schema streamed (schema as text): same text",
+              "".join(ch.text for ch in s) == r.text, r.text)
+        r = c.generate(messages=msgs, max_tokens=n, json_object=True)
+        check("python json_object: starts as a JSON object", r.text.lstrip().startswith("{"),
+              r.text)
+        try:
+            c.generate(messages=msgs, max_tokens=n,
+                       json_schema={"type": "string", "format": "email"})
+            check("python json_schema: unsupported keyword refused", False)
+        except pdmesh.InvalidArgumentError as e:
+            check("python json_schema: unsupported keyword refused, named", "format" in str(e),
+                  str(e))
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "live":
@@ -202,6 +231,8 @@ if __name__ == "__main__":
         unreachable()
     elif mode == "beams":
         beams(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    elif mode == "structured":
+        structured(sys.argv[2], int(sys.argv[3]))
     elif mode == "sampling":
         sampling(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     sys.exit(1 if failures else 0)

@@ -19,7 +19,7 @@ static const struct {
     Suite *(*make)(void);
 } suites[] = {
     {"common", suite_common},   {"gguf", suite_gguf},     {"tokenizer", suite_tokenizer},
-    {"kernels", suite_kernels}, {"engine", suite_engine}, {"sampler", suite_sampler},
+    {"kernels", suite_kernels}, {"engine", suite_engine}, {"sampler", suite_sampler}, {"grammar", suite_grammar},
     {"golden", suite_golden},   {"kvtransfer", suite_kvtransfer}, {"prefill", suite_prefill},
     {"decode", suite_decode},   {"disagg", suite_disagg},
     {"beam", suite_beam},       {"offload", suite_offload},   {"router", suite_router},

@@ -15,6 +15,7 @@ Suite *suite_tokenizer(void);
 Suite *suite_kernels(void);
 Suite *suite_engine(void);
 Suite *suite_sampler(void);
+Suite *suite_grammar(void);
 Suite *suite_golden(void);
 Suite *suite_prefill(void);
 Suite *suite_kvtransfer(void);

@@ -10,12 +10,13 @@ connection within connect_timeout) from one that is connected but silent (timeou
 from __future__ import annotations
 
 import itertools
+import json as _json
 import os
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -377,7 +378,8 @@ class Client:
                  top_p, min_p, repeat_penalty, seed, stop, deadline_ms, beams, n_best,
                  length_penalty, ignore_eos, model, timeout, early_stopping=None,
                  presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, logprobs=False,
-                 top_logprobs=0, prompt_logprobs=False, prompt_only=False):
+                 top_logprobs=0, prompt_logprobs=False, prompt_only=False, json_schema=None,
+                 json_object=False):
         if self._closed:
             raise errors.ClosedError("the client is closed")
         given = sum(x is not None for x in (prompt, prompt_tokens, messages))
@@ -401,6 +403,15 @@ class Client:
                 "logit_bias: at most 300 {token id (int >= 0): bias in [-100, 100]}")
         if not 0 <= top_logprobs <= 20:
             raise errors.InvalidArgumentError("top_logprobs must be in [0, 20]")
+        if json_schema is not None and json_object:
+            raise errors.InvalidArgumentError("json_schema and json_object are exclusive")
+        if json_object:
+            json_schema = '{"type":"object"}'
+        elif json_schema is not None and not isinstance(json_schema, str):
+            if not isinstance(json_schema, Mapping):
+                raise errors.InvalidArgumentError(
+                    "json_schema must be a JSON Schema (a dict or its JSON text)")
+            json_schema = _json.dumps(json_schema)
         if prompt_only and not prompt_logprobs:
             raise errors.InvalidArgumentError("prompt_only needs prompt_logprobs")
         stop = list(stop or [])
@@ -424,7 +435,8 @@ class Client:
                                                 logit_bias_ids=list(logit_bias.keys()),
                                                 logit_bias_values=list(logit_bias.values()),
                                                 logprobs=bool(logprobs),
-                                                top_logprobs=top_logprobs if logprobs else 0))
+                                                top_logprobs=top_logprobs if logprobs else 0,
+                                                json_schema=json_schema or ""))
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise errors.InvalidArgumentError("prompt must be a str")
@@ -458,7 +470,9 @@ class Client:
                early_stopping: Optional[str] = None, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, logit_bias: Optional[Mapping[int, float]] = None,
                logprobs: bool = False, top_logprobs: int = 0, prompt_logprobs: bool = False,
-               prompt_only: bool = False) -> "Stream":
+               prompt_only: bool = False,
+               json_schema: Optional[Union[str, Mapping[str, Any]]] = None,
+               json_object: bool = False) -> "Stream":
         """A Stream: iterate it for Chunks as the router produces them; its .result holds
         the final Result once iteration ends. .cancel() works from any thread.
         presence_penalty / frequency_penalty ([-2, 2]) and logit_bias ({token id: bias in
@@ -468,13 +482,17 @@ class Client:
         prompt token's log-probability given the tokens before it (raw logits: no bias,
         penalty or temperature; with logprobs, top_logprobs alternatives), computed where
         the prompt is prefilled; prompt_only=True with it generates nothing (max_tokens is ignored): the
-        loglikelihood of a text is then sum(lp.logprob for lp in prompt_logprobs[1:])."""
+        loglikelihood of a text is then sum(lp.logprob for lp in prompt_logprobs[1:]).
+        json_schema (a JSON Schema as a dict or its text) / json_object=True: structured
+        output, OpenAI's response_format (docs/http.md "Structured output"): the completion is
+        JSON valid against the schema (any JSON object), enforced at every step."""
         req, timeout = self._request(prompt, prompt_tokens, messages, True, max_tokens,
                                      temperature, top_k, top_p, min_p, repeat_penalty, seed,
                                      stop, deadline_ms, beams, n_best, length_penalty,
                                      ignore_eos, model, timeout, early_stopping,
                                      presence_penalty, frequency_penalty, logit_bias, logprobs,
-                                     top_logprobs, prompt_logprobs, prompt_only)
+                                     top_logprobs, prompt_logprobs, prompt_only, json_schema,
+                                     json_object)
         return Stream(self, req, timeout)
 
     def generate(self, prompt: Optional[str] = None, *,
@@ -489,7 +507,9 @@ class Client:
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  logit_bias: Optional[Mapping[int, float]] = None, logprobs: bool = False,
                  top_logprobs: int = 0, prompt_logprobs: bool = False,
-                 prompt_only: bool = False) -> Result:
+                 prompt_only: bool = False,
+                 json_schema: Optional[Union[str, Mapping[str, Any]]] = None,
+                 json_object: bool = False) -> Result:
         """Blocks until the whole completion is there; returns a Result. Raises a
         PdmeshError subclass on failure. `call`, if given, is a list that receives the
         Stream object first, so another thread can call .cancel() on it.
@@ -504,7 +524,8 @@ class Client:
                                      stop, deadline_ms, beams, n_best, length_penalty,
                                      ignore_eos, model, timeout, early_stopping,
                                      presence_penalty, frequency_penalty, logit_bias, logprobs,
-                                     top_logprobs, prompt_logprobs, prompt_only)
+                                     top_logprobs, prompt_logprobs, prompt_only, json_schema,
+                                     json_object)
         s = Stream(self, req, timeout)
         if call is not None:
             call.append(s)
