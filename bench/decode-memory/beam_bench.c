@@ -30,6 +30,9 @@ typedef struct {
     size_t eq2, eq3, seg_bytes, copy_bytes;
     double seg_mean, seg_median, copy_mean, copy_median;
     uint64_t copy_bytes_moved; /* KV bytes copied by the copying layout's reorders */
+    double seg_phase[PDM_DECODE_PHASES]; /* segmented: mean seconds per step of each phase */
+    double seg_advance;                  /* segmented: mean seconds per step of the search's
+                                          * advance (log-softmax, top-k, reorder) */
 } result_t;
 
 static int cmp_double(const void *a, const void *b)
@@ -87,6 +90,7 @@ static int run_width(pdm_model_ctx_t *ctx, const pdm_kv_cache_t *base, int32_t l
         return -1;
     pdm_beam_search_prime(bs, last_token);
     int done = 0, n_t = 0;
+    double phases[PDM_DECODE_PHASES] = {0}, advance = 0;
     while (!done) {
         int32_t in[PDM_BEAM_MAX_WIDTH];
         pdm_decode_seq_t seqs[PDM_BEAM_MAX_WIDTH];
@@ -97,14 +101,22 @@ static int run_width(pdm_model_ctx_t *ctx, const pdm_kv_cache_t *base, int32_t l
             beams[b] = kv;
         }
         const int priming = !kv->primed;
+        double ph[PDM_DECODE_PHASES] = {0};
         double t0 = pdm_now();
-        if (pdm_decode_step_beams(ctx, &act, seqs, beams, nl)) return -1;
+        if (pdm_decode_step_timed(ctx, &act, seqs, beams, nl, ph)) return -1;
+        double t1 = pdm_now();
         int parent[PDM_BEAM_MAX_WIDTH], nn;
         done = pdm_beam_search_advance(bs, logits, parent, &nn);
         if (done < 0) return -1;
         if (!done) pdm_beam_kv_reorder(kv, parent, nn);
-        if (!priming) t[n_t++] = pdm_now() - t0;
+        if (!priming) {
+            t[n_t++] = t1 - t0;
+            advance += pdm_now() - t1;
+            for (int p = 0; p < PDM_DECODE_PHASES; p++) phases[p] += ph[p];
+        }
     }
+    for (int p = 0; p < PDM_DECODE_PHASES; p++) r->seg_phase[p] = n_t ? phases[p] / n_t : 0;
+    r->seg_advance = n_t ? advance / n_t : 0;
     r->seg_bytes = pdm_kv_cache_bytes(pc) + kv->bytes;
     stats(t, n_t, &r->seg_mean, &r->seg_median);
     pdm_beam_search_destroy(bs);
@@ -225,6 +237,10 @@ int main(int argc, char **argv)
                 res[w].seg_mean * 1e3, res[w].seg_median * 1e3, res[w].copy_mean * 1e3,
                 res[w].seg_bytes / 1048576.0, res[w].eq3 / 1048576.0,
                 res[w].copy_bytes / 1048576.0, res[w].eq2 / 1048576.0);
+        fprintf(stderr, "  segmented phases ms/step:");
+        for (int p = 0; p < PDM_DECODE_PHASES; p++)
+            fprintf(stderr, " %s %.2f", pdm_decode_phase_names[p], res[w].seg_phase[p] * 1e3);
+        fprintf(stderr, ", search advance %.2f\n", res[w].seg_advance * 1e3);
     }
     const char *note = quiet ? "quiet machine" : "noisy, shared machine";
     FILE *f = json_path ? fopen(json_path, "w") : stdout;
