@@ -25,6 +25,10 @@
 #include "common/wire.h"
 #include "model/model.h"
 
+/* OpenAI's n: at most the samples a decode node shares one prompt among (PDM_NSAMP_MAX in
+ * decode_node/nsamp.h, which the router does not include). */
+#define PDM_HTTP_MAX_N 8
+
 static int fail(pdm_http_err_t *err, int status, const char *code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
@@ -517,8 +521,16 @@ static int parse_one(const cJSON *root, int chat, int index, const pdm_router_li
         goto done;
     }
     if ((st = get_integer(root, "n", -1e18, 1e18, &v, &have, err))) goto done;
+    /* n: 1..8 is OpenAI's `n` as decode nodes can run it (decode_node/nsamp.h, the prompt's
+     * KV shared by the samples); the router does not carry it yet, so n > 1 is refused as
+     * unsupported and only an out-of-range n is an invalid value. */
+    if (have && (v < 1 || v > PDM_HTTP_MAX_N)) {
+        st = fail(err, 400, "invalid_value", "'n' must be between 1 and %d (got %.0f)",
+                  PDM_HTTP_MAX_N, v);
+        goto done;
+    }
     if (have && v != 1) {
-        st = fail(err, 400, "unsupported_value", "'n' must be 1 (got %.0f)", v);
+        st = fail(err, 400, "unsupported_value", "'n' > 1 is not supported yet (got %.0f)", v);
         goto done;
     }
     int stream = 0, ignore_eos = 0;

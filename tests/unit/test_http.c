@@ -178,6 +178,9 @@ START_TEST(test_http_parse_refusals)
     parse_fails("{\"prompt\":\"a\",\"max_tokens\":513}", 0, 400, "invalid_value");
     parse_fails("{\"prompt\":\"a\",\"max_tokens\":1e300}", 0, 400, "invalid_value");
     parse_fails("{\"prompt\":\"a\",\"n\":3}", 0, 400, "unsupported_value");
+    parse_fails("{\"prompt\":\"a\",\"n\":0}", 0, 400, "invalid_value");
+    parse_fails("{\"prompt\":\"a\",\"n\":9}", 0, 400, "invalid_value");
+    parse_fails("{\"prompt\":\"a\",\"n\":-1e300}", 0, 400, "invalid_value");
     parse_fails("{\"prompt\":\"a\",\"model\":\"x\"}", 0, 404, "model_not_found");
     parse_fails("{\"prompt\":\"a\",\"best_of\":5}", 0, 400, "invalid_value");
     parse_fails("{\"prompt\":\"a\",\"seed\":0.5}", 0, 400, "invalid_type");
