@@ -482,13 +482,15 @@ bench-decode: deps model $(BUILD)/bin/decode_bench
 # cache against eq. (2)/(3) and next-token latency for beam widths 1/2/4/8, prompt 1024,
 # response 128. One compute thread by default (on a shared machine a second pool thread mostly
 # waits for its core); on a dedicated machine: BEAM_BENCH_THREADS=N BEAM_BENCH_ARGS=--quiet-machine.
-# About two minutes on one idle core.
+# Three interleaved rounds (BEAM_BENCH_REPEAT), the median reported; about eight minutes on
+# one idle core.
 BEAM_BENCH_THREADS ?= 1
+BEAM_BENCH_REPEAT ?= 3
 bench-decode-memory-beam: model $(BUILD)/bin/beam_bench
 	$(BUILD)/bin/beam_bench --model $(MODEL_FILE) --threads $(BEAM_BENCH_THREADS) \
 	  --prompt 1024 --response 128 \
 	  --widths 1,2,4,8 --json docs/perf/decode-memory-beam.json \
-	  --md docs/perf/decode-memory-beam.md $(BEAM_BENCH_ARGS)
+	  --md docs/perf/decode-memory-beam.md --repeat $(BEAM_BENCH_REPEAT) $(BEAM_BENCH_ARGS)
 # Head-wise offload: decode time vs all resident at 4K/32K/128K, longest context per placement
 # (PDM_BENCH_QUICK=1: fewer steps; OFFLOAD_GROUPS=1,2,3 sweeps the group size).
 # Windowed local layers (Gemma 3 270M): KV bytes per token of context with and without the
