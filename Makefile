@@ -385,7 +385,8 @@ container-test: $(BINS) $(BUILD)/bin/pdctl python-sdk
 # The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
 # mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients
 # against the engine's greedy output, a real Prometheus scrape, echo's prompt log-probabilities
-# against pdmesh perplexity and llama.cpp, lists of prompts (docs/http.md); then every
+# against pdmesh perplexity and llama.cpp, lists of prompts, n choices streamed and not
+# (docs/http.md); then every
 # architecture's preset through a mesh over HTTP, the Python package and the C SDK.
 http-test: $(BINS) python-sdk
 	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_fake.py
@@ -395,6 +396,8 @@ http-test: $(BINS) python-sdk
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_prefix_pool.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_echo.py \
+	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_n.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_adaptive_mesh.py \
 	  --bindir $(BUILD)/bin

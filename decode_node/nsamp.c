@@ -23,12 +23,7 @@ struct pdm_nsamp {
     int primed;                            /* the first tokens are drawn */
 };
 
-uint64_t pdm_nsamp_seed(uint64_t seed, int i)
-{
-    if (i == 0) return seed;
-    uint64_t s = seed ^ ((uint64_t)i * 0xD1B54A32D192ED03ull);
-    return pdm_splitmix64(&s);
-}
+uint64_t pdm_nsamp_seed(uint64_t seed, int i) { return pdm_sampler_seed_for_choice(seed, i); }
 
 int pdm_nsamp_create(const pdm_sampler_params_t *p, int n, int32_t n_vocab, int32_t max_new,
                      pdm_beam_kv_t *kv, int32_t last_prompt_token, pdm_nsamp_t **out)

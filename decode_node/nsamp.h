@@ -33,9 +33,8 @@
 
 #define PDM_NSAMP_MAX PDM_BEAM_MAX_WIDTH /* samples per request (OpenAI's n), 1..8 */
 
-/* The seed of sample i of a request seeded with `seed`: `seed` itself for i = 0, else
- * splitmix64 of seed XOR (i * 0xD1B54A32D192ED03) (a constant other than the sampler's own
- * per-step one, so that sample i's draws are not sample 0's shifted by i steps). */
+/* The seed of sample i: pdm_sampler_seed_for_choice (model.h), the rule the router's HTTP
+ * front end uses for OpenAI's n too. */
 uint64_t pdm_nsamp_seed(uint64_t seed, int i);
 
 typedef struct pdm_nsamp pdm_nsamp_t;

@@ -142,6 +142,13 @@ static double pdm__step_uniform(uint64_t seed, uint64_t step)
     return (double)(pdm_splitmix64(&x) >> 11) * 0x1.0p-53;
 }
 
+uint64_t pdm_sampler_seed_for_choice(uint64_t seed, int i)
+{
+    if (i == 0) return seed;
+    uint64_t x = seed ^ ((uint64_t)i * 0xD1B54A32D192ED03ull);
+    return pdm_splitmix64(&x);
+}
+
 int pdm_sampler_create(const pdm_sampler_params_t *p, int32_t n_vocab, pdm_sampler_t **out)
 {
     int rc = pdm_sampler_params_check(p);
