@@ -386,8 +386,8 @@ container-test: $(BINS) $(BUILD)/bin/pdctl python-sdk
 # mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients
 # against the engine's greedy output, a real Prometheus scrape, echo's prompt log-probabilities
 # against pdmesh perplexity and llama.cpp, lists of prompts, n choices streamed and not
-# (docs/http.md); then every
-# architecture's preset through a mesh over HTTP, the Python package and the C SDK.
+# (docs/http.md); then every architecture's preset through a mesh over HTTP, the Python
+# package and the C SDK.
 http-test: $(BINS) python-sdk
 	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_fake.py
 	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_abuse.py
