@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/pdm.h"
@@ -34,9 +35,20 @@ typedef struct {
     double seg_phase[PDM_DECODE_PHASES]; /* segmented: mean seconds per step of each phase */
     double seg_advance;                  /* segmented: mean seconds per step of the search's
                                           * advance (log-softmax, top-k, reorder) */
+    double seg_cpu_median;               /* segmented: median CPU seconds of the process per
+                                          * step (not counting time the machine's other load
+                                          * took the core) */
     double samp_median, samp_draw;       /* n = width samples (nsamp.h): median step seconds,
                                           * mean seconds of the n draws per step */
 } result_t;
+
+/* CPU seconds used by this process so far (all its threads). */
+static double cpu_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -130,7 +142,8 @@ static int run_width(pdm_model_ctx_t *ctx, const pdm_kv_cache_t *base, int32_t l
     pdm_act_t act;
     float *logits = malloc(sizeof(float) * (size_t)V * W);
     double *t = malloc(sizeof(double) * (size_t)(n_resp + 1));
-    if (!logits || !t || pdm_act_alloc(&m->hp, W, &act)) return -1;
+    double *cpu = malloc(sizeof(double) * (size_t)(n_resp + 1));
+    if (!logits || !t || !cpu || pdm_act_alloc(&m->hp, W, &act)) return -1;
     r->width = W;
     r->eq2 = pdm_beam_bytes_standard(&m->hp, base->dtype, W, n_prompt, n_resp);
     r->eq3 = pdm_beam_bytes_segment(&m->hp, base->dtype, W, n_prompt, n_resp);
@@ -158,9 +171,10 @@ static int run_width(pdm_model_ctx_t *ctx, const pdm_kv_cache_t *base, int32_t l
         }
         const int priming = !kv->primed;
         double ph[PDM_DECODE_PHASES] = {0};
-        double t0 = pdm_now();
+        double c0 = cpu_now(), t0 = pdm_now();
         if (pdm_decode_step_timed(ctx, &act, seqs, beams, nl, ph)) return -1;
         double t1 = pdm_now();
+        if (!priming) cpu[n_t] = cpu_now() - c0;
         int parent[PDM_BEAM_MAX_WIDTH], nn;
         done = pdm_beam_search_advance(bs, logits, parent, &nn);
         if (done < 0) return -1;
@@ -171,6 +185,8 @@ static int run_width(pdm_model_ctx_t *ctx, const pdm_kv_cache_t *base, int32_t l
             for (int p = 0; p < PDM_DECODE_PHASES; p++) phases[p] += ph[p];
         }
     }
+    double cpu_mean;
+    stats(cpu, n_t, &cpu_mean, &r->seg_cpu_median);
     for (int p = 0; p < PDM_DECODE_PHASES; p++) r->seg_phase[p] = n_t ? phases[p] / n_t : 0;
     r->seg_advance = n_t ? advance / n_t : 0;
     r->seg_bytes = pdm_kv_cache_bytes(pc) + kv->bytes;
@@ -237,6 +253,7 @@ static int run_width(pdm_model_ctx_t *ctx, const pdm_kv_cache_t *base, int32_t l
     pdm_act_free(&act);
     free(logits);
     free(t);
+    free(cpu);
     return 0;
 }
 
@@ -329,18 +346,21 @@ int main(int argc, char **argv)
             }
     read_load(load_after, sizeof(load_after));
     for (int w = 0; w < n_widths; w++) {
-        double seg[64], samp[64];
+        double seg[64], samp[64], cpus[64];
         for (int rd = 0; rd < repeat; rd++) {
             seg[rd] = rounds[rd * n_widths + w].seg_median;
             samp[rd] = rounds[rd * n_widths + w].samp_median;
+            cpus[rd] = rounds[rd * n_widths + w].seg_cpu_median;
         }
-        double mean, seg_mid, samp_mid;
+        double mean, seg_mid, samp_mid, cpu_mid;
         stats(seg, repeat, &mean, &seg_mid);
         stats(samp, repeat, &mean, &samp_mid);
+        stats(cpus, repeat, &mean, &cpu_mid);
         res[w] = rounds[w];
         for (int rd = 0; rd < repeat; rd++)
             if (rounds[rd * n_widths + w].seg_median == seg[repeat / 2]) res[w] = rounds[rd * n_widths + w];
         res[w].samp_median = samp_mid;
+        res[w].seg_cpu_median = cpu_mid;
         fprintf(stderr, "width %d: segmented %.2f ms/step (median %.2f), copying %.2f ms/step, "
                 "memory %.1f MiB (eq.3 %.1f) vs %.1f MiB (eq.2 %.1f)\n", widths[w],
                 res[w].seg_mean * 1e3, res[w].seg_median * 1e3, res[w].copy_mean * 1e3,
@@ -349,7 +369,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "  segmented phases ms/step:");
         for (int p = 0; p < PDM_DECODE_PHASES; p++)
             fprintf(stderr, " %s %.2f", pdm_decode_phase_names[p], res[w].seg_phase[p] * 1e3);
-        fprintf(stderr, ", search advance %.2f\n", res[w].seg_advance * 1e3);
+        fprintf(stderr, ", search advance %.2f; step CPU median %.2f ms\n",
+                res[w].seg_advance * 1e3, res[w].seg_cpu_median * 1e3);
         fprintf(stderr, "  n = %d samples: step median %.2f ms, draws %.2f ms/step\n",
                 widths[w], res[w].samp_median * 1e3, res[w].samp_draw * 1e3);
     }
@@ -369,13 +390,13 @@ int main(int argc, char **argv)
                 "\"segmented_step_ms_mean\": %.3f, \"segmented_step_ms_median\": %.3f, "
                 "\"copying_step_ms_mean\": %.3f, \"copying_step_ms_median\": %.3f, "
                 "\"copying_kv_bytes_moved\": %llu, \"segmented_kv_bytes_moved\": 0, "
-                "\"samples_step_ms_median\": %.3f, \"samples_draw_ms_mean\": %.3f, "
+                "\"segmented_step_cpu_ms_median\": %.3f, \"samples_step_ms_median\": %.3f, \"samples_draw_ms_mean\": %.3f, "
                 "\"segmented_phase_ms\": {\"attn_in\": %.3f, \"attention\": %.3f, "
                 "\"attn_out_ffn\": %.3f, \"logits\": %.3f}, \"search_advance_ms\": %.3f}%s\n",
                 res[w].width, res[w].eq2, res[w].eq3, res[w].seg_bytes, res[w].copy_bytes,
                 res[w].seg_mean * 1e3, res[w].seg_median * 1e3, res[w].copy_mean * 1e3,
                 res[w].copy_median * 1e3, (unsigned long long)res[w].copy_bytes_moved,
-                res[w].samp_median * 1e3, res[w].samp_draw * 1e3,
+                res[w].seg_cpu_median * 1e3, res[w].samp_median * 1e3, res[w].samp_draw * 1e3,
                 res[w].seg_phase[PDM_DECODE_PH_ATTN_IN] * 1e3,
                 res[w].seg_phase[PDM_DECODE_PH_ATTN] * 1e3,
                 res[w].seg_phase[PDM_DECODE_PH_FFN] * 1e3,
@@ -405,16 +426,20 @@ int main(int argc, char **argv)
         fprintf(f, "\nWhere a segmented step's time goes (mean ms per step; the search's advance "
                 "is outside the step), and n = width independent samples (decode_node/nsamp.h, "
                 "temperature 0.8) over the same cache. Ratio = median step / width 1's median "
-                "step.\n\n| width / n | norm+QKV | attention (KV store, prompt + response) | "
-                "Wo + FFN | logits | beam advance | beams: step median (ratio) | samples: step "
-                "median (ratio) | samples: draws |\n|---|---|---|---|---|---|---|---|---|\n");
+                "step. Step CPU = the process's CPU time per step, which a busy machine's "
+                "time-slicing does not inflate (wall time does).\n\n| width / n | norm+QKV | "
+                "attention (KV store, prompt + response) | Wo + FFN | logits | beam advance | "
+                "beams: step median (ratio) | beams: step CPU median (ratio) | samples: step "
+                "median (ratio) | samples: draws |\n|---|---|---|---|---|---|---|---|---|---|\n");
         for (int w = 0; w < n_widths; w++)
             fprintf(f, "| %d | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f (%.2fx) | %.2f (%.2fx) | "
-                    "%.2f |\n", res[w].width, res[w].seg_phase[PDM_DECODE_PH_ATTN_IN] * 1e3,
+                    "%.2f (%.2fx) | %.2f |\n", res[w].width,
+                    res[w].seg_phase[PDM_DECODE_PH_ATTN_IN] * 1e3,
                     res[w].seg_phase[PDM_DECODE_PH_ATTN] * 1e3,
                     res[w].seg_phase[PDM_DECODE_PH_FFN] * 1e3,
                     res[w].seg_phase[PDM_DECODE_PH_LOGITS] * 1e3, res[w].seg_advance * 1e3,
                     res[w].seg_median * 1e3, res[w].seg_median / res[0].seg_median,
+                    res[w].seg_cpu_median * 1e3, res[w].seg_cpu_median / res[0].seg_cpu_median,
                     res[w].samp_median * 1e3, res[w].samp_median / res[0].samp_median,
                     res[w].samp_draw * 1e3);
         fclose(f);
