@@ -81,7 +81,7 @@ PREFILL_SRC := prefill_node/plan.c prefill_node/plan_io.c prefill_node/conv.c \
                prefill_node/ring_pass_q.c prefill_node/kvfile.c \
                prefill_node/partition_search.c prefill_node/launch.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_node/beam.c \
-              decode_node/beam_search.c decode_node/offload.c
+              decode_node/beam_search.c decode_node/nsamp.c decode_node/offload.c
 LIB_SRC := $(COMMON_SRC) $(COMMON_NODE_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
            router/metrics.c
 CLI_SRC := cli/pdmesh.c cli/cli.c cli/prefill_cmds.c cli/plan_cmd.c cli/mesh.c cli/generate_remote.c \
@@ -389,8 +389,9 @@ container-test: $(BINS) $(BUILD)/bin/pdctl python-sdk
 # The HTTP front end: on a scripted core (every error path, limits, pipelining), then on a real
 # mesh (router + prefill group + decode node): curl, the openai client, 32 concurrent clients
 # against the engine's greedy output, a real Prometheus scrape, echo's prompt log-probabilities
-# against pdmesh perplexity and llama.cpp, lists of prompts (docs/http.md); then every
-# architecture's preset through a mesh over HTTP, the Python package and the C SDK.
+# against pdmesh perplexity and llama.cpp, lists of prompts, n choices streamed and not
+# (docs/http.md); then every architecture's preset through a mesh over HTTP, the Python
+# package and the C SDK.
 http-test: $(BINS) python-sdk
 	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_fake.py
 	PDM_HTTP_FAKE=$(BUILD)/bin/pdm-http-fake $(VENV)/bin/python tests/http/test_abuse.py
@@ -401,6 +402,8 @@ http-test: $(BINS) python-sdk
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_echo.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_structured.py \
+	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_n.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_adaptive_mesh.py \
 	  --bindir $(BUILD)/bin
@@ -488,13 +491,15 @@ bench-decode: deps model $(BUILD)/bin/decode_bench
 # cache against eq. (2)/(3) and next-token latency for beam widths 1/2/4/8, prompt 1024,
 # response 128. One compute thread by default (on a shared machine a second pool thread mostly
 # waits for its core); on a dedicated machine: BEAM_BENCH_THREADS=N BEAM_BENCH_ARGS=--quiet-machine.
-# About two minutes on one idle core.
+# Three interleaved rounds (BEAM_BENCH_REPEAT), the median reported; about eight minutes on
+# one idle core.
 BEAM_BENCH_THREADS ?= 1
+BEAM_BENCH_REPEAT ?= 3
 bench-decode-memory-beam: model $(BUILD)/bin/beam_bench
 	$(BUILD)/bin/beam_bench --model $(MODEL_FILE) --threads $(BEAM_BENCH_THREADS) \
 	  --prompt 1024 --response 128 \
 	  --widths 1,2,4,8 --json docs/perf/decode-memory-beam.json \
-	  --md docs/perf/decode-memory-beam.md $(BEAM_BENCH_ARGS)
+	  --md docs/perf/decode-memory-beam.md --repeat $(BEAM_BENCH_REPEAT) $(BEAM_BENCH_ARGS)
 # Head-wise offload: decode time vs all resident at 4K/32K/128K, longest context per placement
 # (PDM_BENCH_QUICK=1: fewer steps; OFFLOAD_GROUPS=1,2,3 sweeps the group size).
 # Windowed local layers (Gemma 3 270M): KV bytes per token of context with and without the

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "decode_node/beam.h"
+#include "decode_node/nsamp.h"
 #include "decode_node/offload.h"
 #include "kvtransfer/kvtransfer.h"
 #include "model/model.h"

@@ -7,8 +7,9 @@
  *   max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
  *   seed, presence_penalty, frequency_penalty, logit_bias, logprobs (completions: an integer
  *   0..20; chat: a boolean) and top_logprobs (chat, 0..20), stop (string or list), stream,
- *   stream_options.include_usage, n (1), best_of (beams), ignore_eos, user, response_format
- *   (text, json_object, json_schema: grammar-constrained sampling, model/grammar.h).
+ *   stream_options.include_usage, n (1..8: one router request per choice), best_of (beams),
+ *   ignore_eos, user, response_format (text, json_object, json_schema: grammar-constrained
+ *   sampling, model/grammar.h).
  * Log-probabilities come back in OpenAI's shapes (https://platform.openai.com/docs/api-reference
  * /completions/object: choices[].logprobs = {tokens, token_logprobs, top_logprobs,
  * text_offset}; /chat/object: choices[].logprobs.content = [{token, logprob, bytes,
@@ -25,6 +26,10 @@
 #include "common/pdm.h"
 #include "common/wire.h"
 #include "model/model.h"
+
+/* OpenAI's n: at most the samples a decode node can share one prompt among (PDM_NSAMP_MAX in
+ * decode_node/nsamp.h, which the router does not include). */
+#define PDM_HTTP_MAX_N 8
 
 static int fail(pdm_http_err_t *err, int status, const char *code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -566,10 +571,14 @@ static int parse_one(const cJSON *root, int chat, int index, const pdm_router_li
         goto done;
     }
     if ((st = get_integer(root, "n", -1e18, 1e18, &v, &have, err))) goto done;
-    if (have && v != 1) {
-        st = fail(err, 400, "unsupported_value", "'n' must be 1 (got %.0f)", v);
+    /* n (1..8): checked here, fanned out by pdm_http__parse_batch */
+    if ((st = get_integer(root, "n", -1e18, 1e18, &v, &have, err))) goto done;
+    if (have && (v < 1 || v > PDM_HTTP_MAX_N)) {
+        st = fail(err, 400, "invalid_value", "'n' must be between 1 and %d (got %.0f)",
+                  PDM_HTTP_MAX_N, v);
         goto done;
     }
+    const int n_choices = have ? (int)v : 1;
     int stream = 0, ignore_eos = 0;
     if ((st = get_bool(root, "stream", &stream, err))) goto done;
     if ((st = get_bool(root, "ignore_eos", &ignore_eos, err))) goto done;
@@ -598,6 +607,11 @@ static int parse_one(const cJSON *root, int chat, int index, const pdm_router_li
         if (opts->logprobs >= 0 || opts->echo) {
             st = fail(err, 400, "unsupported_value", "'%s' is not supported with 'best_of' > 1 "
                       "(beam search)", opts->echo ? "echo" : "logprobs");
+            goto done;
+        }
+        if (n_choices > 1) {
+            st = fail(err, 400, "unsupported_value", "'n' > 1 is not supported with 'best_of' "
+                      "> 1 (beam search returns the best beam only)");
             goto done;
         }
         req->beams = (uint32_t)v;
@@ -643,17 +657,36 @@ int pdm_http__parse_batch(const char *body, size_t len, int chat, const pdm_rout
         st = PDM_EINVAL;
         goto done;
     }
+    /* OpenAI's n: every prompt n times, choice index = prompt * n + sample (OpenAI's order for
+     * a list of prompts), each its own router request (scheduled, retried and migrated on its
+     * own), sample s drawing with pdm_sampler_seed_for_choice(the prompt's seed, s). */
+    const cJSON *jn = cJSON_GetObjectItemCaseSensitive(root, "n");
+    const int n_samples = cJSON_IsNumber(jn) && jn->valuedouble >= 1 &&
+                                  jn->valuedouble <= PDM_HTTP_MAX_N
+                              ? (int)jn->valuedouble : 1; /* else parse_one refuses it */
+    if (n * n_samples > PDM_HTTP_MAX_PROMPTS) {
+        st = fail(err, 400, "invalid_value", "'n' x the prompts is %d choices (at most %d)",
+                  n * n_samples, PDM_HTTP_MAX_PROMPTS);
+        goto done;
+    }
+    const int n_prompts = n;
+    n = n_prompts * n_samples;
     if (!(reqs = calloc((size_t)n, sizeof(*reqs)))) {
         st = fail(err, 500, "internal_error", "out of memory");
         goto done;
     }
     /* Each prompt parsed from the same body: the same fields, its own prompt (and, without a
      * seed, its own random seed). */
-    for (int i = 0; i < n && !st; i++) {
-        memset(opts, 0, sizeof(*opts));
-        opts->chat = chat;
-        st = parse_one(root, chat, i, lim, model_name, &reqs[i], opts, err);
-    }
+    for (int i = 0; i < n_prompts && !st; i++)
+        for (int k = 0; k < n_samples && !st; k++) {
+            memset(opts, 0, sizeof(*opts));
+            opts->chat = chat;
+            Pdmesh__GenerateRequest **r = &reqs[i * n_samples + k];
+            st = parse_one(root, chat, i, lim, model_name, r, opts, err);
+            if (!st && k > 0)
+                (*r)->sampling->seed =
+                    pdm_sampler_seed_for_choice(reqs[i * n_samples]->sampling->seed, k);
+        }
     opts->n_prompts = n;
 done:
     cJSON_Delete(root);

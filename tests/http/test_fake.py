@@ -266,7 +266,8 @@ def test_bad_requests(f):
         ({"prompt": "a", "temperature": 3}, 400, "invalid_value"),
         ({"prompt": "a", "temperature": "hot"}, 400, "invalid_type"),
         ({"prompt": "a", "top_p": 0}, 400, "invalid_value"),
-        ({"prompt": "a", "n": 2}, 400, "unsupported_value"),
+        ({"prompt": "a", "n": 0}, 400, "invalid_value"),
+        ({"prompt": "a", "n": 9}, 400, "invalid_value"),
         ({"prompt": "a", "echo": "yes"}, 400, "invalid_type"),
         ({"prompt": "a", "max_tokens": -1, "echo": True}, 400, "invalid_value"),
         ({"prompt": ["a"] * 65}, 400, "invalid_value"),
@@ -330,7 +331,7 @@ def test_bad_requests(f):
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
          "invalid_value"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "invalid_type"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "unsupported_value"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 100}, "invalid_value"),
         ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "unsupported_value"),
     ]
     for body, code in chat_cases:

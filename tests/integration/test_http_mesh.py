@@ -268,7 +268,7 @@ def check_concurrent(port, expect):
         bad = [
             ("POST", "/v1/completions", "{not json", 400),
             ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400),
-            ("POST", "/v1/completions", {"prompt": "x", "n": 4}, 400),
+            ("POST", "/v1/completions", {"prompt": "x", "n": 9}, 400),
             ("GET", "/v1/nothing", None, 404),
             ("DELETE", "/v1/completions", None, 405),
             ("POST", "/v1/chat/completions", {"messages": "hi"}, 400),

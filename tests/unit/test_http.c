@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "common/pdm.h"
+#include "model/model.h"
 #include "router/http_internal.h"
 #include "tests.h"
 
@@ -112,6 +113,33 @@ START_TEST(test_http_parse_echo_and_lists)
         ck_assert(reqs[i]->max_tokens == 2 && reqs[i]->sampling->seed == 9);
     pdm_http__batch_free(reqs, n);
 
+    /* n: every prompt n times (choice = prompt * n + sample), sample k seeded with
+     * pdm_sampler_seed_for_choice(seed, k); chat too */
+    static const char body_n[] = "{\"prompt\":[\"a\",\"b\"],\"n\":3,\"seed\":9}";
+    ck_assert_int_eq(pdm_http__parse_batch(body_n, strlen(body_n), 0, &limits, "m", &reqs, &n,
+                                           &o, &err), PDM_OK);
+    ck_assert_uint_eq(n, 6);
+    ck_assert_int_eq(o.n_prompts, 6);
+    for (size_t i = 0; i < n; i++) {
+        ck_assert_str_eq(reqs[i]->prompt, i < 3 ? "a" : "b");
+        ck_assert_uint_eq(reqs[i]->sampling->seed, pdm_sampler_seed_for_choice(9, (int)(i % 3)));
+    }
+    ck_assert_uint_eq(reqs[0]->sampling->seed, 9);
+    ck_assert_uint_ne(reqs[1]->sampling->seed, reqs[2]->sampling->seed);
+    pdm_http__batch_free(reqs, n);
+    static const char chat_n[] =
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"n\":2,\"stream\":true}";
+    ck_assert_int_eq(pdm_http__parse_batch(chat_n, strlen(chat_n), 1, &limits, "m", &reqs, &n,
+                                           &o, &err), PDM_OK);
+    ck_assert_uint_eq(n, 2);
+    ck_assert(o.stream && o.chat);
+    ck_assert_uint_eq(reqs[1]->sampling->seed,
+                      pdm_sampler_seed_for_choice(reqs[0]->sampling->seed, 1));
+    pdm_http__batch_free(reqs, n);
+    parse_fails("{\"prompt\":[\"a\",\"b\",\"c\",\"d\",\"e\",\"f\",\"g\",\"h\",\"i\"],\"n\":8}", 0,
+                400, "invalid_value"); /* 72 choices */
+    parse_fails("{\"prompt\":\"a\",\"n\":2,\"best_of\":3}", 0, 400, "unsupported_value");
+
     parse_fails("{\"prompt\":\"a\",\"max_tokens\":0}", 0, 400, "invalid_value");
     parse_fails("{\"prompt\":\"a\",\"echo\":1}", 0, 400, "invalid_type");
     parse_fails("{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"echo\":true}", 1,
@@ -177,7 +205,9 @@ START_TEST(test_http_parse_refusals)
     parse_fails("3", 0, 400, "invalid_json");
     parse_fails("{\"prompt\":\"a\",\"max_tokens\":513}", 0, 400, "invalid_value");
     parse_fails("{\"prompt\":\"a\",\"max_tokens\":1e300}", 0, 400, "invalid_value");
-    parse_fails("{\"prompt\":\"a\",\"n\":3}", 0, 400, "unsupported_value");
+    parse_fails("{\"prompt\":\"a\",\"n\":0}", 0, 400, "invalid_value");
+    parse_fails("{\"prompt\":\"a\",\"n\":9}", 0, 400, "invalid_value");
+    parse_fails("{\"prompt\":\"a\",\"n\":-1e300}", 0, 400, "invalid_value");
     parse_fails("{\"prompt\":\"a\",\"model\":\"x\"}", 0, 404, "model_not_found");
     parse_fails("{\"prompt\":\"a\",\"best_of\":5}", 0, 400, "invalid_value");
     parse_fails("{\"prompt\":\"a\",\"seed\":0.5}", 0, 400, "invalid_type");

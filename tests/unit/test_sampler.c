@@ -5,6 +5,7 @@
  * (a migration) against the uninterrupted one.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -333,6 +334,111 @@ START_TEST(test_score)
 }
 END_TEST
 
+
+/* ---- the draw against a full sort ----------------------------------------------------- */
+
+typedef struct {
+    int32_t id;
+    float logit;
+} ref_cand_t;
+
+static int ref_desc(const void *a, const void *b)
+{
+    const ref_cand_t *x = a, *y = b;
+    if (x->logit != y->logit) return x->logit < y->logit ? 1 : -1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* Step 5 of the rule (model.h) with top_k off, the plain way: the whole vocabulary sorted
+ * (logit descending, lower id first), the top-p prefix, the min-p prefix, one draw with u_i
+ * walking the sorted order. */
+static int32_t ref_draw(const float *logits, int n, float temperature, float top_p, float min_p,
+                        uint64_t seed, int step)
+{
+    ref_cand_t *c = malloc(sizeof(*c) * (size_t)n);
+    for (int i = 0; i < n; i++) c[i] = (ref_cand_t){i, logits[i]};
+    qsort(c, (size_t)n, sizeof(*c), ref_desc);
+    const float maxl = c[0].logit;
+    double total = 0;
+    for (int i = 0; i < n; i++) total += exp((double)(c[i].logit - maxl));
+    if (top_p < 1) {
+        double cum = 0;
+        for (int i = 0; i < n; i++) {
+            cum += exp((double)(c[i].logit - maxl)) / total;
+            if (cum >= top_p) {
+                n = i + 1;
+                break;
+            }
+        }
+    }
+    if (min_p > 0) {
+        int keep = 1;
+        while (keep < n && c[keep].logit >= maxl + logf(min_p)) keep++;
+        n = keep;
+    }
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += exp((double)(c[i].logit - maxl) / temperature);
+    uint64_t x = seed ^ ((uint64_t)(step + 1) * 0x9E3779B97F4A7C15ull);
+    const double r = (double)(pdm_splitmix64(&x) >> 11) * 0x1.0p-53 * sum;
+    double acc = 0;
+    int32_t chosen = c[n - 1].id;
+    for (int i = 0; i < n; i++) {
+        acc += exp((double)(c[i].logit - maxl) / temperature);
+        if (r < acc) {
+            chosen = c[i].id;
+            break;
+        }
+    }
+    free(c);
+    return chosen;
+}
+
+/* top_k off (OpenAI's default) no longer sorts the vocabulary; the draws are those of the
+ * full sort: peaked and flat logits, many ties (logits rounded to a few values), temperatures
+ * 0.5..2, top_p and min_p on and off. Sums over a whole set may be taken in another order,
+ * which changes a draw only when u lands within ~1e-16 of a boundary: none here. */
+START_TEST(test_draw_equals_full_sort)
+{
+    const int V = 5003;
+    float *l = malloc(sizeof(float) * V);
+    uint64_t g = 77;
+    int checked = 0;
+    for (int shape = 0; shape < 3; shape++) {
+        for (int i = 0; i < V; i++) {
+            double u = (double)(pdm_splitmix64(&g) >> 11) * 0x1.0p-53;
+            l[i] = shape == 0 ? (float)(20 * pow(u, 12))       /* peaked: a few large */
+                   : shape == 1 ? (float)(4 * u)               /* flat */
+                                : (float)floor(8 * u) * 0.5f;  /* ties everywhere */
+        }
+        static const float temps[] = {0.5f, 1.0f, 2.0f};
+        static const float top_ps[] = {1.0f, 0.9f, 0.5f};
+        static const float min_ps[] = {0.0f, 0.05f};
+        for (size_t t = 0; t < 3; t++)
+            for (size_t tp = 0; tp < 3; tp++)
+                for (size_t mp = 0; mp < 2; mp++) {
+                    pdm_sampler_params_t sp;
+                    pdm_sampler_params_default(&sp);
+                    sp.temperature = temps[t];
+                    sp.top_k = 0;
+                    sp.top_p = top_ps[tp];
+                    sp.min_p = min_ps[mp];
+                    sp.seed = 1000 + (uint64_t)shape;
+                    pdm_sampler_t *smp;
+                    ck_assert_int_eq(pdm_sampler_create(&sp, V, &smp), 0);
+                    for (int step = 0; step < 20; step++) {
+                        int32_t got = pdm_sampler_sample(smp, l, NULL, step, NULL);
+                        ck_assert_int_eq(got, ref_draw(l, V, sp.temperature, sp.top_p,
+                                                       sp.min_p, sp.seed, step));
+                        checked++;
+                    }
+                    pdm_sampler_destroy(smp);
+                }
+    }
+    ck_assert_int_eq(checked, 3 * 18 * 20);
+    free(l);
+}
+END_TEST
+
 Suite *suite_sampler(void)
 {
     Suite *s = suite_create("sampler");
@@ -345,6 +451,7 @@ Suite *suite_sampler(void)
     tcase_add_test(tc, test_penalties_bias_logprobs);
     tcase_add_test(tc, test_seed_resume);
     tcase_add_test(tc, test_score);
+    tcase_add_test(tc, test_draw_equals_full_sort);
     suite_add_tcase(s, tc);
     return s;
 }
