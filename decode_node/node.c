@@ -70,7 +70,11 @@ typedef struct {
     int32_t *tokens;
     int32_t n;
     pdm_kv_cache_t *cache;
-    uint64_t stamp; /* last use (least recently used goes first) */
+    uint64_t stamp;     /* last use (least recently used goes first) */
+    uint8_t (*keys)[32]; /* [n_keys] the router's block keys of its whole blocks, or NULL */
+    int n_keys;
+    uint64_t *ck;       /* [n_layers * n_kv_heads] XXH3-64 of each head's K then V rows
+                         * [0, n) (kvtransfer/checksum.c), checked before any reuse */
 } pdm__pooled_t;
 
 struct pdm_decode_node {
@@ -90,6 +94,13 @@ struct pdm_decode_node {
     int64_t pool_slots;          /* KV slots its caches hold */
     uint64_t pool_stamp;
     pdm_decode_pool_stats_t pool_st;
+    /* KV events (decode.h): the router's key parameters, and the bounded event ring */
+    int has_keys;
+    pdm_prefix_key_params_t kp;
+    char kp_model[128];
+    pdm_decode_kv_event_t *ev; /* [PDM_DECODE_KVEV_QUEUE] */
+    int ev_head, ev_count;
+    int ev_reset;              /* the next drained batch says reset */
 };
 
 void pdm_decode_params_default(pdm_decode_params_t *p)
@@ -103,6 +114,7 @@ void pdm_decode_params_default(pdm_decode_params_t *p)
     pdm_beam_params_default(&p->beam);
     p->offload = NULL;
     p->kv_window = 2; /* the Qualcomm note's no-copy reserve, 2(S-1) */
+    p->fault_corrupt_pool = 0;
 }
 
 int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
@@ -126,6 +138,9 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (!st && !(n->pool = calloc((size_t)p->max_sequences, sizeof(pdm__pooled_t))))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    if (!st && p->pool_tokens > 0 &&
+        !(n->ev = malloc(sizeof(pdm_decode_kv_event_t) * PDM_DECODE_KVEV_QUEUE)))
+        st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (!st && p->offload) st = pdm_kvoff_engine_create(p->offload, &n->offload);
     n->p.offload = NULL; /* the engine keeps its own copy */
     if (st) {
@@ -140,13 +155,150 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
 
 /* ---- the prefix pool (decode.h) --------------------------------------------------------- */
 
-static void pdm__pool_drop(pdm_decode_node_t *n, pdm__pooled_t *e)
+static void pdm__kvev_snapshot(pdm_decode_node_t *n);
+
+/* Queues one event; a full ring is replaced by a snapshot (decode.h). */
+static void pdm__kvev_push(pdm_decode_node_t *n, int kind, const uint8_t key[32])
 {
+    if (!n->ev || !n->has_keys) return;
+    if (kind == PDM_DECODE_KVEV_STORED) n->pool_st.blocks++;
+    else if (n->pool_st.blocks) n->pool_st.blocks--;
+    if (n->ev_count == PDM_DECODE_KVEV_QUEUE) {
+        pdm__kvev_snapshot(n);
+        return; /* the snapshot reflects this change already */
+    }
+    pdm_decode_kv_event_t *e = &n->ev[(n->ev_head + n->ev_count++) % PDM_DECODE_KVEV_QUEUE];
+    e->kind = kind;
+    e->tier = 1;
+    memcpy(e->key, key, 32);
+}
+
+/* Whether a pooled sequence other than `skip` (or the not yet pooled `extra`) holds key. */
+static int pdm__pool_holds(const pdm_decode_node_t *n, const pdm__pooled_t *skip,
+                           const pdm__pooled_t *extra, const uint8_t key[32])
+{
+    for (int i = 0; i <= n->p.max_sequences; i++) {
+        const pdm__pooled_t *e = i < n->p.max_sequences ? &n->pool[i] : extra;
+        if (!e || e == skip || !e->cache || !e->keys) continue;
+        for (int k = 0; k < e->n_keys; k++)
+            if (!memcmp(e->keys[k], key, 32)) return 1;
+    }
+    return 0;
+}
+
+/* Distinct block keys the pool holds (counted anew when the keys change; the events keep
+ * pool_st.blocks up to date after that). */
+static uint64_t pdm__pool_blocks(const pdm_decode_node_t *n)
+{
+    uint64_t k = 0;
+    for (int i = 0; i < n->p.max_sequences; i++) {
+        const pdm__pooled_t *e = &n->pool[i];
+        for (int j = 0; e->cache && e->keys && j < e->n_keys; j++) {
+            int earlier = 0; /* counted with an earlier entry */
+            for (int h = 0; h < i && !earlier; h++) {
+                const pdm__pooled_t *o = &n->pool[h];
+                for (int m = 0; o->cache && o->keys && m < o->n_keys && !earlier; m++)
+                    earlier = !memcmp(o->keys[m], e->keys[j], 32);
+            }
+            k += !earlier;
+        }
+    }
+    return k;
+}
+
+/* The ring emptied and refilled with every key the pool holds, behind a reset. */
+static void pdm__kvev_snapshot(pdm_decode_node_t *n)
+{
+    n->ev_head = n->ev_count = 0;
+    n->ev_reset = 1;
+    for (int i = 0; i < n->p.max_sequences; i++) {
+        const pdm__pooled_t *e = &n->pool[i];
+        for (int k = 0; e->cache && e->keys && k < e->n_keys; k++) {
+            if (n->ev_count == PDM_DECODE_KVEV_QUEUE) return; /* the rest goes unindexed */
+            pdm_decode_kv_event_t *ev = &n->ev[n->ev_count++];
+            ev->kind = PDM_DECODE_KVEV_STORED;
+            ev->tier = 1;
+            memcpy(ev->key, e->keys[k], 32);
+        }
+    }
+}
+
+/* Keys e's whole blocks with the router's parameters (none without them). */
+static void pdm__pool_key(pdm_decode_node_t *n, pdm__pooled_t *e)
+{
+    free(e->keys);
+    e->keys = NULL;
+    e->n_keys = 0;
+    if (!n->has_keys) return;
+    const int bt = n->kp.block_tokens, max = e->n / bt;
+    if (max < 1 || !(e->keys = malloc(sizeof(uint8_t[32]) * (size_t)max))) return;
+    e->n_keys = pdm_prefix_block_keys(&n->kp, e->tokens, (uint32_t)e->n, e->keys, max);
+}
+
+void pdm_decode_node_set_prefix_keys(pdm_decode_node_t *n, const pdm_prefix_key_params_t *kp)
+{
+    n->has_keys = 0;
+    if (kp && kp->block_tokens > 0 && kp->model && strlen(kp->model) < sizeof(n->kp_model)) {
+        n->kp = *kp;
+        snprintf(n->kp_model, sizeof(n->kp_model), "%s", kp->model);
+        n->kp.model = n->kp_model;
+        n->has_keys = 1;
+    }
+    for (int i = 0; i < n->p.max_sequences; i++)
+        if (n->pool[i].cache) pdm__pool_key(n, &n->pool[i]);
+    n->pool_st.blocks = pdm__pool_blocks(n);
+    if (n->ev) pdm__kvev_snapshot(n);
+}
+
+void pdm_decode_node_kv_resync(pdm_decode_node_t *n)
+{
+    if (n->ev && n->has_keys) pdm__kvev_snapshot(n);
+}
+
+int pdm_decode_node_kv_events(pdm_decode_node_t *n, pdm_decode_kv_event_t *out, int max,
+                              int *reset)
+{
+    *reset = 0;
+    if (!n->ev || (!n->ev_count && !n->ev_reset)) return 0;
+    *reset = n->ev_reset;
+    n->ev_reset = 0;
+    int k = 0;
+    for (; k < max && n->ev_count; k++, n->ev_count--) {
+        out[k] = n->ev[n->ev_head];
+        n->ev_head = (n->ev_head + 1) % PDM_DECODE_KVEV_QUEUE;
+    }
+    return k;
+}
+
+/* The checksum of each head's K and V rows [0, rows) of a pooled cache (f16/f32, never
+ * windowed), seeded with rows. */
+static void pdm__pool_checksums(const pdm_kv_cache_t *c, int32_t rows, uint64_t *ck)
+{
+    const size_t bytes = pdm_dtype_row_bytes(c->dtype, c->head_dim) * (size_t)rows;
+    for (uint32_t i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        ck[i] = pdm_kvt_block_checksum((uint64_t)rows, c->k[i], c->v[i], bytes);
+}
+
+/* Drops a pooled sequence; its block keys that no other pooled sequence (nor `keep`, about
+ * to be pooled) holds are evicted. */
+static void pdm__pool_drop_keep(pdm_decode_node_t *n, pdm__pooled_t *e, const pdm__pooled_t *keep)
+{
+    for (int k = 0; e->keys && k < e->n_keys; k++)
+        if (!pdm__pool_holds(n, e, keep, e->keys[k]))
+            pdm__kvev_push(n, PDM_DECODE_KVEV_EVICTED, e->keys[k]);
     n->pool_slots -= e->cache->capacity;
     n->pool_st.entries--;
+    n->pool_st.bytes -= pdm_kv_cache_bytes(e->cache);
     pdm_kv_cache_destroy(e->cache);
     free(e->tokens);
+    free(e->keys);
+    free(e->ck);
     memset(e, 0, sizeof(*e));
+}
+
+static void pdm__pool_drop(pdm_decode_node_t *n, pdm__pooled_t *e)
+{
+    pdm__pool_drop_keep(n, e, NULL);
 }
 
 /* Evicts least recently used entries until `need` more slots fit beside the reservations
@@ -205,10 +357,19 @@ static void pdm__pool_put(pdm_decode_node_t *n, pdm__seq_t *s)
     if (!tok) return;
     memcpy(tok, s->prompt, sizeof(int32_t) * (size_t)s->n_prompt);
     memcpy(tok + s->n_prompt, s->tokens, sizeof(int32_t) * (size_t)(len - s->n_prompt));
+    uint64_t *ck = malloc(sizeof(uint64_t) * c->n_layers * c->n_kv_heads);
+    if (!ck) {
+        free(tok);
+        return;
+    }
+    pdm__pool_checksums(c, len, ck);
+    /* the new entry, keyed before the ones it supersedes go (their shared blocks stay) */
+    pdm__pooled_t fresh = {.tokens = tok, .n = len, .cache = c, .ck = ck};
+    pdm__pool_key(n, &fresh);
     for (int i = 0; i < n->p.max_sequences; i++) { /* superseded: a prefix of this one */
         pdm__pooled_t *e = &n->pool[i];
         if (e->cache && e->n <= len && !memcmp(e->tokens, tok, sizeof(int32_t) * (size_t)e->n))
-            pdm__pool_drop(n, e);
+            pdm__pool_drop_keep(n, e, &fresh);
     }
     /* its slots stop counting as reserved and start counting as pooled */
     n->kv_used -= s->kv_slots;
@@ -217,13 +378,23 @@ static void pdm__pool_put(pdm_decode_node_t *n, pdm__seq_t *s)
     if (pdm__pool_room(n, c->capacity, c->capacity))
         for (int i = 0; i < n->p.max_sequences && !slot; i++)
             if (!n->pool[i].cache) slot = &n->pool[i];
-    if (!slot) {
+    if (!slot) { /* blocks of superseded entries kept for it are gone now */
+        for (int k = 0; fresh.keys && k < fresh.n_keys; k++)
+            if (!pdm__pool_holds(n, NULL, NULL, fresh.keys[k]))
+                pdm__kvev_push(n, PDM_DECODE_KVEV_EVICTED, fresh.keys[k]);
+        free(fresh.keys);
         free(tok);
+        free(ck);
         return;
     }
-    *slot = (pdm__pooled_t){.tokens = tok, .n = len, .cache = c, .stamp = ++n->pool_stamp};
+    for (int k = 0; fresh.keys && k < fresh.n_keys; k++)
+        if (!pdm__pool_holds(n, NULL, NULL, fresh.keys[k]))
+            pdm__kvev_push(n, PDM_DECODE_KVEV_STORED, fresh.keys[k]);
+    fresh.stamp = ++n->pool_stamp;
+    *slot = fresh;
     n->pool_slots += c->capacity;
     n->pool_st.entries++;
+    n->pool_st.bytes += pdm_kv_cache_bytes(c);
     s->cache = NULL; /* the pool owns it now */
 }
 
@@ -260,6 +431,7 @@ void pdm_decode_node_destroy(pdm_decode_node_t *n)
     for (int i = 0; n->pool && i < n->p.max_sequences; i++)
         if (n->pool[i].cache) pdm__pool_drop(n, &n->pool[i]);
     free(n->pool);
+    free(n->ev);
     for (int i = 0; n->seqs && i < n->p.max_sequences; i++)
         if (n->seqs[i].state != SEQ_FREE) pdm__seq_release(n, &n->seqs[i]);
     free(n->seqs);
@@ -529,6 +701,27 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
                              "%lld of %lld are free", (unsigned long long)id, (long long)need,
                              (long long)(n->p.kv_budget - n->kv_used), (long long)n->p.kv_budget);
     if (hit && !hit->cache) hit = NULL; /* evicted after all */
+    if (!width && n->p.kv_dtype != PDM_DT_I8 && !r->replay && !r->prompt_lp)
+        n->pool_st.lookups++;
+    if (hit && n->p.fault_corrupt_pool) /* tests: what a bad page or a reuse race would do */
+        ((uint8_t *)hit->cache->k[0])[0] ^= 0x40;
+    if (hit) { /* verify before use: a corrupted prefix is dropped and recomputed */
+        const size_t nh = (size_t)hp->n_layers * hp->n_kv_heads;
+        uint64_t *ck = malloc(sizeof(uint64_t) * nh);
+        if (ck) pdm__pool_checksums(hit->cache, hit->n, ck);
+        if (!ck || memcmp(ck, hit->ck, sizeof(uint64_t) * nh)) {
+            if (ck) {
+                n->pool_st.corrupt++;
+                pdm_log_warn("decode node: request %llu: a pooled prefix of %d tokens failed "
+                             "its checksum: dropped, the prompt is prefilled in full",
+                             (unsigned long long)id, hit->n);
+                pdm__pool_drop(n, hit);
+            }
+            hit = NULL;
+            m = 0;
+        }
+        free(ck);
+    }
     pdm__seq_t *s = NULL;
     for (int i = 0; i < n->p.max_sequences && !s; i++)
         if (n->seqs[i].state == SEQ_FREE) s = &n->seqs[i];
