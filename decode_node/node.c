@@ -101,6 +101,8 @@ struct pdm_decode_node {
     pdm_decode_kv_event_t *ev; /* [PDM_DECODE_KVEV_QUEUE] */
     int ev_head, ev_count;
     int ev_reset;              /* the next drained batch says reset */
+    const pdm__pooled_t *pool_pending; /* pdm__pool_put: the sequence being pooled, whose
+                                        * blocks evictions meanwhile keep in the index */
 };
 
 void pdm_decode_params_default(pdm_decode_params_t *p)
@@ -298,7 +300,7 @@ static void pdm__pool_drop_keep(pdm_decode_node_t *n, pdm__pooled_t *e, const pd
 
 static void pdm__pool_drop(pdm_decode_node_t *n, pdm__pooled_t *e)
 {
-    pdm__pool_drop_keep(n, e, NULL);
+    pdm__pool_drop_keep(n, e, n->pool_pending);
 }
 
 /* Evicts least recently used entries until `need` more slots fit beside the reservations
@@ -366,11 +368,16 @@ static void pdm__pool_put(pdm_decode_node_t *n, pdm__seq_t *s)
     /* the new entry, keyed before the ones it supersedes go (their shared blocks stay) */
     pdm__pooled_t fresh = {.tokens = tok, .n = len, .cache = c, .ck = ck};
     pdm__pool_key(n, &fresh);
+    /* which of its blocks the pool (and so the router's index) holds already */
+    uint8_t *held = fresh.n_keys ? calloc((size_t)fresh.n_keys, 1) : NULL;
+    for (int k = 0; held && k < fresh.n_keys; k++)
+        held[k] = (uint8_t)pdm__pool_holds(n, NULL, NULL, fresh.keys[k]);
     for (int i = 0; i < n->p.max_sequences; i++) { /* superseded: a prefix of this one */
         pdm__pooled_t *e = &n->pool[i];
         if (e->cache && e->n <= len && !memcmp(e->tokens, tok, sizeof(int32_t) * (size_t)e->n))
             pdm__pool_drop_keep(n, e, &fresh);
     }
+    n->pool_pending = &fresh;
     /* its slots stop counting as reserved and start counting as pooled */
     n->kv_used -= s->kv_slots;
     s->kv_slots = 0;
@@ -378,18 +385,27 @@ static void pdm__pool_put(pdm_decode_node_t *n, pdm__seq_t *s)
     if (pdm__pool_room(n, c->capacity, c->capacity))
         for (int i = 0; i < n->p.max_sequences && !slot; i++)
             if (!n->pool[i].cache) slot = &n->pool[i];
+    n->pool_pending = NULL;
     if (!slot) { /* blocks of superseded entries kept for it are gone now */
-        for (int k = 0; fresh.keys && k < fresh.n_keys; k++)
-            if (!pdm__pool_holds(n, NULL, NULL, fresh.keys[k]))
+        for (int k = 0; held && k < fresh.n_keys; k++)
+            if (held[k] && !pdm__pool_holds(n, NULL, NULL, fresh.keys[k]))
                 pdm__kvev_push(n, PDM_DECODE_KVEV_EVICTED, fresh.keys[k]);
+        free(held);
         free(fresh.keys);
         free(tok);
         free(ck);
         return;
     }
-    for (int k = 0; fresh.keys && k < fresh.n_keys; k++)
-        if (!pdm__pool_holds(n, NULL, NULL, fresh.keys[k]))
-            pdm__kvev_push(n, PDM_DECODE_KVEV_STORED, fresh.keys[k]);
+    if (fresh.n_keys && !held) { /* no memory to tell: the pool is keyed anew (snapshot) */
+        fresh.stamp = ++n->pool_stamp;
+        *slot = fresh;
+        n->pool_st.blocks = pdm__pool_blocks(n);
+        if (n->ev && n->has_keys) pdm__kvev_snapshot(n);
+    } else {
+        for (int k = 0; k < fresh.n_keys; k++)
+            if (!held[k]) pdm__kvev_push(n, PDM_DECODE_KVEV_STORED, fresh.keys[k]);
+    }
+    free(held);
     fresh.stamp = ++n->pool_stamp;
     *slot = fresh;
     n->pool_slots += c->capacity;
