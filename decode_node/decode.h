@@ -131,6 +131,9 @@ typedef struct {
                              * searches, head-wise offload and a q8 local prefill keep full KV
                              * (docs/decode-memory.md); windowed sequences do not join the
                              * prefix pool */
+    const char *pool_file_tier; /* prefix pool's second tier: "file:DIR" (offload.h's file
+                             * tier) where sequences evicted from the pool's RAM go, or NULL */
+    int64_t pool_file_tokens; /* that tier's budget in tokens (least recently used goes) */
     int fault_corrupt_pool; /* tests only (pdmesh-decode --fault-corrupt-pool): flip one byte
                              * of a pooled prefix's KV before each reuse, which its checksum
                              * must catch (the prefix is then recomputed, never used) */
@@ -276,6 +279,9 @@ typedef struct {
     int64_t slots;
     uint64_t bytes, blocks;
     uint64_t lookups, hits, reused_tokens, evictions, corrupt;
+    int64_t file_tokens;     /* second tier: tokens and bytes it holds, */
+    uint64_t file_bytes;     /* hits served from it (loaded back), and its own evictions */
+    uint64_t file_hits, file_evictions;
 } pdm_decode_pool_stats_t;
 void pdm_decode_node_pool_stats(const pdm_decode_node_t *node, pdm_decode_pool_stats_t *st);
 
@@ -290,7 +296,7 @@ void pdm_decode_node_pool_stats(const pdm_decode_node_t *node, pdm_decode_pool_s
 enum { PDM_DECODE_KVEV_STORED = 1, PDM_DECODE_KVEV_EVICTED = 2 };
 typedef struct {
     int kind; /* PDM_DECODE_KVEV_* */
-    int tier; /* 1: RAM (the only tier of the pool so far) */
+    int tier; /* 1: RAM, 2: the file tier (STORED only: a block moved there) */
     uint8_t key[32];
 } pdm_decode_kv_event_t;
 

@@ -427,6 +427,8 @@ static void pdm__report_kv_events(pdm__daemon_t *dn)
         pool.reused_tokens = ps.reused_tokens;
         pool.evictions = ps.evictions;
         pool.corrupt = ps.corrupt;
+        pool.file_tokens = (uint64_t)ps.file_tokens;
+        pool.file_bytes = ps.file_bytes;
         Pdmesh__KvEvents m = PDMESH__KV_EVENTS__INIT;
         m.node_id = (char *)dn->node_id;
         m.epoch = epoch;
@@ -632,6 +634,9 @@ static void pdm__usage(FILE *f)
                "prefix carries checksums verified before reuse, and the pool's blocks are\n"
                "published to the router as KV events. --fault-corrupt-pool (tests only): flip\n"
                "a byte of a pooled prefix before each reuse, which the checksum must catch.\n"
+               "--kv-pool-file file:DIR --kv-pool-file-tokens N: the pool's second tier:\n"
+               "sequences evicted from the pool go to unlinked files under DIR (up to N\n"
+               "tokens, least recently used out first) and are loaded back on a hit.\n"
                "--kv-window: sliding-window layers (Gemma 3's local layers) keep only their\n"
                "window S, in R x (S-1) rows per head (the static-window KV manager; 1.5 to 8,\n"
                "default 2; 0: every layer keeps the whole context); --kv-budget then counts\n"
@@ -651,7 +656,7 @@ int main(int argc, char **argv)
     pdm_decode_params_default(&dn.dp);
     pdm_kvoff_params_default(&dn.offload);
     enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN, O_POOL,
-           O_WINDOW, O_FAULT_POOL };
+           O_WINDOW, O_FAULT_POOL, O_POOL_FILE, O_POOL_FILE_TOKENS };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"threads", required_argument, 0, 't'},
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
@@ -671,7 +676,9 @@ int main(int argc, char **argv)
         {"drain-grace", required_argument, 0, O_DRAIN},
         {"kv-pool", required_argument, 0, O_POOL},
         {"kv-window", required_argument, 0, O_WINDOW},
-        {"fault-corrupt-pool", no_argument, 0, O_FAULT_POOL}, {0, 0, 0, 0}};
+        {"fault-corrupt-pool", no_argument, 0, O_FAULT_POOL},
+        {"kv-pool-file", required_argument, 0, O_POOL_FILE},
+        {"kv-pool-file-tokens", required_argument, 0, O_POOL_FILE_TOKENS}, {0, 0, 0, 0}};
     const char *kv_iface = NULL;
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
@@ -706,6 +713,11 @@ int main(int argc, char **argv)
         case O_HEALTH: lp.health_file = optarg; break;
         case O_POOL: if (pdm_parse_long(optarg, 0, 1L << 30, &v)) goto bad; dp->pool_tokens = v; break;
         case O_FAULT_POOL: dp->fault_corrupt_pool = 1; break;
+        case O_POOL_FILE: dp->pool_file_tier = optarg; break;
+        case O_POOL_FILE_TOKENS:
+            if (pdm_parse_long(optarg, 0, 1L << 40, &v)) goto bad;
+            dp->pool_file_tokens = v;
+            break;
         case O_WINDOW:
             if (pdm_parse_double(optarg, 0, 8, &d) || (d != 0 && d < 1.5)) goto bad;
             dp->kv_window = d;

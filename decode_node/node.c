@@ -75,7 +75,16 @@ typedef struct {
     int n_keys;
     uint64_t *ck;       /* [n_layers * n_kv_heads] XXH3-64 of each head's K then V rows
                          * [0, n) (kvtransfer/checksum.c), checked before any reuse */
+    void *file;         /* second tier (cache NULL then): [n_layers * n_kv_heads][2][n] rows,
+                         * each head's K then V, in the pool's file tier; NULL in RAM */
+    size_t file_bytes;
 } pdm__pooled_t;
+
+/* An entry in use, in either tier. */
+static int pdm__used(const pdm__pooled_t *e)
+{
+    return e->cache || e->file;
+}
 
 struct pdm_decode_node {
     const pdm_model_t *model;
@@ -90,7 +99,10 @@ struct pdm_decode_node {
     int32_t eog[16];  /* end-of-generation token ids (beam search) */
     int n_eog;
     pdm_kvoff_engine_t *offload; /* head-wise KV offload (p.offload), or NULL */
-    pdm__pooled_t *pool;         /* [max_sequences] the prefix pool (decode.h) */
+    pdm__pooled_t *pool;         /* [pool_cap] the prefix pool (decode.h), both tiers */
+    int pool_cap;                /* max_sequences, twice that with a file tier */
+    pdm_kvtier_t *pool_tier;     /* the pool's second tier (p.pool_file_tier), or NULL */
+    int64_t pool_file_slots;     /* tokens its entries hold there */
     int64_t pool_slots;          /* KV slots its caches hold */
     uint64_t pool_stamp;
     pdm_decode_pool_stats_t pool_st;
@@ -117,6 +129,8 @@ void pdm_decode_params_default(pdm_decode_params_t *p)
     p->offload = NULL;
     p->kv_window = 2; /* the Qualcomm note's no-copy reserve, 2(S-1) */
     p->fault_corrupt_pool = 0;
+    p->pool_file_tier = NULL;
+    p->pool_file_tokens = 0;
 }
 
 int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
@@ -138,8 +152,12 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (!st && !(n->logits = malloc(sizeof(float) * (size_t)p->max_batch * model->hp.n_vocab)))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
-    if (!st && !(n->pool = calloc((size_t)p->max_sequences, sizeof(pdm__pooled_t))))
+    n->pool_cap = p->max_sequences * (p->pool_file_tier && p->pool_tokens > 0 ? 2 : 1);
+    if (!st && !(n->pool = calloc((size_t)n->pool_cap, sizeof(pdm__pooled_t))))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    /* the file tier's own budget is counted in tokens here (pool_file_tokens) */
+    if (!st && p->pool_file_tier && p->pool_tokens > 0)
+        st = pdm_kvtier_create(p->pool_file_tier, 0, &n->pool_tier);
     if (!st && p->pool_tokens > 0 &&
         !(n->ev = malloc(sizeof(pdm_decode_kv_event_t) * PDM_DECODE_KVEV_QUEUE)))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
@@ -160,32 +178,54 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
 static void pdm__kvev_snapshot(pdm_decode_node_t *n);
 
 /* Queues one event; a full ring is replaced by a snapshot (decode.h). */
-static void pdm__kvev_push(pdm_decode_node_t *n, int kind, const uint8_t key[32])
+static void pdm__kvev_push_tier(pdm_decode_node_t *n, int kind, int tier, int count,
+                               const uint8_t key[32])
 {
     if (!n->ev || !n->has_keys) return;
-    if (kind == PDM_DECODE_KVEV_STORED) n->pool_st.blocks++;
-    else if (n->pool_st.blocks) n->pool_st.blocks--;
+    if (count && kind == PDM_DECODE_KVEV_STORED) n->pool_st.blocks++;
+    else if (count && n->pool_st.blocks) n->pool_st.blocks--;
     if (n->ev_count == PDM_DECODE_KVEV_QUEUE) {
         pdm__kvev_snapshot(n);
         return; /* the snapshot reflects this change already */
     }
     pdm_decode_kv_event_t *e = &n->ev[(n->ev_head + n->ev_count++) % PDM_DECODE_KVEV_QUEUE];
     e->kind = kind;
-    e->tier = 1;
+    e->tier = tier;
     memcpy(e->key, key, 32);
+}
+
+/* An event that changes which blocks the pool holds (RAM tier for STORED). */
+static void pdm__kvev_push(pdm_decode_node_t *n, int kind, const uint8_t key[32])
+{
+    pdm__kvev_push_tier(n, kind, 1, 1, key);
 }
 
 /* Whether a pooled sequence other than `skip` (or the not yet pooled `extra`) holds key. */
 static int pdm__pool_holds(const pdm_decode_node_t *n, const pdm__pooled_t *skip,
                            const pdm__pooled_t *extra, const uint8_t key[32])
 {
-    for (int i = 0; i <= n->p.max_sequences; i++) {
-        const pdm__pooled_t *e = i < n->p.max_sequences ? &n->pool[i] : extra;
-        if (!e || e == skip || !e->cache || !e->keys) continue;
+    for (int i = 0; i <= n->pool_cap; i++) {
+        const pdm__pooled_t *e = i < n->pool_cap ? &n->pool[i] : extra;
+        if (!e || e == skip || !pdm__used(e) || !e->keys) continue;
         for (int k = 0; k < e->n_keys; k++)
             if (!memcmp(e->keys[k], key, 32)) return 1;
     }
     return 0;
+}
+
+/* 2 when a RAM entry of the pool holds key, 1 when only file-tier entries do, else 0. */
+static int pdm__pool_holds_tier(const pdm_decode_node_t *n, const uint8_t key[32])
+{
+    int t = 0;
+    for (int i = 0; i < n->pool_cap && t < 2; i++) {
+        const pdm__pooled_t *e = &n->pool[i];
+        for (int k = 0; pdm__used(e) && e->keys && k < e->n_keys; k++)
+            if (!memcmp(e->keys[k], key, 32)) {
+                t = PDM_MAX(t, e->cache ? 2 : 1);
+                break;
+            }
+    }
+    return t;
 }
 
 /* Distinct block keys the pool holds (counted anew when the keys change; the events keep
@@ -193,13 +233,13 @@ static int pdm__pool_holds(const pdm_decode_node_t *n, const pdm__pooled_t *skip
 static uint64_t pdm__pool_blocks(const pdm_decode_node_t *n)
 {
     uint64_t k = 0;
-    for (int i = 0; i < n->p.max_sequences; i++) {
+    for (int i = 0; i < n->pool_cap; i++) {
         const pdm__pooled_t *e = &n->pool[i];
-        for (int j = 0; e->cache && e->keys && j < e->n_keys; j++) {
+        for (int j = 0; pdm__used(e) && e->keys && j < e->n_keys; j++) {
             int earlier = 0; /* counted with an earlier entry */
             for (int h = 0; h < i && !earlier; h++) {
                 const pdm__pooled_t *o = &n->pool[h];
-                for (int m = 0; o->cache && o->keys && m < o->n_keys && !earlier; m++)
+                for (int m = 0; pdm__used(o) && o->keys && m < o->n_keys && !earlier; m++)
                     earlier = !memcmp(o->keys[m], e->keys[j], 32);
             }
             k += !earlier;
@@ -213,16 +253,18 @@ static void pdm__kvev_snapshot(pdm_decode_node_t *n)
 {
     n->ev_head = n->ev_count = 0;
     n->ev_reset = 1;
-    for (int i = 0; i < n->p.max_sequences; i++) {
-        const pdm__pooled_t *e = &n->pool[i];
-        for (int k = 0; e->cache && e->keys && k < e->n_keys; k++) {
-            if (n->ev_count == PDM_DECODE_KVEV_QUEUE) return; /* the rest goes unindexed */
-            pdm_decode_kv_event_t *ev = &n->ev[n->ev_count++];
-            ev->kind = PDM_DECODE_KVEV_STORED;
-            ev->tier = 1;
-            memcpy(ev->key, e->keys[k], 32);
+    for (int pass = 0; pass < 2; pass++) /* file tier first: a block in both is in RAM */
+        for (int i = 0; i < n->pool_cap; i++) {
+            const pdm__pooled_t *e = &n->pool[i];
+            if (!(pass ? e->cache != NULL : e->file != NULL)) continue;
+            for (int k = 0; e->keys && k < e->n_keys; k++) {
+                if (n->ev_count == PDM_DECODE_KVEV_QUEUE) return; /* the rest goes unindexed */
+                pdm_decode_kv_event_t *ev = &n->ev[n->ev_count++];
+                ev->kind = PDM_DECODE_KVEV_STORED;
+                ev->tier = pass ? 1 : 2;
+                memcpy(ev->key, e->keys[k], 32);
+            }
         }
-    }
 }
 
 /* Keys e's whole blocks with the router's parameters (none without them). */
@@ -246,8 +288,8 @@ void pdm_decode_node_set_prefix_keys(pdm_decode_node_t *n, const pdm_prefix_key_
         n->kp.model = n->kp_model;
         n->has_keys = 1;
     }
-    for (int i = 0; i < n->p.max_sequences; i++)
-        if (n->pool[i].cache) pdm__pool_key(n, &n->pool[i]);
+    for (int i = 0; i < n->pool_cap; i++)
+        if (pdm__used(&n->pool[i])) pdm__pool_key(n, &n->pool[i]);
     n->pool_st.blocks = pdm__pool_blocks(n);
     if (n->ev) pdm__kvev_snapshot(n);
 }
@@ -288,10 +330,16 @@ static void pdm__pool_drop_keep(pdm_decode_node_t *n, pdm__pooled_t *e, const pd
     for (int k = 0; e->keys && k < e->n_keys; k++)
         if (!pdm__pool_holds(n, e, keep, e->keys[k]))
             pdm__kvev_push(n, PDM_DECODE_KVEV_EVICTED, e->keys[k]);
-    n->pool_slots -= e->cache->capacity;
-    n->pool_st.entries--;
-    n->pool_st.bytes -= pdm_kv_cache_bytes(e->cache);
-    pdm_kv_cache_destroy(e->cache);
+    if (e->cache) {
+        n->pool_slots -= e->cache->capacity;
+        n->pool_st.entries--;
+        n->pool_st.bytes -= pdm_kv_cache_bytes(e->cache);
+        pdm_kv_cache_destroy(e->cache);
+    } else {
+        n->pool_file_slots -= e->n;
+        n->pool_st.file_bytes -= e->file_bytes;
+        pdm_kvtier_free(n->pool_tier, e->file, e->file_bytes);
+    }
     free(e->tokens);
     free(e->keys);
     free(e->ck);
@@ -303,6 +351,60 @@ static void pdm__pool_drop(pdm_decode_node_t *n, pdm__pooled_t *e)
     pdm__pool_drop_keep(n, e, n->pool_pending);
 }
 
+/* The second tier (SGLang HiCache's host tier, Mooncake's store below GPU memory; here RAM ->
+ * file, through the offload code's file tier, decode_node/offload.h): a sequence evicted from
+ * RAM moves to the file tier if it fits that tier's token budget (least recently used file
+ * entries go first), its rows copied head by head and its checksums kept; its blocks are
+ * announced again with tier FILE. 1 when moved (e->cache is then NULL), 0: drop it instead. */
+static int pdm__pool_demote(pdm_decode_node_t *n, pdm__pooled_t *e)
+{
+    if (!n->pool_tier || e->n > n->p.pool_file_tokens) return 0;
+    const pdm_kv_cache_t *c = e->cache;
+    const size_t row = pdm_dtype_row_bytes(c->dtype, c->head_dim), heads = (size_t)c->n_layers * c->n_kv_heads;
+    const size_t bytes = 2 * row * (size_t)e->n * heads;
+    pdm__pooled_t *slot = NULL;
+    for (;;) { /* room in the tier's budget and a free entry */
+        pdm__pooled_t *lru = NULL;
+        slot = NULL;
+        for (int i = 0; i < n->pool_cap; i++) {
+            pdm__pooled_t *f = &n->pool[i];
+            if (f->file && (!lru || f->stamp < lru->stamp)) lru = f;
+            if (!pdm__used(f) && !slot) slot = f;
+        }
+        if (n->pool_file_slots + e->n <= n->p.pool_file_tokens && slot) break;
+        if (!lru) return 0;
+        pdm__pool_drop(n, lru);
+        n->pool_st.file_evictions++;
+    }
+    void *f;
+    if (pdm_kvtier_alloc(n->pool_tier, bytes, &f)) return 0;
+    for (size_t i = 0; i < heads; i++) {
+        memcpy((char *)f + (2 * i) * row * (size_t)e->n, c->k[i], row * (size_t)e->n);
+        memcpy((char *)f + (2 * i + 1) * row * (size_t)e->n, c->v[i], row * (size_t)e->n);
+    }
+    /* the entry stays where it is (only its tier changes); the free one found above is left
+     * for the sequence this room is made for */
+    n->pool_slots -= c->capacity;
+    n->pool_st.entries--;
+    n->pool_st.bytes -= pdm_kv_cache_bytes(e->cache);
+    pdm_kv_cache_destroy(e->cache);
+    e->cache = NULL;
+    e->file = f;
+    e->file_bytes = bytes;
+    n->pool_file_slots += e->n;
+    n->pool_st.file_bytes += bytes;
+    for (int k = 0; e->keys && k < e->n_keys; k++) { /* still in RAM through another entry? */
+        int in_ram = 0;
+        for (int i = 0; i < n->pool_cap && !in_ram; i++) {
+            const pdm__pooled_t *o = &n->pool[i];
+            for (int j = 0; o != e && o->cache && o->keys && j < o->n_keys && !in_ram; j++)
+                in_ram = !memcmp(o->keys[j], e->keys[k], 32);
+        }
+        if (!in_ram) pdm__kvev_push_tier(n, PDM_DECODE_KVEV_STORED, 2, 0, e->keys[k]);
+    }
+    return 1;
+}
+
 /* Evicts least recently used entries until `need` more slots fit beside the reservations
  * (and the pool stays within its size); 1 if they fit then. */
 static int pdm__pool_room(pdm_decode_node_t *n, int64_t need, int64_t pool_need)
@@ -311,11 +413,11 @@ static int pdm__pool_room(pdm_decode_node_t *n, int64_t need, int64_t pool_need)
         int fits = n->kv_used + n->pool_slots + need <= n->p.kv_budget &&
                    n->pool_slots + pool_need <= n->p.pool_tokens;
         pdm__pooled_t *lru = NULL;
-        for (int i = 0; i < n->p.max_sequences; i++)
+        for (int i = 0; i < n->pool_cap; i++)
             if (n->pool[i].cache && (!lru || n->pool[i].stamp < lru->stamp)) lru = &n->pool[i];
         if (fits || !lru) return fits;
-        pdm__pool_drop(n, lru);
         n->pool_st.evictions++;
+        if (!pdm__pool_demote(n, lru)) pdm__pool_drop(n, lru);
     }
 }
 
@@ -335,9 +437,9 @@ static pdm__pooled_t *pdm__pool_match(pdm_decode_node_t *n, const int32_t *token
 {
     pdm__pooled_t *best = NULL;
     *m = 0;
-    for (int i = 0; i < n->p.max_sequences; i++) {
+    for (int i = 0; i < n->pool_cap; i++) {
         pdm__pooled_t *e = &n->pool[i];
-        if (!e->cache) continue;
+        if (!pdm__used(e)) continue;
         int32_t k = 0, lim = PDM_MIN(e->n, len - 1);
         while (k < lim && e->tokens[k] == tokens[k]) k++;
         if (k >= PDM_DECODE_POOL_MIN && k > *m) best = e, *m = k;
@@ -371,10 +473,10 @@ static void pdm__pool_put(pdm_decode_node_t *n, pdm__seq_t *s)
     /* which of its blocks the pool (and so the router's index) holds already */
     uint8_t *held = fresh.n_keys ? calloc((size_t)fresh.n_keys, 1) : NULL;
     for (int k = 0; held && k < fresh.n_keys; k++)
-        held[k] = (uint8_t)pdm__pool_holds(n, NULL, NULL, fresh.keys[k]);
-    for (int i = 0; i < n->p.max_sequences; i++) { /* superseded: a prefix of this one */
+        held[k] = (uint8_t)pdm__pool_holds_tier(n, fresh.keys[k]);
+    for (int i = 0; i < n->pool_cap; i++) { /* superseded: a prefix of this one */
         pdm__pooled_t *e = &n->pool[i];
-        if (e->cache && e->n <= len && !memcmp(e->tokens, tok, sizeof(int32_t) * (size_t)e->n))
+        if (pdm__used(e) && e->n <= len && !memcmp(e->tokens, tok, sizeof(int32_t) * (size_t)e->n))
             pdm__pool_drop_keep(n, e, &fresh);
     }
     n->pool_pending = &fresh;
@@ -383,8 +485,8 @@ static void pdm__pool_put(pdm_decode_node_t *n, pdm__seq_t *s)
     s->kv_slots = 0;
     pdm__pooled_t *slot = NULL;
     if (pdm__pool_room(n, c->capacity, c->capacity))
-        for (int i = 0; i < n->p.max_sequences && !slot; i++)
-            if (!n->pool[i].cache) slot = &n->pool[i];
+        for (int i = 0; i < n->pool_cap && !slot; i++)
+            if (!pdm__used(&n->pool[i])) slot = &n->pool[i];
     n->pool_pending = NULL;
     if (!slot) { /* blocks of superseded entries kept for it are gone now */
         for (int k = 0; held && k < fresh.n_keys; k++)
@@ -402,8 +504,9 @@ static void pdm__pool_put(pdm_decode_node_t *n, pdm__seq_t *s)
         n->pool_st.blocks = pdm__pool_blocks(n);
         if (n->ev && n->has_keys) pdm__kvev_snapshot(n);
     } else {
-        for (int k = 0; k < fresh.n_keys; k++)
-            if (!held[k]) pdm__kvev_push(n, PDM_DECODE_KVEV_STORED, fresh.keys[k]);
+        for (int k = 0; k < fresh.n_keys; k++) /* new, or back in RAM from the file tier */
+            if (held[k] < 2)
+                pdm__kvev_push_tier(n, PDM_DECODE_KVEV_STORED, 1, !held[k], fresh.keys[k]);
     }
     free(held);
     fresh.stamp = ++n->pool_stamp;
@@ -418,6 +521,7 @@ void pdm_decode_node_pool_stats(const pdm_decode_node_t *n, pdm_decode_pool_stat
 {
     *st = n->pool_st;
     st->slots = n->pool_slots;
+    st->file_tokens = n->pool_file_slots;
 }
 
 static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
@@ -444,10 +548,11 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
 void pdm_decode_node_destroy(pdm_decode_node_t *n)
 {
     if (!n) return;
-    for (int i = 0; n->pool && i < n->p.max_sequences; i++)
-        if (n->pool[i].cache) pdm__pool_drop(n, &n->pool[i]);
+    for (int i = 0; n->pool && i < n->pool_cap; i++)
+        if (pdm__used(&n->pool[i])) pdm__pool_drop(n, &n->pool[i]);
     free(n->pool);
     free(n->ev);
+    pdm_kvtier_destroy(n->pool_tier);
     for (int i = 0; n->seqs && i < n->p.max_sequences; i++)
         if (n->seqs[i].state != SEQ_FREE) pdm__seq_release(n, &n->seqs[i]);
     free(n->seqs);
@@ -716,15 +821,38 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: request %llu needs %lld KV slots, "
                              "%lld of %lld are free", (unsigned long long)id, (long long)need,
                              (long long)(n->p.kv_budget - n->kv_used), (long long)n->p.kv_budget);
-    if (hit && !hit->cache) hit = NULL; /* evicted after all */
+    if (hit && !pdm__used(hit)) hit = NULL; /* evicted after all (or moved to the file tier) */
     if (!width && n->p.kv_dtype != PDM_DT_I8 && !r->replay && !r->prompt_lp)
         n->pool_st.lookups++;
+    /* a hit in the file tier: per-head pointers into its rows, as a cache's k/v arrays */
+    void **hit_k = NULL, **hit_v = NULL;
+    const size_t nh = (size_t)hp->n_layers * hp->n_kv_heads;
+    if (hit && hit->file) {
+        hit_k = malloc(sizeof(void *) * nh);
+        hit_v = malloc(sizeof(void *) * nh);
+        const size_t rows = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim) * (size_t)hit->n;
+        for (size_t i = 0; hit_k && hit_v && i < nh; i++) {
+            hit_k[i] = (char *)hit->file + 2 * i * rows;
+            hit_v[i] = (char *)hit->file + (2 * i + 1) * rows;
+        }
+        if (!hit_k || !hit_v) hit = NULL;
+    } else if (hit) {
+        hit_k = malloc(sizeof(void *) * nh);
+        hit_v = malloc(sizeof(void *) * nh);
+        if (hit_k && hit_v) {
+            memcpy(hit_k, hit->cache->k, sizeof(void *) * nh);
+            memcpy(hit_v, hit->cache->v, sizeof(void *) * nh);
+        } else {
+            hit = NULL;
+        }
+    }
     if (hit && n->p.fault_corrupt_pool) /* tests: what a bad page or a reuse race would do */
-        ((uint8_t *)hit->cache->k[0])[0] ^= 0x40;
+        ((uint8_t *)hit_k[0])[0] ^= 0x40;
     if (hit) { /* verify before use: a corrupted prefix is dropped and recomputed */
-        const size_t nh = (size_t)hp->n_layers * hp->n_kv_heads;
         uint64_t *ck = malloc(sizeof(uint64_t) * nh);
-        if (ck) pdm__pool_checksums(hit->cache, hit->n, ck);
+        const size_t rows = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim) * (size_t)hit->n;
+        for (size_t i = 0; ck && i < nh; i++)
+            ck[i] = pdm_kvt_block_checksum((uint64_t)hit->n, hit_k[i], hit_v[i], rows);
         if (!ck || memcmp(ck, hit->ck, sizeof(uint64_t) * nh)) {
             if (ck) {
                 n->pool_st.corrupt++;
@@ -741,9 +869,12 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     pdm__seq_t *s = NULL;
     for (int i = 0; i < n->p.max_sequences && !s; i++)
         if (n->seqs[i].state == SEQ_FREE) s = &n->seqs[i];
-    if (!s)
+    if (!s) {
+        free(hit_k);
+        free(hit_v);
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: %d sequences held",
                              n->p.max_sequences);
+    }
     const pdm_kv_cache_params_t cp = {.capacity = width ? n_tokens : n_tokens + max_new,
                                       .dtype = n->p.kv_dtype, .model = n->model,
                                       .window_reserve = r_win};
@@ -768,16 +899,20 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
         const size_t row = pdm_dtype_row_bytes(s->cache->dtype, hp->head_dim);
         for (uint32_t i = 0; i < hp->n_layers * hp->n_kv_heads; i++) {
             if (s->cache->windowed && s->cache->windowed[i / hp->n_kv_heads]) continue;
-            memcpy(s->cache->k[i], hit->cache->k[i], row * (size_t)m);
-            memcpy(s->cache->v[i], hit->cache->v[i], row * (size_t)m);
+            memcpy(s->cache->k[i], hit_k[i], row * (size_t)m);
+            memcpy(s->cache->v[i], hit_v[i], row * (size_t)m);
         }
         /* windowed layers: the last S - 1 of the m rows (pooled caches are never windowed) */
-        pdm_kv_cache_window_fill(s->cache, hit->cache->k, hit->cache->v, m);
+        pdm_kv_cache_window_fill(s->cache, hit_k, hit_v, m);
         s->cache->n_tokens = m;
         s->cached = m;
         n->pool_st.hits++;
         n->pool_st.reused_tokens += (uint64_t)m;
+        if (hit->file) n->pool_st.file_hits++; /* loaded back: pooled in RAM when it ends */
+        hit->stamp = ++n->pool_stamp;
     }
+    free(hit_k);
+    free(hit_v);
     /* Conditional disaggregation / migration: this node computes the prompt's KV itself. */
     const int32_t replay = r->replay ? r->n_generated : 0; /* as first computed: one by one */
     const int32_t upto = n_tokens - replay; /* prefilled in one batch: [cached, upto) */

@@ -546,6 +546,74 @@ START_TEST(test_decode_pool_events)
 }
 END_TEST
 
+/* The prefix pool's second tier (decode.h): a RAM pool of 50 tokens and a file tier of 200.
+ * Turn 1 (37 tokens of KV) is pooled; an unrelated sequence needs the RAM, so turn 1 moves to
+ * the file tier (its blocks announced again with tier FILE, no EVICTED); turn 2 hits it there:
+ * its rows are loaded back, the checksums verified, and the greedy answer equals the engine's. */
+START_TEST(test_decode_pool_file_tier)
+{
+    pdm_model_t *m = small_model("router-pool-file", 64, 96, PDM_DT_F32, PDM_DT_F32, 12);
+    enum { P = 30, NEW = 8, EXTRA = 9, BT = 8 };
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
+    pdm_kvt_t *kvt;
+    ck_assert_int_eq(pdm_kvt_create(NULL, &kvt), 0);
+    char spec[600];
+    snprintf(spec, sizeof(spec), "file:%s", pdm_test_tmpdir());
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_dtype = PDM_DT_F32;
+    dp.kv_budget = 200;
+    dp.pool_tokens = 50;
+    dp.pool_file_tier = spec;
+    dp.pool_file_tokens = 200;
+    pdm_decode_node_t *node;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    pdm_prefix_key_params_t kp = {.model = "router-pool-file", .block_tokens = BT};
+    memset(kp.salt, 3, sizeof(kp.salt));
+    pdm_decode_node_set_prefix_keys(node, &kp);
+    int stored, evicted, reset;
+    pool_events(node, &stored, &evicted, &reset);
+
+    int32_t turn[P + NEW + EXTRA], other[P];
+    for (int i = 0; i < P; i++) turn[i] = (int32_t)((i * 29 + 3) % (int)m->hp.n_vocab);
+    for (int i = 0; i < P; i++) other[i] = (int32_t)((i * 11 + 2) % (int)m->hp.n_vocab);
+    local_events_t ev, evo;
+    pool_turn(node, 1, turn, P, NEW, &ev);
+    pool_turn(node, 2, other, P, NEW, &evo);
+    pdm_decode_pool_stats_t ps;
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.entries, 1);            /* `other` in RAM */
+    ck_assert_int_eq(ps.file_tokens, P + NEW - 1); /* turn 1 in the file tier */
+    ck_assert_uint_gt(ps.file_bytes, 0);
+    ck_assert_int_eq(ps.blocks, 2 * ((P + NEW - 1) / BT));
+    pdm_decode_kv_event_t evs[64];
+    int nev = pdm_decode_node_kv_events(node, evs, 64, &reset), file_stored = 0;
+    for (int i = 0; i < nev; i++) {
+        ck_assert_int_eq(evs[i].kind, PDM_DECODE_KVEV_STORED);
+        file_stored += evs[i].tier == 2;
+    }
+    ck_assert_int_eq(file_stored, (P + NEW - 1) / BT);
+
+    int n2 = P;
+    for (int k = 0; k < NEW; k++) turn[n2++] = ev.toks[k];
+    for (int i = 0; i < EXTRA; i++) turn[n2++] = (int32_t)((i * 7 + 1) % (int)m->hp.n_vocab);
+    int32_t ref[NEW];
+    engine_greedy(ctx, m, turn, n2, NEW, PDM_DT_F32, ref);
+    pool_turn(node, 3, turn, n2, NEW, &ev);
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.file_hits, 1);
+    ck_assert_int_eq(ps.hits, 1);
+    ck_assert_int_eq(ps.corrupt, 0);
+    ck_assert_int_eq((int32_t)ps.reused_tokens, P + NEW - 1);
+    for (int k = 0; k < NEW; k++) ck_assert_int_eq(ev.toks[k], ref[k]);
+    pdm_decode_node_destroy(node);
+    pdm_kvt_destroy(kvt);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+END_TEST
+
 /* Windowed local layers in local prefills (decode.h): a gemma3 model with a 16-token window
  * (30 rows per windowed head at r = 2). Turn 1, 20 + 8 tokens, fits the rows: full KV, pooled.
  * Turn 2 (turn 1, its answer and 30 new tokens; 40 new) is windowed: its global layers copy the
@@ -778,6 +846,7 @@ Suite *suite_router(void)
     tcase_add_test(tl, test_decode_local_prefill);
     tcase_add_test(tl, test_decode_prefix_pool);
     tcase_add_test(tl, test_decode_pool_events);
+    tcase_add_test(tl, test_decode_pool_file_tier);
     tcase_add_test(tl, test_decode_window_local);
     tcase_add_test(tl, test_decode_migration_resume);
     suite_add_tcase(s, tl);
