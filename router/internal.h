@@ -243,6 +243,9 @@ struct pdm_router {
     struct rt_kvindex *kvidx;
     uint64_t prefix_stamp;
     uint64_t pool_lookups, pool_hits; /* decode-node prefix pools (the hit-rate gauge) */
+    int pool_block_tokens;        /* the block size of the keys decode nodes were given in
+                                   * their RegisterAck: fixed at start (policy set block_tokens
+                                   * changes only the groups' prefix keys) */
     uint8_t prefix_salt[16];      /* random per router: prefix keys are not predictable */
     struct { uint64_t nonce; uint8_t id[8]; double t; } seen[1024]; /* registration replay */
     unsigned seen_next;

@@ -21,6 +21,14 @@ int rt_block_hashes(pdm_router_t *r, const int32_t *tok, uint32_t n, uint8_t (*o
     return pdm_prefix_block_keys(&kp, tok, n, out, max);
 }
 
+int rt_pool_block_hashes(pdm_router_t *r, const int32_t *tok, uint32_t n, uint8_t (*out)[32],
+                         int max)
+{
+    pdm_prefix_key_params_t kp = {.model = r->model_name, .block_tokens = r->pool_block_tokens};
+    memcpy(kp.salt, r->prefix_salt, sizeof(kp.salt));
+    return pdm_prefix_block_keys(&kp, tok, n, out, max);
+}
+
 size_t rt_prefix_slot(const uint8_t *h)
 {
     return ((size_t)h[0] | (size_t)h[1] << 8 | (size_t)h[2] << 16) % RT_PREFIX_SLOTS;

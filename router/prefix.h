@@ -9,6 +9,9 @@
 /* Block keys of tok[0, n): key i names the whole prefix up to the end of block i (block size
  * cfg.block_tokens); at most `max` keys. Returns how many were written (0 on no memory). */
 int rt_block_hashes(pdm_router_t *r, const int32_t *tok, uint32_t n, uint8_t (*out)[32], int max);
+/* The same with the block size of the decode nodes' KV events (pool_block_tokens). */
+int rt_pool_block_hashes(pdm_router_t *r, const int32_t *tok, uint32_t n, uint8_t (*out)[32],
+                         int max);
 /* The slot of a key in the prefix tables (RT_PREFIX_SLOTS). */
 size_t rt_prefix_slot(const uint8_t *h);
 

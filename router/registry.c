@@ -316,7 +316,7 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
         /* so that its KV events name blocks with this router's keys (common/wire.h) */
         ack.prefix_salt.data = r->prefix_salt;
         ack.prefix_salt.len = sizeof(r->prefix_salt);
-        ack.prefix_block_tokens = (uint32_t)(r->cfg.block_tokens > 0 ? r->cfg.block_tokens : 64);
+        ack.prefix_block_tokens = (uint32_t)r->pool_block_tokens;
         ack.prefix_model = r->model_name;
     }
     rt_send(s, ident, ident_len, PDMESH__MSG_TYPE__MSG_REGISTER_ACK, &ack.base);

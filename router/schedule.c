@@ -203,12 +203,12 @@ static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, uint32_t *c
     for (int i = 0; i < RT_MAX_NODES && !any; i++)
         any = rt_node_usable(r, i) && r->nodes[i].role == PDMESH__ROLE__ROLE_DECODE &&
               r->nodes[i].pool_tokens;
-    const uint32_t bt = (uint32_t)(r->cfg.block_tokens > 0 ? r->cfg.block_tokens : 64);
+    const uint32_t bt = (uint32_t)r->pool_block_tokens;
     if (!any || q->beams > 1 || q->n_prompt <= bt) return -1;
     *looked = 1;
     uint8_t (*h)[32] = malloc(sizeof(uint8_t[32]) * MAXB);
     uint16_t blocks[RT_KVIDX_MAX_NODES];
-    int nb = h ? rt_block_hashes(r, q->prompt, q->n_prompt, h, MAXB) : 0, best = -1;
+    int nb = h ? rt_pool_block_hashes(r, q->prompt, q->n_prompt, h, MAXB) : 0, best = -1;
     if (nb == 0 || !rt_kvindex_match(r->kvidx, (const uint8_t(*)[32])h, nb, blocks, NULL)) {
         free(h);
         return -1;
