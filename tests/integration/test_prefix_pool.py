@@ -23,11 +23,17 @@ Mesh 2, one decode node with a small pool (--kv-pool 160) and --fault-corrupt-po
 7. An unrelated prompt's KV does not fit beside the conversation's in the small pool: the
    conversation's entry is evicted (pdctl cache: evictions), the router sees the EVICTED events
    (pdmesh_kv_events_total{kind="evicted"}), and the conversation's next turn is a `no_match`.
+8. Malformed events from a registered (fake, Python) decode node: keys of the wrong length, an
+   unknown kind, a sequence gap, undecodable bytes: counted (malformed, stale), the node gets
+   an Error for the bad frame, and the router goes on serving.
 
     python3 tests/integration/test_prefix_pool.py --bindir build/bin [--model FILE]
 """
+import hashlib
+import hmac
 import json
 import os
+import struct
 import signal
 import subprocess
 import sys
@@ -136,6 +142,7 @@ def mesh_one(args, check, token):
             prev_prompt = u["prompt_tokens"]
         nm0 = m.metric("pdmesh_prefix_pool_misses_total", 'reason="no_match"')
         r3 = complete(m.http_port, OTHER, 8)
+        fake_node_abuse(m, check)
         check("an unrelated prompt is not served from a pool (%s) and is a no_match miss"
               % r3["usage"]["pdmesh"]["prefill_method"],
               cached_of(r3) == 0 and
@@ -231,6 +238,74 @@ def mesh_two(args, check, token):
     finally:
         rc = m.stop()
     check("the router exits 0 on SIGTERM", rc == 0)
+
+
+def frame(pb, type_, msg):
+    return b"PD\x01\x00" + struct.pack(">H", type_) + b"\x00\x00" + msg.SerializeToString()
+
+
+def fake_node_abuse(m, check):
+    """Registers a fake decode node over the real protocol and sends it malformed KvEvents."""
+    import zmq
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "sdk", "python"))
+    from pdmesh import pdmesh_pb2 as pb
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(m.node_ep)
+    try:
+        reg = pb.Register(node_id="fake-decode", role=pb.ROLE_DECODE, model_id="x",
+                          nonce=int.from_bytes(os.urandom(8), "big"),
+                          timestamp_ms=int(time.time() * 1000), pid=os.getpid())
+        reg.capacity.kv_tokens = 1000
+        reg.capacity.max_sequences = 4
+        reg.capacity.max_batch = 4
+        reg.capacity.pool_tokens = 1000
+        reg.ucx_address = b"\x00" * 16
+        reg.proof = hmac.new(m.env["PDMESH_SECRET"].encode(), reg.node_id.encode() + b"\x00" +
+                             struct.pack(">QQ", reg.nonce, reg.timestamp_ms),
+                             hashlib.sha256).digest()
+        s.send(frame(pb, pb.MSG_REGISTER, reg))
+        raw = s.recv()
+        ack = pb.RegisterAck()
+        ack.ParseFromString(raw[8:])
+        check("a fake decode node registers and gets the prefix key parameters (%d-byte salt, "
+              "blocks of %d)" % (len(ack.prefix_salt), ack.prefix_block_tokens),
+              struct.unpack(">H", raw[4:6])[0] == pb.MSG_REGISTER_ACK and
+              len(ack.prefix_salt) == 16 and ack.prefix_block_tokens == 16)
+        before = {k: m.metric("pdmesh_kv_events_total", 'kind="%s"' % k)
+                  for k in ("malformed", "stale", "stored")}
+        ev = pb.KvEvents(node_id="fake-decode", epoch=ack.epoch, seq=1)
+        e = ev.events.add(kind=pb.KV_EVENT_STORED, tier=pb.KV_TIER_RAM)
+        e.block_keys.extend([b"short", b"\x01" * 32, b"\x02" * 33])
+        ev.events.add(kind=7, tier=pb.KV_TIER_RAM).block_keys.append(b"\x03" * 32)
+        s.send(frame(pb, pb.MSG_KV_EVENTS, ev))
+        ev2 = pb.KvEvents(node_id="fake-decode", epoch=ack.epoch, seq=9)  # a gap
+        ev2.events.add(kind=pb.KV_EVENT_EVICTED, tier=pb.KV_TIER_RAM).block_keys.append(
+            b"\x01" * 32)
+        s.send(frame(pb, pb.MSG_KV_EVENTS, ev2))
+        s.send(b"PD\x01\x00" + struct.pack(">H", pb.MSG_KV_EVENTS) + b"\x00\x00" +
+               b"\xff\xff\xff\xff\x0f")
+        err = pb.Error()
+        raw = s.recv()
+        err.ParseFromString(raw[8:])
+        time.sleep(0.3)
+        after = {k: m.metric("pdmesh_kv_events_total", 'kind="%s"' % k) for k in before}
+        check("malformed KV events are counted and skipped (malformed +%g, stale +%g, stored "
+              "+%g), undecodable bytes answered with %s"
+              % (after["malformed"] - before["malformed"], after["stale"] - before["stale"],
+                 after["stored"] - before["stored"], pb.ErrorCode.Name(err.code)),
+              after["malformed"] - before["malformed"] == 3 and
+              after["stale"] - before["stale"] == 1 and
+              after["stored"] - before["stored"] == 1 and err.code == pb.ERR_BAD_MESSAGE)
+        s.send(frame(pb, pb.MSG_DEREGISTER, pb.Deregister(node_id="fake-decode",
+                                                           epoch=ack.epoch)))
+        time.sleep(0.3)
+    finally:
+        s.close()
+        ctx.term()
 
 
 def main():
