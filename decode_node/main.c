@@ -58,6 +58,9 @@ typedef struct {
     double kvev_next_snapshot;   /* anti-entropy snapshot (PDM_KVEV_SNAPSHOT_S) */
     double kvev_next_stats;      /* pool stats go out at least this often, events or not */
     pdm_decode_kv_event_t *kvev; /* [PDM_KVEV_MAX_KEYS] one message's events */
+    Pdmesh__KvEvent *kvev_runs;  /* [PDM_KVEV_MAX_KEYS] its runs of one kind and tier */
+    Pdmesh__KvEvent **kvev_runp; /* [PDM_KVEV_MAX_KEYS] */
+    ProtobufCBinaryData *kvev_keys; /* [PDM_KVEV_MAX_KEYS] */
     const char *node_id;
     int n_tasks;                 /* tasks[n_tasks..] are all free (lookups stop there: a token
                                   * event looks its task up, and few tasks are held at once) */
@@ -390,17 +393,16 @@ static void pdm__report_kv_events(pdm__daemon_t *dn)
         int reset = 0;
         const int n = pdm_decode_node_kv_events(dn->node, dn->kvev, PDM_KVEV_MAX_KEYS, &reset);
         if (!n && !reset && now < dn->kvev_next_stats) return;
-        /* one KvEvent per run of equal kind and tier, in order */
-        Pdmesh__KvEvent evs[64], *evp[64];
-        ProtobufCBinaryData keys[PDM_KVEV_MAX_KEYS];
+        /* one KvEvent per run of equal kind and tier, in order (at most n runs) */
+        Pdmesh__KvEvent *evs = dn->kvev_runs, **evp = dn->kvev_runp;
+        ProtobufCBinaryData *keys = dn->kvev_keys;
         size_t n_ev = 0;
         int i = 0;
-        while (i < n && n_ev < 64) {
+        while (i < n) {
             int j = i;
             while (j < n && dn->kvev[j].kind == dn->kvev[i].kind &&
                    dn->kvev[j].tier == dn->kvev[i].tier)
                 j++;
-            if (n_ev == 63) j = n; /* (never with the two kinds and one tier of the pool) */
             pdmesh__kv_event__init(&evs[n_ev]);
             evs[n_ev].kind = dn->kvev[i].kind == PDM_DECODE_KVEV_STORED
                                  ? PDMESH__KV_EVENT_KIND__KV_EVENT_STORED
@@ -790,7 +792,11 @@ int main(int argc, char **argv)
     }
     dn.model = model;
     dn.node_id = lp.node_id;
-    if (dp->pool_tokens > 0 && !(dn.kvev = malloc(sizeof(*dn.kvev) * PDM_KVEV_MAX_KEYS))) {
+    if (dp->pool_tokens > 0 &&
+        (!(dn.kvev = malloc(sizeof(*dn.kvev) * PDM_KVEV_MAX_KEYS)) ||
+         !(dn.kvev_runs = malloc(sizeof(*dn.kvev_runs) * PDM_KVEV_MAX_KEYS)) ||
+         !(dn.kvev_runp = malloc(sizeof(*dn.kvev_runp) * PDM_KVEV_MAX_KEYS)) ||
+         !(dn.kvev_keys = malloc(sizeof(*dn.kvev_keys) * PDM_KVEV_MAX_KEYS)))) {
         fprintf(stderr, "pdmesh-decode: out of memory\n");
         goto out;
     }
@@ -819,6 +825,9 @@ int main(int argc, char **argv)
     status = pdm_link_exit_status(dn.link);
 out:
     free(dn.kvev);
+    free(dn.kvev_runs);
+    free(dn.kvev_runp);
+    free(dn.kvev_keys);
     pdm_decode_node_destroy(dn.node);
     pdm_link_destroy(dn.link);
     pdm_kvt_destroy(dn.kvt);

@@ -360,7 +360,8 @@ static int pdm__pool_demote(pdm_decode_node_t *n, pdm__pooled_t *e)
 {
     if (!n->pool_tier || e->n > n->p.pool_file_tokens) return 0;
     const pdm_kv_cache_t *c = e->cache;
-    const size_t row = pdm_dtype_row_bytes(c->dtype, c->head_dim), heads = (size_t)c->n_layers * c->n_kv_heads;
+    const size_t row = pdm_dtype_row_bytes(c->dtype, c->head_dim);
+    const size_t heads = (size_t)c->n_layers * c->n_kv_heads;
     const size_t bytes = 2 * row * (size_t)e->n * heads;
     pdm__pooled_t *slot = NULL;
     for (;;) { /* room in the tier's budget and a free entry */
