@@ -128,6 +128,7 @@ void pdm_decode_params_default(pdm_decode_params_t *p)
     pdm_beam_params_default(&p->beam);
     p->offload = NULL;
     p->kv_window = 2; /* the Qualcomm note's no-copy reserve, 2(S-1) */
+    p->pool_tokens = 0; /* (was left unset: tests that did not set it read garbage) */
     p->fault_corrupt_pool = 0;
     p->pool_file_tier = NULL;
     p->pool_file_tokens = 0;
