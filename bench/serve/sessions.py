@@ -190,13 +190,13 @@ def main():
           "%s, %s, load average %.1f before / %.1f after. Sessions arrive at %.2f/s for %.0f s, "
           "%d turns each, think time %.1f s (mean), a shared %d-word system text, %d new "
           "tokens per turn; router + 2-rank prefill group + %d decode node(s), 1 thread per "
-          "process; "
-          "`llama-server`: the same model on the same 2 cores (`-t 2 --parallel 4`, prompt cache "
-          "and `--cache-reuse 256` on, `--no-repack`; bench/serve/llamaserver.py); "
-          "TTFT SLO %.1f s." % (out["date"], out["machine"], load_before[0],
-                                out["loadavg_after"][0], args.rate, args.duration, args.turns,
-                                args.think, args.system_words, args.max_tokens,
-                                args.decode_nodes, args.slo_ttft),
+          "process; %sTTFT SLO %.1f s."
+          % (out["date"], out["machine"], load_before[0], out["loadavg_after"][0], args.rate,
+             args.duration, args.turns, args.think, args.system_words, args.max_tokens,
+             args.decode_nodes,
+             "`llama-server`: the same model on the same 2 cores (`-t 2 --parallel 4`, prompt "
+             "cache and `--cache-reuse 256` on, `--no-repack`; bench/serve/llamaserver.py); "
+             if "llama-server" in res else "", args.slo_ttft),
           "", "| mesh | turns | first-turn TTFT p50 / p90 (ms) | follow-up TTFT p50 / p90 (ms) | "
           "follow-up cached tokens (p50) | turns within SLO | goodput (turns/s) | failed |",
           "|---|---|---|---|---|---|---|---|"]
