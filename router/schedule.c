@@ -187,12 +187,13 @@ static int rt_decode_has_room(pdm_router_t *r, const rt_req_t *q, int d)
 
 /* The usable decode node with room to prefill q's prompt from its prefix pool: the one the
  * global index (the nodes' KV events, kvindex.h) says holds the longest prefix, ties going to
- * fewer tasks and then more free KV. (Dynamo's KV router scores workers by cached blocks
+ * fewer tasks and then less reserved KV. (Dynamo's KV router scores workers by cached blocks
  * against load with a weight; cached tokens come first here, as they did in the policy this
  * replaces, and pool_local_max bounds what the chosen node computes.) *cached: the expected
- * reused tokens. *held: the longest prefix any usable node holds, room or not (how a miss is
- * told apart from one caused by load). -1 if none; *looked 1 when the prompt was looked up at
- * all (some usable node pools, no beams, more than one block). */
+ * reused tokens. *held: the longest prefix any live decode node holds, room or not (full, at
+ * its sequence limit, short of KV, or draining: how a miss is told apart from one caused by
+ * load). -1 if none; *looked 1 when the prompt was looked up at all (some usable node
+ * pools, no beams, more than one block). */
 static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, uint32_t *cached,
                                  uint32_t *held, int *looked)
 {
@@ -215,12 +216,13 @@ static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, uint32_t *c
     }
     free(h);
     for (int d = 0; d < RT_MAX_NODES && d < RT_KVIDX_MAX_NODES; d++) {
-        if (!blocks[d] || !rt_node_usable(r, d) || r->nodes[d].role != PDMESH__ROLE__ROLE_DECODE)
+        if (!blocks[d] || !r->nodes[d].used || r->nodes[d].dead ||
+            r->nodes[d].role != PDMESH__ROLE__ROLE_DECODE)
             continue;
         /* the node never reuses the last prompt token (its logits are needed) */
         const uint32_t t = PDM_MIN((uint32_t)blocks[d] * bt, q->n_prompt - 1);
-        if (t > *held) *held = t;
-        if (!rt_decode_has_room(r, q, d)) continue;
+        if (t > *held) *held = t; /* alive: a draining node has no room either */
+        if (r->nodes[d].draining || !rt_decode_has_room(r, q, d)) continue;
         const rt_node_t *n = &r->nodes[d], *b = best >= 0 ? &r->nodes[best] : NULL;
         if (!b || t > *cached ||
             (t == *cached && (n->tasks < b->tasks ||

@@ -15,6 +15,8 @@ Mesh 1, two decode nodes with pools:
 4. `pdctl cache` (human and --json) shows both nodes' pools: tokens, blocks, bytes, budget, tier.
 5. X restarts (SIGTERM, started again: a new epoch): the router drops its index entries; the
    next turn is a `no_match` miss, prefilled in full, and its answer is still the engine's.
+   The node that served it drains (`pdctl drain`): the next turn goes to the other node, a
+   `routed_elsewhere_load` miss, with the engine's answer.
 Mesh 2, one decode node with a small pool (--kv-pool 160) and --fault-corrupt-pool:
 6. Turn 2 of a conversation: the index sends it to the node, whose pooled prefix fails its
    checksum (the fault hook flipped a byte): it is dropped and the prompt prefilled in full
@@ -186,6 +188,25 @@ def mesh_one(args, check, token):
               cached_of(r) == 0 and r["choices"][0]["text"] == ref8["text"] and
               m.metric("pdmesh_prefix_pool_misses_total", 'reason="no_match"') == nm0 + 1,
               (r["choices"][0]["text"], ref8["text"]))
+
+        # The node holding the conversation now drains: the next turn goes elsewhere.
+        z = r["usage"]["pdmesh"]["decode_node"]
+        conv += r["choices"][0]["text"]
+        time.sleep(0.3)  # its KV events
+        rc, out = pdctl(m, token, "drain", z)
+        conv += " And on Sundays?"
+        rl0 = m.metric("pdmesh_prefix_pool_misses_total", 'reason="routed_elsewhere_load"')
+        r = complete(m.http_port, conv, 8)
+        ref8 = reference(args.bindir, args.model, conv, 8)
+        check("with %s (which holds the conversation) draining, the next turn goes to %s: a "
+              "routed_elsewhere_load miss, and its answer is the engine's"
+              % (z, r["usage"]["pdmesh"]["decode_node"]),
+              rc == 0 and r["usage"]["pdmesh"]["decode_node"] != z and
+              r["choices"][0]["text"] == ref8["text"] and
+              m.metric("pdmesh_prefix_pool_misses_total",
+                       'reason="routed_elsewhere_load"') == rl0 + 1,
+              (out, r["usage"], r["choices"][0]["text"], ref8["text"]))
+        pdctl(m, token, "undrain", z)
     finally:
         rc = m.stop()
     check("the router exits 0 on SIGTERM", rc == 0)
