@@ -38,6 +38,7 @@ static void usage(FILE *f)
             "  lut load FILE         load a partition lookup table (JSON file)\n"
             "  requests              requests in flight\n"
             "  cancel ID             cancel a request by its router id\n"
+            "  cache                 the decode nodes' prefix pools and the router's index\n"
             "\n"
             "options:\n"
             "  --router ENDPOINT     admin socket (default $PDMESH_ADMIN_ROUTER or %s)\n"
@@ -99,6 +100,24 @@ static cJSON *node_json(const Pdmesh__NodeInfo *n)
         cJSON_AddNumberToObject(l, "kv_tokens_free", (double)n->load->kv_tokens_free);
         cJSON_AddNumberToObject(l, "offload_bytes", (double)n->load->offload_bytes);
     }
+    if (n->pool) {
+        const Pdmesh__PoolStats *p = n->pool;
+        cJSON *c = cJSON_AddObjectToObject(o, "pool");
+        cJSON_AddNumberToObject(c, "budget_tokens", (double)p->budget_tokens);
+        cJSON_AddNumberToObject(c, "tokens", (double)p->tokens);
+        cJSON_AddNumberToObject(c, "blocks", (double)p->blocks);
+        cJSON_AddNumberToObject(c, "bytes", (double)p->bytes);
+        cJSON_AddNumberToObject(c, "entries", p->entries);
+        cJSON_AddNumberToObject(c, "lookups", (double)p->lookups);
+        cJSON_AddNumberToObject(c, "hits", (double)p->hits);
+        cJSON_AddNumberToObject(c, "hit_rate", p->lookups ? (double)p->hits / (double)p->lookups : 0);
+        cJSON_AddNumberToObject(c, "reused_tokens", (double)p->reused_tokens);
+        cJSON_AddNumberToObject(c, "evictions", (double)p->evictions);
+        cJSON_AddNumberToObject(c, "corrupt", (double)p->corrupt);
+        cJSON_AddStringToObject(c, "tier", p->file_tokens ? "ram+file" : "ram");
+        cJSON_AddNumberToObject(c, "file_tokens", (double)p->file_tokens);
+        cJSON_AddNumberToObject(c, "index_blocks", (double)n->index_blocks);
+    }
     return o;
 }
 
@@ -121,7 +140,7 @@ static void print_json(const Pdmesh__AdminReply *a, Pdmesh__AdminOp op)
 {
     cJSON *root = cJSON_CreateObject();
     cJSON_AddBoolToObject(root, "ok", a->ok);
-    if (op == PDMESH__ADMIN_OP__ADMIN_NODES) {
+    if (op == PDMESH__ADMIN_OP__ADMIN_NODES || op == PDMESH__ADMIN_OP__ADMIN_CACHE) {
         cJSON *arr = cJSON_AddArrayToObject(root, "nodes");
         for (size_t i = 0; i < a->n_nodes; i++) cJSON_AddItemToArray(arr, node_json(a->nodes[i]));
     } else if (op == PDMESH__ADMIN_OP__ADMIN_NODE && a->n_nodes) {
@@ -197,6 +216,27 @@ static void print_human(const Pdmesh__AdminReply *a, Pdmesh__AdminOp op)
         break;
     case PDMESH__ADMIN_OP__ADMIN_NODE:
         if (a->n_nodes) print_node_detail(a->nodes[0]);
+        break;
+    case PDMESH__ADMIN_OP__ADMIN_CACHE:
+        printf("%-20s %-9s %-8s %10s %10s %8s %12s %7s %8s %8s %8s %7s\n", "NODE", "STATE", "TIER",
+               "TOKENS", "BUDGET", "BLOCKS", "BYTES", "ENTRIES", "LOOKUPS", "HIT_RATE",
+               "EVICTED", "CORRUPT");
+        for (size_t i = 0; i < a->n_nodes; i++) {
+            const Pdmesh__NodeInfo *n = a->nodes[i];
+            const Pdmesh__PoolStats *p = n->pool;
+            if (!p) continue;
+            printf("%-20s %-9s %-8s %10llu %10llu %8llu %12llu %7u %8llu %7.1f%% %8llu %7llu\n",
+                   n->node_id ? n->node_id : "", n->state ? n->state : "",
+                   p->file_tokens ? "ram+file" : "ram", (unsigned long long)p->tokens,
+                   (unsigned long long)p->budget_tokens, (unsigned long long)p->blocks,
+                   (unsigned long long)p->bytes, p->entries, (unsigned long long)p->lookups,
+                   p->lookups ? 100.0 * (double)p->hits / (double)p->lookups : 0.0,
+                   (unsigned long long)p->evictions, (unsigned long long)p->corrupt);
+        }
+        if (!a->n_nodes) printf("(no decode node keeps a prefix pool)\n");
+        for (size_t i = 0; i < a->n_values; i++)
+            printf("router %-14s %s\n", a->values[i]->key ? a->values[i]->key : "",
+                   a->values[i]->value ? a->values[i]->value : "");
         break;
     case PDMESH__ADMIN_OP__ADMIN_REQUESTS:
         printf("%-10s %-10s %-8s %7s %9s %9s %-12s %-12s %8s\n", "ID", "CLIENT_ID", "STATE",
@@ -317,6 +357,9 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "nodes")) {
         NEED_ARGS(0, "usage: pdctl nodes");
         req.op = PDMESH__ADMIN_OP__ADMIN_NODES;
+    } else if (!strcmp(cmd, "cache")) {
+        NEED_ARGS(0, "usage: pdctl cache");
+        req.op = PDMESH__ADMIN_OP__ADMIN_CACHE;
     } else if (!strcmp(cmd, "node") || !strcmp(cmd, "drain") || !strcmp(cmd, "undrain")) {
         if (nargs != 1) return usage_error("%s needs exactly one node NAME", cmd);
         req.op = !strcmp(cmd, "node")    ? PDMESH__ADMIN_OP__ADMIN_NODE

@@ -9,6 +9,7 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/pdm.h"
@@ -62,4 +63,33 @@ void pdm_sha256(const void *data, size_t len, uint8_t out[32])
 {
     unsigned int olen = 32;
     EVP_Digest(data, len, out, &olen, EVP_sha256(), NULL);
+}
+
+int pdm_prefix_block_keys(const pdm_prefix_key_params_t *p, const int32_t *tok, uint32_t n,
+                          uint8_t (*out)[32], int max)
+{
+    const int bt = p->block_tokens > 0 ? p->block_tokens : 64;
+    int k = 0;
+    uint8_t parent[32] = {0};
+    static const char tag[] = "pdmesh-prefix-v1";
+    const char *model = p->model ? p->model : "";
+    uint32_t mlen = (uint32_t)strlen(model), tlen = (uint32_t)bt;
+    size_t cap = sizeof(tag) + 16 + 4 + mlen + 32 + 4 + sizeof(int32_t) * (size_t)bt;
+    uint8_t *buf = malloc(cap);
+    if (!buf) return 0;
+    for (uint32_t s = 0; s + (uint32_t)bt <= n && k < max; s += (uint32_t)bt) {
+        size_t o = 0;
+        memcpy(buf + o, tag, sizeof(tag)), o += sizeof(tag);
+        memcpy(buf + o, p->salt, 16), o += 16;
+        memcpy(buf + o, &mlen, 4), o += 4;
+        memcpy(buf + o, model, mlen), o += mlen;
+        memcpy(buf + o, parent, 32), o += 32;
+        memcpy(buf + o, &tlen, 4), o += 4;
+        memcpy(buf + o, tok + s, sizeof(int32_t) * (size_t)bt), o += sizeof(int32_t) * (size_t)bt;
+        pdm_sha256(buf, o, out[k]);
+        memcpy(parent, out[k], 32);
+        k++;
+    }
+    free(buf);
+    return k;
 }

@@ -47,6 +47,11 @@ struct pdm_link {
     _Atomic double main_seen;    /* pdm_now() of the daemon's last pdm_link_recv */
     pthread_mutex_t load_mu;
     Pdmesh__Load load;
+    /* the RegisterAck's prefix key parameters (under load_mu; pdm_link_prefix_keys) */
+    uint64_t prefix_epoch;
+    uint8_t prefix_salt[16];
+    char prefix_model[128];
+    int prefix_block_tokens;
     /* link thread only */
     int registered, hb_ms;
     int quitting;                /* signalled or refused: no more registrations */
@@ -221,6 +226,17 @@ static void pdm__link_on_control(pdm_link_t *l, int type, const ProtobufCMessage
 {
     if (type == PDMESH__MSG_TYPE__MSG_REGISTER_ACK) {
         const Pdmesh__RegisterAck *ack = (const Pdmesh__RegisterAck *)msg;
+        pthread_mutex_lock(&l->load_mu); /* before the epoch: the daemon reads them after it */
+        l->prefix_epoch = 0;
+        if (ack->prefix_salt.len == sizeof(l->prefix_salt) && ack->prefix_block_tokens > 0 &&
+            ack->prefix_block_tokens <= 4096 && ack->prefix_model &&
+            strlen(ack->prefix_model) < sizeof(l->prefix_model)) {
+            l->prefix_epoch = ack->epoch;
+            memcpy(l->prefix_salt, ack->prefix_salt.data, sizeof(l->prefix_salt));
+            snprintf(l->prefix_model, sizeof(l->prefix_model), "%s", ack->prefix_model);
+            l->prefix_block_tokens = (int)ack->prefix_block_tokens;
+        }
+        pthread_mutex_unlock(&l->load_mu);
         /* A new epoch after an earlier one: the router forgot this node (it restarted, or
          * its lease of the node ran out), so whatever it gave the node before is nobody's. */
         if (atomic_exchange(&l->epoch, ack->epoch) != 0) atomic_fetch_add(&l->orphans, 1);
@@ -541,6 +557,21 @@ int pdm_link_draining(const pdm_link_t *l)
 uint64_t pdm_link_epoch(const pdm_link_t *l)
 {
     return atomic_load(&((pdm_link_t *)l)->epoch);
+}
+
+uint64_t pdm_link_prefix_keys(pdm_link_t *l, pdm_prefix_key_params_t *kp, char *model,
+                              size_t model_cap)
+{
+    pthread_mutex_lock(&l->load_mu);
+    uint64_t e = l->prefix_epoch;
+    if (e) {
+        memcpy(kp->salt, l->prefix_salt, sizeof(kp->salt));
+        snprintf(model, model_cap, "%s", l->prefix_model);
+        kp->model = model;
+        kp->block_tokens = l->prefix_block_tokens;
+    }
+    pthread_mutex_unlock(&l->load_mu);
+    return e;
 }
 
 void pdm_link_set_load(pdm_link_t *l, const Pdmesh__Load *load)

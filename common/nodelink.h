@@ -99,6 +99,13 @@ int pdm_link_draining(const pdm_link_t *l);
 /* The epoch of the current registration (0 before the first ack). */
 uint64_t pdm_link_epoch(const pdm_link_t *l);
 
+/* The router's prefix block key parameters (common/wire.h) from the current registration's
+ * RegisterAck, with model (model_cap bytes, kp->model points at it): returns the epoch they
+ * belong to, 0 when the router sent none (then *kp is untouched). A decode node names its
+ * prefix pool's blocks with them in its KvEvents. */
+uint64_t pdm_link_prefix_keys(pdm_link_t *l, pdm_prefix_key_params_t *kp, char *model,
+                              size_t model_cap);
+
 /* What the next heartbeats report. */
 void pdm_link_set_load(pdm_link_t *l, const Pdmesh__Load *load);
 

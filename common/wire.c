@@ -50,6 +50,7 @@ static const struct {
      &pdmesh__group_ping_pong_result__descriptor},
     {PDMESH__MSG_TYPE__MSG_ADMIN_REQUEST, "AdminRequest", &pdmesh__admin_request__descriptor},
     {PDMESH__MSG_TYPE__MSG_ADMIN_REPLY, "AdminReply", &pdmesh__admin_reply__descriptor},
+    {PDMESH__MSG_TYPE__MSG_KV_EVENTS, "KvEvents", &pdmesh__kv_events__descriptor},
 };
 
 const ProtobufCMessageDescriptor *pdm_wire_descriptor(int type)

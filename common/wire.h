@@ -87,6 +87,24 @@ int pdm_auth_load_secret(const char *path, uint8_t **out, size_t *len);
 int pdm_auth_load_admin_token(const char *path, const char *file_option, char **out);
 /* SHA-256 of data. */
 void pdm_sha256(const void *data, size_t len, uint8_t out[32]);
+/* Prefix block keys, the one definition the router (prefix routing, router/prefix.c) and the
+ * decode nodes (KV events of their prefix pools, decode_node/node.c) share: SHA-256 with tagged
+ * fields (PITFALLS.md: cache keys): a domain tag, the router's random salt, the model name, the
+ * parent block's key and the block's tokens, each length-prefixed. Key i names the whole
+ * prefix up to the end of block i (block_tokens tokens each, 64 when <= 0); only whole blocks
+ * are keyed. Writes at most max keys to out and returns how many (0 when out of memory). */
+typedef struct {
+    uint8_t salt[16];
+    const char *model;
+    int block_tokens;
+} pdm_prefix_key_params_t;
+int pdm_prefix_block_keys(const pdm_prefix_key_params_t *p, const int32_t *tok, uint32_t n,
+                          uint8_t (*out)[32], int max);
+/* KvEvents (proto/pdmesh.proto): at most this many block keys per message (a 32-byte key and
+ * its framing: ~36 KB), and a decode node sends a full snapshot of its pool at least every
+ * PDM_KVEV_SNAPSHOT_S seconds (anti-entropy for a message lost on the way). */
+#define PDM_KVEV_MAX_KEYS 1024
+#define PDM_KVEV_SNAPSHOT_S 30.0
 /* Random bytes from the OS (getrandom). */
 int pdm_random_bytes(void *buf, size_t len);
 

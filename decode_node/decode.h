@@ -15,6 +15,7 @@
 #include "decode_node/beam.h"
 #include "decode_node/nsamp.h"
 #include "decode_node/offload.h"
+#include "common/wire.h"
 #include "kvtransfer/kvtransfer.h"
 #include "model/model.h"
 
@@ -131,6 +132,12 @@ typedef struct {
                              * searches, head-wise offload and a q8 local prefill keep full KV
                              * (docs/decode-memory.md); windowed sequences do not join the
                              * prefix pool */
+    const char *pool_file_tier; /* prefix pool's second tier: "file:DIR" (offload.h's file
+                             * tier) where sequences evicted from the pool's RAM go, or NULL */
+    int64_t pool_file_tokens; /* that tier's budget in tokens (least recently used goes) */
+    int fault_corrupt_pool; /* tests only (pdmesh-decode --fault-corrupt-pool): flip one byte
+                             * of a pooled prefix's KV before each reuse, which its checksum
+                             * must catch (the prefix is then recomputed, never used) */
 } pdm_decode_params_t;
 
 void pdm_decode_params_default(pdm_decode_params_t *p);
@@ -265,13 +272,44 @@ int pdm_decode_node_running(const pdm_decode_node_t *node);
 /* Sequences held in any state and KV token slots reserved (0 and 0 when idle: tests check
  * that failures leave nothing behind). */
 void pdm_decode_node_usage(const pdm_decode_node_t *node, int *held, int64_t *kv_slots);
-/* The prefix pool: sequences kept, their KV token slots, hits and tokens reused so far. */
+/* The prefix pool: sequences kept, their KV token slots and bytes, the distinct prefix blocks
+ * they hold (with block keys set), local prefills that looked into the pool, hits and tokens
+ * reused, evictions, and pooled prefixes whose checksum failed on reuse. */
 typedef struct {
     int entries;
     int64_t slots;
-    uint64_t hits, reused_tokens, evictions;
+    uint64_t bytes, blocks;
+    uint64_t lookups, hits, reused_tokens, evictions, corrupt;
+    int64_t file_tokens;     /* second tier: tokens and bytes it holds, */
+    uint64_t file_bytes;     /* hits served from it (loaded back), and its own evictions */
+    uint64_t file_hits, file_evictions;
 } pdm_decode_pool_stats_t;
 void pdm_decode_node_pool_stats(const pdm_decode_node_t *node, pdm_decode_pool_stats_t *st);
+
+/* ---- KV events of the prefix pool (Dynamo's KV events; proto KvEvents) ----
+ * With the router's block keys set (pdm_decode_node_set_prefix_keys, from the RegisterAck),
+ * every pooled sequence's whole blocks are keyed as the router keys prompts, and the pool
+ * queues an event whenever a block key starts or stops being held by some pooled sequence
+ * (a block shared by two sequences is evicted when the last goes). The queue is bounded
+ * (PDM_DECODE_KVEV_QUEUE): on overflow it is emptied and refilled with a snapshot of the
+ * whole pool, and the next drained batch says `reset`. */
+#define PDM_DECODE_KVEV_QUEUE 8192
+enum { PDM_DECODE_KVEV_STORED = 1, PDM_DECODE_KVEV_EVICTED = 2 };
+typedef struct {
+    int kind; /* PDM_DECODE_KVEV_* */
+    int tier; /* 1: RAM, 2: the file tier (STORED only: a block moved there) */
+    uint8_t key[32];
+} pdm_decode_kv_event_t;
+
+/* Sets (kp, copied) or clears (NULL) the block keys; every pooled sequence is keyed again and
+ * a snapshot is queued (reset). */
+void pdm_decode_node_set_prefix_keys(pdm_decode_node_t *node, const pdm_prefix_key_params_t *kp);
+/* Queues a snapshot of the whole pool (reset): after a new registration, and periodically. */
+void pdm_decode_node_kv_resync(pdm_decode_node_t *node);
+/* Moves up to max queued events, oldest first, to out; *reset is 1 when the receiver must
+ * forget this node's blocks before applying them. Returns the number moved. */
+int pdm_decode_node_kv_events(pdm_decode_node_t *node, pdm_decode_kv_event_t *out, int max,
+                              int *reset);
 
 /* Head-wise offload statistics (tiers, prefetches, waits); PDM_ENOTFOUND without offload. */
 int pdm_decode_node_offload_stats(pdm_decode_node_t *node, pdm_kvoff_stats_t *st);

@@ -52,6 +52,16 @@ typedef struct {
     pdm_beam_params_t beam;      /* --beams, --length-penalty, --n-best, --early-stopping */
     unsigned orphans_seen;       /* pdm_link_orphans when the tasks were last checked */
     double next_load_report;     /* pdm__report_load: when the heartbeat's load is refreshed */
+    /* KV events of the prefix pool (pdm__report_kv_events) */
+    uint64_t kvev_epoch;         /* the registration whose block keys the node uses */
+    uint64_t kvev_seq;           /* KvEvents.seq of the last message (per epoch) */
+    double kvev_next_snapshot;   /* anti-entropy snapshot (PDM_KVEV_SNAPSHOT_S) */
+    double kvev_next_stats;      /* pool stats go out at least this often, events or not */
+    pdm_decode_kv_event_t *kvev; /* [PDM_KVEV_MAX_KEYS] one message's events */
+    Pdmesh__KvEvent *kvev_runs;  /* [PDM_KVEV_MAX_KEYS] its runs of one kind and tier */
+    Pdmesh__KvEvent **kvev_runp; /* [PDM_KVEV_MAX_KEYS] */
+    ProtobufCBinaryData *kvev_keys; /* [PDM_KVEV_MAX_KEYS] */
+    const char *node_id;
     int n_tasks;                 /* tasks[n_tasks..] are all free (lookups stop there: a token
                                   * event looks its task up, and few tasks are held at once) */
     int rank_peer[PDM_KVT_MAX_RANKS]; /* kvt peers of the last DecodeTask's prefill ranks */
@@ -356,6 +366,85 @@ static void pdm__report_load(pdm__daemon_t *dn)
     pdm_link_set_load(dn->link, &load);
 }
 
+/* The prefix pool's KV events (decode.h) to the router, at most PDM_KVEV_MAX_KEYS keys a
+ * message, a few messages per call (the link's queue is bounded too), with the pool's stats.
+ * A new registration brings the router's block keys (RegisterAck) and a full snapshot; a
+ * snapshot also goes out every PDM_KVEV_SNAPSHOT_S in case a message was lost. */
+static void pdm__report_kv_events(pdm__daemon_t *dn)
+{
+    if (dn->dp.pool_tokens <= 0 || !dn->kvev) return;
+    const uint64_t epoch = pdm_link_epoch(dn->link);
+    if (!epoch) return;
+    const double now = pdm_now();
+    if (epoch != dn->kvev_epoch) {
+        pdm_prefix_key_params_t kp;
+        char model[128];
+        const uint64_t ke = pdm_link_prefix_keys(dn->link, &kp, model, sizeof(model));
+        pdm_decode_node_set_prefix_keys(dn->node, ke == epoch ? &kp : NULL);
+        dn->kvev_epoch = epoch;
+        dn->kvev_seq = 0;
+        dn->kvev_next_snapshot = now + PDM_KVEV_SNAPSHOT_S;
+        dn->kvev_next_stats = 0;
+    } else if (now > dn->kvev_next_snapshot) {
+        pdm_decode_node_kv_resync(dn->node);
+        dn->kvev_next_snapshot = now + PDM_KVEV_SNAPSHOT_S;
+    }
+    for (int msg = 0; msg < 8; msg++) {
+        int reset = 0;
+        const int n = pdm_decode_node_kv_events(dn->node, dn->kvev, PDM_KVEV_MAX_KEYS, &reset);
+        if (!n && !reset && now < dn->kvev_next_stats) return;
+        /* one KvEvent per run of equal kind and tier, in order (at most n runs) */
+        Pdmesh__KvEvent *evs = dn->kvev_runs, **evp = dn->kvev_runp;
+        ProtobufCBinaryData *keys = dn->kvev_keys;
+        size_t n_ev = 0;
+        int i = 0;
+        while (i < n) {
+            int j = i;
+            while (j < n && dn->kvev[j].kind == dn->kvev[i].kind &&
+                   dn->kvev[j].tier == dn->kvev[i].tier)
+                j++;
+            pdmesh__kv_event__init(&evs[n_ev]);
+            evs[n_ev].kind = dn->kvev[i].kind == PDM_DECODE_KVEV_STORED
+                                 ? PDMESH__KV_EVENT_KIND__KV_EVENT_STORED
+                                 : PDMESH__KV_EVENT_KIND__KV_EVENT_EVICTED;
+            evs[n_ev].tier = dn->kvev[i].tier == 2 ? PDMESH__KV_TIER__KV_TIER_FILE
+                                                   : PDMESH__KV_TIER__KV_TIER_RAM;
+            for (int k = i; k < j; k++) keys[k] = (ProtobufCBinaryData){32, dn->kvev[k].key};
+            evs[n_ev].block_keys = &keys[i];
+            evs[n_ev].n_block_keys = (size_t)(j - i);
+            evp[n_ev] = &evs[n_ev];
+            n_ev++;
+            i = j;
+        }
+        pdm_decode_pool_stats_t ps;
+        pdm_decode_node_pool_stats(dn->node, &ps);
+        Pdmesh__PoolStats pool = PDMESH__POOL_STATS__INIT;
+        pool.budget_tokens = (uint64_t)dn->dp.pool_tokens;
+        pool.tokens = (uint64_t)ps.slots;
+        pool.blocks = ps.blocks;
+        pool.bytes = ps.bytes;
+        pool.entries = (uint32_t)ps.entries;
+        pool.lookups = ps.lookups;
+        pool.hits = ps.hits;
+        pool.reused_tokens = ps.reused_tokens;
+        pool.evictions = ps.evictions;
+        pool.corrupt = ps.corrupt;
+        pool.file_tokens = (uint64_t)ps.file_tokens;
+        pool.file_bytes = ps.file_bytes;
+        Pdmesh__KvEvents m = PDMESH__KV_EVENTS__INIT;
+        m.node_id = (char *)dn->node_id;
+        m.epoch = epoch;
+        m.seq = ++dn->kvev_seq;
+        m.reset = reset;
+        m.events = evp;
+        m.n_events = n_ev;
+        m.pool = &pool;
+        pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_KV_EVENTS, &m.base);
+        dn->kvev_next_stats = now + 1.0;
+        if (n < PDM_KVEV_MAX_KEYS) return;
+    }
+}
+
 static void pdm__on_event(void *arg, const pdm_decode_event_t *ev);
 
 /* The router that gave the node its tasks is gone (common/nodelink.h): cancel them all and
@@ -543,7 +632,13 @@ static void pdm__usage(FILE *f)
                "second for `pdmesh health` (liveness and readiness probes). --drain-grace: on\n"
                "SIGTERM take no new work and stop once idle, for at most S seconds (0).\n"
                "--kv-pool: finished sequences keep their KV in up to TOKENS slots (evicted when\n"
-               "work needs them) for later prompts that start with theirs (0: off).\n"
+               "work needs them) for later prompts that start with theirs (0: off); each pooled\n"
+               "prefix carries checksums verified before reuse, and the pool's blocks are\n"
+               "published to the router as KV events. --fault-corrupt-pool (tests only): flip\n"
+               "a byte of a pooled prefix before each reuse, which the checksum must catch.\n"
+               "--kv-pool-file file:DIR --kv-pool-file-tokens N: the pool's second tier:\n"
+               "sequences evicted from the pool go to unlinked files under DIR (up to N\n"
+               "tokens, least recently used out first) and are loaded back on a hit.\n"
                "--kv-window: sliding-window layers (Gemma 3's local layers) keep only their\n"
                "window S, in R x (S-1) rows per head (the static-window KV manager; 1.5 to 8,\n"
                "default 2; 0: every layer keeps the whole context); --kv-budget then counts\n"
@@ -563,7 +658,7 @@ int main(int argc, char **argv)
     pdm_decode_params_default(&dn.dp);
     pdm_kvoff_params_default(&dn.offload);
     enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN, O_POOL,
-           O_WINDOW };
+           O_WINDOW, O_FAULT_POOL, O_POOL_FILE, O_POOL_FILE_TOKENS };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"threads", required_argument, 0, 't'},
         {"batch", required_argument, 0, 'b'},     {"kv-budget", required_argument, 0, 'k'},
@@ -582,7 +677,10 @@ int main(int argc, char **argv)
         {"health-file", required_argument, 0, O_HEALTH},
         {"drain-grace", required_argument, 0, O_DRAIN},
         {"kv-pool", required_argument, 0, O_POOL},
-        {"kv-window", required_argument, 0, O_WINDOW}, {0, 0, 0, 0}};
+        {"kv-window", required_argument, 0, O_WINDOW},
+        {"fault-corrupt-pool", no_argument, 0, O_FAULT_POOL},
+        {"kv-pool-file", required_argument, 0, O_POOL_FILE},
+        {"kv-pool-file-tokens", required_argument, 0, O_POOL_FILE_TOKENS}, {0, 0, 0, 0}};
     const char *kv_iface = NULL;
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
@@ -616,6 +714,12 @@ int main(int argc, char **argv)
         case O_KV_IFACE: kv_iface = optarg; break;
         case O_HEALTH: lp.health_file = optarg; break;
         case O_POOL: if (pdm_parse_long(optarg, 0, 1L << 30, &v)) goto bad; dp->pool_tokens = v; break;
+        case O_FAULT_POOL: dp->fault_corrupt_pool = 1; break;
+        case O_POOL_FILE: dp->pool_file_tier = optarg; break;
+        case O_POOL_FILE_TOKENS:
+            if (pdm_parse_long(optarg, 0, 1L << 40, &v)) goto bad;
+            dp->pool_file_tokens = v;
+            break;
         case O_WINDOW:
             if (pdm_parse_double(optarg, 0, 8, &d) || (d != 0 && d < 1.5)) goto bad;
             dp->kv_window = d;
@@ -687,6 +791,15 @@ int main(int argc, char **argv)
         goto out;
     }
     dn.model = model;
+    dn.node_id = lp.node_id;
+    if (dp->pool_tokens > 0 &&
+        (!(dn.kvev = malloc(sizeof(*dn.kvev) * PDM_KVEV_MAX_KEYS)) ||
+         !(dn.kvev_runs = malloc(sizeof(*dn.kvev_runs) * PDM_KVEV_MAX_KEYS)) ||
+         !(dn.kvev_runp = malloc(sizeof(*dn.kvev_runp) * PDM_KVEV_MAX_KEYS)) ||
+         !(dn.kvev_keys = malloc(sizeof(*dn.kvev_keys) * PDM_KVEV_MAX_KEYS)))) {
+        fprintf(stderr, "pdmesh-decode: out of memory\n");
+        goto out;
+    }
     const void *addr;
     size_t alen;
     pdm_kvt_address(dn.kvt, &addr, &alen);
@@ -697,6 +810,7 @@ int main(int argc, char **argv)
     for (;;) {
         int held = pdm_decode_node_run_once(dn.node, pdm__on_event, &dn);
         pdm__report_load(&dn);
+        pdm__report_kv_events(&dn);
         int timeout_ms = pdm_decode_node_running(dn.node) ? 0 : (held ? 2 : 50);
         pdm_wire_msg_t *m;
         if (pdm_link_recv(dn.link, timeout_ms, &m)) break; /* SIGTERM or refused registration */
@@ -710,6 +824,10 @@ int main(int argc, char **argv)
     }
     status = pdm_link_exit_status(dn.link);
 out:
+    free(dn.kvev);
+    free(dn.kvev_runs);
+    free(dn.kvev_runp);
+    free(dn.kvev_keys);
     pdm_decode_node_destroy(dn.node);
     pdm_link_destroy(dn.link);
     pdm_kvt_destroy(dn.kvt);

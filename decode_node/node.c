@@ -73,8 +73,21 @@ typedef struct {
     int32_t *tokens;
     int32_t n;
     pdm_kv_cache_t *cache;
-    uint64_t stamp; /* last use (least recently used goes first) */
+    uint64_t stamp;     /* last use (least recently used goes first) */
+    uint8_t (*keys)[32]; /* [n_keys] the router's block keys of its whole blocks, or NULL */
+    int n_keys;
+    uint64_t *ck;       /* [n_layers * n_kv_heads] XXH3-64 of each head's K then V rows
+                         * [0, n) (kvtransfer/checksum.c), checked before any reuse */
+    void *file;         /* second tier (cache NULL then): [n_layers * n_kv_heads][2][n] rows,
+                         * each head's K then V, in the pool's file tier; NULL in RAM */
+    size_t file_bytes;
 } pdm__pooled_t;
+
+/* An entry in use, in either tier. */
+static int pdm__used(const pdm__pooled_t *e)
+{
+    return e->cache || e->file;
+}
 
 struct pdm_decode_node {
     const pdm_model_t *model;
@@ -89,12 +102,24 @@ struct pdm_decode_node {
     int32_t eog[16];  /* end-of-generation token ids (beam search) */
     int n_eog;
     pdm_kvoff_engine_t *offload; /* head-wise KV offload (p.offload), or NULL */
-    pdm__pooled_t *pool;         /* [max_sequences] the prefix pool (decode.h) */
+    pdm__pooled_t *pool;         /* [pool_cap] the prefix pool (decode.h), both tiers */
+    int pool_cap;                /* max_sequences, twice that with a file tier */
+    pdm_kvtier_t *pool_tier;     /* the pool's second tier (p.pool_file_tier), or NULL */
+    int64_t pool_file_slots;     /* tokens its entries hold there */
     int64_t pool_slots;          /* KV slots its caches hold */
     uint64_t pool_stamp;
     pdm_decode_pool_stats_t pool_st;
     pdm_vocab_trie_t *trie;      /* the vocabulary's byte trie, built at the first request with
                                   * a json_schema and shared by every matcher */
+    /* KV events (decode.h): the router's key parameters, and the bounded event ring */
+    int has_keys;
+    pdm_prefix_key_params_t kp;
+    char kp_model[128];
+    pdm_decode_kv_event_t *ev; /* [PDM_DECODE_KVEV_QUEUE] */
+    int ev_head, ev_count;
+    int ev_reset;              /* the next drained batch says reset */
+    const pdm__pooled_t *pool_pending; /* pdm__pool_put: the sequence being pooled, whose
+                                        * blocks evictions meanwhile keep in the index */
 };
 
 void pdm_decode_params_default(pdm_decode_params_t *p)
@@ -108,6 +133,10 @@ void pdm_decode_params_default(pdm_decode_params_t *p)
     pdm_beam_params_default(&p->beam);
     p->offload = NULL;
     p->kv_window = 2; /* the Qualcomm note's no-copy reserve, 2(S-1) */
+    p->pool_tokens = 0; /* (was left unset: tests that did not set it read garbage) */
+    p->fault_corrupt_pool = 0;
+    p->pool_file_tier = NULL;
+    p->pool_file_tokens = 0;
 }
 
 int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
@@ -129,7 +158,14 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (!st && !(n->logits = malloc(sizeof(float) * (size_t)p->max_batch * model->hp.n_vocab)))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
-    if (!st && !(n->pool = calloc((size_t)p->max_sequences, sizeof(pdm__pooled_t))))
+    n->pool_cap = p->max_sequences * (p->pool_file_tier && p->pool_tokens > 0 ? 2 : 1);
+    if (!st && !(n->pool = calloc((size_t)n->pool_cap, sizeof(pdm__pooled_t))))
+        st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    /* the file tier's own budget is counted in tokens here (pool_file_tokens) */
+    if (!st && p->pool_file_tier && p->pool_tokens > 0)
+        st = pdm_kvtier_create(p->pool_file_tier, 0, &n->pool_tier);
+    if (!st && p->pool_tokens > 0 &&
+        !(n->ev = malloc(sizeof(pdm_decode_kv_event_t) * PDM_DECODE_KVEV_QUEUE)))
         st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
     if (!st && p->offload) st = pdm_kvoff_engine_create(p->offload, &n->offload);
     n->p.offload = NULL; /* the engine keeps its own copy */
@@ -145,13 +181,235 @@ int pdm_decode_node_create(const pdm_model_t *model, pdm_kvt_t *kvt,
 
 /* ---- the prefix pool (decode.h) --------------------------------------------------------- */
 
+static void pdm__kvev_snapshot(pdm_decode_node_t *n);
+
+/* Queues one event; a full ring is replaced by a snapshot (decode.h). */
+static void pdm__kvev_push_tier(pdm_decode_node_t *n, int kind, int tier, int count,
+                               const uint8_t key[32])
+{
+    if (!n->ev || !n->has_keys) return;
+    if (count && kind == PDM_DECODE_KVEV_STORED) n->pool_st.blocks++;
+    else if (count && n->pool_st.blocks) n->pool_st.blocks--;
+    if (n->ev_count == PDM_DECODE_KVEV_QUEUE) {
+        pdm__kvev_snapshot(n);
+        return; /* the snapshot reflects this change already */
+    }
+    pdm_decode_kv_event_t *e = &n->ev[(n->ev_head + n->ev_count++) % PDM_DECODE_KVEV_QUEUE];
+    e->kind = kind;
+    e->tier = tier;
+    memcpy(e->key, key, 32);
+}
+
+/* An event that changes which blocks the pool holds (RAM tier for STORED). */
+static void pdm__kvev_push(pdm_decode_node_t *n, int kind, const uint8_t key[32])
+{
+    pdm__kvev_push_tier(n, kind, 1, 1, key);
+}
+
+/* Whether a pooled sequence other than `skip` (or the not yet pooled `extra`) holds key. */
+static int pdm__pool_holds(const pdm_decode_node_t *n, const pdm__pooled_t *skip,
+                           const pdm__pooled_t *extra, const uint8_t key[32])
+{
+    for (int i = 0; i <= n->pool_cap; i++) {
+        const pdm__pooled_t *e = i < n->pool_cap ? &n->pool[i] : extra;
+        if (!e || e == skip || !pdm__used(e) || !e->keys) continue;
+        for (int k = 0; k < e->n_keys; k++)
+            if (!memcmp(e->keys[k], key, 32)) return 1;
+    }
+    return 0;
+}
+
+/* 2 when a RAM entry of the pool holds key, 1 when only file-tier entries do, else 0. */
+static int pdm__pool_holds_tier(const pdm_decode_node_t *n, const uint8_t key[32])
+{
+    int t = 0;
+    for (int i = 0; i < n->pool_cap && t < 2; i++) {
+        const pdm__pooled_t *e = &n->pool[i];
+        for (int k = 0; pdm__used(e) && e->keys && k < e->n_keys; k++)
+            if (!memcmp(e->keys[k], key, 32)) {
+                t = PDM_MAX(t, e->cache ? 2 : 1);
+                break;
+            }
+    }
+    return t;
+}
+
+/* Distinct block keys the pool holds (counted anew when the keys change; the events keep
+ * pool_st.blocks up to date after that). */
+static uint64_t pdm__pool_blocks(const pdm_decode_node_t *n)
+{
+    uint64_t k = 0;
+    for (int i = 0; i < n->pool_cap; i++) {
+        const pdm__pooled_t *e = &n->pool[i];
+        for (int j = 0; pdm__used(e) && e->keys && j < e->n_keys; j++) {
+            int earlier = 0; /* counted with an earlier entry */
+            for (int h = 0; h < i && !earlier; h++) {
+                const pdm__pooled_t *o = &n->pool[h];
+                for (int m = 0; pdm__used(o) && o->keys && m < o->n_keys && !earlier; m++)
+                    earlier = !memcmp(o->keys[m], e->keys[j], 32);
+            }
+            k += !earlier;
+        }
+    }
+    return k;
+}
+
+/* The ring emptied and refilled with every key the pool holds, behind a reset. */
+static void pdm__kvev_snapshot(pdm_decode_node_t *n)
+{
+    n->ev_head = n->ev_count = 0;
+    n->ev_reset = 1;
+    for (int pass = 0; pass < 2; pass++) /* file tier first: a block in both is in RAM */
+        for (int i = 0; i < n->pool_cap; i++) {
+            const pdm__pooled_t *e = &n->pool[i];
+            if (!(pass ? e->cache != NULL : e->file != NULL)) continue;
+            for (int k = 0; e->keys && k < e->n_keys; k++) {
+                if (n->ev_count == PDM_DECODE_KVEV_QUEUE) return; /* the rest goes unindexed */
+                pdm_decode_kv_event_t *ev = &n->ev[n->ev_count++];
+                ev->kind = PDM_DECODE_KVEV_STORED;
+                ev->tier = pass ? 1 : 2;
+                memcpy(ev->key, e->keys[k], 32);
+            }
+        }
+}
+
+/* Keys e's whole blocks with the router's parameters (none without them). */
+static void pdm__pool_key(pdm_decode_node_t *n, pdm__pooled_t *e)
+{
+    free(e->keys);
+    e->keys = NULL;
+    e->n_keys = 0;
+    if (!n->has_keys) return;
+    const int bt = n->kp.block_tokens, max = e->n / bt;
+    if (max < 1 || !(e->keys = malloc(sizeof(uint8_t[32]) * (size_t)max))) return;
+    e->n_keys = pdm_prefix_block_keys(&n->kp, e->tokens, (uint32_t)e->n, e->keys, max);
+}
+
+void pdm_decode_node_set_prefix_keys(pdm_decode_node_t *n, const pdm_prefix_key_params_t *kp)
+{
+    n->has_keys = 0;
+    if (kp && kp->block_tokens > 0 && kp->model && strlen(kp->model) < sizeof(n->kp_model)) {
+        n->kp = *kp;
+        snprintf(n->kp_model, sizeof(n->kp_model), "%s", kp->model);
+        n->kp.model = n->kp_model;
+        n->has_keys = 1;
+    }
+    for (int i = 0; i < n->pool_cap; i++)
+        if (pdm__used(&n->pool[i])) pdm__pool_key(n, &n->pool[i]);
+    n->pool_st.blocks = pdm__pool_blocks(n);
+    if (n->ev) pdm__kvev_snapshot(n);
+}
+
+void pdm_decode_node_kv_resync(pdm_decode_node_t *n)
+{
+    if (n->ev && n->has_keys) pdm__kvev_snapshot(n);
+}
+
+int pdm_decode_node_kv_events(pdm_decode_node_t *n, pdm_decode_kv_event_t *out, int max,
+                              int *reset)
+{
+    *reset = 0;
+    if (!n->ev || (!n->ev_count && !n->ev_reset)) return 0;
+    *reset = n->ev_reset;
+    n->ev_reset = 0;
+    int k = 0;
+    for (; k < max && n->ev_count; k++, n->ev_count--) {
+        out[k] = n->ev[n->ev_head];
+        n->ev_head = (n->ev_head + 1) % PDM_DECODE_KVEV_QUEUE;
+    }
+    return k;
+}
+
+/* The checksum of each head's K and V rows [0, rows) of a pooled cache (f16/f32, never
+ * windowed), seeded with rows. */
+static void pdm__pool_checksums(const pdm_kv_cache_t *c, int32_t rows, uint64_t *ck)
+{
+    const size_t bytes = pdm_dtype_row_bytes(c->dtype, c->head_dim) * (size_t)rows;
+    for (uint32_t i = 0; i < c->n_layers * c->n_kv_heads; i++)
+        ck[i] = pdm_kvt_block_checksum((uint64_t)rows, c->k[i], c->v[i], bytes);
+}
+
+/* Drops a pooled sequence; its block keys that no other pooled sequence (nor `keep`, about
+ * to be pooled) holds are evicted. */
+static void pdm__pool_drop_keep(pdm_decode_node_t *n, pdm__pooled_t *e, const pdm__pooled_t *keep)
+{
+    for (int k = 0; e->keys && k < e->n_keys; k++)
+        if (!pdm__pool_holds(n, e, keep, e->keys[k]))
+            pdm__kvev_push(n, PDM_DECODE_KVEV_EVICTED, e->keys[k]);
+    if (e->cache) {
+        n->pool_slots -= e->cache->capacity;
+        n->pool_st.entries--;
+        n->pool_st.bytes -= pdm_kv_cache_bytes(e->cache);
+        pdm_kv_cache_destroy(e->cache);
+    } else {
+        n->pool_file_slots -= e->n;
+        n->pool_st.file_bytes -= e->file_bytes;
+        pdm_kvtier_free(n->pool_tier, e->file, e->file_bytes);
+    }
+    free(e->tokens);
+    free(e->keys);
+    free(e->ck);
+    memset(e, 0, sizeof(*e));
+}
+
 static void pdm__pool_drop(pdm_decode_node_t *n, pdm__pooled_t *e)
 {
-    n->pool_slots -= e->cache->capacity;
+    pdm__pool_drop_keep(n, e, n->pool_pending);
+}
+
+/* The second tier (SGLang HiCache's host tier, Mooncake's store below GPU memory; here RAM ->
+ * file, through the offload code's file tier, decode_node/offload.h): a sequence evicted from
+ * RAM moves to the file tier if it fits that tier's token budget (least recently used file
+ * entries go first), its rows copied head by head and its checksums kept; its blocks are
+ * announced again with tier FILE. 1 when moved (e->cache is then NULL), 0: drop it instead. */
+static int pdm__pool_demote(pdm_decode_node_t *n, pdm__pooled_t *e)
+{
+    if (!n->pool_tier || e->n > n->p.pool_file_tokens) return 0;
+    const pdm_kv_cache_t *c = e->cache;
+    const size_t row = pdm_dtype_row_bytes(c->dtype, c->head_dim);
+    const size_t heads = (size_t)c->n_layers * c->n_kv_heads;
+    const size_t bytes = 2 * row * (size_t)e->n * heads;
+    pdm__pooled_t *slot = NULL;
+    for (;;) { /* room in the tier's budget and a free entry */
+        pdm__pooled_t *lru = NULL;
+        slot = NULL;
+        for (int i = 0; i < n->pool_cap; i++) {
+            pdm__pooled_t *f = &n->pool[i];
+            if (f->file && (!lru || f->stamp < lru->stamp)) lru = f;
+            if (!pdm__used(f) && !slot) slot = f;
+        }
+        if (n->pool_file_slots + e->n <= n->p.pool_file_tokens && slot) break;
+        if (!lru) return 0;
+        pdm__pool_drop(n, lru);
+        n->pool_st.file_evictions++;
+    }
+    void *f;
+    if (pdm_kvtier_alloc(n->pool_tier, bytes, &f)) return 0;
+    for (size_t i = 0; i < heads; i++) {
+        memcpy((char *)f + (2 * i) * row * (size_t)e->n, c->k[i], row * (size_t)e->n);
+        memcpy((char *)f + (2 * i + 1) * row * (size_t)e->n, c->v[i], row * (size_t)e->n);
+    }
+    /* the entry stays where it is (only its tier changes); the free one found above is left
+     * for the sequence this room is made for */
+    n->pool_slots -= c->capacity;
     n->pool_st.entries--;
+    n->pool_st.bytes -= pdm_kv_cache_bytes(e->cache);
     pdm_kv_cache_destroy(e->cache);
-    free(e->tokens);
-    memset(e, 0, sizeof(*e));
+    e->cache = NULL;
+    e->file = f;
+    e->file_bytes = bytes;
+    n->pool_file_slots += e->n;
+    n->pool_st.file_bytes += bytes;
+    for (int k = 0; e->keys && k < e->n_keys; k++) { /* still in RAM through another entry? */
+        int in_ram = 0;
+        for (int i = 0; i < n->pool_cap && !in_ram; i++) {
+            const pdm__pooled_t *o = &n->pool[i];
+            for (int j = 0; o != e && o->cache && o->keys && j < o->n_keys && !in_ram; j++)
+                in_ram = !memcmp(o->keys[j], e->keys[k], 32);
+        }
+        if (!in_ram) pdm__kvev_push_tier(n, PDM_DECODE_KVEV_STORED, 2, 0, e->keys[k]);
+    }
+    return 1;
 }
 
 /* Evicts least recently used entries until `need` more slots fit beside the reservations
@@ -162,11 +420,11 @@ static int pdm__pool_room(pdm_decode_node_t *n, int64_t need, int64_t pool_need)
         int fits = n->kv_used + n->pool_slots + need <= n->p.kv_budget &&
                    n->pool_slots + pool_need <= n->p.pool_tokens;
         pdm__pooled_t *lru = NULL;
-        for (int i = 0; i < n->p.max_sequences; i++)
+        for (int i = 0; i < n->pool_cap; i++)
             if (n->pool[i].cache && (!lru || n->pool[i].stamp < lru->stamp)) lru = &n->pool[i];
         if (fits || !lru) return fits;
-        pdm__pool_drop(n, lru);
         n->pool_st.evictions++;
+        if (!pdm__pool_demote(n, lru)) pdm__pool_drop(n, lru);
     }
 }
 
@@ -186,9 +444,9 @@ static pdm__pooled_t *pdm__pool_match(pdm_decode_node_t *n, const int32_t *token
 {
     pdm__pooled_t *best = NULL;
     *m = 0;
-    for (int i = 0; i < n->p.max_sequences; i++) {
+    for (int i = 0; i < n->pool_cap; i++) {
         pdm__pooled_t *e = &n->pool[i];
-        if (!e->cache) continue;
+        if (!pdm__used(e)) continue;
         int32_t k = 0, lim = PDM_MIN(e->n, len - 1);
         while (k < lim && e->tokens[k] == tokens[k]) k++;
         if (k >= PDM_DECODE_POOL_MIN && k > *m) best = e, *m = k;
@@ -210,25 +468,59 @@ static void pdm__pool_put(pdm_decode_node_t *n, pdm__seq_t *s)
     if (!tok) return;
     memcpy(tok, s->prompt, sizeof(int32_t) * (size_t)s->n_prompt);
     memcpy(tok + s->n_prompt, s->tokens, sizeof(int32_t) * (size_t)(len - s->n_prompt));
-    for (int i = 0; i < n->p.max_sequences; i++) { /* superseded: a prefix of this one */
-        pdm__pooled_t *e = &n->pool[i];
-        if (e->cache && e->n <= len && !memcmp(e->tokens, tok, sizeof(int32_t) * (size_t)e->n))
-            pdm__pool_drop(n, e);
+    uint64_t *ck = malloc(sizeof(uint64_t) * c->n_layers * c->n_kv_heads);
+    if (!ck) {
+        free(tok);
+        return;
     }
+    pdm__pool_checksums(c, len, ck);
+    /* the new entry, keyed before the ones it supersedes go (their shared blocks stay) */
+    pdm__pooled_t fresh = {.tokens = tok, .n = len, .cache = c, .ck = ck};
+    pdm__pool_key(n, &fresh);
+    /* which of its blocks the pool (and so the router's index) holds already */
+    uint8_t *held = fresh.n_keys ? calloc((size_t)fresh.n_keys, 1) : NULL;
+    for (int k = 0; held && k < fresh.n_keys; k++)
+        held[k] = (uint8_t)pdm__pool_holds_tier(n, fresh.keys[k]);
+    for (int i = 0; i < n->pool_cap; i++) { /* superseded: a prefix of this one */
+        pdm__pooled_t *e = &n->pool[i];
+        if (pdm__used(e) && e->n <= len && !memcmp(e->tokens, tok, sizeof(int32_t) * (size_t)e->n))
+            pdm__pool_drop_keep(n, e, &fresh);
+    }
+    n->pool_pending = &fresh;
     /* its slots stop counting as reserved and start counting as pooled */
     n->kv_used -= s->kv_slots;
     s->kv_slots = 0;
     pdm__pooled_t *slot = NULL;
     if (pdm__pool_room(n, c->capacity, c->capacity))
-        for (int i = 0; i < n->p.max_sequences && !slot; i++)
-            if (!n->pool[i].cache) slot = &n->pool[i];
-    if (!slot) {
+        for (int i = 0; i < n->pool_cap && !slot; i++)
+            if (!pdm__used(&n->pool[i])) slot = &n->pool[i];
+    n->pool_pending = NULL;
+    if (!slot) { /* blocks of superseded entries kept for it are gone now */
+        for (int k = 0; held && k < fresh.n_keys; k++)
+            if (held[k] && !pdm__pool_holds(n, NULL, NULL, fresh.keys[k]))
+                pdm__kvev_push(n, PDM_DECODE_KVEV_EVICTED, fresh.keys[k]);
+        free(held);
+        free(fresh.keys);
         free(tok);
+        free(ck);
         return;
     }
-    *slot = (pdm__pooled_t){.tokens = tok, .n = len, .cache = c, .stamp = ++n->pool_stamp};
+    if (fresh.n_keys && !held) { /* no memory to tell: the pool is keyed anew (snapshot) */
+        fresh.stamp = ++n->pool_stamp;
+        *slot = fresh;
+        n->pool_st.blocks = pdm__pool_blocks(n);
+        if (n->ev && n->has_keys) pdm__kvev_snapshot(n);
+    } else {
+        for (int k = 0; k < fresh.n_keys; k++) /* new, or back in RAM from the file tier */
+            if (held[k] < 2)
+                pdm__kvev_push_tier(n, PDM_DECODE_KVEV_STORED, 1, !held[k], fresh.keys[k]);
+    }
+    free(held);
+    fresh.stamp = ++n->pool_stamp;
+    *slot = fresh;
     n->pool_slots += c->capacity;
     n->pool_st.entries++;
+    n->pool_st.bytes += pdm_kv_cache_bytes(c);
     s->cache = NULL; /* the pool owns it now */
 }
 
@@ -236,6 +528,7 @@ void pdm_decode_node_pool_stats(const pdm_decode_node_t *n, pdm_decode_pool_stat
 {
     *st = n->pool_st;
     st->slots = n->pool_slots;
+    st->file_tokens = n->pool_file_slots;
 }
 
 static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
@@ -264,9 +557,11 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
 void pdm_decode_node_destroy(pdm_decode_node_t *n)
 {
     if (!n) return;
-    for (int i = 0; n->pool && i < n->p.max_sequences; i++)
-        if (n->pool[i].cache) pdm__pool_drop(n, &n->pool[i]);
+    for (int i = 0; n->pool && i < n->pool_cap; i++)
+        if (pdm__used(&n->pool[i])) pdm__pool_drop(n, &n->pool[i]);
     free(n->pool);
+    free(n->ev);
+    pdm_kvtier_destroy(n->pool_tier);
     for (int i = 0; n->seqs && i < n->p.max_sequences; i++)
         if (n->seqs[i].state != SEQ_FREE) pdm__seq_release(n, &n->seqs[i]);
     free(n->seqs);
@@ -536,13 +831,60 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: request %llu needs %lld KV slots, "
                              "%lld of %lld are free", (unsigned long long)id, (long long)need,
                              (long long)(n->p.kv_budget - n->kv_used), (long long)n->p.kv_budget);
-    if (hit && !hit->cache) hit = NULL; /* evicted after all */
+    if (hit && !pdm__used(hit)) hit = NULL; /* evicted after all (or moved to the file tier) */
+    if (!width && n->p.kv_dtype != PDM_DT_I8 && !r->replay && !r->prompt_lp)
+        n->pool_st.lookups++;
+    /* a hit in the file tier: per-head pointers into its rows, as a cache's k/v arrays */
+    void **hit_k = NULL, **hit_v = NULL;
+    const size_t nh = (size_t)hp->n_layers * hp->n_kv_heads;
+    if (hit && hit->file) {
+        hit_k = malloc(sizeof(void *) * nh);
+        hit_v = malloc(sizeof(void *) * nh);
+        const size_t rows = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim) * (size_t)hit->n;
+        for (size_t i = 0; hit_k && hit_v && i < nh; i++) {
+            hit_k[i] = (char *)hit->file + 2 * i * rows;
+            hit_v[i] = (char *)hit->file + (2 * i + 1) * rows;
+        }
+        if (!hit_k || !hit_v) hit = NULL;
+    } else if (hit) {
+        hit_k = malloc(sizeof(void *) * nh);
+        hit_v = malloc(sizeof(void *) * nh);
+        if (hit_k && hit_v) {
+            memcpy(hit_k, hit->cache->k, sizeof(void *) * nh);
+            memcpy(hit_v, hit->cache->v, sizeof(void *) * nh);
+        } else {
+            hit = NULL;
+        }
+    }
+    if (hit && n->p.fault_corrupt_pool) /* tests: what a bad page or a reuse race would do */
+        ((uint8_t *)hit_k[0])[0] ^= 0x40;
+    if (hit) { /* verify before use: a corrupted prefix is dropped and recomputed */
+        uint64_t *ck = malloc(sizeof(uint64_t) * nh);
+        const size_t rows = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim) * (size_t)hit->n;
+        for (size_t i = 0; ck && i < nh; i++)
+            ck[i] = pdm_kvt_block_checksum((uint64_t)hit->n, hit_k[i], hit_v[i], rows);
+        if (!ck || memcmp(ck, hit->ck, sizeof(uint64_t) * nh)) {
+            if (ck) {
+                n->pool_st.corrupt++;
+                pdm_log_warn("decode node: request %llu: a pooled prefix of %d tokens failed "
+                             "its checksum: dropped, the prompt is prefilled in full",
+                             (unsigned long long)id, hit->n);
+                pdm__pool_drop(n, hit);
+            }
+            hit = NULL;
+            m = 0;
+        }
+        free(ck);
+    }
     pdm__seq_t *s = NULL;
     for (int i = 0; i < n->p.max_sequences && !s; i++)
         if (n->seqs[i].state == SEQ_FREE) s = &n->seqs[i];
-    if (!s)
+    if (!s) {
+        free(hit_k);
+        free(hit_v);
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: %d sequences held",
                              n->p.max_sequences);
+    }
     const pdm_kv_cache_params_t cp = {.capacity = width ? n_tokens : n_tokens + max_new,
                                       .dtype = n->p.kv_dtype, .model = n->model,
                                       .window_reserve = r_win};
@@ -567,16 +909,20 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
         const size_t row = pdm_dtype_row_bytes(s->cache->dtype, hp->head_dim);
         for (uint32_t i = 0; i < hp->n_layers * hp->n_kv_heads; i++) {
             if (s->cache->windowed && s->cache->windowed[i / hp->n_kv_heads]) continue;
-            memcpy(s->cache->k[i], hit->cache->k[i], row * (size_t)m);
-            memcpy(s->cache->v[i], hit->cache->v[i], row * (size_t)m);
+            memcpy(s->cache->k[i], hit_k[i], row * (size_t)m);
+            memcpy(s->cache->v[i], hit_v[i], row * (size_t)m);
         }
         /* windowed layers: the last S - 1 of the m rows (pooled caches are never windowed) */
-        pdm_kv_cache_window_fill(s->cache, hit->cache->k, hit->cache->v, m);
+        pdm_kv_cache_window_fill(s->cache, hit_k, hit_v, m);
         s->cache->n_tokens = m;
         s->cached = m;
         n->pool_st.hits++;
         n->pool_st.reused_tokens += (uint64_t)m;
+        if (hit->file) n->pool_st.file_hits++; /* loaded back: pooled in RAM when it ends */
+        hit->stamp = ++n->pool_stamp;
     }
+    free(hit_k);
+    free(hit_v);
     /* Conditional disaggregation / migration: this node computes the prompt's KV itself. */
     const int32_t replay = r->replay ? r->n_generated : 0; /* as first computed: one by one */
     const int32_t upto = n_tokens - replay; /* prefilled in one batch: [cached, upto) */

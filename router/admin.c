@@ -9,6 +9,7 @@
 
 #include "router/internal.h"
 #include "router/admin.h"
+#include "router/kvindex.h"
 #include "router/registry.h"
 
 static int rt_token_ok(const pdm_router_t *r, const char *tok)
@@ -122,6 +123,7 @@ void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
     Pdmesh__NodeInfo *ni = NULL, **nip = NULL;
     Pdmesh__Capacity *caps = NULL;
     Pdmesh__Load *loads = NULL;
+    Pdmesh__PoolStats *pools = NULL;
     Pdmesh__RequestInfo *ri = NULL, **rip = NULL;
     Pdmesh__KeyValue kv[32], *kvp[32];
     char vals[32][160];
@@ -154,6 +156,52 @@ void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
         }
         rep.nodes = nip;
         rep.n_nodes = k;
+        break;
+    }
+    case PDMESH__ADMIN_OP__ADMIN_CACHE: {
+        /* The decode nodes' prefix pools as their KV events last reported them, what the
+         * global index holds for each, and the router's lookup counts. */
+        ni = calloc(MAXN, sizeof(*ni));
+        nip = calloc(MAXN, sizeof(*nip));
+        caps = calloc(MAXN, sizeof(*caps));
+        loads = calloc(MAXN, sizeof(*loads));
+        pools = calloc(MAXN, sizeof(*pools));
+        if (!ni || !nip || !caps || !loads || !pools) {
+            rt_admin_error(r, ident, ident_len, PDMESH__ERROR_CODE__ERR_INTERNAL, "out of memory");
+            goto done;
+        }
+        size_t k = 0;
+        for (int i = 0; i < RT_MAX_NODES; i++) {
+            const rt_node_t *n = &r->nodes[i];
+            if (!n->used || n->role != PDMESH__ROLE__ROLE_DECODE || !n->pool_tokens) continue;
+            rt_fill_node(r, n, &ni[k], &caps[k], &loads[k]);
+            caps[k].pool_tokens = n->pool_tokens;
+            pools[k] = n->pool;
+            if (!pools[k].budget_tokens) pools[k].budget_tokens = n->pool_tokens;
+            ni[k].pool = &pools[k];
+            ni[k].index_blocks = rt_kvindex_node_blocks(r->kvidx, i);
+            nip[k] = &ni[k];
+            k++;
+        }
+        rep.nodes = nip;
+        rep.n_nodes = k;
+        static const char *keys[] = {"lookups", "hits", "hit_rate", "index_blocks",
+                                     "index_replaced"};
+        snprintf(vals[0], sizeof(vals[0]), "%llu", (unsigned long long)r->pool_lookups);
+        snprintf(vals[1], sizeof(vals[1]), "%llu", (unsigned long long)r->pool_hits);
+        snprintf(vals[2], sizeof(vals[2]), "%.3f",
+                 r->pool_lookups ? (double)r->pool_hits / (double)r->pool_lookups : 0.0);
+        snprintf(vals[3], sizeof(vals[3]), "%zu", rt_kvindex_entries(r->kvidx));
+        snprintf(vals[4], sizeof(vals[4]), "%llu",
+                 (unsigned long long)rt_kvindex_replaced(r->kvidx));
+        for (int v = 0; v < 5; v++) {
+            pdmesh__key_value__init(&kv[v]);
+            kv[v].key = (char *)keys[v];
+            kv[v].value = vals[v];
+            kvp[v] = &kv[v];
+        }
+        rep.values = kvp;
+        rep.n_values = 5;
         break;
     }
     case PDMESH__ADMIN_OP__ADMIN_DRAIN:
@@ -335,6 +383,7 @@ done:
     free(nip);
     free(caps);
     free(loads);
+    free(pools);
     free(ri);
     free(rip);
     free(text);

@@ -16,6 +16,7 @@
 
 #include "common/curve.h"
 #include "router/internal.h"
+#include "router/kvindex.h"
 #include "router/admin.h"
 #include "router/core.h"
 #include "router/curve.h"
@@ -169,6 +170,11 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     if (st) goto fail; /* the message names the secret and its sources */
     if ((st = rt_load_token(cfg->admin_token_file, &r->admin_token))) goto fail;
     if ((st = pdm_random_bytes(r->prefix_salt, sizeof(r->prefix_salt)))) goto fail;
+    r->pool_block_tokens = cfg->block_tokens > 0 ? cfg->block_tokens : 64;
+    if (!(r->kvidx = rt_kvindex_create(0))) {
+        st = pdm_error_set(PDM_ENOMEM, "router: no memory for the prefix block index");
+        goto fail;
+    }
     if ((st = pdm_model_load(cfg->model_path, &r->model))) goto fail;
     if (!r->model->tokenizer) {
         st = pdm_error_set(PDM_EUNSUPPORTED, "%s has no tokenizer", cfg->model_path);
@@ -255,6 +261,55 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
         m, PDM_METRIC_COUNTER, "pdmesh_prefill_solo_concurrent_total",
         "Solo prefill tasks sent while another rank of the group ran one (--adaptive-group).",
         "group", NULL, 0);
+    r->m.pool_lookups = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_prefix_pool_lookups_total",
+        "Requests whose prompt was looked up in the global index of decode-node prefix pools.",
+        NULL, NULL, 0);
+    r->m.pool_hits = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_prefix_pool_hits_total",
+        "Lookups prefilled on the node the index chose that reused at least the expected prefix.",
+        NULL, NULL, 0);
+    r->m.pool_misses = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_prefix_pool_misses_total",
+        "Lookups that reused no pooled prefix, by reason (no_match: no node holds a prefix; "
+        "evicted: the index said the node held it, the node found less; routed_elsewhere_load: a "
+        "node held it but load or free KV sent the request elsewhere; delta_over_local_max: the "
+        "rest of the prompt was longer than pool_local_max).",
+        "reason", NULL, 0);
+    r->m.pool_cached_tokens = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_prefix_pool_cached_tokens_total",
+        "Prompt tokens served from decode-node prefix pools (DecodeResult.cached_tokens).", NULL,
+        NULL, 0);
+    r->m.pool_hit_rate = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_prefix_pool_hit_rate",
+                                         "Prefix pool hits / lookups so far.", NULL, NULL, 0);
+    r->m.pool_tokens = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_prefix_pool_tokens",
+                                       "KV token slots a decode node's prefix pool holds.", "node",
+                                       NULL, 0);
+    r->m.pool_bytes = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_prefix_pool_bytes",
+                                      "Bytes of KV a decode node's prefix pool holds.", "node",
+                                      NULL, 0);
+    r->m.pool_blocks = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_prefix_pool_blocks",
+                                       "Prefix blocks a decode node's pool holds (its report).",
+                                       "node", NULL, 0);
+    r->m.pool_corrupt = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_prefix_pool_corrupt_total",
+        "Pooled prefixes whose checksum failed on reuse (recomputed, never used), per node.",
+        "node", NULL, 0);
+    r->m.kv_events = pdm_metrics_add(m, PDM_METRIC_COUNTER, "pdmesh_kv_events_total",
+                                     "Prefix block events from decode nodes, by kind (stored, "
+                                     "evicted, reset, stale, malformed).",
+                                     "kind", NULL, 0);
+    r->m.kv_index_blocks = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_kv_index_blocks",
+                                           "Block keys in the router's global prefix index.",
+                                           NULL, NULL, 0);
+    pdm_metric_inc(r->m.pool_lookups, NULL, 0);
+    pdm_metric_inc(r->m.pool_hits, NULL, 0);
+    pdm_metric_inc(r->m.pool_cached_tokens, NULL, 0);
+    for (int k = 0; k < 4; k++) {
+        static const char *reasons[] = {"no_match", "evicted", "routed_elsewhere_load",
+                                        "delta_over_local_max"};
+        pdm_metric_inc(r->m.pool_misses, reasons[k], 0);
+    }
     pdm_metric_set(r->m.queue, NULL, 0);
     pdm_metric_inc(r->m.requests, "ok", 0);
     pdm_metric_inc(r->m.migrations, NULL, 0);
@@ -321,6 +376,7 @@ void rt_router_free(pdm_router_t *r)
     for (int i = 0; i < RT_MAX_NODES; i++) free(r->nodes[i].ucx);
     for (int g = 0; g < RT_MAX_GROUPS; g++) pdm_prefill_conv_free(&r->groups[g].conv);
     pdm_metrics_free(r->m.reg);
+    rt_kvindex_destroy(r->kvidx);
     pdm_model_free(r->model);
     free(r->secret);
     free(r->admin_token);

@@ -95,6 +95,9 @@ typedef struct {
     double full_until;            /* refused a reservation: skip it until then */
     uint32_t max_beams;           /* decode: widest beam search it runs (Capacity.max_beams) */
     uint64_t pool_tokens;         /* decode: its prefix pool's size (Capacity.pool_tokens) */
+    Pdmesh__PoolStats pool;       /* decode: its pool as its last KvEvents reported (scalars) */
+    uint64_t kvev_seq;            /* the last KvEvents.seq taken from it (this epoch) */
+    uint64_t kvev_corrupt_seen;   /* pool.corrupt already counted in the router's metric */
     uint32_t kv_layers, kv_win_layers, kv_win_rows; /* decode: its windowed local layers
                                                      * (Capacity.kv_*; 0: none) */
 } rt_node_t;
@@ -204,6 +207,12 @@ typedef struct rt_req {
     pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN]; /* the group attempt's ranges (Usage) */
     int n_plan;
     uint8_t kv_key[32];           /* the group attempt's KV key (DecodeTask/PrefillTask.kv_key) */
+    /* decode-node prefix pool (schedule.c): whether this request's lookup was counted, the
+     * node the global index sent it to and the tokens the index expected it to reuse there
+     * (checked against DecodeResult.cached_tokens: a hit or an `evicted` miss) */
+    int pool_looked;
+    int pool_node;
+    uint32_t pool_expect;
 } rt_req_t;
 
 struct pdm_router {
@@ -232,9 +241,13 @@ struct pdm_router {
     int has_calib;
     uint32_t lp_max_entries;      /* logprob entries a request may ask for (0: not computed) */
     struct { uint8_t hash[32]; int group; uint64_t stamp; } prefix[RT_PREFIX_SLOTS];
-    /* which decode node's prefix pool last kept each block key (schedule.c) */
-    struct { uint8_t hash[32]; int node; uint64_t epoch, stamp; } dprefix[RT_PREFIX_SLOTS];
+    /* which decode nodes' prefix pools hold each block key, from their KvEvents (kvindex.h) */
+    struct rt_kvindex *kvidx;
     uint64_t prefix_stamp;
+    uint64_t pool_lookups, pool_hits; /* decode-node prefix pools (the hit-rate gauge) */
+    int pool_block_tokens;        /* the block size of the keys decode nodes were given in
+                                   * their RegisterAck: fixed at start (policy set block_tokens
+                                   * changes only the groups' prefix keys) */
     uint8_t prefix_salt[16];      /* random per router: prefix keys are not predictable */
     struct { uint64_t nonce; uint8_t id[8]; double t; } seen[1024]; /* registration replay */
     unsigned seen_next;
@@ -244,7 +257,10 @@ struct pdm_router {
         pdm_metrics_t *reg;
         pdm_metric_t *requests, *ttft, *tpot, *queue, *method, *kv_bytes, *kv_time, *nodes,
             *migrations, *retries, *offload, *prefix_hits, *prefix_tokens, *waiting, *kv_free,
-            *kv_capacity, *group_inflight, *group_inflight_limit, *solo_concurrent;
+            *kv_capacity, *group_inflight, *group_inflight_limit, *solo_concurrent,
+            /* decode-node prefix pools and the global index (schedule.c, registry.c) */
+            *pool_lookups, *pool_hits, *pool_misses, *pool_cached_tokens, *pool_hit_rate,
+            *pool_tokens, *pool_bytes, *pool_blocks, *pool_corrupt, *kv_events, *kv_index_blocks;
     } m;
 };
 

@@ -20,6 +20,15 @@
  *   decode_kv_capacity_tokens             gauge   usable decode nodes, budget
  *   prefill_inflight{group}               gauge
  *   prefill_inflight_limit                gauge   --group-inflight
+ *   prefix_pool_lookups_total / hits_total counter decode-node prefix pools (docs/router.md)
+ *   prefix_pool_misses_total{reason}      counter no_match, evicted, routed_elsewhere_load,
+ *                                                 delta_over_local_max
+ *   prefix_pool_cached_tokens_total       counter
+ *   prefix_pool_hit_rate                  gauge
+ *   prefix_pool_{tokens,bytes,blocks}{node} gauge (from the nodes' KvEvents)
+ *   prefix_pool_corrupt_total{node}       counter pooled prefixes that failed their checksum
+ *   kv_events_total{kind}                 counter stored, evicted, reset, stale, malformed
+ *   kv_index_blocks                       gauge   block keys in the global index
  */
 #ifndef PDM_METRICS_H
 #define PDM_METRICS_H

@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "router/internal.h"
+#include "router/prefix.h"
 #include "router/registry.h"
 #include "router/request.h"
 
@@ -66,6 +67,7 @@ static void rt_node_lost(pdm_router_t *r, int i, const char *why)
                          "registers again (the other ranks re-join on a new GroupWire)",
                          r->groups[g].name, n->id, why);
     }
+    rt_prefix_node_reset(r, i);
     rt_req_on_node_lost(r, i, g, why);
 }
 
@@ -308,6 +310,15 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
     ack.epoch = n->epoch;
     ack.heartbeat_ms = (uint32_t)r->cfg.heartbeat_ms;
     ack.lease_ms = (uint32_t)r->cfg.lease_ms;
+    /* A new epoch: whatever the index held for this node is from its previous life. */
+    rt_prefix_node_reset(r, (int)(n - r->nodes));
+    if (n->role == PDMESH__ROLE__ROLE_DECODE && n->pool_tokens) {
+        /* so that its KV events name blocks with this router's keys (common/wire.h) */
+        ack.prefix_salt.data = r->prefix_salt;
+        ack.prefix_salt.len = sizeof(r->prefix_salt);
+        ack.prefix_block_tokens = (uint32_t)r->pool_block_tokens;
+        ack.prefix_model = r->model_name;
+    }
     rt_send(s, ident, ident_len, PDMESH__MSG_TYPE__MSG_REGISTER_ACK, &ack.base);
     pdm_log_info("router: %s registered (%s, epoch %llu)", n->id,
                  n->role == PDMESH__ROLE__ROLE_DECODE ? "decode" : "prefill",
@@ -436,6 +447,12 @@ void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, c
         if (e->task_id) rt_req_on_task_error(r, i, e);
         break;
     }
+    case PDMESH__MSG_TYPE__MSG_KV_EVENTS: {
+        Pdmesh__KvEvents *k = (Pdmesh__KvEvents *)msg;
+        if ((i = rt_check_sender(r, ident, ident_len, k->epoch, 1, "kv events")) < 0) break;
+        rt_prefix_on_kv_events(r, i, k);
+        break;
+    }
     case PDMESH__MSG_TYPE__MSG_NODE_STATS:
     case PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG_RESULT:
         break; /* answers to requests of a local harness; the router sends none */
@@ -489,6 +506,7 @@ void rt_node_metrics(pdm_router_t *r)
             pdm_metric_set(r->m.group_inflight, r->groups[g].name,
                            rt_group_usable(r, g) ? r->groups[g].inflight : 0);
     pdm_metric_set(r->m.group_inflight_limit, NULL, r->cfg.group_inflight);
+    rt_prefix_metrics(r);
 }
 
 void rt_registry_tick(pdm_router_t *r)

@@ -912,7 +912,21 @@ void rt_req_on_decode_result(pdm_router_t *r, int node, const Pdmesh__DecodeResu
         q->kv_seconds = d->kv_seconds;
         if (d->kv_bytes) q->kv_bytes = d->kv_bytes;
         if (d->cached_tokens > q->cached_tokens) q->cached_tokens = d->cached_tokens;
-        if (d->finish != PDMESH__FINISH_REASON__FINISH_NONE) rt_decode_prefix_note(r, q, node);
+        if (d->cached_tokens)
+            pdm_metric_inc(r->m.pool_cached_tokens, NULL, (double)d->cached_tokens);
+        if (q->pool_expect && q->local && node == q->pool_node) {
+            /* the index sent it here: did the node find what the index promised? */
+            if (d->cached_tokens >= q->pool_expect) {
+                r->pool_hits++;
+                pdm_metric_inc(r->m.pool_hits, NULL, 1);
+            } else {
+                pdm_metric_inc(r->m.pool_misses, "evicted", 1);
+                pdm_log_info("router: request %llu: %s reused %u pooled tokens, the index said "
+                             "%u", (unsigned long long)q->id, r->nodes[node].id,
+                             d->cached_tokens, q->pool_expect);
+            }
+            q->pool_expect = 0;
+        }
         q->res_beams = d->beams; /* borrowed until rt_req_finish returns */
         q->n_res_beams = d->n_beams;
         rt_req_finish(r, q, d->finish);

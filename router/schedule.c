@@ -15,6 +15,7 @@
 #include "router/registry.h"
 #include "router/request.h"
 #include "router/prefix.h"
+#include "router/kvindex.h"
 #include "router/schedule.h"
 
 static int rt_pick_decode(pdm_router_t *r, const rt_req_t *q, int local)
@@ -175,36 +176,80 @@ static int rt_pick_group(pdm_router_t *r, rt_req_t *q)
     return best;
 }
 
-/* The usable decode node whose prefix pool holds the longest known prefix of q's prompt,
- * with room for it; *cached is that prefix's length in tokens. -1 if none. (The node checks
- * the tokens themselves: a pool that evicted the prefix since just prefills it all.) */
-static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, uint32_t *cached)
+/* Whether decode node d can take q now (the checks rt_pick_decode makes). */
+static int rt_decode_has_room(pdm_router_t *r, const rt_req_t *q, int d)
+{
+    const rt_node_t *n = &r->nodes[d];
+    return !(n->full_until > pdm_now() || (n->max_sequences && n->tasks >= (int)n->max_sequences) ||
+             (n->kv_tokens && (int64_t)n->kv_tokens - n->kv_reserved <
+                                  rt_kv_need(n, q, q->n_prompt, q->max_new, 1)));
+}
+
+/* The usable decode node with room to prefill q's prompt from its prefix pool: the one the
+ * global index (the nodes' KV events, kvindex.h) says holds the longest prefix, ties going to
+ * fewer tasks and then less reserved KV. (Dynamo's KV router scores workers by cached blocks
+ * against load with a weight; cached tokens come first here, as they did in the policy this
+ * replaces, and pool_local_max bounds what the chosen node computes.) *cached: the expected
+ * reused tokens. *held: the longest prefix any live decode node holds, room or not (full, at
+ * its sequence limit, short of KV, or draining: how a miss is told apart from one caused by
+ * load). -1 if none; *looked 1 when the prompt was looked up at all (some usable node
+ * pools, no beams, more than one block). */
+static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, uint32_t *cached,
+                                 uint32_t *held, int *looked)
 {
     enum { MAXB = 512 };
     int any = 0;
+    *cached = *held = 0;
+    *looked = 0;
     for (int i = 0; i < RT_MAX_NODES && !any; i++)
         any = rt_node_usable(r, i) && r->nodes[i].role == PDMESH__ROLE__ROLE_DECODE &&
               r->nodes[i].pool_tokens;
-    const uint32_t bt = (uint32_t)(r->cfg.block_tokens > 0 ? r->cfg.block_tokens : 64);
+    const uint32_t bt = (uint32_t)r->pool_block_tokens;
     if (!any || q->beams > 1 || q->n_prompt <= bt) return -1;
+    *looked = 1;
     uint8_t (*h)[32] = malloc(sizeof(uint8_t[32]) * MAXB);
-    int nb = h ? rt_block_hashes(r, q->prompt, q->n_prompt, h, MAXB) : 0, best = -1;
-    for (int b = nb - 1; b >= 0 && best < 0; b--) {
-        size_t s = rt_prefix_slot(h[b]);
-        int d = r->dprefix[s].node;
-        if (!r->dprefix[s].stamp || memcmp(r->dprefix[s].hash, h[b], 32) ||
-            !rt_node_usable(r, d) || r->nodes[d].epoch != r->dprefix[s].epoch)
-            continue;
-        const rt_node_t *n = &r->nodes[d];
-        if (n->full_until > pdm_now() || (n->max_sequences && n->tasks >= (int)n->max_sequences) ||
-            (n->kv_tokens && (int64_t)n->kv_tokens - n->kv_reserved <
-                                 rt_kv_need(n, q, q->n_prompt, q->max_new, 1)))
-            continue;
-        best = d;
-        *cached = (uint32_t)(b + 1) * bt;
+    uint16_t blocks[RT_KVIDX_MAX_NODES];
+    int nb = h ? rt_pool_block_hashes(r, q->prompt, q->n_prompt, h, MAXB) : 0, best = -1;
+    if (nb == 0 || !rt_kvindex_match(r->kvidx, (const uint8_t(*)[32])h, nb, blocks, NULL)) {
+        free(h);
+        return -1;
     }
     free(h);
+    for (int d = 0; d < RT_MAX_NODES && d < RT_KVIDX_MAX_NODES; d++) {
+        if (!blocks[d] || !r->nodes[d].used || r->nodes[d].dead ||
+            r->nodes[d].role != PDMESH__ROLE__ROLE_DECODE)
+            continue;
+        /* the node never reuses the last prompt token (its logits are needed) */
+        const uint32_t t = PDM_MIN((uint32_t)blocks[d] * bt, q->n_prompt - 1);
+        if (t > *held) *held = t; /* alive: a draining node has no room either */
+        if (r->nodes[d].draining || !rt_decode_has_room(r, q, d)) continue;
+        const rt_node_t *n = &r->nodes[d], *b = best >= 0 ? &r->nodes[best] : NULL;
+        if (!b || t > *cached ||
+            (t == *cached && (n->tasks < b->tasks ||
+                              (n->tasks == b->tasks && n->kv_reserved < b->kv_reserved)))) {
+            best = d;
+            *cached = t;
+        }
+    }
     return best;
+}
+
+/* Counts q's prefix-pool lookup once, when it is dispatched: `reason` names the miss, NULL when
+ * it goes to node pd expecting `expect` pooled tokens (a hit or an `evicted` miss, told when
+ * its DecodeResult says how many it reused: rt_req_on_decode_result). */
+static void rt_pool_count(pdm_router_t *r, rt_req_t *q, const char *reason, int pd,
+                          uint32_t expect)
+{
+    if (q->pool_looked) return;
+    q->pool_looked = 1;
+    r->pool_lookups++;
+    pdm_metric_inc(r->m.pool_lookups, NULL, 1);
+    if (reason) {
+        pdm_metric_inc(r->m.pool_misses, reason, 1);
+        return;
+    }
+    q->pool_node = pd;
+    q->pool_expect = expect;
 }
 
 static int rt_any_group_alive(pdm_router_t *r)
@@ -236,13 +281,18 @@ void rt_schedule(pdm_router_t *r)
         const int score_prompt = q->want_plp && !q->plp_sent;
         /* A decode node's prefix pool holds most of the prompt (a chat's next turn): prefill
          * the rest there instead of streaming the whole prompt from a group. */
-        uint32_t cached = 0;
-        int pd = migrate || score_prompt ? -1 : rt_pick_decode_prefix(r, q, &cached);
+        uint32_t cached = 0, held_prefix = 0;
+        int looked = 0;
+        int pd = migrate || score_prompt
+                     ? -1 : rt_pick_decode_prefix(r, q, &cached, &held_prefix, &looked);
         if (pd >= 0 && q->n_prompt - cached <= r->cfg.pool_local_max) {
+            rt_pool_count(r, q, NULL, pd, cached);
             pdm_metric_inc(r->m.method, "local", 1);
             rt_req_dispatch(r, q, pd, -1, -1);
             continue;
         }
+        const char *miss = pd >= 0 ? "delta_over_local_max"
+                           : held_prefix ? "routed_elsewhere_load" : "no_match";
         int g = -1, solo = -1;
         if (!want_local) {
             /* no hashing of prompts behind one that holds every group with room */
@@ -263,6 +313,7 @@ void rt_schedule(pdm_router_t *r)
         if (d < 0) continue; /* wait for capacity (the deadline bounds the wait) */
         /* local prefills count here, a group's methods in rt_send_prefill */
         pdm_metric_inc(r->m.method, "local", g < 0 ? 1 : 0);
+        if (looked) rt_pool_count(r, q, miss, -1, 0);
         rt_req_dispatch(r, q, d, g, solo);
     }
 }

@@ -15,7 +15,13 @@ keeps only its last conversation: --prefix-reuse 1) and with it (decode --kv-poo
 is prefilled on the decode node from the KV its earlier turn left there). Reported: TTFT
 p50/p90 of first turns and of follow-ups, the share of turns within the TTFT SLO, cached tokens.
 
+With --decode-nodes N the meshes have N decode nodes (each with the pool in the pooled arm):
+the router's global index of the nodes' KV events then decides which node a follow-up goes to,
+and the pooled arm also reports the router's prefix-pool counters (lookups, hits, misses by
+reason). --arms picks the arms (default: all three).
+
   python3 bench/serve/sessions.py [--bindir build/bin] [--rate 0.2] [--duration 60] [--quick]
+      [--decode-nodes 2] [--arms with] [--name sessions-2dec]
 """
 import json
 import os
@@ -68,9 +74,19 @@ def run(args, pool, llama_server=None):
         mesh = Mesh(args.bindir, args.model, prefill_ranks=2, threads=1, local_threshold=16,
                     router_args=["--prefix-reuse", "1", "--block-tokens", "16"],
                     decode_args=["--kv-pool", str(pool)])
+        for d in range(1, args.decode_nodes):
+            mesh._start("decode-%d" % d, [os.path.join(args.bindir, "pdmesh-decode"), "--model",
+                                          args.model, "--threads", "1", "--router",
+                                          mesh.node_ep, "--node-id", "decode-%d" % d,
+                                          "--kv-pool", str(pool)])
     rows, lock, threads = [], threading.Lock(), []
+    pool_counts = {}
     try:
         mesh.wait_ready(groups=True)
+        end = time.time() + 30
+        while not llama_server and time.time() < end and mesh.metric(
+                "pdmesh_nodes", 'role_state="decode_alive"') < args.decode_nodes:
+            time.sleep(0.2)
         loadgen.one_request(mesh.http_port, {"prompt": "warm up", "max_tokens": 2,
                                              "stream": True}, 120)
         rng = random.Random(args.seed)
@@ -86,13 +102,28 @@ def run(args, pool, llama_server=None):
             next_at += rng.expovariate(args.rate)
         for th in threads:
             th.join(600)
-        return rows, time.time() - t0
+        wall = time.time() - t0
+        if pool and not llama_server:
+            for key, name, labels in (
+                    ("lookups", "pdmesh_prefix_pool_lookups_total", ""),
+                    ("hits", "pdmesh_prefix_pool_hits_total", ""),
+                    ("cached_tokens", "pdmesh_prefix_pool_cached_tokens_total", ""),
+                    ("miss_no_match", "pdmesh_prefix_pool_misses_total", 'reason="no_match"'),
+                    ("miss_evicted", "pdmesh_prefix_pool_misses_total", 'reason="evicted"'),
+                    ("miss_routed_elsewhere_load", "pdmesh_prefix_pool_misses_total",
+                     'reason="routed_elsewhere_load"'),
+                    ("miss_delta_over_local_max", "pdmesh_prefix_pool_misses_total",
+                     'reason="delta_over_local_max"'),
+                    ("kv_events_stored", "pdmesh_kv_events_total", 'kind="stored"'),
+                    ("kv_events_evicted", "pdmesh_kv_events_total", 'kind="evicted"')):
+                pool_counts[key] = mesh.metric(name, labels)
+        return rows, wall, pool_counts
     finally:
         mesh.stop()
 
 
 def summary(run_result, slo):
-    rows, wall = run_result
+    rows, wall, pool_counts = run_result
 
     def stats(xs):
         t = [x["ttft"] for x in xs if x["ok"] and x["ttft"] is not None]
@@ -103,7 +134,8 @@ def summary(run_result, slo):
                 "cached_p50": statistics.median(x["cached"] or 0 for x in xs) if xs else 0,
                 "goodput_turns_s": sum(1 for v in t if v <= slo) / wall}
     return {"first": stats([r for r in rows if r["turn"] == 0]),
-            "followup": stats([r for r in rows if r["turn"] > 0]), "all": stats(rows)}
+            "followup": stats([r for r in rows if r["turn"] > 0]), "all": stats(rows),
+            "pool": pool_counts}
 
 
 def main():
@@ -118,6 +150,10 @@ def main():
     ap.add_argument("--slo-ttft", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="40 s of arrivals")
+    ap.add_argument("--decode-nodes", type=int, default=1)
+    ap.add_argument("--arms", default="without,with,llama",
+                    help="comma-separated: without (no pool), with (pool), llama (llama-server)")
+    ap.add_argument("--name", default="sessions", help="output file name (OUT/NAME.json, .md)")
     ap.add_argument("--llama-bindir", help="where llama-server is (default: $LLAMA_SERVER or "
                     "build/llama.cpp, built by tools/llama_tools.sh); without one its arm is "
                     "skipped with a message")
@@ -125,30 +161,42 @@ def main():
     if args.quick:
         args.duration = 40
     t0, load_before = time.time(), os.getloadavg()
-    res = {"without pool": summary(run(args, 0), args.slo_ttft),
-           "with pool": summary(run(args, 65536), args.slo_ttft)}
-    ls = find_llama_server(args.llama_bindir)
+    arms = args.arms.split(",")
+    res = {}
+    if "without" in arms:
+        res["without pool"] = summary(run(args, 0), args.slo_ttft)
+    if "with" in arms:
+        res["with pool"] = summary(run(args, 65536), args.slo_ttft)
+    ls = find_llama_server(args.llama_bindir) if "llama" in arms else None
     if ls:
         res["llama-server"] = summary(run(args, 0, llama_server=ls), args.slo_ttft)
-    else:
+    elif "llama" in arms:
         print("sessions: no llama-server binary (tools/llama_tools.sh builds one); its arm is "
               "skipped", file=sys.stderr)
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "machine": "%d vCPUs" % os.cpu_count(), "args": vars(args), "results": res,
+           "machine": "%d vCPUs (%s)" % (os.cpu_count(), cpu), "args": vars(args), "results": res,
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
            "seconds": time.time() - t0}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "sessions.json"), "w") as f:
+    with open(os.path.join(args.out, args.name + ".json"), "w") as f:
         json.dump(out, f, indent=1)
     md = ["# Multi-turn sessions: the decode node's prefix pool (bench/serve/sessions.py)", "",
           "%s, %s, load average %.1f before / %.1f after. Sessions arrive at %.2f/s for %.0f s, "
           "%d turns each, think time %.1f s (mean), a shared %d-word system text, %d new "
-          "tokens per turn; router + 2-rank prefill group + decode node, 1 thread per process; "
-          "`llama-server`: the same model on the same 2 cores (`-t 2 --parallel 4`, prompt cache "
-          "and `--cache-reuse 256` on, `--no-repack`; bench/serve/llamaserver.py); "
-          "TTFT SLO %.1f s." % (out["date"], out["machine"], load_before[0],
-                                out["loadavg_after"][0], args.rate, args.duration, args.turns,
-                                args.think, args.system_words, args.max_tokens, args.slo_ttft),
+          "tokens per turn; router + 2-rank prefill group + %d decode node(s), 1 thread per "
+          "process; %sTTFT SLO %.1f s."
+          % (out["date"], out["machine"], load_before[0], out["loadavg_after"][0], args.rate,
+             args.duration, args.turns, args.think, args.system_words, args.max_tokens,
+             args.decode_nodes,
+             "`llama-server`: the same model on the same 2 cores (`-t 2 --parallel 4`, prompt "
+             "cache and `--cache-reuse 256` on, `--no-repack`; bench/serve/llamaserver.py); "
+             if "llama-server" in res else "", args.slo_ttft),
           "", "| mesh | turns | first-turn TTFT p50 / p90 (ms) | follow-up TTFT p50 / p90 (ms) | "
           "follow-up cached tokens (p50) | turns within SLO | goodput (turns/s) | failed |",
           "|---|---|---|---|---|---|---|---|"]
@@ -164,7 +212,19 @@ def main():
            "conversation it prefilled last (its partial prefill helps only when no other session "
            "came between); with it, the decode node that served the earlier turn still holds "
            "its KV and prefills only the new tokens."]
-    with open(os.path.join(args.out, "sessions.md"), "w") as f:
+    for name, r in res.items():
+        pc = r.get("pool") or {}
+        if pc.get("lookups"):
+            md += ["", "%s, the router's prefix-pool counters: %d lookups, %d hits (hit rate %.0f %%), "
+                   "%d cached tokens served; misses: no_match %d, evicted %d, "
+                   "routed_elsewhere_load %d, delta_over_local_max %d; KV events: %d stored, "
+                   "%d evicted." % (name, pc["lookups"], pc["hits"],
+                                    100 * pc["hits"] / pc["lookups"], pc["cached_tokens"],
+                                    pc["miss_no_match"], pc["miss_evicted"],
+                                    pc["miss_routed_elsewhere_load"],
+                                    pc["miss_delta_over_local_max"], pc["kv_events_stored"],
+                                    pc["kv_events_evicted"])]
+    with open(os.path.join(args.out, args.name + ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
 

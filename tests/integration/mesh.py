@@ -64,6 +64,7 @@ class Mesh:
         self.node_ep = "tcp://127.0.0.1:%d" % p[1]
         self.client_ep = "tcp://127.0.0.1:%d" % p[0]
         self.http_port = p[3]
+        self.admin_ep = "tcp://127.0.0.1:%d" % p[2]
         self._start("router", [os.path.join(bindir, "pdmesh-router"), "--model", model,
                                "--client", self.client_ep, "--node", self.node_ep,
                                "--admin", "tcp://127.0.0.1:%d" % p[2],

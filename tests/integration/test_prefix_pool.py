@@ -1,21 +1,45 @@
 #!/usr/bin/env python3
-"""The decode node's prefix pool through the whole mesh (router + 2-rank prefill group + a
-decode node with --kv-pool), over HTTP:
+"""The decode nodes' prefix pools, their KV events and the router's global index, through the
+whole mesh (router + 2-rank prefill group + decode nodes with --kv-pool), over HTTP:
 
-1. Turn 1: a long prompt, prefilled by the group (kvr-e) and streamed to the decode node.
-2. Turn 2: turn 1's prompt, its answer and a new sentence. The router knows (from turn 1's end)
-   that the decode node's pool holds that prefix, so the node prefills only the rest itself:
-   usage.pdmesh.prefill_method is "local", prompt_tokens_details.cached_tokens is the reused
-   prefix, and the greedy answer equals `pdmesh generate --temp 0` on the whole turn-2 prompt
-   (first 8 tokens: the pooled rows of the answer were computed by decode steps, the engine's by
-   one prefill, so later tokens may part at a near-tie).
-3. A prompt sharing nothing goes through the group as before (no false hit).
+Mesh 1, two decode nodes with pools:
+1. Turn 1: a long prompt, prefilled by the group (kvr-e) and streamed to one decode node X.
+   X's pool keeps its KV and X publishes the blocks (KvEvents): the router's index holds them
+   (`pdctl cache`: X's index_blocks > 0).
+2. Turns 2 and 3: the conversation so far and a new sentence. The index sends each to X, which
+   prefills only the rest itself: prefill_method "local", cached_tokens the reused prefix, a hit
+   in pdmesh_prefix_pool_hits_total, and the greedy answer equal to `pdmesh generate --temp 0`
+   on the whole prompt (first 8 tokens: the pooled rows of an answer were computed by decode
+   steps, the engine's by one prefill, so later tokens may part at a near-tie).
+3. A prompt sharing nothing goes through the group (no false hit; a `no_match` miss).
+4. `pdctl cache` (human and --json) shows both nodes' pools: tokens, blocks, bytes, budget, tier.
+5. X restarts (SIGTERM, started again: a new epoch): the router drops its index entries; the
+   next turn is a `no_match` miss, prefilled in full, and its answer is still the engine's.
+   The node that served it drains (`pdctl drain`): the next turn goes to the other node, a
+   `routed_elsewhere_load` miss, with the engine's answer.
+Mesh 2, one decode node with a small pool (--kv-pool 160) and --fault-corrupt-pool:
+6. Turn 2 of a conversation: the index sends it to the node, whose pooled prefix fails its
+   checksum (the fault hook flipped a byte): it is dropped and the prompt prefilled in full
+   (cached 0), an `evicted` miss and pdmesh_prefix_pool_corrupt_total count it, and the answer
+   equals the engine's.
+7. An unrelated prompt's KV does not fit beside the conversation's in the small pool: the
+   conversation's entry is evicted (pdctl cache: evictions), the router sees the EVICTED events
+   (pdmesh_kv_events_total{kind="evicted"}), and the conversation's next turn is a `no_match`.
+8. Malformed events from a registered (fake, Python) decode node: keys of the wrong length, an
+   unknown kind, a sequence gap, undecodable bytes: counted (malformed, stale), the node gets
+   an Error for the bad frame, and the router goes on serving.
 
     python3 tests/integration/test_prefix_pool.py --bindir build/bin [--model FILE]
 """
+import hashlib
+import hmac
 import json
 import os
+import struct
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -26,6 +50,8 @@ LONG = ("The capital of France is a city that many people visit because of its m
         "food, and its long history. In this short essay I will explain why the city became so "
         "important in Europe and what travellers should see first. The river that runs through "
         "it has shaped its streets for centuries, and its bridges are famous all over the world.")
+OTHER = ("Tell me about the history of the printing press in Europe, who built the first "
+         "machines, how the workshops were organised, and how books changed after them.")
 
 
 def complete(port, prompt, n):
@@ -36,43 +62,284 @@ def complete(port, prompt, n):
         return json.loads(r.read())
 
 
-def main():
-    args = mesh_argparser(__doc__.split("\n")[0]).parse_args()
-    check = Checks()
-    m = Mesh(args.bindir, args.model, prefill_ranks=2,
-             router_args=("--method", "kvr-e", "--block-tokens", "16"),
+def cached_of(r):
+    return r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+def pdctl(m, token, *args):
+    p = subprocess.run([os.path.join(m.bindir, "pdctl"), "--router", m.admin_ep,
+                        "--token-file", token, "--timeout", "5000", *args],
+                       capture_output=True, text=True, timeout=30)
+    return p.returncode, p.stdout + p.stderr
+
+
+def cache_json(m, token):
+    rc, out = pdctl(m, token, "--json", "cache")
+    if rc:
+        raise AssertionError("pdctl cache: %d %s" % (rc, out))
+    d = json.loads(out)
+    return {n["node_id"]: n for n in d.get("nodes", [])}, d.get("values", {})
+
+
+def wait_for(what, fn, timeout=10):
+    end = time.time() + timeout
+    while time.time() < end:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.1)
+    return fn()
+
+
+def decode_args(name, node_ep, model, extra=()):
+    return [name, "--model", model, "--threads", "1", "--router", node_ep, "--node-id", name,
+            *extra]
+
+
+def mesh_one(args, check, token):
+    router = ("--method", "kvr-e", "--block-tokens", "16", "--admin-token-file", token)
+    m = Mesh(args.bindir, args.model, prefill_ranks=2, router_args=router,
              decode_args=("--kv-pool", "65536"))
-    t0 = time.time()
+    dec = os.path.join(args.bindir, "pdmesh-decode")
     try:
+        m._start("decode-1", [dec] + decode_args("decode-1", m.node_ep, args.model,
+                                                 ("--kv-pool", "65536"))[1:])
         m.wait_ready()
+        wait_for("two decode nodes", lambda: m.metric("pdmesh_nodes",
+                                                      'role_state="decode_alive"') >= 2, 30)
         r1 = complete(m.http_port, LONG, 16)
         u1 = r1["usage"]
-        check("turn 1 is prefilled by the group (%s) and streamed to the decode node"
-              % u1["pdmesh"]["prefill_method"], u1["pdmesh"]["prefill_method"] == "kvr-e", u1)
-        turn2 = LONG + r1["choices"][0]["text"] + " Which museum should I see first?"
-        r2 = complete(m.http_port, turn2, 16)
-        u2 = r2["usage"]
-        cached = u2.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        check("turn 2 is prefilled on the decode node from its pool: %s, %d of %d prompt tokens "
-              "cached, TTFT %.0f ms (turn 1: %.0f ms)"
-              % (u2["pdmesh"]["prefill_method"], cached, u2["prompt_tokens"],
-                 u2["pdmesh"]["ttft_ms"], u1["pdmesh"]["ttft_ms"]),
-              u2["pdmesh"]["prefill_method"] == "local" and
-              cached >= u1["prompt_tokens"] - 16, u2)
-        ref8 = reference(args.bindir, args.model, turn2, 8)
-        ref16 = reference(args.bindir, args.model, turn2, 16)
-        check("turn 2's greedy answer starts as the engine's on the whole prompt (8 tokens; all "
-              "16 %s)" % ("equal" if r2["choices"][0]["text"] == ref16["text"] else "not equal"),
-              r2["choices"][0]["text"].startswith(ref8["text"]),
-              (r2["choices"][0]["text"], ref16["text"]))
-        r3 = complete(m.http_port, "Tell me about the history of the printing press in Europe, "
-                      "who built the first machines, and how books changed after them.", 8)
-        check("an unrelated prompt is not served from the pool (%s)"
+        x = u1["pdmesh"]["decode_node"]
+        check("turn 1 is prefilled by the group (%s) and streamed to decode node %s"
+              % (u1["pdmesh"]["prefill_method"], x), u1["pdmesh"]["prefill_method"] == "kvr-e", u1)
+        nodes = wait_for("index", lambda: (lambda n: n if n.get(x, {}).get("pool", {})
+                                           .get("index_blocks", 0) > 0 else None)(
+                                               cache_json(m, token)[0]))
+        check("%s's KV events put its pooled blocks in the router's index (%s blocks, node "
+              "reports %s)" % (x, nodes and nodes[x]["pool"]["index_blocks"],
+                               nodes and nodes[x]["pool"]["blocks"]),
+              nodes and nodes[x]["pool"]["index_blocks"] == nodes[x]["pool"]["blocks"] > 0, nodes)
+        conv = LONG + r1["choices"][0]["text"]
+        prev_prompt = u1["prompt_tokens"]
+        for turn, q in ((2, " Which museum should I see first?"),
+                        (3, " And where should I eat in the evening?")):
+            conv += q
+            hits0 = m.metric("pdmesh_prefix_pool_hits_total")
+            r = complete(m.http_port, conv, 16)
+            u = r["usage"]
+            check("turn %d goes by the index to %s and is prefilled there from its pool: %s on "
+                  "%s, %d of %d prompt tokens cached, TTFT %.0f ms (turn 1: %.0f ms)"
+                  % (turn, x, u["pdmesh"]["prefill_method"], u["pdmesh"]["decode_node"],
+                     cached_of(r), u["prompt_tokens"], u["pdmesh"]["ttft_ms"],
+                     u1["pdmesh"]["ttft_ms"]),
+                  u["pdmesh"]["prefill_method"] == "local" and u["pdmesh"]["decode_node"] == x
+                  and cached_of(r) >= prev_prompt - 16, u)
+            check("turn %d counts as a pool hit" % turn,
+                  m.metric("pdmesh_prefix_pool_hits_total") == hits0 + 1)
+            ref8 = reference(args.bindir, args.model, conv, 8)
+            check("turn %d's greedy answer starts as the engine's on the whole prompt"
+                  % turn, r["choices"][0]["text"].startswith(ref8["text"]),
+                  (r["choices"][0]["text"], ref8["text"]))
+            conv += r["choices"][0]["text"]
+            prev_prompt = u["prompt_tokens"]
+        nm0 = m.metric("pdmesh_prefix_pool_misses_total", 'reason="no_match"')
+        r3 = complete(m.http_port, OTHER, 8)
+        fake_node_abuse(m, check)
+        check("an unrelated prompt is not served from a pool (%s) and is a no_match miss"
               % r3["usage"]["pdmesh"]["prefill_method"],
-              r3["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0)
+              cached_of(r3) == 0 and
+              m.metric("pdmesh_prefix_pool_misses_total", 'reason="no_match"') == nm0 + 1)
+        time.sleep(0.3)  # the last turn's KV events
+        rc, out = pdctl(m, token, "cache")
+        check("pdctl cache lists both pools (tokens, budget, blocks, bytes, tier, hit rate)",
+              rc == 0 and "decode-0" in out and "decode-1" in out and "HIT_RATE" in out and
+              "65536" in out and " ram " in out and "router hit_rate" in out, out)
+        nodes, vals = cache_json(m, token)
+        px = nodes[x]["pool"]
+        check("pdctl --json cache: %s holds %d tokens in %d blocks (%d in the router's index, "
+              "%d bytes), %d of %d lookups hit; router: %s"
+              % (x, px["tokens"], px["blocks"], px["index_blocks"], px["bytes"], px["hits"],
+                 px["lookups"], vals),
+              px["tokens"] > 0 and px["bytes"] > 0 and px["blocks"] > 0 and px["hits"] == 2 and
+              px["index_blocks"] == px["blocks"] and
+              vals.get("hits") == 2 and vals.get("lookups", 0) >= 3, nodes)
+        check("/metrics has the pool gauges of %s" % x,
+              m.metric("pdmesh_prefix_pool_blocks", 'node="%s"' % x) == px["blocks"] and
+              m.metric("pdmesh_prefix_pool_bytes", 'node="%s"' % x) == px["bytes"])
+
+        # X restarts: a new epoch, its pool empty; the router forgets its blocks.
+        p, log = m.procs[x]
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        log.close()
+        m._start(x, [dec] + decode_args(x, m.node_ep, args.model, ("--kv-pool", "65536"))[1:])
+        nodes = wait_for("restart", lambda: (lambda n: n if n.get(x, {}).get("state") == "alive"
+                                             and n[x]["epoch"] > 0 else None)(
+                                                 cache_json(m, token)[0]), 30)
+        check("after %s restarted, the index holds none of its blocks (%s)"
+              % (x, nodes and nodes[x]["pool"]["index_blocks"]),
+              nodes and nodes[x]["pool"]["index_blocks"] == 0, nodes)
+        conv += " Is it expensive?"
+        nm0 = m.metric("pdmesh_prefix_pool_misses_total", 'reason="no_match"')
+        r = complete(m.http_port, conv, 8)
+        ref8 = reference(args.bindir, args.model, conv, 8)
+        check("the next turn is a no_match miss, nothing cached (%s, %d cached), and its answer "
+              "is still the engine's" % (r["usage"]["pdmesh"]["prefill_method"], cached_of(r)),
+              cached_of(r) == 0 and r["choices"][0]["text"] == ref8["text"] and
+              m.metric("pdmesh_prefix_pool_misses_total", 'reason="no_match"') == nm0 + 1,
+              (r["choices"][0]["text"], ref8["text"]))
+
+        # The node holding the conversation now drains: the next turn goes elsewhere.
+        z = r["usage"]["pdmesh"]["decode_node"]
+        conv += r["choices"][0]["text"]
+        time.sleep(0.3)  # its KV events
+        rc, out = pdctl(m, token, "drain", z)
+        conv += " And on Sundays?"
+        rl0 = m.metric("pdmesh_prefix_pool_misses_total", 'reason="routed_elsewhere_load"')
+        r = complete(m.http_port, conv, 8)
+        ref8 = reference(args.bindir, args.model, conv, 8)
+        check("with %s (which holds the conversation) draining, the next turn goes to %s: a "
+              "routed_elsewhere_load miss, and its answer is the engine's"
+              % (z, r["usage"]["pdmesh"]["decode_node"]),
+              rc == 0 and r["usage"]["pdmesh"]["decode_node"] != z and
+              r["choices"][0]["text"] == ref8["text"] and
+              m.metric("pdmesh_prefix_pool_misses_total",
+                       'reason="routed_elsewhere_load"') == rl0 + 1,
+              (out, r["usage"], r["choices"][0]["text"], ref8["text"]))
+        pdctl(m, token, "undrain", z)
     finally:
         rc = m.stop()
     check("the router exits 0 on SIGTERM", rc == 0)
+
+
+def mesh_two(args, check, token):
+    router = ("--method", "kvr-e", "--block-tokens", "16", "--admin-token-file", token)
+    m = Mesh(args.bindir, args.model, prefill_ranks=2, router_args=router,
+             decode_args=("--kv-pool", "160", "--fault-corrupt-pool"))
+    try:
+        m.wait_ready()
+        r1 = complete(m.http_port, LONG, 16)
+        conv = LONG + r1["choices"][0]["text"] + " Which museum should I see first?"
+        wait_for("index", lambda: cache_json(m, token)[0].get("decode-0", {}).get("pool", {})
+                 .get("index_blocks", 0) > 0)
+        ev0 = m.metric("pdmesh_prefix_pool_misses_total", 'reason="evicted"')
+        r2 = complete(m.http_port, conv, 16)
+        ref8 = reference(args.bindir, args.model, conv, 8)
+        check("a corrupted pooled prefix is detected and recomputed: %s, %d cached, the answer "
+              "starts as the engine's" % (r2["usage"]["pdmesh"]["prefill_method"], cached_of(r2)),
+              r2["usage"]["pdmesh"]["prefill_method"] == "local" and cached_of(r2) == 0 and
+              r2["choices"][0]["text"].startswith(ref8["text"]),
+              (r2["choices"][0]["text"], ref8["text"]))
+        time.sleep(0.3)
+        check("pdmesh_prefix_pool_corrupt_total counts it (%g), and the miss is `evicted` (%g)"
+              % (m.metric("pdmesh_prefix_pool_corrupt_total", 'node="decode-0"'),
+                 m.metric("pdmesh_prefix_pool_misses_total", 'reason="evicted"') - ev0),
+              m.metric("pdmesh_prefix_pool_corrupt_total", 'node="decode-0"') == 1 and
+              m.metric("pdmesh_prefix_pool_misses_total", 'reason="evicted"') == ev0 + 1)
+        conv += r2["choices"][0]["text"]
+        evk0 = m.metric("pdmesh_kv_events_total", 'kind="evicted"')
+        complete(m.http_port, OTHER + " " + OTHER, 16)
+        time.sleep(0.3)
+        nodes, _ = cache_json(m, token)
+        p = nodes["decode-0"]["pool"]
+        check("the small pool (160 tokens) evicted the conversation for the other prompt "
+              "(evictions %d, %d tokens held) and the router saw EVICTED events (+%g)"
+              % (p["evictions"], p["tokens"],
+                 m.metric("pdmesh_kv_events_total", 'kind="evicted"') - evk0),
+              p["evictions"] >= 1 and p["tokens"] <= 160 and
+              m.metric("pdmesh_kv_events_total", 'kind="evicted"') > evk0, p)
+        conv += " Is it expensive?"
+        nm0 = m.metric("pdmesh_prefix_pool_misses_total", 'reason="no_match"')
+        r = complete(m.http_port, conv, 8)
+        ref8 = reference(args.bindir, args.model, conv, 8)
+        check("the conversation's next turn is a no_match miss and its answer is the engine's",
+              cached_of(r) == 0 and r["choices"][0]["text"] == ref8["text"] and
+              m.metric("pdmesh_prefix_pool_misses_total", 'reason="no_match"') == nm0 + 1,
+              (r["choices"][0]["text"], ref8["text"]))
+    finally:
+        rc = m.stop()
+    check("the router exits 0 on SIGTERM", rc == 0)
+
+
+def frame(pb, type_, msg):
+    return b"PD\x01\x00" + struct.pack(">H", type_) + b"\x00\x00" + msg.SerializeToString()
+
+
+def fake_node_abuse(m, check):
+    """Registers a fake decode node over the real protocol and sends it malformed KvEvents."""
+    import zmq
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "sdk", "python"))
+    from pdmesh import pdmesh_pb2 as pb
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(m.node_ep)
+    try:
+        reg = pb.Register(node_id="fake-decode", role=pb.ROLE_DECODE, model_id="x",
+                          nonce=int.from_bytes(os.urandom(8), "big"),
+                          timestamp_ms=int(time.time() * 1000), pid=os.getpid())
+        reg.capacity.kv_tokens = 1000
+        reg.capacity.max_sequences = 4
+        reg.capacity.max_batch = 4
+        reg.capacity.pool_tokens = 1000
+        reg.ucx_address = b"\x00" * 16
+        reg.proof = hmac.new(m.env["PDMESH_SECRET"].encode(), reg.node_id.encode() + b"\x00" +
+                             struct.pack(">QQ", reg.nonce, reg.timestamp_ms),
+                             hashlib.sha256).digest()
+        s.send(frame(pb, pb.MSG_REGISTER, reg))
+        raw = s.recv()
+        ack = pb.RegisterAck()
+        ack.ParseFromString(raw[8:])
+        check("a fake decode node registers and gets the prefix key parameters (%d-byte salt, "
+              "blocks of %d)" % (len(ack.prefix_salt), ack.prefix_block_tokens),
+              struct.unpack(">H", raw[4:6])[0] == pb.MSG_REGISTER_ACK and
+              len(ack.prefix_salt) == 16 and ack.prefix_block_tokens == 16)
+        before = {k: m.metric("pdmesh_kv_events_total", 'kind="%s"' % k)
+                  for k in ("malformed", "stale", "stored")}
+        ev = pb.KvEvents(node_id="fake-decode", epoch=ack.epoch, seq=1)
+        e = ev.events.add(kind=pb.KV_EVENT_STORED, tier=pb.KV_TIER_RAM)
+        e.block_keys.extend([b"short", b"\x01" * 32, b"\x02" * 33])
+        ev.events.add(kind=7, tier=pb.KV_TIER_RAM).block_keys.append(b"\x03" * 32)
+        s.send(frame(pb, pb.MSG_KV_EVENTS, ev))
+        ev2 = pb.KvEvents(node_id="fake-decode", epoch=ack.epoch, seq=9)  # a gap
+        ev2.events.add(kind=pb.KV_EVENT_EVICTED, tier=pb.KV_TIER_RAM).block_keys.append(
+            b"\x01" * 32)
+        s.send(frame(pb, pb.MSG_KV_EVENTS, ev2))
+        s.send(b"PD\x01\x00" + struct.pack(">H", pb.MSG_KV_EVENTS) + b"\x00\x00" +
+               b"\xff\xff\xff\xff\x0f")
+        err = pb.Error()
+        raw = s.recv()
+        err.ParseFromString(raw[8:])
+        time.sleep(0.3)
+        after = {k: m.metric("pdmesh_kv_events_total", 'kind="%s"' % k) for k in before}
+        check("malformed KV events are counted and skipped (malformed +%g, stale +%g, stored "
+              "+%g), undecodable bytes answered with %s"
+              % (after["malformed"] - before["malformed"], after["stale"] - before["stale"],
+                 after["stored"] - before["stored"], pb.ErrorCode.Name(err.code)),
+              after["malformed"] - before["malformed"] == 3 and
+              after["stale"] - before["stale"] == 1 and
+              after["stored"] - before["stored"] == 1 and err.code == pb.ERR_BAD_MESSAGE)
+        s.send(frame(pb, pb.MSG_DEREGISTER, pb.Deregister(node_id="fake-decode",
+                                                           epoch=ack.epoch)))
+        time.sleep(0.3)
+    finally:
+        s.close()
+        ctx.term()
+
+
+def main():
+    args = mesh_argparser(__doc__.split("\n")[0]).parse_args()
+    check = Checks()
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="pdm-pool-") as tmp:
+        token = os.path.join(tmp, "token")
+        with open(token, "w") as f:
+            f.write(os.urandom(16).hex())
+        os.chmod(token, 0o600)
+        mesh_one(args, check, token)
+        mesh_two(args, check, token)
     print("prefix pool: %d passed, %d failed in %.0f s" % (check.passed, check.failed,
                                                             time.time() - t0))
     return 1 if check.failed else 0

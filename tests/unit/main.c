@@ -27,6 +27,7 @@ static const struct {
     {"http", suite_http},
     {"curve", suite_curve},     {"nodeproto", suite_nodeproto}, {"quant", suite_quant},
     {"arch", suite_arch},
+    {"kvindex", suite_kvindex},
 };
 
 struct cJSON *pdm_test_load_json(const char *path)

@@ -415,6 +415,205 @@ START_TEST(test_decode_prefix_pool)
 }
 END_TEST
 
+/* Runs one greedy local request to its end; its tokens in *ev. */
+static void pool_turn(pdm_decode_node_t *node, uint64_t id, const int32_t *tok, int n, int new_,
+                      local_events_t *ev)
+{
+    pdm_sampler_params_t greedy;
+    pdm_sampler_params_default(&greedy);
+    greedy.temperature = 0;
+    ck_assert_int_eq(reserve_local(node, id, tok, n, new_, 0), 0);
+    pdm_decode_start_t s = {.id = id, .first_token = -1, .sp = greedy};
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    memset(ev, 0, sizeof(*ev));
+    for (int round = 0; round < 200 && !ev->done; round++) pdm_decode_node_run_once(node, local_cb, ev);
+    ck_assert_int_eq(ev->done, 1);
+}
+
+/* Counts drained KV events by kind; *reset when the batch said so. */
+static void pool_events(pdm_decode_node_t *node, int *stored, int *evicted, int *reset)
+{
+    pdm_decode_kv_event_t evs[64];
+    *stored = *evicted = *reset = 0;
+    int n, r;
+    while ((n = pdm_decode_node_kv_events(node, evs, 64, &r)) > 0 || r) {
+        *reset |= r;
+        for (int i = 0; i < n; i++) {
+            *stored += evs[i].kind == PDM_DECODE_KVEV_STORED;
+            *evicted += evs[i].kind == PDM_DECODE_KVEV_EVICTED;
+        }
+    }
+}
+
+/* The prefix pool's KV events and checksums (decode.h): with the router's keys set, turn 1
+ * pools 30 + 7 tokens = 4 blocks of 8 (STORED x4, after the reset of the keys' snapshot);
+ * turn 2 extends it: only its new blocks are STORED, nothing EVICTED (the superseded entry's
+ * blocks stay held); the keys equal the router's for the same tokens. Then every reuse is
+ * corrupted by the fault hook: the checksum catches it, the prefix is dropped (EVICTED) and
+ * recomputed, the greedy answer equals the engine's, and `corrupt` counts it. */
+START_TEST(test_decode_pool_events)
+{
+    pdm_model_t *m = small_model("router-pool-events", 64, 96, PDM_DT_F32, PDM_DT_F32, 12);
+    enum { P = 30, NEW = 8, EXTRA = 9, BT = 8 };
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
+    pdm_kvt_t *kvt;
+    ck_assert_int_eq(pdm_kvt_create(NULL, &kvt), 0);
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_dtype = PDM_DT_F32;
+    dp.kv_budget = 200;
+    dp.pool_tokens = 200;
+    pdm_decode_node_t *node;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    pdm_prefix_key_params_t kp = {.model = "router-pool-events", .block_tokens = BT};
+    memset(kp.salt, 5, sizeof(kp.salt));
+    pdm_decode_node_set_prefix_keys(node, &kp);
+    int stored, evicted, reset;
+    pool_events(node, &stored, &evicted, &reset);
+    ck_assert_int_eq(reset, 1); /* an empty snapshot */
+    ck_assert_int_eq(stored, 0);
+
+    int32_t turn[P + NEW + EXTRA + NEW + EXTRA];
+    for (int i = 0; i < P; i++) turn[i] = (int32_t)((i * 29 + 3) % (int)m->hp.n_vocab);
+    local_events_t ev;
+    pool_turn(node, 1, turn, P, NEW, &ev);
+    pool_events(node, &stored, &evicted, &reset);
+    ck_assert_int_eq(stored, (P + NEW - 1) / BT);
+    ck_assert_int_eq(evicted, 0);
+    ck_assert_int_eq(reset, 0);
+    pdm_decode_pool_stats_t ps;
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.blocks, (P + NEW - 1) / BT);
+    ck_assert_uint_gt(ps.bytes, 0);
+
+    int n2 = P;
+    for (int k = 0; k < NEW; k++) turn[n2++] = ev.toks[k];
+    for (int i = 0; i < EXTRA; i++) turn[n2++] = (int32_t)((i * 7 + 1) % (int)m->hp.n_vocab);
+    pool_turn(node, 2, turn, n2, NEW, &ev);
+    pool_events(node, &stored, &evicted, &reset);
+    const int blocks2 = (n2 + NEW - 1) / BT;
+    ck_assert_int_eq(stored, blocks2 - (P + NEW - 1) / BT);
+    ck_assert_int_eq(evicted, 0);
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.hits, 1);
+    ck_assert_int_eq(ps.entries, 1);
+    ck_assert_int_eq(ps.blocks, blocks2);
+    /* a resync queues the whole pool behind a reset */
+    pdm_decode_node_kv_resync(node);
+    pool_events(node, &stored, &evicted, &reset);
+    ck_assert_int_eq(reset, 1);
+    ck_assert_int_eq(stored, blocks2);
+
+    /* the same keys as the router computes for these tokens (common/wire.h) */
+    int32_t all[P + NEW + EXTRA + NEW];
+    memcpy(all, turn, sizeof(int32_t) * (size_t)n2);
+    memcpy(all + n2, ev.toks, sizeof(int32_t) * (NEW - 1));
+    uint8_t keys[16][32];
+    ck_assert_int_eq(pdm_prefix_block_keys(&kp, all, (uint32_t)(n2 + NEW - 1), keys, 16), blocks2);
+    pdm_decode_node_kv_resync(node);
+    pdm_decode_kv_event_t evs[64];
+    int nev = pdm_decode_node_kv_events(node, evs, 64, &reset);
+    ck_assert_int_eq(nev, blocks2);
+    for (int b = 0; b < blocks2; b++) ck_assert(!memcmp(evs[b].key, keys[b], 32));
+    pdm_decode_node_destroy(node);
+
+    /* corruption: the fault hook flips a byte of the pooled prefix before its reuse */
+    dp.fault_corrupt_pool = 1;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    pdm_decode_node_set_prefix_keys(node, &kp);
+    pool_turn(node, 1, turn, P, NEW, &ev);
+    n2 = P;
+    for (int k = 0; k < NEW; k++) turn[n2++] = ev.toks[k];
+    for (int i = 0; i < EXTRA; i++) turn[n2++] = (int32_t)((i * 7 + 1) % (int)m->hp.n_vocab);
+    int32_t ref[NEW];
+    engine_greedy(ctx, m, turn, n2, NEW, PDM_DT_F32, ref);
+    pool_events(node, &stored, &evicted, &reset);
+    pool_turn(node, 2, turn, n2, NEW, &ev);
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.corrupt, 1);
+    ck_assert_int_eq(ps.hits, 0);
+    ck_assert_int_eq(ps.lookups, 2);
+    for (int k = 0; k < NEW; k++) ck_assert_int_eq(ev.toks[k], ref[k]);
+    pool_events(node, &stored, &evicted, &reset);
+    ck_assert_int_eq(evicted, (P + NEW - 1) / BT); /* the corrupted entry left the index */
+    ck_assert_int_eq(stored, blocks2);             /* turn 2's own KV, computed afresh */
+    ck_assert_int_eq(ps.entries, 1);
+    pdm_decode_node_destroy(node);
+    pdm_kvt_destroy(kvt);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+END_TEST
+
+/* The prefix pool's second tier (decode.h): a RAM pool of 50 tokens and a file tier of 200.
+ * Turn 1 (37 tokens of KV) is pooled; an unrelated sequence needs the RAM, so turn 1 moves to
+ * the file tier (its blocks announced again with tier FILE, no EVICTED); turn 2 hits it there:
+ * its rows are loaded back, the checksums verified, and the greedy answer equals the engine's. */
+START_TEST(test_decode_pool_file_tier)
+{
+    pdm_model_t *m = small_model("router-pool-file", 64, 96, PDM_DT_F32, PDM_DT_F32, 12);
+    enum { P = 30, NEW = 8, EXTRA = 9, BT = 8 };
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
+    pdm_kvt_t *kvt;
+    ck_assert_int_eq(pdm_kvt_create(NULL, &kvt), 0);
+    char spec[600];
+    snprintf(spec, sizeof(spec), "file:%s", pdm_test_tmpdir());
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_dtype = PDM_DT_F32;
+    dp.kv_budget = 200;
+    dp.pool_tokens = 50;
+    dp.pool_file_tier = spec;
+    dp.pool_file_tokens = 200;
+    pdm_decode_node_t *node;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    pdm_prefix_key_params_t kp = {.model = "router-pool-file", .block_tokens = BT};
+    memset(kp.salt, 3, sizeof(kp.salt));
+    pdm_decode_node_set_prefix_keys(node, &kp);
+    int stored, evicted, reset;
+    pool_events(node, &stored, &evicted, &reset);
+
+    int32_t turn[P + NEW + EXTRA], other[P];
+    for (int i = 0; i < P; i++) turn[i] = (int32_t)((i * 29 + 3) % (int)m->hp.n_vocab);
+    for (int i = 0; i < P; i++) other[i] = (int32_t)((i * 11 + 2) % (int)m->hp.n_vocab);
+    local_events_t ev, evo;
+    pool_turn(node, 1, turn, P, NEW, &ev);
+    pool_turn(node, 2, other, P, NEW, &evo);
+    pdm_decode_pool_stats_t ps;
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.entries, 1);            /* `other` in RAM */
+    ck_assert_int_eq(ps.file_tokens, P + NEW - 1); /* turn 1 in the file tier */
+    ck_assert_uint_gt(ps.file_bytes, 0);
+    ck_assert_int_eq(ps.blocks, 2 * ((P + NEW - 1) / BT));
+    pdm_decode_kv_event_t evs[64];
+    int nev = pdm_decode_node_kv_events(node, evs, 64, &reset), file_stored = 0;
+    for (int i = 0; i < nev; i++) {
+        ck_assert_int_eq(evs[i].kind, PDM_DECODE_KVEV_STORED);
+        file_stored += evs[i].tier == 2;
+    }
+    ck_assert_int_eq(file_stored, (P + NEW - 1) / BT);
+
+    int n2 = P;
+    for (int k = 0; k < NEW; k++) turn[n2++] = ev.toks[k];
+    for (int i = 0; i < EXTRA; i++) turn[n2++] = (int32_t)((i * 7 + 1) % (int)m->hp.n_vocab);
+    int32_t ref[NEW];
+    engine_greedy(ctx, m, turn, n2, NEW, PDM_DT_F32, ref);
+    pool_turn(node, 3, turn, n2, NEW, &ev);
+    pdm_decode_node_pool_stats(node, &ps);
+    ck_assert_int_eq(ps.file_hits, 1);
+    ck_assert_int_eq(ps.hits, 1);
+    ck_assert_int_eq(ps.corrupt, 0);
+    ck_assert_int_eq((int32_t)ps.reused_tokens, P + NEW - 1);
+    for (int k = 0; k < NEW; k++) ck_assert_int_eq(ev.toks[k], ref[k]);
+    pdm_decode_node_destroy(node);
+    pdm_kvt_destroy(kvt);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+END_TEST
+
 /* Windowed local layers in local prefills (decode.h): a gemma3 model with a 16-token window
  * (30 rows per windowed head at r = 2). Turn 1, 20 + 8 tokens, fits the rows: full KV, pooled.
  * Turn 2 (turn 1, its answer and 30 new tokens; 40 new) is windowed: its global layers copy the
@@ -646,6 +845,8 @@ Suite *suite_router(void)
     TCase *tl = tcase_create("local_prefill");
     tcase_add_test(tl, test_decode_local_prefill);
     tcase_add_test(tl, test_decode_prefix_pool);
+    tcase_add_test(tl, test_decode_pool_events);
+    tcase_add_test(tl, test_decode_pool_file_tier);
     tcase_add_test(tl, test_decode_window_local);
     tcase_add_test(tl, test_decode_migration_resume);
     suite_add_tcase(s, tl);

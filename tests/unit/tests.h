@@ -24,6 +24,7 @@ Suite *suite_disagg(void);
 Suite *suite_beam(void);
 Suite *suite_offload(void);
 Suite *suite_router(void);
+Suite *suite_kvindex(void);
 Suite *suite_sdk(void);
 Suite *suite_http(void);
 Suite *suite_curve(void);
