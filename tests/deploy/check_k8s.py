@@ -458,25 +458,35 @@ def live_run(bindir, model, docs, produced):
         with open(os.path.join(secrets, k), "w") as fh:
             fh.write(os.urandom(16).hex())
         os.chmod(os.path.join(secrets, k), 0o440)
-    ports = {}  # router's bind ports -> local ports
+    ports = {}  # (router pod, its bind port) -> local port
     procs = []
     http_port = None
     svc_port = {}
 
-    def subst(arg):
+    def local(pod_name, port):
+        return ports.setdefault((pod_name, port), free_port())
+
+    def subst(pod, arg):
+        """An arg of `pod` for a local process: its binds on its own free ports; a router
+        Service name (tcp://pdmesh-router:7701) -> the first router's port; a pod name on a
+        headless Service (tcp://pdmesh-router-1.pdmesh-router-nodes:7701) -> that pod's port;
+        a comma list of them -> each one."""
         nonlocal http_port
+        if arg.startswith("tcp://") and "," in arg:
+            return ",".join(subst(pod, x) for x in arg.split(","))
         arg = arg.replace("/etc/pdmesh/secrets", secrets)
         m = re.match(r"(tcp://)?0\.0\.0\.0:(\d+)$", arg)
         if m:
-            port = ports.setdefault(int(m.group(2)), free_port())
-            if not m.group(1):
-                http_port = port
+            port = local(pod.name, int(m.group(2)))
+            if not m.group(1) and http_port is None:
+                http_port = port  # the first router's HTTP port
             return "%s127.0.0.1:%d" % (m.group(1) or "", port)
-        m = re.match(r"tcp://([a-z0-9-]+):(\d+)$", arg)
-        if m:  # a Service name: the router's port behind it
-            return "tcp://127.0.0.1:%d" % ports.setdefault(svc_port[(m.group(1),
-                                                                     int(m.group(2)))],
-                                                          free_port())
+        m = re.match(r"tcp://([a-z0-9-]+)(?:\.([a-z0-9-]+))?:(\d+)$", arg)
+        if m:
+            host, headless, port = m.group(1), m.group(2), int(m.group(3))
+            if headless:
+                return "tcp://127.0.0.1:%d" % local(host, svc_port[(headless, port)])
+            return "tcp://127.0.0.1:%d" % local(first_router, svc_port[(host, port)])
         return arg
 
     for f, d in docs:
@@ -499,12 +509,13 @@ def live_run(bindir, model, docs, produced):
         return r.returncode, r.stdout.strip()
 
     the_pods = pods(docs)
+    first_router = [p.name for p in the_pods if p.component == "router"][0]
     try:
         def start(pod):
             env = dict(os.environ)
             env["PDMESH_MODEL"] = model
             env.update({k: "lo" if v == "eth0" else v for k, v in pod.env.items()})
-            argv = [os.path.join(bindir, pod.command[0])] + [subst(pod_paths(pod, a))
+            argv = [os.path.join(bindir, pod.command[0])] + [subst(pod, pod_paths(pod, a))
                                                              for a in pod.args]
             log = open(os.path.join(tmp, pod.name + ".log"), "w")
             p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
