@@ -113,8 +113,8 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
     char transports[128] = "";
     int st = PDM_OK;
     /* Every router of the mesh wires the group: a wire equal to the one the group was formed
-     * from (same rank, size and addresses) is answered at once, without re-forming it under
-     * the other routers' tasks. */
+     * from (same rank, size and addresses, every peer alive) is answered at once, without
+     * re-forming it under the other routers' tasks. */
     XXH64_state_t *hs = XXH64_createState();
     uint64_t hash = 0;
     if (hs) {
@@ -128,7 +128,10 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
         hash = XXH64_digest(hs);
         XXH64_freeState(hs);
     }
-    if (pn->grouped && hash && hash == pn->wire_hash) {
+    int peers_alive = pn->grouped;
+    for (int k = 0; peers_alive && k < pn->group.size; k++)
+        if (k != pn->group.rank && !pdm_kvt_peer_alive(pn->kvt, pn->group.peer[k])) peers_alive = 0;
+    if (peers_alive && hash && hash == pn->wire_hash) {
         ready.epoch = pdm_link_epoch(pn->link);
         ready.group = (char *)(w->group ? w->group : "");
         ready.rank = w->rank;
