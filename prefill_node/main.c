@@ -64,6 +64,7 @@ typedef struct {
     int grouped;
     const char *dump_dir;       /* --dump-dir: where PrefillTask.kv_dump files go (NULL: off) */
     uint64_t wire_hash;         /* of the GroupWire the group was formed from */
+    unsigned wired_by;          /* routers (bit = link origin) that wired this formation */
     pdm__queued_t queue[PDM__MAX_QUEUED]; /* FIFO, [0, n_queued) */
     int n_queued;
     unsigned orphans_seen, orphans_of[PDM_LINK_MAX_ROUTERS];
@@ -106,15 +107,21 @@ static void pdm__leave_group(pdm__daemon_t *pn)
     pn->grouped = 0;
 }
 
+static void pdm__drop_stale(pdm__daemon_t *pn);
+
 static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
 {
+    pdm__drop_stale(pn); /* a restarted router's wire finds its old one forgotten */
     Pdmesh__GroupReady ready = PDMESH__GROUP_READY__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
     char transports[128] = "";
     int st = PDM_OK;
-    /* Every router of the mesh wires the group: a wire equal to the one the group was formed
-     * from (same rank, size and addresses, every peer alive) is answered at once, without
-     * re-forming it under the other routers' tasks. */
+    /* Every router of the mesh wires the group: a router's first wire equal to the one the
+     * group was formed from (same rank, size and addresses) is answered at once, without
+     * re-forming the group under the other routers' tasks. A router that wires it again
+     * means it (a rank came back): the group re-forms. Every rank sees each router's wires
+     * in that router's order, so all ranks decide alike; a router that is gone or restarted
+     * (its lease, pdm__drop_stale) counts as not having wired. */
     XXH64_state_t *hs = XXH64_createState();
     uint64_t hash = 0;
     if (hs) {
@@ -128,10 +135,9 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
         hash = XXH64_digest(hs);
         XXH64_freeState(hs);
     }
-    int peers_alive = pn->grouped;
-    for (int k = 0; peers_alive && k < pn->group.size; k++)
-        if (k != pn->group.rank && !pdm_kvt_peer_alive(pn->kvt, pn->group.peer[k])) peers_alive = 0;
-    if (peers_alive && hash && hash == pn->wire_hash) {
+    const unsigned bit = 1u << pdm_link_origin(pn->link);
+    if (pn->grouped && hash && hash == pn->wire_hash && !(pn->wired_by & bit)) {
+        pn->wired_by |= bit;
         ready.epoch = pdm_link_epoch(pn->link);
         ready.group = (char *)(w->group ? w->group : "");
         ready.rank = w->rank;
@@ -170,6 +176,7 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
     } else {
         pn->grouped = 1;
         pn->wire_hash = hash;
+        pn->wired_by = bit;
         ready.ok = 1;
         pdm_kvt_peer_transports(pn->kvt, pn->group.peer[(pn->group.rank + 1) % pn->group.size],
                                 transports, sizeof(transports));
@@ -519,6 +526,7 @@ static void pdm__drop_stale(pdm__daemon_t *pn)
             unsigned k = pdm_link_orphans_of(pn->link, o);
             any |= gone[o] = k != pn->orphans_of[o];
             pn->orphans_of[o] = k;
+            if (gone[o]) pn->wired_by &= ~(1u << o);
         }
     }
     const double too_old = pdm_now() - PDM_MAX(60.0, 4 * pn->rp.timeout);
