@@ -348,7 +348,7 @@ test check: deps model $(GEMMA_FILE) all
 # Active-active routers (docs/router.md "High availability"): two routers, a 2-rank group, a
 # decode node, C and Python SDK clients streaming while routers are killed (SIGKILL) and
 # restarted (tests/integration/test_ha.py). HA_ARGS: e.g. --threads-c 8 --threads-py 8.
-HA_ARGS ?= --threads-c 4 --threads-py 4 --seconds 40 --kills 3
+HA_ARGS ?= --threads-c 4 --threads-py 4 --seconds 40 --kills 3 -n 48
 ha-test: all python-sdk
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_ha.py \
 	  --bindir $(BUILD)/bin $(HA_ARGS)
