@@ -129,6 +129,30 @@ def static_checks(bindir, docs):
                           used and used <= SECRET_KEYS, used)
     svc = {d["metadata"]["name"]: d for f, d in docs if d["kind"] == "Service"}
     router = [d for f, d in workloads(docs) if d["metadata"]["name"] == "pdmesh-router"][0]
+    # high availability (docs/deployment.md): two routers or more, a disruption budget that
+    # keeps one, and every node's router list naming each replica on the headless Service
+    replicas = router["spec"].get("replicas", 1)
+    pdbs = [d for f, d in docs if d["kind"] == "PodDisruptionBudget" and
+            d["spec"]["selector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]]
+    check("at least 2 router replicas with a PodDisruptionBudget keeping one (%d)" % replicas,
+          replicas >= 2 and pdbs and pdbs[0]["spec"].get("minAvailable") == 1)
+    headless = router["spec"].get("serviceName")
+    check("the routers' headless Service exists (clusterIP None)",
+          headless in svc and svc[headless]["spec"].get("clusterIP") == "None", headless)
+    want = {"tcp://%s-%d.%s:7701" % (router["metadata"]["name"], i, headless)
+            for i in range(replicas)}
+    lists = {}
+    for f, d in workloads(docs):
+        c = d["spec"]["template"]["spec"]["containers"][0]
+        if d is router:
+            continue
+        env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
+        args = c.get("args", [])
+        arg = args[args.index("--router") + 1] if "--router" in args else ""
+        arg = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), ""), arg)
+        lists[d["metadata"]["name"]] = set(arg.split(","))
+    check("every node's --router lists every router replica", lists and
+          all(v == want for v in lists.values()), (lists, want))
     cports = {p["name"]: p["containerPort"]
               for p in router["spec"]["template"]["spec"]["containers"][0]["ports"]}
     check("router Service targets declared container ports",
@@ -541,6 +565,27 @@ def live_run(bindir, model, docs, produced):
             if not ready:
                 time.sleep(0.3)
         check("the mesh of the manifests registers (2 prefill ranks, 1 decode node)", ready)
+        # high availability: every router replica has every node (they register with each)
+        seen = {}
+        for pod in the_pods:
+            if pod.component != "router":
+                continue
+            hp = ports.get((pod.name, 8080))
+            end = time.time() + 60
+            while time.time() < end:
+                try:
+                    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % hp,
+                                                timeout=5) as r:
+                        text = r.read().decode()
+                    seen[pod.name] = sum(int(x) for x in re.findall(
+                        r'^pdmesh_nodes\{role_state="(?:prefill|decode)_alive"\} (\d+)', text, re.M))
+                except (OSError, TypeError):
+                    seen[pod.name] = None
+                if seen[pod.name] == 3:
+                    break
+                time.sleep(0.3)
+        check("every router replica (%d) has the 3 nodes registered" % len(seen),
+              len(seen) >= 2 and all(v == 3 for v in seen.values()), seen)
         prompt = ("The capital of France is a city that many people visit because of its "
                   "museums, its food, and its long history.")
         body = json.dumps({"prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
