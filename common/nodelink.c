@@ -35,6 +35,7 @@ typedef struct {
     atomic_int registered;
     /* link thread only */
     int hb_ms;
+    int register_unanswered;     /* a Register went out and no RegisterAck came yet */
     int lease_ms;                /* the router's lease (RegisterAck); 0: 3 heartbeats */
     double last_ack;             /* last RegisterAck / HeartbeatAck */
     double next_register, next_heartbeat;
@@ -119,6 +120,15 @@ static int pdm__link_any_registered(const pdm_link_t *l)
 
 static void pdm__link_register(pdm_link_t *l, pdm__link_router_t *rt)
 {
+    /* An unanswered Register may still wait in the socket's queue behind a dead or cut
+     * connection: a fresh connection drops it (linger 0), so that a router coming back gets
+     * one registration, not one per retry (each would look like a restart of this node and
+     * fail what the router just gave it). */
+    if (rt->register_unanswered) {
+        zmq_disconnect(rt->dealer, rt->endpoint);
+        zmq_connect(rt->dealer, rt->endpoint);
+    }
+    rt->register_unanswered = 1;
     Pdmesh__Register r = PDMESH__REGISTER__INIT;
     Pdmesh__Capacity cap = l->p.capacity;
     uint8_t proof[32];
@@ -263,6 +273,7 @@ static void pdm__link_on_control(pdm_link_t *l, pdm__link_router_t *rt, int type
         uint64_t old = atomic_exchange(&rt->epoch, ack->epoch);
         if (old != 0) pdm__link_orphan(l, rt);
         atomic_store(&rt->registered, 1);
+        rt->register_unanswered = 0;
         l->next_health = 0; /* readiness changed: report it now */
         rt->last_ack = pdm_now();
         rt->lease_ms = ack->lease_ms >= 30 && ack->lease_ms <= 600000 ? (int)ack->lease_ms : 0;
