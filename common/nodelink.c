@@ -36,6 +36,7 @@ typedef struct {
     /* link thread only */
     int hb_ms;
     int register_unanswered;     /* a Register went out and no RegisterAck came yet */
+    uint64_t generation;         /* Register.generation: +1 whenever a registration is dropped */
     int lease_ms;                /* the router's lease (RegisterAck); 0: 3 heartbeats */
     double last_ack;             /* last RegisterAck / HeartbeatAck */
     double next_register, next_heartbeat;
@@ -149,6 +150,7 @@ static void pdm__link_register(pdm_link_t *l, pdm__link_router_t *rt)
     r.proof.data = proof;
     r.proof.len = sizeof(proof);
     r.pid = (uint32_t)getpid();
+    r.generation = rt->generation;
     pdm__link_send(l, rt, PDMESH__MSG_TYPE__MSG_REGISTER, &r.base);
     rt->next_register = pdm_now() + 0.5; /* a restarted router is found within half a second */
 }
@@ -271,7 +273,7 @@ static void pdm__link_on_control(pdm_link_t *l, pdm__link_router_t *rt, int type
         /* A new epoch after an earlier one: the router forgot this node (it restarted, or
          * its lease of the node ran out), so whatever it gave the node before is nobody's. */
         uint64_t old = atomic_exchange(&rt->epoch, ack->epoch);
-        if (old != 0) pdm__link_orphan(l, rt);
+        if (old != 0 && old != ack->epoch) pdm__link_orphan(l, rt);
         atomic_store(&rt->registered, 1);
         rt->register_unanswered = 0;
         l->next_health = 0; /* readiness changed: report it now */
@@ -284,7 +286,7 @@ static void pdm__link_on_control(pdm_link_t *l, pdm__link_router_t *rt, int type
                      (unsigned long long)ack->epoch);
     } else if (type == PDMESH__MSG_TYPE__MSG_HEARTBEAT_ACK) {
         if (((const Pdmesh__HeartbeatAck *)msg)->epoch != atomic_load(&rt->epoch))
-            atomic_store(&rt->registered, 0), rt->next_register = 0;
+            atomic_store(&rt->registered, 0), rt->next_register = 0, rt->generation++;
         else
             rt->last_ack = pdm_now();
     } else if (type == PDMESH__MSG_TYPE__MSG_ERROR) {
@@ -298,8 +300,10 @@ static void pdm__link_on_control(pdm_link_t *l, pdm__link_router_t *rt, int type
             return;
         }
         if (e->code == PDMESH__ERROR_CODE__ERR_STALE_EPOCH ||
-            e->code == PDMESH__ERROR_CODE__ERR_NOT_FOUND)
+            e->code == PDMESH__ERROR_CODE__ERR_NOT_FOUND) {
+            if (atomic_load(&rt->registered)) rt->generation++;
             atomic_store(&rt->registered, 0), rt->next_register = 0;
+        }
         pdm_log_warn("node %s: router %s error %d: %s", l->p.node_id, rt->endpoint, e->code,
                      e->message ? e->message : "");
     }
@@ -383,6 +387,7 @@ static void *pdm__link_main(void *arg)
             pdm__link_router_t *rt = &l->routers[i];
             if (rereg && atomic_load(&rt->registered)) {
                 atomic_store(&rt->registered, 0);
+                rt->generation++;
                 rt->next_register = now + 1.0;
             }
             /* The router's lease, seen from here: no ack for that long and the router is
@@ -394,6 +399,7 @@ static void *pdm__link_main(void *arg)
                 pdm_log_warn("node %s: no answer from the router %s for %.1f s: its tasks are "
                              "dropped", l->p.node_id, rt->endpoint, now - rt->last_ack);
                 atomic_store(&rt->registered, 0);
+                rt->generation++;
                 rt->next_register = 0;
                 l->next_health = 0;
                 pdm__link_orphan(l, rt);
@@ -494,6 +500,7 @@ int pdm_link_create(const pdm_link_params_t *p, pdm_link_t **out)
             pdm__link_router_t *rt = &l->routers[l->n_routers++];
             memcpy(rt->endpoint, c, n);
             rt->hb_ms = p->heartbeat_ms > 0 ? p->heartbeat_ms : 1000;
+            rt->generation = 1;
         }
         c += n;
         c += strspn(c, ", ");

@@ -23,7 +23,9 @@
  * arrived is waited for (one group timeout); queued tasks of the same router that rank 0
  * passed over (cancelled, dropped) are dropped. Solo tasks need no order. The task's answer
  * goes to the router it came from. A router whose lease expired (common/nodelink.h) has its
- * queued tasks dropped, like a CancelTask: one mechanism frees what a dead router left.
+ * queued tasks dropped, like a CancelTask: one mechanism frees what a dead router left. Only
+ * rank 0 drops an ordered task (it then never orders it); the others drop it when rank 0
+ * passes it over, never one rank 0 may be running (that would stall its collectives).
  *
  * A task is checked before anything runs; what the rank cannot do is answered in its result
  * (ok = false, an Error with a code and a message). Diagnostics go to stderr. SIGTERM ends
@@ -504,11 +506,22 @@ static void pdm__enqueue(pdm__daemon_t *pn, pdm_wire_msg_t *m, int origin)
         .arrived = pdm_now()};
 }
 
+static int pdm__ordered(const pdm__daemon_t *pn, const pdm__queued_t *q);
+
+/* 1 if queue entry i may be dropped here: on rank 0 (which then never orders it) or when it
+ * needs no order. A follower rank keeps an ordered task even when its router gave it up:
+ * rank 0 may have ordered and started it already, and would wait in its collectives for a
+ * rank that dropped it; the follower drops it when rank 0 passes it over (pdm__run_next). */
+static int pdm__droppable(const pdm__daemon_t *pn, int i)
+{
+    return !pdm__ordered(pn, &pn->queue[i]) || pn->group.rank == 0;
+}
+
 /* CancelTask: a queued task is dropped (no answer: the router gave it up). */
 static void pdm__on_cancel(pdm__daemon_t *pn, const Pdmesh__CancelTask *c)
 {
     int i = pdm__queue_find(pn, PDM_LINK_TASK_KEY(c->task_id, c->attempt));
-    if (i < 0) return; /* ran already, or never came: nothing held */
+    if (i < 0 || !pdm__droppable(pn, i)) return; /* ran already, never came, or rank 0's call */
     pdm_log_info("prefill rank: task %llu cancelled while queued",
                  (unsigned long long)c->task_id);
     pdm__dequeue(pn, i, 0);
@@ -532,7 +545,8 @@ static void pdm__drop_stale(pdm__daemon_t *pn)
     const double too_old = pdm_now() - PDM_MAX(60.0, 4 * pn->rp.timeout);
     int n = 0;
     for (int i = pn->n_queued - 1; i >= 0; i--)
-        if ((any && gone[pn->queue[i].origin]) || pn->queue[i].arrived < too_old) {
+        if ((any && gone[pn->queue[i].origin] && pdm__droppable(pn, i)) ||
+            pn->queue[i].arrived < too_old) {
             pdm__dequeue(pn, i, 0);
             n++;
         }

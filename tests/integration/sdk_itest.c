@@ -480,12 +480,16 @@ typedef struct {
     size_t len;
     uint32_t next;  /* index the next chunk must start at */
     int gap;
+    double last, max_pause; /* seconds: the last chunk's time, the longest wait for one */
 } ha_acc_t;
 
 static int ha_cb(const pdm_client_chunk_t *ch, void *data)
 {
     ha_acc_t *a = data;
     if (ch->index != a->next) a->gap = 1;
+    double now = now_s();
+    if (a->last > 0 && now - a->last > a->max_pause) a->max_pause = now - a->last;
+    a->last = now;
     a->next = ch->index + (uint32_t)ch->n_tokens;
     char *b = realloc(a->buf, a->len + ch->text_len + 1);
     if (!b) return 1;
@@ -526,6 +530,7 @@ static void *ha_main(void *arg)
         for (size_t i = 0; i < r.n_tokens; i++)
             cJSON_AddItemToArray(toks, cJSON_CreateNumber(r.tokens[i]));
         cJSON_AddNumberToObject(o1, "gap", acc.gap);
+        cJSON_AddNumberToObject(o1, "max_gap", acc.max_pause);
         cJSON_AddNumberToObject(o1, "ms", (now_s() - t0) * 1e3);
         cJSON_AddNumberToObject(o1, "timeout_ms", o.timeout_ms);
         struct timespec wall;
