@@ -442,7 +442,8 @@ asan: deps model
 	$(ASAN_ENV) CK_DEFAULT_TIMEOUT=600 \
 	  PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=build-asan/bin/pdmesh-prefill \
 	  PDMESH_DECODE_BIN=build-asan/bin/pdmesh-decode build-asan/bin/pdm-tests
-	$(ASAN_ENV) $(ASAN_MAKE) integration-test curve-test hardening-test
+	$(ASAN_ENV) $(ASAN_MAKE) integration-test curve-test hardening-test \
+	  ha-test HA_ARGS="--threads-c 2 --threads-py 2 --seconds 30 --kills 2 -n 32"
 
 include bench/transfer/build.mk bench/decode/build.mk bench/decode-memory/build.mk
 

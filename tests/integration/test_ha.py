@@ -24,6 +24,7 @@ usage: test_ha.py [--bindir build/bin] [--model M] [--threads-c 4] [--threads-py
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -399,6 +400,15 @@ def main():
                 p.kill()
         for r in routers:
             r.stop()
+    # sanitizer builds (make asan): any report in a process's log fails the test
+    reports = []
+    for name in sorted(os.listdir(logdir)):
+        if name.endswith(".log"):
+            with open(os.path.join(logdir, name), errors="replace") as f:
+                text = f.read()
+            if re.search(r"AddressSanitizer|LeakSanitizer|runtime error:", text):
+                reports.append(name)
+    check("no sanitizer report in any process's log", not reports, reports)
     print("%d passed, %d failed" % (check.passed, check.failed))
     return 1 if check.failed else 0
 
