@@ -148,7 +148,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch golden-tok clean distclean format \
         format-check \
-        integration-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-serve-adaptive bench-prefix \
+        integration-test ha-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-serve-adaptive bench-prefix \
         bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine bench-grammar bench-kquant cuda cuda-check bench-decode-memory-beam bench-decode-memory bench-decode-memory-window python-sdk \
         python-pb python-package-test lm-eval-test \
@@ -346,8 +346,16 @@ bench-router: $(BINS)
 # sliding windows): its golden, CLI and mesh checks skip with a message only without it.
 test check: deps model $(GEMMA_FILE) all
 	$(MAKE) --no-print-directory unit cli-test sim-test integration-test sdk-test http-test \
-	  curve-test deploy-test fault-test container-test hardening-test python-package-test \
+	  ha-test curve-test deploy-test fault-test container-test hardening-test python-package-test \
 	  lm-eval-test
+
+# Active-active routers (docs/router.md "High availability"): two routers, a 2-rank group, a
+# decode node, C and Python SDK clients streaming while routers are killed (SIGKILL) and
+# restarted (tests/integration/test_ha.py). HA_ARGS: e.g. --threads-c 8 --threads-py 8.
+HA_ARGS ?= --threads-c 4 --threads-py 4 --seconds 40 --kills 3 -n 48
+ha-test: all python-sdk
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_ha.py \
+	  --bindir $(BUILD)/bin $(HA_ARGS)
 
 # SDK, pdctl and Python package against real processes (tests/integration/sdk.sh; the parts
 # that need a live mesh skip with a message when pdmesh-router is not built).
@@ -443,7 +451,8 @@ asan: deps model
 	$(ASAN_ENV) CK_DEFAULT_TIMEOUT=600 \
 	  PDMESH_MODEL=$(MODEL_FILE) PDMESH_PREFILL_BIN=build-asan/bin/pdmesh-prefill \
 	  PDMESH_DECODE_BIN=build-asan/bin/pdmesh-decode build-asan/bin/pdm-tests
-	$(ASAN_ENV) $(ASAN_MAKE) integration-test curve-test hardening-test
+	$(ASAN_ENV) $(ASAN_MAKE) integration-test curve-test hardening-test \
+	  ha-test HA_ARGS="--threads-c 2 --threads-py 2 --seconds 30 --kills 2 -n 32"
 
 include bench/transfer/build.mk bench/decode/build.mk bench/decode-memory/build.mk
 

@@ -596,6 +596,38 @@ int cmd_up(int argc, char **argv)
     }
     ra[n_ra] = NULL;
     st = mesh_add(&m, "router", ra, NULL, NULL, NULL);
+    /* extra_routers: more routers of the same mesh (active-active, docs/router.md "High
+     * availability"), each with its own client/node/admin endpoints and http_port; every
+     * node registers with all of them. */
+    const ynode_t *extra = y_get(y, "extra_routers");
+    static char node_list[4096];
+    snprintf(node_list, sizeof(node_list), "%s", node);
+    for (int ei = 0; !st && extra && extra->kind == 2 && ei < extra->n; ei++) {
+        const ynode_t *e = extra->kids[ei];
+        const char *e_client = y_str(e, "client", NULL), *e_node = y_str(e, "node", NULL),
+                   *e_admin = y_str(e, "admin", NULL);
+        long e_http = -1;
+        st = y_int(e, "http_port", -1, -1, 65535, &e_http);
+        if (!st && (!e_client || !e_node || !e_admin))
+            st = pdm_error_set(PDM_EINVAL, "config: extra_routers[%d] needs client, node and "
+                               "admin", ei);
+        size_t used = strlen(node_list);
+        if (!st && used + strlen(e_node) + 2 > sizeof(node_list))
+            st = pdm_error_set(PDM_EINVAL, "config: extra_routers: too many endpoints");
+        if (st) break;
+        snprintf(node_list + used, sizeof(node_list) - used, ",%s", e_node);
+        char name[32], e_port[16];
+        snprintf(name, sizeof(name), "router-%d", ei + 1);
+        snprintf(e_port, sizeof(e_port), "%ld", e_http);
+        char *ea[32];
+        memcpy(ea, ra, sizeof(ea));
+        ea[4] = (char *)e_client;
+        ea[6] = (char *)e_node;
+        ea[8] = (char *)e_admin;
+        ea[10] = e_port;
+        st = mesh_add(&m, name, ea, NULL, NULL, NULL);
+    }
+    node = node_list;
     char hdir[1100], hf[1300];
     snprintf(hdir, sizeof(hdir), "%s/health", m.run);
     if (!st) st = mkdirs(hdir);

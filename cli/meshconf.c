@@ -62,6 +62,20 @@ int cli_mesh_config(const char *path, cli_mesh_t *out, char *err, size_t err_len
         snprintf(out->client, sizeof(out->client), "%s", s);
     if ((s = yaml_map_get(&doc, router, "admin", NULL)))
         snprintf(out->admin, sizeof(out->admin), "%s", s);
+    /* extra_routers (several routers): the clients' and pdctl's endpoint lists */
+    yaml_node_t *extra = NULL;
+    yaml_map_get(&doc, root, "extra_routers", &extra);
+    for (yaml_node_item_t *it = extra && extra->type == YAML_SEQUENCE_NODE
+                                    ? extra->data.sequence.items.start : NULL;
+         it && it < extra->data.sequence.items.top; it++) {
+        yaml_node_t *e = yaml_document_get_node(&doc, *it);
+        const char *c = yaml_map_get(&doc, e, "client", NULL), *a = yaml_map_get(&doc, e, "admin", NULL);
+        size_t lc = strlen(out->client), la = strlen(out->admin);
+        if (c && lc + strlen(c) + 2 <= sizeof(out->client))
+            snprintf(out->client + lc, sizeof(out->client) - lc, ",%s", c);
+        if (a && la + strlen(a) + 2 <= sizeof(out->admin))
+            snprintf(out->admin + la, sizeof(out->admin) - la, ",%s", a);
+    }
     char pids[1100];
     struct stat st;
     snprintf(pids, sizeof(pids), "%s/pids", out->run_dir);

@@ -9,8 +9,10 @@
 #define CLI_MESH_DEFAULT_CONFIG "deploy/local/default.yaml"
 
 typedef struct {
-    char client[256];   /* router.client (default tcp://127.0.0.1:7700) */
-    char admin[256];    /* router.admin (default tcp://127.0.0.1:7702) */
+    char client[1024];  /* router.client (default tcp://127.0.0.1:7700), then each
+                         * extra_routers[].client, comma-separated (the SDKs fail over) */
+    char admin[1024];   /* router.admin (default tcp://127.0.0.1:7702), then each
+                         * extra_routers[].admin (pdctl: the first that answers) */
     char run_dir[1024]; /* run_dir (default run/mesh): admin-token, pids, logs */
 } cli_mesh_t;
 

@@ -39,6 +39,8 @@ static void usage(FILE *f)
             "  requests              requests in flight\n"
             "  cancel ID             cancel a request by its router id\n"
             "  cache                 the decode nodes' prefix pools and the router's index\n"
+            "  routers               every router of --router EP1,EP2 (or the config): up or\n"
+            "                        not, and the nodes registered with it\n"
             "\n"
             "options:\n"
             "  --router ENDPOINT     admin socket (default $PDMESH_ADMIN_ROUTER or %s)\n"
@@ -270,6 +272,57 @@ static void print_human(const Pdmesh__AdminReply *a, Pdmesh__AdminOp op)
     }
 }
 
+/* pdctl routers: each admin endpoint of the list asked for its nodes. 0 when at least one
+ * router answered, 3 when none did, 4 when one refused the token. */
+static int cmd_routers(char *list, const char *token, long timeout_ms, int json)
+{
+    cJSON *arr = json ? cJSON_CreateArray() : NULL;
+    int up = 0, unauthorized = 0;
+    char *save = NULL;
+    if (!json) printf("%-32s %-12s %6s %6s\n", "ROUTER", "STATE", "NODES", "ALIVE");
+    for (char *ep = strtok_r(list, ",", &save); ep; ep = strtok_r(NULL, ",", &save)) {
+        Pdmesh__AdminRequest req = PDMESH__ADMIN_REQUEST__INIT;
+        req.op = PDMESH__ADMIN_OP__ADMIN_NODES;
+        req.token = (char *)token;
+        pdm_admin_reply_t *reply = NULL;
+        int rc = pdm_admin_call(ep, &req, (int)timeout_ms, &reply);
+        if (rc == PDM_CLIENT_OK) rc = pdm_admin_reply_status(reply);
+        size_t nodes = 0, alive = 0;
+        if (rc == PDM_CLIENT_OK) {
+            const Pdmesh__AdminReply *a = pdm_admin_reply_get(reply);
+            nodes = a->n_nodes;
+            for (size_t i = 0; i < a->n_nodes; i++)
+                alive += a->nodes[i]->state && !strcmp(a->nodes[i]->state, "alive");
+            up++;
+        }
+        unauthorized |= rc == PDM_CLIENT_EUNAUTHORIZED;
+        const char *state = rc == PDM_CLIENT_OK ? "up"
+                            : rc == PDM_CLIENT_EUNAUTHORIZED ? "unauthorized"
+                            : rc == PDM_CLIENT_EUNREACHABLE || rc == PDM_CLIENT_ETIMEOUT
+                                ? "unreachable"
+                                : "error";
+        if (json) {
+            cJSON *o = cJSON_CreateObject();
+            cJSON_AddStringToObject(o, "router", ep);
+            cJSON_AddStringToObject(o, "state", state);
+            cJSON_AddNumberToObject(o, "nodes", (double)nodes);
+            cJSON_AddNumberToObject(o, "alive", (double)alive);
+            if (rc) cJSON_AddStringToObject(o, "message", pdm_client_last_error());
+            cJSON_AddItemToArray(arr, o);
+        } else {
+            printf("%-32s %-12s %6zu %6zu\n", ep, state, nodes, alive);
+        }
+        pdm_admin_reply_free(reply);
+    }
+    if (json) {
+        char *js = cJSON_Print(arr);
+        if (js) puts(js);
+        free(js);
+        cJSON_Delete(arr);
+    }
+    return up ? 0 : unauthorized ? 4 : 3;
+}
+
 int main(int argc, char **argv)
 {
     const char *router = getenv("PDMESH_ADMIN_ROUTER");
@@ -348,6 +401,20 @@ int main(int argc, char **argv)
     char **args = argv + optind + 1;
     int nargs = argc - optind - 1;
 
+    if (!strcmp(cmd, "routers")) {
+        if (nargs) return usage_error("%s", "usage: pdctl routers");
+        char *token = NULL, *list = strdup(router);
+        if (!list) return 1;
+        if (pdm_admin_load_token(token_file, &token)) {
+            fprintf(stderr, "pdctl: %s\n", pdm_client_last_error());
+            free(list);
+            return 4;
+        }
+        int st = cmd_routers(list, token, timeout_ms, json);
+        free(token);
+        free(list);
+        return st;
+    }
     Pdmesh__AdminRequest req = PDMESH__ADMIN_REQUEST__INIT;
     char *lut_text = NULL;
 #define NEED_ARGS(n, what)                                                                      \
@@ -422,7 +489,17 @@ int main(int argc, char **argv)
     }
     req.token = token;
     pdm_admin_reply_t *reply = NULL;
-    int rc = pdm_admin_call(router, &req, (int)timeout_ms, &reply);
+    /* a list of routers (active-active): the first that answers serves the command */
+    char *list = strdup(router), *save = NULL;
+    int rc = PDM_CLIENT_ENOMEM;
+    for (char *ep = list ? strtok_r(list, ",", &save) : NULL; ep;
+         ep = strtok_r(NULL, ",", &save)) {
+        pdm_admin_reply_free(reply);
+        reply = NULL;
+        rc = pdm_admin_call(ep, &req, (int)timeout_ms, &reply);
+        if (rc != PDM_CLIENT_EUNREACHABLE && rc != PDM_CLIENT_ETIMEOUT) break;
+    }
+    free(list);
     free(token);
     free(lut_text);
     int status = 0;

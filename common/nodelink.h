@@ -37,6 +37,16 @@
  *     hangs shows as a stall) and whether the node is registered (readiness); a process that
  *     is frozen or gone stops rewriting it (common/health.h).
  *
+ * Several routers (active-active, docs/router.md "High availability"): the endpoint is a list
+ * (`--router EP1,EP2` or --router repeated). The link keeps one DEALER per router and
+ * registers, heartbeats and watches the lease of each independently: each router has its own
+ * epoch, its own orphan count (a dead router orphans only its own tasks) and its own
+ * registration (a restarted router is registered with again by itself). Every message handed
+ * to the daemon carries its origin (the router's index); pdm_link_send answers the origin of
+ * the last message received (right for daemons that answer one message at a time), and
+ * pdm_link_send_to a given one (a decode node streaming tokens of many tasks). Task ids of
+ * different routers do not collide: each router starts its ids at a random 40-bit value.
+ *
  * Threading: every function but the thread's own is called from the daemon's one thread.
  */
 #ifndef PDM_NODELINK_H
@@ -47,8 +57,12 @@
 
 #include "common/wire.h"
 
+#define PDM_LINK_MAX_ROUTERS 8
+
 typedef struct {
-    const char *endpoint;    /* node socket, e.g. tcp://127.0.0.1:7701 or ipc:///tmp/x/node */
+    const char *endpoint;    /* node socket, e.g. tcp://127.0.0.1:7701 or ipc:///tmp/x/node;
+                              * several routers: "EP1,EP2" (see "Several routers" above) */
+    char endpoint_list[2048]; /* pdm_link_params_add_router; used instead of endpoint when set */
     const char *node_id;     /* stable name, 1..128 bytes */
     const char *secret_file; /* NULL: $PDMESH_SECRET_FILE or $PDMESH_SECRET */
     const char *curve_server_key_file, *curve_key_file; /* CURVE (common/curve.h); NULL:
@@ -81,23 +95,39 @@ int pdm_link_start(pdm_link_t *l, const void *ucx_address, size_t ucx_address_le
  * message with pdm_wire_msg_free. */
 int pdm_link_recv(pdm_link_t *l, int timeout_ms, pdm_wire_msg_t **out);
 
-/* Sends a message to the node socket's peer (through the link's thread). PDM_EOVERFLOW when
- * the queue is full (the message is dropped and logged). */
+/* Appends a router to p->endpoint_list (a repeated --router). PDM_EINVAL when full. */
+int pdm_link_params_add_router(pdm_link_params_t *p, const char *endpoint);
+
+/* Sends a message to the router the last received message came from (through the link's
+ * thread). PDM_EOVERFLOW when the queue is full (the message is dropped and logged). */
 int pdm_link_send(pdm_link_t *l, int type, const ProtobufCMessage *msg);
+
+/* The same, to router `origin` (an index from pdm_link_origin). */
+int pdm_link_send_to(pdm_link_t *l, int origin, int type, const ProtobufCMessage *msg);
+
+/* The router (index into the list) the last message pdm_link_recv returned came from. */
+int pdm_link_origin(const pdm_link_t *l);
+
+/* The routers of the list: how many, each one's endpoint, registered or not. */
+int pdm_link_n_routers(const pdm_link_t *l);
+const char *pdm_link_router_endpoint(const pdm_link_t *l, int origin);
+int pdm_link_router_registered(const pdm_link_t *l, int origin);
 
 /* Sends an Error about a task. */
 int pdm_link_send_error(pdm_link_t *l, int code, uint64_t task_id, uint32_t attempt,
                         const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 
-/* How many times the node's work was orphaned (see above); the daemon compares it with the
- * value it saw last. */
+/* How many times the node's work was orphaned (see above), over all routers; the daemon
+ * compares it with the value it saw last, then pdm_link_orphans_of to learn whose. */
 unsigned pdm_link_orphans(const pdm_link_t *l);
+unsigned pdm_link_orphans_of(const pdm_link_t *l, int origin);
 
 /* 1 once a SIGTERM started draining (see above): leave the loop when nothing is held. */
 int pdm_link_draining(const pdm_link_t *l);
 
-/* The epoch of the current registration (0 before the first ack). */
+/* The epoch of the registration with the last message's router (0 before the first ack). */
 uint64_t pdm_link_epoch(const pdm_link_t *l);
+uint64_t pdm_link_epoch_of(const pdm_link_t *l, int origin);
 
 /* The router's prefix block key parameters (common/wire.h) from the current registration's
  * RegisterAck, with model (model_cap bytes, kp->model points at it): returns the epoch they

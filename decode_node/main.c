@@ -36,6 +36,7 @@ typedef struct {
     uint32_t attempt;
     uint32_t skip;          /* migration: tokens already delivered, not streamed again */
     int orphan;             /* its router is gone: cancelled, nothing more is sent */
+    int origin;             /* the router it came from (pdm_link_origin): answers go there */
     /* beam search of the DecodeTask (beams > 1), applied at its DecodeStart */
     uint32_t beams, n_best;
     float length_penalty;
@@ -51,6 +52,7 @@ typedef struct {
     pdm_kvoff_params_t offload;  /* --kv-fast-budget / --kv-slow-tier / --kv-offload-groups */
     pdm_beam_params_t beam;      /* --beams, --length-penalty, --n-best, --early-stopping */
     unsigned orphans_seen;       /* pdm_link_orphans when the tasks were last checked */
+    unsigned orphans_of[PDM_LINK_MAX_ROUTERS]; /* pdm_link_orphans_of, per router, then */
     double next_load_report;     /* pdm__report_load: when the heartbeat's load is refreshed */
     /* KV events of the prefix pool (pdm__report_kv_events) */
     uint64_t kvev_epoch;         /* the registration whose block keys the node uses */
@@ -86,6 +88,7 @@ static pdm__task_t *pdm__task_new(pdm__daemon_t *dn, uint64_t task_id, uint32_t 
             t->key = PDM_LINK_TASK_KEY(task_id, attempt);
             t->task_id = task_id;
             t->attempt = attempt;
+            t->origin = pdm_link_origin(dn->link);
             dn->n_tasks = PDM_MAX(dn->n_tasks, i + 1);
             return t;
         }
@@ -251,14 +254,15 @@ static void pdm__result_error(pdm__daemon_t *dn, uint64_t task_id, uint32_t atte
 {
     Pdmesh__DecodeResult r = PDMESH__DECODE_RESULT__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
+    pdm__task_t *rec = pdm__task_find(dn, PDM_LINK_TASK_KEY(task_id, attempt));
+    const int origin = rec ? rec->origin : pdm_link_origin(dn->link);
     r.task_id = e.task_id = task_id;
     r.attempt = e.attempt = attempt;
-    r.epoch = pdm_link_epoch(dn->link);
+    r.epoch = pdm_link_epoch_of(dn->link, origin);
     e.code = (Pdmesh__ErrorCode)code;
     e.message = (char *)msg;
     r.error = &e;
-    pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
-    pdm__task_t *rec = pdm__task_find(dn, PDM_LINK_TASK_KEY(task_id, attempt));
+    pdm_link_send_to(dn->link, origin, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
     if (rec) pdm__task_free(dn, rec);
 }
 
@@ -455,9 +459,15 @@ static void pdm__drop_orphans(pdm__daemon_t *dn)
     unsigned now = pdm_link_orphans(dn->link);
     if (now == dn->orphans_seen) return;
     dn->orphans_seen = now;
+    int gone[PDM_LINK_MAX_ROUTERS] = {0};
+    for (int o = 0; o < pdm_link_n_routers(dn->link); o++) {
+        unsigned k = pdm_link_orphans_of(dn->link, o);
+        gone[o] = k != dn->orphans_of[o];
+        dn->orphans_of[o] = k;
+    }
     int n = 0;
     for (int i = 0; i < dn->n_tasks; i++)
-        if (dn->tasks[i].used && !dn->tasks[i].orphan) {
+        if (dn->tasks[i].used && !dn->tasks[i].orphan && gone[dn->tasks[i].origin]) {
             dn->tasks[i].orphan = 1;
             pdm_decode_node_cancel(dn->node, dn->tasks[i].key);
             n++;
@@ -547,6 +557,7 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
         if (ev->type != PDM_DECODE_EV_TOKEN) pdm__task_free(dn, rec);
         return;
     }
+    const int origin = rec ? rec->origin : pdm_link_origin(dn->link);
     const uint64_t task_id = rec ? rec->task_id : ev->id / 16;
     const uint32_t attempt = rec ? rec->attempt : (uint32_t)(ev->id % 16);
     if (ev->type == PDM_DECODE_EV_TOKEN) {
@@ -568,7 +579,7 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
             d.logprobs = &lpp;
             d.n_logprobs = 1;
         }
-        pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_TOKENS, &d.base);
+        pdm_link_send_to(dn->link, origin, PDMESH__MSG_TYPE__MSG_DECODE_TOKENS, &d.base);
         return;
     }
     if (ev->type != PDM_DECODE_EV_DONE) {
@@ -584,7 +595,7 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
     Pdmesh__OffloadStats off = PDMESH__OFFLOAD_STATS__INIT;
     r.task_id = e.task_id = task_id;
     r.attempt = e.attempt = attempt;
-    r.epoch = pdm_link_epoch(dn->link);
+    r.epoch = pdm_link_epoch_of(dn->link, origin);
     r.ok = 1;
     if (!strcmp(ev->finish, "eos")) r.finish = PDMESH__FINISH_REASON__FINISH_EOS;
     else if (!strcmp(ev->finish, "length")) r.finish = PDMESH__FINISH_REASON__FINISH_LENGTH;
@@ -611,7 +622,7 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
         pdm__offload_result(dn, &os, &off);
         r.offload = &off;
     }
-    pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
+    pdm_link_send_to(dn->link, origin, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
     if (rec) pdm__task_free(dn, rec);
 }
 
@@ -707,7 +718,12 @@ int main(int argc, char **argv)
         case 'L': if (pdm_parse_double(optarg, -100, 100, &d)) goto bad; dp->beam.length_penalty = (float)d; break;
         case 'N': if (pdm_parse_long(optarg, 1, PDM_BEAM_MAX_WIDTH, &v)) goto bad; dp->beam.n_best = (int)v; break;
         case 'E': if (pdm_beam_stop_parse(optarg, &dp->beam.early_stopping)) goto bad; break;
-        case 'R': lp.endpoint = optarg; break;
+        case 'R':
+            if (pdm_link_params_add_router(&lp, optarg)) {
+                fprintf(stderr, "%s\n", pdm_error_last());
+                return 2;
+            }
+            break;
         case O_CURVE_SERVER: lp.curve_server_key_file = optarg; break;
         case O_CURVE_KEY: lp.curve_key_file = optarg; break;
         case O_EXIT_WITH_PARENT: lp.exit_with_parent = 1; break;
@@ -742,7 +758,7 @@ int main(int argc, char **argv)
         pdm__usage(stderr);
         return 2;
     }
-    if (!lp.endpoint) {
+    if (!lp.endpoint_list[0]) {
         fprintf(stderr, "pdmesh-decode: needs --router ENDPOINT and --node-id NAME\n");
         pdm__usage(stderr);
         return 2;

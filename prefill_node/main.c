@@ -12,6 +12,20 @@
  *                     skip it without a word)
  *   GroupPingPong  -> timed round trips between ranks 0 and 1  -> GroupPingPongResult
  *   StatsRequest   ->                                          -> NodeStats
+ *   CancelTask     -> a task still queued here is dropped (a running one ends by its deadline)
+ *
+ * One order for the whole group (several routers, docs/router.md "High availability"): every
+ * rank of a group must run the group's tasks in one order, or their collectives pair
+ * different tasks and stall. Tasks are queued as they come (from any router); rank 0 takes
+ * them first come, first served and, before running one, sends its key (task id, attempt) to
+ * every other rank as the next entry of the group's order (UCX, tag PDM_KVT_KIND_ORDER and
+ * a sequence number). The other ranks run exactly that sequence: a task ordered but not yet
+ * arrived is waited for (one group timeout); queued tasks of the same router that rank 0
+ * passed over (cancelled, dropped) are dropped. Solo tasks need no order. The task's answer
+ * goes to the router it came from. A router whose lease expired (common/nodelink.h) has its
+ * queued tasks dropped, like a CancelTask: one mechanism frees what a dead router left. Only
+ * rank 0 drops an ordered task (it then never orders it); the others drop it when rank 0
+ * passes it over, never one rank 0 may be running (that would stall its collectives).
  *
  * A task is checked before anything runs; what the rank cannot do is answered in its result
  * (ok = false, an Error with a code and a message). Diagnostics go to stderr. SIGTERM ends
@@ -25,9 +39,22 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include "common/nodelink.h"
 #include "common/pdm.h"
 #include "prefill_node/prefill.h"
+
+#define PDM__MAX_QUEUED 256
+#define PDM_KVT_KIND_ORDER 10 /* the group's task order, rank 0 -> the others */
+
+/* A PrefillTask waiting for its turn. */
+typedef struct {
+    pdm_wire_msg_t *m;  /* owned */
+    int origin;         /* the router it came from (pdm_link_origin) */
+    uint64_t key;       /* PDM_LINK_TASK_KEY */
+    double arrived;
+} pdm__queued_t;
 
 typedef struct {
     const pdm_model_t *model;
@@ -40,6 +67,18 @@ typedef struct {
     const char *dump_dir;       /* --dump-dir: where PrefillTask.kv_dump files go (NULL: off) */
     pdm_vocab_trie_t *trie;     /* the vocabulary's byte trie, built at the first task with a
                                  * json_schema (its first token is masked here) */
+    uint64_t wire_hash;         /* of the GroupWire the group was formed from */
+    unsigned wired_by;          /* routers (bit = link origin) that wired this formation */
+    pdm__queued_t queue[PDM__MAX_QUEUED]; /* FIFO, [0, n_queued) */
+    int n_queued;
+    unsigned orphans_seen, orphans_of[PDM_LINK_MAX_ROUTERS];
+    /* the group's order (rank 0 sends, the others follow) */
+    uint32_t order_seq;         /* number of the next entry */
+    pdm_kvt_req_t order_req;    /* rank > 0: the posted receive of entry order_seq */
+    uint64_t order_key;         /* its payload */
+    int has_wanted;             /* rank > 0: an entry came, its task is awaited */
+    uint64_t wanted;
+    double wanted_until, order_retry_at;
 } pdm__daemon_t;
 
 /* The Error code of a failed task, from its status. */
@@ -61,6 +100,9 @@ static int pdm__error_code(int st)
 
 static void pdm__leave_group(pdm__daemon_t *pn)
 {
+    if (pn->order_req != PDM_KVT_REQ_NONE) pdm_kvt_cancel(pn->kvt, &pn->order_req, 1);
+    pn->order_seq = 0;
+    pn->has_wanted = 0;
     if (!pn->grouped) return;
     pdm_log_info("prefill rank: leaving the group to re-form it");
     pdm_prefill_rank_destroy(pn->rank);
@@ -69,12 +111,47 @@ static void pdm__leave_group(pdm__daemon_t *pn)
     pn->grouped = 0;
 }
 
+static void pdm__drop_stale(pdm__daemon_t *pn);
+
 static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
 {
+    pdm__drop_stale(pn); /* a restarted router's wire finds its old one forgotten */
     Pdmesh__GroupReady ready = PDMESH__GROUP_READY__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
     char transports[128] = "";
     int st = PDM_OK;
+    /* Every router of the mesh wires the group: a router's first wire equal to the one the
+     * group was formed from (same rank, size and addresses) is answered at once, without
+     * re-forming the group under the other routers' tasks. A router that wires it again
+     * means it (a rank came back): the group re-forms. Every rank sees each router's wires
+     * in that router's order, so all ranks decide alike; a router that is gone or restarted
+     * (its lease, pdm__drop_stale) counts as not having wired. */
+    XXH64_state_t *hs = XXH64_createState();
+    uint64_t hash = 0;
+    if (hs) {
+        XXH64_reset(hs, 0);
+        XXH64_update(hs, &w->rank, sizeof(w->rank));
+        XXH64_update(hs, &w->size, sizeof(w->size));
+        for (size_t i = 0; i < w->n_ucx_addresses; i++) {
+            XXH64_update(hs, &w->ucx_addresses[i].len, sizeof(w->ucx_addresses[i].len));
+            XXH64_update(hs, w->ucx_addresses[i].data, w->ucx_addresses[i].len);
+        }
+        hash = XXH64_digest(hs);
+        XXH64_freeState(hs);
+    }
+    const unsigned bit = 1u << pdm_link_origin(pn->link);
+    if (pn->grouped && hash && hash == pn->wire_hash && !(pn->wired_by & bit)) {
+        pn->wired_by |= bit;
+        ready.epoch = pdm_link_epoch(pn->link);
+        ready.group = (char *)(w->group ? w->group : "");
+        ready.rank = w->rank;
+        ready.ok = 1;
+        pdm_kvt_peer_transports(pn->kvt, pn->group.peer[(pn->group.rank + 1) % pn->group.size],
+                                transports, sizeof(transports));
+        ready.transports = transports;
+        pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_GROUP_READY, &ready.base);
+        return;
+    }
     pdm__leave_group(pn);
     if (w->size < 1 || w->size > PDM_KVT_MAX_RANKS || w->rank >= w->size ||
         w->n_ucx_addresses != w->size) {
@@ -102,6 +179,8 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
         pdm_log_warn("prefill rank: the group did not form: %s", e.message);
     } else {
         pn->grouped = 1;
+        pn->wire_hash = hash;
+        pn->wired_by = bit;
         ready.ok = 1;
         pdm_kvt_peer_transports(pn->kvt, pn->group.peer[(pn->group.rank + 1) % pn->group.size],
                                 transports, sizeof(transports));
@@ -231,7 +310,7 @@ static int pdm__sample_first(pdm__daemon_t *pn, const Pdmesh__SamplingParams *m,
     return PDM_OK;
 }
 
-static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t)
+static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int origin)
 {
     Pdmesh__PrefillResult r = PDMESH__PREFILL_RESULT__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
@@ -242,7 +321,7 @@ static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t)
     float top_values[100];
     r.task_id = e.task_id = t->task_id;
     r.attempt = e.attempt = t->attempt;
-    r.epoch = pdm_link_epoch(pn->link);
+    r.epoch = pdm_link_epoch_of(pn->link, origin);
     r.rank = pn->grouped ? (uint32_t)pn->group.rank : 0;
     r.first_token = -1;
     if (t->solo && pn->grouped && t->solo_rank != (uint32_t)pn->group.rank) {
@@ -264,7 +343,7 @@ static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t)
         e.code = pdm__error_code(st);
         e.message = (char *)pdm_error_last();
         r.error = &e;
-        pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, &r.base);
+        pdm_link_send_to(pn->link, origin, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, &r.base);
         return;
     }
     const uint32_t n_vocab = pn->model->hp.n_vocab;
@@ -335,7 +414,7 @@ static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t)
             r.n_logits = n_vocab;
         }
     }
-    pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, &r.base);
+    pdm_link_send_to(pn->link, origin, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, &r.base);
     free(plp);
     free(plpp);
     free(plp_pos);
@@ -406,18 +485,211 @@ static void pdm__on_stats(pdm__daemon_t *pn)
     pdm_link_send(pn->link, PDMESH__MSG_TYPE__MSG_NODE_STATS, &s.base);
 }
 
-static void pdm__on_message(pdm__daemon_t *pn, const pdm_wire_msg_t *m)
+/* ---- the task queue and the group's order ---- */
+
+/* Removes queue entry i (its message is freed unless `keep`). */
+static pdm_wire_msg_t *pdm__dequeue(pdm__daemon_t *pn, int i, int keep)
+{
+    pdm_wire_msg_t *m = pn->queue[i].m;
+    memmove(&pn->queue[i], &pn->queue[i + 1], sizeof(pn->queue[0]) * (size_t)(pn->n_queued - i - 1));
+    pn->n_queued--;
+    if (!keep) {
+        pdm_wire_msg_free(m);
+        m = NULL;
+    }
+    return m;
+}
+
+static int pdm__queue_find(const pdm__daemon_t *pn, uint64_t key)
+{
+    for (int i = 0; i < pn->n_queued; i++)
+        if (pn->queue[i].key == key) return i;
+    return -1;
+}
+
+/* Takes ownership of a PrefillTask message from router `origin`. */
+static void pdm__enqueue(pdm__daemon_t *pn, pdm_wire_msg_t *m, int origin)
+{
+    const Pdmesh__PrefillTask *t = (const Pdmesh__PrefillTask *)pdm_wire_message(m);
+    if (pn->n_queued == PDM__MAX_QUEUED) {
+        pdm_link_send_error(pn->link, PDMESH__ERROR_CODE__ERR_OVERLOADED, t->task_id, t->attempt,
+                            "prefill rank: %d tasks queued already", PDM__MAX_QUEUED);
+        pdm_wire_msg_free(m);
+        return;
+    }
+    pn->queue[pn->n_queued++] = (pdm__queued_t){
+        .m = m, .origin = origin, .key = PDM_LINK_TASK_KEY(t->task_id, t->attempt),
+        .arrived = pdm_now()};
+}
+
+static int pdm__ordered(const pdm__daemon_t *pn, const pdm__queued_t *q);
+
+/* 1 if queue entry i may be dropped here: on rank 0 (which then never orders it) or when it
+ * needs no order. A follower rank keeps an ordered task even when its router gave it up:
+ * rank 0 may have ordered and started it already, and would wait in its collectives for a
+ * rank that dropped it; the follower drops it when rank 0 passes it over (pdm__run_next). */
+static int pdm__droppable(const pdm__daemon_t *pn, int i)
+{
+    return !pdm__ordered(pn, &pn->queue[i]) || pn->group.rank == 0;
+}
+
+/* CancelTask: a queued task is dropped (no answer: the router gave it up). */
+static void pdm__on_cancel(pdm__daemon_t *pn, const Pdmesh__CancelTask *c)
+{
+    int i = pdm__queue_find(pn, PDM_LINK_TASK_KEY(c->task_id, c->attempt));
+    if (i < 0 || !pdm__droppable(pn, i)) return; /* ran already, never came, or rank 0's call */
+    pdm_log_info("prefill rank: task %llu cancelled while queued",
+                 (unsigned long long)c->task_id);
+    pdm__dequeue(pn, i, 0);
+}
+
+/* The routers whose lease ran out (common/nodelink.h): their queued tasks are dropped, and
+ * tasks queued for longer than any deadline allows (their order never came). */
+static void pdm__drop_stale(pdm__daemon_t *pn)
+{
+    int gone[PDM_LINK_MAX_ROUTERS] = {0}, any = 0;
+    unsigned now_orphans = pdm_link_orphans(pn->link);
+    if (now_orphans != pn->orphans_seen) {
+        pn->orphans_seen = now_orphans;
+        for (int o = 0; o < pdm_link_n_routers(pn->link); o++) {
+            unsigned k = pdm_link_orphans_of(pn->link, o);
+            any |= gone[o] = k != pn->orphans_of[o];
+            pn->orphans_of[o] = k;
+            if (gone[o]) pn->wired_by &= ~(1u << o);
+        }
+    }
+    const double too_old = pdm_now() - PDM_MAX(60.0, 4 * pn->rp.timeout);
+    int n = 0;
+    for (int i = pn->n_queued - 1; i >= 0; i--)
+        if ((any && gone[pn->queue[i].origin] && pdm__droppable(pn, i)) ||
+            pn->queue[i].arrived < too_old) {
+            pdm__dequeue(pn, i, 0);
+            n++;
+        }
+    if (n) pdm_log_warn("prefill rank: dropped %d queued task(s) of a router that is gone", n);
+}
+
+static void pdm__run_queued(pdm__daemon_t *pn, int i)
+{
+    int origin = pn->queue[i].origin;
+    pdm_wire_msg_t *m = pdm__dequeue(pn, i, 1);
+    pdm__on_task(pn, (const Pdmesh__PrefillTask *)pdm_wire_message(m), origin);
+    pdm_wire_msg_free(m);
+}
+
+/* 1 when the task needs the whole group in one order (not solo, group of 2 or more). */
+static int pdm__ordered(const pdm__daemon_t *pn, const pdm__queued_t *q)
+{
+    const Pdmesh__PrefillTask *t = (const Pdmesh__PrefillTask *)pdm_wire_message(q->m);
+    return pn->grouped && pn->group.size > 1 && !t->solo;
+}
+
+/* Rank 0: the next entry of the group's order goes to every other rank. A rank that does not
+ * take it fails the task's collectives within the group timeout, not later. */
+static void pdm__order_send(pdm__daemon_t *pn, uint64_t key)
+{
+    pdm_kvt_req_t reqs[PDM_KVT_MAX_RANKS];
+    int n = 0;
+    uint64_t payload = key;
+    pdm_kvt_iov_t iov = {&payload, sizeof(payload)};
+    const uint64_t tag = pdm_kvt_tag((pdm_kvt_kind_t)PDM_KVT_KIND_ORDER, 0, 0, 0,
+                                     (int)(pn->order_seq & 0xffff));
+    pn->order_seq++;
+    for (int k = 1; k < pn->group.size; k++)
+        if (!pdm_kvt_isend(pn->kvt, pn->group.peer[k], tag, &iov, 1, &reqs[n])) n++;
+    if (pdm_kvt_wait_all(pn->kvt, reqs, n, pdm_kvt_group_deadline(&pn->group)))
+        pdm_log_warn("prefill rank: the group's order did not reach every rank: %s",
+                     pdm_error_last());
+}
+
+/* Rank > 0: looks for the next entry of the order (posting its receive). */
+static void pdm__order_poll(pdm__daemon_t *pn)
+{
+    if (pn->has_wanted) return;
+    if (pn->order_req == PDM_KVT_REQ_NONE) {
+        if (pdm_now() < pn->order_retry_at) return;
+        pdm_kvt_iov_t iov = {&pn->order_key, sizeof(pn->order_key)};
+        const uint64_t tag = pdm_kvt_tag((pdm_kvt_kind_t)PDM_KVT_KIND_ORDER, 0, 0, 0,
+                                         (int)(pn->order_seq & 0xffff));
+        if (pdm_kvt_irecv(pn->kvt, pn->group.peer[0], tag, &iov, 1, &pn->order_req)) {
+            pn->order_req = PDM_KVT_REQ_NONE;
+            pn->order_retry_at = pdm_now() + 1.0;
+            return;
+        }
+    }
+    size_t bytes = 0;
+    int st = pdm_kvt_test(pn->kvt, pn->order_req, &bytes);
+    if (st == 0) return;
+    pn->order_req = PDM_KVT_REQ_NONE;
+    if (st < 0 || bytes != sizeof(pn->order_key)) {
+        pdm_log_warn("prefill rank: no order from rank 0: %s", pdm_error_last());
+        pn->order_retry_at = pdm_now() + 1.0;
+        return;
+    }
+    pn->order_seq++;
+    pn->has_wanted = 1;
+    pn->wanted = pn->order_key;
+    pn->wanted_until = pdm_now() + PDM_MAX(1.0, pn->rp.timeout);
+}
+
+/* Runs what may run now: 1 if a task ran. */
+static int pdm__run_next(pdm__daemon_t *pn)
+{
+    if (!pn->n_queued && !(pn->grouped && pn->group.rank > 0 && pn->group.size > 1)) return 0;
+    /* solo tasks and tasks before the group formed need no order */
+    for (int i = 0; i < pn->n_queued; i++)
+        if (!pdm__ordered(pn, &pn->queue[i])) {
+            pdm__run_queued(pn, i);
+            return 1;
+        }
+    if (pn->group.rank == 0) {
+        if (!pn->n_queued) return 0;
+        pdm__order_send(pn, pn->queue[0].key);
+        pdm__run_queued(pn, 0);
+        return 1;
+    }
+    pdm__order_poll(pn);
+    if (!pn->has_wanted) return 0;
+    int i = pdm__queue_find(pn, pn->wanted);
+    if (i < 0) {
+        if (pdm_now() > pn->wanted_until) {
+            pdm_log_warn("prefill rank: the group's next task (key %llu) never came",
+                         (unsigned long long)pn->wanted);
+            pn->has_wanted = 0;
+        }
+        return 0;
+    }
+    pn->has_wanted = 0;
+    /* tasks of the same router queued before it were passed over by rank 0 */
+    const int origin = pn->queue[i].origin;
+    for (int j = i - 1; j >= 0; j--)
+        if (pn->queue[j].origin == origin) {
+            pdm_log_info("prefill rank: task key %llu was passed over by rank 0: dropped",
+                         (unsigned long long)pn->queue[j].key);
+            pdm__dequeue(pn, j, 0);
+            i--;
+        }
+    pdm__run_queued(pn, i);
+    return 1;
+}
+
+/* One message from the link (owned: queued or freed here). */
+static void pdm__on_message(pdm__daemon_t *pn, pdm_wire_msg_t *m)
 {
     const ProtobufCMessage *msg = pdm_wire_message(m);
     switch (pdm_wire_type(m)) {
     case PDMESH__MSG_TYPE__MSG_GROUP_WIRE: pdm__on_group_wire(pn, (const Pdmesh__GroupWire *)msg); break;
-    case PDMESH__MSG_TYPE__MSG_PREFILL_TASK: pdm__on_task(pn, (const Pdmesh__PrefillTask *)msg); break;
+    case PDMESH__MSG_TYPE__MSG_PREFILL_TASK:
+        pdm__enqueue(pn, m, pdm_link_origin(pn->link));
+        return;
     case PDMESH__MSG_TYPE__MSG_GROUP_PINGPONG:
         pdm__on_pingpong(pn, (const Pdmesh__GroupPingPong *)msg);
         break;
     case PDMESH__MSG_TYPE__MSG_STATS_REQUEST: pdm__on_stats(pn); break;
-    default: break; /* CancelTask: a task runs to its end (its deadline bounds it) */
+    case PDMESH__MSG_TYPE__MSG_CANCEL_TASK: pdm__on_cancel(pn, (const Pdmesh__CancelTask *)msg); break;
+    default: break;
     }
+    pdm_wire_msg_free(m);
 }
 
 static void pdm__usage(FILE *f)
@@ -440,6 +712,7 @@ int main(int argc, char **argv)
 {
     const char *model_path = pdm_model_default_path();
     pdm__daemon_t pn = {0};
+    pn.order_req = PDM_KVT_REQ_NONE;
     pdm_prefill_rank_params_default(&pn.rp);
     long cpu = -1;
     enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_DUMP_DIR, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN };
@@ -486,7 +759,12 @@ int main(int argc, char **argv)
             if (pdm_parse_double(optarg, 0.001, 86400, &d)) goto bad;
             pn.rp.timeout = d;
             break;
-        case 'R': lp.endpoint = optarg; break;
+        case 'R':
+            if (pdm_link_params_add_router(&lp, optarg)) {
+                fprintf(stderr, "%s\n", pdm_error_last());
+                return 2;
+            }
+            break;
         case O_CURVE_SERVER: lp.curve_server_key_file = optarg; break;
         case O_CURVE_KEY: lp.curve_key_file = optarg; break;
         case O_DUMP_DIR: pn.dump_dir = optarg; break;
@@ -518,7 +796,7 @@ int main(int argc, char **argv)
         pdm__usage(stderr);
         return 2;
     }
-    if (!lp.endpoint || !lp.group || (lp.group_size && lp.rank >= lp.group_size)) {
+    if (!lp.endpoint_list[0] || !lp.group || (lp.group_size && lp.rank >= lp.group_size)) {
         fprintf(stderr, "pdmesh-prefill: needs --router, --node-id, --group, --rank and "
                         "--group-size (rank < group size; 0: an elastic group)\n");
         pdm__usage(stderr);
@@ -557,14 +835,27 @@ int main(int argc, char **argv)
     }
     for (;;) {
         pdm_wire_msg_t *m;
-        if (pdm_link_recv(pn.link, 1000, &m)) break; /* SIGTERM or a refused registration */
-        if (!m && pdm_link_draining(pn.link)) break; /* drained: no task came for a second */
-        if (!m) continue;
-        pdm__on_message(&pn, m);
-        pdm_wire_msg_free(m);
+        /* a follower rank polls its order channel between messages */
+        const int follower = pn.grouped && pn.group.rank > 0 && pn.group.size > 1;
+        const int timeout = pn.n_queued || follower ? 2 : 1000;
+        if (pdm_link_recv(pn.link, timeout, &m)) break; /* SIGTERM or a refused registration */
+        if (!m && !pn.n_queued && pdm_link_draining(pn.link)) break; /* drained */
+        int stop = 0;
+        while (m) { /* everything that came, cancels included, before the next task runs */
+            pdm__on_message(&pn, m);
+            if (pdm_link_recv(pn.link, 0, &m)) {
+                stop = 1;
+                break;
+            }
+        }
+        if (stop) break;
+        pdm__drop_stale(&pn);
+        pdm__run_next(&pn);
     }
     status = pdm_link_exit_status(pn.link);
 out:
+    while (pn.n_queued) pdm__dequeue(&pn, pn.n_queued - 1, 0);
+    if (pn.order_req != PDM_KVT_REQ_NONE && pn.kvt) pdm_kvt_cancel(pn.kvt, &pn.order_req, 1);
     pdm_prefill_rank_destroy(pn.rank);
     if (pn.grouped) pdm_kvt_group_fini(&pn.group);
     pdm_link_destroy(pn.link);

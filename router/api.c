@@ -170,6 +170,17 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     if (!rt_has_decode(r))
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, PDM_ESTATE,
                          "no decode node is available");
+    if (req->n_resume_tokens) { /* checked here; rt_req_resume then only needs memory */
+        if (req->n_resume_tokens > max_new || req->beams > 1 || req->prompt_only)
+            return rt_refuse(code, INV, PDM_EINVAL, "resume: %zu delivered tokens do not fit "
+                             "max_tokens %u (or beams / prompt_only were asked)",
+                             req->n_resume_tokens, max_new);
+        for (size_t i = 0; i < req->n_resume_tokens; i++)
+            if (req->resume_tokens[i] < 0 ||
+                (uint32_t)req->resume_tokens[i] >= r->model->hp.n_vocab)
+                return rt_refuse(code, INV, PDM_EINVAL, "resume token %d is outside the "
+                                 "vocabulary", req->resume_tokens[i]);
+    }
     int32_t *tok = NULL;
     size_t n = 0;
     if (req->n_prompt_tokens) {
@@ -295,6 +306,24 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     q->deadline = q->t_arrival + (req->deadline_ms ? req->deadline_ms : r->cfg.default_deadline_ms) / 1e3;
     q->dnode = q->group = -1;
     pdm_detok_init(&q->detok, 0);
+    if (req->n_resume_tokens && rt_req_resume(r, q, req->resume_tokens, req->n_resume_tokens,
+                                              req->resume_text_bytes)) {
+        int st = rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "%s",
+                           pdm_error_last());
+        free(q->gen);
+        free(q->lp_ids);
+        free(q->lp_vals);
+        free(q->lp_n);
+        free(q->plp_ids);
+        free(q->plp_vals);
+        free(q->plp_n);
+        free(q->text);
+        for (size_t i = 0; i < q->n_stops; i++) free(q->stops[i]);
+        free(q);
+        free(tok);
+        return st;
+    }
+    if (req->n_resume_tokens) pdm_metric_inc(r->m.requests, "resumed", 1);
     rt_req_enqueue(r, q);
     *id = q->id;
     return PDM_OK;

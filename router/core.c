@@ -175,6 +175,13 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
         st = pdm_error_set(PDM_ENOMEM, "router: no memory for the prefix block index");
         goto fail;
     }
+    /* Several routers share the nodes (docs/router.md "High availability"): a node tells
+     * their tasks apart by task id and their registrations by epoch, so each router (and
+     * each restart of one) starts both at a random 40-bit value instead of 0. */
+    if ((st = pdm_random_bytes(&r->next_id, sizeof(r->next_id)))) goto fail;
+    if ((st = pdm_random_bytes(&r->next_epoch, sizeof(r->next_epoch)))) goto fail;
+    r->next_id &= (1ull << 40) - 1;
+    r->next_epoch &= (1ull << 40) - 1;
     if ((st = pdm_model_load(cfg->model_path, &r->model))) goto fail;
     if (!r->model->tokenizer) {
         st = pdm_error_set(PDM_EUNSUPPORTED, "%s has no tokenizer", cfg->model_path);

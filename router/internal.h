@@ -90,6 +90,7 @@ typedef struct {
     double last_hb, registered_at;
     int dead, draining;
     uint32_t pid;
+    uint64_t generation;    /* Register.generation of the registration it holds */
     int tasks;                    /* router-side: attempts assigned and not ended */
     int64_t kv_reserved;          /* router-side: KV tokens of those attempts */
     double full_until;            /* refused a reservation: skip it until then */

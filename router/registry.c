@@ -264,6 +264,23 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
         gr->elastic = m->group_size == 0;
         for (int k = 0; k < PDM_PREFILL_MAX_RANKS; k++) gr->member[k] = -1;
     }
+    if (i >= 0 && !r->nodes[i].dead && m->generation &&
+        r->nodes[i].generation == m->generation && r->nodes[i].pid == m->pid &&
+        r->nodes[i].ucx_len == m->ucx_address.len &&
+        !memcmp(r->nodes[i].ucx, m->ucx_address.data, m->ucx_address.len)) {
+        /* The same registration sent again (its ack was late; the retry came over a fresh
+         * connection): the same epoch, nothing lost, answers to the new connection. */
+        rt_node_t *n = &r->nodes[i];
+        memcpy(n->ident, ident, ident_len);
+        n->ident_len = ident_len;
+        n->last_hb = pdm_now();
+        Pdmesh__RegisterAck ack = PDMESH__REGISTER_ACK__INIT;
+        ack.epoch = n->epoch;
+        ack.heartbeat_ms = (uint32_t)r->cfg.heartbeat_ms;
+        ack.lease_ms = (uint32_t)r->cfg.lease_ms;
+        rt_send(s, ident, ident_len, PDMESH__MSG_TYPE__MSG_REGISTER_ACK, &ack.base);
+        return;
+    }
     int draining = 0;
     if (i >= 0) {
         /* A new incarnation: whatever the old one was doing is lost. */
@@ -305,6 +322,7 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
     n->epoch = ++r->next_epoch;
     n->last_hb = n->registered_at = pdm_now();
     n->pid = m->pid;
+    n->generation = m->generation;
     n->draining = draining;
     Pdmesh__RegisterAck ack = PDMESH__REGISTER_ACK__INIT;
     ack.epoch = n->epoch;

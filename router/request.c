@@ -146,7 +146,19 @@ static void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel)
         /* the ranks that did not answer are taken as free: a failed attempt suspects the
          * group for a lease, a finished request no longer waits for them */
         for (uint32_t k = 0; k < g->size && k < PDM_PREFILL_MAX_RANKS; k++)
-            if (rt_req_has_rank(q, k) && !(q->ranks_answered >> k & 1)) rt_rank_done(g, k);
+            if (rt_req_has_rank(q, k) && !(q->ranks_answered >> k & 1)) {
+                rt_rank_done(g, k);
+                /* A rank that still queues the task drops it (prefill_node/main.c); one that
+                 * runs it finishes it within the task's deadline. */
+                rt_node_t *m = g->member[k] >= 0 ? &r->nodes[g->member[k]] : NULL;
+                if (cancel && m && !m->dead && m->epoch == q->group_epochs[k]) {
+                    Pdmesh__CancelTask c = PDMESH__CANCEL_TASK__INIT;
+                    c.task_id = q->id;
+                    c.attempt = q->attempt;
+                    rt_send(r->node_sock, m->ident, m->ident_len,
+                            PDMESH__MSG_TYPE__MSG_CANCEL_TASK, &c.base);
+                }
+            }
         if (q->reuse_pending) g->reuse_pending = 0;
         q->group = -1;
     }
@@ -306,6 +318,32 @@ static void *rt_lp_build(pdm_router_t *r, const rt_lp_store_t *s, uint32_t from,
     }
     *out_list = list;
     return block;
+}
+
+int rt_req_resume(pdm_router_t *r, rt_req_t *q, const int32_t *toks, size_t n,
+                  uint32_t text_bytes)
+{
+    if (n > q->max_new)
+        return pdm_error_set(PDM_EINVAL, "resume: %zu tokens delivered, over max_tokens %u", n,
+                             q->max_new);
+    for (size_t k = 0; k < n; k++) {
+        int32_t t = toks[k];
+        if (t < 0 || (uint32_t)t >= r->model->hp.n_vocab)
+            return pdm_error_set(PDM_EINVAL, "resume: token %d is outside the vocabulary", t);
+        if (q->lp_stride) { /* the first router computed them: missing here */
+            rt_lp_store_t ls = rt_lp_gen(q);
+            rt_lp_store(&ls, q->n_gen, t, NULL, r->model->hp.n_vocab);
+        }
+        q->gen[q->n_gen++] = t;
+        char piece[256];
+        int w = pdm_detok_feed(&q->detok, r->model->tokenizer, t, piece, sizeof(piece));
+        if (w > 0 && rt_text_append(q, piece, (size_t)w))
+            return pdm_error_set(PDM_ENOMEM, "resume: out of memory");
+    }
+    /* what the client has of the text (a partial UTF-8 character or a held stop-string
+     * prefix may have stayed behind) */
+    q->text_sent = PDM_MIN((size_t)text_bytes, q->text_len);
+    return PDM_OK;
 }
 
 /* Delivers tokens [index, index + n) (duplicates and gaps ignored), with their log-

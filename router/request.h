@@ -14,6 +14,12 @@ rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id);
 
 /* Admits q, filled in by the front-end API and QUEUED: the router owns it from now on. */
 void rt_req_enqueue(pdm_router_t *r, rt_req_t *q);
+/* A resumed request (GenerateRequest.resume_tokens, docs/sdk.md "Failover"): the n tokens
+ * another router delivered become the completion's first tokens, not sent again; the client
+ * holds text_bytes bytes of its text. Before rt_req_enqueue; the scheduler then continues it
+ * as a migration (prompt + delivered tokens prefilled on the decode node). */
+int rt_req_resume(pdm_router_t *r, rt_req_t *q, const int32_t *toks, size_t n,
+                  uint32_t text_bytes);
 
 /* QUEUED -> RESERVING: a new attempt on decode node d, prefilled by group g (-1: locally),
  * by all its ranks (solo_rank -1) or by rank solo_rank alone (a solo task, adapt.h); sends

@@ -207,8 +207,24 @@ typedef struct pdmc_call {
     pthread_cond_t cond;
 } pdmc_call_t;
 
+#define PDMC_MAX_ROUTERS 8
+
+/* A "resume" for pdmc__run (docs/sdk.md "Failover"): the completion tokens already delivered
+ * by another router and the bytes of text the caller received with them. */
+typedef struct {
+    const int32_t *tokens;
+    size_t n_tokens;
+    size_t text_bytes;
+} pdmc_resume_t;
+
 struct pdm_client {
     char *endpoint;
+    /* Several routers (an endpoint list): this client talks to the first, alt[] are clients
+     * of the others; a call goes to one of them and moves to another when its router is lost
+     * (pdmc__run_failover). */
+    struct pdm_client *alt[PDMC_MAX_ROUTERS - 1];
+    int n_alt;
+    unsigned next_router;   /* round robin over the routers for new calls (under mu) */
     pdm_client_options_t opt;
     void *zctx;
     void *sock;             /* I/O thread only (after create) */
@@ -540,12 +556,10 @@ static void *pdmc__io_main(void *arg)
 
 /* ---- create / destroy ---- */
 
-int pdm_client_create(const char *endpoint, const pdm_client_options_t *opts,
-                      pdm_client_t **out)
+/* A client of one router (pdm_client_create splits a list). */
+static int pdmc__create_one(const char *endpoint, const pdm_client_options_t *opts,
+                            pdm_client_t **out)
 {
-    if (!out) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "pdm_client_create: out is NULL");
-    if (!endpoint || !*endpoint) endpoint = getenv("PDMESH_ROUTER");
-    if (!endpoint || !*endpoint) endpoint = PDMC_DEFAULT_ENDPOINT;
     pdm_client_options_t o = opts ? *opts : (pdm_client_options_t){0};
     if (o.timeout_ms < 0 || o.connect_timeout_ms < 0 || o.max_open_calls < 0)
         return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "negative client option");
@@ -647,9 +661,43 @@ err_free:
     return status;
 }
 
+int pdm_client_create(const char *endpoint, const pdm_client_options_t *opts,
+                      pdm_client_t **out)
+{
+    if (!out) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "pdm_client_create: out is NULL");
+    if (!endpoint || !*endpoint) endpoint = getenv("PDMESH_ROUTER");
+    if (!endpoint || !*endpoint) endpoint = PDMC_DEFAULT_ENDPOINT;
+    char *list = strdup(endpoint), *save = NULL;
+    if (!list) return pdm_client__fail(PDM_CLIENT_ENOMEM, "out of memory");
+    pdm_client_t *c = NULL;
+    int rc = PDM_CLIENT_OK;
+    for (char *ep = strtok_r(list, ", ", &save); ep && !rc; ep = strtok_r(NULL, ", ", &save)) {
+        if (c && c->n_alt == PDMC_MAX_ROUTERS - 1) {
+            rc = pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "at most %d router endpoints",
+                                  PDMC_MAX_ROUTERS);
+            break;
+        }
+        pdm_client_t *one = NULL;
+        if ((rc = pdmc__create_one(ep, opts, &one))) break;
+        if (!c) c = one;
+        else c->alt[c->n_alt++] = one;
+    }
+    free(list);
+    if (!rc && !c) rc = pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "no router endpoint in '%s'",
+                                         endpoint);
+    if (rc) {
+        pdm_client_destroy(c);
+        return rc;
+    }
+    *out = c;
+    return PDM_CLIENT_OK;
+}
+
 void pdm_client_destroy(pdm_client_t *c)
 {
     if (!c) return;
+    for (int i = 0; i < c->n_alt; i++) pdm_client_destroy(c->alt[i]);
+    c->n_alt = 0;
     pthread_mutex_lock(&c->mu);
     c->closing = 1;
     for (int b = 0; b < PDMC_BUCKETS; b++)
@@ -850,7 +898,8 @@ static int pdmc__validate(const pdm_client_request_t *q)
 
 /* Packs the GenerateRequest frame. */
 static int pdmc__pack_request(const pdm_client_request_t *q, uint64_t id, int stream,
-                              uint32_t deadline_ms, uint8_t **frame, size_t *len)
+                              uint32_t deadline_ms, const pdmc_resume_t *resume,
+                              uint8_t **frame, size_t *len)
 {
     Pdmesh__GenerateRequest m = PDMESH__GENERATE_REQUEST__INIT;
     Pdmesh__SamplingParams sp = PDMESH__SAMPLING_PARAMS__INIT;
@@ -906,6 +955,11 @@ static int pdmc__pack_request(const pdm_client_request_t *q, uint64_t id, int st
     m.stream = stream;
     m.model = (char *)q->model;
     m.ignore_eos = q->ignore_eos != 0;
+    if (resume && resume->n_tokens) {
+        m.resume_tokens = (int32_t *)resume->tokens;
+        m.n_resume_tokens = resume->n_tokens;
+        m.resume_text_bytes = (uint32_t)resume->text_bytes;
+    }
     int rc = pdmc__pack(PDMESH__MSG_TYPE__MSG_GENERATE_REQUEST, &m.base, frame, len);
     free(msgs);
     free(msgp);
@@ -1011,7 +1065,8 @@ static int pdmc__append(pdm_client_result_t *r, size_t *cap_tokens, size_t *text
 
 /* The body of both generate calls. */
 static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
-                     pdm_client_chunk_cb cb, void *data, pdm_client_result_t *res)
+                     const pdmc_resume_t *resume, pdm_client_chunk_cb cb, void *data,
+                     pdm_client_result_t *res)
 {
     if (!res) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "result is NULL");
     pdmc__result_init(res);
@@ -1032,7 +1087,7 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
 
     uint8_t *frame;
     size_t len;
-    if ((rc = pdmc__pack_request(q, id, stream, deadline_ms, &frame, &len))) goto early;
+    if ((rc = pdmc__pack_request(q, id, stream, deadline_ms, resume, &frame, &len))) goto early;
     if (len > c->opt.max_frame) {
         free(frame);
         rc = pdm_client__fail(PDM_CLIENT_ETOO_LARGE, "request of %zu bytes is over the %zu-byte frame "
@@ -1174,21 +1229,151 @@ early:
     return rc;
 }
 
+/* 1 if a call that ended with `rc` may go on at another router: its router is gone (the
+ * connection was lost or never came) or has no node to serve it yet (a restarted router). */
+static int pdmc__failover_status(int rc)
+{
+    return rc == PDM_CLIENT_EUNREACHABLE || rc == PDM_CLIENT_EUNAVAILABLE ||
+           rc == PDM_CLIENT_ESTALE_EPOCH;
+}
+
+/* The routers' clients: [0] is c itself. */
+static pdm_client_t *pdmc__router(pdm_client_t *c, int i)
+{
+    return i == 0 ? c : c->alt[i - 1];
+}
+
+/* Appends src's tokens and text to the resume state (tokens, text). */
+static int pdmc__keep_delivered(const pdm_client_result_t *src, int32_t **tokens, size_t *n,
+                                char **text, size_t *text_len)
+{
+    if (src->n_tokens) {
+        int32_t *t = realloc(*tokens, sizeof(int32_t) * (*n + src->n_tokens));
+        if (!t) return PDM_CLIENT_ENOMEM;
+        memcpy(t + *n, src->tokens, sizeof(int32_t) * src->n_tokens);
+        *tokens = t;
+        *n += src->n_tokens;
+    }
+    size_t add = src->text ? strlen(src->text) : 0;
+    char *x = realloc(*text, *text_len + add + 1);
+    if (!x) return PDM_CLIENT_ENOMEM;
+    memcpy(x + *text_len, src->text ? src->text : "", add);
+    *text_len += add;
+    x[*text_len] = 0;
+    *text = x;
+    return PDM_CLIENT_OK;
+}
+
+/* A call over a list of routers (docs/sdk.md "Failover"). New calls go round robin to the
+ * routers that are connected. When the call's router is lost (the connection dropped: a
+ * crash, or no ZeroMQ heartbeat for 5 s) or it has no node yet, the call is sent to the next
+ * router with the tokens already delivered (GenerateRequest.resume_tokens): the new router
+ * prefills prompt + those tokens and streams on from there, so the caller's callback sees
+ * one stream with no token lost or repeated. A request that delivered nothing is sent whole.
+ * Everything stays within the call's one timeout; the result is the whole completion. */
+static int pdmc__run_failover(pdm_client_t *c, const pdm_client_request_t *q, int stream,
+                              pdm_client_chunk_cb cb, void *data, pdm_client_result_t *res)
+{
+    if (!c || !c->n_alt) return pdmc__run(c, q, stream, NULL, cb, data, res);
+    if (!res) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "result is NULL");
+    if (!q) return pdmc__run(c, q, stream, NULL, cb, data, res);
+    const int n_routers = c->n_alt + 1;
+    const int timeout_ms = q->timeout_ms ? q->timeout_ms : c->opt.timeout_ms;
+    const double t_start = pdmc__now(), deadline = t_start + timeout_ms / 1000.0;
+    pdm_client_request_t q2 = *q;
+    pthread_mutex_lock(&c->mu);
+    if (!q2.id) q2.id = c->next_id++;
+    unsigned first = c->next_router++;
+    pthread_mutex_unlock(&c->mu);
+    /* start at the next connected router, round robin */
+    int at = (int)(first % (unsigned)n_routers);
+    for (int k = 0; k < n_routers; k++) {
+        pdm_client_t *sub = pdmc__router(c, (int)((first + (unsigned)k) % (unsigned)n_routers));
+        pthread_mutex_lock(&sub->mu);
+        int up = sub->connected;
+        pthread_mutex_unlock(&sub->mu);
+        if (up) {
+            at = (int)((first + (unsigned)k) % (unsigned)n_routers);
+            break;
+        }
+    }
+    int32_t *tokens = NULL;
+    size_t n_tokens = 0, text_len = 0;
+    char *text = NULL;
+    double ttft_ms = 0;
+    int rc = PDM_CLIENT_OK, tries = 0;
+    for (;;) {
+        pdmc_resume_t resume = {tokens, n_tokens, text_len};
+        double left_ms = (deadline - pdmc__now()) * 1e3;
+        if (left_ms < 1) left_ms = 1;
+        q2.timeout_ms = (int)left_ms;
+        q2.deadline_ms = q->deadline_ms ? (uint32_t)PDM_MIN((double)q->deadline_ms, left_ms)
+                                        : (uint32_t)left_ms;
+        rc = pdmc__run(pdmc__router(c, at), &q2, stream, n_tokens ? &resume : NULL, cb, data,
+                       res);
+        if (!ttft_ms && res->client_ttft_ms > 0)
+            ttft_ms = res->client_ttft_ms + (pdmc__now() * 1e3 - res->client_total_ms -
+                                             t_start * 1e3);
+        tries++;
+        if (!pdmc__failover_status(rc) || pdmc__now() >= deadline) break;
+        /* what this router delivered stays delivered */
+        if (pdmc__keep_delivered(res, &tokens, &n_tokens, &text, &text_len)) {
+            pdm_client_result_fini(res);
+            rc = PDM_CLIENT_ENOMEM;
+            pdmc__result_init(res);
+            snprintf(res->error, sizeof(res->error), "out of memory keeping the stream");
+            break;
+        }
+        char why[256];
+        snprintf(why, sizeof(why), "%s", res->error);
+        pdm_client_result_fini(res);
+        at = (at + 1) % n_routers;
+        if (tries % n_routers == 0) { /* every router failed once: wait a little */
+            struct timespec ts = {0, 200 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        (void)why;
+    }
+    if (n_tokens && rc != PDM_CLIENT_OK &&
+        !pdmc__keep_delivered(res, &tokens, &n_tokens, &text, &text_len)) {
+        /* the caller keeps everything delivered before the failure */
+        free(res->tokens);
+        free(res->text);
+        res->tokens = tokens;
+        res->n_tokens = n_tokens;
+        res->text = text;
+        tokens = NULL;
+        text = NULL;
+    }
+    free(tokens);
+    free(text);
+    res->client_total_ms = (pdmc__now() - t_start) * 1e3;
+    if (ttft_ms > 0) res->client_ttft_ms = ttft_ms;
+    return rc;
+}
+
 int pdm_client_generate(pdm_client_t *c, const pdm_client_request_t *req,
                         pdm_client_result_t *result)
 {
-    return pdmc__run(c, req, 0, NULL, NULL, result);
+    return pdmc__run_failover(c, req, 0, NULL, NULL, result);
 }
 
 int pdm_client_generate_stream(pdm_client_t *c, const pdm_client_request_t *req,
                                pdm_client_chunk_cb cb, void *data, pdm_client_result_t *result)
 {
-    return pdmc__run(c, req, 1, cb, data, result);
+    return pdmc__run_failover(c, req, 1, cb, data, result);
 }
 
 int pdm_client_cancel(pdm_client_t *c, uint64_t id)
 {
     if (!c || !id) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "client is NULL or id is 0");
+    /* several routers: the call is open on one of them */
+    for (int i = 0; i < c->n_alt; i++) {
+        pthread_mutex_lock(&c->alt[i]->mu);
+        pdmc_call_t *call = *pdmc__slot(c->alt[i], id);
+        pthread_mutex_unlock(&c->alt[i]->mu);
+        if (call) return pdm_client_cancel(c->alt[i], id);
+    }
     pthread_mutex_lock(&c->mu);
     pdmc_call_t *call = *pdmc__slot(c, id);
     int rc = PDM_CLIENT_OK;

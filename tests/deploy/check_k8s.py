@@ -129,6 +129,30 @@ def static_checks(bindir, docs):
                           used and used <= SECRET_KEYS, used)
     svc = {d["metadata"]["name"]: d for f, d in docs if d["kind"] == "Service"}
     router = [d for f, d in workloads(docs) if d["metadata"]["name"] == "pdmesh-router"][0]
+    # high availability (docs/deployment.md): two routers or more, a disruption budget that
+    # keeps one, and every node's router list naming each replica on the headless Service
+    replicas = router["spec"].get("replicas", 1)
+    pdbs = [d for f, d in docs if d["kind"] == "PodDisruptionBudget" and
+            d["spec"]["selector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]]
+    check("at least 2 router replicas with a PodDisruptionBudget keeping one (%d)" % replicas,
+          replicas >= 2 and pdbs and pdbs[0]["spec"].get("minAvailable") == 1)
+    headless = router["spec"].get("serviceName")
+    check("the routers' headless Service exists (clusterIP None)",
+          headless in svc and svc[headless]["spec"].get("clusterIP") == "None", headless)
+    want = {"tcp://%s-%d.%s:7701" % (router["metadata"]["name"], i, headless)
+            for i in range(replicas)}
+    lists = {}
+    for f, d in workloads(docs):
+        c = d["spec"]["template"]["spec"]["containers"][0]
+        if d is router:
+            continue
+        env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
+        args = c.get("args", [])
+        arg = args[args.index("--router") + 1] if "--router" in args else ""
+        arg = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), ""), arg)
+        lists[d["metadata"]["name"]] = set(arg.split(","))
+    check("every node's --router lists every router replica", lists and
+          all(v == want for v in lists.values()), (lists, want))
     cports = {p["name"]: p["containerPort"]
               for p in router["spec"]["template"]["spec"]["containers"][0]["ports"]}
     check("router Service targets declared container ports",
@@ -458,25 +482,35 @@ def live_run(bindir, model, docs, produced):
         with open(os.path.join(secrets, k), "w") as fh:
             fh.write(os.urandom(16).hex())
         os.chmod(os.path.join(secrets, k), 0o440)
-    ports = {}  # router's bind ports -> local ports
+    ports = {}  # (router pod, its bind port) -> local port
     procs = []
     http_port = None
     svc_port = {}
 
-    def subst(arg):
+    def local(pod_name, port):
+        return ports.setdefault((pod_name, port), free_port())
+
+    def subst(pod, arg):
+        """An arg of `pod` for a local process: its binds on its own free ports; a router
+        Service name (tcp://pdmesh-router:7701) -> the first router's port; a pod name on a
+        headless Service (tcp://pdmesh-router-1.pdmesh-router-nodes:7701) -> that pod's port;
+        a comma list of them -> each one."""
         nonlocal http_port
+        if arg.startswith("tcp://") and "," in arg:
+            return ",".join(subst(pod, x) for x in arg.split(","))
         arg = arg.replace("/etc/pdmesh/secrets", secrets)
         m = re.match(r"(tcp://)?0\.0\.0\.0:(\d+)$", arg)
         if m:
-            port = ports.setdefault(int(m.group(2)), free_port())
-            if not m.group(1):
-                http_port = port
+            port = local(pod.name, int(m.group(2)))
+            if not m.group(1) and http_port is None:
+                http_port = port  # the first router's HTTP port
             return "%s127.0.0.1:%d" % (m.group(1) or "", port)
-        m = re.match(r"tcp://([a-z0-9-]+):(\d+)$", arg)
-        if m:  # a Service name: the router's port behind it
-            return "tcp://127.0.0.1:%d" % ports.setdefault(svc_port[(m.group(1),
-                                                                     int(m.group(2)))],
-                                                          free_port())
+        m = re.match(r"tcp://([a-z0-9-]+)(?:\.([a-z0-9-]+))?:(\d+)$", arg)
+        if m:
+            host, headless, port = m.group(1), m.group(2), int(m.group(3))
+            if headless:
+                return "tcp://127.0.0.1:%d" % local(host, svc_port[(headless, port)])
+            return "tcp://127.0.0.1:%d" % local(first_router, svc_port[(host, port)])
         return arg
 
     for f, d in docs:
@@ -499,12 +533,13 @@ def live_run(bindir, model, docs, produced):
         return r.returncode, r.stdout.strip()
 
     the_pods = pods(docs)
+    first_router = [p.name for p in the_pods if p.component == "router"][0]
     try:
         def start(pod):
             env = dict(os.environ)
             env["PDMESH_MODEL"] = model
             env.update({k: "lo" if v == "eth0" else v for k, v in pod.env.items()})
-            argv = [os.path.join(bindir, pod.command[0])] + [subst(pod_paths(pod, a))
+            argv = [os.path.join(bindir, pod.command[0])] + [subst(pod, pod_paths(pod, a))
                                                              for a in pod.args]
             log = open(os.path.join(tmp, pod.name + ".log"), "w")
             p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -530,6 +565,27 @@ def live_run(bindir, model, docs, produced):
             if not ready:
                 time.sleep(0.3)
         check("the mesh of the manifests registers (2 prefill ranks, 1 decode node)", ready)
+        # high availability: every router replica has every node (they register with each)
+        seen = {}
+        for pod in the_pods:
+            if pod.component != "router":
+                continue
+            hp = ports.get((pod.name, 8080))
+            end = time.time() + 60
+            while time.time() < end:
+                try:
+                    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % hp,
+                                                timeout=5) as r:
+                        text = r.read().decode()
+                    seen[pod.name] = sum(int(x) for x in re.findall(
+                        r'^pdmesh_nodes\{role_state="(?:prefill|decode)_alive"\} (\d+)', text, re.M))
+                except (OSError, TypeError):
+                    seen[pod.name] = None
+                if seen[pod.name] == 3:
+                    break
+                time.sleep(0.3)
+        check("every router replica (%d) has the 3 nodes registered" % len(seen),
+              len(seen) >= 2 and all(v == 3 for v in seen.values()), seen)
         prompt = ("The capital of France is a city that many people visit because of its "
                   "museums, its food, and its long history.")
         body = json.dumps({"prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()

@@ -19,7 +19,12 @@ Scenarios, each with a pass condition:
      completes, no token lost or repeated;
   5. clients through a proxy that delays and jitters every chunk (2-40 ms): equal to the engine;
   6. clients through a proxy that flips bytes: each such call ends by its timeout with an error
-     or a result, never a hang; the router stays up and a clean client is still served.
+     or a result, never a hang; the router stays up and a clean client is still served;
+  7. a second router (every node registers with both; docs/router.md "High availability")
+     partitioned from one decode node: it serves its requests on the other decode node, the
+     first router keeps using the cut-off node (each router reserves only on nodes it sees
+     alive, and a node refuses what it has no room for); after the partition heals the node
+     registers with the second router again by itself.
 Needs root (namespaces, nftables, tc); skips with a message otherwise.
 
   python3 tests/fault/run.py --bindir build/bin [--model FILE]
@@ -41,7 +46,7 @@ from mesh import Checks, mesh_argparser  # noqa: E402
 
 NET = "10.232.0"
 BR = "pdmfbr"
-HOSTS = {"router": 1, "p0": 10, "p1": 11, "d0": 20, "d1": 21}
+HOSTS = {"router": 1, "router2": 2, "p0": 10, "p1": 11, "d0": 20, "d1": 21}
 LONG = ("The capital of France is a city that many people visit because of its museums, its "
         "food, and its long history. In this short essay I will explain why the city became so "
         "important in Europe and what travellers should see first.")
@@ -175,6 +180,9 @@ class Mesh:
         self.client_ep = "tcp://%s.1:7700" % NET
         self.node_ep = "tcp://%s.1:7701" % NET
         self.http = "http://%s.1:8080" % NET
+        self.client_ep2 = "tcp://%s.2:7700" % NET
+        self.node_ep2 = "tcp://%s.2:7701" % NET
+        self.http2 = "http://%s.2:8080" % NET
 
     def start(self, name, host, argv):
         log = open(os.path.join(self.tmp, name + ".log"), "a")
@@ -182,27 +190,29 @@ class Mesh:
                                             env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL)
 
-    def start_router(self):
+    def start_router(self, host="router", i=1):
         b = self.bindir
-        self.start("router", "router", [
-            b + "/pdmesh-router", "--model", self.model, "--client", self.client_ep,
-            "--node", self.node_ep, "--admin", "tcp://%s.1:7702" % NET,
-            "--http", "%s.1:8080" % NET, "--local-threshold", "24", "--method", "kvr-e",
+        self.start(host, host, [
+            b + "/pdmesh-router", "--model", self.model, "--client", "tcp://%s.%d:7700" % (NET, i),
+            "--node", "tcp://%s.%d:7701" % (NET, i), "--admin", "tcp://%s.%d:7702" % (NET, i),
+            "--http", "%s.%d:8080" % (NET, i), "--local-threshold", "24", "--method", "kvr-e",
             "--max-attempts", "6", "--prefix-reuse", "0"])
 
     def start_prefill(self, r):
         self.start("p%d" % r, "p%d" % r, [
-            self.bindir + "/pdmesh-prefill", "--model", self.model, "--router", self.node_ep,
+            self.bindir + "/pdmesh-prefill", "--model", self.model, "--router",
+            self.node_ep + "," + self.node_ep2,
             "--node-id", "pa/%d" % r, "--group", "pa", "--rank", str(r), "--group-size", "2",
             "--timeout", "5"])
 
     def start_decode(self, d):
         self.start("d%d" % d, "d%d" % d, [
-            self.bindir + "/pdmesh-decode", "--model", self.model, "--router", self.node_ep,
+            self.bindir + "/pdmesh-decode", "--model", self.model, "--router",
+            self.node_ep + "," + self.node_ep2,
             "--node-id", "d%d" % d])
 
-    def metric(self, name):
-        with urllib.request.urlopen(self.http + "/metrics", timeout=5) as r:
+    def metric(self, name, http=None):
+        with urllib.request.urlopen((http or self.http) + "/metrics", timeout=5) as r:
             for line in r.read().decode().splitlines():
                 if line.startswith(name + " "):
                     return float(line.split()[-1])
@@ -266,6 +276,7 @@ def main():
     mesh = Mesh(bindir, model, tmp)
     try:
         mesh.start_router()
+        mesh.start_router("router2", 2)
         for r in (0, 1):
             mesh.start_prefill(r)
         for d in (0, 1):
@@ -386,6 +397,44 @@ def main():
         out, _, _ = gen(bindir, mesh.client_ep, LONG)
         check("the router stays up and still serves a clean client correctly",
               alive and out and out.get("ok") and out["text"] == ref, out)
+        # 7. the second router cut off from d0 (nftables in its namespace), d0 still on the
+        # first router's network
+        both = mesh.wait(lambda: mesh.metric('pdmesh_nodes{role_state="decode_alive"}',
+                                             mesh.http2) >= 2, 30)
+        check("the second router has both decode nodes", both)
+        for chain, rule in (("input", "ip saddr %s.20 drop" % NET),
+                            ("output", "ip daddr %s.20 drop" % NET)):
+            sh("ip netns exec %s nft add rule inet pdmf %s %s" % (ns("router2"), chain, rule))
+        lost = mesh.wait(lambda: mesh.metric('pdmesh_nodes{role_state="decode_alive"}',
+                                             mesh.http2) == 1, 30)
+        check("the second router declares d0 dead at its lease", lost)
+        via2 = [gen(bindir, mesh.client_ep2, LONG)[0] for _ in range(3)]
+        via1 = [None] * 4  # at once: the first router spreads them over d0 and d1
+
+        def one(k):
+            via1[k] = gen(bindir, mesh.client_ep, LONG)[0]
+        ts = [threading.Thread(target=one, args=(k,)) for k in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        check("router 2 (cut off from d0) serves on d1, equal to the engine",
+              all(o and o.get("ok") and o["text"] == ref and o["usage"]["decode_node"] == "d1"
+                  for o in via2), via2)
+        check("router 1 keeps using d0 (both nodes alive there; %s)"
+              % ", ".join(o["usage"]["decode_node"] if o and o.get("ok") else "failed"
+                          for o in via1),
+              all(o and o.get("ok") for o in via1) and
+              mesh.metric('pdmesh_nodes{role_state="decode_alive"}') == 2 and
+              any(o["usage"]["decode_node"] == "d0" for o in via1), via1)
+        sh("ip netns exec %s nft flush chain inet pdmf input" % ns("router2"))
+        sh("ip netns exec %s nft flush chain inet pdmf output" % ns("router2"))
+        back = mesh.wait(lambda: mesh.metric('pdmesh_nodes{role_state="decode_alive"}',
+                                             mesh.http2) >= 2, 30)
+        check("after the partition heals d0 registers with the second router again", back)
+        out, _, _ = gen(bindir, mesh.client_ep2, LONG)
+        check("the second router serves again, equal to the engine",
+              out and out.get("ok") and out["text"] == ref, out)
         crashed = [n for n, p in mesh.procs.items() if p.poll() not in (None, 0)]
         check("no process crashed", not crashed, crashed)
     finally:

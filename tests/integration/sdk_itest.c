@@ -25,6 +25,13 @@
  *        one entry per prompt token (the first NAN), nothing generated, and the same values
  *        again with a completion; then two calls at temperature 0.8 with seed 11 are equal
  *        and one with seed 12 differs
+ *   pdm-sdk-itest ha-loop ENDPOINTS THREADS SECONDS N PROMPTS.json
+ *        ENDPOINTS: a router list (EP1,EP2). THREADS threads, one client each, stream greedy
+ *        requests of N tokens for SECONDS, prompt j % count of PROMPTS.json (["...", ...]),
+ *        while routers die and come back (tests/integration/test_ha.py). One JSON line per
+ *        request: {"prompt": j, "status": rc, "name": ..., "text": result, "stream": the
+ *        chunks' text joined, "tokens": [...], "gap": 1 if a chunk's index was not the
+ *        count of tokens before it (a lost or repeated token), "ms": elapsed, "timeout_ms"}
  * Exit status 0 when the check holds, 1 otherwise (with a message on stderr).
  */
 #include <cjson/cJSON.h>
@@ -513,6 +520,112 @@ static int cmd_structured(const char *ep, long n)
     return status;
 }
 
+typedef struct {
+    const char *ep;
+    cJSON *prompts;
+    double until;
+    uint32_t n;
+    pthread_mutex_t *out_mu;
+} ha_job_t;
+
+typedef struct {
+    char *buf;
+    size_t len;
+    uint32_t next;  /* index the next chunk must start at */
+    int gap;
+    double last, max_pause; /* seconds: the last chunk's time, the longest wait for one */
+} ha_acc_t;
+
+static int ha_cb(const pdm_client_chunk_t *ch, void *data)
+{
+    ha_acc_t *a = data;
+    if (ch->index != a->next) a->gap = 1;
+    double now = now_s();
+    if (a->last > 0 && now - a->last > a->max_pause) a->max_pause = now - a->last;
+    a->last = now;
+    a->next = ch->index + (uint32_t)ch->n_tokens;
+    char *b = realloc(a->buf, a->len + ch->text_len + 1);
+    if (!b) return 1;
+    memcpy(b + a->len, ch->text, ch->text_len);
+    a->len += ch->text_len;
+    b[a->len] = 0;
+    a->buf = b;
+    return 0;
+}
+
+static void *ha_main(void *arg)
+{
+    ha_job_t *j = arg;
+    pdm_client_options_t o = {.timeout_ms = 60000};
+    pdm_client_t *c;
+    if (pdm_client_create(j->ep, &o, &c)) {
+        fprintf(stderr, "ha-loop: %s\n", pdm_client_last_error());
+        return NULL;
+    }
+    const int n_prompts = cJSON_GetArraySize(j->prompts);
+    for (unsigned k = 0; now_s() < j->until; k++) {
+        int pi = (int)((k + (uintptr_t)pthread_self() / 64) % (unsigned)n_prompts);
+        pdm_client_request_t q;
+        greedy(&q, cJSON_GetArrayItem(j->prompts, pi)->valuestring, j->n);
+        q.timeout_ms = o.timeout_ms;
+        pdm_client_result_t r;
+        ha_acc_t acc = {0};
+        double t0 = now_s();
+        int rc = pdm_client_generate_stream(c, &q, ha_cb, &acc, &r);
+        cJSON *o1 = cJSON_CreateObject();
+        cJSON_AddNumberToObject(o1, "prompt", pi);
+        cJSON_AddNumberToObject(o1, "status", rc);
+        cJSON_AddStringToObject(o1, "name", pdm_client_status_name(rc));
+        cJSON_AddStringToObject(o1, "error", r.error);
+        cJSON_AddStringToObject(o1, "text", r.text ? r.text : "");
+        cJSON_AddStringToObject(o1, "stream", acc.buf ? acc.buf : "");
+        cJSON *toks = cJSON_AddArrayToObject(o1, "tokens");
+        for (size_t i = 0; i < r.n_tokens; i++)
+            cJSON_AddItemToArray(toks, cJSON_CreateNumber(r.tokens[i]));
+        cJSON_AddNumberToObject(o1, "gap", acc.gap);
+        cJSON_AddNumberToObject(o1, "max_gap", acc.max_pause);
+        cJSON_AddNumberToObject(o1, "ms", (now_s() - t0) * 1e3);
+        cJSON_AddNumberToObject(o1, "timeout_ms", o.timeout_ms);
+        struct timespec wall;
+        clock_gettime(CLOCK_REALTIME, &wall);
+        cJSON_AddNumberToObject(o1, "t_end", (double)wall.tv_sec + wall.tv_nsec * 1e-9);
+        cJSON_AddNumberToObject(o1, "ttft_ms", r.client_ttft_ms);
+        char *line = cJSON_PrintUnformatted(o1);
+        pthread_mutex_lock(j->out_mu);
+        printf("%s\n", line);
+        fflush(stdout);
+        pthread_mutex_unlock(j->out_mu);
+        free(line);
+        cJSON_Delete(o1);
+        free(acc.buf);
+        pdm_client_result_fini(&r);
+    }
+    pdm_client_destroy(c);
+    return NULL;
+}
+
+static int cmd_ha_loop(const char *ep, int threads, double seconds, uint32_t n, const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return fprintf(stderr, "ha-loop: cannot open %s\n", path), 1;
+    char buf[1 << 16];
+    size_t got = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[got] = 0;
+    cJSON *prompts = cJSON_Parse(buf);
+    if (!cJSON_IsArray(prompts) || cJSON_GetArraySize(prompts) < 1)
+        return fprintf(stderr, "ha-loop: %s is not a list of prompts\n", path), 1;
+    if (threads < 1 || threads > 64) threads = 1;
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    ha_job_t j = {.ep = ep, .prompts = prompts, .until = now_s() + seconds, .n = n,
+                  .out_mu = &mu};
+    pthread_t t[64];
+    for (int i = 0; i < threads; i++) pthread_create(&t[i], NULL, ha_main, &j);
+    for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
+    cJSON_Delete(prompts);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 3) {
@@ -525,6 +638,8 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "timeout") && argc == 4) return cmd_timeout(ep, atoi(argv[3]));
     if (!strcmp(cmd, "ping") && argc == 4) return cmd_ping(ep, atoi(argv[3]));
     if (!strcmp(cmd, "structured") && argc == 4) return cmd_structured(ep, atol(argv[3]));
+    if (!strcmp(cmd, "ha-loop") && argc == 7)
+        return cmd_ha_loop(ep, atoi(argv[3]), atof(argv[4]), (uint32_t)atol(argv[5]), argv[6]);
     if (!strcmp(cmd, "sampling") && argc == 7)
         return cmd_sampling(ep, atol(argv[3]), atoi(argv[4]), argv[5], argv[6]);
     if (!strcmp(cmd, "hold") && argc == 5) {

@@ -148,16 +148,57 @@ class Stream:
         return False
 
     def _run(self):
+        """One call over the client's routers (docs/sdk.md "Failover"): when the router is
+        lost (connection dropped, never came, or it has no node yet), the request goes to
+        the next router with the tokens already delivered (GenerateRequest.resume_tokens);
+        the new router continues from there, so the caller sees one stream with no token
+        lost or repeated. A request that delivered nothing is sent whole. One timeout for
+        all attempts."""
+        c = self._client
+        start = time.monotonic()
+        deadline = start + self._timeout
+        eps = c._order()
+        delivered, text_bytes, first_seen = [], 0, 0.0
+        attempt = 0
+        while True:
+            ep = eps[attempt % len(eps)]
+            attempt += 1
+            req = self._request
+            if delivered:
+                req = pb.GenerateRequest()
+                req.CopyFrom(self._request)
+                req.resume_tokens.extend(delivered)
+                req.resume_text_bytes = text_bytes
+            left = deadline - time.monotonic()
+            req.deadline_ms = max(1, min(req.deadline_ms or int(left * 1000), int(left * 1000)))
+            gen = self._run_one(ep, req, deadline, start)
+            try:
+                for ch in gen:
+                    delivered.extend(ch.tokens)
+                    text_bytes += len(ch.text.encode())
+                    if self._request.stream:
+                        yield ch
+                return
+            except (errors.UnreachableError, errors.UnavailableError):
+                c._mark_down(ep)
+                if len(eps) == 1 or time.monotonic() >= deadline:
+                    raise
+                if attempt % len(eps) == 0:
+                    time.sleep(0.2)  # every router failed once: a short pause
+            finally:
+                gen.close()
+
+    def _run_one(self, endpoint, request, deadline, start):
         c = self._client
         sock = c._socket()
         sock.setsockopt(zmq.MAXMSGSIZE, c.max_frame)
         mon = sock.get_monitor_socket(_MONITOR_EVENTS)
+        self._done = False
         try:
-            sock.connect(c.endpoint)
-            start = time.monotonic()
-            deadline = start + self._timeout
+            sock.connect(endpoint)
+            attempt_start = time.monotonic()
             connected, ever, handshaken = False, False, False
-            sock.send(pack(pb.MSG_GENERATE_REQUEST, self._request), zmq.DONTWAIT)
+            sock.send(pack(pb.MSG_GENERATE_REQUEST, request), zmq.DONTWAIT)
             text, tokens, first = [], [], 0.0
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
@@ -173,14 +214,14 @@ class Stream:
                     if connected:
                         raise errors.PdmeshTimeout(
                             f"no {'end of the stream' if first else 'answer'} from the router "
-                            f"at {c.endpoint} within {self._timeout:g} s",
+                            f"at {endpoint} within {self._timeout:g} s",
                             request_id=self.request_id)
                     raise errors.UnreachableError(
-                        f"router at {c.endpoint} unreachable (not connected)",
+                        f"router at {endpoint} unreachable (not connected)",
                         request_id=self.request_id)
-                if not connected and now - start >= c.connect_timeout:
+                if not connected and now - attempt_start >= c.connect_timeout:
                     raise errors.UnreachableError(
-                        f"router at {c.endpoint} unreachable (no connection within "
+                        f"router at {endpoint} unreachable (no connection within "
                         f"{c.connect_timeout:g} s)", request_id=self.request_id)
                 wait = min(deadline - now, _POLL_SLICE)
                 events = dict(poller.poll(max(1, int(wait * 1000))))
@@ -190,7 +231,7 @@ class Stream:
                             ev = recv_monitor_message(mon, zmq.DONTWAIT)
                         except zmq.Again:
                             break
-                        refusal = _handshake_refusal(ev, c.endpoint)
+                        refusal = _handshake_refusal(ev, endpoint)
                         if refusal:
                             raise errors.UnauthorizedError(refusal, request_id=self.request_id)
                         if ev["event"] == zmq.EVENT_CONNECTED:
@@ -201,7 +242,7 @@ class Stream:
                             # (before a handshake the request still waits in ZeroMQ's queue;
                             # a refused handshake may show up as a bare disconnect first)
                             raise errors.UnreachableError(
-                                f"connection to the router at {c.endpoint} lost",
+                                f"connection to the router at {endpoint} lost",
                                 request_id=self.request_id)
                         elif ev["event"] == zmq.EVENT_DISCONNECTED:
                             connected = False
@@ -224,9 +265,8 @@ class Stream:
                             first = time.monotonic()
                         text.append(m.text)
                         tokens.extend(m.tokens)
-                        if self._request.stream:
-                            yield Chunk(index=m.index, tokens=list(m.tokens), text=m.text,
-                                        logprobs=_logprobs(m.logprobs))
+                        yield Chunk(index=m.index, tokens=list(m.tokens), text=m.text,
+                                    logprobs=_logprobs(m.logprobs))
                     elif msg_type == pb.MSG_ERROR:
                         raise errors.from_router(pb.ErrorCode.Name(m.code)
                                                  if m.code in pb.ErrorCode.values()
@@ -333,11 +373,21 @@ class Client:
     $PDMESH_CURVE_SERVER_KEY_FILE / $PDMESH_CURVE_KEY_FILE, else a plain connection. A key the
     router does not allow fails with UnauthorizedError."""
 
-    def __init__(self, endpoint: Optional[str] = None, timeout: float = 60.0,
+    def __init__(self, endpoint: "Optional[str | Sequence[str]]" = None, timeout: float = 60.0,
                  connect_timeout: float = 3.0, max_frame: int = 16 << 20,
                  curve_server_key_file: Optional[str] = None,
                  curve_key_file: Optional[str] = None) -> None:
-        self.endpoint = endpoint or os.environ.get("PDMESH_ROUTER") or DEFAULT_ENDPOINT
+        endpoint = endpoint or os.environ.get("PDMESH_ROUTER") or DEFAULT_ENDPOINT
+        if isinstance(endpoint, str):
+            endpoint = endpoint.replace(" ", ",").split(",")
+        # several routers (docs/sdk.md "Failover"): calls go round robin to the routers not
+        # known to be down and move to another one when theirs is lost
+        self.endpoints = [e for e in endpoint if e]
+        if not self.endpoints:
+            raise errors.InvalidArgumentError("no router endpoint")
+        self.endpoint = self.endpoints[0]
+        self._down_until: Dict[str, float] = {}
+        self._rr = itertools.count()
         if timeout <= 0 or connect_timeout <= 0:
             raise errors.InvalidArgumentError("timeouts must be positive")
         self.timeout = float(timeout)
@@ -373,6 +423,20 @@ class Client:
     def _next_id(self):
         with self._lock:
             return next(self._ids)
+
+    def _order(self):
+        """The routers in the order a new call tries them: round robin, the ones that failed
+        in the last 2 s last."""
+        with self._lock:
+            k = next(self._rr) % len(self.endpoints)
+            now = time.monotonic()
+            eps = self.endpoints[k:] + self.endpoints[:k]
+            return ([e for e in eps if self._down_until.get(e, 0) <= now] +
+                    [e for e in eps if self._down_until.get(e, 0) > now])
+
+    def _mark_down(self, endpoint):
+        with self._lock:
+            self._down_until[endpoint] = time.monotonic() + 2.0
 
     def _request(self, prompt, prompt_tokens, messages, stream, max_tokens, temperature, top_k,
                  top_p, min_p, repeat_penalty, seed, stop, deadline_ms, beams, n_best,
