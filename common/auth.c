@@ -65,6 +65,16 @@ void pdm_sha256(const void *data, size_t len, uint8_t out[32])
     EVP_Digest(data, len, out, &olen, EVP_sha256(), NULL);
 }
 
+void pdm_prefix_salt_derive(const void *secret, size_t secret_len, uint8_t out[16])
+{
+    static const char label[] = "pdmesh prefix block key salt v1";
+    uint8_t mac[32];
+    unsigned int olen = 32;
+    HMAC(EVP_sha256(), secret, (int)secret_len, (const uint8_t *)label, sizeof(label) - 1, mac,
+         &olen);
+    memcpy(out, mac, 16);
+}
+
 int pdm_prefix_block_keys(const pdm_prefix_key_params_t *p, const int32_t *tok, uint32_t n,
                           uint8_t (*out)[32], int max)
 {

@@ -89,7 +89,7 @@ int pdm_auth_load_admin_token(const char *path, const char *file_option, char **
 void pdm_sha256(const void *data, size_t len, uint8_t out[32]);
 /* Prefix block keys, the one definition the router (prefix routing, router/prefix.c) and the
  * decode nodes (KV events of their prefix pools, decode_node/node.c) share: SHA-256 with tagged
- * fields (PITFALLS.md: cache keys): a domain tag, the router's random salt, the model name, the
+ * fields (PITFALLS.md: cache keys): a domain tag, the mesh's salt, the model name, the
  * parent block's key and the block's tokens, each length-prefixed. Key i names the whole
  * prefix up to the end of block i (block_tokens tokens each, 64 when <= 0); only whole blocks
  * are keyed. Writes at most max keys to out and returns how many (0 when out of memory). */
@@ -100,6 +100,10 @@ typedef struct {
 } pdm_prefix_key_params_t;
 int pdm_prefix_block_keys(const pdm_prefix_key_params_t *p, const int32_t *tok, uint32_t n,
                           uint8_t (*out)[32], int max);
+/* The mesh's salt: HMAC-SHA256 of a fixed label under the cluster secret, cut to 16 bytes.
+ * Secret to the mesh like the secret itself, and the same in every router of it (and across
+ * their restarts), so that one decode node's KV events name its blocks for all of them. */
+void pdm_prefix_salt_derive(const void *secret, size_t secret_len, uint8_t out[16]);
 /* KvEvents (proto/pdmesh.proto): at most this many block keys per message (a 32-byte key and
  * its framing: ~36 KB), and a decode node sends a full snapshot of its pool at least every
  * PDM_KVEV_SNAPSHOT_S seconds (anti-entropy for a message lost on the way). */

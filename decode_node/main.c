@@ -55,8 +55,9 @@ typedef struct {
     unsigned orphans_of[PDM_LINK_MAX_ROUTERS]; /* pdm_link_orphans_of, per router, then */
     double next_load_report;     /* pdm__report_load: when the heartbeat's load is refreshed */
     /* KV events of the prefix pool (pdm__report_kv_events) */
-    uint64_t kvev_epoch;         /* the registration whose block keys the node uses */
-    uint64_t kvev_seq;           /* KvEvents.seq of the last message (per epoch) */
+    uint64_t kvev_epoch[PDM_LINK_MAX_ROUTERS]; /* each router's registration the events
+                                  * last went to (a new one gets a reset and a snapshot) */
+    uint64_t kvev_seq;           /* KvEvents.seq of the last message (to every router) */
     double kvev_next_snapshot;   /* anti-entropy snapshot (PDM_KVEV_SNAPSHOT_S) */
     double kvev_next_stats;      /* pool stats go out at least this often, events or not */
     pdm_decode_kv_event_t *kvev; /* [PDM_KVEV_MAX_KEYS] one message's events */
@@ -370,23 +371,32 @@ static void pdm__report_load(pdm__daemon_t *dn)
     pdm_link_set_load(dn->link, &load);
 }
 
-/* The prefix pool's KV events (decode.h) to the router, at most PDM_KVEV_MAX_KEYS keys a
- * message, a few messages per call (the link's queue is bounded too), with the pool's stats.
- * A new registration brings the router's block keys (RegisterAck) and a full snapshot; a
- * snapshot also goes out every PDM_KVEV_SNAPSHOT_S in case a message was lost. */
+/* The prefix pool's KV events (decode.h) to every router the node is registered with (each
+ * keeps its own index from the same events: docs/router.md "High availability"), at most
+ * PDM_KVEV_MAX_KEYS keys a message, a few messages per call (the link's queue is bounded too),
+ * with the pool's stats. A new registration with any router brings the block keys
+ * (RegisterAck: the same in every router of a mesh, pdm_prefix_salt_derive) and a reset and
+ * full snapshot to all of them; a snapshot also goes out every PDM_KVEV_SNAPSHOT_S in case a
+ * message was lost. */
 static void pdm__report_kv_events(pdm__daemon_t *dn)
 {
     if (dn->dp.pool_tokens <= 0 || !dn->kvev) return;
-    const uint64_t epoch = pdm_link_epoch(dn->link);
-    if (!epoch) return;
+    const int nr = pdm_link_n_routers(dn->link);
+    int any = 0, fresh = 0;
+    for (int o = 0; o < nr && o < PDM_LINK_MAX_ROUTERS; o++) {
+        const uint64_t e =
+            pdm_link_router_registered(dn->link, o) ? pdm_link_epoch_of(dn->link, o) : 0;
+        any |= e != 0;
+        fresh |= e && e != dn->kvev_epoch[o];
+        dn->kvev_epoch[o] = e;
+    }
+    if (!any) return;
     const double now = pdm_now();
-    if (epoch != dn->kvev_epoch) {
+    if (fresh) {
         pdm_prefix_key_params_t kp;
         char model[128];
         const uint64_t ke = pdm_link_prefix_keys(dn->link, &kp, model, sizeof(model));
-        pdm_decode_node_set_prefix_keys(dn->node, ke == epoch ? &kp : NULL);
-        dn->kvev_epoch = epoch;
-        dn->kvev_seq = 0;
+        pdm_decode_node_set_prefix_keys(dn->node, ke ? &kp : NULL);
         dn->kvev_next_snapshot = now + PDM_KVEV_SNAPSHOT_S;
         dn->kvev_next_stats = 0;
     } else if (now > dn->kvev_next_snapshot) {
@@ -437,13 +447,16 @@ static void pdm__report_kv_events(pdm__daemon_t *dn)
         pool.file_bytes = ps.file_bytes;
         Pdmesh__KvEvents m = PDMESH__KV_EVENTS__INIT;
         m.node_id = (char *)dn->node_id;
-        m.epoch = epoch;
         m.seq = ++dn->kvev_seq;
         m.reset = reset;
         m.events = evp;
         m.n_events = n_ev;
         m.pool = &pool;
-        pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_KV_EVENTS, &m.base);
+        for (int o = 0; o < nr && o < PDM_LINK_MAX_ROUTERS; o++) {
+            if (!dn->kvev_epoch[o]) continue;
+            m.epoch = dn->kvev_epoch[o];
+            pdm_link_send_to(dn->link, o, PDMESH__MSG_TYPE__MSG_KV_EVENTS, &m.base);
+        }
         dn->kvev_next_stats = now + 1.0;
         if (n < PDM_KVEV_MAX_KEYS) return;
     }

@@ -169,7 +169,7 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     int st = pdm_auth_load_secret(cfg->secret_file, &r->secret, &r->secret_len);
     if (st) goto fail; /* the message names the secret and its sources */
     if ((st = rt_load_token(cfg->admin_token_file, &r->admin_token))) goto fail;
-    if ((st = pdm_random_bytes(r->prefix_salt, sizeof(r->prefix_salt)))) goto fail;
+    pdm_prefix_salt_derive(r->secret, r->secret_len, r->prefix_salt); /* one per mesh */
     r->pool_block_tokens = cfg->block_tokens > 0 ? cfg->block_tokens : 64;
     if (!(r->kvidx = rt_kvindex_create(0))) {
         st = pdm_error_set(PDM_ENOMEM, "router: no memory for the prefix block index");
