@@ -430,41 +430,24 @@ static void matmul_q8_0x8(const pdm_kern_mat_t *w, const void *act, int n_tok, f
                           int64_t ldy, int64_t r0, int64_t r1)
 {
     const int64_t nb = w->cols / PDM_QK;
-    const pdm_block_q8_0x8_t *wb = w->data;
+    const int q5 = w->type == PDM_DT_Q5_0;
+    const size_t gb = q5 ? sizeof(pdm_block_q5_0x8_t) : sizeof(pdm_block_q8_0x8_t);
     const pdm_block_q8_0_t *x = act;
     for (int t = 0; t < n_tok; t++) {
         const pdm_block_q8_0_t *xt = x + (size_t)t * nb;
         for (int64_t r = r0; r < r1; r++) {
-            const pdm_block_q8_0x8_t *g = wb + (r / PDM_X8_ROWS) * nb;
+            const char *g = (const char *)w->data + (size_t)(r / PDM_X8_ROWS) * (size_t)nb * gb;
             const int rr = (int)(r % PDM_X8_ROWS);
             float acc = 0.0f;
             for (int64_t i = 0; i < nb; i++) {
+                const pdm_block_q8_0x8_t *b8 = (const pdm_block_q8_0x8_t *)g + i;
+                const pdm_block_q5_0x8_t *b5 = (const pdm_block_q5_0x8_t *)g + i;
                 int32_t sumi = 0;
                 for (int e = 0; e < PDM_QK; e++)
-                    sumi += ((int)g[i].qs[e / 4][4 * rr + e % 4] - 128) * xt[i].qs[e];
-                acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * pdm_f16_to_f32(xt[i].d), (float)sumi, acc);
-            }
-            y[(size_t)t * ldy + r] = acc;
-        }
-    }
-}
-
-static void matmul_q5_0x8(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
-                          int64_t ldy, int64_t r0, int64_t r1)
-{
-    const int64_t nb = w->cols / PDM_QK;
-    const pdm_block_q5_0x8_t *wb = w->data;
-    const pdm_block_q8_0_t *x = act;
-    for (int t = 0; t < n_tok; t++) {
-        const pdm_block_q8_0_t *xt = x + (size_t)t * nb;
-        for (int64_t r = r0; r < r1; r++) {
-            const pdm_block_q5_0x8_t *g = wb + (r / PDM_X8_ROWS) * nb;
-            const int rr = (int)(r % PDM_X8_ROWS);
-            float acc = 0.0f;
-            for (int64_t i = 0; i < nb; i++) {
-                int32_t sumi = 0;
-                for (int e = 0; e < PDM_QK; e++) sumi += (pdm__x8_q5(&g[i], rr, e) - 16) * xt[i].qs[e];
-                acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * pdm_f16_to_f32(xt[i].d), (float)sumi, acc);
+                    sumi += (q5 ? pdm__x8_q5(b5, rr, e) - 16
+                                : (int)b8->qs[e / 4][4 * rr + e % 4] - 128) * xt[i].qs[e];
+                const uint16_t d = q5 ? b5->d[rr] : b8->d[rr];
+                acc = fmaf(pdm_f16_to_f32(d) * pdm_f16_to_f32(xt[i].d), (float)sumi, acc);
             }
             y[(size_t)t * ldy + r] = acc;
         }
@@ -487,12 +470,8 @@ void pdm_kern__matmul_x8_generic(const pdm_kern_mat_t *w, const void *act, int n
         matmul_q6_Kx8(w, act, n_tok, y, ldy, r0, r1);
         return;
     }
-    if (w->type == PDM_DT_Q8_0) {
+    if (w->type == PDM_DT_Q8_0 || w->type == PDM_DT_Q5_0) {
         matmul_q8_0x8(w, act, n_tok, y, ldy, r0, r1);
-        return;
-    }
-    if (w->type == PDM_DT_Q5_0) {
-        matmul_q5_0x8(w, act, n_tok, y, ldy, r0, r1);
         return;
     }
     if (w->type == PDM_DT_IQ4_XS) {
