@@ -402,6 +402,8 @@ http-test: $(BINS) python-sdk
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_structured.py \
 	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_tools.py \
+	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_adaptive_mesh.py \
 	  --bindir $(BUILD)/bin
 	PYTHONPATH=$(BUILD)/python $(VENV)/bin/python tests/integration/test_arch_mesh.py \
