@@ -418,12 +418,29 @@ char *pdm_chat_render(pdm_chat_format_t fmt, const char *default_system,
 
 /* ---- Tools -------------------------------------------------------------------------------- */
 
-int pdm_chat_supports_tools(pdm_chat_format_t fmt) { return fmt == PDM_CHAT_CHATML; }
+int pdm_chat_supports_tools(pdm_chat_format_t fmt)
+{
+    return fmt == PDM_CHAT_CHATML || fmt == PDM_CHAT_LLAMA3;
+}
 
 /* Python's json.dumps(v, ensure_ascii=False) (transformers' tojson): ", " and ": " separators,
  * keys in their order, \" \\ \n \r \t \b \f escaped, other control bytes as \u00XX, the rest
  * (UTF-8 included) as is. */
+static void pdm_chat__py_json_at(pdm_chat__buf_t *b, const cJSON *v, int indent, int level);
+
 static void pdm_chat__py_json(pdm_chat__buf_t *b, const cJSON *v)
+{
+    pdm_chat__py_json_at(b, v, 0, 0);
+}
+
+/* With indent > 0: json.dumps(v, indent=indent), "," and ": " separators, one item a line. */
+static void pdm_chat__newline(pdm_chat__buf_t *b, int indent, int level)
+{
+    pdm_chat__put(b, "\n");
+    for (int i = 0; i < indent * level; i++) pdm_chat__put(b, " ");
+}
+
+static void pdm_chat__py_json_at(pdm_chat__buf_t *b, const cJSON *v, int indent, int level)
 {
     char num[40];
     if (cJSON_IsNull(v)) {
@@ -471,16 +488,29 @@ static void pdm_chat__py_json(pdm_chat__buf_t *b, const cJSON *v)
         int obj = cJSON_IsObject(v);
         pdm_chat__put(b, obj ? "{" : "[");
         for (const cJSON *e = v->child; e; e = e->next) {
+            if (indent) pdm_chat__newline(b, indent, level + 1);
             if (obj) {
                 cJSON key = {.type = cJSON_String, .valuestring = e->string ? e->string : ""};
                 pdm_chat__py_json(b, &key);
                 pdm_chat__put(b, ": ");
             }
-            pdm_chat__py_json(b, e);
-            if (e->next) pdm_chat__put(b, ", ");
+            pdm_chat__py_json_at(b, e, indent, level + 1);
+            if (e->next) pdm_chat__put(b, indent ? "," : ", ");
         }
+        if (indent && v->child) pdm_chat__newline(b, indent, level);
         pdm_chat__put(b, obj ? "}" : "]");
     }
+}
+
+/* Prints OpenAI's `arguments` (JSON text, or an object) as the templates' `arguments | tojson`
+ * expects: the parsed object; a string that is not JSON as a string. */
+static void pdm_chat__put_arguments(pdm_chat__buf_t *b, const cJSON *args)
+{
+    cJSON *parsed = cJSON_IsString(args) ? cJSON_Parse(args->valuestring) : NULL;
+    if (parsed) pdm_chat__py_json(b, parsed);
+    else if (args) pdm_chat__py_json(b, args);
+    else pdm_chat__put(b, "{}");
+    cJSON_Delete(parsed);
 }
 
 /* Qwen 2.5's assistant turn with calls: '<|im_start|>assistant' ['\n' content] then per call
@@ -513,11 +543,7 @@ static int pdm_chat__qwen_calls(pdm_chat__buf_t *b, const pdm_chat_msg_t *m, int
         pdm_chat__put(b, "\n<tool_call>\n{\"name\": \"");
         pdm_chat__put(b, name->valuestring);
         pdm_chat__put(b, "\", \"arguments\": ");
-        cJSON *parsed = cJSON_IsString(args) ? cJSON_Parse(args->valuestring) : NULL;
-        if (parsed) pdm_chat__py_json(b, parsed);
-        else if (args) pdm_chat__py_json(b, args);
-        else pdm_chat__put(b, "{}");
-        cJSON_Delete(parsed);
+        pdm_chat__put_arguments(b, args);
         pdm_chat__put(b, "}\n</tool_call>");
     }
     pdm_chat__put(b, "<|im_end|>\n");
@@ -582,6 +608,81 @@ static int pdm_chat__qwen_tools(pdm_chat__buf_t *b, const pdm_chat_msg_t *m, int
     return PDM_OK;
 }
 
+static void pdm_chat__llama3_turn(pdm_chat__buf_t *b, const char *role, const char *content)
+{
+    pdm_chat__put(b, "<|start_header_id|>");
+    pdm_chat__put(b, role);
+    pdm_chat__put(b, "<|end_header_id|>\n\n");
+    pdm_chat__put_trimmed(b, content);
+    pdm_chat__put(b, "<|eot_id|>");
+}
+
+/* Llama 3.1's template (meta-llama/Llama-3.1-8B-Instruct tokenizer_config.json chat_template,
+ * with its defaults: tools in the first user message, date_string "26 Jul 2024", no builtin
+ * tools; BOS comes from the tokenizer): a system turn with "Environment: ipython" (with tools),
+ * the knowledge and today dates and the system message; the tools as `tojson(indent=4)` in the
+ * first user message; an assistant call as {"name": ..., "parameters": ...} (one call per
+ * message, as the template demands); tool results in "ipython" turns, printed with tojson (a
+ * string content is iterable in Jinja, so it comes out quoted, as with the real template). */
+static int pdm_chat__llama3_tools(pdm_chat__buf_t *b, const pdm_chat_msg_t *m, int n,
+                                  const cJSON *tools, int add_ass)
+{
+    int i = 0;
+    pdm_chat__put(b, "<|start_header_id|>system<|end_header_id|>\n\n");
+    if (tools) pdm_chat__put(b, "Environment: ipython\n");
+    pdm_chat__put(b, "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n");
+    if (n > 0 && !strcmp(m[0].role, "system")) pdm_chat__put_trimmed(b, m[i++].content);
+    pdm_chat__put(b, "<|eot_id|>");
+    if (tools) {
+        if (i >= n)
+            return pdm_error_set(PDM_EINVAL, "chat: Llama 3.1's template puts the tools in the "
+                                 "first user message, and there is none");
+        pdm_chat__put(b, "<|start_header_id|>user<|end_header_id|>\n\nGiven the following "
+                         "functions, please respond with a JSON for a function call with its "
+                         "proper arguments that best answers the given prompt.\n\nRespond in "
+                         "the format {\"name\": function name, \"parameters\": dictionary of "
+                         "argument name and its value}.Do not use variables.\n\n");
+        for (const cJSON *t = tools->child; t; t = t->next) {
+            pdm_chat__py_json_at(b, t, 4, 0);
+            pdm_chat__put(b, "\n\n");
+        }
+        pdm_chat__put_trimmed(b, m[i++].content);
+        pdm_chat__put(b, "<|eot_id|>");
+    }
+    for (; i < n; i++) {
+        if (!strcmp(m[i].role, "tool")) {
+            cJSON str = {.type = cJSON_String, .valuestring = (char *)m[i].content};
+            pdm_chat__put(b, "<|start_header_id|>ipython<|end_header_id|>\n\n");
+            pdm_chat__py_json(b, &str);
+            pdm_chat__put(b, "<|eot_id|>");
+        } else if (m[i].tool_calls_json) {
+            cJSON *calls = cJSON_Parse(m[i].tool_calls_json);
+            if (!cJSON_IsArray(calls) || cJSON_GetArraySize(calls) != 1) {
+                cJSON_Delete(calls);
+                return pdm_error_set(PDM_EINVAL, "messages[%d].tool_calls: Llama 3.1's template "
+                                     "takes exactly one call per message", i);
+            }
+            const cJSON *fn = cJSON_GetObjectItemCaseSensitive(calls->child, "function");
+            const cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name");
+            if (!cJSON_IsString(name)) {
+                cJSON_Delete(calls);
+                return pdm_error_set(PDM_EINVAL, "messages[%d].tool_calls[0].function.name must "
+                                     "be a string", i);
+            }
+            pdm_chat__put(b, "<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"");
+            pdm_chat__put(b, name->valuestring);
+            pdm_chat__put(b, "\", \"parameters\": ");
+            pdm_chat__put_arguments(b, cJSON_GetObjectItemCaseSensitive(fn, "arguments"));
+            pdm_chat__put(b, "}<|eot_id|>");
+            cJSON_Delete(calls);
+        } else {
+            pdm_chat__llama3_turn(b, m[i].role, m[i].content);
+        }
+    }
+    if (add_ass) pdm_chat__put(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    return PDM_OK;
+}
+
 /* See chat.h. */
 char *pdm_chat_render_tools(pdm_chat_format_t fmt, const char *default_system,
                             const pdm_chat_msg_t *msgs, int n_messages, const char *tools_json,
@@ -599,7 +700,8 @@ char *pdm_chat_render_tools(pdm_chat_format_t fmt, const char *default_system,
     }
     if (!pdm_chat_supports_tools(fmt)) {
         pdm_error_set(PDM_EUNSUPPORTED, "the model's chat template (%s) does not support tools "
-                      "(templates with tools: chatml, as Qwen 2.5)", pdm_chat_name(fmt));
+                      "(templates with tools: chatml as Qwen 2.5, llama3 as Llama 3.1)",
+                      pdm_chat_name(fmt));
         return NULL;
     }
     cJSON *tools = NULL;
@@ -617,8 +719,10 @@ char *pdm_chat_render_tools(pdm_chat_format_t fmt, const char *default_system,
     }
     pdm_chat__buf_t b = {0};
     pdm_chat__putn(&b, "", 0);
-    int st = pdm_chat__qwen_tools(&b, msgs, n_messages, tools, add_generation_prompt,
-                                  default_system);
+    int st = fmt == PDM_CHAT_LLAMA3
+                 ? pdm_chat__llama3_tools(&b, msgs, n_messages, tools, add_generation_prompt)
+                 : pdm_chat__qwen_tools(&b, msgs, n_messages, tools, add_generation_prompt,
+                                        default_system);
     cJSON_Delete(tools);
     if (!st && b.oom) st = pdm_error_set(PDM_ENOMEM, "chat: out of memory for the chat prompt");
     if (st) {
@@ -644,8 +748,13 @@ char *pdm_chat_tool_call_schema(pdm_chat_format_t fmt, const char *tools_json, c
         goto done;
     }
     if (!root) goto oom;
-    cJSON_AddStringToObject(root, PDM_GRAMMAR_KEY_PREFIX, PDM_CHAT_TOOL_CALL_OPEN "\n");
-    cJSON_AddStringToObject(root, PDM_GRAMMAR_KEY_SUFFIX, "\n" PDM_CHAT_TOOL_CALL_CLOSE);
+    /* Qwen: the object inside <tool_call> tags; Llama 3.1: the bare object, whose arguments
+     * are called "parameters" */
+    const char *args_key = fmt == PDM_CHAT_LLAMA3 ? "parameters" : "arguments";
+    if (fmt == PDM_CHAT_CHATML) {
+        cJSON_AddStringToObject(root, PDM_GRAMMAR_KEY_PREFIX, PDM_CHAT_TOOL_CALL_OPEN "\n");
+        cJSON_AddStringToObject(root, PDM_GRAMMAR_KEY_SUFFIX, "\n" PDM_CHAT_TOOL_CALL_CLOSE);
+    }
     if (!(any = cJSON_AddArrayToObject(root, "anyOf"))) goto oom;
     int k = 0;
     for (const cJSON *t = tools->child; t; t = t->next, k++) {
@@ -668,11 +777,11 @@ char *pdm_chat_tool_call_schema(pdm_chat_format_t fmt, const char *tools_json, c
         cJSON *args = params && !cJSON_IsNull(params) ? cJSON_Duplicate(params, 1)
                                                       : cJSON_Parse("{\"type\":\"object\"}");
         if (!args) goto oom;
-        cJSON_AddItemToObject(props, "arguments", args);
+        cJSON_AddItemToObject(props, args_key, args);
         cJSON *req = cJSON_AddArrayToObject(alt, "required");
         if (!req) goto oom;
         cJSON_AddItemToArray(req, cJSON_CreateString("name"));
-        cJSON_AddItemToArray(req, cJSON_CreateString("arguments"));
+        cJSON_AddItemToArray(req, cJSON_CreateString(args_key));
         cJSON_AddFalseToObject(alt, "additionalProperties");
     }
     if (!any->child) {
@@ -706,6 +815,7 @@ int pdm_chat_tool_call_parse_one(const char *json, size_t len, char **name, char
     cJSON *j = cJSON_ParseWithLength(json, len);
     const cJSON *nm = cJSON_GetObjectItemCaseSensitive(j, "name");
     const cJSON *args = cJSON_GetObjectItemCaseSensitive(j, "arguments");
+    if (!args) args = cJSON_GetObjectItemCaseSensitive(j, "parameters"); /* Llama 3.1 */
     cJSON *parsed = NULL;
     if (cJSON_IsString(args)) args = parsed = cJSON_Parse(args->valuestring);
     int st = 0;
@@ -737,6 +847,31 @@ int pdm_chat_tool_calls_parse(const char *text, pdm_chat_tool_call_t **calls, in
     int n = 0, cap = 0, bad = 0;
     pdm_chat__putn(&rest, "", 0);
     const char *p = text ? text : "";
+    if (!strstr(p, open)) { /* Llama 3.1: the whole answer is one bare call */
+        const char *a = p, *e = p + strlen(p);
+        while (pdm_chat__space(*a)) a++;
+        if (!strncmp(a, PDM_CHAT_PYTHON_TAG, strlen(PDM_CHAT_PYTHON_TAG)))
+            a += strlen(PDM_CHAT_PYTHON_TAG);
+        while (e > a && pdm_chat__space(e[-1])) e--;
+        if (*a == '{') {
+            char *name = NULL, *args = NULL;
+            int st = pdm_chat_tool_call_parse_one(a, (size_t)(e - a), &name, &args);
+            if (st < 0) goto oom;
+            if (st > 0 && !(list = malloc(sizeof(*list)))) {
+                free(name);
+                free(args);
+                goto oom;
+            }
+            if (st > 0) {
+                list[0] = (pdm_chat_tool_call_t){name, args};
+                free(rest.s);
+                *calls = list;
+                *n_calls = 1;
+                *content = NULL;
+                return PDM_OK;
+            }
+        }
+    }
     for (;;) {
         const char *a = strstr(p, open);
         if (!a) {

@@ -79,8 +79,10 @@ char *pdm_chat_render(pdm_chat_format_t fmt, const char *default_system,
  * (Qwen/Qwen2.5-*-Instruct tokenizer_config.json chat_template): a "# Tools" block in the
  * system turn listing each tool as `tool | tojson` inside <tools></tools>, assistant calls as
  * "<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>", tool results as
- * <tool_response> blocks in a user turn (consecutive results share one turn). Other families
- * do not render tools yet (pdm_chat_supports_tools). JSON is printed as Python's json.dumps
+ * <tool_response> blocks in a user turn (consecutive results share one turn). The Llama 3
+ * family takes Llama 3.1's rules (chat.c, pdm_chat__llama3_tools): tools in the first user
+ * message, a call is the bare JSON object {"name": ..., "parameters": ...}. Other families do
+ * not render tools (pdm_chat_supports_tools). JSON is printed as Python's json.dumps
  * does (", " and ": " separators, non-ASCII kept), which is what `tojson` gives in
  * transformers; numbers are printed from doubles, so 1.0 becomes 1. */
 
@@ -102,9 +104,10 @@ char *pdm_chat_render_tools(pdm_chat_format_t fmt, const char *default_system,
                             const pdm_chat_msg_t *msgs, int n_messages, const char *tools_json,
                             int add_generation_prompt);
 
-/* The JSON schema (grammar.h, with its x-pdmesh-prefix/suffix wrapper) that forces one call in
- * the format's syntax: {"name": one of the tools' names (only `name` when not NULL),
- * "arguments": that function's parameters schema ({"type": "object"} when it has none)}.
+/* The JSON schema (grammar.h, with its x-pdmesh-prefix/suffix wrapper for ChatML's tags) that
+ * forces one call in the format's syntax: {"name": one of the tools' names (only `name` when
+ * not NULL), "arguments" (Llama 3.1: "parameters"): that function's parameters schema
+ * ({"type": "object"} when it has none)}.
  * Returns malloc'd text, or NULL with PDM_EINVAL (no such function, malformed tools),
  * PDM_EUNSUPPORTED (format without tools) or PDM_ENOMEM. */
 char *pdm_chat_tool_call_schema(pdm_chat_format_t fmt, const char *tools_json,
@@ -118,7 +121,9 @@ typedef struct {
 
 /* Finds the tool calls in generated text written in the ChatML/Qwen syntax
  * (<tool_call>{json}</tool_call>; a JSON object with a string "name" and an object (or a JSON
- * string holding one) "arguments"). On success *calls (malloc'd array, free with
+ * string holding one) "arguments" or "parameters"), or, when the text has no <tool_call>, in
+ * Llama 3.1's (the whole text, after an optional <|python_tag|>, is one such object). On
+ * success *calls (malloc'd array, free with
  * pdm_chat_tool_calls_free) and *n_calls are set, and *content to the text outside the calls
  * (trimmed; NULL when empty). A block that does not parse leaves the whole text as content with
  * no calls. Returns PDM_OK or PDM_ENOMEM (outputs untouched). */
@@ -133,5 +138,7 @@ int pdm_chat_tool_call_parse_one(const char *json, size_t len, char **name, char
 /* The opening marker of a call (for streaming: text that may begin one is held back). */
 #define PDM_CHAT_TOOL_CALL_OPEN "<tool_call>"
 #define PDM_CHAT_TOOL_CALL_CLOSE "</tool_call>"
+/* Llama 3.1 may start a call with this token (its text when special tokens are rendered). */
+#define PDM_CHAT_PYTHON_TAG "<|python_tag|>"
 
 #endif /* PDM_MODEL_CHAT_H */

@@ -1410,6 +1410,29 @@ int pdm_http__tool_stream_feed(pdm_http_tool_stream_t *ts, const char *text, int
         ts->n += add;
     }
     if (!ts->buf) return PDM_OK;
+    /* Llama 3.1's call is the whole answer, a bare JSON object (after <|python_tag|>): an
+     * answer that starts like one is held to the end, then parsed */
+    if (!ts->content && !ts->calls && !strstr(ts->buf, open)) {
+        const char *a = ts->buf;
+        while (is_space(*a)) a++;
+        size_t lt = strlen(PDM_CHAT_PYTHON_TAG), la = strlen(a);
+        if (*a == '{' || !strncmp(a, PDM_CHAT_PYTHON_TAG, la < lt ? la : lt)) {
+            if (!final) return PDM_OK;
+            pdm_chat_tool_call_t *calls = NULL;
+            int n = 0;
+            char *rest = NULL;
+            if (pdm_chat_tool_calls_parse(ts->buf, &calls, &n, &rest)) return PDM_ENOMEM;
+            free(rest);
+            if (n == 1) {
+                emit(ctx, NULL, calls[0].name, calls[0].arguments);
+                ts->calls++;
+                ts->n = 0;
+                ts->buf[0] = 0;
+            }
+            pdm_chat_tool_calls_free(calls, n);
+            if (n == 1) return PDM_OK;
+        }
+    }
     size_t at = 0; /* ts->buf[0..at) is consumed */
     int st = PDM_OK;
     while (!st && at < ts->n) {

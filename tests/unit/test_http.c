@@ -464,6 +464,11 @@ START_TEST(test_http_tool_stream)
         {"<tool_call>{\"name\": \"f\", \"argu", "<tool_call>{\"name\": \"f\", \"argu", ""},
         {"<tool_call>[1]</tool_call> after", "<tool_call>[1]</tool_call> after", ""},
         {"<tool_call>{\"name\":\"f\"}</tool_call>\nthen text", "then text", "f({});"},
+        /* Llama 3.1: a bare call, with or without <|python_tag|>; JSON that is no call */
+        {" {\"name\": \"f\", \"parameters\": {\"a\": 1}}", "", "f({\"a\":1});"},
+        {"<|python_tag|>{\"name\": \"f\", \"parameters\": {}}", "", "f({});"},
+        {"{\"answer\": 42}", "{\"answer\": 42}", ""},
+        {"<|python_tag|> hello", "<|python_tag|> hello", ""},
     };
     for (size_t i = 0; i < PDM_ARRAY_SIZE(cases); i++) {
         for (int bytewise = 0; bytewise < 2; bytewise++) {

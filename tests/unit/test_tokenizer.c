@@ -1069,8 +1069,8 @@ START_TEST(test_golden_chat_templates)
 }
 END_TEST
 
-/* Tools rendered as Qwen 2.5's own Jinja template renders them (fixtures generated with jinja2
- * by gen_chat_tools.py), tool-call parsing, and the forced-call schema. */
+/* Tools rendered as Qwen 2.5's and Llama 3.1's own Jinja templates render them (fixtures
+ * generated with jinja2 by gen_chat_tools.py), tool-call parsing, and the forced-call schema. */
 START_TEST(test_chat_tools)
 {
     static const char qwen_sys[] =
@@ -1080,7 +1080,10 @@ START_TEST(test_chat_tools)
         pdm_chat_msg_t msgs[8];
         for (int k = 0; k < tc->n; k++)
             msgs[k] = (pdm_chat_msg_t){tc->roles[k], tc->contents[k], tc->calls[k]};
-        char *s = pdm_chat_render_tools(PDM_CHAT_CHATML, qwen_sys, msgs, tc->n, tc->tools, 1);
+        char *s = tc->llama3 ? pdm_chat_render_tools(PDM_CHAT_LLAMA3, NULL, msgs, tc->n,
+                                                     tc->tools, 1)
+                             : pdm_chat_render_tools(PDM_CHAT_CHATML, qwen_sys, msgs, tc->n,
+                                                     tc->tools, 1);
         ck_assert_msg(s, "%s: %s", tc->name, pdm_error_last());
         ck_assert_msg(!strcmp(s, tc->expected), "%s:\n--- got\n%s\n--- want\n%s", tc->name, s,
                       tc->expected);
@@ -1089,6 +1092,7 @@ START_TEST(test_chat_tools)
     /* families without tools, malformed input */
     pdm_chat_msg_t user = {"user", "hi", NULL};
     ck_assert_ptr_null(pdm_chat_render_tools(PDM_CHAT_GEMMA, NULL, &user, 1, "[]", 1));
+    ck_assert(pdm_chat_supports_tools(PDM_CHAT_CHATML) && pdm_chat_supports_tools(PDM_CHAT_LLAMA3));
     ck_assert_ptr_nonnull(strstr(pdm_error_last(), "(gemma) does not support tools"));
     ck_assert_ptr_null(pdm_chat_render_tools(PDM_CHAT_CHATML, NULL, &user, 1, "{\"a\":1}", 1));
     ck_assert_ptr_nonnull(strstr(pdm_error_last(), "tools must be a JSON list"));
@@ -1158,8 +1162,41 @@ START_TEST(test_chat_tools)
     ck_assert_ptr_null(pdm_chat_tool_call_schema(PDM_CHAT_CHATML, tools, "nope"));
     ck_assert_ptr_nonnull(strstr(pdm_error_last(), "'nope'"));
     ck_assert_ptr_null(pdm_chat_tool_call_schema(PDM_CHAT_CHATML, "[]", NULL));
-    ck_assert_ptr_null(pdm_chat_tool_call_schema(PDM_CHAT_LLAMA3, tools, NULL));
+    ck_assert_ptr_null(pdm_chat_tool_call_schema(PDM_CHAT_GEMMA, tools, NULL));
     ck_assert_ptr_nonnull(strstr(pdm_error_last(), "does not support tools"));
+    /* Llama 3.1: the bare object, "parameters", no wrapper */
+    schema = pdm_chat_tool_call_schema(PDM_CHAT_LLAMA3, tools, "get_time");
+    j = cJSON_Parse(schema);
+    ck_assert_ptr_null(cJSON_GetObjectItem(j, "x-pdmesh-prefix"));
+    only = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "anyOf"), 0);
+    ck_assert_ptr_nonnull(cJSON_GetObjectItem(cJSON_GetObjectItem(only, "properties"),
+                                              "parameters"));
+    cJSON_Delete(j);
+    free(schema);
+    /* Llama 3.1's template: tools need a first user message; one call per assistant message */
+    pdm_chat_msg_t sys_only = {"system", "s", NULL};
+    ck_assert_ptr_null(pdm_chat_render_tools(PDM_CHAT_LLAMA3, NULL, &sys_only, 1, tools, 1));
+    ck_assert_ptr_nonnull(strstr(pdm_error_last(), "first user message"));
+    pdm_chat_msg_t two[2] = {{"user", "u", NULL},
+                             {"assistant", "", "[{\"function\":{\"name\":\"a\"}},"
+                                               "{\"function\":{\"name\":\"b\"}}]"}};
+    ck_assert_ptr_null(pdm_chat_render_tools(PDM_CHAT_LLAMA3, NULL, two, 2, NULL, 1));
+    ck_assert_ptr_nonnull(strstr(pdm_error_last(), "exactly one call"));
+    /* Llama 3.1's output: one bare call, with or without <|python_tag|> */
+    const char *bare[] = {"{\"name\": \"get_time\", \"parameters\": {}}",
+                          " <|python_tag|>{\"name\": \"get_time\", \"parameters\": {}}\n"};
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(bare); i++) {
+        ck_assert_int_eq(pdm_chat_tool_calls_parse(bare[i], &calls, &n, &content), PDM_OK);
+        ck_assert_int_eq(n, 1);
+        ck_assert_str_eq(calls[0].name, "get_time");
+        ck_assert_str_eq(calls[0].arguments, "{}");
+        ck_assert_ptr_null(content);
+        pdm_chat_tool_calls_free(calls, n);
+    }
+    ck_assert_int_eq(pdm_chat_tool_calls_parse("{\"answer\": 1}", &calls, &n, &content), PDM_OK);
+    ck_assert_int_eq(n, 0);
+    ck_assert_str_eq(content, "{\"answer\": 1}");
+    free(content);
 }
 END_TEST
 
