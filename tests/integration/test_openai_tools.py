@@ -20,7 +20,10 @@ model: the grammar forces the call's syntax and schema.
   "tool_calls");
 - a conversation with an assistant tool call and tool results is rendered and answered;
 - refusals: a function the tool_choice names that is not in tools, a parameters schema the
-  grammar cannot enforce (400 naming the keyword), response_format with a forced call.
+  grammar cannot enforce (400 naming the keyword), response_format with a forced call;
+- the same enforced checks (required, named, streamed) on a second mesh whose router renders
+  Llama 3.1's format (--chat-template llama3: bare {"name", "parameters"} calls, no tags);
+- a third mesh with --chat-template gemma: tools are a 400 naming them (no tool format).
 
   python3 tests/integration/test_openai_tools.py [--bindir build/bin] [--model FILE]"""
 import json
@@ -68,25 +71,25 @@ def valid_call(name, arguments, want=None):
     return ""
 
 
-def check_required(ck, c):
+def check_required(ck, c, fmt="chatml"):
     r = c.chat.completions.create(model="", messages=ASK, tools=TOOLS, tool_choice="required",
                                   temperature=0, max_tokens=120)
     ch = r.choices[0]
     calls = ch.message.tool_calls or []
-    print("  required: %r" % [(t.function.name, t.function.arguments) for t in calls])
-    ck("required: one tool call", len(calls) == 1, ch.message)
+    print("  %s required: %r" % (fmt, [(t.function.name, t.function.arguments) for t in calls]))
+    ck("%s required: one tool call" % fmt, len(calls) == 1, ch.message)
     if calls:
         t = calls[0]
-        ck("required: the call validates against its function's schema",
+        ck(fmt + " required: the call validates against its function's schema",
            valid_call(t.function.name, t.function.arguments) == "",
            valid_call(t.function.name, t.function.arguments))
-        ck("required: id call_..., type function", t.id.startswith("call_") and
+        ck(fmt + " required: id call_..., type function", t.id.startswith("call_") and
            t.type == "function", t)
-    ck("required: content null, finish_reason tool_calls",
+    ck(fmt + " required: content null, finish_reason tool_calls",
        ch.message.content is None and ch.finish_reason == "tool_calls",
        (ch.message.content, ch.finish_reason))
     x = r.usage.model_extra["pdmesh"]
-    ck("required: prefilled by the 2-rank group", x["prefill_ranks"] == 2, x)
+    ck(fmt + " required: prefilled by the 2-rank group", x["prefill_ranks"] == 2, x)
     bad = []
     for seed in range(3):
         r = c.chat.completions.create(model="", messages=ASK, tools=TOOLS,
@@ -97,19 +100,19 @@ def check_required(ck, c):
             "no call (%s)" % r.choices[0].finish_reason
         if why or r.choices[0].finish_reason != "tool_calls":
             bad.append(why or r.choices[0].finish_reason)
-    ck("required at temperature 0.8, 3 seeds: every call validates", not bad, bad)
+    ck("%s required at temperature 0.8, 3 seeds: every call validates" % fmt, not bad, bad)
 
 
-def check_named(ck, c):
+def check_named(ck, c, fmt="chatml"):
     for name in ("get_time", "get_weather"):
         r = c.chat.completions.create(
             model="", messages=ASK, tools=TOOLS, temperature=0, max_tokens=120,
             tool_choice={"type": "function", "function": {"name": name}})
         ch = r.choices[0]
         calls = ch.message.tool_calls or []
-        print("  named %s: %r" % (name, [(t.function.name, t.function.arguments)
-                                         for t in calls]))
-        ck("named %s: exactly that call, valid arguments, finish tool_calls" % name,
+        print("  %s named %s: %r" % (fmt, name, [(t.function.name, t.function.arguments)
+                                                for t in calls]))
+        ck("%s named %s: exactly that call, valid arguments, finish tool_calls" % (fmt, name),
            len(calls) == 1 and valid_call(calls[0].function.name, calls[0].function.arguments,
                                           name) == "" and ch.finish_reason == "tool_calls",
            ch)
@@ -126,11 +129,11 @@ def stream_call(c, tool_choice):
     return content, deltas, finish
 
 
-def check_stream(ck, c):
+def check_stream(ck, c, fmt="chatml"):
     for choice, want in (({"type": "function", "function": {"name": "get_weather"}},
                           "get_weather"), ("required", None)):
         content, deltas, finish = stream_call(c, choice)
-        label = "streamed %s" % (want or "required")
+        label = "%s streamed %s" % (fmt, want or "required")
         print("  %s: %d tool_call deltas, finish %r" % (label, len(deltas), finish))
         ck("%s: deltas arrived" % label, len(deltas) >= 1, deltas)
         if not deltas:
@@ -207,23 +210,43 @@ def check_refusals(ck, c):
             ck("refused: %s (400 naming %s)" % (label, word), word in str(e), str(e))
 
 
+def check_no_tool_format(ck, c):
+    for label, kw in (("tools", dict(tools=TOOLS)),
+                      ("a tool message", dict(messages=ASK + [{"role": "tool", "content": "x",
+                                                               "tool_call_id": "c"}]))):
+        kw.setdefault("messages", ASK)
+        try:
+            c.chat.completions.create(model="", max_tokens=10, **kw)
+            ck("gemma: %s refused" % label, False, "accepted")
+        except openai.BadRequestError as e:
+            ck("gemma: %s is a 400 saying the template has no tools" % label,
+               "does not support tools" in str(e), str(e))
+
+
 def main():
     ap = mesh_argparser(__doc__)
     args = ap.parse_args()
     ck = Checks()
-    m = Mesh(args.bindir, args.model, prefill_ranks=2, local_threshold=0)
-    try:
-        m.wait_ready()
-        c = client(m)
-        check_required(ck, c)
-        check_named(ck, c)
-        check_stream(ck, c)
-        check_none_auto(ck, c)
-        check_history(ck, c)
-        check_refusals(ck, c)
-    finally:
-        rc = m.stop()
-        ck("mesh stops cleanly", rc == 0 or rc == -9, rc)
+    for fmt in ("chatml", "llama3", "gemma"):
+        router_args = () if fmt == "chatml" else ("--chat-template", fmt)
+        m = Mesh(args.bindir, args.model, prefill_ranks=2, local_threshold=0,
+                 router_args=router_args)
+        try:
+            m.wait_ready()
+            c = client(m)
+            if fmt == "gemma":
+                check_no_tool_format(ck, c)
+                continue
+            check_required(ck, c, fmt)
+            check_named(ck, c, fmt)
+            check_stream(ck, c, fmt)
+            if fmt == "chatml":
+                check_none_auto(ck, c)
+                check_history(ck, c)
+                check_refusals(ck, c)
+        finally:
+            rc = m.stop()
+            ck("%s mesh stops cleanly" % fmt, rc == 0 or rc == -9, rc)
     print("%d passed, %d failed" % (ck.passed, ck.failed))
     return 1 if ck.failed else 0
 
