@@ -844,7 +844,7 @@ int pdm_chat_tool_calls_parse(const char *text, pdm_chat_tool_call_t **calls, in
     static const char open[] = PDM_CHAT_TOOL_CALL_OPEN, close[] = PDM_CHAT_TOOL_CALL_CLOSE;
     pdm_chat__buf_t rest = {0};
     pdm_chat_tool_call_t *list = NULL;
-    int n = 0, cap = 0, bad = 0;
+    int n = 0, cap = 0;
     pdm_chat__putn(&rest, "", 0);
     const char *p = text ? text : "";
     if (!strstr(p, open)) { /* Llama 3.1: the whole answer is one bare call */
@@ -880,7 +880,7 @@ int pdm_chat_tool_calls_parse(const char *text, pdm_chat_tool_call_t **calls, in
         }
         const char *body = a + sizeof(open) - 1, *z = strstr(body, close);
         if (!z) { /* an unclosed call (cut by max_tokens): text, not a call */
-            bad = 1;
+            pdm_chat__put(&rest, p);
             break;
         }
         pdm_chat__putn(&rest, p, (size_t)(a - p));
@@ -893,17 +893,14 @@ int pdm_chat_tool_calls_parse(const char *text, pdm_chat_tool_call_t **calls, in
         int st = pdm_chat_tool_call_parse_one(body, (size_t)(z - body), &list[n].name,
                                               &list[n].arguments);
         if (st < 0) goto oom;
-        if (st == 0) {
-            bad = 1;
-            break;
+        p = z + sizeof(close) - 1;
+        if (st == 0) { /* not a call's JSON: the block stays text */
+            pdm_chat__putn(&rest, a, (size_t)(p - a));
+            continue;
         }
         n++;
-        p = z + sizeof(close) - 1;
     }
-    if (bad) { /* not a well-formed call: everything is content */
-        pdm_chat_tool_calls_free(list, n);
-        list = NULL;
-        n = 0;
+    if (n == 0) { /* no call: the text is the content as it is, untrimmed */
         rest.n = 0;
         pdm_chat__put(&rest, text ? text : "");
     }

@@ -125,8 +125,9 @@ typedef struct {
  * Llama 3.1's (the whole text, after an optional <|python_tag|>, is one such object). On
  * success *calls (malloc'd array, free with
  * pdm_chat_tool_calls_free) and *n_calls are set, and *content to the text outside the calls
- * (trimmed; NULL when empty). A block that does not parse leaves the whole text as content with
- * no calls. Returns PDM_OK or PDM_ENOMEM (outputs untouched). */
+ * (trimmed; NULL when empty). A block that does not parse, or an unclosed one, stays in the
+ * content; with no call at all the content is the text unchanged. Returns PDM_OK or
+ * PDM_ENOMEM (outputs untouched). */
 int pdm_chat_tool_calls_parse(const char *text, pdm_chat_tool_call_t **calls, int *n_calls,
                               char **content);
 void pdm_chat_tool_calls_free(pdm_chat_tool_call_t *calls, int n_calls);

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "common/pdm.h"
+#include "model/model.h"
 #include "router/http_internal.h"
 #include "tests.h"
 
@@ -199,12 +200,17 @@ START_TEST(test_http_parse_fuzz)
         ("{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"t\"}]}],"
          "\"stream\":true,\"stream_options\":{\"include_usage\":true}}"),
         "{\"prompt\":[[1,2,3]],\"best_of\":2,\"seed\":-1,\"top_k\":-1}",
+        ("{\"messages\":[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c\","
+         "\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]},{\"role\":"
+         "\"tool\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":"
+         "\"f\",\"parameters\":{\"type\":\"object\"}}}],\"tool_choice\":{\"type\":\"function\","
+         "\"function\":{\"name\":\"f\"}}}"),
     };
     uint64_t rng = 7;
     char buf[512];
     int accepted = 0, refused = 0;
     for (int it = 0; it < 20000; it++) {
-        const char *s = seeds[it % 3];
+        const char *s = seeds[it % 4];
         size_t len = strlen(s);
         memcpy(buf, s, len);
         int edits = 1 + (int)(pdm_splitmix64(&rng) % 4);
@@ -222,7 +228,8 @@ START_TEST(test_http_parse_fuzz)
         Pdmesh__GenerateRequest *req = NULL;
         pdm_http_opts_t o;
         pdm_http_err_t err;
-        if (pdm_http__parse_request(buf, len, it % 3 == 1, &limits, "m", &req, &o, &err) == PDM_OK) {
+        if (pdm_http__parse_request(buf, len, it % 4 == 1 || it % 4 == 3, &limits, "m", &req, &o,
+                                    &err) == PDM_OK) {
             ck_assert_ptr_nonnull(req);
             ck_assert(req->sampling);
             pdm_http__request_free(req);
@@ -493,6 +500,44 @@ START_TEST(test_http_tool_stream)
                           bytewise, sink.calls);
             pdm_http__tool_stream_fini(&ts);
         }
+    }
+    /* mutated call texts: never a crash, and the stream finds the calls the parser finds
+     * (malformed and unclosed blocks are text in both) */
+    static const char seed[] = "a <tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": [1, "
+                               "\"y\"]}}\n</tool_call>\n<tool_call>{\"name\":\"g\"}</tool_call>";
+    uint64_t rng = 11;
+    for (int it = 0; it < 3000; it++) {
+        char buf[256];
+        size_t len = sizeof(seed) - 1;
+        memcpy(buf, seed, len);
+        for (int e = 0, edits = 1 + (int)(pdm_splitmix64(&rng) % 3); e < edits; e++) {
+            uint64_t x = pdm_splitmix64(&rng);
+            size_t at = (size_t)(x % len);
+            if ((x >> 32) % 2 && len > 1) {
+                memmove(buf + at, buf + at + 1, len - at - 1);
+                len--;
+            } else {
+                buf[at] = "{}[]\",:<>/ \n"[(x >> 40) % 12];
+            }
+        }
+        buf[len] = 0;
+        pdm_chat_tool_call_t *calls = NULL;
+        int n = 0;
+        char *content = NULL;
+        ck_assert_int_eq(pdm_chat_tool_calls_parse(buf, &calls, &n, &content), PDM_OK);
+        tool_sink_t sink = {0};
+        pdm_http_tool_stream_t ts = {0};
+        size_t step = 1 + (size_t)(pdm_splitmix64(&rng) % 7);
+        for (size_t k = 0; k < len; k += step) {
+            char piece[8] = {0};
+            memcpy(piece, buf + k, k + step <= len ? step : len - k);
+            ck_assert_int_eq(pdm_http__tool_stream_feed(&ts, piece, 0, tool_sink, &sink), PDM_OK);
+        }
+        ck_assert_int_eq(pdm_http__tool_stream_feed(&ts, NULL, 1, tool_sink, &sink), PDM_OK);
+        ck_assert_msg(ts.calls == n, "'%s': %d calls parsed, %d streamed", buf, n, ts.calls);
+        pdm_http__tool_stream_fini(&ts);
+        pdm_chat_tool_calls_free(calls, n);
+        free(content);
     }
     /* the chunk shapes */
     char *first = pdm_http__tool_chunk_json("id", 1, "m", 0, 2, "call_x", "f", "");
