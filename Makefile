@@ -413,6 +413,8 @@ http-test: $(BINS) python-sdk
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_n.py \
 	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_tools.py \
+	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_adaptive_mesh.py \
 	  --bindir $(BUILD)/bin
 	PYTHONPATH=$(BUILD)/python $(VENV)/bin/python tests/integration/test_arch_mesh.py \

@@ -15,6 +15,8 @@
 #ifndef PDM_MODEL_CHAT_H
 #define PDM_MODEL_CHAT_H
 
+#include <stddef.h>
+
 /* X(enum suffix, name as llama.cpp spells it in its template list) */
 #define PDM_CHAT_FORMATS(X)                                                                    \
     X(CHATML, "chatml")                                                                        \
@@ -71,5 +73,73 @@ char *pdm_chat_default_system(const char *tmpl);
 char *pdm_chat_render(pdm_chat_format_t fmt, const char *default_system,
                       const char *const *roles, const char *const *contents, int n_messages,
                       int add_generation_prompt);
+
+/* ---- Tools (OpenAI's tools / tool_calls / role "tool") -----------------------------------
+ * Rendered as the model's own Jinja template does; the ChatML family takes Qwen 2.5's rules
+ * (Qwen/Qwen2.5-*-Instruct tokenizer_config.json chat_template): a "# Tools" block in the
+ * system turn listing each tool as `tool | tojson` inside <tools></tools>, assistant calls as
+ * "<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>", tool results as
+ * <tool_response> blocks in a user turn (consecutive results share one turn). The Llama 3
+ * family takes Llama 3.1's rules (chat.c, pdm_chat__llama3_tools): tools in the first user
+ * message, a call is the bare JSON object {"name": ..., "parameters": ...}. Other families do
+ * not render tools (pdm_chat_supports_tools). JSON is printed as Python's json.dumps
+ * does (", " and ": " separators, non-ASCII kept), which is what `tojson` gives in
+ * transformers; numbers are printed from doubles, so 1.0 becomes 1. */
+
+/* One message of a conversation with tools. */
+typedef struct {
+    const char *role;            /* system | user | assistant | tool */
+    const char *content;         /* never NULL ("" for an assistant turn with calls only) */
+    const char *tool_calls_json; /* assistant: OpenAI's tool_calls list as JSON text, or NULL */
+} pdm_chat_msg_t;
+
+/* 1 if format `fmt` renders tools, tool calls and tool results. */
+int pdm_chat_supports_tools(pdm_chat_format_t fmt);
+
+/* Renders like pdm_chat_render, with `tools_json` (OpenAI's tools list as JSON text, or NULL)
+ * and messages that may carry tool calls or be tool results. Returns a malloc'd string, or
+ * NULL with the error recorded: PDM_EUNSUPPORTED when the format has no tools, PDM_EINVAL for
+ * malformed tools or tool_calls JSON (the message names the problem), PDM_ENOMEM. */
+char *pdm_chat_render_tools(pdm_chat_format_t fmt, const char *default_system,
+                            const pdm_chat_msg_t *msgs, int n_messages, const char *tools_json,
+                            int add_generation_prompt);
+
+/* The JSON schema (grammar.h, with its x-pdmesh-prefix/suffix wrapper for ChatML's tags) that
+ * forces one call in the format's syntax: {"name": one of the tools' names (only `name` when
+ * not NULL), "arguments" (Llama 3.1: "parameters"): that function's parameters schema
+ * ({"type": "object"} when it has none)}.
+ * Returns malloc'd text, or NULL with PDM_EINVAL (no such function, malformed tools),
+ * PDM_EUNSUPPORTED (format without tools) or PDM_ENOMEM. */
+char *pdm_chat_tool_call_schema(pdm_chat_format_t fmt, const char *tools_json,
+                                const char *name);
+
+/* One tool call found in generated text. */
+typedef struct {
+    char *name;      /* function name */
+    char *arguments; /* the arguments as compact JSON text ("{}" when absent) */
+} pdm_chat_tool_call_t;
+
+/* Finds the tool calls in generated text written in the ChatML/Qwen syntax
+ * (<tool_call>{json}</tool_call>; a JSON object with a string "name" and an object (or a JSON
+ * string holding one) "arguments" or "parameters"), or, when the text has no <tool_call>, in
+ * Llama 3.1's (the whole text, after an optional <|python_tag|>, is one such object). On
+ * success *calls (malloc'd array, free with
+ * pdm_chat_tool_calls_free) and *n_calls are set, and *content to the text outside the calls
+ * (trimmed; NULL when empty). A block that does not parse, or an unclosed one, stays in the
+ * content; with no call at all the content is the text unchanged. Returns PDM_OK or
+ * PDM_ENOMEM (outputs untouched). */
+int pdm_chat_tool_calls_parse(const char *text, pdm_chat_tool_call_t **calls, int *n_calls,
+                              char **content);
+void pdm_chat_tool_calls_free(pdm_chat_tool_call_t *calls, int n_calls);
+
+/* One call's JSON text (what is between the markers): 1 with *name and *arguments (compact
+ * JSON) malloc'd, 0 if it is not a call, -1 out of memory. */
+int pdm_chat_tool_call_parse_one(const char *json, size_t len, char **name, char **arguments);
+
+/* The opening marker of a call (for streaming: text that may begin one is held back). */
+#define PDM_CHAT_TOOL_CALL_OPEN "<tool_call>"
+#define PDM_CHAT_TOOL_CALL_CLOSE "</tool_call>"
+/* Llama 3.1 may start a call with this token (its text when special tokens are rendered). */
+#define PDM_CHAT_PYTHON_TAG "<|python_tag|>"
 
 #endif /* PDM_MODEL_CHAT_H */

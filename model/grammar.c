@@ -428,7 +428,8 @@ static int pdm__literal(pdm__cc_t *cc, const cJSON *v, uint32_t rule)
 static const char *const pdm__known_keywords[] = {
     "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
     "enum", "const", "anyOf", "oneOf", "$ref", "$defs", "definitions", "title", "description",
-    "default", "examples", "$schema", "$id", "$comment"};
+    "default", "examples", "$schema", "$id", "$comment", PDM_GRAMMAR_KEY_PREFIX,
+    PDM_GRAMMAR_KEY_SUFFIX};
 
 static int pdm__check_keywords(const cJSON *schema)
 {
@@ -770,11 +771,24 @@ int pdm_grammar_compile(const char *schema, size_t len, pdm_grammar_t **out)
     pdm__range(g, 0, 0); /* class 0 exists */
     uint32_t value;
     const uint32_t top = pdm__rule_new(g);
+    /* pdmesh's wrapper (grammar.h): literal text around the value, e.g. a tool-call syntax */
+    const cJSON *prefix = NULL, *suffix = NULL;
+    if (cJSON_IsObject(root)) {
+        prefix = cJSON_GetObjectItemCaseSensitive(root, PDM_GRAMMAR_KEY_PREFIX);
+        suffix = cJSON_GetObjectItemCaseSensitive(root, PDM_GRAMMAR_KEY_SUFFIX);
+        if ((prefix && !cJSON_IsString(prefix)) || (suffix && !cJSON_IsString(suffix))) {
+            st = pdm_error_set(PDM_EINVAL, "response_format: '%s' and '%s' must be strings",
+                               PDM_GRAMMAR_KEY_PREFIX, PDM_GRAMMAR_KEY_SUFFIX);
+            goto done;
+        }
+    }
     if ((st = pdm__compile(cc, root, 0, &value))) goto done;
     pdm__gseq_t s = {0};
+    if (prefix) pdm__lit(g, &s, prefix->valuestring, strlen(prefix->valuestring));
     pdm__seq_put(&s, GE_REF, pdm__ws(cc));
     pdm__seq_put(&s, GE_REF, value);
     pdm__seq_put(&s, GE_REF, pdm__ws(cc));
+    if (suffix) pdm__lit(g, &s, suffix->valuestring, strlen(suffix->valuestring));
     pdm__alt(g, top, &s);
     free(s.e);
     if (g->failed) {

@@ -21,6 +21,11 @@
  * order; the ones not in required may be left out. Whitespace between tokens is bounded
  * (PDM_GRAMMAR_MAX_WS bytes), numbers have at most 16 integer and 16 fraction digits, so the
  * model cannot loop on padding.
+ *
+ * One pdmesh extension: the root schema may carry "x-pdmesh-prefix" and "x-pdmesh-suffix",
+ * literal texts the output must start and end with around the JSON value (tool calls: Qwen's
+ * "<tool_call>\n" ... "\n</tool_call>"). The keys are otherwise ignored (as any "x-" key is
+ * an annotation), so the schema still validates the value alone.
  */
 #ifndef PDM_MODEL_GRAMMAR_H
 #define PDM_MODEL_GRAMMAR_H
@@ -34,6 +39,8 @@
 #define PDM_GRAMMAR_MAX_ELEMS (1 << 18) /* grammar size bound (elements of all rules) */
 #define PDM_GRAMMAR_MAX_DEPTH 32       /* schema nesting the compiler follows */
 #define PDM_GRAMMAR_MAX_SCHEMA (1 << 20) /* bytes of schema text */
+#define PDM_GRAMMAR_KEY_PREFIX "x-pdmesh-prefix"
+#define PDM_GRAMMAR_KEY_SUFFIX "x-pdmesh-suffix"
 
 typedef struct pdm_grammar pdm_grammar_t;
 typedef struct pdm_vocab_trie pdm_vocab_trie_t;

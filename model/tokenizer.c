@@ -1676,3 +1676,17 @@ char *pdm_tokenizer_chat_render(const pdm_tokenizer_t *t, const char *const *rol
     return pdm_chat_render(t->chat_format, sys, roles, contents, n_messages,
                            add_generation_prompt);
 }
+
+/* See tokenizer.h. */
+char *pdm_tokenizer_chat_render_tools(const pdm_tokenizer_t *t, const pdm_chat_msg_t *msgs,
+                                      int n_messages, const char *tools_json,
+                                      int add_generation_prompt)
+{
+    if (!t) {
+        pdm_error_set(PDM_EINVAL, "pdm_tokenizer_chat_render_tools: NULL tokenizer");
+        return NULL;
+    }
+    const char *sys = t->chat_format == PDM_CHAT_CHATML ? t->chat_default_system : NULL;
+    return pdm_chat_render_tools(t->chat_format, sys, msgs, n_messages, tools_json,
+                                 add_generation_prompt);
+}

@@ -77,6 +77,13 @@ char *pdm_tokenizer_chat_render(const pdm_tokenizer_t *t, const char *const *rol
                                 const char *const *contents, int n_messages,
                                 int add_generation_prompt);
 
+/* The same with tools (chat.h, pdm_chat_render_tools): `tools_json` (may be NULL) and
+ * messages that may carry tool calls or be tool results. NULL with PDM_EUNSUPPORTED when the
+ * format does not render tools. */
+char *pdm_tokenizer_chat_render_tools(const pdm_tokenizer_t *t, const pdm_chat_msg_t *msgs,
+                                      int n_messages, const char *tools_json,
+                                      int add_generation_prompt);
+
 /* Chooses the chat format by name ("chatml", "gemma", "llama3", ...; pdm_chat_names()),
  * overriding the file's template. The one call that writes to a tokenizer after create: make
  * it before the tokenizer is shared between threads. PDM_EINVAL for an unknown name (the

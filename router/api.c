@@ -26,20 +26,36 @@ static int rt_refuse(int *code, int c, int st, const char *fmt, ...)
     return pdm_error_set(st, "%s", msg);
 }
 
-int pdm_router_render_chat(pdm_router_t *r, const Pdmesh__ChatMessage *const *msgs, size_t n,
-                           int32_t **out, size_t *n_out)
+/* Renders the conversation (with tools_json, may be NULL) and tokenizes it. Tools, tool calls
+ * and tool results take the template's tool rules (model/chat.h), which only some families
+ * have: the others refuse them with PDM_EUNSUPPORTED. */
+static int rt_render_chat(pdm_router_t *r, const Pdmesh__ChatMessage *const *msgs, size_t n,
+                          const char *tools_json, int32_t **out, size_t *n_out)
 {
     if (!r->model || !r->model->tokenizer) return pdm_error_set(PDM_ESTATE, "no tokenizer");
     if (n == 0 || n > 256) return pdm_error_set(PDM_EINVAL, "chat needs 1 to 256 messages");
     const char *roles[256], *contents[256];
+    pdm_chat_msg_t full[256];
+    int with_tools = tools_json && tools_json[0];
     for (size_t i = 0; i < n; i++) {
         roles[i] = msgs[i]->role ? msgs[i]->role : "";
         contents[i] = msgs[i]->content ? msgs[i]->content : "";
-        if (strcmp(roles[i], "system") && strcmp(roles[i], "user") && strcmp(roles[i], "assistant"))
-            return pdm_error_set(PDM_EINVAL, "chat role \"%.32s\" is not system, user or assistant",
-                                 roles[i]);
+        const char *calls = msgs[i]->tool_calls_json && msgs[i]->tool_calls_json[0]
+                                ? msgs[i]->tool_calls_json : NULL;
+        full[i] = (pdm_chat_msg_t){roles[i], contents[i], calls};
+        if (calls || !strcmp(roles[i], "tool")) with_tools = 1;
+        if (calls && strcmp(roles[i], "assistant"))
+            return pdm_error_set(PDM_EINVAL, "chat message %zu has tool calls but the role "
+                                 "\"%.32s\" (only assistant)", i, roles[i]);
+        if (strcmp(roles[i], "system") && strcmp(roles[i], "user") &&
+            strcmp(roles[i], "assistant") && strcmp(roles[i], "tool"))
+            return pdm_error_set(PDM_EINVAL, "chat role \"%.32s\" is not system, user, assistant "
+                                 "or tool", roles[i]);
     }
-    char *text = pdm_tokenizer_chat_render(r->model->tokenizer, roles, contents, (int)n, 1);
+    char *text = with_tools ? pdm_tokenizer_chat_render_tools(r->model->tokenizer, full, (int)n,
+                                                              tools_json, 1)
+                            : pdm_tokenizer_chat_render(r->model->tokenizer, roles, contents,
+                                                        (int)n, 1);
     if (!text) {
         char why[256]; /* the tokenizer's reason (no known format: names --chat-template) */
         snprintf(why, sizeof(why), "%s", pdm_error_last());
@@ -57,6 +73,40 @@ int pdm_router_render_chat(pdm_router_t *r, const Pdmesh__ChatMessage *const *ms
     }
     *out = ids;
     *n_out = need;
+    return PDM_OK;
+}
+
+int pdm_router_render_chat(pdm_router_t *r, const Pdmesh__ChatMessage *const *msgs, size_t n,
+                           int32_t **out, size_t *n_out)
+{
+    return rt_render_chat(r, msgs, n, NULL, out, n_out);
+}
+
+/* tool_choice "required" or a function's name: the schema that forces one call in the
+ * template's syntax, into *out (malloc'd); NULL for "", "auto" and "none". */
+static int rt_tool_schema(pdm_router_t *r, const Pdmesh__GenerateRequest *req, char **out)
+{
+    const char *choice = req->tool_choice ? req->tool_choice : "";
+    *out = NULL;
+    if (!choice[0] || !strcmp(choice, "auto") || !strcmp(choice, "none")) return PDM_OK;
+    if (!req->tools_json || !req->tools_json[0])
+        return pdm_error_set(PDM_EINVAL, "tool_choice \"%.64s\" needs tools", choice);
+    if (req->sampling && req->sampling->json_schema && req->sampling->json_schema[0])
+        return pdm_error_set(PDM_EINVAL, "tool_choice \"%.64s\" cannot be combined with "
+                             "response_format", choice);
+    char *schema = pdm_chat_tool_call_schema(pdm_tokenizer_chat_format(r->model->tokenizer),
+                                             req->tools_json,
+                                             strcmp(choice, "required") ? choice : NULL);
+    if (!schema) return PDM_EINVAL;
+    pdm_grammar_t *gr = NULL;
+    if (pdm_grammar_compile(schema, strlen(schema), &gr)) {
+        char why[400];
+        snprintf(why, sizeof(why), "%s", pdm_error_last());
+        free(schema);
+        return pdm_error_set(PDM_EINVAL, "tools: a function's parameters: %s", why);
+    }
+    pdm_grammar_destroy(gr);
+    *out = schema;
     return PDM_OK;
 }
 
@@ -199,8 +249,8 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         if (req->prompt && strlen(req->prompt) > (size_t)r->cfg.max_prompt_tokens * 64)
             return rt_refuse(code, INV, PDM_EINVAL, "prompt text too long");
         int st = req->prompt && req->prompt[0] ? rt_tokenize(r, req->prompt, &tok, &n)
-                             : pdm_router_render_chat(r, (const Pdmesh__ChatMessage *const *)req->messages,
-                                                      req->n_messages, &tok, &n);
+                             : rt_render_chat(r, (const Pdmesh__ChatMessage *const *)req->messages,
+                                              req->n_messages, req->tools_json, &tok, &n);
         if (st) return rt_refuse(code, INV, PDM_EINVAL, "prompt: %s", pdm_error_last());
     }
     if (n == 0 || n > r->cfg.max_prompt_tokens || n + max_new > r->model->hp.n_ctx_train) {
@@ -225,7 +275,16 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
                          "tokens");
     }
     char *schema = NULL;
-    if (sp.json_schema && !(schema = strdup(sp.json_schema))) {
+    if (rt_tool_schema(r, req, &schema)) {
+        free(tok);
+        return rt_refuse(code, INV, PDM_EINVAL, "%s", pdm_error_last());
+    }
+    if (schema && req->beams > 1) {
+        free(tok);
+        free(schema);
+        return rt_refuse(code, INV, PDM_EINVAL, "tool_choice is not supported with beam search");
+    }
+    if (!schema && sp.json_schema && !(schema = strdup(sp.json_schema))) {
         free(tok);
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
     }

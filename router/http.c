@@ -87,6 +87,7 @@ typedef struct {
     size_t text_offset;      /* completions' text_offset of the next streamed token */
     char *prompt;            /* echo: the prompt text as sent (NULL: token ids, or no echo) */
     cJSON *choice;           /* not streamed: the finished choice, until every part is done */
+    pdm_http_tool_stream_t tools; /* streamed with tools: text held back from the deltas */
 } gen_part_t;
 
 /* A request being answered: n_parts prompts, each its own router request. It is freed once
@@ -96,6 +97,7 @@ struct gen {
     int chat, stream, include_usage;
     int logprobs;            /* the request asked for log-probabilities */
     int echo;                /* completions' echo */
+    int tools;               /* chat with tools: tool calls parsed from the output */
     int headers_sent;
     int answered;            /* the answer (or an error) went out; later parts are ignored */
     long created;
@@ -569,6 +571,7 @@ static void gen_free(gen_t *g)
     for (size_t i = 0; i < g->n_parts; i++) {
         free(g->parts[i].prompt);
         cJSON_Delete(g->parts[i].choice);
+        pdm_http__tool_stream_fini(&g->parts[i].tools);
     }
     cJSON_Delete(g->usage);
     free(g->model);
@@ -667,6 +670,36 @@ static void gen_on_prompt(void *ctx, Pdmesh__TokenLogprob *const *lps, size_t n)
     p->text_offset = pdm_http__logprobs_text_len(lps, n);
 }
 
+/* The tool-call filter's output as chunks: content deltas, and each call as OpenAI streams it
+ * (a first delta with index, id, type and name, then the arguments). */
+static void gen_tool_emit(void *ctx, const char *content, const char *name, const char *args)
+{
+    gen_part_t *p = ctx;
+    gen_t *g = p->g;
+    conn_t *c = g->conn;
+    if (!c || c->closed) return;
+    if (content) {
+        sse_event(c, pdm_http__chunk_json_at(1, g->id, g->created, g->model, p->index, content,
+                                             NULL, 0, NULL, NULL));
+        return;
+    }
+    char call_id[PDM_HTTP_TOOL_CALL_ID_LEN];
+    pdm_http__tool_call_id(call_id);
+    int k = p->tools.calls;
+    sse_event(c, pdm_http__tool_chunk_json(g->id, g->created, g->model, p->index, k, call_id,
+                                           name, ""));
+    if (c->closed) return;
+    sse_event(c, pdm_http__tool_chunk_json(g->id, g->created, g->model, p->index, k, NULL,
+                                           NULL, args));
+}
+
+static void gen_tool_feed(gen_part_t *p, const char *text, int final)
+{
+    if (pdm_http__tool_stream_feed(&p->tools, text, final, gen_tool_emit, p) != PDM_OK &&
+        p->g->conn)
+        conn_abort_soon(p->g->conn);
+}
+
 static void gen_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, size_t n,
                           const char *text, Pdmesh__TokenLogprob *const *logprobs)
 {
@@ -679,6 +712,19 @@ static void gen_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, size
     const int with_lp = g->logprobs && logprobs && n > 0;
     if (!with_lp && (!text || !text[0])) return;
     sse_start(g);
+    if (g->tools) {
+        /* the text goes out through the tool-call filter; a chunk of its own carries the
+         * tokens' log-probabilities */
+        p->streamed += text ? strlen(text) : 0;
+        if (with_lp) {
+            pdm_http_logprobs_t lpt = {logprobs, n, p->text_offset};
+            sse_event(c, pdm_http__chunk_json_at(1, g->id, g->created, g->model, p->index, "",
+                                                 NULL, 0, NULL, &lpt));
+            p->text_offset += pdm_http__logprobs_text_len(logprobs, n);
+        }
+        gen_tool_feed(p, text, 0);
+        return;
+    }
     pdm_http_logprobs_t lp = {logprobs, n, p->text_offset};
     sse_event(c, pdm_http__chunk_json_at(g->chat, g->id, g->created, g->model, p->index,
                                          text ? text : "", NULL, 0, NULL, with_lp ? &lp : NULL));
@@ -722,6 +768,7 @@ static void gen_on_result(void *ctx, const Pdmesh__GenerateResult *res)
         p->choice = pdm_http__choice_json(g->chat, p->index, res, g->logprobs,
                                           g->echo ? (echo ? echo : "") : NULL);
         free(echo);
+        if (g->tools && p->choice) pdm_http__choice_tools(p->choice);
         if (g->n_done < g->n_parts) return;
         g->answered = 1;
         c->gen = NULL;
@@ -733,10 +780,14 @@ static void gen_on_result(void *ctx, const Pdmesh__GenerateResult *res)
     /* Whatever the token chunks did not carry (text completed only at the end). */
     const char *text = res->text ? res->text : "";
     size_t tl = strlen(text);
-    if (tl > p->streamed)
+    if (g->tools) {
+        gen_tool_feed(p, tl > p->streamed ? text + p->streamed : "", 1);
+    } else if (tl > p->streamed) {
         sse_event(c, pdm_http__chunk_json_at(g->chat, g->id, g->created, g->model, p->index,
                                              text + p->streamed, NULL, 0, NULL, NULL));
+    }
     const char *fr = pdm_http__finish_reason(res->finish);
+    if (g->tools && p->tools.calls) fr = "tool_calls";
     sse_event(c, pdm_http__chunk_json_at(g->chat, g->id, g->created, g->model, p->index,
                                          g->chat ? NULL : "", fr ? fr : "stop", 0, NULL, NULL));
     if (g->n_done < g->n_parts) return;
@@ -810,6 +861,7 @@ static void handle_generate(conn_t *c, int chat)
     g->include_usage = opts.include_usage;
     g->logprobs = opts.logprobs >= 0;
     g->echo = opts.echo;
+    g->tools = opts.tools;
     g->created = (long)time(NULL);
     g->n_parts = n;
     uint64_t rnd = 0;

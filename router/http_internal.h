@@ -20,6 +20,7 @@
 #define PDM_HTTP_MAX_TOKENS_HARD 1000000u     /* max_tokens ceiling when the router has none */
 #define PDM_HTTP_COMPLETIONS_DEFAULT_TOKENS 16 /* OpenAI's default for /v1/completions */
 #define PDM_HTTP_MAX_PROMPTS 64               /* prompts in one completions request */
+#define PDM_HTTP_MAX_TOOLS 128                /* tools in one chat request */
 
 /* What a parsed request needs besides the GenerateRequest itself. */
 typedef struct {
@@ -30,6 +31,8 @@ typedef struct {
                           * chat's top_logprobs) */
     int echo;            /* completions' echo: true */
     int n_prompts;       /* prompts (choices) of the request */
+    int tools;           /* chat with tools and tool_choice other than "none": the output is
+                          * parsed for tool calls */
 } pdm_http_opts_t;
 
 /* The log-probabilities a response or chunk carries: lps[n] (one per token, in order);
@@ -123,5 +126,42 @@ char *pdm_http__chunk_json(int chat, const char *id, long created, const char *m
 /* Bytes of the completion's text the tokens lps[0..n) stand for (the sum of their texts):
  * advances a stream's text_offset. */
 size_t pdm_http__logprobs_text_len(Pdmesh__TokenLogprob *const *lps, size_t n);
+
+/* Chat with tools (model/chat.h): the tool calls in a choice built by pdm_http__choice_json
+ * move from message.content into message.tool_calls ([{id, type: "function", function: {name,
+ * arguments: JSON text}}]), content keeps the text outside the calls (null when none) and
+ * finish_reason becomes "tool_calls". A choice without calls is left as it is. PDM_OK or
+ * PDM_ENOMEM. */
+int pdm_http__choice_tools(struct cJSON *choice);
+
+/* A tool call id as OpenAI spells them: "call_" and 24 random letters and digits. */
+#define PDM_HTTP_TOOL_CALL_ID_LEN 30
+void pdm_http__tool_call_id(char out[PDM_HTTP_TOOL_CALL_ID_LEN]);
+
+/* A streamed chat chunk carrying one tool call delta (OpenAI's shape): with call_id, the
+ * call's first delta {index, id, type, function: {name, arguments}}; without, an arguments
+ * fragment {index, function: {arguments}}. Malloc'd JSON or NULL. */
+char *pdm_http__tool_chunk_json(const char *id, long created, const char *model, uint32_t index,
+                                int call_index, const char *call_id, const char *name,
+                                const char *arguments);
+
+/* Streaming with tools: the generated text goes through feed() as it arrives; content comes
+ * out as soon as it cannot be the start of a call (a suffix that may begin "<tool_call>", and
+ * trailing whitespace, are held back); a call comes out whole once its closing tag arrived.
+ * emit(ctx, content, NULL, NULL) for text, emit(ctx, NULL, name, arguments) for a call
+ * (strings valid during the call). final = 1 at the end: everything held back is settled (an
+ * unclosed call is text). PDM_OK or PDM_ENOMEM. */
+typedef void (*pdm_http_tool_emit_cb)(void *ctx, const char *content, const char *name,
+                                      const char *arguments);
+typedef struct {
+    char *buf;   /* [n + 1] text not yet emitted */
+    size_t n;
+    int calls;   /* calls emitted so far */
+    int content; /* content emitted so far */
+    int content_after; /* content emitted since the last call */
+} pdm_http_tool_stream_t;
+int pdm_http__tool_stream_feed(pdm_http_tool_stream_t *ts, const char *text, int final,
+                               pdm_http_tool_emit_cb emit, void *ctx);
+void pdm_http__tool_stream_fini(pdm_http_tool_stream_t *ts);
 
 #endif

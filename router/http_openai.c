@@ -9,7 +9,10 @@
  *   0..20; chat: a boolean) and top_logprobs (chat, 0..20), stop (string or list), stream,
  *   stream_options.include_usage, n (1..8: one router request per choice), best_of (beams),
  *   ignore_eos, user, response_format (text, json_object, json_schema: grammar-constrained
- *   sampling, model/grammar.h).
+ *   sampling, model/grammar.h), tools and tool_choice (chat; rendered by the router with the
+ *   template, model/chat.h), messages of role tool and assistant messages with tool_calls.
+ * With tools, tool calls in the output become choices[].message.tool_calls (streamed: OpenAI's
+ * tool_calls deltas, pdm_http__tool_stream_feed).
  * Log-probabilities come back in OpenAI's shapes (https://platform.openai.com/docs/api-reference
  * /completions/object: choices[].logprobs = {tokens, token_logprobs, top_logprobs,
  * text_offset}; /chat/object: choices[].logprobs.content = [{token, logprob, bytes,
@@ -56,9 +59,13 @@ void pdm_http__request_free(Pdmesh__GenerateRequest *req)
         if (!m) continue;
         if (m->role != protobuf_c_empty_string) free(m->role);
         if (m->content != protobuf_c_empty_string) free(m->content);
+        if (m->tool_calls_json != protobuf_c_empty_string) free(m->tool_calls_json);
+        if (m->tool_call_id != protobuf_c_empty_string) free(m->tool_call_id);
         free(m);
     }
     free(req->messages);
+    if (req->tools_json != protobuf_c_empty_string) free(req->tools_json);
+    if (req->tool_choice != protobuf_c_empty_string) free(req->tool_choice);
     for (size_t i = 0; i < req->n_stop; i++) free(req->stop[i]);
     free(req->stop);
     if (req->sampling) {
@@ -221,6 +228,158 @@ static char *message_content(const cJSON *c, int index, pdm_http_err_t *err)
     return out;
 }
 
+/* A function name as OpenAI accepts it: 1 to 64 of a-z, A-Z, 0-9, '_' and '-'. */
+static int valid_function_name(const char *s)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > 64) return 0;
+    for (const char *p = s; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '_' || *p == '-'))
+            return 0;
+    return 1;
+}
+
+/* An assistant message's tool_calls ([{"id", "type": "function", "function": {"name",
+ * "arguments": JSON text}}]) kept as JSON text for the template; a tool message's
+ * tool_call_id. */
+static int take_tool_fields(const cJSON *m, const char *role, int i, Pdmesh__ChatMessage *cm,
+                            pdm_http_err_t *err)
+{
+    const cJSON *calls = cJSON_GetObjectItemCaseSensitive(m, "tool_calls");
+    if (calls && !cJSON_IsNull(calls) && !(cJSON_IsArray(calls) && !calls->child)) {
+        if (strcmp(role, "assistant"))
+            return fail(err, 400, "invalid_value", "'messages[%d].tool_calls' belongs to an "
+                        "assistant message", i);
+        if (!cJSON_IsArray(calls))
+            return fail(err, 400, "invalid_type", "'messages[%d].tool_calls' must be a list", i);
+        int k = 0;
+        const cJSON *c;
+        cJSON_ArrayForEach(c, calls) {
+            const cJSON *fn = cJSON_GetObjectItemCaseSensitive(c, "function");
+            const cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name");
+            const cJSON *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
+            if (!cJSON_IsObject(fn) || !cJSON_IsString(name) ||
+                !valid_function_name(name->valuestring))
+                return fail(err, 400, "invalid_value", "'messages[%d].tool_calls[%d].function."
+                            "name' must be a function name", i, k);
+            if (args && !cJSON_IsString(args) && !cJSON_IsObject(args))
+                return fail(err, 400, "invalid_type", "'messages[%d].tool_calls[%d].function."
+                            "arguments' must be a JSON string", i, k);
+            k++;
+        }
+        if (!(cm->tool_calls_json = cJSON_PrintUnformatted(calls))) {
+            cm->tool_calls_json = (char *)protobuf_c_empty_string;
+            return fail(err, 500, "internal_error", "out of memory");
+        }
+    }
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(m, "tool_call_id");
+    if (!strcmp(role, "tool") && id && !cJSON_IsNull(id)) {
+        if (!cJSON_IsString(id))
+            return fail(err, 400, "invalid_type", "'messages[%d].tool_call_id' must be a string",
+                        i);
+        cm->tool_call_id = dup_or_empty(id->valuestring);
+        if (!cm->tool_call_id) {
+            cm->tool_call_id = (char *)protobuf_c_empty_string;
+            return fail(err, 500, "internal_error", "out of memory");
+        }
+    }
+    return PDM_OK;
+}
+
+/* tools ([{"type": "function", "function": {"name", "description", "parameters"}}], at most
+ * PDM_HTTP_MAX_TOOLS) and tool_choice ("none" | "auto" | "required" | {"type": "function",
+ * "function": {"name"}}; "auto" by default with tools), OpenAI's chat fields
+ * (https://platform.openai.com/docs/api-reference/chat/create). The tools travel as JSON text
+ * for the router to render with the template; "required" and a name are enforced there with
+ * the grammar (router/api.c); opts->tools says that the output is parsed for calls. */
+static int take_tools(const cJSON *root, int chat, Pdmesh__GenerateRequest *req,
+                      pdm_http_opts_t *opts, pdm_http_err_t *err)
+{
+    const cJSON *tools = cJSON_GetObjectItemCaseSensitive(root, "tools");
+    const cJSON *choice = cJSON_GetObjectItemCaseSensitive(root, "tool_choice");
+    int have_tools = tools && !cJSON_IsNull(tools) && !(cJSON_IsArray(tools) && !tools->child);
+    int have_choice = choice && !cJSON_IsNull(choice);
+    if (!have_tools && !have_choice) return PDM_OK;
+    if (!chat)
+        return fail(err, 400, "unsupported_value", "'%s' belongs to /v1/chat/completions",
+                    have_tools ? "tools" : "tool_choice");
+    if (!have_tools) {
+        /* "none" without tools is harmless; anything else asks for a call we cannot make */
+        if (cJSON_IsString(choice) && !strcmp(choice->valuestring, "none")) return PDM_OK;
+        return fail(err, 400, "invalid_value", "'tool_choice' needs 'tools'");
+    }
+    if (!cJSON_IsArray(tools))
+        return fail(err, 400, "invalid_type", "'tools' must be a list");
+    if (cJSON_GetArraySize(tools) > PDM_HTTP_MAX_TOOLS)
+        return fail(err, 400, "invalid_value", "'tools' has %d entries (at most %d)",
+                    cJSON_GetArraySize(tools), PDM_HTTP_MAX_TOOLS);
+    int k = 0;
+    const cJSON *t;
+    cJSON_ArrayForEach(t, tools) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(t, "type");
+        const cJSON *fn = cJSON_GetObjectItemCaseSensitive(t, "function");
+        if (!cJSON_IsObject(t) || !cJSON_IsString(type) || strcmp(type->valuestring, "function"))
+            return fail(err, 400, "unsupported_value", "'tools[%d].type' must be \"function\"", k);
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name");
+        const cJSON *desc = cJSON_GetObjectItemCaseSensitive(fn, "description");
+        const cJSON *params = cJSON_GetObjectItemCaseSensitive(fn, "parameters");
+        if (!cJSON_IsObject(fn) || !cJSON_IsString(name) || !valid_function_name(name->valuestring))
+            return fail(err, 400, "invalid_value", "'tools[%d].function.name' must be 1 to 64 of "
+                        "a-z, A-Z, 0-9, _ and -", k);
+        if (desc && !cJSON_IsNull(desc) && !cJSON_IsString(desc))
+            return fail(err, 400, "invalid_type", "'tools[%d].function.description' must be a "
+                        "string", k);
+        if (params && !cJSON_IsNull(params) && !cJSON_IsObject(params))
+            return fail(err, 400, "invalid_type", "'tools[%d].function.parameters' must be a "
+                        "JSON Schema object", k);
+        for (const cJSON *u = tools->child; u != t; u = u->next)
+            if (!strcmp(cJSON_GetObjectItemCaseSensitive(
+                            cJSON_GetObjectItemCaseSensitive(u, "function"), "name")->valuestring,
+                        name->valuestring))
+                return fail(err, 400, "invalid_value", "'tools' names the function '%s' twice",
+                            name->valuestring);
+        k++;
+    }
+    const char *mode = "auto";
+    if (have_choice && cJSON_IsString(choice)) {
+        mode = choice->valuestring;
+        if (strcmp(mode, "none") && strcmp(mode, "auto") && strcmp(mode, "required"))
+            return fail(err, 400, "invalid_value", "'tool_choice' must be \"none\", \"auto\", "
+                        "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+    } else if (have_choice) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(choice, "type");
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(
+            cJSON_GetObjectItemCaseSensitive(choice, "function"), "name");
+        if (!cJSON_IsObject(choice) || !cJSON_IsString(type) ||
+            strcmp(type->valuestring, "function") || !cJSON_IsString(name))
+            return fail(err, 400, "invalid_value", "'tool_choice' must be \"none\", \"auto\", "
+                        "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+        int found = 0;
+        cJSON_ArrayForEach(t, tools) {
+            const cJSON *n = cJSON_GetObjectItemCaseSensitive(
+                cJSON_GetObjectItemCaseSensitive(t, "function"), "name");
+            found |= !strcmp(n->valuestring, name->valuestring);
+        }
+        if (!found)
+            return fail(err, 400, "invalid_value", "'tool_choice' names the function '%.64s', "
+                        "which is not in 'tools'", name->valuestring);
+        mode = name->valuestring;
+    }
+    int forced = strcmp(mode, "none") && strcmp(mode, "auto");
+    const cJSON *rf = cJSON_GetObjectItemCaseSensitive(root, "response_format");
+    const cJSON *rft = cJSON_GetObjectItemCaseSensitive(rf, "type");
+    if (forced && cJSON_IsString(rft) && strcmp(rft->valuestring, "text"))
+        return fail(err, 400, "unsupported_value", "'tool_choice' \"%.64s\" cannot be combined "
+                    "with 'response_format'", mode);
+    req->tools_json = cJSON_PrintUnformatted(tools);
+    req->tool_choice = strdup(mode);
+    if (!req->tools_json || !req->tool_choice)
+        return fail(err, 500, "internal_error", "out of memory");
+    opts->tools = strcmp(mode, "none") != 0;
+    return PDM_OK;
+}
+
 static int take_messages(const cJSON *root, Pdmesh__GenerateRequest *req, pdm_http_err_t *err)
 {
     const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(root, "messages");
@@ -244,15 +403,16 @@ static int take_messages(const cJSON *root, Pdmesh__GenerateRequest *req, pdm_ht
         const char *r = role->valuestring;
         /* "developer" is OpenAI's newer name for the system role. */
         if (!strcmp(r, "developer")) r = "system";
-        if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant"))
-            return fail(err, 400, "invalid_value",
-                        "'messages[%d].role' must be system, user or assistant (got \"%.40s\")",
-                        i, role->valuestring);
+        if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant") &&
+            strcmp(r, "tool"))
+            return fail(err, 400, "invalid_value", "'messages[%d].role' must be system, user, "
+                        "assistant or tool (got \"%.40s\")", i, role->valuestring);
         Pdmesh__ChatMessage *cm = malloc(sizeof(*cm));
         if (!cm) return fail(err, 500, "internal_error", "out of memory");
         pdmesh__chat_message__init(cm);
         req->messages[i] = cm;
         req->n_messages = (size_t)i + 1;
+        if (take_tool_fields(m, r, i, cm, err)) return PDM_EINVAL;
         cm->role = strdup(r);
         cm->content = message_content(cJSON_GetObjectItemCaseSensitive(m, "content"), i, err);
         if (!cm->role || !cm->content) {
@@ -299,7 +459,7 @@ static int take_stop(const cJSON *root, Pdmesh__GenerateRequest *req, pdm_http_e
  * answer. */
 static int refuse_unsupported(const cJSON *root, pdm_http_err_t *err)
 {
-    static const char *const must_be_absent[] = {"suffix", "tools", "functions"};
+    static const char *const must_be_absent[] = {"suffix", "functions"};
     for (size_t i = 0; i < PDM_ARRAY_SIZE(must_be_absent); i++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, must_be_absent[i]);
         if (v && !cJSON_IsNull(v) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0) &&
@@ -508,6 +668,7 @@ static int parse_one(const cJSON *root, int chat, int index, const pdm_router_li
         if ((st = take_prompt(root, index, req, max_prompt, err))) goto done;
     }
     if ((st = take_echo(root, chat, opts, err))) goto done;
+    if ((st = take_tools(root, chat, req, opts, err))) goto done;
 
     double v;
     int have;
@@ -1158,4 +1319,219 @@ char *pdm_http__chunk_json_at(int chat, const char *id, long created, const char
     if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
     else cJSON_AddNullToObject(c, "finish_reason");
     return finish_json(root);
+}
+
+/* ---- Tool calls in the output ------------------------------------------------------------ */
+
+void pdm_http__tool_call_id(char out[PDM_HTTP_TOOL_CALL_ID_LEN])
+{
+    static const char digits[] = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    unsigned char rnd[24] = {0};
+    pdm_random_bytes(rnd, sizeof(rnd));
+    memcpy(out, "call_", 5);
+    for (int i = 0; i < 24; i++) out[5 + i] = digits[rnd[i] % 62];
+    out[29] = 0;
+}
+
+int pdm_http__choice_tools(cJSON *choice)
+{
+    cJSON *msg = cJSON_GetObjectItemCaseSensitive(choice, "message");
+    cJSON *content = cJSON_GetObjectItemCaseSensitive(msg, "content");
+    if (!cJSON_IsString(content)) return PDM_OK;
+    pdm_chat_tool_call_t *calls = NULL;
+    int n = 0;
+    char *rest = NULL;
+    int st = pdm_chat_tool_calls_parse(content->valuestring, &calls, &n, &rest);
+    if (st || n == 0) {
+        pdm_chat_tool_calls_free(calls, n);
+        free(rest);
+        return st;
+    }
+    cJSON *list = cJSON_CreateArray();
+    for (int i = 0; list && i < n; i++) {
+        cJSON *c = cJSON_CreateObject();
+        if (!c) break;
+        cJSON_AddItemToArray(list, c);
+        char id[PDM_HTTP_TOOL_CALL_ID_LEN];
+        pdm_http__tool_call_id(id);
+        cJSON_AddStringToObject(c, "id", id);
+        cJSON_AddStringToObject(c, "type", "function");
+        cJSON *fn = cJSON_AddObjectToObject(c, "function");
+        if (!fn) break;
+        cJSON_AddStringToObject(fn, "name", calls[i].name);
+        cJSON_AddStringToObject(fn, "arguments", calls[i].arguments);
+    }
+    pdm_chat_tool_calls_free(calls, n);
+    cJSON_ReplaceItemInObjectCaseSensitive(msg, "content",
+                                           rest ? cJSON_CreateString(rest) : cJSON_CreateNull());
+    free(rest);
+    if (!list) return PDM_ENOMEM;
+    cJSON_AddItemToObject(msg, "tool_calls", list);
+    cJSON_ReplaceItemInObjectCaseSensitive(choice, "finish_reason",
+                                           cJSON_CreateString("tool_calls"));
+    return PDM_OK;
+}
+
+char *pdm_http__tool_chunk_json(const char *id, long created, const char *model, uint32_t index,
+                                int call_index, const char *call_id, const char *name,
+                                const char *arguments)
+{
+    cJSON *root = response_head("chat.completion.chunk", id, created, model);
+    if (!root) return NULL;
+    cJSON *choices = cJSON_AddArrayToObject(root, "choices");
+    cJSON *c = cJSON_CreateObject();
+    if (!choices || !c) {
+        cJSON_Delete(c);
+        return finish_json(root);
+    }
+    cJSON_AddItemToArray(choices, c);
+    cJSON_AddNumberToObject(c, "index", index);
+    cJSON *delta = cJSON_AddObjectToObject(c, "delta");
+    cJSON *calls = delta ? cJSON_AddArrayToObject(delta, "tool_calls") : NULL;
+    cJSON *call = cJSON_CreateObject();
+    if (calls && call) {
+        cJSON_AddItemToArray(calls, call);
+        cJSON_AddNumberToObject(call, "index", call_index);
+        if (call_id) {
+            cJSON_AddStringToObject(call, "id", call_id);
+            cJSON_AddStringToObject(call, "type", "function");
+        }
+        cJSON *fn = cJSON_AddObjectToObject(call, "function");
+        if (fn && name) cJSON_AddStringToObject(fn, "name", name);
+        if (fn) cJSON_AddStringToObject(fn, "arguments", arguments ? arguments : "");
+    } else {
+        cJSON_Delete(call);
+    }
+    cJSON_AddNullToObject(c, "logprobs");
+    cJSON_AddNullToObject(c, "finish_reason");
+    return finish_json(root);
+}
+
+static int is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+/* Emits content (text outside calls) through the callback; whitespace is held back until
+ * text follows it, so that the newlines around calls do not become content. */
+static int tool_stream_content(pdm_http_tool_stream_t *ts, const char *text, size_t n,
+                               pdm_http_tool_emit_cb emit, void *ctx)
+{
+    if (ts->calls && !ts->content_after) /* the newlines after a call are not content */
+        while (n && is_space(*text)) text++, n--;
+    if (!n) return PDM_OK;
+    char *seg = malloc(n + 1);
+    if (!seg) return PDM_ENOMEM;
+    memcpy(seg, text, n);
+    seg[n] = 0;
+    emit(ctx, seg, NULL, NULL);
+    free(seg);
+    ts->content = 1;
+    ts->content_after = ts->calls > 0;
+    return PDM_OK;
+}
+
+int pdm_http__tool_stream_feed(pdm_http_tool_stream_t *ts, const char *text, int final,
+                               pdm_http_tool_emit_cb emit, void *ctx)
+{
+    static const char open[] = PDM_CHAT_TOOL_CALL_OPEN, close[] = PDM_CHAT_TOOL_CALL_CLOSE;
+    const size_t lo = sizeof(open) - 1, lc = sizeof(close) - 1;
+    size_t add = text ? strlen(text) : 0;
+    if (add) {
+        char *b = realloc(ts->buf, ts->n + add + 1);
+        if (!b) return PDM_ENOMEM;
+        memcpy(b + ts->n, text, add + 1);
+        ts->buf = b;
+        ts->n += add;
+    }
+    if (!ts->buf) return PDM_OK;
+    /* Llama 3.1's call is the whole answer, a bare JSON object (after <|python_tag|>): an
+     * answer that starts like one is held to the end, then parsed */
+    if (!ts->content && !ts->calls && !strstr(ts->buf, open)) {
+        const char *a = ts->buf;
+        while (is_space(*a)) a++;
+        size_t lt = strlen(PDM_CHAT_PYTHON_TAG), la = strlen(a);
+        if (*a == '{' || !strncmp(a, PDM_CHAT_PYTHON_TAG, la < lt ? la : lt)) {
+            if (!final) return PDM_OK;
+            pdm_chat_tool_call_t *calls = NULL;
+            int n = 0;
+            char *rest = NULL;
+            if (pdm_chat_tool_calls_parse(ts->buf, &calls, &n, &rest)) return PDM_ENOMEM;
+            free(rest);
+            if (n == 1) {
+                emit(ctx, NULL, calls[0].name, calls[0].arguments);
+                ts->calls++;
+                ts->n = 0;
+                ts->buf[0] = 0;
+            }
+            pdm_chat_tool_calls_free(calls, n);
+            if (n == 1) return PDM_OK;
+        }
+    }
+    size_t at = 0; /* ts->buf[0..at) is consumed */
+    int st = PDM_OK;
+    while (!st && at < ts->n) {
+        char *p = ts->buf + at;
+        char *a = strstr(p, open);
+        if (!a) {
+            /* hold back a suffix that may begin the marker, and trailing whitespace */
+            size_t n = ts->n - at, keep = 0;
+            if (!final) {
+                for (size_t k = n < lo - 1 ? n : lo - 1; k > 0; k--)
+                    if (!memcmp(p + n - k, open, k)) {
+                        keep = k;
+                        break;
+                    }
+                while (keep < n && is_space(p[n - keep - 1])) keep++;
+            } else if (ts->calls) {
+                while (keep < n && is_space(p[n - keep - 1])) keep++;
+                if (keep < n) keep = 0; /* text after the calls is content after all */
+            }
+            st = tool_stream_content(ts, p, n - keep, emit, ctx);
+            at += n - keep;
+            if (final) at = ts->n;
+            break;
+        }
+        size_t before = (size_t)(a - p), trim = before;
+        while (trim > 0 && is_space(p[trim - 1])) trim--;
+        char *z = strstr(a + lo, close);
+        if (!z) {
+            if (final) { /* an unclosed call: text */
+                st = tool_stream_content(ts, p, ts->n - at, emit, ctx);
+                at = ts->n;
+            } else {
+                st = tool_stream_content(ts, p, trim, emit, ctx);
+                at += before;
+            }
+            break;
+        }
+        struct {
+            char *name, *arguments;
+        } call = {0};
+        int ok = pdm_chat_tool_call_parse_one(a + lo, (size_t)(z - a - lo), &call.name,
+                                              &call.arguments);
+        if (ok < 0) {
+            st = PDM_ENOMEM;
+            break;
+        }
+        size_t end = (size_t)(z + lc - p);
+        if (!ok) { /* not a call: the block is text */
+            st = tool_stream_content(ts, p, end, emit, ctx);
+        } else {
+            if (!(st = tool_stream_content(ts, p, trim, emit, ctx))) {
+                emit(ctx, NULL, call.name, call.arguments);
+                ts->calls++;
+                ts->content_after = 0;
+            }
+        }
+        free(call.name);
+        free(call.arguments);
+        at += end;
+    }
+    memmove(ts->buf, ts->buf + at, ts->n - at + 1);
+    ts->n -= at;
+    return st;
+}
+
+void pdm_http__tool_stream_fini(pdm_http_tool_stream_t *ts)
+{
+    free(ts->buf);
+    memset(ts, 0, sizeof(*ts));
 }

@@ -100,6 +100,30 @@ START_TEST(test_compile_accepts)
                        "\"#/$defs/N\"}}},\"required\":[\"kids\"]}}}";
     ck_assert(accepts(trie, tree, "{\"kids\":[{\"kids\":[]},{\"kids\":[{\"kids\":[]}]}]}"));
     ck_assert(!accepts(trie, tree, "{\"kids\":[{}]}"));
+    /* the literal prefix/suffix wrapper (tool calls) */
+    const char *call = "{\"x-pdmesh-prefix\":\"<tool_call>\\n\",\"x-pdmesh-suffix\":"
+                       "\"\\n</tool_call>\",\"type\":\"object\",\"properties\":{\"name\":"
+                       "{\"const\":\"f\"}},\"required\":[\"name\"]}";
+    ck_assert(accepts(trie, call, "<tool_call>\n{\"name\": \"f\"}\n</tool_call>"));
+    ck_assert(!accepts(trie, call, "{\"name\": \"f\"}"));
+    ck_assert(!accepts(trie, call, "<tool_call>\n{\"name\": \"f\"}"));
+    ck_assert(!accepts(trie, call, "<tool_call>\n{\"name\": \"g\"}\n</tool_call>"));
+    /* the schema model/chat.c builds for tool_choice "required" */
+    char *forced = pdm_chat_tool_call_schema(
+        PDM_CHAT_CHATML, "[{\"type\":\"function\",\"function\":{\"name\":\"get_time\"}},"
+        "{\"type\":\"function\",\"function\":{\"name\":\"add\",\"parameters\":{\"type\":"
+        "\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},\"required\":[\"a\"]}}}]",
+        NULL);
+    ck_assert_msg(forced, "%s", pdm_error_last());
+    ck_assert(accepts(trie, forced, "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}"
+                                    "\n</tool_call>"));
+    ck_assert(accepts(trie, forced, "<tool_call>\n{\"name\": \"add\", \"arguments\": "
+                                    "{\"a\": 3}}\n</tool_call>"));
+    ck_assert(!accepts(trie, forced, "<tool_call>\n{\"name\": \"add\", \"arguments\": "
+                                     "{\"a\": \"3\"}}\n</tool_call>"));
+    ck_assert(!accepts(trie, forced, "<tool_call>\n{\"name\": \"sub\", \"arguments\": {}}"
+                                     "\n</tool_call>"));
+    free(forced);
     pdm_vocab_trie_destroy(trie);
     pdm_tokenizer_destroy(tk);
 }
@@ -118,6 +142,7 @@ START_TEST(test_compile_refuses)
         {"[1]", "must be an object"},
         {"{\"type\":\"object\",\"properties\":{\"a\":{}},\"required\":[\"b\"]}", "'b'"},
         {"{\"type\":\"array\",\"minItems\":5000}", "256"},
+        {"{\"x-pdmesh-prefix\":1,\"type\":\"object\"}", "must be strings"},
     };
     for (size_t i = 0; i < PDM_ARRAY_SIZE(bad); i++) {
         pdm_grammar_t *g = NULL;

@@ -7,6 +7,7 @@
  */
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -228,12 +229,17 @@ START_TEST(test_http_parse_fuzz)
         ("{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"t\"}]}],"
          "\"stream\":true,\"stream_options\":{\"include_usage\":true}}"),
         "{\"prompt\":[[1,2,3]],\"best_of\":2,\"seed\":-1,\"top_k\":-1}",
+        ("{\"messages\":[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c\","
+         "\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]},{\"role\":"
+         "\"tool\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":"
+         "\"f\",\"parameters\":{\"type\":\"object\"}}}],\"tool_choice\":{\"type\":\"function\","
+         "\"function\":{\"name\":\"f\"}}}"),
     };
     uint64_t rng = 7;
     char buf[512];
     int accepted = 0, refused = 0;
     for (int it = 0; it < 20000; it++) {
-        const char *s = seeds[it % 3];
+        const char *s = seeds[it % 4];
         size_t len = strlen(s);
         memcpy(buf, s, len);
         int edits = 1 + (int)(pdm_splitmix64(&rng) % 4);
@@ -251,7 +257,8 @@ START_TEST(test_http_parse_fuzz)
         Pdmesh__GenerateRequest *req = NULL;
         pdm_http_opts_t o;
         pdm_http_err_t err;
-        if (pdm_http__parse_request(buf, len, it % 3 == 1, &limits, "m", &req, &o, &err) == PDM_OK) {
+        if (pdm_http__parse_request(buf, len, it % 4 == 1 || it % 4 == 3, &limits, "m", &req, &o,
+                                    &err) == PDM_OK) {
             ck_assert_ptr_nonnull(req);
             ck_assert(req->sampling);
             pdm_http__request_free(req);
@@ -354,6 +361,228 @@ START_TEST(test_http_utf8_sanitize)
 }
 END_TEST
 
+static const char tools_body[] =
+    "{\"messages\":[{\"role\":\"user\",\"content\":\"t?\"},{\"role\":\"assistant\",\"content\":"
+    "null,\"tool_calls\":[{\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":"
+    "\"get_time\",\"arguments\":\"{}\"}}]},{\"role\":\"tool\",\"tool_call_id\":\"call_1\","
+    "\"content\":\"12:00\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":"
+    "\"get_time\",\"description\":\"now\",\"parameters\":{\"type\":\"object\"}}}]%s}";
+
+static char *tools_request(const char *extra)
+{
+    static char buf[2048];
+    snprintf(buf, sizeof(buf), tools_body, extra);
+    return buf;
+}
+
+START_TEST(test_http_parse_tools)
+{
+    pdm_http_opts_t o;
+    Pdmesh__GenerateRequest *r = parse_ok(tools_request(""), 1, &o);
+    ck_assert_str_eq(r->tool_choice, "auto");
+    ck_assert(o.tools);
+    ck_assert_ptr_nonnull(strstr(r->tools_json, "\"get_time\""));
+    ck_assert_uint_eq(r->n_messages, 3);
+    ck_assert_str_eq(r->messages[1]->content, "");
+    ck_assert_ptr_nonnull(strstr(r->messages[1]->tool_calls_json, "\"arguments\":\"{}\""));
+    ck_assert_str_eq(r->messages[2]->role, "tool");
+    ck_assert_str_eq(r->messages[2]->tool_call_id, "call_1");
+    pdm_http__request_free(r);
+    r = parse_ok(tools_request(",\"tool_choice\":\"none\""), 1, &o);
+    ck_assert_str_eq(r->tool_choice, "none");
+    ck_assert(!o.tools);
+    pdm_http__request_free(r);
+    r = parse_ok(tools_request(",\"tool_choice\":\"required\",\"stream\":true"), 1, &o);
+    ck_assert_str_eq(r->tool_choice, "required");
+    ck_assert(o.tools && o.stream);
+    pdm_http__request_free(r);
+    r = parse_ok(tools_request(",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":"
+                               "\"get_time\"}}"), 1, &o);
+    ck_assert_str_eq(r->tool_choice, "get_time");
+    pdm_http__request_free(r);
+    /* refusals name the field */
+    parse_fails(tools_request(",\"tool_choice\":\"always\""), 1, 400, "invalid_value");
+    parse_fails(tools_request(",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":"
+                              "\"nope\"}}"), 1, 400, "invalid_value");
+    parse_fails(tools_request(",\"tool_choice\":\"required\",\"response_format\":{\"type\":"
+                              "\"json_object\"}"), 1, 400, "unsupported_value");
+    parse_fails("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tool_choice\":"
+                "\"required\"}", 1, 400, "invalid_value");
+    parse_fails("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":{}}", 1, 400,
+                "invalid_type");
+    parse_fails("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":"
+                "\"retrieval\"}]}", 1, 400, "unsupported_value");
+    parse_fails("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":"
+                "\"function\",\"function\":{\"name\":\"a b\"}}]}", 1, 400, "invalid_value");
+    parse_fails("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":"
+                "\"function\",\"function\":{\"name\":\"f\",\"parameters\":3}}]}", 1, 400,
+                "invalid_type");
+    parse_fails("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":"
+                "\"function\",\"function\":{\"name\":\"f\"}},{\"type\":\"function\",\"function\":"
+                "{\"name\":\"f\"}}]}", 1, 400, "invalid_value");
+    parse_fails("{\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"tool_calls\":[]}],"
+                "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+                "\"prompt\":1}", 1, 400, "invalid_value");
+    parse_fails("{\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"tool_calls\":[{}]}]}", 1,
+                400, "invalid_value");
+    parse_fails("{\"prompt\":\"x\",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":"
+                "\"f\"}}]}", 0, 400, "unsupported_value");
+    parse_fails("{\"messages\":[{\"role\":\"robot\",\"content\":\"x\"}]}", 1, 400,
+                "invalid_value");
+}
+END_TEST
+
+/* The non-streamed choice: calls moved into message.tool_calls. */
+START_TEST(test_http_choice_tools)
+{
+    Pdmesh__GenerateResult res;
+    pdmesh__generate_result__init(&res);
+    res.text = "Checking.\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"tz\": "
+               "\"UTC\"}}\n</tool_call>";
+    res.finish = PDMESH__FINISH_REASON__FINISH_EOS;
+    cJSON *c = pdm_http__choice_json(1, 0, &res, 0, NULL);
+    ck_assert_int_eq(pdm_http__choice_tools(c), PDM_OK);
+    cJSON *msg = cJSON_GetObjectItem(c, "message");
+    ck_assert_str_eq(cJSON_GetObjectItem(msg, "content")->valuestring, "Checking.");
+    cJSON *call = cJSON_GetArrayItem(cJSON_GetObjectItem(msg, "tool_calls"), 0);
+    ck_assert_int_eq(strncmp(cJSON_GetObjectItem(call, "id")->valuestring, "call_", 5), 0);
+    ck_assert_int_eq(strlen(cJSON_GetObjectItem(call, "id")->valuestring), 29);
+    ck_assert_str_eq(cJSON_GetObjectItem(call, "type")->valuestring, "function");
+    cJSON *fn = cJSON_GetObjectItem(call, "function");
+    ck_assert_str_eq(cJSON_GetObjectItem(fn, "name")->valuestring, "get_time");
+    ck_assert_str_eq(cJSON_GetObjectItem(fn, "arguments")->valuestring, "{\"tz\":\"UTC\"}");
+    ck_assert_str_eq(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "tool_calls");
+    cJSON_Delete(c);
+    /* only a call: content null; no call: unchanged */
+    res.text = "<tool_call>{\"name\":\"f\",\"arguments\":{}}</tool_call>";
+    c = pdm_http__choice_json(1, 0, &res, 0, NULL);
+    pdm_http__choice_tools(c);
+    ck_assert(cJSON_IsNull(cJSON_GetObjectItem(cJSON_GetObjectItem(c, "message"), "content")));
+    cJSON_Delete(c);
+    res.text = "no call here";
+    c = pdm_http__choice_json(1, 0, &res, 0, NULL);
+    pdm_http__choice_tools(c);
+    ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(c, "message"), "content")
+                         ->valuestring, "no call here");
+    ck_assert_ptr_null(cJSON_GetObjectItem(cJSON_GetObjectItem(c, "message"), "tool_calls"));
+    ck_assert_str_eq(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "stop");
+    cJSON_Delete(c);
+}
+END_TEST
+
+typedef struct {
+    char content[512];
+    char calls[512]; /* "name(args);" per call */
+    int events;
+} tool_sink_t;
+
+static void tool_sink(void *ctx, const char *content, const char *name, const char *args)
+{
+    tool_sink_t *t = ctx;
+    t->events++;
+    if (content) strncat(t->content, content, sizeof(t->content) - strlen(t->content) - 1);
+    else
+        snprintf(t->calls + strlen(t->calls), sizeof(t->calls) - strlen(t->calls), "%s(%s);",
+                 name, args);
+}
+
+/* Streaming: fed whole or byte by byte, the same content and calls come out, and no byte of a
+ * marker ever reaches the content. */
+START_TEST(test_http_tool_stream)
+{
+    static const struct {
+        const char *text, *content, *calls;
+    } cases[] = {
+        {"Hi <tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n"
+         "<tool_call>{\"name\":\"g\",\"arguments\":\"{}\"}</tool_call>\n",
+         "Hi", "f({\"a\":1});g({});"},
+        {"plain <tool text\n\n", "plain <tool text\n\n", ""},
+        {"<tool_call>{\"name\": \"f\", \"argu", "<tool_call>{\"name\": \"f\", \"argu", ""},
+        {"<tool_call>[1]</tool_call> after", "<tool_call>[1]</tool_call> after", ""},
+        {"<tool_call>{\"name\":\"f\"}</tool_call>\nthen text", "then text", "f({});"},
+        /* Llama 3.1: a bare call, with or without <|python_tag|>; JSON that is no call */
+        {" {\"name\": \"f\", \"parameters\": {\"a\": 1}}", "", "f({\"a\":1});"},
+        {"<|python_tag|>{\"name\": \"f\", \"parameters\": {}}", "", "f({});"},
+        {"{\"answer\": 42}", "{\"answer\": 42}", ""},
+        {"<|python_tag|> hello", "<|python_tag|> hello", ""},
+    };
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(cases); i++) {
+        for (int bytewise = 0; bytewise < 2; bytewise++) {
+            tool_sink_t sink = {0};
+            pdm_http_tool_stream_t ts = {0};
+            const char *t = cases[i].text;
+            if (bytewise) {
+                for (size_t k = 0; t[k]; k++) {
+                    char one[2] = {t[k], 0};
+                    ck_assert_int_eq(pdm_http__tool_stream_feed(&ts, one, 0, tool_sink, &sink),
+                                     PDM_OK);
+                    ck_assert_ptr_null(strstr(sink.content, "<tool_call>{\"name\":\"g"));
+                }
+            } else {
+                ck_assert_int_eq(pdm_http__tool_stream_feed(&ts, t, 0, tool_sink, &sink),
+                                 PDM_OK);
+            }
+            ck_assert_int_eq(pdm_http__tool_stream_feed(&ts, NULL, 1, tool_sink, &sink), PDM_OK);
+            ck_assert_msg(!strcmp(sink.content, cases[i].content), "case %zu/%d: content '%s'",
+                          i, bytewise, sink.content);
+            ck_assert_msg(!strcmp(sink.calls, cases[i].calls), "case %zu/%d: calls '%s'", i,
+                          bytewise, sink.calls);
+            pdm_http__tool_stream_fini(&ts);
+        }
+    }
+    /* mutated call texts: never a crash, and the stream finds the calls the parser finds
+     * (malformed and unclosed blocks are text in both) */
+    static const char seed[] = "a <tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": [1, "
+                               "\"y\"]}}\n</tool_call>\n<tool_call>{\"name\":\"g\"}</tool_call>";
+    uint64_t rng = 11;
+    for (int it = 0; it < 3000; it++) {
+        char buf[256];
+        size_t len = sizeof(seed) - 1;
+        memcpy(buf, seed, len);
+        for (int e = 0, edits = 1 + (int)(pdm_splitmix64(&rng) % 3); e < edits; e++) {
+            uint64_t x = pdm_splitmix64(&rng);
+            size_t at = (size_t)(x % len);
+            if ((x >> 32) % 2 && len > 1) {
+                memmove(buf + at, buf + at + 1, len - at - 1);
+                len--;
+            } else {
+                buf[at] = "{}[]\",:<>/ \n"[(x >> 40) % 12];
+            }
+        }
+        buf[len] = 0;
+        pdm_chat_tool_call_t *calls = NULL;
+        int n = 0;
+        char *content = NULL;
+        ck_assert_int_eq(pdm_chat_tool_calls_parse(buf, &calls, &n, &content), PDM_OK);
+        tool_sink_t sink = {0};
+        pdm_http_tool_stream_t ts = {0};
+        size_t step = 1 + (size_t)(pdm_splitmix64(&rng) % 7);
+        for (size_t k = 0; k < len; k += step) {
+            char piece[8] = {0};
+            memcpy(piece, buf + k, k + step <= len ? step : len - k);
+            ck_assert_int_eq(pdm_http__tool_stream_feed(&ts, piece, 0, tool_sink, &sink), PDM_OK);
+        }
+        ck_assert_int_eq(pdm_http__tool_stream_feed(&ts, NULL, 1, tool_sink, &sink), PDM_OK);
+        ck_assert_msg(ts.calls == n, "'%s': %d calls parsed, %d streamed", buf, n, ts.calls);
+        pdm_http__tool_stream_fini(&ts);
+        pdm_chat_tool_calls_free(calls, n);
+        free(content);
+    }
+    /* the chunk shapes */
+    char *first = pdm_http__tool_chunk_json("id", 1, "m", 0, 2, "call_x", "f", "");
+    char *frag = pdm_http__tool_chunk_json("id", 1, "m", 0, 2, NULL, NULL, "{\"a\":1}");
+    ck_assert_str_eq(first, "{\"id\":\"id\",\"object\":\"chat.completion.chunk\",\"created\":1,"
+                            "\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":"
+                            "[{\"index\":2,\"id\":\"call_x\",\"type\":\"function\",\"function\":{"
+                            "\"name\":\"f\",\"arguments\":\"\"}}]},\"logprobs\":null,"
+                            "\"finish_reason\":null}]}");
+    ck_assert_ptr_nonnull(strstr(frag, "{\"index\":2,\"function\":{\"arguments\":"
+                                       "\"{\\\"a\\\":1}\"}}"));
+    free(first);
+    free(frag);
+}
+END_TEST
+
 Suite *suite_http(void)
 {
     Suite *s = suite_create("http");
@@ -365,6 +594,9 @@ Suite *suite_http(void)
     tcase_add_test(tc, test_http_parse_fuzz);
     tcase_add_test(tc, test_http_responses);
     tcase_add_test(tc, test_http_utf8_sanitize);
+    tcase_add_test(tc, test_http_parse_tools);
+    tcase_add_test(tc, test_http_choice_tools);
+    tcase_add_test(tc, test_http_tool_stream);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -10,6 +10,7 @@
 #include "common/pdm.h"
 #include "model/gguf.h"
 #include "model/tokenizer.h"
+#include "chat_tools_fixtures.h"
 
 #include <cjson/cJSON.h>
 
@@ -1068,6 +1069,137 @@ START_TEST(test_golden_chat_templates)
 }
 END_TEST
 
+/* Tools rendered as Qwen 2.5's and Llama 3.1's own Jinja templates render them (fixtures
+ * generated with jinja2 by gen_chat_tools.py), tool-call parsing, and the forced-call schema. */
+START_TEST(test_chat_tools)
+{
+    static const char qwen_sys[] =
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(chat_tools_cases); i++) {
+        const chat_tools_case_t *tc = &chat_tools_cases[i];
+        pdm_chat_msg_t msgs[8];
+        for (int k = 0; k < tc->n; k++)
+            msgs[k] = (pdm_chat_msg_t){tc->roles[k], tc->contents[k], tc->calls[k]};
+        char *s = tc->llama3 ? pdm_chat_render_tools(PDM_CHAT_LLAMA3, NULL, msgs, tc->n,
+                                                     tc->tools, 1)
+                             : pdm_chat_render_tools(PDM_CHAT_CHATML, qwen_sys, msgs, tc->n,
+                                                     tc->tools, 1);
+        ck_assert_msg(s, "%s: %s", tc->name, pdm_error_last());
+        ck_assert_msg(!strcmp(s, tc->expected), "%s:\n--- got\n%s\n--- want\n%s", tc->name, s,
+                      tc->expected);
+        free(s);
+    }
+    /* families without tools, malformed input */
+    pdm_chat_msg_t user = {"user", "hi", NULL};
+    ck_assert_ptr_null(pdm_chat_render_tools(PDM_CHAT_GEMMA, NULL, &user, 1, "[]", 1));
+    ck_assert(pdm_chat_supports_tools(PDM_CHAT_CHATML) && pdm_chat_supports_tools(PDM_CHAT_LLAMA3));
+    ck_assert_ptr_nonnull(strstr(pdm_error_last(), "(gemma) does not support tools"));
+    ck_assert_ptr_null(pdm_chat_render_tools(PDM_CHAT_CHATML, NULL, &user, 1, "{\"a\":1}", 1));
+    ck_assert_ptr_nonnull(strstr(pdm_error_last(), "tools must be a JSON list"));
+    pdm_chat_msg_t bad = {"assistant", "", "{\"not\":\"a list\"}"};
+    ck_assert_ptr_null(pdm_chat_render_tools(PDM_CHAT_CHATML, NULL, &bad, 1, NULL, 1));
+    ck_assert_ptr_nonnull(strstr(pdm_error_last(), "messages[0].tool_calls must be a list"));
+    /* an empty tools list is no tools (the template's `if tools`) */
+    char *s = pdm_chat_render_tools(PDM_CHAT_CHATML, "S", &user, 1, "[]", 0);
+    ck_assert_str_eq(s, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n");
+    free(s);
+
+    /* parsing */
+    pdm_chat_tool_call_t *calls;
+    int n;
+    char *content;
+    ck_assert_int_eq(pdm_chat_tool_calls_parse(
+                         "I will check.\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": "
+                         "{}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", "
+                         "\"arguments\": {\"city\": \"Par\u00eds\", \"days\": 2}}\n</tool_call>",
+                         &calls, &n, &content), PDM_OK);
+    ck_assert_int_eq(n, 2);
+    ck_assert_str_eq(calls[0].name, "get_time");
+    ck_assert_str_eq(calls[0].arguments, "{}");
+    ck_assert_str_eq(calls[1].name, "get_weather");
+    ck_assert_str_eq(calls[1].arguments, "{\"city\":\"Par\xc3\xads\",\"days\":2}");
+    ck_assert_str_eq(content, "I will check.");
+    pdm_chat_tool_calls_free(calls, n);
+    free(content);
+    /* arguments as a JSON string, no other text: content NULL */
+    ck_assert_int_eq(pdm_chat_tool_calls_parse("<tool_call>{\"name\":\"f\",\"arguments\":"
+                                               "\"{\\\"a\\\":1}\"}</tool_call>\n",
+                                               &calls, &n, &content), PDM_OK);
+    ck_assert_int_eq(n, 1);
+    ck_assert_str_eq(calls[0].arguments, "{\"a\":1}");
+    ck_assert_ptr_null(content);
+    pdm_chat_tool_calls_free(calls, n);
+    /* not calls: plain text, an unclosed call, a block that is not a call's JSON */
+    const char *texts[] = {"just text", "<tool_call>\n{\"name\": \"f\", \"argu",
+                           "<tool_call>{\"nom\": 1}</tool_call>", "<tool_call>[1]</tool_call>",
+                           "<tool_call>{\"name\":\"f\",\"arguments\":[1]}</tool_call>"};
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(texts); i++) {
+        ck_assert_int_eq(pdm_chat_tool_calls_parse(texts[i], &calls, &n, &content), PDM_OK);
+        ck_assert_int_eq(n, 0);
+        ck_assert_str_eq(content, texts[i]);
+        free(content);
+        pdm_chat_tool_calls_free(calls, n);
+    }
+
+    /* the forced call's schema */
+    const char *tools = chat_tools_cases[0].tools;
+    char *schema = pdm_chat_tool_call_schema(PDM_CHAT_CHATML, tools, NULL);
+    ck_assert_msg(schema, "%s", pdm_error_last());
+    cJSON *j = cJSON_Parse(schema);
+    ck_assert_str_eq(cJSON_GetObjectItem(j, "x-pdmesh-prefix")->valuestring, "<tool_call>\n");
+    ck_assert_str_eq(cJSON_GetObjectItem(j, "x-pdmesh-suffix")->valuestring, "\n</tool_call>");
+    ck_assert_int_eq(cJSON_GetArraySize(cJSON_GetObjectItem(j, "anyOf")), 2);
+    cJSON_Delete(j);
+    free(schema);
+    schema = pdm_chat_tool_call_schema(PDM_CHAT_CHATML, tools, "get_time");
+    j = cJSON_Parse(schema);
+    cJSON *only = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "anyOf"), 0);
+    ck_assert_int_eq(cJSON_GetArraySize(cJSON_GetObjectItem(j, "anyOf")), 1);
+    ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(only,
+                     "properties"), "name"), "const")->valuestring, "get_time");
+    cJSON_Delete(j);
+    free(schema);
+    ck_assert_ptr_null(pdm_chat_tool_call_schema(PDM_CHAT_CHATML, tools, "nope"));
+    ck_assert_ptr_nonnull(strstr(pdm_error_last(), "'nope'"));
+    ck_assert_ptr_null(pdm_chat_tool_call_schema(PDM_CHAT_CHATML, "[]", NULL));
+    ck_assert_ptr_null(pdm_chat_tool_call_schema(PDM_CHAT_GEMMA, tools, NULL));
+    ck_assert_ptr_nonnull(strstr(pdm_error_last(), "does not support tools"));
+    /* Llama 3.1: the bare object, "parameters", no wrapper */
+    schema = pdm_chat_tool_call_schema(PDM_CHAT_LLAMA3, tools, "get_time");
+    j = cJSON_Parse(schema);
+    ck_assert_ptr_null(cJSON_GetObjectItem(j, "x-pdmesh-prefix"));
+    only = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "anyOf"), 0);
+    ck_assert_ptr_nonnull(cJSON_GetObjectItem(cJSON_GetObjectItem(only, "properties"),
+                                              "parameters"));
+    cJSON_Delete(j);
+    free(schema);
+    /* Llama 3.1's template: tools need a first user message; one call per assistant message */
+    pdm_chat_msg_t sys_only = {"system", "s", NULL};
+    ck_assert_ptr_null(pdm_chat_render_tools(PDM_CHAT_LLAMA3, NULL, &sys_only, 1, tools, 1));
+    ck_assert_ptr_nonnull(strstr(pdm_error_last(), "first user message"));
+    pdm_chat_msg_t two[2] = {{"user", "u", NULL},
+                             {"assistant", "", "[{\"function\":{\"name\":\"a\"}},"
+                                               "{\"function\":{\"name\":\"b\"}}]"}};
+    ck_assert_ptr_null(pdm_chat_render_tools(PDM_CHAT_LLAMA3, NULL, two, 2, NULL, 1));
+    ck_assert_ptr_nonnull(strstr(pdm_error_last(), "exactly one call"));
+    /* Llama 3.1's output: one bare call, with or without <|python_tag|> */
+    const char *bare[] = {"{\"name\": \"get_time\", \"parameters\": {}}",
+                          " <|python_tag|>{\"name\": \"get_time\", \"parameters\": {}}\n"};
+    for (size_t i = 0; i < PDM_ARRAY_SIZE(bare); i++) {
+        ck_assert_int_eq(pdm_chat_tool_calls_parse(bare[i], &calls, &n, &content), PDM_OK);
+        ck_assert_int_eq(n, 1);
+        ck_assert_str_eq(calls[0].name, "get_time");
+        ck_assert_str_eq(calls[0].arguments, "{}");
+        ck_assert_ptr_null(content);
+        pdm_chat_tool_calls_free(calls, n);
+    }
+    ck_assert_int_eq(pdm_chat_tool_calls_parse("{\"answer\": 1}", &calls, &n, &content), PDM_OK);
+    ck_assert_int_eq(n, 0);
+    ck_assert_str_eq(content, "{\"answer\": 1}");
+    free(content);
+}
+END_TEST
+
 Suite *suite_tokenizer(void)
 {
     Suite *s = suite_create("tokenizer");
@@ -1080,6 +1212,7 @@ Suite *suite_tokenizer(void)
     tcase_add_test(syn, test_syn_detok_stream);
     tcase_add_test(syn, test_syn_bad_metadata);
     tcase_add_test(syn, test_syn_chat);
+    tcase_add_test(syn, test_chat_tools);
     tcase_add_test(syn, test_syn_sentencepiece);
     suite_add_tcase(s, syn);
 
