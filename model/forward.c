@@ -48,8 +48,11 @@ struct pdm_model_ctx {
     float *split;    /* decode: [n_kv_heads][2 * n_threads][group][head_dim + 1] partials of
                       * the KV ranges, merged after the parallel step */
     int n_threads;
+    int split_single; /* pdm_model_ctx_set_split_single */
     pdm_act_t batch; /* activations used by pdm_model_prefill */
 };
+
+void pdm_model_ctx_set_split_single(pdm_model_ctx_t *ctx, int on) { ctx->split_single = on != 0; }
 
 int pdm_act_alloc(const pdm_model_hparams_t *hp, int n, pdm_act_t *act)
 {
@@ -112,6 +115,7 @@ int pdm_model_ctx_create(const pdm_model_t *model, int n_threads, int max_batch,
     ctx->partial = malloc((size_t)n_threads * PDM__ATTN_QBLOCK * (hp->head_dim + 1) *
                           sizeof(float));
     ctx->n_threads = n_threads;
+    ctx->split_single = 1;
     ctx->split = malloc((size_t)hp->n_heads * 2 * n_threads * (hp->head_dim + 1) * sizeof(float));
     if (!ctx->xn || !ctx->tmp || !ctx->gate || !ctx->up || !ctx->act || !ctx->partial ||
         !ctx->split ||
@@ -541,7 +545,7 @@ void pdm_model_attention_heads(pdm_model_ctx_t *ctx, int layer, pdm_act_t *act,
     pdm__attn_task_t t = {.ctx = ctx, .act = act, .views = views, .n_views = n_views,
                           .kvh0 = kvh0, .kvh1 = kvh1, .layer = layer};
     atomic_init(&t.next, 0);
-    if (act->n == 1 && hp->n_heads / hp->n_kv_heads <= PDM__ATTN_QBLOCK) {
+    if (act->n == 1 && ctx->split_single && hp->n_heads / hp->n_kv_heads <= PDM__ATTN_QBLOCK) {
         pdm_kern_pool_run(ctx->pool, pdm__attn_split_task, &t);
         pdm__attn_split_merge(ctx, act, kvh0, kvh1);
         return;

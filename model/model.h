@@ -265,6 +265,13 @@ typedef struct pdm_model_ctx pdm_model_ctx_t;
 int pdm_model_ctx_create(const pdm_model_t *model, int n_threads, int max_batch,
                          pdm_model_ctx_t **out);
 void pdm_model_ctx_destroy(pdm_model_ctx_t *ctx);
+/* Whether a single token's attention splits its keys over the threads and merges the parts
+ * by log-sum-exp (on by default: a decode step's latency with long contexts). The merge
+ * rounds differently from the one-pass online softmax of a batch, and 8-bit activations can
+ * turn that into logit differences of a few tenths (0.41 measured on SmolLM2 Q4_1), so a
+ * context whose single tokens must equal the same tokens of a batched prefill (a prefill
+ * rank computing a cached prompt's last token alone) turns it off. */
+void pdm_model_ctx_set_split_single(pdm_model_ctx_t *ctx, int on);
 int pdm_model_ctx_max_batch(const pdm_model_ctx_t *ctx);
 const pdm_model_t *pdm_model_ctx_model(const pdm_model_ctx_t *ctx);
 const pdm_kern_ops_t *pdm_model_ctx_ops(const pdm_model_ctx_t *ctx);

@@ -20,6 +20,9 @@ int pdm_prefill__ensure_ctx(pdm_prefill_rank_t *r, int batch)
     r->ctx = NULL;
     int st = pdm_model_ctx_create(r->model, r->p.threads, batch, &r->ctx);
     if (st) return st;
+    /* prompt tokens: the same numbers whether a range holds one token or many (a cached
+     * prefix leaves a rank one token to compute; the engine computes it in the batch) */
+    pdm_model_ctx_set_split_single(r->ctx, 0);
     r->ctx_batch = batch;
     if (r->act_cap < batch) {
         pdm_act_free(&r->act);

@@ -5,6 +5,7 @@
  *                     [--stream] [--count K] [--deadline-ms MS] [--timeout S] [--cancel-after N]
  *                     [--seed S]
  *                     [--stop STRING] [--beams B] [--n-best N] [--ignore-eos]
+ *                     [--top-logprobs N]   (each token's bytes and its N best candidates)
  *   pdm-rclient raw   --ep EP --kind garbage|oversized|unknown|multipart|badproto|ping
  *   pdm-rclient admin --ep EP --op OP [--name N] [--key K] [--value V] [--id R] [--no-token]
  *   pdm-rclient register --ep NODE_EP --node-id ID      (secret from the environment)
@@ -29,7 +30,7 @@
 static const char *stop_arg;
 static const char *ep, *prompt, *tokens_arg, *kind, *op, *name, *key, *value, *node_id;
 static int chat, n_predict = 32, stream_, count = 1, no_token, cancel_after = -1;
-static int beams_, n_best_, ignore_eos_;
+static int beams_, n_best_, ignore_eos_, top_lp_;
 static double temp, timeout_s = 120;
 static uint64_t seed; /* --seed: 0 = the router's default */
 static unsigned deadline_ms;
@@ -112,6 +113,8 @@ static int cmd_gen(void *ctx)
     Pdmesh__SamplingParams sp = PDMESH__SAMPLING_PARAMS__INIT;
     sp.temperature = (float)temp;
     sp.seed = seed;
+    sp.logprobs = top_lp_ > 0;
+    sp.top_logprobs = (uint32_t)top_lp_;
     for (int i = 0; i < count; i++) {
         Pdmesh__GenerateRequest g = PDMESH__GENERATE_REQUEST__INIT;
         g.request_id = (uint64_t)i + 1;
@@ -178,6 +181,24 @@ static int cmd_gen(void *ctx)
             cJSON_AddItemToObject(o, "tokens", cJSON_CreateIntArray(r->tokens, (int)r->n_tokens));
             cJSON_AddStringToObject(o, "text", r->text ? r->text : "");
             cJSON_AddNumberToObject(o, "finish", r->finish);
+            if (r->n_logprobs) { /* [{token, bytes: [..], top: [[token, logprob], ..]}] */
+                cJSON *la = cJSON_AddArrayToObject(o, "logprobs");
+                for (size_t t = 0; t < r->n_logprobs; t++) {
+                    const Pdmesh__TokenLogprob *lp = r->logprobs[t];
+                    cJSON *e = cJSON_CreateObject(), *by = cJSON_AddArrayToObject(e, "bytes");
+                    cJSON_AddNumberToObject(e, "token", lp->token);
+                    for (size_t b = 0; b < lp->text.len; b++)
+                        cJSON_AddItemToArray(by, cJSON_CreateNumber(lp->text.data[b]));
+                    cJSON *top = cJSON_AddArrayToObject(e, "top");
+                    for (size_t k = 0; k < lp->n_top; k++) {
+                        cJSON *pair = cJSON_CreateArray();
+                        cJSON_AddItemToArray(pair, cJSON_CreateNumber(lp->top[k]->token));
+                        cJSON_AddItemToArray(pair, cJSON_CreateNumber(lp->top[k]->logprob));
+                        cJSON_AddItemToArray(top, pair);
+                    }
+                    cJSON_AddItemToArray(la, e);
+                }
+            }
             cJSON *ba = cJSON_AddArrayToObject(o, "beams");
             for (size_t b = 0; b < r->n_beams; b++) {
                 cJSON *e = cJSON_CreateObject();
@@ -539,6 +560,7 @@ int main(int argc, char **argv)
         {"cancel-after", required_argument, 0, 'C'}, {"stop", required_argument, 0, 'S'},
         {"beams", required_argument, 0, 'B'},  {"n-best", required_argument, 0, 'b'},
         {"ignore-eos", no_argument, 0, 'E'},  {"seed", required_argument, 0, 'D'},
+        {"top-logprobs", required_argument, 0, 'L'},
         {0, 0, 0, 0}};
     int c;
     optind = 2;
@@ -568,6 +590,7 @@ int main(int argc, char **argv)
         case 'B': beams_ = atoi(optarg); break;
         case 'b': n_best_ = atoi(optarg); break;
         case 'E': ignore_eos_ = 1; break;
+        case 'L': top_lp_ = atoi(optarg); break;
         default: return 2;
         }
     }

@@ -102,6 +102,32 @@ check "stop string '$STOPW': finish=stop, text cut before it, stream equals resu
 # The reference is the single-process disaggregated run with the same prefill: a local prefill
 # on the decode node equals one rank's (single); the group's prompts run kvr-e on 2 ranks.
 dref() { "$BIN/pdmesh" disagg-run --threads 1 --beams 4 --n-best 2 --json "$@" 2>/dev/null; }
+# The router's greedy text equals the engine's, or the two part at a near-tie: at the first
+# token whose bytes leave the engine's text, the router's two best candidates are within 0.5
+# (a prompt whose KV came from a cached prefix attends over several views merged by
+# log-sum-exp, which rounds differently from the engine's one pass; 8-bit activations can
+# turn that into a few tenths of a logit, as the golden tests' own near-tie rule allows).
+# Needs the request made with --top-logprobs 2. Prints what it found on stderr.
+near_tie() { # router json, engine text file
+  $PY - "$1" "$2" <<'PYEOF'
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1]) if l.strip()][0]
+want = open(sys.argv[2], encoding="utf-8").read().rstrip("\n").encode()
+if r["text"].encode() == want:
+    print(True); sys.exit()
+got = b""
+for k, lp in enumerate(r.get("logprobs", [])):
+    got += bytes(lp["bytes"])
+    if not want.startswith(got):
+        top = lp["top"]
+        gap = top[0][1] - top[1][1] if len(top) > 1 else float("inf")
+        print(f"near_tie: parts at token {k}, the router's top two {top[:2]}, gap {gap:.3f}",
+              file=sys.stderr)
+        print(gap <= 0.5)
+        sys.exit()
+print(False)
+PYEOF
+}
 same_beams() { # router json, disagg-run json: the n-best token lists equal, best first
   $PY - "$1" "$2" <<'PYEOF'
 import json, sys
@@ -172,10 +198,10 @@ check "12 concurrent requests from 2 clients all equal the reference" \
 TURN1="$LONG Answer in one sentence."
 TURN2="$LONG Answer in one sentence. The museums are the main reason. Now name one famous museum there and say why people love it."
 gen --prompt "$TURN1" -n 16 > "$RUN/turn1.json"
-gen --prompt "$TURN2" -n 16 --stream > "$RUN/turn2.json"
+gen --prompt "$TURN2" -n 16 --stream --top-logprobs 2 > "$RUN/turn2.json"
 ref --prompt "$TURN2" -n 16 > "$RUN/turn2.ref"
-check "follow-up turn reuses the cached prefix (cached_tokens >= 16) and equals pdmesh generate --temp 0" \
-  "[ \"\$(jq_ 'd[0][\"usage\"][\"cached_tokens\"] >= 16 and d[0][\"text\"]==open(\"$RUN/turn2.ref\").read().rstrip(\"\\n\") and d[0][\"stream_matches\"]' < $RUN/turn2.json)\" = True ]"
+check "follow-up turn reuses the cached prefix (cached_tokens >= 16) and equals pdmesh generate --temp 0 up to a near-tie" \
+  "[ \"\$(jq_ 'd[0][\"usage\"][\"cached_tokens\"] >= 16 and d[0][\"stream_matches\"]' < $RUN/turn2.json)\" = True ] && [ \"\$(near_tie $RUN/turn2.json $RUN/turn2.ref)\" = True ]"
 gen --prompt "$LONG" -n 16 > "$RUN/turn3.json"
 check "a prompt that leaves the cached conversation midway reuses the common part and equals the engine" \
   "[ \"\$(jq_ 'd[0][\"usage\"][\"cached_tokens\"] >= 16 and d[0][\"text\"]==open(\"$RUN/c2.ref\").read().rstrip(\"\\n\")' < $RUN/turn3.json)\" = True ]"
