@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """The mesh of deploy/k8s as containers of the pdmesh image (make image), on this machine.
 
-Every pod of the manifests (tests/deploy/k8s_pods.py: the router, the 2 ranks of prefill group
+Every pod of the manifests (tests/deploy/k8s_pods.py: the 2 routers, the 2 ranks of prefill group
 a, and the decode Deployment scaled to 2, later 3) runs as its own podman container on a CNI bridge
 network (`podman network create --internal`), with the manifest's command, args and env
-unchanged: the Service name pdmesh-router resolves through the containers' /etc/hosts
+unchanged: the Service name pdmesh-router (the first router) and the routers' names on the
+headless Service (pdmesh-router-N.pdmesh-router-nodes) resolve through the containers' /etc/hosts
 (--add-host; there is no dnsname plugin), 0.0.0.0 binds stay, UCX_NET_DEVICES=eth0 is the
 container's interface. The cluster secret and admin token are files in a directory mounted
 read-only at the manifests' mountPath (mode 0440, group 10001 as fsGroup gives them), the
@@ -143,6 +144,11 @@ class Mesh:
         argv = ["run", "-d", "--name", name, "--hostname", name, "--label", LABEL,
                 "--network", NETNAME, "--ip", self.ip[name],
                 "--add-host", "pdmesh-router:%s" % self.router_ip] + ULIMITS
+        # every router's stable name on the headless Service pdmesh-router-nodes (the nodes'
+        # PDMESH_ROUTERS list), as the cluster DNS would give it
+        for r, rp in self.pods.items():
+            if rp.component == "router":
+                argv += ["--add-host", "%s.pdmesh-router-nodes:%s" % (r, self.ip[r])]
         if p.run_as_user is not None:
             argv += ["--user", "%d:%d" % (p.run_as_user, p.run_as_group or p.run_as_user)]
         if p.read_only_root:
