@@ -296,11 +296,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         q->plp_vals = malloc(sizeof(float) * n * plp_stride);
         q->plp_n = malloc(n);
         if (!q->plp_ids || !q->plp_vals || !q->plp_n) {
-            free(q->plp_ids);
-            free(q->plp_vals);
-            free(q->plp_n);
-            free(q->gen);
-            free(q);
+            rt_req_free(q); /* neither tok nor schema is q's yet */
             free(tok);
             free(schema);
             return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
@@ -315,30 +311,14 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         q->lp_n = malloc(max_new);
     }
     if (!q || !q->gen || (lp_stride && (!q->lp_ids || !q->lp_vals || !q->lp_n))) {
-        if (q) {
-            free(q->gen);
-            free(q->lp_ids);
-            free(q->lp_vals);
-            free(q->lp_n);
-            free(q->plp_ids);
-            free(q->plp_vals);
-            free(q->plp_n);
-        }
-        free(q);
+        rt_req_free(q);
         free(tok);
         free(schema);
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
     }
     int bst = rt_beams_admit(r, req, q, code);
     if (bst) {
-        free(q->gen);
-        free(q->lp_ids);
-        free(q->lp_vals);
-        free(q->lp_n);
-        free(q->plp_ids);
-        free(q->plp_vals);
-        free(q->plp_n);
-        free(q);
+        rt_req_free(q);
         free(tok);
         free(schema);
         return bst;
@@ -369,17 +349,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
                                               req->resume_text_bytes)) {
         int st = rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "%s",
                            pdm_error_last());
-        free(q->gen);
-        free(q->lp_ids);
-        free(q->lp_vals);
-        free(q->lp_n);
-        free(q->plp_ids);
-        free(q->plp_vals);
-        free(q->plp_n);
-        free(q->text);
-        for (size_t i = 0; i < q->n_stops; i++) free(q->stops[i]);
-        free(q);
-        free(tok);
+        rt_req_free(q); /* with its prompt (tok) and schema */
         return st;
     }
     if (req->n_resume_tokens) pdm_metric_inc(r->m.requests, "resumed", 1);

@@ -74,6 +74,13 @@ static void rt_req_unlink_free(pdm_router_t *r, rt_req_t *q)
     if (q->next) q->next->prev = q->prev;
     else r->tail = q->prev;
     r->n_req--;
+    rt_req_free(q);
+    pdm_metric_set(r->m.queue, NULL, r->n_req);
+}
+
+void rt_req_free(rt_req_t *q)
+{
+    if (!q) return;
     free(q->prompt);
     free(q->gen);
     free(q->lp_ids);
@@ -86,7 +93,6 @@ static void rt_req_unlink_free(pdm_router_t *r, rt_req_t *q)
     for (size_t i = 0; i < q->n_stops; i++) free(q->stops[i]);
     free(q->json_schema);
     free(q);
-    pdm_metric_set(r->m.queue, NULL, r->n_req);
 }
 
 void rt_req_enqueue(pdm_router_t *r, rt_req_t *q)

@@ -13,6 +13,8 @@
 rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id);
 
 /* Admits q, filled in by the front-end API and QUEUED: the router owns it from now on. */
+/* Frees a request that is in no list and everything it owns (NULL: nothing). */
+void rt_req_free(rt_req_t *q);
 void rt_req_enqueue(pdm_router_t *r, rt_req_t *q);
 /* A resumed request (GenerateRequest.resume_tokens, docs/sdk.md "Failover"): the n tokens
  * another router delivered become the completion's first tokens, not sent again; the client
