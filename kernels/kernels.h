@@ -167,7 +167,9 @@ float pdm_q8_scale(float absmax);
 
 typedef struct pdm_kern_pool pdm_kern_pool_t;
 
-/* A task body: called once on each of `nth` threads with its index `ith`. */
+/* A task body: called once for each share index `ith` in [0, nth), each share on one thread.
+ * Which thread runs a share is not fixed (a thread may run several, one after another), so a
+ * share's work must depend on `ith` only and must never wait for another share. */
 typedef void (*pdm_kern_task_cb)(void *arg, int ith, int nth);
 
 /* Creates a pool of `n_threads` (>= 1) threads, the caller's thread counting as thread 0.
@@ -175,8 +177,10 @@ typedef void (*pdm_kern_task_cb)(void *arg, int ith, int nth);
 pdm_kern_pool_t *pdm_kern_pool_create(int n_threads);
 void pdm_kern_pool_destroy(pdm_kern_pool_t *pool);
 int pdm_kern_pool_size(const pdm_kern_pool_t *pool);
-/* Runs `cb` on every thread of the pool and returns when all have finished. A NULL pool runs
- * it on the calling thread with nth = 1. Not reentrant. */
+/* Runs the pool-size shares of `cb` on the pool's threads, the caller's included, and returns
+ * when all have finished. The caller also runs the shares that no worker has claimed by the
+ * time its own is done, so a worker kept off its core by another process does not stall the
+ * task. A NULL pool runs it on the calling thread with nth = 1. Not reentrant. */
 void pdm_kern_pool_run(pdm_kern_pool_t *pool, pdm_kern_task_cb cb, void *arg);
 
 /* Splits [0, n) into `nth` contiguous ranges aligned to `align` items; writes thread ith's. */

@@ -25,9 +25,12 @@
  * prints why it is skipped otherwise.
  */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 
 #include "common/pdm.h"
@@ -1040,6 +1043,9 @@ END_TEST
 
 typedef struct {
     int counts[8];
+    int runs[8];       /* times share ith ran: exactly once per task */
+    int by_caller;     /* shares the calling thread ran */
+    pthread_t caller;
     long sum;
 } pool_arg_t;
 
@@ -1049,6 +1055,8 @@ static void pool_task(void *arg, int ith, int nth)
     int64_t b, e;
     pdm_kern_split(1000, ith, nth, 16, &b, &e);
     a->counts[ith] = (int)(e - b);
+    __atomic_add_fetch(&a->runs[ith], 1, __ATOMIC_SEQ_CST);
+    if (pthread_equal(pthread_self(), a->caller)) __atomic_add_fetch(&a->by_caller, 1, __ATOMIC_SEQ_CST);
     long s = 0;
     for (int64_t i = b; i < e; i++) s += i;
     __atomic_add_fetch(&a->sum, s, __ATOMIC_SEQ_CST);
@@ -1061,15 +1069,44 @@ START_TEST(test_pool)
         ck_assert_ptr_nonnull(pool);
         ck_assert_int_eq(pdm_kern_pool_size(pool), n);
         for (int rep = 0; rep < 2000; rep++) {
-            pool_arg_t a = {{0}, 0};
+            pool_arg_t a = {.caller = pthread_self()};
             pdm_kern_pool_run(pool, pool_task, &a);
             ck_assert_int_eq(a.sum, 999 * 1000 / 2);
             int total = 0;
-            for (int i = 0; i < n; i++) total += a.counts[i];
+            for (int i = 0; i < n; i++) {
+                total += a.counts[i];
+                ck_assert_int_eq(a.runs[i], 1);
+            }
             ck_assert_int_eq(total, 1000);
+            if (rep == 1000) usleep(20000); /* workers asleep on the condition variable */
         }
         pdm_kern_pool_destroy(pool);
     }
+    /* On one CPU a worker cannot run while the caller does: the caller takes the shares no
+     * worker has claimed instead of waiting a time slice for each (a worker kept off its core
+     * by another process); every share still runs exactly once. */
+    cpu_set_t old_set, one;
+    ck_assert_int_eq(sched_getaffinity(0, sizeof(old_set), &old_set), 0);
+    CPU_ZERO(&one);
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &old_set)) {
+            CPU_SET(c, &one);
+            break;
+        }
+    ck_assert_int_eq(sched_setaffinity(0, sizeof(one), &one), 0); /* the workers inherit it */
+    pdm_kern_pool_t *pool = pdm_kern_pool_create(4);
+    ck_assert_ptr_nonnull(pool);
+    int all_by_caller = 0;
+    for (int rep = 0; rep < 200; rep++) {
+        pool_arg_t a = {.caller = pthread_self()};
+        pdm_kern_pool_run(pool, pool_task, &a);
+        for (int i = 0; i < 4; i++) ck_assert_int_eq(a.runs[i], 1);
+        ck_assert_int_eq(a.sum, 999 * 1000 / 2);
+        all_by_caller += a.by_caller == 4;
+    }
+    pdm_kern_pool_destroy(pool);
+    ck_assert_int_eq(sched_setaffinity(0, sizeof(old_set), &old_set), 0);
+    ck_assert_msg(all_by_caller > 0, "the caller never ran the unclaimed shares itself");
     pdm_kern_pool_destroy(NULL);
     /* split covers [0, n) exactly with aligned boundaries */
     for (int nth = 1; nth <= 5; nth++) {
