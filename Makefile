@@ -607,6 +607,7 @@ $(KQUANT_DIR)/l1b-f32.gguf: | $(BUILD)/bin/pdmesh
 $(KQUANT_DIR)/l1b-q4_k_m.gguf $(KQUANT_DIR)/l1b-q8_0.gguf: $(KQUANT_DIR)/l1b-%.gguf: $(KQUANT_DIR)/l1b-f32.gguf
 	$(VENV)/bin/python bench/kquant/llama_quantize.py $< $@ $*
 bench-kquant: deps model all $(KQUANT_DIR)/l1b-q4_k_m.gguf $(KQUANT_DIR)/l1b-q8_0.gguf
+	@command -v gnuplot >/dev/null || apt-get install -y -q gnuplot-nox >/dev/null || true
 	bin=$$(tools/llama_tools.sh $(BUILD)/llama.cpp | tail -n 1) && \
 	$(VENV)/bin/python bench/kquant/table.py --pdm-bench $(BUILD)/bin/pdm-engine-bench \
 	  --roofline $(BUILD)/bin/pdm-roofline --llama-bench "$$bin/llama-bench" \
@@ -618,13 +619,17 @@ bench-kquant: deps model all $(KQUANT_DIR)/l1b-q4_k_m.gguf $(KQUANT_DIR)/l1b-q8_
 # Fidelity (reports, never fails on a missed bar): pdmesh perplexity and KL divergence against
 # llama-perplexity, llama.cpp through llama-cpp-python and the exact f64 model on
 # tests/golden/ppl_text.txt into docs/perf/fidelity.{md,json} (docs/fidelity.md). The first run
-# builds llama.cpp's tools (tools/llama_tools.sh, ~8 min); then about 10 minutes on 2 cores.
+# builds llama.cpp's tools (tools/llama_tools.sh, ~8 min; on AVX-512 hosts also an AVX2-only
+# llama-perplexity, the llama.cpp-vs-itself control, ~5 min); then about 10 minutes on 2 cores.
 # FIDELITY_ARGS=--reuse takes the steps an earlier run finished from build/fidelity/.
 fidelity: deps model $(BUILD)/bin/pdmesh
 	@tools/deps.sh $(VENV) --golden
 	bin=$$(tools/llama_tools.sh $(BUILD)/llama.cpp | tail -n 1) && \
+	bin2=$$(if grep -qw avx512f /proc/cpuinfo; then \
+	  LLAMA_TOOLS_CPU=avx2 tools/llama_tools.sh $(BUILD)/llama.cpp-avx2 | tail -n 1; fi) && \
 	$(VENV)/bin/python bench/fidelity/run.py --pdmesh $(BUILD)/bin/pdmesh --model $(MODEL_FILE) \
 	  --text tests/golden/ppl_text.txt --python $(VENV)/bin/python --llama-bin "$$bin" \
+	  $${bin2:+--llama-bin-avx2 "$$bin2"} \
 	  --work $(BUILD)/fidelity --out docs/perf $(FIDELITY_ARGS)
 
 golden: model

@@ -4,6 +4,9 @@
 #   tools/llama_tools.sh [BUILD_DIR]        (default build/llama.cpp)
 # The build is cached: a second run with the binaries present only prints where they are.
 # Prints the bin directory as its last line. About 8 minutes on 2 cores.
+# LLAMA_TOOLS_CPU=avx2 builds for AVX2 without AVX-512 (GGML_NATIVE off) instead of the host's
+# native flags: the same llama.cpp on another SIMD path, the fidelity report's control of how
+# far llama.cpp is from itself (docs/fidelity.md). Use a separate BUILD_DIR for it.
 # LLAMA_CPP_PYTHON_VERSION pins the sdist (default: the version installed in build/venv when
 # there is one, so the tools and the Python reference share one llama.cpp, else the newest).
 set -euo pipefail
@@ -14,6 +17,7 @@ mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 bin="$dir/build/bin"
 tools=(llama-perplexity llama-bench llama-server)
+[ "${LLAMA_TOOLS_CPU:-native}" = avx2 ] && tools=(llama-perplexity llama-bench)
 
 have_all=1
 for t in "${tools[@]}"; do [ -x "$bin/$t" ] || have_all=0; done
@@ -39,7 +43,12 @@ if [ -z "$src" ]; then
     src=$(ls -d "$dir"/llama_cpp_python-*/vendor/llama.cpp | head -n 1)
 fi
 echo "llama_tools: building ${tools[*]} from $src"
-cmake -S "$src" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+cpu_flags=(-DGGML_NATIVE=ON)
+if [ "${LLAMA_TOOLS_CPU:-native}" = avx2 ]; then
+    cpu_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+               -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF)
+fi
+cmake -S "$src" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release "${cpu_flags[@]}" -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$bin" >"$dir/cmake.log" 2>&1 ||
     { echo "llama_tools: cmake configure failed, see $dir/cmake.log" >&2; exit 1; }

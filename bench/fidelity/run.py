@@ -14,8 +14,10 @@ On one text (tests/golden/ppl_text.txt), one context (512) and one number of chu
      pdmesh and exact -> llama.cpp (pdmesh kld), and llama-perplexity's own
      --kl-divergence against pdmesh's base as a cross-check of the KL code and the format;
   5. controls that locate the difference: exact -> exact with 8-bit activation rounding
-     (--exact-q8), that -> the same perturbed by 1e-6 (--perturb), and pdmesh's generic
-     kernels -> its SIMD kernels.
+     (--exact-q8), that -> the same perturbed by 1e-6 (--perturb), pdmesh's generic
+     kernels -> its SIMD kernels, and (with --llama-bin-avx2) llama.cpp -> the same llama.cpp
+     built for AVX2 without AVX-512 (tools/llama_tools.sh with LLAMA_TOOLS_CPU=avx2): how far
+     llama.cpp is from itself on another SIMD path.
 
 Writes docs/perf/fidelity.md and docs/perf/fidelity.json (figures only; the bases, ~200 MB
 each, stay in build/fidelity/). Measures and reports; exits non-zero only when a step fails
@@ -228,6 +230,9 @@ def main() -> int:
     ap.add_argument("--work", default="build/fidelity")
     ap.add_argument("--out", default="docs/perf")
     ap.add_argument("--no-controls", action="store_true")
+    ap.add_argument("--llama-bin-avx2", help="directory with a llama-perplexity built for AVX2 "
+                    "only (LLAMA_TOOLS_CPU=avx2 tools/llama_tools.sh DIR): the llama.cpp-vs-"
+                    "itself control")
     ap.add_argument("--reuse", action="store_true",
                     help="take the steps an earlier run finished from the work directory")
     args = ap.parse_args()
@@ -320,6 +325,18 @@ def main() -> int:
             names = {"llama": "llama.cpp"}
             controls.append({"base": names.get(a, a), "q": names.get(b, b), "note": note,
                              "kld_mean": d["kld_mean"], "same_top": d["same_top"]})
+        if args.llama_bin_avx2:
+            # llama.cpp's own llama-perplexity, built for AVX2 only, against the native build's
+            # base (all chunks): the same code and the same model on another SIMD path
+            lp2 = os.path.join(args.llama_bin_avx2, "llama-perplexity")
+            d = cached("llama-perplexity-avx2-kld", lambda: parse_llama_kld(
+                (lambda p: p.stdout + p.stderr)(run([lp2, *lp_flags, "--kl-divergence",
+                                                     "--kl-divergence-base",
+                                                     w("llama-perplexity.kld")]))))
+            controls.append({"base": "llama-perplexity", "q": "llama-perplexity-avx2",
+                             "note": "llama.cpp against itself: the same llama-perplexity built "
+                             "for AVX2 without AVX-512 (all chunks)",
+                             "kld_mean": d["kld_mean"], "same_top": d["same_top"]})
 
     ppl = [
         {"name": "llama-perplexity (llama.cpp's tool)", **{k: llama_ppl[k] for k in ("ppl", "ppl_err")}},
@@ -363,6 +380,13 @@ def main() -> int:
             f"SIMD kernels, which differ only in f32 summation order, are {gen:.4f} apart. Two "
             "implementations that are not bit-identical draw independent 8-bit rounding noise, "
             "so their KLD is of the order of their distances to the exact model added up.")
+        self_c = cd.get(("llama-perplexity", "llama-perplexity-avx2"))
+        if self_c:
+            reading.append(
+                f"- llama.cpp is no closer to itself: the same llama-perplexity built for AVX2 "
+                f"without AVX-512 is KLD {self_c['kld_mean']:.4f} from the native build, same top "
+                f"{100 * self_c['same_top']:.2f} %, against pdmesh's {main_kld['kld_mean']:.4f} "
+                f"and {100 * main_kld['same_top']:.2f} % from llama.cpp.")
         exact_llama = by[("exact", "llama.cpp")]
         if not (bars["kld_ok"] and bars["top_ok"]):
             reading.append(

@@ -5,6 +5,8 @@ count, prefill and decode, in one run with the engines alternating.
     bench/kquant/table.py --pdm-bench build/bin/pdm-engine-bench --roofline build/bin/pdm-roofline
         --llama-bench DIR/llama-bench --model NAME=PATH [--model NAME=PATH ...]
         [--threads 1,2] [--prefill 512] [--depth 128] [--decode 32] [--reps 3] --out DIR
+        [--name kquant-table]
+    bench/kquant/table.py --from DIR/NAME.json --out DIR [--name NAME]   (tables + PNG again)
 
 Per repetition, thread count, model and test, one fresh process each runs in turn: pdmesh
 (pdm-engine-bench, weights repacked at load as by default), llama-bench with its CPU repacking
@@ -19,7 +21,7 @@ x tokens/s against its read bandwidth. The 1-minute load average is recorded bef
 run. Best of the repetitions is the least disturbed run on a shared machine; medians are
 given too.
 
-Writes kquant-table.json and kquant-table.md into --out. Reports only: nothing passes or fails
+Writes NAME.json, NAME.md and NAME.png (the ratios per model and test) into --out. Reports only: nothing passes or fails
 on timing.
 """
 import argparse
@@ -66,10 +68,13 @@ def run_one(args, engine, path, threads, test):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pdm-bench", required=True)
-    ap.add_argument("--roofline", required=True)
-    ap.add_argument("--llama-bench", required=True)
-    ap.add_argument("--model", action="append", required=True, help="NAME=PATH")
+    ap.add_argument("--from", dest="from_json", help="a NAME.json of an earlier run: write "
+                    "its markdown and PNG again without running anything")
+    ap.add_argument("--name", default="kquant-table", help="output file name without suffix")
+    ap.add_argument("--pdm-bench")
+    ap.add_argument("--roofline")
+    ap.add_argument("--llama-bench")
+    ap.add_argument("--model", action="append", help="NAME=PATH")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--prefill", default="512")
     ap.add_argument("--depth", default="128")
@@ -77,6 +82,16 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.join(args.out, args.name)
+    if args.from_json:
+        with open(args.from_json) as f:
+            res = json.load(f)
+        write_markdown(res, out + ".md")
+        write_png(res, out + ".png")
+        return
+    if not (args.pdm_bench and args.roofline and args.llama_bench and args.model):
+        ap.error("--pdm-bench, --roofline, --llama-bench and --model are required")
     models = [m.split("=", 1) for m in args.model]
     threads = [int(t) for t in args.threads.split(",")]
     tests = [("prefill", int(p)) for p in args.prefill.split(",")] + \
@@ -109,10 +124,47 @@ def main():
                         res["runs"].append(run)
                         print(json.dumps(run), file=sys.stderr, flush=True)
     summarise(res, tests, threads, models)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "kquant-table.json"), "w") as f:
+    with open(out + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    write_markdown(res, os.path.join(args.out, "kquant-table.md"))
+    write_markdown(res, out + ".md")
+    write_png(res, out + ".png")
+
+
+def write_png(res, path):
+    """NAME.png (gnuplot): the ratio pdmesh / llama.cpp, repack on and off, per model, thread
+    count and test; the line at 1 is parity."""
+    dat = path[:-4] + ".dat"
+    with open(dat, "w") as f:
+        f.write("# label ratio_vs_repack_on ratio_vs_repack_off\n")
+        for c in res["summary"]:
+            test = f"pf{c['n']}" if c["test"] == "prefill" else f"dec@{c['n']}"
+            f.write(f"\"{c['model']} {c['threads']}t {test}\" "
+                    f"{c['ratio_best']:.3f} {c['ratio_best_norepack']:.3f}\n")
+    m = res["machine"]
+    gp = f"""
+set terminal pngcairo size 1200,480 font ',9' noenhanced
+set output '{path}'
+set title 'pdmesh / llama-bench tok/s, best of {res['protocol']['reps']} ({m['cpu']}, {m['cores']} vCPUs, {m['date_utc']} UTC)'
+set style data histograms
+set style histogram clustered gap 1
+set style fill solid 0.8 border -1
+set boxwidth 0.9
+set grid ytics
+set yrange [0:*]
+set ylabel 'ratio (1 = parity)'
+set xtics rotate by -40 scale 0
+set key top right
+plot '{dat}' u 2:xtic(1) t 'vs llama.cpp repack on (anchor)', '' u 3 t 'vs llama.cpp repack off', 1 w l lc 'black' notitle
+"""
+    try:
+        r = subprocess.run(["gnuplot"], input=gp, text=True, capture_output=True)
+    except FileNotFoundError:
+        print("table: gnuplot missing (apt-get install gnuplot-nox), no PNG", file=sys.stderr)
+        return
+    finally:
+        os.unlink(dat)
+    if r.returncode != 0:
+        print(f"table: gnuplot failed: {r.stderr.strip()}", file=sys.stderr)
 
 
 def summarise(res, tests, threads, models):
@@ -154,9 +206,11 @@ def write_markdown(res, path):
         "",
         f"Measured {m['date_utc']} UTC by `make bench-kquant` (bench/kquant/table.py). CPU: "
         f"{m['cpu']} (family/model {m['family_model']}), {m['cores']} vCPUs, AVX2 {m['avx2']}, "
-        f"AVX-512 {m['avx512f']}, VNNI {m['avx512_vnni']}; {m['mem_gib']} GiB. **Shared "
-        f"machine**: other sessions ran during the runs; 1-minute load average at the start "
-        f"{m['loadavg_at_start'][0]:.2f}, per cell below (min-max over its runs).",
+        f"AVX-512 {m['avx512f']}, VNNI {m['avx512_vnni']}; {m['mem_gib']} GiB. "
+        + ("**Quiet machine**: nothing else ran; " if m['loadavg_at_start'][0] < 0.5 else
+           "**Shared machine**: other sessions ran during the runs; ")
+        + f"1-minute load average at the start {m['loadavg_at_start'][0]:.2f}, per cell below "
+        f"(min-max over its runs; an engine's own threads count).",
         "",
         f"{p['reps']} repetitions, engines alternating run by run (pdmesh, llama.cpp repack on, "
         f"llama.cpp repack off), one fresh process each; **best** run (least disturbed) and "
