@@ -816,6 +816,9 @@ int main(int argc, char **argv)
     lp.model_id = model_path;
     lp.capacity.threads = (uint32_t)pn.rp.threads;
     lp.capacity.max_prompt = (uint32_t)pn.rp.ctx_tokens;
+    /* the router asks its group pool for at most this (pool.h): its mirror then never keeps
+     * what a rank had to evict */
+    lp.capacity.pool_tokens = (uint64_t)pn.rp.pool_tokens;
     /* First, before any library starts a thread: signals are blocked from here on. */
     if (pdm_link_create(&lp, &pn.link)) {
         fprintf(stderr, "pdmesh-prefill: %s\n", pdm_error_last());

@@ -191,7 +191,7 @@ void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
             if (!gr->used || !gr->wired || gr->member[0] < 0) continue;
             rt_fill_node(r, &r->nodes[gr->member[0]], &ni[k], &caps[k], &loads[k]);
             pdmesh__pool_stats__init(&pools[k]);
-            pools[k].budget_tokens = (uint64_t)r->cfg.group_pool_tokens;
+            pools[k].budget_tokens = (uint64_t)rt_group_pool_budget(r, gr);
             pools[k].tokens = (uint64_t)gr->pool.tokens;
             pools[k].entries = (uint32_t)gr->pool.n;
             pools[k].lookups = gr->pool_tasks;

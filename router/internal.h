@@ -282,6 +282,17 @@ struct pdm_router {
     } m;
 };
 
+/* The budget of group gr's pool of conversations (prefill_node/pool.h): the router's
+ * group_pool_tokens, at most what every rank keeps (its --pool-tokens, Capacity.pool_tokens
+ * at registration), so that the mirror and the ranks evict alike. */
+static inline int64_t rt_group_pool_budget(const pdm_router_t *r, const rt_group_t *gr)
+{
+    int64_t b = r->cfg.group_pool_tokens;
+    for (uint32_t k = 0; k < gr->size && b > 0; k++)
+        b = gr->member[k] < 0 ? 0 : PDM_MIN(b, (int64_t)r->nodes[gr->member[k]].pool_tokens);
+    return b;
+}
+
 /* Sends one message to a peer of a ROUTER socket; a failure is logged here (once) and
  * returned (PDM_EPEER: the peer is gone). */
 static inline int rt_send(void *sock, const uint8_t *ident, size_t ident_len, int type,

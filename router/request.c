@@ -653,7 +653,7 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
             /* The conversation it continues: the current one or one of the group's pool
              * (pool.h); the ranks do what the mirror does when the task ends. */
             if (!plan->start) q->pool_source = 0;
-            q->pool_budget = r->cfg.group_pool_tokens;
+            q->pool_budget = rt_group_pool_budget(r, gr);
             /* every rank: after the last task it holds, for the predicted group time */
             double at = q->t_dispatch;
             for (uint32_t k = 0; k < gr->size; k++) at = PDM_MAX(at, gr->rank_free_at[k]);
