@@ -505,15 +505,15 @@ static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char
 
 /* ---------------------------------------------------------------- dispatch and tasks */
 
-/* Every rank of the request's group finished its task: the mirror follows (conv.c). */
-static void rt_group_prefilled(pdm_router_t *r, rt_req_t *q)
+/* A whole-group task goes out: the mirror does what the ranks will do before and after it
+ * (pool.h, then conv.c), in the order the tasks are sent, which is the order the ranks run
+ * them. A task that fails resets the mirror (rt_attempt_failed). */
+static void rt_group_mirror(pdm_router_t *r, rt_req_t *q)
 {
     rt_group_t *gr = &r->groups[q->group];
     const int32_t start = (int32_t)q->cached_tokens, T = (int32_t)q->n_prompt - start;
     pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN];
     int n_prefix;
-    /* What the ranks did before the task (pool.h), in the order they ran the tasks: the
-     * group's tasks end in the order they were sent. */
     if (q->pool_reset) {
         pdm_prefill_pool_clear(&gr->pool);
         pdm_prefill_conv_reset(&gr->conv);
@@ -526,22 +526,38 @@ static void rt_group_prefilled(pdm_router_t *r, rt_req_t *q)
         gr->pool_reset = 1;
     }
     pdm_prefill_pool_set_budget(&gr->pool, q->pool_budget); /* after, as the ranks do */
-    gr->pool_tasks++;
-    pdm_metric_inc(r->m.group_prefill_tokens, NULL, (double)T);
-    pdm_metric_set(r->m.group_pool_tokens, gr->name, (double)gr->pool.tokens);
-    pdm_metric_set(r->m.group_pool_entries, gr->name, (double)gr->pool.n);
-    pdm_metric_set(r->m.group_pool_evictions, gr->name, (double)gr->pool.evictions);
     int nr = pdm_prefill_conv_plan(&gr->conv, (pdm_prefill_method_t)q->method_id, (int)gr->size,
                                    start, T, q->chunks, 0, plan, &n_prefix);
     if (nr < 0 || pdm_prefill_conv_commit(&gr->conv, (pdm_prefill_method_t)q->method_id,
                                           (int)gr->size, start, q->prompt + start, T, plan, nr))
         pdm_prefill_conv_reset(&gr->conv); /* out of step: forget (a smaller view is safe) */
+}
+
+/* Every rank of the request's group finished its task: its counters. */
+static void rt_group_prefilled(pdm_router_t *r, rt_req_t *q)
+{
+    rt_group_t *gr = &r->groups[q->group];
+    const int32_t start = (int32_t)q->cached_tokens, T = (int32_t)q->n_prompt - start;
+    gr->pool_tasks++;
+    pdm_metric_inc(r->m.group_prefill_tokens, NULL, (double)T);
+    pdm_metric_set(r->m.group_pool_tokens, gr->name, (double)gr->pool.tokens);
+    pdm_metric_set(r->m.group_pool_entries, gr->name, (double)gr->pool.n);
+    pdm_metric_set(r->m.group_pool_evictions, gr->name, (double)gr->pool.evictions);
     if (start > 0) {
         pdm_metric_inc(r->m.prefix_hits, NULL, 1);
         pdm_metric_inc(r->m.prefix_tokens, NULL, (double)start);
         gr->pool_hits++;
         gr->pool_hit_tokens += (uint64_t)start;
     }
+}
+
+/* Whether a whole-group task of group g other than q was dispatched and not sent yet: it may
+ * go out before q, so the mirror does not yet show what the ranks will hold for q. */
+static int rt_group_unsent(const pdm_router_t *r, int g, const rt_req_t *q)
+{
+    for (const rt_req_t *w = r->head; w; w = w->next)
+        if (w != q && w->group == g && w->state == RQ_RESERVING && w->solo_rank < 0) return 1;
+    return 0;
 }
 
 void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
@@ -619,14 +635,15 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
             gr->has_cost = 1;
         }
         /* Where it starts, the method and partition, who computes what: the planner the
-         * harness uses too (conv.c). Prefix reuse only while the group is idle: only then is
-         * its mirror what the ranks hold when the task arrives. */
+         * harness uses too (conv.c). Prefix reuse only while no other task of the group waits
+         * to be sent: the mirror follows the tasks sent (rt_group_mirror), so it is then what
+         * the ranks hold when this task arrives, tasks in flight included. */
         pdm_prefill_method_t want = PDM_PREFILL_AUTO;
         pdm_prefill_method_parse(r->cfg.method, &want);
         pdm_prefill_task_plan_params_t pp = {
             .followup = {.method = want, .ranks = (int)gr->size, .tokens = q->prompt,
                          .n_tokens = (int32_t)q->n_prompt, .min_cached = r->cfg.block_tokens,
-                         .reuse = r->cfg.prefix_reuse && gr->inflight == 1 &&
+                         .reuse = r->cfg.prefix_reuse && !rt_group_unsent(r, g, q) &&
                                   !gr->reuse_pending && !(q->want_plp && !q->plp_sent)},
             .hp = &r->model->hp, .table = r->has_table ? &r->table : NULL,
             .calib = r->has_calib ? &r->calib : NULL, .fallback = 1};
@@ -725,6 +742,7 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
         t.pool_tokens = (uint64_t)q->pool_budget;
         t.pool_reset = q->pool_reset = g->pool_reset;
         g->pool_reset = 0;
+        rt_group_mirror(r, q);
     }
     if (q->has_chunks) {
         for (uint32_t k = 0; k < g->size; k++) chunks[k] = (uint32_t)q->chunks[k];

@@ -197,7 +197,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, args.name + ".json"), "w") as f:
         json.dump(out, f, indent=1)
-    md = ["# Multi-turn sessions: the decode node's prefix pool (bench/serve/sessions.py)", "",
+    title = ("the prefill group's pool of conversations" if "group pool" in res and
+             "with pool" not in res else "the decode node's prefix pool")
+    md = ["# Multi-turn sessions: %s (bench/serve/sessions.py)" % title, "",
           "%s, %s, load average %.1f before / %.1f after. Sessions arrive at %.2f/s for %.0f s, "
           "%d turns each, think time %.1f s (mean), a shared %d-word system text, %d new "
           "tokens per turn; router + 2-rank prefill group + %d decode node(s), 1 thread per "
@@ -219,10 +221,11 @@ def main():
             "%.0f" % u["ttft_p50_ms"] if u["ttft_p50_ms"] else "-",
             "%.0f" % u["ttft_p90_ms"] if u["ttft_p90_ms"] else "-", u["cached_p50"],
             100 * r["all"]["within_slo"], r["all"]["goodput_turns_s"], r["all"]["failed"]))
-    md += ["", "Without the pool a follow-up is prefilled by the group, which keeps only the "
-           "conversation it prefilled last (its partial prefill helps only when no other session "
-           "came between); with it, the decode node that served the earlier turn still holds "
-           "its KV and prefills only the new tokens."]
+    if "with pool" in res:
+        md += ["", "Without the pool a follow-up is prefilled by the group, which keeps only the "
+               "conversation it prefilled last (its partial prefill helps only when no other "
+               "session came between); with it, the decode node that served the earlier turn "
+               "still holds its KV and prefills only the new tokens."]
     if any("group_prefill_tokens" in (r.get("pool") or {}) for r in res.values()):
         md += ["", "| mesh | prompt tokens prefilled by the group | cached on the group | turns "
                "continuing a group's conversation | KV bytes streamed to decode nodes |",
@@ -233,10 +236,13 @@ def main():
                 md.append("| %s | %d | %d | %d | %.1f MB |" % (
                     name, pc["group_prefill_tokens"], pc["group_cached_tokens"],
                     pc["group_hits"], pc["kv_bytes"] / 1e6))
-        md += ["", "With the group pool (`--group-pool-tokens`, prefill_node/pool.h) the group "
-               "keeps every recent conversation, so a follow-up computes only its new tokens "
-               "whichever session came between; the group still streams the whole prompt's KV "
-               "to the decode node (no delta transfer yet), so the KV bytes do not drop."]
+        if "group pool" in res:
+            md += ["", "With the group pool (`--group-pool-tokens 16384`, prefill_node/pool.h) "
+                   "the group keeps every recent conversation, so a follow-up computes only its "
+                   "new tokens whichever session came between; without it the group keeps its "
+                   "last conversation only (a follow-up reuses the shared system text at best). "
+                   "The group still streams the whole prompt's KV to the decode node (no delta "
+                   "transfer yet), so the KV bytes do not drop."]
     for name, r in res.items():
         pc = r.get("pool") or {}
         if pc.get("lookups"):
