@@ -10,16 +10,19 @@ Mesh 1, --group-pool-tokens 8192:
    --temp 0` on the whole prompt (up to a near-tie, mesh.equal_up_to_near_tie).
 2. `pdctl cache` shows the group's pool (tier group: tokens, entries, hits) beside the decode
    nodes; /metrics has pdmesh_group_pool_tokens / _entries.
-3. A small budget (`pdctl policy set group_pool_tokens 32`): the next follow-up still takes its
+3. The three conversations' next turns at once (queued on the group): each answers as the
+   engine, no retry, and follow-ups still continue from the pool while other tasks are in
+   flight (the mirror follows the tasks as they are sent).
+4. A small budget (`pdctl policy set group_pool_tokens 32`): the next follow-up still takes its
    source (the budget applies after it), then the pool evicts every entry (evictions counted);
    the other conversation's follow-up finds only the system text and its answer is still the
    engine's.
 Mesh 2, --group-pool-tokens 0 (the group keeps its last conversation only, as before), ranks
 started with PDMESH_FAULT_CORRUPT_POOL=1:
-4. The same nine turns: the same answers (each the engine's up to a near-tie), follow-ups reuse
+5. The same nine turns: the same answers (each the engine's up to a near-tie), follow-ups reuse
    only the system text, and the group computes more prompt tokens than mesh 1
    (pdmesh_group_prefill_tokens_total) for the same KV bytes streamed to the decode node.
-5. Pool on (`policy set group_pool_tokens 4096`), a follow-up of a pooled conversation: every
+6. Pool on (`policy set group_pool_tokens 4096`), a follow-up of a pooled conversation: every
    rank's copy fails its checksum (the fault flips a byte), the ranks refuse the task together,
    pdmesh_group_pool_corrupt_total counts it, the request is retried without the pool and its
    answer is the engine's.
@@ -31,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -140,29 +144,62 @@ def mesh_pool(args, check, token, refs):
               m.metric("pdmesh_group_pool_entries", 'group="a"') == p.get("entries"))
         kv_bytes = m.metric("pdmesh_kv_bytes_total")
 
+        # The three conversations' next turns at once: the tasks queue on the group, and each
+        # follow-up is planned on the mirror of the tasks sent before it (rt_group_mirror).
+        retries0 = m.metric("pdmesh_retries_total")
+        hits0 = m.metric("pdmesh_prefix_hits_total")
+        conc = [None] * 3
+        prompts = [conv[c] + "\nUser: Anything else?\nAssistant:" for c in range(3)]
+
+        def turn(c):
+            conc[c] = complete(m.http_port, prompts[c], N_OUT)
+        ths = [threading.Thread(target=turn, args=(c,)) for c in range(3)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(300)
+        for c in range(3):
+            same, how = equal_up_to_near_tie(conc[c]["choices"][0]["text"], refs(prompts[c]))
+            check("concurrent turn of conversation %d: %d of %d cached, as the engine (%s)"
+                  % (c + 1, cached_of(conc[c]), conc[c]["usage"]["prompt_tokens"], how), same,
+                  conc[c]["usage"])
+        check("the concurrent turns needed no retry (%g) and %g of 3 continued from the group "
+              "(the others were prefilled locally or in full)"
+              % (m.metric("pdmesh_retries_total") - retries0,
+                 m.metric("pdmesh_prefix_hits_total") - hits0),
+              m.metric("pdmesh_retries_total") == retries0 and
+              m.metric("pdmesh_prefix_hits_total") - hits0 >= 1)
+        for c in range(3):
+            conv[c] = prompts[c] + conc[c]["choices"][0]["text"]
+        rows += [(c, 3, conc[c]["usage"]["prompt_tokens"], cached_of(conc[c]), 0,
+                  conc[c]["choices"][0]["text"]) for c in range(3)]
+
         # A small budget: entries are evicted, a follow-up finds only the system text.
         rc, out = pdctl(m, token, "policy", "set", "group_pool_tokens", "32")
         check("policy set group_pool_tokens 32", rc == 0, out)
         ev0 = m.metric("pdmesh_group_pool_evictions", 'group="a"')
-        prev1 = rows[-3][2]
-        conv[0] += "\nUser: Thank you!\nAssistant:"
-        r = complete(m.http_port, conv[0], N_OUT)
-        same, how = equal_up_to_near_tie(r["choices"][0]["text"], refs(conv[0]))
-        check("conversation 1's next turn still continues from the pool (%d of %d cached; the "
+        # a conversation whose last turn the group prefilled (so the pool holds it), another
+        a = next(c for c in range(3) if conc[c]["usage"]["pdmesh"]["prefill_method"] != "local")
+        b = (a + 1) % 3
+        prev1 = conc[a]["usage"]["prompt_tokens"]
+        conv[a] += "\nUser: Thank you!\nAssistant:"
+        r = complete(m.http_port, conv[a], N_OUT)
+        same, how = equal_up_to_near_tie(r["choices"][0]["text"], refs(conv[a]))
+        check("conversation %d's next turn still continues from the pool (%d of %d cached; the "
               "budget applies after its source is taken), as the engine (%s)"
-              % (cached_of(r), r["usage"]["prompt_tokens"], how),
+              % (a + 1, cached_of(r), r["usage"]["prompt_tokens"], how),
               cached_of(r) >= prev1 - 4 and same, r["usage"])
         ev = m.metric("pdmesh_group_pool_evictions", 'group="a"')
         check("then the 32-token budget evicted the pooled conversations (%g evictions, %g "
               "tokens held)" % (ev - ev0, m.metric("pdmesh_group_pool_tokens", 'group="a"')),
               ev - ev0 >= 2 and m.metric("pdmesh_group_pool_tokens", 'group="a"') <= 32)
-        prev2 = rows[-2][2]
-        conv[1] += "\nUser: Thank you!\nAssistant:"
-        r = complete(m.http_port, conv[1], N_OUT)
-        same, how = equal_up_to_near_tie(r["choices"][0]["text"], refs(conv[1]))
-        check("conversation 2's next turn, evicted, is prefilled again (%d cached, its previous "
+        prev2 = conc[b]["usage"]["prompt_tokens"]
+        conv[b] += "\nUser: Thank you!\nAssistant:"
+        r = complete(m.http_port, conv[b], N_OUT)
+        same, how = equal_up_to_near_tie(r["choices"][0]["text"], refs(conv[b]))
+        check("conversation %d's next turn, evicted, is prefilled again (%d cached, its previous "
               "prompt had %d) and answers as the engine (%s)"
-              % (cached_of(r), prev2, how), cached_of(r) < prev2 - 16 and same, r["usage"])
+              % (b + 1, cached_of(r), prev2, how), cached_of(r) < prev2 - 16 and same, r["usage"])
         return rows, computed, kv_bytes
     finally:
         m.stop()
@@ -186,7 +223,7 @@ def mesh_baseline(args, check, token, refs, pool_rows, pool_computed, pool_kv_by
               "%s)" % ", ".join("%d/%d" % (a[3], b[3]) for a, b in follow),
               all(a[3] > b[3] for a, b in follow), rows)
         check("the same nine answers with and without the pool",
-              [r[5] for r in rows] == [r[5] for r in pool_rows],
+              [r[5] for r in rows] == [r[5] for r in pool_rows[:len(rows)]],
               [(a[5], b[5]) for a, b in zip(pool_rows, rows) if a[5] != b[5]])
         print("prefill tokens computed by the group: %d with the pool, %d without; KV bytes to "
               "the decode node: %d with, %d without" % (pool_computed, computed, pool_kv_bytes,
