@@ -75,7 +75,7 @@ MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/chat.c mode
              model/grammar.c model/testmodel.c model/quantize.c
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/checksum.c \
            kvtransfer/checksum_avx2.c
-PREFILL_SRC := prefill_node/plan.c prefill_node/plan_io.c prefill_node/conv.c \
+PREFILL_SRC := prefill_node/plan.c prefill_node/plan_io.c prefill_node/conv.c prefill_node/pool.c \
                prefill_node/rank.c prefill_node/rank_steps.c prefill_node/tsp.c \
                prefill_node/kvr.c prefill_node/ring.c prefill_node/ring_pass_kv.c \
                prefill_node/ring_pass_q.c prefill_node/kvfile.c \
@@ -406,6 +406,8 @@ http-test: $(BINS) python-sdk
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_http_mesh.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_prefix_pool.py \
+	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_group_pool.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_echo.py \
 	  --bindir $(BUILD)/bin

@@ -508,6 +508,8 @@ int cmd_up(int argc, char **argv)
     long http_port = 8080, local_thr = 16, timeout = 120;
     int st = y_int(rt, "http_port", 8080, -1, 65535, &http_port);
     if (!st) st = y_int(rt, "local_threshold", 16, 0, 1 << 22, &local_thr);
+    long group_pool = 0; /* router.group_pool_tokens: prefill groups' pools of conversations */
+    if (!st) st = y_int(rt, "group_pool_tokens", 0, 0, 1 << 24, &group_pool);
     if (!st) st = y_int(y, "start_timeout", 120, 1, 3600, &timeout);
     long h_timeout = 10, h_stall = 120;
     if (!st) st = y_int(y, "health_timeout", 10, 2, 3600, &h_timeout);
@@ -571,7 +573,7 @@ int cmd_up(int argc, char **argv)
     }
     setenv("PDMESH_SECRET_FILE", secret, 1);
     unsetenv("PDMESH_SECRET");
-    char b_router[1100], b_pre[1100], b_dec[1100], s_http[16], s_local[16];
+    char b_router[1100], b_pre[1100], b_dec[1100], s_http[16], s_local[16], s_gpool[24];
     snprintf(b_router, sizeof(b_router), "%s/pdmesh-router", m.bin);
     snprintf(b_pre, sizeof(b_pre), "%s/pdmesh-prefill", m.bin);
     snprintf(b_dec, sizeof(b_dec), "%s/pdmesh-decode", m.bin);
@@ -582,6 +584,9 @@ int cmd_up(int argc, char **argv)
                     "--admin-token-file", token, "--local-threshold", s_local, "--method",
                     (char *)method};
     int n_ra = 17;
+    snprintf(s_gpool, sizeof(s_gpool), "%ld", group_pool);
+    ra[n_ra++] = "--group-pool-tokens";
+    ra[n_ra++] = s_gpool;
     /* router.chat_template: a format name (model/chat.h) instead of the file's template */
     const char *chat_template = y_str(rt, "chat_template", NULL);
     if (chat_template) {
@@ -638,11 +643,14 @@ int cmd_up(int argc, char **argv)
     for (int gi = 0; !st && groups && gi < groups->n; gi++) {
         const ynode_t *g = groups->kids[gi];
         const char *gname = y_str(g, "name", "prefill");
-        long ranks = 2, threads = 1;
+        long ranks = 2, threads = 1, pool_cap = 16384;
         st = y_int(g, "ranks", 2, 1, 64, &ranks);
         if (!st) st = y_int(g, "threads", 1, 1, 256, &threads);
+        /* pool_tokens: what each rank keeps at most of the router's group_pool_tokens */
+        if (!st) st = y_int(g, "pool_tokens", 16384, 0, 1 << 24, &pool_cap);
         for (long k = 0; !st && k < ranks; k++) {
-            char id[200], rk[16], sz[16], th[16];
+            char id[200], rk[16], sz[16], th[16], pc[24];
+            snprintf(pc, sizeof(pc), "%ld", pool_cap);
             snprintf(id, sizeof(id), "%s/%ld", gname, k);
             snprintf(rk, sizeof(rk), "%ld", k);
             snprintf(sz, sizeof(sz), "%ld", ranks);
@@ -650,8 +658,8 @@ int cmd_up(int argc, char **argv)
             snprintf(hf, sizeof(hf), "%s/%s-%ld", hdir, gname, k);
             char *pa[] = {b_pre, "--model", (char *)model, "--router", (char *)node, "--node-id", id,
                           "--group", (char *)gname, "--rank", rk, "--group-size", sz, "--threads",
-                          th, "--health-file", hf, kv_iface ? "--kv-interface" : NULL,
-                          (char *)kv_iface, NULL};
+                          th, "--health-file", hf, "--pool-tokens", pc,
+                          kv_iface ? "--kv-interface" : NULL, (char *)kv_iface, NULL};
             st = mesh_add(&m, id, pa, curve ? c_pre : NULL, curve ? c_srv_pub : NULL, hf);
             expected++;
         }

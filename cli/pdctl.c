@@ -38,7 +38,8 @@ static void usage(FILE *f)
             "  lut load FILE         load a partition lookup table (JSON file)\n"
             "  requests              requests in flight\n"
             "  cancel ID             cancel a request by its router id\n"
-            "  cache                 the decode nodes' prefix pools and the router's index\n"
+            "  cache                 the decode nodes' prefix pools, the prefill groups' pools\n"
+            "                        of conversations (tier group) and the router's index\n"
             "  routers               every router of --router EP1,EP2 (or the config): up or\n"
             "                        not, and the nodes registered with it\n"
             "\n"
@@ -116,7 +117,9 @@ static cJSON *node_json(const Pdmesh__NodeInfo *n)
         cJSON_AddNumberToObject(c, "reused_tokens", (double)p->reused_tokens);
         cJSON_AddNumberToObject(c, "evictions", (double)p->evictions);
         cJSON_AddNumberToObject(c, "corrupt", (double)p->corrupt);
-        cJSON_AddStringToObject(c, "tier", p->file_tokens ? "ram+file" : "ram");
+        cJSON_AddStringToObject(c, "tier", n->role == PDMESH__ROLE__ROLE_PREFILL ? "group"
+                                           : p->file_tokens                 ? "ram+file"
+                                                                            : "ram");
         cJSON_AddNumberToObject(c, "file_tokens", (double)p->file_tokens);
         cJSON_AddNumberToObject(c, "index_blocks", (double)n->index_blocks);
     }
@@ -227,9 +230,13 @@ static void print_human(const Pdmesh__AdminReply *a, Pdmesh__AdminOp op)
             const Pdmesh__NodeInfo *n = a->nodes[i];
             const Pdmesh__PoolStats *p = n->pool;
             if (!p) continue;
+            const int group = n->role == PDMESH__ROLE__ROLE_PREFILL;
+            char name[96];
+            snprintf(name, sizeof(name), "%s%s", group ? "group " : "",
+                     group ? (n->group ? n->group : "") : (n->node_id ? n->node_id : ""));
             printf("%-20s %-9s %-8s %10llu %10llu %8llu %12llu %7u %8llu %7.1f%% %8llu %7llu\n",
-                   n->node_id ? n->node_id : "", n->state ? n->state : "",
-                   p->file_tokens ? "ram+file" : "ram", (unsigned long long)p->tokens,
+                   name, n->state ? n->state : "",
+                   group ? "group" : p->file_tokens ? "ram+file" : "ram", (unsigned long long)p->tokens,
                    (unsigned long long)p->budget_tokens, (unsigned long long)p->blocks,
                    (unsigned long long)p->bytes, p->entries, (unsigned long long)p->lookups,
                    p->lookups ? 100.0 * (double)p->hits / (double)p->lookups : 0.0,

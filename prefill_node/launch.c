@@ -77,6 +77,8 @@ struct pdm_launch {
     uint32_t next_task;
     char transports[128];
     pdm_prefill_conv_t conv;               /* mirror of the group's conversation (conv.c) */
+    pdm_prefill_pool_t pool;               /* ... and of its pool of conversations (pool.h;
+                                            * zeroed: empty, budget 0, no ops) */
 };
 
 void pdm_launch_params_default(pdm_launch_params_t *p)
@@ -505,6 +507,7 @@ int pdm_launch_finish(pdm_launch_t *l)
     if (l->zctx) zmq_ctx_term(l->zctx);
     pdm__remove_dir(l);
     pdm_prefill_conv_free(&l->conv);
+    pdm_prefill_pool_fini(&l->pool);
     free(l);
     if (bad) return pdm_error_set(PDM_EPEER, "%d process(es) did not end cleanly: %s", bad, msg);
     return PDM_OK;
@@ -696,6 +699,9 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
         t.prefix = (int32_t *)task->prefix;
         t.n_prefix = (size_t)task->start;
     }
+    t.pool_source = task->pool_source;
+    t.pool_tokens = task->pool_tokens > 0 ? (uint64_t)task->pool_tokens : 0;
+    t.pool_reset = task->pool_reset;
     if (task->chunks) {
         t.chunks = chunks;
         t.n_chunks = (size_t)l->n;
@@ -814,7 +820,15 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
     }
     if (!first_err && !st && res->owner < 0)
         st = pdm_error_set(PDM_EPEER, "prefill task: no rank reported the first token");
-    if (!first_err && !st) { /* the mirror follows the ranks */
+    if (!first_err && !st) { /* the mirror follows the ranks (pool.h, then conv.h) */
+        if (task->pool_reset) {
+            pdm_prefill_pool_clear(&l->pool);
+            pdm_prefill_conv_reset(&l->conv);
+        }
+        int loaded;
+        if (pdm_prefill_pool_begin(&l->pool, &l->conv, task->pool_source, task->start, &loaded))
+            pdm_prefill_pool_clear(&l->pool);
+        pdm_prefill_pool_set_budget(&l->pool, task->pool_tokens);
         pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN];
         int n_prefix, nr = pdm_prefill_conv_plan(&l->conv, task->method, l->n, task->start,
                                                  task->n_tokens, task->chunks, 0, plan,
@@ -823,7 +837,10 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
                                               task->tokens, task->n_tokens, plan, nr))
             pdm_prefill_conv_reset(&l->conv); /* out of step: a smaller view is always safe */
     }
-    if (first_err || st) pdm_prefill_conv_reset(&l->conv);
+    if (first_err || st) {
+        pdm_prefill_conv_reset(&l->conv);
+        pdm_prefill_pool_clear(&l->pool);
+    }
     if (first_err) return pdm_error_set(first_err, "%s", err_msg);
     return st;
 }

@@ -249,6 +249,9 @@ static int pdm__task_from_msg(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, p
     task->n_tokens = (int32_t)t->n_tokens;
     task->chunks = t->n_chunks ? (const int32_t *)t->chunks : NULL;
     task->stream = NULL;
+    task->pool_source = t->pool_source;
+    task->pool_tokens = t->pool_tokens > (uint64_t)INT32_MAX ? INT32_MAX : (int64_t)t->pool_tokens;
+    task->pool_reset = t->pool_reset;
     if (t->prompt_top_logprobs > PDM_SAMPLER_MAX_TOP_LOGPROBS)
         return pdm_error_set(PDM_ERANGE, "PrefillTask: prompt_top_logprobs is over %d",
                              PDM_SAMPLER_MAX_TOP_LOGPROBS);
@@ -700,12 +703,14 @@ static void pdm__usage(FILE *f)
                "                      [--model FILE] [--threads N] [--cpu N] [--ctx N]\n"
                "                      [--kv-dtype f32|f16|q8] [--timeout SECONDS]\n"
                "                      [--dump-dir DIR] [--exit-with-parent] [--kv-interface DEV]\n"
-               "                      [--health-file F] [--drain-grace S]\n"
+               "                      [--health-file F] [--drain-grace S] [--pool-tokens N]\n"
                "One rank of a prefill group. It takes its tasks from the node socket at ENDPOINT\n"
                "(the router's, or pdmesh prefill-run's / disagg-run's) as protobuf messages.\n"
                "--health-file: rewritten every second for `pdmesh health` (liveness and readiness).\n"
                "--drain-grace: on SIGTERM take no new task and stop once idle, for at most S s (0).\n"
-               "--group-size 0: an elastic group, the router wires ranks 0..k-1 as they come.\n");
+               "--group-size 0: an elastic group, the router wires ranks 0..k-1 as they come.\n"
+               "--pool-tokens: most tokens of finished conversations this rank keeps for\n"
+               "  follow-ups (the router's --group-pool-tokens asks for at most this; 16384).\n");
 }
 
 int main(int argc, char **argv)
@@ -715,7 +720,8 @@ int main(int argc, char **argv)
     pn.order_req = PDM_KVT_REQ_NONE;
     pdm_prefill_rank_params_default(&pn.rp);
     long cpu = -1;
-    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_DUMP_DIR, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN };
+    enum { O_CURVE_SERVER = 1001, O_CURVE_KEY, O_DUMP_DIR, O_EXIT_WITH_PARENT, O_KV_IFACE, O_HEALTH, O_DRAIN,
+           O_POOL_TOKENS };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"threads", required_argument, 0, 't'},
         {"cpu", required_argument, 0, 'c'},   {"ctx", required_argument, 0, 'x'},
@@ -730,7 +736,8 @@ int main(int argc, char **argv)
         {"exit-with-parent", no_argument, 0, O_EXIT_WITH_PARENT},
         {"kv-interface", required_argument, 0, O_KV_IFACE},
         {"health-file", required_argument, 0, O_HEALTH},
-        {"drain-grace", required_argument, 0, O_DRAIN}, {0, 0, 0, 0}};
+        {"drain-grace", required_argument, 0, O_DRAIN},
+        {"pool-tokens", required_argument, 0, O_POOL_TOKENS}, {0, 0, 0, 0}};
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
     lp.role = PDMESH__ROLE__ROLE_PREFILL;
@@ -775,6 +782,10 @@ int main(int argc, char **argv)
             if (pdm_parse_double(optarg, 0, 3600, &d)) goto bad;
             lp.drain_grace = d;
             break;
+        case O_POOL_TOKENS:
+            if (pdm_parse_long(optarg, 0, 1 << 24, &v)) goto bad;
+            pn.rp.pool_tokens = v;
+            break;
         case 'N': lp.node_id = optarg; break;
         case 'G': lp.group = optarg; break;
         case 'S': lp.secret_file = optarg; break;
@@ -805,6 +816,9 @@ int main(int argc, char **argv)
     lp.model_id = model_path;
     lp.capacity.threads = (uint32_t)pn.rp.threads;
     lp.capacity.max_prompt = (uint32_t)pn.rp.ctx_tokens;
+    /* the router asks its group pool for at most this (pool.h): its mirror then never keeps
+     * what a rank had to evict */
+    lp.capacity.pool_tokens = (uint64_t)pn.rp.pool_tokens;
     /* First, before any library starts a thread: signals are blocked from here on. */
     if (pdm_link_create(&lp, &pn.link)) {
         fprintf(stderr, "pdmesh-prefill: %s\n", pdm_error_last());

@@ -7,6 +7,9 @@
  *   conv.h              the group's conversation (prefix reuse), pure: the mirror the router,
  *                       the launcher and the ranks keep, where a follow-up turn starts, and
  *                       the plan of a task continuing it.
+ *   pool.h              the group's pool of finished conversations (issue 19), pure: LRU
+ *                       within a token budget, the same operations on the ranks (with their
+ *                       KV rows) and in the router's mirror.
  *   plan_io.h           partition tables and calibration as JSON files.
  *   task.h              a prefill task, its stream target and result, rank parameters (types).
  *   rank.h              one rank of a prefill group (kvtransfer, model): create, run, destroy.
@@ -26,6 +29,7 @@
 #include "prefill_node/partition_search.h"
 #include "prefill_node/plan.h"
 #include "prefill_node/plan_io.h"
+#include "prefill_node/pool.h"
 #include "prefill_node/rank.h"
 #include "prefill_node/task.h"
 

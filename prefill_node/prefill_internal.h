@@ -27,6 +27,7 @@
 #include "model/model.h"
 #include "prefill_node/conv.h"
 #include "prefill_node/plan.h"
+#include "prefill_node/pool.h"
 #include "prefill_node/task.h"
 
 _Static_assert(PDM_PREFILL_MAX_RANKS == PDM_KVT_MAX_RANKS,
@@ -72,6 +73,12 @@ struct pdm_prefill_rank {
 
     /* Group state, identical on every rank (capacity ctx_tokens). */
     pdm_prefill_conv_t conv;
+    /* The group's other conversations (pool.h): each entry's kv holds this rank's rows
+     * [0, n) of every layer and kv head, K then V, in the cache's dtype, then (q8) the
+     * scales; fault_corrupt_pool (tests, PDMESH_FAULT_CORRUPT_POOL=1) flips a byte of an
+     * entry before it is checked. */
+    pdm_prefill_pool_t pool;
+    int fault_corrupt_pool;
 
     /* Message descriptors of the collectives and the CP layout (large: on the heap). */
     pdm_kvt_msg_t *send_msgs, *recv_msgs; /* [PDM_KVT_MAX_RANKS] */

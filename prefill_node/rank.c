@@ -6,6 +6,7 @@
  */
 #include "prefill_node/rank.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,6 +19,112 @@ void pdm_prefill_rank_params_default(pdm_prefill_rank_params_t *p)
     p->ctx_tokens = 8192;
     p->kv_dtype = PDM_DT_F16;
     p->timeout = 30.0;
+    p->pool_tokens = 16384;
+}
+
+/* ---- The group's pool of conversations (pool.h): this rank's rows of each --------------- */
+
+/* Bytes of one head's rows [0, n) of K (or V) and of the q8 scales. */
+static size_t pdm__pool_rows(const pdm_prefill_rank_t *r, int32_t n)
+{
+    return pdm_prefill__row_bytes(r) * (size_t)n;
+}
+
+static size_t pdm__pool_scale_bytes(const pdm_prefill_rank_t *r)
+{
+    return sizeof(float) * 2 * r->hp->n_layers * r->hp->n_kv_heads;
+}
+
+/* XXH3 (kvtransfer/checksum.c) of an entry's K half and V half, then of its scales. */
+static uint64_t pdm__pool_checksum(const pdm_prefill_rank_t *r, const void *kv, int32_t n)
+{
+    const size_t half = pdm__pool_rows(r, n) * r->hp->n_layers * r->hp->n_kv_heads;
+    const char *b = kv, *scales = b + 2 * half;
+    const size_t sh = pdm__pool_scale_bytes(r) / 2;
+    return pdm_kvt_block_checksum((uint64_t)n, b, b + half, half) ^
+           pdm_kvt_block_checksum((uint64_t)n + 1, scales, scales + sh, sh);
+}
+
+static int pdm__pool_save_cb(void *ctx, const pdm_prefill_conv_t *c, pdm_prefill_pool_entry_t *e)
+{
+    pdm_prefill_rank_t *r = ctx;
+    const size_t nh = (size_t)r->hp->n_layers * r->hp->n_kv_heads;
+    const size_t rows = pdm__pool_rows(r, c->n), half = rows * nh;
+    char *kv = malloc(2 * half + pdm__pool_scale_bytes(r));
+    if (!kv) return PDM_ENOMEM;
+    for (size_t i = 0; i < nh; i++) {
+        memcpy(kv + i * rows, r->cache->k[i], rows);
+        memcpy(kv + half + i * rows, r->cache->v[i], rows);
+    }
+    memcpy(kv + 2 * half, r->cache->scale, pdm__pool_scale_bytes(r));
+    e->kv = kv;
+    e->kv_bytes = 2 * half + pdm__pool_scale_bytes(r);
+    e->checksum = pdm__pool_checksum(r, kv, c->n);
+    return PDM_OK;
+}
+
+static int pdm__pool_load_cb(void *ctx, const pdm_prefill_pool_entry_t *e)
+{
+    pdm_prefill_rank_t *r = ctx;
+    const int32_t n = e->conv.n;
+    const size_t nh = (size_t)r->hp->n_layers * r->hp->n_kv_heads;
+    const size_t rows = pdm__pool_rows(r, n), half = rows * nh;
+    if (r->fault_corrupt_pool) /* tests: what a bad page or a reuse race would do */
+        ((uint8_t *)e->kv)[half / 2] ^= 0x40;
+    if (pdm__pool_checksum(r, e->kv, n) != e->checksum) return PDM_ECHECKSUM;
+    const char *kv = e->kv;
+    for (size_t i = 0; i < nh; i++) {
+        memcpy(r->cache->k[i], kv + i * rows, rows);
+        memcpy(r->cache->v[i], kv + half + i * rows, rows);
+    }
+    memcpy(r->cache->scale, kv + 2 * half, pdm__pool_scale_bytes(r));
+    r->cache->scales_fixed = 1;
+    r->cache->n_tokens = n;
+    return PDM_OK;
+}
+
+static void pdm__pool_drop_cb(void *ctx, pdm_prefill_pool_entry_t *e)
+{
+    (void)ctx;
+    free(e->kv);
+    e->kv = NULL;
+    e->kv_bytes = 0;
+}
+
+/* Before a whole-group task: the pool operations the router mirrors (pdm_prefill_pool_begin),
+ * then, when the task names a pooled source, every rank agrees that its own load succeeded
+ * (an all-reduce of one flag), so that a checksum failure on one rank fails the task on all
+ * of them at once instead of leaving the others waiting. On error the pool and the
+ * conversation are emptied (the router resets its mirror when the task fails). */
+static int pdm__pool_prepare(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
+{
+    if (t->pool_reset) {
+        pdm_prefill_pool_clear(&r->pool);
+        pdm_prefill_conv_reset(&r->conv);
+    }
+    /* The budget applies after the source was taken: a smaller budget never evicts the
+     * conversation the task continues. */
+    int loaded;
+    int st = pdm_prefill_pool_begin(&r->pool, &r->conv, t->pool_source, t->start, &loaded);
+    pdm_prefill_pool_set_budget(&r->pool, PDM_MIN(PDM_MAX(t->pool_tokens, 0), r->p.pool_tokens));
+    if (t->start > 0 && t->pool_source && r->g->size > 1) {
+        char msg[256];
+        snprintf(msg, sizeof(msg), "%s", st ? pdm_error_last() : "");
+        float failed = st ? 1.0f : 0.0f;
+        r->g->task = t->id;
+        int ast = pdm_kvt_group_allreduce_max(r->g, 0xffff, 1, &failed, 1);
+        if (ast) st = ast;
+        else if (failed > 0 && !st)
+            st = pdm_error_set(PDM_ECHECKSUM, "prefill: another rank of the group could not use "
+                               "its pooled KV of the task's cached prefix: prefilled in full");
+        else if (st)
+            pdm_error_set(st, "%s", msg);
+    }
+    if (st) {
+        pdm_prefill_pool_clear(&r->pool);
+        pdm_prefill_conv_reset(&r->conv);
+    }
+    return st;
 }
 
 int pdm_prefill_rank_create(const pdm_model_t *model, pdm_kvt_group_t *group,
@@ -31,12 +138,16 @@ int pdm_prefill_rank_create(const pdm_model_t *model, pdm_kvt_group_t *group,
         const char *f = getenv("PDMESH_FAULT_STALL_AFTER_LAYER");
         long v;
         r->fault_stall_layer = f && !pdm_parse_long(f, 0, 1 << 20, &v) ? (int)v : -1;
+        const char *c = getenv("PDMESH_FAULT_CORRUPT_POOL");
+        r->fault_corrupt_pool = c && !strcmp(c, "1");
     }
     if (!r) return pdm_error_set(PDM_ENOMEM, "prefill rank: out of memory");
     r->model = model;
     r->g = group;
     r->p = *p;
     r->hp = &model->hp;
+    pdm_prefill_pool_ops_t ops = {pdm__pool_save_cb, pdm__pool_load_cb, pdm__pool_drop_cb, r};
+    pdm_prefill_pool_init(&r->pool, 0, &ops);
     int st = pdm_kv_cache_create(&model->hp, p->ctx_tokens, p->kv_dtype, &r->cache);
     if (st) goto err;
     if (!st) st = pdm_prefill_conv_reserve(&r->conv, p->ctx_tokens);
@@ -63,6 +174,7 @@ void pdm_prefill_rank_destroy(pdm_prefill_rank_t *r)
     pdm_kv_cache_destroy(r->cache);
     pdm_kv_cache_destroy(r->solo_cache);
     pdm_act_free(&r->act);
+    pdm_prefill_pool_fini(&r->pool);
     pdm_prefill_conv_free(&r->conv);
     free(r->logits);
     free(r->send_msgs);
@@ -347,7 +459,10 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     if (t->solo) return pdm__run_solo(r, t, res);
     const int R = r->g->size, me = r->g->rank;
     int chunks[PDM_KVT_MAX_RANKS], head = 0;
-    int st = pdm__validate(r, t, chunks, &head);
+    /* A follow-up first takes its source conversation from the pool (the checks need it); a
+     * new prompt is checked first, so that a refused one leaves the group as it was. */
+    int st = t->start > 0 ? pdm__pool_prepare(r, t) : pdm__validate(r, t, chunks, &head);
+    if (!st) st = t->start > 0 ? pdm__validate(r, t, chunks, &head) : pdm__pool_prepare(r, t);
     if (st) return st;
     if (t->start == 0) {
         pdm_prefill_conv_reset(&r->conv);

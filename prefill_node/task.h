@@ -21,6 +21,8 @@ typedef struct {
     pdm_dtype_t kv_dtype;   /* F32, F16 or I8 (q8, per-head scales all-reduced per layer):
                              * cache and wire format */
     double timeout;         /* seconds per communication step */
+    int64_t pool_tokens;    /* most tokens the group pool of conversations (pool.h) may hold
+                             * on this rank, whatever a task asks for (0: no pool) */
 } pdm_prefill_rank_params_t;
 
 /* Streaming of the KV a rank computes to a decode node, layer by layer as it becomes final
@@ -58,6 +60,13 @@ typedef struct {
                                   * (the result's prompt_lp); needs start 0 and, for 'single',
                                   * an f16/f32 KV cache */
     int prompt_top;              /* ... with this many alternatives each (<= 20) */
+    /* The group's pool of conversations (pool.h), identical on every rank: */
+    uint64_t pool_source;        /* the conversation the cached prefix comes from
+                                  * (pdm_prefill_conv_id; 0: the one the group is on) */
+    int64_t pool_tokens;         /* the pool's budget in tokens (capped by the rank's
+                                  * pool_tokens; 0: no pool, one conversation as before) */
+    int pool_reset;              /* 1: empty the pool and the conversation first (the router
+                                  * lost track of them) */
 } pdm_prefill_task_t;
 
 typedef struct {

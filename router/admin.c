@@ -87,6 +87,7 @@ static int rt_policies(pdm_router_t *r, rt_policy_t *p)
     p[n++] = (rt_policy_t){"adaptive_group", &c->adaptive_group, NULL, 0, 2};
     p[n++] = (rt_policy_t){"block_tokens", &c->block_tokens, NULL, 1, 4096};
     p[n++] = (rt_policy_t){"prefix_reuse", &c->prefix_reuse, NULL, 0, 1};
+    p[n++] = (rt_policy_t){"group_pool_tokens", &c->group_pool_tokens, NULL, 0, 1 << 24};
     p[n++] = (rt_policy_t){"pool_local_max", NULL, &c->pool_local_max, 0, 1 << 20};
     return n;
 }
@@ -119,7 +120,7 @@ void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
     }
     Pdmesh__AdminReply rep = PDMESH__ADMIN_REPLY__INIT;
     rep.ok = 1;
-    enum { MAXN = RT_MAX_NODES };
+    enum { MAXN = RT_MAX_NODES + RT_MAX_GROUPS };
     Pdmesh__NodeInfo *ni = NULL, **nip = NULL;
     Pdmesh__Capacity *caps = NULL;
     Pdmesh__Load *loads = NULL;
@@ -180,6 +181,25 @@ void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
             if (!pools[k].budget_tokens) pools[k].budget_tokens = n->pool_tokens;
             ni[k].pool = &pools[k];
             ni[k].index_blocks = rt_kvindex_node_blocks(r->kvidx, i);
+            nip[k] = &ni[k];
+            k++;
+        }
+        /* The prefill groups' pools of conversations (prefill_node/pool.h), as the router's
+         * mirror holds them, under the group's rank 0: role prefill, tier "group". */
+        for (int g = 0; g < RT_MAX_GROUPS && r->cfg.group_pool_tokens > 0; g++) {
+            const rt_group_t *gr = &r->groups[g];
+            if (!gr->used || !gr->wired || gr->member[0] < 0) continue;
+            rt_fill_node(r, &r->nodes[gr->member[0]], &ni[k], &caps[k], &loads[k]);
+            pdmesh__pool_stats__init(&pools[k]);
+            pools[k].budget_tokens = (uint64_t)rt_group_pool_budget(r, gr);
+            pools[k].tokens = (uint64_t)gr->pool.tokens;
+            pools[k].entries = (uint32_t)gr->pool.n;
+            pools[k].lookups = gr->pool_tasks;
+            pools[k].hits = gr->pool_hits;
+            pools[k].reused_tokens = gr->pool_hit_tokens;
+            pools[k].evictions = gr->pool.evictions;
+            pools[k].corrupt = gr->pool_corrupt;
+            ni[k].pool = &pools[k];
             nip[k] = &ni[k];
             k++;
         }

@@ -45,6 +45,7 @@ void rt_config_default(rt_config_t *c)
     snprintf(c->method, sizeof(c->method), "auto");
     c->block_tokens = 64;
     c->prefix_reuse = 1;
+    c->group_pool_tokens = 0;
     c->pool_local_max = 512;
     c->max_skew_s = 30;
     c->group_inflight = 2;
@@ -306,6 +307,23 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
                                      "Prefix block events from decode nodes, by kind (stored, "
                                      "evicted, reset, stale, malformed).",
                                      "kind", NULL, 0);
+    r->m.group_pool_tokens = pdm_metrics_add(
+        m, PDM_METRIC_GAUGE, "pdmesh_group_pool_tokens",
+        "Tokens of finished conversations a prefill group's pool holds (router's mirror).",
+        "group", NULL, 0);
+    r->m.group_pool_entries = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_group_pool_entries",
+                                              "Conversations a prefill group's pool holds.",
+                                              "group", NULL, 0);
+    r->m.group_pool_evictions = pdm_metrics_add(
+        m, PDM_METRIC_GAUGE, "pdmesh_group_pool_evictions",
+        "Conversations a prefill group's pool evicted (LRU) since it was wired.", "group", NULL, 0);
+    r->m.group_pool_corrupt = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_group_pool_corrupt_total",
+        "Pooled conversations a prefill group's rank found corrupt (checksum) and did not use.",
+        "group", NULL, 0);
+    r->m.group_prefill_tokens = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_group_prefill_tokens_total",
+        "Prompt tokens prefill groups computed (cached ones not counted).", NULL, NULL, 0);
     r->m.kv_index_blocks = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_kv_index_blocks",
                                            "Block keys in the router's global prefix index.",
                                            NULL, NULL, 0);
@@ -381,7 +399,10 @@ void rt_router_free(pdm_router_t *r)
     rt_curve_stop(r);
     if (r->zctx) zmq_ctx_term(r->zctx);
     for (int i = 0; i < RT_MAX_NODES; i++) free(r->nodes[i].ucx);
-    for (int g = 0; g < RT_MAX_GROUPS; g++) pdm_prefill_conv_free(&r->groups[g].conv);
+    for (int g = 0; g < RT_MAX_GROUPS; g++) {
+        pdm_prefill_conv_free(&r->groups[g].conv);
+        pdm_prefill_pool_fini(&r->groups[g].pool);
+    }
     pdm_metrics_free(r->m.reg);
     rt_kvindex_destroy(r->kvidx);
     pdm_model_free(r->model);

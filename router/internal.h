@@ -24,6 +24,7 @@
 #include "common/wire.h"
 #include "model/model.h"
 #include "prefill_node/conv.h"    /* the planner (pure; the router links no UCX) */
+#include "prefill_node/pool.h"    /* the groups' pools of conversations (pure) */
 #include "prefill_node/plan_io.h"
 #include "router/adapt.h"
 #include "router/metrics.h"
@@ -61,6 +62,8 @@ typedef struct {
     int block_tokens;             /* prefix-hash block size; also the least cached prefix a
                                    * follow-up turn reuses */
     int prefix_reuse;             /* partial prefill of follow-up turns (0: route only) */
+    int group_pool_tokens;        /* each prefill group keeps finished conversations up to
+                                   * this many tokens (prefill_node/pool.h; 0: only its last) */
     uint32_t pool_local_max;      /* a prompt whose prefix a decode node's pool holds is
                                    * prefilled there when at most this many tokens are left */
     double max_skew_s;            /* registration timestamp skew */
@@ -119,6 +122,13 @@ typedef struct {
     double suspect_until;         /* an attempt through it failed: not used until then (a
                                    * dead rank is declared only when its lease runs out) */
     pdm_prefill_conv_t conv;      /* mirror of the conversation its ranks hold (conv.c) */
+    pdm_prefill_pool_t pool;      /* mirror of its ranks' pools of conversations (pool.h):
+                                   * the same operations in the same order, no KV */
+    int pool_reset;               /* the mirror was emptied: the next whole-group task tells the
+                                   * ranks to empty theirs (PrefillTask.pool_reset) */
+    uint64_t pool_tasks, pool_hits, pool_hit_tokens, pool_corrupt; /* whole-group tasks, those
+                                   * continuing a held conversation, the tokens they reused,
+                                   * pooled prefixes the ranks found corrupt */
     int reuse_pending;            /* a partial prefill is planned and its task not sent yet:
                                    * no other task may overtake it */
     /* Per rank (load-adaptive groups): tasks assigned to it, whole-group or solo, and not
@@ -203,6 +213,10 @@ typedef struct rt_req {
     char group_name[64], dnode_name[RT_NAME_MAX];
     uint32_t retries, migrations, cached_tokens; /* cached: prompt tokens reused by the group */
     int reuse_pending;            /* holds its group's reuse_pending */
+    uint64_t pool_source;         /* the group conversation its cached prefix comes from
+                                   * (PrefillTask.pool_source; 0: the current one) */
+    int64_t pool_budget;          /* PrefillTask.pool_tokens of the attempt */
+    int pool_reset;               /* the attempt's PrefillTask.pool_reset */
     int waits_for_group;          /* QUEUED: the scheduler last found no prefill group with room
                                    * (0: no decode node with room, or not yet scheduled) */
     pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN]; /* the group attempt's ranges (Usage) */
@@ -261,9 +275,23 @@ struct pdm_router {
             *kv_capacity, *group_inflight, *group_inflight_limit, *solo_concurrent,
             /* decode-node prefix pools and the global index (schedule.c, registry.c) */
             *pool_lookups, *pool_hits, *pool_misses, *pool_cached_tokens, *pool_hit_rate,
-            *pool_tokens, *pool_bytes, *pool_blocks, *pool_corrupt, *kv_events, *kv_index_blocks;
+            *pool_tokens, *pool_bytes, *pool_blocks, *pool_corrupt, *kv_events, *kv_index_blocks,
+            /* prefill groups' pools of conversations (request.c) */
+            *group_pool_tokens, *group_pool_entries, *group_pool_evictions, *group_pool_corrupt,
+            *group_prefill_tokens;
     } m;
 };
+
+/* The budget of group gr's pool of conversations (prefill_node/pool.h): the router's
+ * group_pool_tokens, at most what every rank keeps (its --pool-tokens, Capacity.pool_tokens
+ * at registration), so that the mirror and the ranks evict alike. */
+static inline int64_t rt_group_pool_budget(const pdm_router_t *r, const rt_group_t *gr)
+{
+    int64_t b = r->cfg.group_pool_tokens;
+    for (uint32_t k = 0; k < gr->size && b > 0; k++)
+        b = gr->member[k] < 0 ? 0 : PDM_MIN(b, (int64_t)r->nodes[gr->member[k]].pool_tokens);
+    return b;
+}
 
 /* Sends one message to a peer of a ROUTER socket; a failure is logged here (once) and
  * returned (PDM_EPEER: the peer is gone). */

@@ -89,6 +89,9 @@ static void rt_usage(FILE *f)
             "  --block-tokens N          prefix-hash block size; least prefix reused (64)\n"
             "  --prefix-reuse 0|1        follow-up turns prefill only what follows the prefix\n"
             "                            their group still holds (1)\n"
+            "  --group-pool-tokens N     each prefill group keeps finished conversations' KV up\n"
+            "                            to N tokens (LRU; ranks cap it with --pool-tokens) for\n"
+            "                            follow-ups of any of them (0: only the last one)\n"
             "  --pool-local-max N        a prompt whose prefix a decode node's pool holds is\n"
             "                            prefilled there if at most N tokens are left (512)\n"
             "  --group-inflight N        prefill tasks queued per group (2)\n"
@@ -108,7 +111,7 @@ int main(int argc, char **argv)
         O_CLIENT = 1000, O_NODE, O_ADMIN, O_HTTP_HOST, O_HTTP_PORT, O_SECRET, O_TOKEN, O_HB, O_LEASE,
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
         O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW,
-        O_PREFIX_REUSE, O_POOL_LOCAL, O_HTTP_CONNS, O_HTTP_PER_PEER, O_HTTP_HEAD, O_HTTP_BODY, O_HTTP_IDLE,
+        O_PREFIX_REUSE, O_POOL_LOCAL, O_GROUP_POOL, O_HTTP_CONNS, O_HTTP_PER_PEER, O_HTTP_HEAD, O_HTTP_BODY, O_HTTP_IDLE,
         O_CHAT_TEMPLATE, O_ADAPTIVE
     };
     static const struct option opts[] = {
@@ -143,6 +146,7 @@ int main(int argc, char **argv)
         {"calibration", required_argument, 0, O_CALIB},
         {"block-tokens", required_argument, 0, O_BLOCK},
         {"prefix-reuse", required_argument, 0, O_PREFIX_REUSE},
+        {"group-pool-tokens", required_argument, 0, O_GROUP_POOL},
         {"pool-local-max", required_argument, 0, O_POOL_LOCAL},
         {"group-inflight", required_argument, 0, O_GINF},
         {"adaptive-group", required_argument, 0, O_ADAPTIVE},
@@ -213,6 +217,7 @@ int main(int argc, char **argv)
         case O_CALIB: cfg.calibration = optarg; break;
         case O_BLOCK: NUM(1, 4096, cfg.block_tokens); break;
         case O_PREFIX_REUSE: NUM(0, 1, cfg.prefix_reuse); break;
+        case O_GROUP_POOL: NUM(0, 1 << 24, cfg.group_pool_tokens); break;
         case O_POOL_LOCAL: NUM(0, 1 << 20, cfg.pool_local_max); break;
         case O_GINF: NUM(1, 64, cfg.group_inflight); break;
         case O_ADAPTIVE: NUM(0, 2, cfg.adaptive_group); break;

@@ -140,6 +140,8 @@ static void rt_group_try_wire(pdm_router_t *r, int g)
     gr->has_cost = 0; /* the model follows the new size; what it learned starts again */
     gr->reuse_pending = 0;
     pdm_prefill_conv_reset(&gr->conv); /* fresh ranks hold nothing */
+    pdm_prefill_pool_clear(&gr->pool);
+    gr->pool_reset = 1; /* and in case a rank kept its process: empty its pool too */
     pdm_log_info("router: prefill group %s wired (%u ranks%s)", gr->name, gr->size,
                  gr->elastic ? ", elastic" : "");
 }

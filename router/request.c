@@ -476,8 +476,12 @@ static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char
     if (q->group >= 0) { /* the retry goes elsewhere (another group or local prefill) */
         r->groups[q->group].suspect_until = pdm_now() + r->cfg.lease_ms / 1e3;
         /* Its ranks may have dropped their conversation (or never held the one assumed):
-         * forget the mirror, the next task starts afresh. */
-        pdm_prefill_conv_reset(&r->groups[q->group].conv);
+         * forget the mirror and the pool's, and have the ranks empty theirs with the next
+         * task, which starts afresh. */
+        rt_group_t *gr = &r->groups[q->group];
+        pdm_prefill_conv_reset(&gr->conv);
+        pdm_prefill_pool_clear(&gr->pool);
+        gr->pool_reset = 1;
     }
     rt_req_release_nodes(r, q, 1);
     q->retries++;
@@ -501,22 +505,59 @@ static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char
 
 /* ---------------------------------------------------------------- dispatch and tasks */
 
-/* Every rank of the request's group finished its task: the mirror follows (conv.c). */
-static void rt_group_prefilled(pdm_router_t *r, rt_req_t *q)
+/* A whole-group task goes out: the mirror does what the ranks will do before and after it
+ * (pool.h, then conv.c), in the order the tasks are sent, which is the order the ranks run
+ * them. A task that fails resets the mirror (rt_attempt_failed). */
+static void rt_group_mirror(pdm_router_t *r, rt_req_t *q)
 {
     rt_group_t *gr = &r->groups[q->group];
     const int32_t start = (int32_t)q->cached_tokens, T = (int32_t)q->n_prompt - start;
     pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN];
     int n_prefix;
+    if (q->pool_reset) {
+        pdm_prefill_pool_clear(&gr->pool);
+        pdm_prefill_conv_reset(&gr->conv);
+    }
+    int loaded;
+    if (pdm_prefill_pool_begin(&gr->pool, &gr->conv, q->pool_source, start, &loaded)) {
+        pdm_log_warn("router: group %s: its pool mirror is out of step (%s): reset",
+                     gr->name, pdm_error_last());
+        pdm_prefill_pool_clear(&gr->pool);
+        gr->pool_reset = 1;
+    }
+    pdm_prefill_pool_set_budget(&gr->pool, q->pool_budget); /* after, as the ranks do */
     int nr = pdm_prefill_conv_plan(&gr->conv, (pdm_prefill_method_t)q->method_id, (int)gr->size,
                                    start, T, q->chunks, 0, plan, &n_prefix);
     if (nr < 0 || pdm_prefill_conv_commit(&gr->conv, (pdm_prefill_method_t)q->method_id,
                                           (int)gr->size, start, q->prompt + start, T, plan, nr))
         pdm_prefill_conv_reset(&gr->conv); /* out of step: forget (a smaller view is safe) */
+}
+
+/* Every rank of the request's group finished its task: its counters. */
+static void rt_group_prefilled(pdm_router_t *r, rt_req_t *q)
+{
+    rt_group_t *gr = &r->groups[q->group];
+    const int32_t start = (int32_t)q->cached_tokens, T = (int32_t)q->n_prompt - start;
+    gr->pool_tasks++;
+    pdm_metric_inc(r->m.group_prefill_tokens, NULL, (double)T);
+    pdm_metric_set(r->m.group_pool_tokens, gr->name, (double)gr->pool.tokens);
+    pdm_metric_set(r->m.group_pool_entries, gr->name, (double)gr->pool.n);
+    pdm_metric_set(r->m.group_pool_evictions, gr->name, (double)gr->pool.evictions);
     if (start > 0) {
         pdm_metric_inc(r->m.prefix_hits, NULL, 1);
         pdm_metric_inc(r->m.prefix_tokens, NULL, (double)start);
+        gr->pool_hits++;
+        gr->pool_hit_tokens += (uint64_t)start;
     }
+}
+
+/* Whether a whole-group task of group g other than q was dispatched and not sent yet: it may
+ * go out before q, so the mirror does not yet show what the ranks will hold for q. */
+static int rt_group_unsent(const pdm_router_t *r, int g, const rt_req_t *q)
+{
+    for (const rt_req_t *w = r->head; w; w = w->next)
+        if (w != q && w->group == g && w->state == RQ_RESERVING && w->solo_rank < 0) return 1;
+    return 0;
 }
 
 void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
@@ -536,6 +577,9 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
     q->t_dispatch = pdm_now();
     q->cached_tokens = 0;
     q->n_plan = 0;
+    q->pool_source = 0;
+    q->pool_budget = 0;
+    q->pool_reset = 0;
     snprintf(q->dnode_name, sizeof(q->dnode_name), "%s", n->id);
     const uint32_t remaining = q->max_new - q->n_gen;
     const uint32_t n_in = q->local ? q->n_prompt + q->n_gen : q->n_prompt;
@@ -591,14 +635,15 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
             gr->has_cost = 1;
         }
         /* Where it starts, the method and partition, who computes what: the planner the
-         * harness uses too (conv.c). Prefix reuse only while the group is idle: only then is
-         * its mirror what the ranks hold when the task arrives. */
+         * harness uses too (conv.c). Prefix reuse only while no other task of the group waits
+         * to be sent: the mirror follows the tasks sent (rt_group_mirror), so it is then what
+         * the ranks hold when this task arrives, tasks in flight included. */
         pdm_prefill_method_t want = PDM_PREFILL_AUTO;
         pdm_prefill_method_parse(r->cfg.method, &want);
         pdm_prefill_task_plan_params_t pp = {
             .followup = {.method = want, .ranks = (int)gr->size, .tokens = q->prompt,
                          .n_tokens = (int32_t)q->n_prompt, .min_cached = r->cfg.block_tokens,
-                         .reuse = r->cfg.prefix_reuse && gr->inflight == 1 &&
+                         .reuse = r->cfg.prefix_reuse && !rt_group_unsent(r, g, q) &&
                                   !gr->reuse_pending && !(q->want_plp && !q->plp_sent)},
             .hp = &r->model->hp, .table = r->has_table ? &r->table : NULL,
             .calib = r->has_calib ? &r->calib : NULL, .fallback = 1};
@@ -615,10 +660,17 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
             gr->rank_free_at[k] = PDM_MAX(gr->rank_free_at[k], q->t_dispatch) +
                                   rt_adapt_t1(&gr->cost, (int32_t)q->n_prompt);
             gr->rank_tasks[k]++;
-        } else if (pdm_prefill_conv_plan_task(&gr->conv, &pp, plan)) {
+        } else if (pdm_prefill_conv_plan_task(
+                       pdm_prefill_pool_pick(&gr->pool, &gr->conv, &pp.followup,
+                                             &q->pool_source),
+                       &pp, plan)) {
             rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL, pdm_error_last());
             return;
         } else {
+            /* The conversation it continues: the current one or one of the group's pool
+             * (pool.h); the ranks do what the mirror does when the task ends. */
+            if (!plan->start) q->pool_source = 0;
+            q->pool_budget = rt_group_pool_budget(r, gr);
             /* every rank: after the last task it holds, for the predicted group time */
             double at = q->t_dispatch;
             for (uint32_t k = 0; k < gr->size; k++) at = PDM_MAX(at, gr->rank_free_at[k]);
@@ -685,6 +737,13 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     t.prefix = q->prompt;
     t.n_prefix = q->cached_tokens;
     if (q->reuse_pending) g->reuse_pending = q->reuse_pending = 0; /* it goes out now */
+    if (q->solo_rank < 0) { /* a solo task leaves the group's conversations alone */
+        t.pool_source = q->pool_source;
+        t.pool_tokens = (uint64_t)q->pool_budget;
+        t.pool_reset = q->pool_reset = g->pool_reset;
+        g->pool_reset = 0;
+        rt_group_mirror(r, q);
+    }
     if (q->has_chunks) {
         for (uint32_t k = 0; k < g->size; k++) chunks[k] = (uint32_t)q->chunks[k];
         t.chunks = chunks;
@@ -872,6 +931,10 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
     if (!p->ok) {
         char m2[512];
         snprintf(m2, sizeof(m2), "prefill rank %s: %s", r->nodes[node].id, rt_err_text(p->error));
+        if (q->group >= 0 && strstr(m2, "pooled KV")) { /* pool.c / rank.c's checksum refusal */
+            r->groups[q->group].pool_corrupt++;
+            pdm_metric_inc(r->m.group_pool_corrupt, r->groups[q->group].name, 1);
+        }
         rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_KV_TRANSFER, m2);
         return;
     }

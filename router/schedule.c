@@ -96,7 +96,9 @@ static int32_t rt_adapt_cached(const pdm_router_t *r, const rt_req_t *q, int g)
         pdm_prefill_followup_params_t fp = {
             .method = want, .ranks = (int)gr->size, .tokens = q->prompt,
             .n_tokens = (int32_t)q->n_prompt, .min_cached = r->cfg.block_tokens, .reuse = 1};
-        return pdm_prefill_conv_followup_start(&gr->conv, &fp);
+        uint64_t source;
+        return pdm_prefill_conv_followup_start(pdm_prefill_pool_pick(&gr->pool, &gr->conv, &fp,
+                                                                     &source), &fp);
     }
     uint32_t same = 0, most = PDM_MIN(last->n_prompt, q->n_prompt - 1);
     while (same < most && last->prompt[same] == q->prompt[same]) same++;
@@ -155,6 +157,27 @@ static int rt_pick_group(pdm_router_t *r, rt_req_t *q)
     uint8_t (*h)[32] = malloc(sizeof(uint8_t[32]) * MAXB);
     int nb = h ? rt_block_hashes(r, q->prompt, q->n_prompt, h, MAXB) : 0;
     int best = -1;
+    if (r->cfg.prefix_reuse && r->cfg.group_pool_tokens > 0) {
+        /* The groups' mirrors say exactly which conversations each group holds (pool.h):
+         * the one that can reuse the most of this prompt, at least a block. */
+        pdm_prefill_method_t want = PDM_PREFILL_AUTO;
+        pdm_prefill_method_parse(r->cfg.method, &want);
+        int32_t most = 0;
+        for (int g = 0; g < RT_MAX_GROUPS; g++) {
+            if (!rt_group_has_room(r, g)) continue;
+            const rt_group_t *gr = &r->groups[g];
+            pdm_prefill_followup_params_t fp = {
+                .method = want, .ranks = (int)gr->size, .tokens = q->prompt,
+                .n_tokens = (int32_t)q->n_prompt, .min_cached = r->cfg.block_tokens, .reuse = 1};
+            uint64_t source;
+            const int32_t s = pdm_prefill_conv_followup_start(
+                pdm_prefill_pool_pick(&gr->pool, &gr->conv, &fp, &source), &fp);
+            if (s > most) {
+                most = s;
+                best = g;
+            }
+        }
+    }
     for (int b = nb - 1; b >= 0 && best < 0; b--) {
         size_t s = rt_prefix_slot(h[b]);
         int g = r->prefix[s].group;

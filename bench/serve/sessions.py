@@ -65,14 +65,16 @@ def session(k, args, port, rng, rows, lock):
         time.sleep(rng.expovariate(1.0 / args.think))
 
 
-def run(args, pool, llama_server=None):
-    """One arm: the mesh with a decode-node pool of `pool` tokens (0: none), or llama.cpp's
+def run(args, pool, llama_server=None, group_pool=0):
+    """One arm: the mesh with a decode-node pool of `pool` tokens (0: none) and a prefill-group
+    pool of `group_pool` tokens (0: the group keeps its last conversation only), or llama.cpp's
     llama-server (binary path) on the same model and cores."""
     if llama_server:
         mesh = LlamaServer(llama_server, args.model, threads=2)
     else:
         mesh = Mesh(args.bindir, args.model, prefill_ranks=2, threads=1, local_threshold=16,
-                    router_args=["--prefix-reuse", "1", "--block-tokens", "16"],
+                    router_args=["--prefix-reuse", "1", "--block-tokens", "16",
+                                 "--group-pool-tokens", str(group_pool)],
                     decode_args=["--kv-pool", str(pool)])
         for d in range(1, args.decode_nodes):
             mesh._start("decode-%d" % d, [os.path.join(args.bindir, "pdmesh-decode"), "--model",
@@ -103,6 +105,12 @@ def run(args, pool, llama_server=None):
         for th in threads:
             th.join(600)
         wall = time.time() - t0
+        if not llama_server:
+            for key, name in (("group_prefill_tokens", "pdmesh_group_prefill_tokens_total"),
+                              ("group_cached_tokens", "pdmesh_prefix_cached_tokens_total"),
+                              ("group_hits", "pdmesh_prefix_hits_total"),
+                              ("kv_bytes", "pdmesh_kv_bytes_total")):
+                pool_counts[key] = mesh.metric(name)
         if pool and not llama_server:
             for key, name, labels in (
                     ("lookups", "pdmesh_prefix_pool_lookups_total", ""),
@@ -152,7 +160,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="40 s of arrivals")
     ap.add_argument("--decode-nodes", type=int, default=1)
     ap.add_argument("--arms", default="without,with,llama",
-                    help="comma-separated: without (no pool), with (pool), llama (llama-server)")
+                    help="comma-separated: without (no pool), with (decode-node pool), group "
+                    "(prefill-group pool of conversations), llama (llama-server)")
     ap.add_argument("--name", default="sessions", help="output file name (OUT/NAME.json, .md)")
     ap.add_argument("--llama-bindir", help="where llama-server is (default: $LLAMA_SERVER or "
                     "build/llama.cpp, built by tools/llama_tools.sh); without one its arm is "
@@ -167,6 +176,8 @@ def main():
         res["without pool"] = summary(run(args, 0), args.slo_ttft)
     if "with" in arms:
         res["with pool"] = summary(run(args, 65536), args.slo_ttft)
+    if "group" in arms:
+        res["group pool"] = summary(run(args, 0, group_pool=16384), args.slo_ttft)
     ls = find_llama_server(args.llama_bindir) if "llama" in arms else None
     if ls:
         res["llama-server"] = summary(run(args, 0, llama_server=ls), args.slo_ttft)
@@ -186,7 +197,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, args.name + ".json"), "w") as f:
         json.dump(out, f, indent=1)
-    md = ["# Multi-turn sessions: the decode node's prefix pool (bench/serve/sessions.py)", "",
+    title = ("the prefill group's pool of conversations" if "group pool" in res and
+             "with pool" not in res else "the decode node's prefix pool")
+    md = ["# Multi-turn sessions: %s (bench/serve/sessions.py)" % title, "",
           "%s, %s, load average %.1f before / %.1f after. Sessions arrive at %.2f/s for %.0f s, "
           "%d turns each, think time %.1f s (mean), a shared %d-word system text, %d new "
           "tokens per turn; router + 2-rank prefill group + %d decode node(s), 1 thread per "
@@ -208,10 +221,28 @@ def main():
             "%.0f" % u["ttft_p50_ms"] if u["ttft_p50_ms"] else "-",
             "%.0f" % u["ttft_p90_ms"] if u["ttft_p90_ms"] else "-", u["cached_p50"],
             100 * r["all"]["within_slo"], r["all"]["goodput_turns_s"], r["all"]["failed"]))
-    md += ["", "Without the pool a follow-up is prefilled by the group, which keeps only the "
-           "conversation it prefilled last (its partial prefill helps only when no other session "
-           "came between); with it, the decode node that served the earlier turn still holds "
-           "its KV and prefills only the new tokens."]
+    if "with pool" in res:
+        md += ["", "Without the pool a follow-up is prefilled by the group, which keeps only the "
+               "conversation it prefilled last (its partial prefill helps only when no other "
+               "session came between); with it, the decode node that served the earlier turn "
+               "still holds its KV and prefills only the new tokens."]
+    if any("group_prefill_tokens" in (r.get("pool") or {}) for r in res.values()):
+        md += ["", "| mesh | prompt tokens prefilled by the group | cached on the group | turns "
+               "continuing a group's conversation | KV bytes streamed to decode nodes |",
+               "|---|---|---|---|---|"]
+        for name, r in res.items():
+            pc = r.get("pool") or {}
+            if "group_prefill_tokens" in pc:
+                md.append("| %s | %d | %d | %d | %.1f MB |" % (
+                    name, pc["group_prefill_tokens"], pc["group_cached_tokens"],
+                    pc["group_hits"], pc["kv_bytes"] / 1e6))
+        if "group pool" in res:
+            md += ["", "With the group pool (`--group-pool-tokens 16384`, prefill_node/pool.h) "
+                   "the group keeps every recent conversation, so a follow-up computes only its "
+                   "new tokens whichever session came between; without it the group keeps its "
+                   "last conversation only (a follow-up reuses the shared system text at best). "
+                   "The group still streams the whole prompt's KV to the decode node (no delta "
+                   "transfer yet), so the KV bytes do not drop."]
     for name, r in res.items():
         pc = r.get("pool") or {}
         if pc.get("lookups"):

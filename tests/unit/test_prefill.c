@@ -122,29 +122,14 @@ static pdm_launch_t *start_group(int ranks, const char *model, const char *kv_dt
     return l;
 }
 
-/* Runs [0, P) (if P > 0) and then [P, n) with `method` and compares logits and the whole KV
- * with the reference. */
-static void check_task(pdm_launch_t *l, const pdm_model_hparams_t *hp, pdm_prefill_method_t m,
-                       const int32_t *ids, int n, int P, const int *chunks, const reference_t *ref,
-                       double kv_tol, double logit_tol, const char *what)
+/* Compares a task's logits file and KV dump (the whole conversation, n positions) with the
+ * reference: logits within logit_tol * max(1, |logit|max), the same greedy first token, every
+ * K and V element within kv_tol. Removes both files. */
+static void compare_output(const pdm_model_hparams_t *hp, int n, const char *kv_path,
+                           const char *logits_path, const pdm_launch_result_t *res,
+                           const reference_t *ref, double kv_tol, double logit_tol,
+                           const char *what)
 {
-    char kv_path[700], logits_path[700];
-    snprintf(kv_path, sizeof(kv_path), "%s/kv-%d.bin", pdm_test_tmpdir(), (int)getpid());
-    snprintf(logits_path, sizeof(logits_path), "%s/logits-%d.bin", pdm_test_tmpdir(),
-             (int)getpid());
-    pdm_launch_result_t res;
-    if (P > 0) {
-        pdm_prefill_task_t first = {
-            .method = pdm_prefill_method_is_kvr(m) ? PDM_PREFILL_KVR_E : m, .tokens = ids,
-            .n_tokens = P};
-        ck_assert_msg(pdm_launch_task(l, &first, NULL, NULL, &res) == 0, "%s: first turn: %s",
-                      what, pdm_error_last());
-    }
-    pdm_prefill_task_t t = {.method = m, .start = P, .tokens = ids + P, .n_tokens = n - P,
-                            .chunks = chunks};
-    int st = pdm_launch_task(l, &t, kv_path, logits_path, &res);
-    ck_assert_msg(st == 0, "%s: %s", what, pdm_error_last());
-
     float *logits = malloc(sizeof(float) * hp->n_vocab);
     FILE *f = fopen(logits_path, "rb");
     ck_assert_ptr_nonnull(f);
@@ -159,8 +144,8 @@ static void check_task(pdm_launch_t *l, const pdm_model_hparams_t *hp, pdm_prefi
     }
     ck_assert_msg(max_diff <= logit_tol * max_ref, "%s: logits differ by %g (tolerance %g)",
                   what, max_diff, logit_tol * max_ref);
-    ck_assert_msg(res.first_token == best, "%s: first token %d, engine %d", what,
-                  res.first_token, best);
+    ck_assert_msg(res->first_token == best, "%s: first token %d, engine %d", what,
+                  res->first_token, best);
     free(logits);
 
     int32_t n_file;
@@ -185,6 +170,32 @@ static void check_task(pdm_launch_t *l, const pdm_model_hparams_t *hp, pdm_prefi
     free(kv);
     unlink(kv_path);
     unlink(logits_path);
+}
+
+/* Runs [0, P) (if P > 0) and then [P, n) with `method` and compares logits and the whole KV
+ * with the reference. */
+static void check_task(pdm_launch_t *l, const pdm_model_hparams_t *hp, pdm_prefill_method_t m,
+                       const int32_t *ids, int n, int P, const int *chunks, const reference_t *ref,
+                       double kv_tol, double logit_tol, const char *what)
+{
+    char kv_path[700], logits_path[700];
+    snprintf(kv_path, sizeof(kv_path), "%s/kv-%d.bin", pdm_test_tmpdir(), (int)getpid());
+    snprintf(logits_path, sizeof(logits_path), "%s/logits-%d.bin", pdm_test_tmpdir(),
+             (int)getpid());
+    pdm_launch_result_t res;
+    if (P > 0) {
+        pdm_prefill_task_t first = {
+            .method = pdm_prefill_method_is_kvr(m) ? PDM_PREFILL_KVR_E : m, .tokens = ids,
+            .n_tokens = P};
+        ck_assert_msg(pdm_launch_task(l, &first, NULL, NULL, &res) == 0, "%s: first turn: %s",
+                      what, pdm_error_last());
+    }
+    pdm_prefill_task_t t = {.method = m, .start = P, .tokens = ids + P, .n_tokens = n - P,
+                            .chunks = chunks};
+    int st = pdm_launch_task(l, &t, kv_path, logits_path, &res);
+    ck_assert_msg(st == 0, "%s: %s", what, pdm_error_last());
+
+    compare_output(hp, n, kv_path, logits_path, &res, ref, kv_tol, logit_tol, what);
 }
 
 /* Every method on a group of `R` ranks, at lengths 1, R-1, R, 2R+1 and 45 and with partial
@@ -497,6 +508,317 @@ END_TEST
 START_TEST(test_group_q8_r2) { run_q8_case(2); }
 END_TEST
 START_TEST(test_group_q8_r3) { run_q8_case(3); }
+END_TEST
+
+/* The group's pool of conversations (pool.h) on real ranks: conversations A and B (B's
+ * first turn evicts nothing, the pool keeps A), then A's follow-up continues A from the pool
+ * (pool_source = A's id, only the new tokens computed) with logits and the whole KV equal to
+ * the engine's on the whole prompt; then B's follow-up likewise. Methods kvr-e (a chain
+ * continues at the rank that holds A's prefix) and cp-kv (scattered shares), 2 ranks. A task
+ * naming a conversation the pool does not hold is refused (prefix miss), and the group stays
+ * usable. */
+static void pool_conv_id(const int32_t *ids, int n, uint64_t *id)
+{
+    pdm_prefill_conv_t c = {0};
+    ck_assert_int_eq(pdm_prefill_conv_reserve(&c, n), 0);
+    memcpy(c.tokens, ids, sizeof(int32_t) * (size_t)n);
+    c.n = n;
+    *id = pdm_prefill_conv_id(&c);
+    pdm_prefill_conv_free(&c);
+}
+
+static void run_pool_case(pdm_prefill_method_t meth)
+{
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(model_path, &m), 0);
+    const pdm_model_hparams_t hp = m->hp;
+    pdm_model_free(m);
+    pdm_launch_t *l = start_group(2, model_path, "f32", 60);
+    enum { P = 24, T = 11 };
+    int32_t a[P + T], b[P + T];
+    tokens_random(a, P + T, hp.n_vocab, 71);
+    tokens_random(b, P + T, hp.n_vocab, 72);
+    memcpy(b, a, sizeof(int32_t) * 6); /* a shared "system prompt" of 6 tokens */
+    pdm_launch_result_t res;
+    for (int c = 0; c < 2; c++) { /* first turns of A and B */
+        pdm_prefill_task_t t = {.method = meth, .tokens = c ? b : a, .n_tokens = P,
+                                .pool_tokens = 1000};
+        ck_assert_msg(pdm_launch_task(l, &t, NULL, NULL, &res) == 0, "%s", pdm_error_last());
+    }
+    char kv_path[700], logits_path[700];
+    snprintf(kv_path, sizeof(kv_path), "%s/kvpool-%d.bin", pdm_test_tmpdir(), (int)getpid());
+    snprintf(logits_path, sizeof(logits_path), "%s/lgpool-%d.bin", pdm_test_tmpdir(),
+             (int)getpid());
+    for (int c = 0; c < 2; c++) { /* A's follow-up from the pool, then B's */
+        const int32_t *ids = c ? b : a;
+        uint64_t id;
+        pool_conv_id(ids, P, &id);
+        pdm_prefill_task_t t = {.method = meth, .start = P, .prefix = ids, .tokens = ids + P,
+                                .n_tokens = T, .pool_source = id, .pool_tokens = 1000};
+        ck_assert_msg(pdm_launch_task(l, &t, kv_path, logits_path, &res) == 0, "%s: %s",
+                      c ? "B" : "A", pdm_error_last());
+        ck_assert_int_eq(res.rank[0].n_local + res.rank[1].n_local, T); /* only new tokens */
+        reference_t ref;
+        reference(model_path, PDM_DT_F32, ids, P + T, &ref);
+        char what[64];
+        snprintf(what, sizeof(what), "pool %s follow-up of %s", pdm_prefill_method_name(meth),
+                 c ? "B" : "A");
+        compare_output(&hp, P + T, kv_path, logits_path, &res, &ref, 1e-4, 1e-3, what);
+        reference_free(&ref);
+    }
+    /* A conversation nobody holds: refused, never guessed. */
+    int32_t z[P + T];
+    tokens_random(z, P + T, hp.n_vocab, 73);
+    uint64_t zid;
+    pool_conv_id(z, P, &zid);
+    pdm_prefill_task_t miss = {.method = meth, .start = P, .prefix = z, .tokens = z + P,
+                               .n_tokens = T, .pool_source = zid, .pool_tokens = 1000};
+    ck_assert_int_ne(pdm_launch_task(l, &miss, NULL, NULL, &res), 0);
+    ck_assert_msg(strstr(pdm_error_last(), "prefix miss"), "%s", pdm_error_last());
+    pdm_prefill_task_t again = {.method = meth, .tokens = z, .n_tokens = P + T,
+                                .pool_tokens = 1000, .pool_reset = 1};
+    ck_assert_msg(pdm_launch_task(l, &again, NULL, NULL, &res) == 0, "%s", pdm_error_last());
+    ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
+}
+
+START_TEST(test_group_pool_kvr) { run_pool_case(PDM_PREFILL_KVR_E); }
+END_TEST
+
+START_TEST(test_group_pool_cp) { run_pool_case(PDM_PREFILL_CP_KV); }
+END_TEST
+
+/* A pooled conversation corrupted on one rank (PDMESH_FAULT_CORRUPT_POOL=1 flips a byte of
+ * every entry it loads): the checksum catches it, every rank refuses the task at once (no
+ * rank waits for a peer until its timeout), the entry is never used, and the group prefills
+ * the prompt in full afterwards with the engine's logits and KV. */
+START_TEST(test_group_pool_corrupt)
+{
+    pdm_model_t *m;
+    ck_assert_int_eq(pdm_model_load(model_path, &m), 0);
+    const pdm_model_hparams_t hp = m->hp;
+    pdm_model_free(m);
+    setenv("PDMESH_FAULT_CORRUPT_POOL", "1", 1);
+    pdm_launch_t *l = start_group(2, model_path, "f32", 20);
+    unsetenv("PDMESH_FAULT_CORRUPT_POOL");
+    enum { P = 20, T = 9 };
+    int32_t a[P + T], b[P];
+    tokens_random(a, P + T, hp.n_vocab, 81);
+    tokens_random(b, P, hp.n_vocab, 82);
+    pdm_launch_result_t res;
+    pdm_prefill_task_t ta = {.method = PDM_PREFILL_CP_KV, .tokens = a, .n_tokens = P,
+                             .pool_tokens = 1000};
+    pdm_prefill_task_t tb = {.method = PDM_PREFILL_CP_KV, .tokens = b, .n_tokens = P,
+                             .pool_tokens = 1000};
+    ck_assert_int_eq(pdm_launch_task(l, &ta, NULL, NULL, &res), 0);
+    ck_assert_int_eq(pdm_launch_task(l, &tb, NULL, NULL, &res), 0);
+    uint64_t id;
+    pool_conv_id(a, P, &id);
+    pdm_prefill_task_t f = {.method = PDM_PREFILL_CP_KV, .start = P, .prefix = a,
+                            .tokens = a + P, .n_tokens = T, .pool_source = id,
+                            .pool_tokens = 1000};
+    double t0 = pdm_now();
+    ck_assert_int_ne(pdm_launch_task(l, &f, NULL, NULL, &res), 0);
+    ck_assert_msg(strstr(pdm_error_last(), "pooled KV"), "%s", pdm_error_last());
+    ck_assert_msg(pdm_now() - t0 < 10, "the refusal took %.1f s", pdm_now() - t0);
+    char kv_path[700], logits_path[700];
+    snprintf(kv_path, sizeof(kv_path), "%s/kvcor-%d.bin", pdm_test_tmpdir(), (int)getpid());
+    snprintf(logits_path, sizeof(logits_path), "%s/lgcor-%d.bin", pdm_test_tmpdir(),
+             (int)getpid());
+    pdm_prefill_task_t full = {.method = PDM_PREFILL_CP_KV, .tokens = a, .n_tokens = P + T,
+                               .pool_tokens = 1000, .pool_reset = 1};
+    ck_assert_msg(pdm_launch_task(l, &full, kv_path, logits_path, &res) == 0, "%s",
+                  pdm_error_last());
+    reference_t ref;
+    reference(model_path, PDM_DT_F32, a, P + T, &ref);
+    compare_output(&hp, P + T, kv_path, logits_path, &res, &ref, 1e-4, 1e-3, "after corrupt");
+    reference_free(&ref);
+    ck_assert_msg(pdm_launch_finish(l) == 0, "%s", pdm_error_last());
+}
+END_TEST
+
+/* ---- The pool's bookkeeping (pool.h), pure ------------------------------------------------ */
+
+static void conv_turn(pdm_prefill_conv_t *c, pdm_prefill_method_t m, int ranks, int32_t start,
+                      const int32_t *tokens, int32_t n);
+
+/* A conversation of n tokens by 'single' on one rank, as begin + commit record it. */
+static void pool_turn(pdm_prefill_pool_t *p, pdm_prefill_conv_t *active, uint64_t source,
+                      int32_t start, const int32_t *tokens, int32_t n)
+{
+    int loaded;
+    ck_assert_msg(pdm_prefill_pool_begin(p, active, source, start, &loaded) == 0, "%s",
+                  pdm_error_last());
+    conv_turn(active, PDM_PREFILL_SINGLE, 1, start, tokens, n);
+}
+
+static int32_t pool_followup(const pdm_prefill_pool_t *p, const pdm_prefill_conv_t *active,
+                             const int32_t *tokens, int32_t n, uint64_t *source)
+{
+    pdm_prefill_followup_params_t fp = {.method = PDM_PREFILL_SINGLE, .ranks = 1,
+                                        .tokens = tokens, .n_tokens = n, .min_cached = 4,
+                                        .reuse = 1};
+    return pdm_prefill_conv_followup_start(pdm_prefill_pool_pick(p, active, &fp, source), &fp);
+}
+
+/* Fake rank ops: the "rows" of an entry are its tokens; load checks a sum. */
+static int fake_loads, fake_drops, fake_corrupt;
+static int fake_save(void *ctx, const pdm_prefill_conv_t *c, pdm_prefill_pool_entry_t *e)
+{
+    (void)ctx;
+    e->kv = malloc(sizeof(int32_t) * (size_t)c->n);
+    memcpy(e->kv, c->tokens, sizeof(int32_t) * (size_t)c->n);
+    e->kv_bytes = sizeof(int32_t) * (size_t)c->n;
+    e->checksum = 0;
+    for (int32_t i = 0; i < c->n; i++) e->checksum += (uint64_t)c->tokens[i];
+    return 0;
+}
+static int fake_load(void *ctx, const pdm_prefill_pool_entry_t *e)
+{
+    (void)ctx;
+    if (fake_corrupt) ((int32_t *)e->kv)[0] ^= 1;
+    uint64_t sum = 0;
+    for (int32_t i = 0; i < e->conv.n; i++) sum += (uint64_t)((int32_t *)e->kv)[i];
+    fake_loads++;
+    return sum == e->checksum ? 0 : PDM_ECHECKSUM;
+}
+static void fake_drop(void *ctx, pdm_prefill_pool_entry_t *e)
+{
+    (void)ctx;
+    free(e->kv);
+    e->kv = NULL;
+    fake_drops++;
+}
+
+/* Many conversations: three conversations sharing a 10-token system prompt, each continued
+ * later from the pool (not only the last one); the pick names the right source; an extended
+ * conversation replaces its shorter self; LRU eviction under a budget (the source of the
+ * running task is never evicted to make room); a miss and a corrupt entry are refused and
+ * the active conversation emptied; budget 0 keeps only the active conversation (as before). */
+START_TEST(test_pool_bookkeeping)
+{
+    int32_t conv[3][80];
+    for (int c = 0; c < 3; c++)
+        for (int i = 0; i < 80; i++) conv[c][i] = i < 10 ? 7 + i : 1000 * (c + 1) + i;
+    pdm_prefill_pool_ops_t ops = {fake_save, fake_load, fake_drop, NULL};
+    pdm_prefill_pool_t p;
+    pdm_prefill_pool_init(&p, 200, &ops);
+    pdm_prefill_conv_t active = {0};
+    uint64_t src;
+    /* turn 1 of each: the system prompt is found in the previous one (start 10 after the
+     * first), but the plain rule here starts each at 0 */
+    for (int c = 0; c < 3; c++) {
+        if (c > 0) ck_assert_int_eq(pool_followup(&p, &active, conv[c], 30, &src), 10);
+        pool_turn(&p, &active, 0, 0, conv[c], 30);
+    }
+    ck_assert_int_eq(p.n, 2); /* conversations 0 and 1; 2 is the active one */
+    ck_assert_int_eq(p.tokens, 60);
+    /* turn 2 of conversation 0: held in the pool, 30 tokens reused */
+    ck_assert_int_eq(pool_followup(&p, &active, conv[0], 50, &src), 30);
+    ck_assert(src != 0);
+    fake_loads = 0;
+    pool_turn(&p, &active, src, 30, conv[0], 50);
+    ck_assert_int_eq(fake_loads, 1);
+    /* conversation 2 went to the pool; continuing it from there copies its entry (which
+     * stays), and saving conversation 0's 50 tokens replaced its 30-token entry */
+    ck_assert_int_eq(pool_followup(&p, &active, conv[2], 40, &src), 30);
+    ck_assert(src != 0);
+    pool_turn(&p, &active, src, 30, conv[2], 40);
+    ck_assert_int_eq(p.n, 3); /* 0 (50 tokens), 1 (30), 2 (30) */
+    ck_assert_int_eq(p.tokens, 110);
+    ck_assert_int_eq(pool_followup(&p, &active, conv[0], 60, &src), 50);
+    ck_assert_int_eq(pool_followup(&p, &active, conv[1], 60, &src), 30);
+    /* budget 90: the least recently used (conversation 1) goes */
+    uint64_t evicted0 = p.evictions;
+    pdm_prefill_pool_set_budget(&p, 90);
+    ck_assert_uint_eq(p.evictions, evicted0 + 1);
+    ck_assert_int_eq(p.tokens, 80);
+    ck_assert_int_eq(pool_followup(&p, &active, conv[1], 60, &src), 10); /* system prompt only */
+    /* conversation 0 again: the active conversation 2 (40) replaces its 30-token entry */
+    ck_assert_int_eq(pool_followup(&p, &active, conv[0], 60, &src), 50);
+    pool_turn(&p, &active, src, 50, conv[0], 60);
+    ck_assert_uint_eq(p.evictions, evicted0 + 1);
+    ck_assert_int_eq(p.tokens, 90);
+    ck_assert_int_eq(pool_followup(&p, &active, conv[2], 60, &src), 40);
+    /* a new conversation: saving conversation 0 (60, replacing its 50) must evict 2 (40) */
+    pool_turn(&p, &active, 0, 0, conv[1], 30);
+    ck_assert_uint_eq(p.evictions, evicted0 + 2);
+    ck_assert_int_eq(p.tokens, 60);
+    ck_assert_int_eq(pool_followup(&p, &active, conv[2], 60, &src), 10);
+    /* a source that is not held: refused, the active conversation emptied */
+    int loaded;
+    ck_assert_int_eq(pdm_prefill_pool_begin(&p, &active, 12345, 20, &loaded), PDM_ESTATE);
+    ck_assert_int_eq(active.n, 0);
+    ck_assert_int_eq(loaded, 0);
+    /* a corrupt entry: refused, dropped, counted */
+    ck_assert_int_eq(pool_followup(&p, &active, conv[0], 70, &src), 60);
+    fake_corrupt = 1;
+    int n0 = p.n;
+    ck_assert_int_eq(pdm_prefill_pool_begin(&p, &active, src, 60, &loaded), PDM_ECHECKSUM);
+    fake_corrupt = 0;
+    ck_assert_int_eq(p.n, n0 - 1);
+    ck_assert_uint_eq(p.corrupt, 1);
+    ck_assert_int_eq(active.n, 0);
+    ck_assert_int_eq(pool_followup(&p, &active, conv[0], 70, &src), 0);
+    /* budget 0: nothing kept, the active conversation alone as before */
+    pdm_prefill_pool_set_budget(&p, 0);
+    ck_assert_int_eq(p.n, 0);
+    pool_turn(&p, &active, 0, 0, conv[1], 30);
+    pool_turn(&p, &active, 0, 0, conv[2], 30);
+    ck_assert_int_eq(p.n, 0);
+    ck_assert_int_eq(pool_followup(&p, &active, conv[1], 40, &src), 10);
+    ck_assert_int_eq(pool_followup(&p, &active, conv[2], 40, &src), 30);
+    ck_assert(src == 0);
+    fake_drops = 0;
+    pdm_prefill_pool_set_budget(&p, 100);
+    pool_turn(&p, &active, 0, 0, conv[0], 30);
+    pdm_prefill_pool_fini(&p);
+    ck_assert_int_eq(fake_drops, 1);
+    pdm_prefill_conv_free(&active);
+}
+END_TEST
+
+/* The router's mirror and a rank's pool stay in step on the same task sequence: the same
+ * entries (ids) after every task, so the mirror's pick always names a source the rank holds. */
+START_TEST(test_pool_mirror_in_step)
+{
+    pdm_prefill_pool_ops_t ops = {fake_save, fake_load, fake_drop, NULL};
+    pdm_prefill_pool_t rank, mirror;
+    pdm_prefill_pool_init(&rank, 150, &ops);
+    pdm_prefill_pool_init(&mirror, 150, NULL);
+    pdm_prefill_conv_t ra = {0}, ma = {0};
+    int32_t conv[5][120];
+    for (int c = 0; c < 5; c++)
+        for (int i = 0; i < 120; i++) conv[c][i] = i < 8 ? 3 + i : 100 * (c + 1) + i;
+    int len[5] = {0};
+    uint64_t seed = 9;
+    for (int step = 0; step < 60; step++) {
+        int c = (int)(pdm_splitmix64(&seed) % 5);
+        int n = PDM_MIN(len[c] + 10 + (int)(pdm_splitmix64(&seed) % 15), 120);
+        if (n <= len[c]) continue;
+        uint64_t src;
+        int32_t start = pool_followup(&mirror, &ma, conv[c], n, &src);
+        int loaded;
+        ck_assert_msg(pdm_prefill_pool_begin(&rank, &ra, src, start, &loaded) == 0,
+                      "step %d: %s", step, pdm_error_last());
+        ck_assert_int_eq(pdm_prefill_pool_begin(&mirror, &ma, src, start, &loaded), 0);
+        conv_turn(&ra, PDM_PREFILL_SINGLE, 1, start, conv[c], n);
+        conv_turn(&ma, PDM_PREFILL_SINGLE, 1, start, conv[c], n);
+        len[c] = n;
+        ck_assert_int_eq(rank.n, mirror.n);
+        ck_assert_int_eq(rank.tokens, mirror.tokens);
+        ck_assert(rank.tokens <= 150);
+        for (int i = 0; i < rank.n; i++) {
+            int found = 0;
+            for (int j = 0; j < mirror.n; j++) found |= mirror.e[j].id == rank.e[i].id;
+            ck_assert(found);
+        }
+    }
+    ck_assert(rank.loads > 0 && rank.evictions > 0);
+    pdm_prefill_pool_fini(&rank);
+    pdm_prefill_pool_fini(&mirror);
+    pdm_prefill_conv_free(&ra);
+    pdm_prefill_conv_free(&ma);
+}
 END_TEST
 
 /* Refusals that depend on the group's conversation state; the group stays usable. */
@@ -930,6 +1252,13 @@ Suite *suite_prefill(void)
     tcase_add_test(tc, test_group_frozen_rank);
     tcase_add_test(tc, test_group_real_model);
     suite_add_tcase(s, tc);
+    TCase *pool = tcase_create("pool"); /* the group's pool of conversations on real ranks */
+    tcase_add_unchecked_fixture(pool, setup_model, NULL);
+    tcase_set_timeout(pool, 300);
+    tcase_add_test(pool, test_group_pool_kvr);
+    tcase_add_test(pool, test_group_pool_cp);
+    tcase_add_test(pool, test_group_pool_corrupt);
+    suite_add_tcase(s, pool);
     TCase *plp = tcase_create("prompt_logprobs"); /* each rank scores its own rows */
     tcase_add_unchecked_fixture(plp, setup_model, NULL);
     tcase_set_timeout(plp, 300);
@@ -950,6 +1279,8 @@ Suite *suite_prefill(void)
     tcase_add_test(plan, test_followup_cp);
     tcase_add_test(plan, test_followup_plannable);
     tcase_add_test(plan, test_partition_search);
+    tcase_add_test(plan, test_pool_bookkeeping);
+    tcase_add_test(plan, test_pool_mirror_in_step);
     suite_add_tcase(s, plan);
     return s;
 }
