@@ -464,6 +464,76 @@ START_TEST(test_decode_nsamp_node)
 }
 END_TEST
 
+/* A choice of n that goes on alone after its decode node died (router: rt_leader_end): one
+ * sample over the segmented cache, its k delivered tokens replayed as steps of it
+ * (pdm_nsamp_force), on another node: its continuation equals the undisturbed shared run's
+ * sample, tokens and log-probabilities bit for bit (the same arithmetic), for every k, also
+ * for a sample other than 0 (its derived seed as the request's). The Q4_1 model, where the
+ * ordinary path's replay would round differently. */
+START_TEST(test_decode_nsamp_resume)
+{
+    pdm_model_t *m = small_model("router-nsresume-model", 256, 512, PDM_DT_Q4_1, PDM_DT_Q8_0, 14);
+    enum { P = 19, NEW = 24, N = 3 };
+    int32_t all[P + NEW];
+    for (int i = 0; i < P; i++) all[i] = (int32_t)((i * 43 + 11) % (int)m->hp.n_vocab);
+    pdm_kvt_t *kvt;
+    ck_assert_int_eq(pdm_kvt_create(NULL, &kvt), 0);
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_budget = 4096;
+    pdm_decode_node_t *node;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    pdm_decode_start_t s = {.id = 1, .first_token = -1, .prompt_last = -1};
+    pdm_sampler_params_default(&s.sp);
+    s.sp.temperature = 1.2f;
+    s.sp.top_k = 0;
+    s.sp.top_p = 1.0f;
+    s.sp.min_p = 0.0f;
+    s.sp.frequency_penalty = 0.3f;
+    s.sp.seed = 5;
+    s.sp.logprobs = 2;
+    pdm_decode_local_t r = {.id = 1, .tokens = all, .n_tokens = P, .max_new = NEW, .samples = N};
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, &r), 0);
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    static nsamp_events_t full, part;
+    memset(&full, 0, sizeof(full));
+    for (int round = 0; round < 200 && !full.done; round++)
+        pdm_decode_node_run_once(node, nsamp_cb, &full);
+    ck_assert_int_eq(full.done, 1);
+    for (int i = 0; i < N; i += 2) /* samples 0 and 2 */
+        for (int k = 1; k < NEW; k += 7) {
+            memcpy(all + P, full.toks[i], sizeof(int32_t) * (size_t)k);
+            pdm_decode_local_t rr = {.id = 10 + (uint64_t)(i * NEW + k), .tokens = all,
+                                     .n_tokens = P + k, .max_new = NEW - k, .samples = 1,
+                                     .n_generated = k, .replay = 1};
+            ck_assert_int_eq(pdm_decode_node_reserve_local(node, &rr), 0);
+            int held;
+            int64_t slots;
+            pdm_decode_node_usage(node, &held, &slots);
+            ck_assert_int_eq(slots, pdm_beam_kv_slots(1, P, NEW)); /* the router's count */
+            pdm_decode_start_t rs = s;
+            rs.id = rr.id;
+            rs.sp.seed = pdm_sampler_seed_for_choice(s.sp.seed, i);
+            ck_assert_int_eq(pdm_decode_node_start(node, &rs), 0);
+            memset(&part, 0, sizeof(part));
+            for (int round = 0; round < 200 && !part.done; round++)
+                pdm_decode_node_run_once(node, nsamp_cb, &part);
+            ck_assert_int_eq(part.done, 1);
+            ck_assert(!part.bad_index && part.done_same && part.done_samples == 1);
+            ck_assert_int_eq(part.n[0], NEW - k);
+            ck_assert_mem_eq(part.toks[0], full.toks[i] + k, sizeof(int32_t) * (size_t)(NEW - k));
+            ck_assert_mem_eq(part.lps[0], full.lps[i] + k, sizeof(float) * (size_t)(NEW - k));
+        }
+    int held;
+    int64_t slots;
+    pdm_decode_node_usage(node, &held, &slots);
+    ck_assert(held == 0 && slots == 0);
+    pdm_decode_node_destroy(node);
+    pdm_kvt_destroy(kvt);
+    pdm_model_free(m);
+}
+END_TEST
+
 /* The decode node's prefix pool (decode.h): a finished sequence's KV (prompt and generated
  * tokens) stays; a next turn that starts with it copies those rows and prefills only the rest,
  * and its greedy continuation equals the engine's on the whole prompt (f32 weights and KV:
@@ -989,6 +1059,7 @@ Suite *suite_router(void)
     tcase_add_test(tl, test_decode_window_local);
     tcase_add_test(tl, test_decode_migration_resume);
     tcase_add_test(tl, test_decode_nsamp_node);
+    tcase_add_test(tl, test_decode_nsamp_resume);
     suite_add_tcase(s, tl);
     TCase *ta = tcase_create("adaptive");
     tcase_add_test(ta, test_adapt_cost_model);
