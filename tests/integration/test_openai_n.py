@@ -26,6 +26,7 @@ The choices share one prompt (decode_node/nsamp.h, docs/http.md "n"):
   path before sharing), by `same_draws`: its first token is the same (the prefill rank's
   logits), the tokens after it too until the two paths' rounding (segmented cache vs one
   contiguous cache, docs/http.md "n") moves a draw;
+- stop strings (n = 4, streamed and not) and a json_schema (n = 3) apply to each choice;
 - a decode node SIGKILLed mid-stream (n = 3, seeded, 160 tokens each, streamed): every
   unfinished choice goes on alone on the other node from its delivered tokens and the output,
   streamed and whole, equals the undisturbed run's; the migrations are counted.
@@ -231,6 +232,39 @@ def check_shared(ck, c, m, args):
                    "derived seed" % (seed, i), ok, "%s: %r" % (what, (x.text, alone.text)))
 
 
+def check_per_choice(ck, c):
+    """Stop strings, max_tokens and a JSON schema apply to each shared choice on its own."""
+    kw = dict(model="", prompt=PROMPT, max_tokens=40, temperature=1.0, seed=9, n=4,
+              stop=[".", ","])
+    r = sorted(c.completions.create(**kw).choices, key=lambda x: x.index)
+    ck("n=4 with stop strings: no choice holds one, each has its own finish_reason",
+       all("." not in x.text and "," not in x.text and x.finish_reason in ("stop", "length")
+           for x in r), repr([(x.text, x.finish_reason) for x in r]))
+    texts, fins = stream_choices(c, kw)
+    ck("n=4 with stop strings, streamed: each choice's text and finish as not streamed",
+       [texts.get(i) for i in range(4)] == [x.text for x in r] and
+       [fins.get(i) for i in range(4)] == [x.finish_reason for x in r], repr((texts, fins)))
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                                "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    j = c.chat.completions.create(
+        model="", n=3, max_tokens=60, temperature=0.8, seed=4,
+        messages=[{"role": "user", "content": "John is 31. Give his name and age as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "p", "schema": schema, "strict": True}})
+    import json as _json
+    good = 0
+    for x in j.choices:
+        try:
+            v = _json.loads(x.message.content)
+            good += isinstance(v, dict) and set(v) == {"name", "age"} and \
+                isinstance(v["age"], int)
+        except ValueError:
+            pass
+    ck("n=3 with a json_schema: every choice's content validates (a matcher per sample)",
+       good == 3 and len(j.choices) == 3, repr([x.message.content for x in j.choices]))
+
+
 def stream_choices(c, kw, on_chunk=None):
     texts, fins, k = {}, {}, 0
     for chunk in c.completions.create(stream=True, **kw):
@@ -305,6 +339,7 @@ def main():
         check_chat(ck, c)
         check_refusals(ck, c)
         check_shared(ck, c, m, args)
+        check_per_choice(ck, c)
         check_kill(ck, c, m)
     finally:
         ck("router exits 0 on SIGTERM", m.stop() == 0)
