@@ -272,7 +272,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     if (r->cfg.per_client_max && open_ >= r->cfg.per_client_max)
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_OVERLOADED, PDM_EOVERFLOW,
                          "this client already has %d open requests (the limit)", open_);
-    if (r->n_req + (int)n_choices > r->cfg.queue_max) {
+    if (r->n_req + (int)n_choices + (n_choices > 1) > r->cfg.queue_max) { /* (+ n's leader) */
         pdm_metric_inc(r->m.requests, "overloaded", 1);
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_OVERLOADED, PDM_EOVERFLOW,
                          "overloaded: %d requests are open (the admission limit)", r->n_req);
