@@ -294,8 +294,10 @@ static void pdm__on_decode_start(pdm__daemon_t *dn, const Pdmesh__DecodeStart *m
         } else {
             first_lp.logprob = f->logprob;
             first_lp.n_top = (int32_t)f->n_top_ids;
-            memcpy(first_lp.top_ids, f->top_ids, sizeof(int32_t) * f->n_top_ids);
-            memcpy(first_lp.top_logprobs, f->top_logprobs, sizeof(float) * f->n_top_ids);
+            if (f->n_top_ids) { /* (none: NULL arrays) */
+                memcpy(first_lp.top_ids, f->top_ids, sizeof(int32_t) * f->n_top_ids);
+                memcpy(first_lp.top_logprobs, f->top_logprobs, sizeof(float) * f->n_top_ids);
+            }
             s.first_logprob = &first_lp;
         }
     }

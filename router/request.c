@@ -340,8 +340,10 @@ static int rt_lp_store(const rt_lp_store_t *s, uint32_t i, int32_t tok,
         if (lp->top_ids[k] < 0 || (uint32_t)lp->top_ids[k] >= n_vocab) return 0;
     ids[0] = tok;
     vals[0] = lp->logprob;
-    memcpy(ids + 1, lp->top_ids, sizeof(int32_t) * lp->n_top_ids);
-    memcpy(vals + 1, lp->top_logprobs, sizeof(float) * lp->n_top_ids);
+    if (lp->n_top_ids) { /* (none: NULL arrays) */
+        memcpy(ids + 1, lp->top_ids, sizeof(int32_t) * lp->n_top_ids);
+        memcpy(vals + 1, lp->top_logprobs, sizeof(float) * lp->n_top_ids);
+    }
     s->n[i] = (int8_t)lp->n_top_ids;
     return 1;
 }
@@ -1041,8 +1043,11 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
         flp->n_top_ids <= PDM_SAMPLER_MAX_TOP_LOGPROBS) {
         q->first_lp.logprob = flp->logprob;
         q->first_lp.n_top = (int32_t)flp->n_top_ids;
-        memcpy(q->first_lp.top_ids, flp->top_ids, sizeof(int32_t) * flp->n_top_ids);
-        memcpy(q->first_lp.top_logprobs, flp->top_logprobs, sizeof(float) * flp->n_top_ids);
+        if (flp->n_top_ids) { /* (none: the arrays are NULL, and memcpy's must not be) */
+            memcpy(q->first_lp.top_ids, flp->top_ids, sizeof(int32_t) * flp->n_top_ids);
+            memcpy(q->first_lp.top_logprobs, flp->top_logprobs,
+                   sizeof(float) * flp->n_top_ids);
+        }
         q->has_first_lp = 1;
     }
     const int need_plp = q->want_plp && !q->plp_sent;
