@@ -236,7 +236,7 @@ int cmd_generate_remote(int argc, char **argv)
                 pdm_client_last_error());
         return 1;
     }
-    pdm_client_message_t msg = {"user", prompt};
+    pdm_client_message_t msg = {.role = "user", .content = prompt};
     if (chat) {
         req.messages = &msg;
         req.n_messages = 1;

@@ -163,6 +163,9 @@ typedef struct {
     const pdm_decode_range_t *ranges; /* cover [0, n_prompt) */
     int n_ranges;
     int beams;                        /* beam width (0: the node's default; -1: none) */
+    int samples;                      /* OpenAI's n: samples sharing the prompt (nsamp.h; KV as
+                                       * a beam search of that width; not with beams); 1: one
+                                       * sample over that cache; 0: an ordinary sequence */
     const uint8_t *kv_key;            /* [PDM_KVT_KEY_BYTES] the request's KV key, or NULL:
                                        * blocks are not authenticated */
     const int32_t *tokens;            /* [n_prompt] the prompt's tokens, or NULL: with them
@@ -183,6 +186,13 @@ typedef struct {
     int32_t max_new;
     int beams;                  /* beam search width (<= 0: none); the start then needs
                                  * prompt_last */
+    int samples;                /* OpenAI's n: samples sharing the prompt (nsamp.h), their
+                                 * first tokens drawn from this prefill's logits; no beams, no
+                                 * prompt_lp. 1 with n_generated: a migrated choice of n, one
+                                 * sample whose delivered tokens are replayed as steps of the
+                                 * segmented cache (prompt = tokens less them), so that its
+                                 * draws continue as in the shared run; more than 1: a new
+                                 * prompt only. 0: an ordinary sequence */
     int32_t n_generated;        /* migration: the last n_generated tokens are completion tokens
                                  * already delivered; the sampler counts them and resumes its
                                  * draws at step n_generated (model.h "Sampling") */
@@ -228,8 +238,13 @@ typedef struct {
     int n_stops;
     double deadline;            /* pdm_now() seconds; 0: none */
     pdm_beam_params_t beam;     /* beam search (width 0: as reserved); sp is then unused */
-    int32_t prompt_last;        /* beam search: the last prompt token (-1: unknown) */
+    int32_t prompt_last;        /* beam search, and n samples of a streamed prompt: the last
+                                 * prompt token (-1: unknown) */
     int ignore_eos;             /* end-of-generation tokens do not end it (sampling only) */
+    const float *first_logits;  /* n samples of a streamed prompt: [n_vocab] the last prompt
+                                 * token's logits from the prefill side (copied); the samples
+                                 * draw their first tokens from them instead of a priming step.
+                                 * NULL: the priming step */
 } pdm_decode_start_t;
 
 /* Starts generation once the KV has arrived (checked by run_once). */
@@ -259,6 +274,17 @@ typedef struct {
     int32_t cached_tokens;  /* DONE: prompt tokens whose KV came from the prefix pool */
     uint64_t kv_local_bytes, kv_global_bytes; /* DONE: the sequence's KV cache on this node per
                                                * layer kind (pdm_kvwin_cache_bytes) */
+    /* n samples (pdm_decode_reserve_t.samples): a TOKEN is sample `sample`'s, index counts its
+     * own tokens, sample_finish says how the sample ends with it ("eos", "length", "stop"; NULL:
+     * it goes on). DONE: each sample's tokens, their count, end (the DONE's finish for a
+     * sample still running: "deadline", "cancelled") and text; tokens/text are sample 0's. */
+    int sample;
+    const char *sample_finish;
+    int n_samples;          /* DONE: 0 unless n samples */
+    const int32_t *const *sample_tokens;
+    const int *sample_n_tokens;
+    const char *const *sample_finish_all;
+    const char *const *sample_text;
 } pdm_decode_event_t;
 
 typedef void (*pdm_decode_event_cb)(void *arg, const pdm_decode_event_t *ev);

@@ -41,6 +41,7 @@ typedef struct {
     uint32_t beams, n_best;
     float length_penalty;
     char early_stopping[16];
+    uint32_t samples;       /* DecodeTask.n_samples (> 1: OpenAI's n over a shared prompt) */
 } pdm__task_t;
 
 typedef struct {
@@ -172,6 +173,7 @@ static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pd
                                  .max_new = (int32_t)t->max_new, .beams = beams,
                                  .n_generated = (int32_t)t->n_generated,
                                  .replay = t->replay_generated, .prompt_lp = plp,
+                                 .samples = (int)rec->samples,
                                  .prompt_top = (int)t->prompt_top_logprobs};
         return pdm_decode_node_reserve_local(dn->node, &lr);
     }
@@ -202,6 +204,7 @@ static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pd
     pdm_decode_reserve_t rv = {.id = key, .attempt = t->attempt & 15u,
                                .n_prompt = (int32_t)t->n_prompt, .max_new = (int32_t)t->max_new,
                                .ranges = rg, .n_ranges = (int)t->n_ranges, .beams = beams,
+                               .samples = (int)rec->samples,
                                .kv_key = t->kv_key.len ? t->kv_key.data : NULL,
                                .tokens = t->n_prompt_tokens == t->n_prompt ? t->prompt_tokens
                                                                            : NULL};
@@ -223,6 +226,13 @@ static void pdm__on_decode_task(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t)
                                          PDM__MAX_TASKS), NULL);
         return;
     }
+    if (t->n_samples > PDM_NSAMP_MAX) {
+        pdm__reserved(dn, t, pdm_error_set(PDM_EINVAL, "DecodeTask: n_samples %u (at most %d)",
+                                         t->n_samples, PDM_NSAMP_MAX), NULL);
+        pdm__task_free(dn, rec);
+        return;
+    }
+    rec->samples = t->n_samples; /* 1: one sample over the segmented cache (a resumed choice) */
     if (t->beams > 1) {
         rec->beams = t->beams;
         rec->n_best = t->n_best ? t->n_best : 1;
@@ -284,8 +294,10 @@ static void pdm__on_decode_start(pdm__daemon_t *dn, const Pdmesh__DecodeStart *m
         } else {
             first_lp.logprob = f->logprob;
             first_lp.n_top = (int32_t)f->n_top_ids;
-            memcpy(first_lp.top_ids, f->top_ids, sizeof(int32_t) * f->n_top_ids);
-            memcpy(first_lp.top_logprobs, f->top_logprobs, sizeof(float) * f->n_top_ids);
+            if (f->n_top_ids) { /* (none: NULL arrays) */
+                memcpy(first_lp.top_ids, f->top_ids, sizeof(int32_t) * f->n_top_ids);
+                memcpy(first_lp.top_logprobs, f->top_logprobs, sizeof(float) * f->n_top_ids);
+            }
             s.first_logprob = &first_lp;
         }
     }
@@ -304,6 +316,10 @@ static void pdm__on_decode_start(pdm__daemon_t *dn, const Pdmesh__DecodeStart *m
                            "here", (unsigned long long)m->task_id, m->attempt);
     } else {
         rec->skip = m->skip_tokens;
+        if (rec->samples) { /* the first tokens: from the rank's logits, else a priming step */
+            s.prompt_last = m->prompt_last;
+            if (m->n_first_logits == dn->model->hp.n_vocab) s.first_logits = m->first_logits;
+        }
         if (rec->beams) { /* the search picks the first token itself from the last one */
             s.beam.width = (int)rec->beams;
             s.beam.n_best = (int)rec->n_best;
@@ -562,6 +578,16 @@ static void pdm__offload_result(const pdm__daemon_t *dn, const pdm_kvoff_stats_t
     o->wait_seconds = st->wait_seconds;
 }
 
+/* The wire's FinishReason of a DONE's or a sample's end (NONE: NULL, deadline, cancelled). */
+static Pdmesh__FinishReason pdm__finish_reason(const char *why)
+{
+    if (!why) return PDMESH__FINISH_REASON__FINISH_NONE;
+    if (!strcmp(why, "eos")) return PDMESH__FINISH_REASON__FINISH_EOS;
+    if (!strcmp(why, "length")) return PDMESH__FINISH_REASON__FINISH_LENGTH;
+    if (!strcmp(why, "stop")) return PDMESH__FINISH_REASON__FINISH_STOP;
+    return PDMESH__FINISH_REASON__FINISH_NONE;
+}
+
 static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
 {
     pdm__daemon_t *dn = arg;
@@ -583,6 +609,8 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
         d.index = (uint32_t)ev->index;
         d.tokens = &tok;
         d.n_tokens = 1;
+        d.sample = (uint32_t)ev->sample;
+        d.finish = pdm__finish_reason(ev->sample_finish);
         if (ev->logprob) {
             lp.logprob = ev->logprob->logprob;
             lp.top_ids = (int32_t *)ev->logprob->top_ids;
@@ -610,10 +638,8 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
     r.attempt = e.attempt = attempt;
     r.epoch = pdm_link_epoch_of(dn->link, origin);
     r.ok = 1;
-    if (!strcmp(ev->finish, "eos")) r.finish = PDMESH__FINISH_REASON__FINISH_EOS;
-    else if (!strcmp(ev->finish, "length")) r.finish = PDMESH__FINISH_REASON__FINISH_LENGTH;
-    else if (!strcmp(ev->finish, "stop")) r.finish = PDMESH__FINISH_REASON__FINISH_STOP;
-    else { /* deadline, cancelled: not a completion; the tokens so far come along */
+    r.finish = pdm__finish_reason(ev->finish);
+    if (!r.finish) { /* deadline, cancelled: not a completion; the tokens so far come along */
         r.ok = 0;
         e.code = !strcmp(ev->finish, "deadline") ? PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED
                                                  : PDMESH__ERROR_CODE__ERR_CANCELLED;
@@ -622,6 +648,34 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
     }
     r.tokens = (int32_t *)ev->tokens;
     r.n_tokens = (size_t)ev->n_tokens;
+    /* n samples: every sample's tokens one after another, with their counts and ends */
+    int32_t *all = NULL;
+    Pdmesh__FinishReason sfin[PDM_NSAMP_MAX];
+    uint32_t snt[PDM_NSAMP_MAX];
+    if (ev->n_samples > 0 && ev->n_samples <= PDM_NSAMP_MAX) {
+        size_t total = 0;
+        for (int i = 0; i < ev->n_samples; i++) total += (size_t)ev->sample_n_tokens[i];
+        all = malloc(sizeof(int32_t) * (total ? total : 1));
+        if (all) {
+            total = 0;
+            for (int i = 0; i < ev->n_samples; i++) {
+                if (ev->sample_n_tokens[i] > 0)
+                    memcpy(all + total, ev->sample_tokens[i],
+                           sizeof(int32_t) * (size_t)ev->sample_n_tokens[i]);
+                total += (size_t)ev->sample_n_tokens[i];
+                snt[i] = (uint32_t)ev->sample_n_tokens[i];
+                sfin[i] = pdm__finish_reason(ev->sample_finish_all[i]);
+            }
+            r.tokens = all;
+            r.n_tokens = total;
+            r.sample_finish = sfin;
+            r.n_sample_finish = (size_t)ev->n_samples;
+            r.sample_n_tokens = snt;
+            r.n_sample_n_tokens = (size_t)ev->n_samples;
+        } else { /* the router fills the samples from their DecodeTokens */
+            r.n_tokens = 0;
+        }
+    }
     r.text = (char *)(ev->text ? ev->text : "");
     r.kv_seconds = ev->kv_seconds;
     r.step_seconds = ev->step_seconds;
@@ -636,6 +690,7 @@ static void pdm__on_event(void *arg, const pdm_decode_event_t *ev)
         r.offload = &off;
     }
     pdm_link_send_to(dn->link, origin, PDMESH__MSG_TYPE__MSG_DECODE_RESULT, &r.base);
+    free(all);
     if (rec) pdm__task_free(dn, rec);
 }
 

@@ -20,6 +20,17 @@ enum { SEQ_FREE = 0, SEQ_RESERVED, SEQ_STARTED, SEQ_RUNNING };
 #define PDM__MAX_STOPS 8
 #define PDM__TEXT_CAP (1 << 16)
 
+/* One of n samples (OpenAI's n, nsamp.h): what it has generated besides its tokens (kept by
+ * the nsamp group) and how it ended. */
+typedef struct {
+    char *text;             /* [PDM__TEXT_CAP] its text so far */
+    size_t text_len;
+    pdm_detok_t detok;
+    pdm_gmatch_t *gm;       /* its structured-output matcher (its sampler masks with it), or
+                             * NULL */
+    const char *finish;     /* "eos", "length", "stop" once it ended; NULL while it runs */
+} pdm__sample_t;
+
 typedef struct {
     int state;
     uint64_t id;
@@ -52,6 +63,14 @@ typedef struct {
     pdm_beam_params_t beam_p;
     pdm_beam_kv_t *beam_kv;    /* segmented response KV over `cache` (the shared prompt) */
     pdm_beam_search_t *beam;
+    int n_samples;             /* OpenAI's n > 1: samples over beam_kv (nsamp.h); else 0. Its
+                                * KV is reserved as a beam search of width n_samples */
+    pdm_nsamp_t *ns;           /* the samples' samplers and tokens (after start) */
+    pdm__sample_t *smp;        /* [n_samples] */
+    int prime_given;           /* n samples: local_logits holds the prefill side's logits of
+                                * the last prompt token (no priming step) */
+    int forced;                /* n samples resuming a migrated choice (n_samples 1, n_done >
+                                * 0): its delivered tokens hist[0, n_done) replayed so far */
     int ignore_eos;      /* end-of-generation tokens do not end the sequence */
     int local;           /* prefilled by this node (no KV stream) */
     float *local_logits; /* local: [n_vocab] logits of the last prompt token */
@@ -540,6 +559,12 @@ static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
     n->kv_used -= s->kv_slots;
     pdm_beam_kv_destroy(s->beam_kv);
     pdm_beam_search_destroy(s->beam);
+    pdm_nsamp_destroy(s->ns);
+    for (int i = 0; s->smp && i < s->n_samples; i++) {
+        free(s->smp[i].text);
+        pdm_gmatch_destroy(s->smp[i].gm);
+    }
+    free(s->smp);
     if (s->off) pdm_kvoff_destroy(s->off); /* owns s->cache */
     else pdm_kv_cache_destroy(s->cache);
     pdm_sampler_destroy(s->sampler);
@@ -633,7 +658,13 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
         return pdm_error_set(PDM_EINVAL, "decode node: request %llu is already held",
                              (unsigned long long)r->id);
     /* Beam search: the prompt once, response segments for every beam (eq. 3). */
-    const int width = r->beams < 0 ? 0 : r->beams ? r->beams : n->p.beam.width;
+    /* n samples (nsamp.h) take the KV of a beam search of width n (eq. 3 of beam.h) */
+    if (r->samples < 0 || r->samples > PDM_NSAMP_MAX || (r->samples > 0 && r->beams > 0))
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d samples (1..%d, not "
+                             "with beam search)", (unsigned long long)r->id, r->samples,
+                             PDM_NSAMP_MAX);
+    const int width = r->samples > 0 ? r->samples
+                      : r->beams < 0 ? 0 : r->beams ? r->beams : n->p.beam.width;
     int st = pdm__beam_width_check(n, r->id, width);
     if (st) return st;
     /* Windowed layers (decode.h): sampled sequences on the resident cache only. */
@@ -718,6 +749,7 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
     s->n_prompt = r->n_prompt;
     s->max_new = r->max_new;
     s->beam_width = width;
+    s->n_samples = r->samples > 0 ? r->samples : 0;
     s->t_start = pdm_now();
     return PDM_OK;
 }
@@ -807,7 +839,17 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     if (pdm__find(n, id))
         return pdm_error_set(PDM_EINVAL, "decode node: request %llu is already held",
                              (unsigned long long)id);
-    const int width = beams > 0 ? beams : 0;
+    if (r->samples < 0 || r->samples > PDM_NSAMP_MAX ||
+        (r->samples > 0 && (beams > 0 || r->prompt_lp)) || (r->samples > 1 && r->n_generated))
+        return pdm_error_set(PDM_EINVAL, "decode node: request %llu: %d samples (1..%d; more "
+                             "than one for a new prompt only; no beam search, no prompt "
+                             "log-probabilities)", (unsigned long long)id, r->samples,
+                             PDM_NSAMP_MAX);
+    /* n samples over the segmented cache; one sample resuming a migrated choice keeps its
+     * delivered tokens out of the prompt: they are replayed as steps of that cache (start) */
+    const int nsamp = r->samples > 0;
+    const int32_t resumed = nsamp ? r->n_generated : 0;
+    const int width = nsamp ? r->samples : beams > 0 ? beams : 0;
     int st = pdm__beam_width_check(n, id, width);
     if (st) return st;
     /* Beam search: the prompt once, response segments for every beam (eq. 3, beam.h). */
@@ -817,7 +859,8 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     pdm_kvwin_plan_t wp;
     st = pdm_kvwin_plan(n->model, n->p.kv_dtype, r_win, n_tokens, max_new, &wp);
     if (st) return st;
-    const int64_t need = width ? pdm_beam_kv_slots(width, n_tokens, max_new) : wp.slots;
+    const int64_t need = width ? pdm_beam_kv_slots(width, n_tokens - resumed, resumed + max_new)
+                               : wp.slots;
     /* The prefix pool's longest match, found before making room (which may evict it). */
     int32_t m = 0;
     /* (a replayed migration recomputes the delivered tokens as they were first computed) */
@@ -885,7 +928,7 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: %d sequences held",
                              n->p.max_sequences);
     }
-    const pdm_kv_cache_params_t cp = {.capacity = width ? n_tokens : n_tokens + max_new,
+    const pdm_kv_cache_params_t cp = {.capacity = width ? n_tokens - resumed : n_tokens + max_new,
                                       .dtype = n->p.kv_dtype, .model = n->model,
                                       .window_reserve = r_win};
     st = pdm_kv_cache_create_params(hp, &cp, &s->cache);
@@ -924,14 +967,14 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     free(hit_k);
     free(hit_v);
     /* Conditional disaggregation / migration: this node computes the prompt's KV itself. */
-    const int32_t replay = r->replay ? r->n_generated : 0; /* as first computed: one by one */
+    const int32_t replay = r->replay || resumed ? r->n_generated : 0; /* as first computed */
     const int32_t upto = n_tokens - replay; /* prefilled in one batch: [cached, upto) */
     if (!st && r->prompt_lp)
         st = pdm__prefill_scored(n, s, r);
     else if (!st && upto > s->cached)
         st = pdm_model_prefill(n->ctx, s->cache, tokens + s->cached, upto - s->cached,
                                s->local_logits);
-    for (int32_t i = PDM_MAX(upto, s->cached); !st && i < n_tokens; i++)
+    for (int32_t i = PDM_MAX(upto, s->cached); !st && !resumed && i < n_tokens; i++)
         st = pdm_model_decode(n->ctx, s->cache, tokens[i], s->local_logits);
     if (!st && r->n_generated) {
         s->n_done = r->n_generated;
@@ -946,9 +989,10 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     s->state = SEQ_RESERVED;
     s->local = 1;
     s->beam_width = width;
+    s->n_samples = nsamp ? r->samples : 0;
     s->id = id;
     s->attempt = r->attempt;
-    s->n_prompt = n_tokens;
+    s->n_prompt = n_tokens - resumed;
     s->max_new = max_new;
     s->t_start = pdm_now();
     return PDM_OK;
@@ -974,6 +1018,92 @@ static int pdm__grammar_start(pdm_decode_node_t *n, pdm__seq_t *s, const char *s
     return PDM_OK;
 }
 
+/* The n-samples part of start (OpenAI's n, nsamp.h): the segmented response KV of width n
+ * over the prompt, the samples (sample i seeded with pdm_nsamp_seed(seed, i)), each with its
+ * own text and structured-output matcher. The first tokens are drawn by the node from the last
+ * prompt token's logits: the local prefill's, the prefill side's (first_logits), or else a
+ * priming step's that recomputes it (prompt_last); the rank's own first token is not used. */
+static int pdm__nsamp_start(pdm_decode_node_t *n, pdm__seq_t *s, const pdm_decode_start_t *st_)
+{
+    const uint32_t n_vocab = n->model->hp.n_vocab;
+    int st = pdm_sampler_params_check(&st_->sp);
+    if (st) return st;
+    if (!s->local && !st_->first_logits &&
+        (st_->prompt_last < 0 || (uint32_t)st_->prompt_last >= n_vocab))
+        return pdm_error_set(PDM_EINVAL, "decode node: %d samples of a streamed prompt need its "
+                             "last token (prompt_last) or its logits", s->n_samples);
+    if (!s->local && st_->first_logits) { /* drawn from the prefill side's logits */
+        if (!s->local_logits && !(s->local_logits = malloc(sizeof(float) * n_vocab)))
+            return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+        memcpy(s->local_logits, st_->first_logits, sizeof(float) * n_vocab);
+        s->prime_given = 1;
+    }
+    for (int i = 0; i < st_->n_stops; i++) {
+        if (!st_->stops[i] || !st_->stops[i][0]) continue;
+        if (!(s->stops[s->n_stops] = strdup(st_->stops[i])))
+            return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+        s->n_stops++;
+    }
+    /* max_new - 1 response steps: a sample's last token is never fed back. */
+    /* a resumed sample's n_done delivered tokens count among its tokens (replayed first) */
+    const int32_t total = s->n_done + s->max_new;
+    st = pdm_beam_kv_create(&n->model->hp, s->cache, s->n_prompt, s->n_samples,
+                            PDM_MAX(1, total - 1), &s->beam_kv);
+    if (!st)
+        st = pdm_nsamp_create(&st_->sp, s->n_samples, (int32_t)n_vocab, total, s->beam_kv,
+                              st_->prompt_last >= 0 ? st_->prompt_last : 0, &s->ns);
+    if (!st && !(s->smp = calloc((size_t)s->n_samples, sizeof(*s->smp))))
+        st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    for (int i = 0; !st && i < s->n_samples; i++) {
+        pdm_detok_init(&s->smp[i].detok, 0);
+        if (!(s->smp[i].text = malloc(PDM__TEXT_CAP)))
+            st = pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+        else
+            s->smp[i].text[0] = 0;
+    }
+    if (!st && st_->sp.json_schema) { /* one grammar, a matcher per sample */
+        if (!n->model->tokenizer)
+            st = pdm_error_set(PDM_EUNSUPPORTED, "decode node: json_schema needs the model's "
+                               "tokenizer");
+        if (!st && !n->trie && !(n->trie = pdm_vocab_trie_create(n->model->tokenizer)))
+            st = PDM_ENOMEM;
+        if (!st)
+            st = pdm_grammar_compile(st_->sp.json_schema, strlen(st_->sp.json_schema),
+                                     &s->grammar);
+        for (int i = 0; !st && i < s->n_samples; i++) {
+            if (!(s->smp[i].gm = pdm_gmatch_create(s->grammar, n->trie))) st = PDM_ENOMEM;
+            else pdm_sampler_set_grammar(pdm_nsamp_sampler(s->ns, i), s->smp[i].gm);
+        }
+        for (int k = 0; !st && k < s->n_done; k++) /* the matcher after the delivered tokens */
+            if (!pdm_gmatch_accept_token(s->smp[0].gm, s->hist[k]))
+                st = pdm_error_set(PDM_EINVAL, "decode node: delivered token %d (step %d) does "
+                                   "not fit the json_schema", s->hist[k], k);
+    }
+    if (st) { /* what start made goes; the reservation stays (released by its owner) */
+        pdm_nsamp_destroy(s->ns);
+        s->ns = NULL;
+        for (int i = 0; s->smp && i < s->n_samples; i++) {
+            free(s->smp[i].text);
+            pdm_gmatch_destroy(s->smp[i].gm);
+        }
+        free(s->smp);
+        s->smp = NULL;
+        pdm_grammar_destroy(s->grammar);
+        s->grammar = NULL;
+        pdm_beam_kv_destroy(s->beam_kv);
+        s->beam_kv = NULL;
+        for (int i = 0; i < s->n_stops; i++) free(s->stops[i]);
+        s->n_stops = 0;
+        return st;
+    }
+    s->deadline = st_->deadline;
+    s->ignore_eos = st_->ignore_eos;
+    s->want_lp = st_->sp.logprobs >= 0;
+    s->state = SEQ_STARTED;
+    s->t_start = pdm_now();
+    return PDM_OK;
+}
+
 int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
 {
     pdm__seq_t *s = pdm__find(n, st_->id);
@@ -988,6 +1118,7 @@ int pdm_decode_node_start(pdm_decode_node_t *n, const pdm_decode_start_t *st_)
                              st_->first_token);
     if (st_->n_stops < 0 || st_->n_stops > PDM__MAX_STOPS)
         return pdm_error_set(PDM_EINVAL, "decode node: at most %d stop strings", PDM__MAX_STOPS);
+    if (s->n_samples) return pdm__nsamp_start(n, s, st_);
     if (s->beam_width) return pdm__beam_start(n, s, st_);
     int st = pdm_sampler_params_check(&st_->sp);
     if (!st) st = pdm_sampler_create(&st_->sp, (int32_t)n->model->hp.n_vocab, &s->sampler);
@@ -1110,6 +1241,99 @@ static const char *pdm__append(pdm_decode_node_t *n, pdm__seq_t *s, int32_t tok)
     return NULL;
 }
 
+/* Sample i generated `tok` (its token number `index`): its matcher, text, stop strings and
+ * length; returns how it ends with it, or NULL (pdm__append's rule, per sample). */
+static const char *pdm__sample_append(pdm_decode_node_t *n, pdm__seq_t *s, int i, int32_t tok,
+                                      int index)
+{
+    pdm__sample_t *x = &s->smp[i];
+    if (x->gm && !pdm_gmatch_accept_token(x->gm, tok))
+        pdm_log_warn("decode node: request %llu sample %d: token %d does not fit its "
+                     "json_schema", (unsigned long long)s->id, i, tok);
+    const int eog = pdm_tokenizer_is_eog(n->model->tokenizer, tok);
+    if (eog && !s->ignore_eos) return "eos";
+    char piece[256];
+    int w = eog ? 0 : pdm_detok_feed(&x->detok, n->model->tokenizer, tok, piece, sizeof(piece));
+    if (w > 0 && x->text_len + (size_t)w < PDM__TEXT_CAP) {
+        memcpy(x->text + x->text_len, piece, (size_t)w);
+        x->text_len += (size_t)w;
+        x->text[x->text_len] = 0;
+    }
+    for (int k = 0; k < s->n_stops; k++) {
+        char *hit = strstr(x->text, s->stops[k]);
+        if (hit) {
+            x->text_len = (size_t)(hit - x->text);
+            x->text[x->text_len] = 0;
+            return "stop";
+        }
+    }
+    return index + 1 >= s->max_new ? "length" : NULL;
+}
+
+/* The samples draw from a step's logits (rows in pdm_nsamp_inputs order; priming: the one
+ * row, or the local prefill's logits): a TOKEN event per sample, tagged with it and, when the
+ * sample ends with it, with how. Then the KV is readied for the next step. Returns the live
+ * samples. */
+static int pdm__nsamp_draw(pdm_decode_node_t *n, pdm__seq_t *s, const float *logits,
+                           int prime_only, pdm_decode_event_cb cb, void *arg)
+{
+    if (s->forced < s->n_done) { /* a resumed sample: its delivered tokens first, as steps */
+        pdm_nsamp_force(s->ns, 0, s->hist[s->forced++]);
+        if (prime_only) pdm_beam_kv_commit(s->beam_kv);
+        pdm_nsamp_advance(s->ns);
+        return pdm_nsamp_live(s->ns);
+    }
+    pdm_nsamp_token_t out[PDM_NSAMP_MAX];
+    const int k = prime_only ? pdm_nsamp_prime(s->ns, logits, out)
+                             : pdm_nsamp_sample(s->ns, logits, out);
+    for (int j = 0; j < k; j++) {
+        const int i = out[j].sample;
+        const int index = out[j].index - s->n_done; /* among the tokens this node delivers */
+        const char *why = pdm__sample_append(n, s, i, out[j].token, index);
+        pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id,
+                                 .token = out[j].token, .index = index,
+                                 .logprob = s->want_lp ? &out[j].lp : NULL, .sample = i,
+                                 .sample_finish = why};
+        cb(arg, &ev);
+        if (why) {
+            s->smp[i].finish = why;
+            pdm_nsamp_finish(s->ns, i);
+        }
+    }
+    pdm_nsamp_advance(s->ns);
+    return pdm_nsamp_live(s->ns);
+}
+
+/* The DONE of n samples: each sample's tokens, text and end (`why` for those still running:
+ * the deadline or a cancel), sample 0's as the event's own. */
+static void pdm__nsamp_done(pdm__seq_t *s, pdm_decode_event_t *ev, const char *why,
+                            pdm_decode_event_cb cb, void *arg)
+{
+    const int32_t *toks[PDM_NSAMP_MAX];
+    int nt[PDM_NSAMP_MAX];
+    const char *fin[PDM_NSAMP_MAX], *texts[PDM_NSAMP_MAX];
+    for (int i = 0; i < s->n_samples; i++) {
+        toks[i] = s->ns ? pdm_nsamp_tokens(s->ns, i, &nt[i]) : NULL;
+        if (!s->ns) nt[i] = 0;
+        if (s->ns && i == 0 && s->n_done) { /* the delivered tokens were replayed, not new */
+            const int d = PDM_MIN(s->n_done, nt[0]);
+            toks[0] += d;
+            nt[0] -= d;
+        }
+        fin[i] = s->smp && s->smp[i].finish ? s->smp[i].finish : why;
+        texts[i] = s->smp && s->smp[i].text ? s->smp[i].text : "";
+    }
+    ev->n_samples = s->n_samples;
+    ev->sample_tokens = toks;
+    ev->sample_n_tokens = nt;
+    ev->sample_finish_all = fin;
+    ev->sample_text = texts;
+    ev->tokens = toks[0];
+    ev->n_tokens = nt[0];
+    ev->text = texts[0];
+    cb(arg, ev);
+}
+
 static void pdm__finish(pdm_decode_node_t *n, pdm__seq_t *s, const char *why,
                         pdm_decode_event_cb cb, void *arg)
 {
@@ -1123,6 +1347,11 @@ static void pdm__finish(pdm_decode_node_t *n, pdm__seq_t *s, const char *why,
     if (s->cache) pdm_kvwin_cache_bytes(n->model, s->cache, &ev.kv_local_bytes, &ev.kv_global_bytes);
     if (s->beam) {
         pdm__beam_done(n, s, &ev, cb, arg);
+        pdm__seq_release(n, s);
+        return;
+    }
+    if (s->n_samples) {
+        pdm__nsamp_done(s, &ev, why, cb, arg);
         pdm__seq_release(n, s);
         return;
     }
@@ -1227,6 +1456,16 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
                 s->state = SEQ_RUNNING;
                 continue;
             }
+            if (s->ns) { /* n samples: their first tokens from the local prefill's logits, or
+                          * from the priming step (nsamp.h) */
+                if ((s->local || s->prime_given) &&
+                    !pdm__nsamp_draw(n, s, s->local_logits, 1, cb, arg)) {
+                    pdm__finish(n, s, "length", cb, arg); /* every sample ended at once */
+                    continue;
+                }
+                s->state = SEQ_RUNNING;
+                continue;
+            }
             /* The first token (from the prefill side) is the first generated token. */
             pdm_decode_event_t ev = {.type = PDM_DECODE_EV_TOKEN, .id = s->id,
                                      .token = s->next, .index = 0,
@@ -1249,9 +1488,9 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
     for (int k = 0; k < n->p.max_sequences && nb < n->p.max_batch; k++) {
         pdm__seq_t *s = &n->seqs[(n->rr + k) % n->p.max_sequences];
         if (s->state != SEQ_RUNNING) continue;
-        if (s->beam) { /* its live beams as consecutive rows, if they all fit */
+        if (s->beam || s->ns) { /* its live beams / samples as consecutive rows, if they fit */
             int32_t in[PDM_BEAM_MAX_WIDTH];
-            int nl = pdm_beam_search_inputs(s->beam, in);
+            int nl = s->beam ? pdm_beam_search_inputs(s->beam, in) : pdm_nsamp_inputs(s->ns, in);
             if (nb + nl > n->p.max_batch) continue;
             for (int b = 0; b < nl; b++) {
                 batch[nb] = (pdm_decode_seq_t){s->cache, in[b],
@@ -1286,6 +1525,11 @@ int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void 
                 if (rc < 0) pdm__fail(n, s, pdm_error_last(), 0, cb, arg);
                 else if (rc) pdm__finish(n, s, "length", cb, arg);
                 else pdm_beam_kv_reorder(s->beam_kv, parent, n_next);
+                continue;
+            }
+            if (s->ns) {
+                if (!pdm__nsamp_draw(n, s, batch[k].logits, 0, cb, arg))
+                    pdm__finish(n, s, "length", cb, arg); /* (each sample's own end is kept) */
                 continue;
             }
             pdm_token_logprobs_t lp;

@@ -132,6 +132,27 @@ void pdm_nsamp_advance(pdm_nsamp_t *g)
     if (n_next) pdm_beam_kv_reorder(g->kv, parent, n_next);
 }
 
+int pdm_nsamp_prime(pdm_nsamp_t *g, const float *logits, pdm_nsamp_token_t *out)
+{
+    if (g->primed) return 0;
+    const int k = pdm_nsamp_sample(g, logits, out); /* unprimed: every sample from row 0 */
+    pdm_beam_kv_commit(g->kv);                      /* primed, no response step stored */
+    return k;
+}
+
+void pdm_nsamp_force(pdm_nsamp_t *g, int i, int32_t token)
+{
+    if (i < 0 || i >= g->n || g->finished[i] || g->n_tokens[i] >= g->max_new) return;
+    g->tokens[(size_t)i * g->max_new + g->n_tokens[i]++] = token;
+}
+
+pdm_sampler_t *pdm_nsamp_sampler(pdm_nsamp_t *g, int i)
+{
+    return i >= 0 && i < g->n ? g->sampler[i] : NULL;
+}
+
+int pdm_nsamp_primed(const pdm_nsamp_t *g) { return g->primed; }
+
 int pdm_nsamp_count(const pdm_nsamp_t *g) { return g->n; }
 
 int pdm_nsamp_live(const pdm_nsamp_t *g) { return g->primed ? g->n_rows : g->n; }

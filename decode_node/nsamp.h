@@ -74,6 +74,24 @@ void pdm_nsamp_finish(pdm_nsamp_t *g, int sample);
  * computed row fans out to every sample; after finishes: the rows are compacted). */
 void pdm_nsamp_advance(pdm_nsamp_t *g);
 
+/* Priming without a step, when the last prompt token's logits are known already (a local
+ * prefill computed them): every sample draws its first token from logits[n_vocab] as the
+ * priming step would, and the KV is marked primed (the next step stores each sample's first
+ * token at step 0). Then pdm_nsamp_finish / pdm_nsamp_advance as after a step. Only before
+ * the first step; returns the entries written to out. */
+int pdm_nsamp_prime(pdm_nsamp_t *g, const float *logits, pdm_nsamp_token_t *out);
+/* Sample i's next token is `token`, recorded as if drawn (no sampler call): a resumed
+ * sample's delivered tokens, replayed as steps of this cache so that its later draws see the
+ * logits of the undisturbed run (the decode node's migration of one of n choices). Then
+ * pdm_nsamp_advance as after a draw; before the first step, mark the KV primed with
+ * pdm_beam_kv_commit. */
+void pdm_nsamp_force(pdm_nsamp_t *g, int i, int32_t token);
+/* Sample i's sampler (borrowed), e.g. to set its structured-output matcher
+ * (pdm_sampler_set_grammar): each sample has its own. */
+pdm_sampler_t *pdm_nsamp_sampler(pdm_nsamp_t *g, int i);
+/* Whether the priming draw happened. */
+int pdm_nsamp_primed(const pdm_nsamp_t *g);
+
 int pdm_nsamp_count(const pdm_nsamp_t *g);
 int pdm_nsamp_live(const pdm_nsamp_t *g);
 /* Sample i's tokens so far (*n_tokens of them); borrowed, valid until the next call. */

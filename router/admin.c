@@ -369,7 +369,7 @@ void rt_on_admin_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
             rt_admin_error(r, ident, ident_len, PDMESH__ERROR_CODE__ERR_INTERNAL, "out of memory");
             goto done;
         }
-        static const char *states[] = {"queued", "reserving", "prefill", "decode"};
+        static const char *states[] = {"queued", "reserving", "prefill", "decode", "shared"};
         for (rt_req_t *q = r->head; q && k < n; q = q->next, k++) {
             pdmesh__request_info__init(&ri[k]);
             ri[k].router_request_id = q->id;

@@ -154,10 +154,70 @@ static int rt_has_decode(const pdm_router_t *r)
 
 int pdm_router_ready(const pdm_router_t *r) { return rt_has_decode(r); }
 
+/* Whether some usable decode node runs n samples over one prompt (their rows as a beam
+ * search's: Capacity.max_beams). */
+static int rt_nsamp_any_node(const pdm_router_t *r, uint32_t n)
+{
+    for (int i = 0; i < RT_MAX_NODES; i++)
+        if (rt_node_usable(r, i) && r->nodes[i].role == PDMESH__ROLE__ROLE_DECODE &&
+            r->nodes[i].max_beams >= n)
+            return 1;
+    return 0;
+}
+
+/* OpenAI's n: q (choice 0, admitted) and n - 1 more choices, choice i seeded with
+ * pdm_sampler_seed_for_choice(seed, i), each with its sink; with `shared` a leader carries
+ * their one attempt (internal.h). All enqueued, ids[i] = choice i's id; PDM_ENOMEM and
+ * nothing enqueued (q freed) when out of memory. */
+static int rt_submit_choices(pdm_router_t *r, rt_req_t *q, uint32_t n, int shared,
+                             const pdm_router_sink_t *sinks, uint64_t *ids)
+{
+    rt_req_t *ch[RT_MAX_CHOICES] = {q}, *lead = NULL;
+    int ok = 1;
+    for (uint32_t i = 1; i < n; i++) ok &= (ch[i] = rt_req_clone(q)) != NULL;
+    if (ok && shared) ok = (lead = rt_req_clone(q)) != NULL;
+    if (!ok) {
+        for (uint32_t i = 0; i < n; i++) rt_req_free(ch[i]);
+        rt_req_free(lead);
+        return pdm_error_set(PDM_ENOMEM, "out of memory");
+    }
+    if (lead) {
+        lead->id = ++r->next_id;
+        memset(&lead->sink, 0, sizeof(lead->sink));
+        lead->n_samples = n;
+        rt_req_enqueue(r, lead); /* before its choices: a scheduling pass meets it first */
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        rt_req_t *c = ch[i];
+        if (i > 0) {
+            c->id = ++r->next_id;
+            c->sp.seed = pdm_sampler_seed_for_choice(q->sp.seed, (int)i);
+        }
+        c->sink = sinks[i];
+        if (lead) {
+            lead->choice[i] = c;
+            c->leader = lead;
+            c->choice_index = i;
+            c->state = RQ_SHARED;
+        }
+        rt_req_enqueue(r, c);
+        ids[i] = c->id;
+    }
+    return PDM_OK;
+}
+
 int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const char *client,
-                      const pdm_router_sink_t *sink, uint64_t *id, int *code)
+                      const pdm_router_sink_t *sinks, uint64_t *ids, int *code)
 {
     const int INV = PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT;
+    const pdm_router_sink_t *sink = sinks;
+    const uint32_t n_choices = req->n ? req->n : 1;
+    if (n_choices > RT_MAX_CHOICES)
+        return rt_refuse(code, INV, PDM_EINVAL, "n %u: at most %d choices", req->n,
+                         RT_MAX_CHOICES);
+    if (n_choices > 1 && (req->beams > 1 || req->n_resume_tokens || req->prompt_only))
+        return rt_refuse(code, INV, PDM_EINVAL, "n %u cannot be combined with beams, "
+                         "resume_tokens or prompt_only", n_choices);
     int kinds = (req->prompt && req->prompt[0]) + (req->n_prompt_tokens > 0) + (req->n_messages > 0);
     if (kinds != 1)
         return rt_refuse(code, INV, PDM_EINVAL, "give exactly one of prompt, prompt_tokens or messages");
@@ -212,7 +272,7 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     if (r->cfg.per_client_max && open_ >= r->cfg.per_client_max)
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_OVERLOADED, PDM_EOVERFLOW,
                          "this client already has %d open requests (the limit)", open_);
-    if (r->n_req >= r->cfg.queue_max) {
+    if (r->n_req + (int)n_choices + (n_choices > 1) > r->cfg.queue_max) { /* (+ n's leader) */
         pdm_metric_inc(r->m.requests, "overloaded", 1);
         return rt_refuse(code, PDMESH__ERROR_CODE__ERR_OVERLOADED, PDM_EOVERFLOW,
                          "overloaded: %d requests are open (the admission limit)", r->n_req);
@@ -341,6 +401,8 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     for (size_t i = 0; i < req->n_stop; i++)
         if (req->stop[i][0]) q->stops[q->n_stops++] = strdup(req->stop[i]);
     q->ignore_eos = req->ignore_eos;
+    q->tools = req->n_messages && req->tools_json && req->tools_json[0] &&
+               !(req->tool_choice && !strcmp(req->tool_choice, "none"));
     q->t_arrival = pdm_now();
     q->deadline = q->t_arrival + (req->deadline_ms ? req->deadline_ms : r->cfg.default_deadline_ms) / 1e3;
     q->dnode = q->group = -1;
@@ -353,8 +415,16 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         return st;
     }
     if (req->n_resume_tokens) pdm_metric_inc(r->m.requests, "resumed", 1);
+    if (n_choices > 1) {
+        /* One prompt for every choice where a decode node can share it (prompt log-
+         * probabilities are computed per attempt: those choices go alone, as before) */
+        const int shared = !q->want_plp && rt_nsamp_any_node(r, n_choices);
+        if (rt_submit_choices(r, q, n_choices, shared, sinks, ids))
+            return rt_refuse(code, PDMESH__ERROR_CODE__ERR_INTERNAL, PDM_ENOMEM, "out of memory");
+        return PDM_OK;
+    }
     rt_req_enqueue(r, q);
-    *id = q->id;
+    *ids = q->id;
     return PDM_OK;
 }
 

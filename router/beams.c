@@ -63,7 +63,9 @@ int rt_beams_admit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, rt_req_t
 
 int rt_beams_node_ok(const pdm_router_t *r, int i, const rt_req_t *q)
 {
-    return q->beams <= 1 || r->nodes[i].max_beams >= q->beams;
+    /* n samples take a beam search's rows too (decode_node/nsamp.h) */
+    const uint32_t width = q->beams > 1 ? q->beams : q->n_samples;
+    return width <= 1 || r->nodes[i].max_beams >= width;
 }
 
 int rt_beams_any_node(const pdm_router_t *r, uint32_t beams)
@@ -79,6 +81,10 @@ int64_t rt_kv_need(const rt_node_t *n, const rt_req_t *q, uint32_t n_in, uint32_
                    int local)
 {
     if (q->beams > 1) return pdm_beam_kv_slots((int)q->beams, (int32_t)n_in, (int32_t)remaining);
+    if (q->n_samples > 1) /* n samples: eq. (3) of beam.h with BW = n */
+        return pdm_beam_kv_slots((int)q->n_samples, (int32_t)n_in, (int32_t)remaining);
+    if (q->resumed_choice) /* one sample; its delivered tokens in its response segments */
+        return pdm_beam_kv_slots(1, (int32_t)q->n_prompt, (int32_t)q->max_new);
     const int64_t all = (int64_t)n_in + remaining;
     if (!n->kv_win_rows || !n->kv_layers) return all;
     /* the node's rule (pdm_kvwin_plan), from the layout it announced */
@@ -90,6 +96,8 @@ int64_t rt_kv_need(const rt_node_t *n, const rt_req_t *q, uint32_t n_in, uint32_
 
 void rt_beams_task(const rt_req_t *q, Pdmesh__DecodeTask *t)
 {
+    if (q->n_samples > 1) t->n_samples = q->n_samples;
+    else if (q->resumed_choice) t->n_samples = 1; /* one sample, computed as when shared */
     if (q->beams <= 1) return;
     t->beams = q->beams;
     t->n_best = q->n_best;
@@ -99,7 +107,7 @@ void rt_beams_task(const rt_req_t *q, Pdmesh__DecodeTask *t)
 
 void rt_beams_start(const rt_req_t *q, Pdmesh__DecodeStart *s)
 {
-    if (q->beams <= 1 || q->n_prompt == 0) return;
+    if ((q->beams <= 1 && q->n_samples <= 1 && !q->resumed_choice) || q->n_prompt == 0) return;
     s->prompt_last = q->prompt[q->n_prompt - 1];
 }
 

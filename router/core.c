@@ -227,6 +227,11 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     r->m.method = pdm_metrics_add(m, PDM_METRIC_COUNTER, "pdmesh_prefill_method_total",
                                   "Prefills by method (local: the decode node prefilled).",
                                   "method", NULL, 0);
+    r->m.prefill_tokens = pdm_metrics_add(m, PDM_METRIC_COUNTER, "pdmesh_prefill_tokens_total",
+                                          "Prompt tokens sent to be prefilled (group: by a "
+                                          "prefill group's task, local: by a decode node, "
+                                          "delivered tokens of a migration included).",
+                                          "where", NULL, 0);
     r->m.kv_bytes = pdm_metrics_add(m, PDM_METRIC_COUNTER, "pdmesh_kv_bytes_total",
                                     "KV bytes streamed from prefill groups to decode nodes.",
                                     NULL, NULL, 0);

@@ -80,7 +80,9 @@ typedef struct gen gen_t;
  * has sent. The router's sink context. */
 typedef struct {
     gen_t *g;
-    uint32_t index;          /* the choice's index */
+    uint32_t index;          /* the choice's index (prompt * n + sample) */
+    uint32_t sample;         /* OpenAI's n: its sample of its prompt (0..n-1) */
+    int prompt_counted;      /* sample 0's part: its prompt's tokens are in the usage */
     uint64_t router_id;
     int done;                /* the router ended it (or it was never submitted) */
     size_t streamed;         /* bytes of completion text already sent */
@@ -757,9 +759,12 @@ static void gen_on_result(void *ctx, const Pdmesh__GenerateResult *res)
         gen_release(g);
         return;
     }
-    const uint32_t pt = res->usage ? res->usage->prompt_tokens : 0;
+    /* a prompt's tokens count once, however many choices share it (OpenAI's usage) */
+    gen_part_t *first = &g->parts[p->index - p->sample];
+    const uint32_t pt = res->usage && !first->prompt_counted ? res->usage->prompt_tokens : 0;
     const uint32_t ct = res->usage ? res->usage->completion_tokens : 0;
-    if (!g->usage) g->usage = pdm_http__usage_json(res->usage);
+    first->prompt_counted = 1;
+    if (!g->usage) g->usage = pdm_http__usage_json(res->usage); /* (pt counted: the first) */
     else pdm_http__usage_add(g->usage, pt, ct);
     if (!g->stream) {
         char *echo = g->echo ? pdm_http__echo_text(p->prompt, res->prompt_logprobs,
@@ -848,7 +853,8 @@ static void handle_generate(conn_t *c, int chat)
         conn_respond_error(c, err.status, err.code, err.message);
         return;
     }
-    gen_t *g = calloc(1, sizeof(*g) + n * sizeof(gen_part_t));
+    const size_t ns = opts.n_samples > 1 ? (size_t)opts.n_samples : 1, n_parts = n * ns;
+    gen_t *g = calloc(1, sizeof(*g) + n_parts * sizeof(gen_part_t));
     if (!g || !(g->model = strdup(model ? model : ""))) {
         free(g);
         pdm_http__batch_free(reqs, n);
@@ -863,7 +869,7 @@ static void handle_generate(conn_t *c, int chat)
     g->echo = opts.echo;
     g->tools = opts.tools;
     g->created = (long)time(NULL);
-    g->n_parts = n;
+    g->n_parts = n_parts;
     uint64_t rnd = 0;
     pdm_random_bytes(&rnd, sizeof(rnd));
     snprintf(g->id, sizeof(g->id), "%s-%016llx", chat ? "chatcmpl" : "cmpl",
@@ -872,27 +878,34 @@ static void handle_generate(conn_t *c, int chat)
     snprintf(client, sizeof(client), "http:%s", c->peer_name);
     size_t i = 0;
     int st = PDM_OK, code = 0;
-    for (; i < n; i++) {
-        gen_part_t *p = &g->parts[i];
-        p->g = g;
-        p->index = (uint32_t)i;
-        if (g->echo && reqs[i]->prompt && !(p->prompt = strdup(reqs[i]->prompt))) {
-            st = PDM_ENOMEM;
-            pdm_error_set(st, "out of memory");
-            code = PDMESH__ERROR_CODE__ERR_INTERNAL;
-            break;
+    for (; i < n; i++) { /* prompt i: its ns choices are parts [i * ns, (i + 1) * ns) */
+        pdm_router_sink_t sinks[PDM_HTTP_MAX_PROMPTS];
+        uint64_t ids[PDM_HTTP_MAX_PROMPTS];
+        for (size_t k = 0; k < ns && st == PDM_OK; k++) {
+            gen_part_t *p = &g->parts[i * ns + k];
+            p->g = g;
+            p->index = (uint32_t)(i * ns + k);
+            p->sample = (uint32_t)k;
+            if (g->echo && reqs[i]->prompt && !(p->prompt = strdup(reqs[i]->prompt))) {
+                st = PDM_ENOMEM;
+                pdm_error_set(st, "out of memory");
+                code = PDMESH__ERROR_CODE__ERR_INTERNAL;
+            }
+            sinks[k] = (pdm_router_sink_t){p, gen_on_tokens, gen_on_result, gen_on_error,
+                                           gen_on_prompt};
         }
+        if (st) break;
         reqs[i]->request_id = ++h->next_request_id;
-        pdm_router_sink_t sink = {p, gen_on_tokens, gen_on_result, gen_on_error, gen_on_prompt};
         pdm_error_clear();
-        if ((st = pdm_router_submit(h->router, reqs[i], client, &sink, &p->router_id, &code)))
-            break;
+        if ((st = pdm_router_submit(h->router, reqs[i], client, sinks, ids, &code))) break;
+        for (size_t k = 0; k < ns; k++) g->parts[i * ns + k].router_id = ids[k];
     }
     pdm_http__batch_free(reqs, n);
     if (st == PDM_OK) {
         c->gen = g;
         return;
     }
+    i *= ns; /* parts [0, i) were submitted */
     /* Prompt i was refused: the request fails as a whole, the parts already submitted are
      * cancelled (their ends free g: it is not touched after the last cancel). */
     if (code == 0)
@@ -900,12 +913,12 @@ static void handle_generate(conn_t *c, int chat)
                : st == PDM_EOVERFLOW               ? PDMESH__ERROR_CODE__ERR_OVERLOADED
                                                    : PDMESH__ERROR_CODE__ERR_UNAVAILABLE;
     char msg[300];
-    if (n > 1) snprintf(msg, sizeof(msg), "prompt %zu: %s", i, pdm_error_last());
+    if (n > 1) snprintf(msg, sizeof(msg), "prompt %zu: %s", i / ns, pdm_error_last());
     else snprintf(msg, sizeof(msg), "%s", pdm_error_last());
     conn_respond_error(c, pdm_http__status_for_code(code), pdm_http__code_name(code), msg);
     g->answered = 1;
     g->conn = NULL;
-    for (size_t j = i; j < n; j++) gen_part_done(&g->parts[j]);
+    for (size_t j = i; j < n_parts; j++) gen_part_done(&g->parts[j]);
     uint64_t ids[PDM_HTTP_MAX_PROMPTS];
     size_t k = 0;
     for (size_t j = 0; j < i && k < PDM_HTTP_MAX_PROMPTS; j++) ids[k++] = g->parts[j].router_id;

@@ -30,7 +30,8 @@ typedef struct {
     int logprobs;        /* -1: none; else alternatives per token (completions' logprobs: N,
                           * chat's top_logprobs) */
     int echo;            /* completions' echo: true */
-    int n_prompts;       /* prompts (choices) of the request */
+    int n_prompts;       /* prompts of the request (one GenerateRequest each) */
+    int n_samples;       /* OpenAI's n: choices per prompt (GenerateRequest.n; 1: none) */
     int tools;           /* chat with tools and tool_choice other than "none": the output is
                           * parsed for tool calls */
 } pdm_http_opts_t;
@@ -62,7 +63,8 @@ int pdm_http__parse_request(const char *body, size_t len, int chat,
 void pdm_http__request_free(Pdmesh__GenerateRequest *req);
 
 /* pdm_http__parse_request for a body that may hold a list of prompts (completions): one
- * GenerateRequest per prompt, in order, in *out[*n_out] (free with pdm_http__batch_free).
+ * GenerateRequest per prompt, in order, in *out[*n_out] (free with pdm_http__batch_free), each
+ * with n = opts->n_samples when OpenAI's n > 1 (choice index = prompt * n + sample).
  * pdm_http__parse_request keeps the first of them. */
 int pdm_http__parse_batch(const char *body, size_t len, int chat, const pdm_router_limits_t *lim,
                           const char *model_name, Pdmesh__GenerateRequest ***out, size_t *n_out,

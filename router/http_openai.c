@@ -7,7 +7,8 @@
  *   max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
  *   seed, presence_penalty, frequency_penalty, logit_bias, logprobs (completions: an integer
  *   0..20; chat: a boolean) and top_logprobs (chat, 0..20), stop (string or list), stream,
- *   stream_options.include_usage, n (1..8: one router request per choice), best_of (beams),
+ *   stream_options.include_usage, n (1..8: GenerateRequest.n, the choices of a prompt share
+ *   its prefill and KV), best_of (beams),
  *   ignore_eos, user, response_format (text, json_object, json_schema: grammar-constrained
  *   sampling, model/grammar.h), tools and tool_choice (chat; rendered by the router with the
  *   template, model/chat.h), messages of role tool and assistant messages with tool_calls.
@@ -818,9 +819,10 @@ int pdm_http__parse_batch(const char *body, size_t len, int chat, const pdm_rout
         st = PDM_EINVAL;
         goto done;
     }
-    /* OpenAI's n: every prompt n times, choice index = prompt * n + sample (OpenAI's order for
-     * a list of prompts), each its own router request (scheduled, retried and migrated on its
-     * own), sample s drawing with pdm_sampler_seed_for_choice(the prompt's seed, s). */
+    /* OpenAI's n: one GenerateRequest per prompt with n set (the router makes its n choices,
+     * sharing the prompt: router.h), choice index = prompt * n + sample (OpenAI's order for a
+     * list of prompts), sample s drawing with pdm_sampler_seed_for_choice(the prompt's seed,
+     * s). */
     const cJSON *jn = cJSON_GetObjectItemCaseSensitive(root, "n");
     const int n_samples = cJSON_IsNumber(jn) && jn->valuedouble >= 1 &&
                                   jn->valuedouble <= PDM_HTTP_MAX_N
@@ -831,24 +833,20 @@ int pdm_http__parse_batch(const char *body, size_t len, int chat, const pdm_rout
         goto done;
     }
     const int n_prompts = n;
-    n = n_prompts * n_samples;
     if (!(reqs = calloc((size_t)n, sizeof(*reqs)))) {
         st = fail(err, 500, "internal_error", "out of memory");
         goto done;
     }
     /* Each prompt parsed from the same body: the same fields, its own prompt (and, without a
      * seed, its own random seed). */
-    for (int i = 0; i < n_prompts && !st; i++)
-        for (int k = 0; k < n_samples && !st; k++) {
-            memset(opts, 0, sizeof(*opts));
-            opts->chat = chat;
-            Pdmesh__GenerateRequest **r = &reqs[i * n_samples + k];
-            st = parse_one(root, chat, i, lim, model_name, r, opts, err);
-            if (!st && k > 0)
-                (*r)->sampling->seed =
-                    pdm_sampler_seed_for_choice(reqs[i * n_samples]->sampling->seed, k);
-        }
-    opts->n_prompts = n;
+    for (int i = 0; i < n_prompts && !st; i++) {
+        memset(opts, 0, sizeof(*opts));
+        opts->chat = chat;
+        st = parse_one(root, chat, i, lim, model_name, &reqs[i], opts, err);
+        if (!st && n_samples > 1) reqs[i]->n = (uint32_t)n_samples;
+    }
+    opts->n_prompts = n_prompts;
+    opts->n_samples = n_samples;
 done:
     cJSON_Delete(root);
     if (st) {

@@ -141,7 +141,10 @@ typedef struct {
     int has_cost;                 /* cost set up for the current wiring */
 } rt_group_t;
 
-enum { RQ_QUEUED = 0, RQ_RESERVING, RQ_PREFILL, RQ_DECODE };
+/* RQ_SHARED: a choice of OpenAI's n whose tokens come from its leader's attempt (below). */
+enum { RQ_QUEUED = 0, RQ_RESERVING, RQ_PREFILL, RQ_DECODE, RQ_SHARED };
+
+#define RT_MAX_CHOICES 8 /* OpenAI's n (PDM_NSAMP_MAX of decode_node/nsamp.h) */
 
 typedef struct rt_req {
     struct rt_req *next, *prev;
@@ -228,6 +231,33 @@ typedef struct rt_req {
     int pool_looked;
     int pool_node;
     uint32_t pool_expect;
+    /* OpenAI's n sharing one prompt (docs/http.md "n", decode_node/nsamp.h). The submit makes
+     * one choice request per choice, each with its own sink, seed, tokens, text and stop
+     * strings, and a leader that carries the one attempt (one prefill, one KV transfer, one
+     * decode sequence of n_samples samples) and has no sink. The node's tokens of sample i go
+     * to choice[i] (RQ_SHARED until then), which ends on its own when its sample does. When
+     * the attempt fails after tokens were delivered, the leader ends and every unfinished
+     * choice goes on alone (QUEUED: a migration with its delivered tokens and its seed);
+     * before, the leader is retried. A leader whose choices have all ended ends too. */
+    uint32_t n_samples;           /* leader: its choices (> 1); else 0 */
+    struct rt_req *choice[RT_MAX_CHOICES]; /* leader: choice requests, NULL once ended */
+    struct rt_req *leader;        /* a choice while it shares its leader's attempt, else NULL */
+    uint32_t choice_index;        /* a choice's index in its leader */
+    int choice_failed;            /* leader: a choice ended with an error (or was cancelled):
+                                   * once none is open it ends without waiting for its
+                                   * DecodeResult (its sequence is cancelled) */
+    int shared_kv;                /* a choice whose kv_bytes are its leader's (counted once) */
+    int resumed_choice;           /* a choice that went on alone: it runs as one sample over
+                                   * the segmented cache (DecodeTask.n_samples 1), its delivered
+                                   * tokens replayed as steps of it, so that its draws continue
+                                   * as in the undisturbed shared run */
+    float *first_logits;          /* leader: [n_vocab] the owner rank's logits of the last prompt
+                                   * token (PrefillTask.want_logits), for DecodeStart, or NULL */
+    int tools;                    /* chat with tools, tool_choice not "none": the result's text
+                                   * is parsed for tool calls (GenerateResult.tool_calls_json) */
+    int fail_code;                /* QUEUED: ends with this error at the next scheduling pass
+                                   * (its leader failed), fail_msg says why */
+    char fail_msg[200];
 } rt_req_t;
 
 struct pdm_router {
@@ -270,7 +300,8 @@ struct pdm_router {
     struct rt_curve *curve;       /* curve.c: ZAP handler, or NULL */
     struct {
         pdm_metrics_t *reg;
-        pdm_metric_t *requests, *ttft, *tpot, *queue, *method, *kv_bytes, *kv_time, *nodes,
+        pdm_metric_t *requests, *ttft, *tpot, *queue, *method, *prefill_tokens, *kv_bytes,
+            *kv_time, *nodes,
             *migrations, *retries, *offload, *prefix_hits, *prefix_tokens, *waiting, *kv_free,
             *kv_capacity, *group_inflight, *group_inflight_limit, *solo_concurrent,
             /* decode-node prefix pools and the global index (schedule.c, registry.c) */

@@ -45,6 +45,7 @@
  * epoch) that holds it; anything else is stale and dropped. registry.c checks the sender and
  * its epoch before it hands a message here.
  */
+#include <cjson/cJSON.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -69,6 +70,14 @@ rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id)
 
 static void rt_req_unlink_free(pdm_router_t *r, rt_req_t *q)
 {
+    /* OpenAI's n: a choice leaves its leader; a leader's choices go on alone */
+    if (q->leader) q->leader->choice[q->choice_index] = NULL;
+    for (uint32_t i = 0; i < q->n_samples && i < RT_MAX_CHOICES; i++) {
+        rt_req_t *c = q->choice[i];
+        if (!c) continue;
+        c->leader = NULL;
+        if (c->state == RQ_SHARED) c->state = RQ_QUEUED;
+    }
     if (q->prev) q->prev->next = q->next;
     else r->head = q->next;
     if (q->next) q->next->prev = q->prev;
@@ -92,7 +101,49 @@ void rt_req_free(rt_req_t *q)
     free(q->text);
     for (size_t i = 0; i < q->n_stops; i++) free(q->stops[i]);
     free(q->json_schema);
+    free(q->first_logits);
     free(q);
+}
+
+/* A copy of memory of n bytes at p (NULL stays NULL); *ok cleared when out of memory. */
+static void *rt_dup(const void *p, size_t n, int *ok)
+{
+    if (!p) return NULL;
+    void *d = malloc(n ? n : 1);
+    if (!d) *ok = 0;
+    else memcpy(d, p, n);
+    return d;
+}
+
+rt_req_t *rt_req_clone(const rt_req_t *q)
+{
+    rt_req_t *c = malloc(sizeof(*c));
+    if (!c) return NULL;
+    *c = *q;
+    c->next = c->prev = NULL;
+    int ok = 1;
+    c->prompt = rt_dup(q->prompt, sizeof(int32_t) * q->n_prompt, &ok);
+    c->gen = rt_dup(q->gen, sizeof(int32_t) * q->max_new, &ok);
+    c->lp_ids = rt_dup(q->lp_ids, sizeof(int32_t) * q->max_new * q->lp_stride, &ok);
+    c->lp_vals = rt_dup(q->lp_vals, sizeof(float) * q->max_new * q->lp_stride, &ok);
+    c->lp_n = rt_dup(q->lp_n, q->max_new, &ok);
+    c->plp_ids = rt_dup(q->plp_ids, sizeof(int32_t) * q->n_prompt * q->plp_stride, &ok);
+    c->plp_vals = rt_dup(q->plp_vals, sizeof(float) * q->n_prompt * q->plp_stride, &ok);
+    c->plp_n = rt_dup(q->plp_n, q->n_prompt, &ok);
+    c->text = q->text ? rt_dup(q->text, q->text_cap, &ok) : NULL;
+    c->first_logits = NULL; /* (a leader's, per attempt) */
+    c->json_schema = q->json_schema ? strdup(q->json_schema) : NULL;
+    if (q->json_schema && !c->json_schema) ok = 0;
+    for (size_t i = 0; i < q->n_stops; i++)
+        if (!(c->stops[i] = strdup(q->stops[i]))) ok = 0;
+    if (!ok) {
+        rt_req_free(c);
+        return NULL;
+    }
+    c->sp.bias_ids = c->bias_ids;
+    c->sp.bias_values = c->bias_values;
+    c->sp.json_schema = c->json_schema;
+    return c;
 }
 
 void rt_req_enqueue(pdm_router_t *r, rt_req_t *q)
@@ -183,6 +234,30 @@ static const char *rt_outcome(int code)
     }
 }
 
+void rt_leader_end(pdm_router_t *r, rt_req_t *q, int code, const char *msg, int cancel)
+{
+    for (uint32_t i = 0; i < q->n_samples && i < RT_MAX_CHOICES; i++) {
+        rt_req_t *c = q->choice[i];
+        if (!c) continue;
+        q->choice[i] = NULL;
+        c->leader = NULL;
+        c->state = RQ_QUEUED;
+        c->attempt = PDM_MAX(c->attempt, q->attempt); /* attempts go on from the leader's */
+        c->resumed_choice = 1;
+        if (code) { /* ends with the leader's error at the next scheduling pass */
+            c->fail_code = code;
+            snprintf(c->fail_msg, sizeof(c->fail_msg), "%s", msg ? msg : "failed");
+        } else if (c->n_gen > 0) { /* goes on alone from its delivered tokens */
+            c->migrations++;
+            pdm_metric_inc(r->m.migrations, NULL, 1);
+        }
+    }
+    rt_req_release_nodes(r, q, cancel);
+    pdm_log_info("router: request %llu (%u choices) ends: %s", (unsigned long long)q->id,
+                 q->n_samples, code ? msg : cancel ? "its choices go on alone" : "done");
+    rt_req_unlink_free(r, q);
+}
+
 void rt_req_fail(pdm_router_t *r, rt_req_t *q, int code, const char *fmt, ...)
 {
     char msg[512];
@@ -190,6 +265,11 @@ void rt_req_fail(pdm_router_t *r, rt_req_t *q, int code, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
+    if (q->n_samples) { /* a leader has no sink: its choices end with its error */
+        rt_leader_end(r, q, code, msg, 1);
+        return;
+    }
+    if (q->leader) q->leader->choice_failed = 1; /* its sample need not run to its end */
     rt_req_release_nodes(r, q, 1);
     pdm_metric_inc(r->m.requests, rt_outcome(code), 1);
     pdm_log_info("router: request %llu ends: %s", (unsigned long long)q->id, msg);
@@ -260,8 +340,10 @@ static int rt_lp_store(const rt_lp_store_t *s, uint32_t i, int32_t tok,
         if (lp->top_ids[k] < 0 || (uint32_t)lp->top_ids[k] >= n_vocab) return 0;
     ids[0] = tok;
     vals[0] = lp->logprob;
-    memcpy(ids + 1, lp->top_ids, sizeof(int32_t) * lp->n_top_ids);
-    memcpy(vals + 1, lp->top_logprobs, sizeof(float) * lp->n_top_ids);
+    if (lp->n_top_ids) { /* (none: NULL arrays) */
+        memcpy(ids + 1, lp->top_ids, sizeof(int32_t) * lp->n_top_ids);
+        memcpy(vals + 1, lp->top_logprobs, sizeof(float) * lp->n_top_ids);
+    }
     s->n[i] = (int8_t)lp->n_top_ids;
     return 1;
 }
@@ -405,6 +487,44 @@ static int rt_req_tokens(pdm_router_t *r, rt_req_t *q, uint32_t index, const int
     return 0;
 }
 
+/* The tool calls in a chat's generated text (model/chat.h's parser, the one the HTTP front end
+ * uses) as OpenAI's tool_calls list in JSON (*calls, malloc'd) and the text outside them
+ * (*content); both NULL when there is no call (or no memory). */
+static void rt_tool_calls(const char *text, char **calls, char **content)
+{
+    pdm_chat_tool_call_t *tc = NULL;
+    int n = 0;
+    char *rest = NULL;
+    *calls = *content = NULL;
+    if (pdm_chat_tool_calls_parse(text, &tc, &n, &rest) || n == 0) {
+        pdm_chat_tool_calls_free(tc, n);
+        free(rest);
+        return;
+    }
+    cJSON *list = cJSON_CreateArray();
+    for (int i = 0; list && i < n; i++) {
+        cJSON *c = cJSON_CreateObject(), *fn = NULL;
+        uint8_t rnd[12];
+        char id[32] = "call_";
+        if (!pdm_random_bytes(rnd, sizeof(rnd)))
+            for (int k = 0; k < 12; k++) snprintf(id + 5 + 2 * k, 3, "%02x", rnd[k]);
+        if (c) cJSON_AddItemToArray(list, c);
+        if (c) cJSON_AddStringToObject(c, "id", id);
+        if (c) cJSON_AddStringToObject(c, "type", "function");
+        if (c) fn = cJSON_AddObjectToObject(c, "function");
+        if (fn) cJSON_AddStringToObject(fn, "name", tc[i].name);
+        if (fn) cJSON_AddStringToObject(fn, "arguments", tc[i].arguments);
+    }
+    pdm_chat_tool_calls_free(tc, n);
+    *calls = list ? cJSON_PrintUnformatted(list) : NULL;
+    cJSON_Delete(list);
+    *content = rest;
+    if (!*calls) {
+        free(rest);
+        *content = NULL;
+    }
+}
+
 void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
 {
     rt_req_release_nodes(r, q, 0);
@@ -444,7 +564,7 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
     u.n_prefill_ranges = (size_t)q->n_plan;
     res.usage = &u;
     if (q->n_gen > 1) pdm_metric_observe(r->m.tpot, NULL, u.tpot_ms / 1e3);
-    if (q->kv_bytes) {
+    if (q->kv_bytes && !q->shared_kv) { /* a shared prompt's: once, by its leader */
         pdm_metric_inc(r->m.kv_bytes, NULL, (double)q->kv_bytes);
         pdm_metric_observe(r->m.kv_time, NULL, q->kv_seconds);
     }
@@ -463,7 +583,15 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
         res.prompt_logprobs = plpl;
         res.n_prompt_logprobs = q->n_prompt;
     }
+    char *calls = NULL, *content = NULL;
+    if (q->tools) rt_tool_calls(q->text ? q->text : "", &calls, &content);
+    if (calls) {
+        res.tool_calls_json = calls;
+        res.tool_content = content ? content : "";
+    }
     if (sink.on_result) sink.on_result(sink.ctx, &res);
+    free(calls);
+    free(content);
     free(lp_block);
     free(plp_block);
     rt_req_unlink_free(r, q);
@@ -487,6 +615,18 @@ static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char
     q->retries++;
     pdm_log_warn("router: request %llu attempt %u failed: %s", (unsigned long long)q->id,
                  q->attempt, msg);
+    if (q->n_samples) {
+        /* OpenAI's n: once a choice has tokens the choices go on alone, each a migration
+         * from its own delivered tokens with its own seed (finished ones are not redone);
+         * before that the shared attempt is retried like any request. */
+        int delivered = 0;
+        for (uint32_t i = 0; i < q->n_samples && i < RT_MAX_CHOICES; i++)
+            delivered |= q->choice[i] && q->choice[i]->n_gen > 0;
+        if (delivered) {
+            rt_leader_end(r, q, 0, NULL, 0);
+            return;
+        }
+    }
     if ((int)q->retries >= r->cfg.max_attempts || q->attempt >= 15) {
         rt_req_fail(r, q, code == PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED ? code
                                                                              : PDMESH__ERROR_CODE__ERR_UNAVAILABLE,
@@ -609,12 +749,13 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
         t.local_prefill = 1;
         t.prompt_tokens = all;
         t.n_prompt_tokens = n_in;
+        pdm_metric_inc(r->m.prefill_tokens, "local", (double)n_in);
         /* A migration: the prompt ends with the tokens delivered so far; the sampler resumes
          * at step n_gen with them as history (model.h "Sampling"), and a sampled (not greedy)
          * request has them recomputed as first computed, so its seeded draws continue
          * exactly. */
         t.n_generated = q->n_gen;
-        t.replay_generated = q->n_gen > 0 && q->sp.temperature > 0;
+        t.replay_generated = q->n_gen > 0 && (q->sp.temperature > 0 || q->resumed_choice);
         if (q->want_plp && !q->plp_sent) { /* a new prompt (no token delivered yet) */
             t.prompt_logprobs = 1;
             t.prompt_top_logprobs = q->plp_stride - 1;
@@ -756,6 +897,11 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     t.kv_key.len = sizeof(q->kv_key);
     pdm_sampler_params_to_msg(&q->sp, &sp); /* the owner rank samples the first token */
     t.sampling = &sp;
+    /* n samples (or a choice of them going on alone) draw their first tokens from the owner's
+     * logits, as each choice's own request did (DecodeStart.first_logits) */
+    t.want_logits = q->n_samples > 1 || q->resumed_choice;
+    free(q->first_logits);
+    q->first_logits = NULL;
     q->has_first_lp = 0;
     q->has_first = 0;
     if (q->want_plp && !q->plp_sent) { /* every rank scores the prompt tokens its rows
@@ -770,6 +916,7 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     t.deadline_ms = left > 0 ? (uint32_t)(left * 1e3) : 1;
     q->state = RQ_PREFILL;
     pdm_metric_inc(r->m.method, q->method, 1);
+    pdm_metric_inc(r->m.prefill_tokens, "group", (double)t.n_tokens);
     for (uint32_t k = 0; k < g->size; k++) {
         if (!rt_req_has_rank(q, k)) continue; /* a solo task goes to its rank only */
         rt_node_t *m = &r->nodes[g->member[k]];
@@ -806,6 +953,10 @@ static void rt_send_start(pdm_router_t *r, rt_req_t *q, int32_t first_token)
     double left = q->deadline - pdm_now();
     s.deadline_ms = left > 0 ? (uint32_t)(left * 1e3) + 1 : 1;
     s.ignore_eos = q->ignore_eos;
+    if (first_token >= 0 && q->first_logits) {
+        s.first_logits = q->first_logits;
+        s.n_first_logits = r->model->hp.n_vocab;
+    }
     s.skip_tokens = 0; /* the router continues at q->base (migration re-prefills delivered tokens) */
     rt_beams_start(q, &s);
     q->state = RQ_DECODE;
@@ -947,12 +1098,19 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
     if (q->group >= 0) rt_rank_done(&r->groups[q->group], rank);
     int32_t first = p->first_token;
     const Pdmesh__SampledLogprob *flp = p->first_logprob;
+    if (first >= 0 && (q->n_samples > 1 || q->resumed_choice) && !q->first_logits &&
+        p->n_logits == r->model->hp.n_vocab &&
+        (q->first_logits = malloc(sizeof(float) * p->n_logits)))
+        memcpy(q->first_logits, p->logits, sizeof(float) * p->n_logits);
     if (first >= 0 && flp && flp->n_top_ids == flp->n_top_logprobs &&
         flp->n_top_ids <= PDM_SAMPLER_MAX_TOP_LOGPROBS) {
         q->first_lp.logprob = flp->logprob;
         q->first_lp.n_top = (int32_t)flp->n_top_ids;
-        memcpy(q->first_lp.top_ids, flp->top_ids, sizeof(int32_t) * flp->n_top_ids);
-        memcpy(q->first_lp.top_logprobs, flp->top_logprobs, sizeof(float) * flp->n_top_ids);
+        if (flp->n_top_ids) { /* (none: the arrays are NULL, and memcpy's must not be) */
+            memcpy(q->first_lp.top_ids, flp->top_ids, sizeof(int32_t) * flp->n_top_ids);
+            memcpy(q->first_lp.top_logprobs, flp->top_logprobs,
+                   sizeof(float) * flp->n_top_ids);
+        }
         q->has_first_lp = 1;
     }
     const int need_plp = q->want_plp && !q->plp_sent;
@@ -1001,10 +1159,43 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
     rt_plp_complete(r, q, q->first_token);
 }
 
+/* What a choice's usage reports of its leader's attempt. */
+static void rt_choice_sync(rt_req_t *c, const rt_req_t *q)
+{
+    c->kv_bytes = q->kv_bytes;
+    c->kv_seconds = q->kv_seconds;
+    c->shared_kv = 1;
+    c->attempt = q->attempt;
+    c->cached_tokens = q->cached_tokens;
+    memcpy(c->method, q->method, sizeof(c->method));
+    memcpy(c->group_name, q->group_name, sizeof(c->group_name));
+    memcpy(c->dnode_name, q->dnode_name, sizeof(c->dnode_name));
+    memcpy(c->plan, q->plan, sizeof(c->plan));
+    c->n_plan = q->n_plan;
+}
+
+/* Tokens of sample i of a leader's attempt go to choice i (which may end with them: a stop
+ * string it found, or the sample's end `finish`). */
+static void rt_leader_tokens(pdm_router_t *r, rt_req_t *q, uint32_t i, uint32_t index,
+                             const int32_t *toks, size_t n, Pdmesh__SampledLogprob *const *lps,
+                             int finish)
+{
+    rt_req_t *c = i < q->n_samples && i < RT_MAX_CHOICES ? q->choice[i] : NULL;
+    if (!c) return; /* ended already (cancelled, or its stop string) */
+    rt_choice_sync(c, q);
+    if (rt_req_tokens(r, c, index, toks, n, lps)) return;
+    if (finish) rt_req_finish(r, c, finish);
+}
+
 void rt_req_on_tokens(pdm_router_t *r, int node, const Pdmesh__DecodeTokens *d)
 {
     rt_req_t *q = rt_task_req(r, node, d->task_id, d->attempt);
     if (!q || q->state != RQ_DECODE) return;
+    if (q->n_samples) {
+        rt_leader_tokens(r, q, d->sample, d->index, d->tokens, d->n_tokens,
+                         d->n_logprobs == d->n_tokens ? d->logprobs : NULL, (int)d->finish);
+        return;
+    }
     rt_req_tokens(r, q, q->base + d->index, d->tokens, d->n_tokens,
                   d->n_logprobs == d->n_tokens ? d->logprobs : NULL);
 }
@@ -1013,6 +1204,29 @@ void rt_req_on_decode_result(pdm_router_t *r, int node, const Pdmesh__DecodeResu
 {
     rt_req_t *q = rt_task_req(r, node, d->task_id, d->attempt);
     if (!q || q->state == RQ_QUEUED) return;
+    if (q->n_samples && d->ok) {
+        /* every sample's tokens (a gap left by a lost DecodeTokens is filled, without its
+         * log-probabilities) and end; then the leader is done */
+        if (d->kv_bytes) q->kv_bytes = d->kv_bytes;
+        q->kv_seconds = d->kv_seconds;
+        if (q->kv_bytes) { /* the one transfer of the choices' prompt */
+            pdm_metric_inc(r->m.kv_bytes, NULL, (double)q->kv_bytes);
+            pdm_metric_observe(r->m.kv_time, NULL, q->kv_seconds);
+        }
+        size_t at = 0;
+        for (size_t i = 0; i < d->n_sample_n_tokens && i < q->n_samples; i++) {
+            const size_t nt = d->sample_n_tokens[i];
+            if (at + nt > d->n_tokens) break; /* malformed: what arrived stands */
+            const int fin = i < d->n_sample_finish && d->sample_finish[i]
+                                ? (int)d->sample_finish[i] : PDMESH__FINISH_REASON__FINISH_LENGTH;
+            rt_leader_tokens(r, q, (uint32_t)i, 0, d->tokens + at, nt, NULL, fin);
+            at += nt;
+        }
+        q->dnode_epoch = r->nodes[node].epoch;
+        rt_leader_end(r, q, PDMESH__ERROR_CODE__ERR_INTERNAL,
+                      "the decode node ended without this choice", 0);
+        return;
+    }
     if (d->ok) {
         /* fills any gap (those tokens' log-probabilities are missing: DecodeTokens only) */
         if (rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens, NULL)) return;

@@ -15,6 +15,8 @@ rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id);
 /* Admits q, filled in by the front-end API and QUEUED: the router owns it from now on. */
 /* Frees a request that is in no list and everything it owns (NULL: nothing). */
 void rt_req_free(rt_req_t *q);
+/* A copy of q (not linked) that owns copies of everything q owns; NULL when out of memory. */
+rt_req_t *rt_req_clone(const rt_req_t *q);
 void rt_req_enqueue(pdm_router_t *r, rt_req_t *q);
 /* A resumed request (GenerateRequest.resume_tokens, docs/sdk.md "Failover"): the n tokens
  * another router delivered become the completion's first tokens, not sent again; the client
@@ -36,6 +38,12 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish);
  * calls sink.on_error with the formatted message and frees q. */
 void rt_req_fail(pdm_router_t *r, rt_req_t *q, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+
+/* Ends a leader of OpenAI's n (rt_req_t.n_samples) without a word to any client: its attempt
+ * is released (cancel: CancelTask to its decode node) and its choices still open leave it,
+ * QUEUED: with code 0 each goes on alone (a migration from its delivered tokens), else each
+ * ends with that error (msg) at the next scheduling pass. q is freed. */
+void rt_leader_end(pdm_router_t *r, rt_req_t *q, int code, const char *msg, int cancel);
 
 /* Ends every request past its deadline (DEADLINE_EXCEEDED). */
 void rt_req_expire(pdm_router_t *r);

@@ -44,12 +44,16 @@ typedef struct {
 } pdm_router_sink_t;
 
 /* Submits a request. `client` identifies the caller for per-client limits (ZeroMQ identity in
- * hex, or "http:<peer address>"). On acceptance returns PDM_OK and the router's request id in
- * *id (the sink will be called later, never from inside this call). On refusal (invalid
- * arguments, limits, overloaded, not ready) returns an error status, sets *code to the
- * Pdmesh__ErrorCode and pdm_error_last() to the message; the sink is never called. */
+ * hex, or "http:<peer address>"). sinks and ids hold one entry per choice: req->n of them
+ * (OpenAI's n, 2..8), else one. Each choice is a request of its own towards its sink (its
+ * tokens, its one end, cancelled by its id) while they share one prefill, one KV transfer and
+ * the decode node's prompt KV where a node can (docs/http.md "n"); choice i samples with
+ * pdm_sampler_seed_for_choice(seed, i). On acceptance returns PDM_OK and the choices' router
+ * ids in ids[] (the sinks will be called later, never from inside this call). On refusal
+ * (invalid arguments, limits, overloaded, not ready) returns an error status, sets *code to
+ * the Pdmesh__ErrorCode and pdm_error_last() to the message; no sink is ever called. */
 int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const char *client,
-                      const pdm_router_sink_t *sink, uint64_t *id, int *code);
+                      const pdm_router_sink_t *sinks, uint64_t *ids, int *code);
 
 /* Cancels a request by router id: PDM_ENOTFOUND if it already ended. */
 int pdm_router_cancel(pdm_router_t *r, uint64_t id);

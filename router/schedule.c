@@ -228,7 +228,7 @@ static int rt_pick_decode_prefix(pdm_router_t *r, const rt_req_t *q, uint32_t *c
         any = rt_node_usable(r, i) && r->nodes[i].role == PDMESH__ROLE__ROLE_DECODE &&
               r->nodes[i].pool_tokens;
     const uint32_t bt = (uint32_t)r->pool_block_tokens;
-    if (!any || q->beams > 1 || q->n_prompt <= bt) return -1;
+    if (!any || q->beams > 1 || q->n_samples > 1 || q->n_prompt <= bt) return -1;
     *looked = 1;
     uint8_t (*h)[32] = malloc(sizeof(uint8_t[32]) * MAXB);
     uint16_t blocks[RT_KVIDX_MAX_NODES];
@@ -292,6 +292,21 @@ void rt_schedule(pdm_router_t *r)
     rt_req_t *next;
     for (rt_req_t *q = r->head; q; q = next) {
         next = q->next;
+        if (q->fail_code) { /* a choice whose leader failed (request.h, rt_leader_end) */
+            rt_req_fail(r, q, q->fail_code, "%s", q->fail_msg);
+            continue;
+        }
+        if (q->n_samples) { /* a leader of OpenAI's n with no choice left open ends */
+            int open_ = 0;
+            for (uint32_t i = 0; i < q->n_samples && i < RT_MAX_CHOICES; i++)
+                open_ |= q->choice[i] != NULL;
+            /* (choices that all ended normally: their DecodeResult is on its way, and with
+             * it the KV bytes of their one transfer) */
+            if (!open_ && (q->state != RQ_DECODE || q->choice_failed)) {
+                rt_leader_end(r, q, 0, NULL, 1);
+                continue;
+            }
+        }
         if (q->state != RQ_QUEUED) continue;
         if (q->n_gen >= q->max_new) { /* everything was delivered before the node failed */
             rt_req_finish(r, q, PDMESH__FINISH_REASON__FINISH_LENGTH);

@@ -3,6 +3,10 @@
  * ROUTER socket, answered with Accepted, TokenChunk (stream), GenerateResult or Error.
  * A client whose identity is gone (ZMQ_ROUTER_MANDATORY send fails) has its requests
  * cancelled on the next tick.
+ * OpenAI's n (GenerateRequest.n > 1): one entry per choice, all with the request's id; each
+ * choice's TokenChunks and its GenerateResult carry `choice`, so the client gets n results.
+ * The first choice to fail answers with the request's one Error; its siblings are then
+ * cancelled quietly (as if their client were gone), and a CancelRequest cancels them all.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +22,7 @@ typedef struct rt_zc {
     size_t ident_len;
     uint64_t client_id, router_id;
     int stream, gone;
+    uint32_t choice;         /* OpenAI's n: the choice this entry carries (0: the only one) */
 } rt_zc_t;
 
 typedef struct {
@@ -63,6 +68,7 @@ static void rt_zc_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, si
     if (!c->stream) return;
     Pdmesh__TokenChunk t = PDMESH__TOKEN_CHUNK__INIT;
     t.request_id = c->client_id;
+    t.choice = c->choice;
     t.index = index;
     t.tokens = (int32_t *)tokens;
     t.n_tokens = n;
@@ -77,16 +83,25 @@ static void rt_zc_on_tokens(void *ctx, uint32_t index, const int32_t *tokens, si
 static void rt_zc_on_result(void *ctx, const Pdmesh__GenerateResult *res)
 {
     rt_zc_t *c = ctx;
-    rt_zc_send(c, PDMESH__MSG_TYPE__MSG_GENERATE_RESULT, &res->base);
+    Pdmesh__GenerateResult out = *res;
+    out.choice = c->choice;
+    rt_zc_send(c, PDMESH__MSG_TYPE__MSG_GENERATE_RESULT, &out.base);
     rt_zc_free(c->r, c);
 }
 
 static void rt_zc_on_error(void *ctx, int code, const char *message)
 {
     rt_zc_t *c = ctx;
-    if (!c->gone)
+    if (!c->gone) {
         pdm_wire_send_error(c->r->client_sock, c->ident, c->ident_len, code, c->client_id, "%s",
                             message);
+        /* the request's one Error went out: its other choices end unseen (the sweep) */
+        rt_zfront_t *z = c->r->zfront;
+        for (rt_zc_t *o = z->head; o; o = o->next)
+            if (o != c && o->client_id == c->client_id && o->ident_len == c->ident_len &&
+                !memcmp(o->ident, c->ident, c->ident_len))
+                o->gone = 1;
+    }
     rt_zc_free(c->r, c);
 }
 
@@ -121,6 +136,12 @@ void rt_on_client_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
                                 g->request_id, "routing id too long");
             break;
         }
+        const uint32_t n_choices = g->n > 1 ? g->n : 1;
+        if (n_choices > 8) {
+            pdm_wire_send_error(s, ident, ident_len, PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT,
+                                g->request_id, "n %u: at most 8 choices", g->n);
+            break;
+        }
         int dup = 0;
         for (rt_zc_t *c = z->head; c && !dup; c = c->next)
             dup = c->ident_len == ident_len && !memcmp(c->ident, ident, ident_len) &&
@@ -131,49 +152,68 @@ void rt_on_client_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
                                 (unsigned long long)g->request_id);
             break;
         }
-        rt_zc_t *c = calloc(1, sizeof(*c));
-        if (!c) {
+        rt_zc_t *cs[8] = {0};
+        pdm_router_sink_t sinks[8];
+        uint64_t ids[8];
+        int oom = 0;
+        for (uint32_t k = 0; k < n_choices; k++) {
+            rt_zc_t *c = cs[k] = calloc(1, sizeof(*c));
+            if (!c) {
+                oom = 1;
+                break;
+            }
+            c->r = r;
+            memcpy(c->ident, ident, ident_len);
+            c->ident_len = ident_len;
+            c->client_id = g->request_id;
+            c->stream = g->stream;
+            c->choice = k;
+            sinks[k] = (pdm_router_sink_t){c, rt_zc_on_tokens, rt_zc_on_result, rt_zc_on_error,
+                                           NULL};
+        }
+        if (oom) {
+            for (uint32_t k = 0; k < n_choices; k++) free(cs[k]);
             pdm_wire_send_error(s, ident, ident_len, PDMESH__ERROR_CODE__ERR_INTERNAL,
                                 g->request_id, "out of memory");
             break;
         }
-        c->r = r;
-        memcpy(c->ident, ident, ident_len);
-        c->ident_len = ident_len;
-        c->client_id = g->request_id;
-        c->stream = g->stream;
         char client[96] = "zmq:";
         char *hex = pdm_hex_encode(ident, PDM_MIN(ident_len, 40));
         snprintf(client + 4, sizeof(client) - 4, "%s", hex ? hex : "?");
         free(hex);
-        pdm_router_sink_t sink = {c, rt_zc_on_tokens, rt_zc_on_result, rt_zc_on_error, NULL};
         int code = 0;
-        if (pdm_router_submit(r, g, client, &sink, &c->router_id, &code)) {
+        if (pdm_router_submit(r, g, client, sinks, ids, &code)) {
             pdm_wire_send_error(s, ident, ident_len, code, g->request_id, "%s", pdm_error_last());
-            free(c);
+            for (uint32_t k = 0; k < n_choices; k++) free(cs[k]);
             break;
         }
-        c->next = z->head;
-        if (z->head) z->head->prev = c;
-        z->head = c;
+        for (uint32_t k = 0; k < n_choices; k++) {
+            rt_zc_t *c = cs[k];
+            c->router_id = ids[k];
+            c->next = z->head;
+            if (z->head) z->head->prev = c;
+            z->head = c;
+        }
         Pdmesh__Accepted a = PDMESH__ACCEPTED__INIT;
         a.request_id = g->request_id;
-        a.router_request_id = c->router_id;
-        rt_zc_send(c, PDMESH__MSG_TYPE__MSG_ACCEPTED, &a.base);
+        a.router_request_id = ids[0];
+        rt_zc_send(cs[0], PDMESH__MSG_TYPE__MSG_ACCEPTED, &a.base);
         break;
     }
     case PDMESH__MSG_TYPE__MSG_CANCEL_REQUEST: {
         const Pdmesh__CancelRequest *cr = (Pdmesh__CancelRequest *)msg;
-        rt_zc_t *c = z->head;
-        while (c && !(c->ident_len == ident_len && !memcmp(c->ident, ident, ident_len) &&
-                      c->client_id == cr->request_id))
-            c = c->next;
-        if (!c)
+        /* every choice of it (each cancel frees its entry: the ids are taken first) */
+        uint64_t ids[8];
+        int k = 0;
+        for (rt_zc_t *c = z->head; c && k < 8; c = c->next)
+            if (c->ident_len == ident_len && !memcmp(c->ident, ident, ident_len) &&
+                c->client_id == cr->request_id)
+                ids[k++] = c->router_id;
+        if (!k)
             pdm_wire_send_error(s, ident, ident_len, PDMESH__ERROR_CODE__ERR_NOT_FOUND,
                                 cr->request_id, "no open request %llu",
                                 (unsigned long long)cr->request_id);
-        else
-            pdm_router_cancel(r, c->router_id);
+        for (int j = 0; j < k; j++) pdm_router_cancel(r, ids[j]);
         break;
     }
     case PDMESH__MSG_TYPE__MSG_PING: {

@@ -135,8 +135,11 @@ static struct timespec pdmc__abstime(double t)
 /* ---- data structures ---- */
 
 /* One received TokenChunk, copied out of the protobuf message. */
+#define PDMC_MAX_CHOICES 8 /* request.n */
+
 typedef struct pdmc_chunk {
     struct pdmc_chunk *next;
+    uint32_t choice;
     uint32_t index;
     size_t bytes;    /* counted in the call's buffered bytes */
     pdm_client_logprob_t *logprobs; /* (n_tokens) or NULL: one allocation (pdmc__logprobs_copy) */
@@ -200,7 +203,9 @@ typedef struct pdmc_call {
     int sent;               /* handed to ZeroMQ (lost if the connection drops) */
     int done, status;
     char error[256];
-    pdm_wire_msg_t *final;  /* the GenerateResult, when done with OK */
+    pdm_wire_msg_t *final;  /* the GenerateResult (choice 0's), when done with OK */
+    pdm_wire_msg_t *finals[PDMC_MAX_CHOICES]; /* request.n: each choice's GenerateResult */
+    uint32_t n_choices, n_finals; /* results expected (request.n, at least 1) and come */
     pdmc_chunk_t *head, *tail;
     size_t buffered;
     double t_start, t_first;
@@ -384,6 +389,7 @@ static void pdmc__on_frame(pdm_client_t *c, const void *data, size_t len)
             break;
         }
         ch->next = NULL;
+        ch->choice = t->choice;
         ch->bytes = bytes;
         ch->logprobs = lps;
         ch->index = t->index;
@@ -406,8 +412,13 @@ static void pdmc__on_frame(pdm_client_t *c, const void *data, size_t len)
         Pdmesh__GenerateResult *r = (Pdmesh__GenerateResult *)msg;
         pdmc_call_t *call = *pdmc__slot(c, r->request_id);
         if (!call || call->done) break;
-        call->final = m;
+        /* request.n: one result per choice; the call ends with the last */
+        const uint32_t k = call->n_choices > 1 ? r->choice : 0;
+        if (k >= call->n_choices || k >= PDMC_MAX_CHOICES || call->finals[k]) break;
+        call->finals[k] = m;
         m = NULL; /* kept by the call */
+        if (++call->n_finals < call->n_choices) break;
+        call->final = call->finals[0];
         pdmc__end(call, PDM_CLIENT_OK, "%s", "");
         break;
     }
@@ -796,9 +807,26 @@ static void pdmc__result_init(pdm_client_result_t *r)
     memset(r, 0, sizeof(*r));
 }
 
+/* Frees every GenerateResult a call kept. */
+static void pdmc__free_finals(pdmc_call_t *call)
+{
+    for (int k = 0; k < PDMC_MAX_CHOICES; k++) pdm_wire_msg_free(call->finals[k]);
+    memset(call->finals, 0, sizeof(call->finals));
+    call->final = NULL;
+}
+
 void pdm_client_result_fini(pdm_client_result_t *r)
 {
     if (!r) return;
+    for (size_t i = 0; i < r->n_choices; i++) {
+        free(r->choices[i].tokens);
+        free(r->choices[i].text);
+        free(r->choices[i].logprobs);
+        free(r->choices[i].tool_calls_json);
+        free(r->choices[i].tool_content);
+    }
+    free(r->choices);
+    free(r->tool_calls_json);
     free(r->tokens);
     free(r->text);
     for (size_t i = 0; i < r->n_beams; i++) {
@@ -833,9 +861,13 @@ static int pdmc__validate(const pdm_client_request_t *q)
         return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "messages is empty");
     for (size_t i = 0; i < q->n_messages; i++) {
         const char *role = q->messages[i].role;
-        if (!role || (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant")))
+        if (!role || (strcmp(role, "system") && strcmp(role, "user") &&
+                      strcmp(role, "assistant") && strcmp(role, "tool")))
             return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "message %zu: role must be system, "
-                              "user or assistant", i);
+                              "user, assistant or tool", i);
+        if (q->messages[i].tool_calls_json && strcmp(role, "assistant"))
+            return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "message %zu: tool calls need "
+                                    "the role assistant", i);
         if (!q->messages[i].content)
             return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "message %zu has no content", i);
     }
@@ -893,6 +925,16 @@ static int pdmc__validate(const pdm_client_request_t *q)
                           q->n_best, q->beams);
     if (q->timeout_ms < 0)
         return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "timeout_ms must be >= 0");
+    if (q->n > PDMC_MAX_CHOICES)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "n must be <= %d (%u given)",
+                                PDMC_MAX_CHOICES, q->n);
+    if (q->n > 1 && (q->beams > 1 || q->prompt_only))
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "n > 1 cannot be combined with "
+                                "beams or prompt_only");
+    if ((q->tools_json || q->tool_choice) && !q->n_messages)
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "tools need a chat (messages)");
+    if (q->tool_choice && !q->tools_json && strcmp(q->tool_choice, "none"))
+        return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "tool_choice needs tools_json");
     return PDM_CLIENT_OK;
 }
 
@@ -920,6 +962,10 @@ static int pdmc__pack_request(const pdm_client_request_t *q, uint64_t id, int st
             pdmesh__chat_message__init(&msgs[i]);
             msgs[i].role = (char *)q->messages[i].role;
             msgs[i].content = (char *)q->messages[i].content;
+            if (q->messages[i].tool_calls_json)
+                msgs[i].tool_calls_json = (char *)q->messages[i].tool_calls_json;
+            if (q->messages[i].tool_call_id)
+                msgs[i].tool_call_id = (char *)q->messages[i].tool_call_id;
             msgp[i] = &msgs[i];
         }
         m.messages = msgp;
@@ -955,6 +1001,9 @@ static int pdmc__pack_request(const pdm_client_request_t *q, uint64_t id, int st
     m.stream = stream;
     m.model = (char *)q->model;
     m.ignore_eos = q->ignore_eos != 0;
+    m.n = q->n > 1 ? q->n : 0;
+    if (q->tools_json) m.tools_json = (char *)q->tools_json;
+    if (q->tool_choice) m.tool_choice = (char *)q->tool_choice;
     if (resume && resume->n_tokens) {
         m.resume_tokens = (int32_t *)resume->tokens;
         m.n_resume_tokens = resume->n_tokens;
@@ -1011,6 +1060,10 @@ static int pdmc__fill_result(const Pdmesh__GenerateResult *g, pdm_client_result_
             return PDM_CLIENT_ENOMEM;
         r->n_logprobs = g->n_logprobs;
     }
+    if (g->tool_calls_json && g->tool_calls_json[0]) {
+        free(r->tool_calls_json);
+        if (!(r->tool_calls_json = strdup(g->tool_calls_json))) return PDM_CLIENT_ENOMEM;
+    }
     if (g->n_prompt_logprobs) {
         free(r->prompt_logprobs);
         if (!pdmc__logprobs_copy(g->prompt_logprobs, g->n_prompt_logprobs, &r->prompt_logprobs))
@@ -1034,6 +1087,44 @@ static int pdmc__fill_result(const Pdmesh__GenerateResult *g, pdm_client_result_
             }
         }
     }
+    return PDM_CLIENT_OK;
+}
+
+/* result->choices from each choice's GenerateResult (one for a request without n), and
+ * usage.completion_tokens summed over them. */
+static int pdmc__fill_choices(const pdmc_call_t *call, pdm_client_result_t *r)
+{
+    if (!(r->choices = calloc(call->n_choices, sizeof(*r->choices)))) return PDM_CLIENT_ENOMEM;
+    r->n_choices = call->n_choices;
+    uint32_t total = 0;
+    for (uint32_t k = 0; k < call->n_choices; k++) {
+        const Pdmesh__GenerateResult *g =
+            (const Pdmesh__GenerateResult *)pdm_wire_message(call->finals[k]);
+        pdm_client_result_t one;
+        memset(&one, 0, sizeof(one));
+        int rc = pdmc__fill_result(g, &one);
+        pdm_client_choice_t *ch = &r->choices[k];
+        ch->index = k;
+        ch->finish = one.finish;
+        ch->tokens = one.tokens;
+        ch->n_tokens = one.n_tokens;
+        ch->text = one.text;
+        ch->logprobs = one.logprobs;
+        ch->n_logprobs = one.n_logprobs;
+        ch->tool_calls_json = one.tool_calls_json;
+        ch->completion_tokens = one.usage.completion_tokens;
+        total += one.usage.completion_tokens;
+        one.tokens = NULL;
+        one.text = NULL;
+        one.logprobs = NULL;
+        one.tool_calls_json = NULL;
+        pdm_client_result_fini(&one);
+        if (!rc && !ch->text) rc = PDM_CLIENT_ENOMEM;
+        if (!rc && ch->tool_calls_json && !(ch->tool_content = pdmc__strdup0(g->tool_content)))
+            rc = PDM_CLIENT_ENOMEM;
+        if (rc) return rc;
+    }
+    r->usage.completion_tokens = total;
     return PDM_CLIENT_OK;
 }
 
@@ -1099,6 +1190,7 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
     memset(&call, 0, sizeof(call));
     call.id = id;
     call.stream = stream;
+    call.n_choices = q->n > 1 ? q->n : 1;
     call.t_start = pdmc__now();
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -1139,10 +1231,13 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
             if (!call.head) call.tail = NULL;
             call.buffered -= PDM_MIN(call.buffered, ch->bytes);
             pthread_mutex_unlock(&c->mu);
-            int stop = 0, arc = pdmc__append(res, &cap_tokens, &text_len, &cap_text, ch);
+            /* the result's stream text is choice 0's (the final results give every choice) */
+            int stop = 0, arc = ch->choice ? PDM_CLIENT_OK
+                                           : pdmc__append(res, &cap_tokens, &text_len,
+                                                          &cap_text, ch);
             if (cb && !arc) {
-                pdm_client_chunk_t pub = {id, ch->index, ch->tokens, ch->n_tokens, ch->text,
-                                          ch->text_len, ch->logprobs,
+                pdm_client_chunk_t pub = {id, ch->choice, ch->index, ch->tokens, ch->n_tokens,
+                                          ch->text, ch->text_len, ch->logprobs,
                                           ch->logprobs ? ch->n_tokens : 0};
                 stop = cb(&pub, data);
             }
@@ -1154,8 +1249,7 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
                 /* The caller wants no more chunks: cancelled even if the router's final result
                  * is already here (the caller has not seen all of it). */
                 if (call.done && call.status == PDM_CLIENT_OK) {
-                    pdm_wire_msg_free(call.final);
-                    call.final = NULL;
+                    pdmc__free_finals(&call);
                     call.status = PDM_CLIENT_ECANCELLED;
                     snprintf(call.error, sizeof(call.error), "cancelled by the callback");
                 }
@@ -1206,12 +1300,12 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
         free(res->tokens);
         res->tokens = NULL;
         res->n_tokens = 0;
-        if (pdmc__fill_result(g, res)) {
+        if (pdmc__fill_result(g, res) || pdmc__fill_choices(&call, res)) {
             rc = PDM_CLIENT_ENOMEM;
             snprintf(call.error, sizeof(call.error), "out of memory copying the result");
         }
     }
-    pdm_wire_msg_free(call.final);
+    pdmc__free_finals(&call);
     pthread_cond_destroy(&call.cond);
     if (!res->text && !(res->text = strdup(""))) rc = PDM_CLIENT_ENOMEM;
     res->status = rc;
@@ -1274,7 +1368,8 @@ static int pdmc__keep_delivered(const pdm_client_result_t *src, int32_t **tokens
 static int pdmc__run_failover(pdm_client_t *c, const pdm_client_request_t *q, int stream,
                               pdm_client_chunk_cb cb, void *data, pdm_client_result_t *res)
 {
-    if (!c || !c->n_alt) return pdmc__run(c, q, stream, NULL, cb, data, res);
+    /* (a request with n > 1 is not resumed elsewhere: a resume carries one completion) */
+    if (!c || !c->n_alt || (q && q->n > 1)) return pdmc__run(c, q, stream, NULL, cb, data, res);
     if (!res) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "result is NULL");
     if (!q) return pdmc__run(c, q, stream, NULL, cb, data, res);
     const int n_routers = c->n_alt + 1;

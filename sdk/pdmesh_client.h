@@ -125,8 +125,11 @@ void pdm_client_destroy(pdm_client_t *c);
 int pdm_client_ping(pdm_client_t *c, int timeout_ms);
 
 typedef struct {
-    const char *role;        /* "system", "user" or "assistant" */
+    const char *role;        /* "system", "user", "assistant" or "tool" */
     const char *content;
+    const char *tool_calls_json; /* assistant: the calls it made, OpenAI's tool_calls list as
+                                    JSON text (a result's tool_calls_json), or NULL */
+    const char *tool_call_id; /* tool: the call this message answers (its "id"), or NULL */
 } pdm_client_message_t;
 
 /* A generation request. Exactly one of prompt / prompt_tokens / messages must be set.
@@ -192,6 +195,20 @@ typedef struct {
      * PDM_CLIENT_EINVALID_ARGUMENT and a message naming the keyword. Not with beam search. */
     const char *json_schema;
     int json_object;
+    /* OpenAI's n (docs/http.md "n"): choices of the prompt, 0/1 = one, at most 8. They share
+     * one prefill, one KV transfer and the decode node's prompt KV; choice i samples with the
+     * seed pdm_sampler_seed_for_choice(seed, i) (choice 0 keeps `seed`). The result holds each
+     * in choices[] (its tokens/text are choice 0's); streamed chunks name their choice. Not
+     * with beams, prompt_only or a failover resume. */
+    uint32_t n;
+    /* Tools (chat only; docs/http.md "Tools"): OpenAI's tools list as JSON text ([{"type":
+     * "function", "function": {"name", "description", "parameters"}}]), rendered by the
+     * model's chat template (Qwen 2.5/3, Llama 3.x); tool_choice NULL/"auto", "none",
+     * "required" or a function's name ("required" and a name are enforced with the grammar;
+     * not with json_schema). Calls found in the output come back parsed: a choice's
+     * tool_calls_json. */
+    const char *tools_json;
+    const char *tool_choice;
 } pdm_client_request_t;
 
 /* Fills r with the defaults (greedy, router defaults for the rest). */
@@ -226,6 +243,22 @@ typedef struct pdm_client_logprob {
     size_t n_top;
 } pdm_client_logprob_t;
 
+/* One choice of a request with n > 1 (request.n), or the only one. */
+typedef struct {
+    uint32_t index;                  /* its index (0..n-1) */
+    pdm_client_finish_t finish;
+    int32_t *tokens;                 /* (n_tokens) */
+    size_t n_tokens;
+    char *text;                      /* NUL-terminated, never NULL */
+    pdm_client_logprob_t *logprobs;  /* (n_logprobs) request.logprobs: one per token */
+    size_t n_logprobs;
+    char *tool_calls_json;           /* request.tools: the calls in text, OpenAI's tool_calls
+                                        list as JSON text ([{"id", "type": "function",
+                                        "function": {"name", "arguments"}}]); NULL: none */
+    char *tool_content;              /* with tool_calls_json: the text outside the calls */
+    uint32_t completion_tokens;      /* its usage (the prompt's is shared: result.usage) */
+} pdm_client_choice_t;
+
 /* The outcome of a call, owned by the caller; release with pdm_client_result_fini. Filled on
  * success AND on failure (status, error; tokens streamed before a failure are kept). */
 typedef struct {
@@ -252,6 +285,11 @@ typedef struct {
     pdm_client_logprob_t *prompt_logprobs; /* (n_prompt_logprobs) request.prompt_logprobs: one
                                         per prompt token (the first's logprob is NAN) */
     size_t n_prompt_logprobs;
+    pdm_client_choice_t *choices;    /* (n_choices) every choice, in index order (one when
+                                        request.n <= 1; tokens/text above are choice 0's);
+                                        usage.completion_tokens sums them */
+    size_t n_choices;
+    char *tool_calls_json;           /* choice 0's (request.tools), or NULL */
 } pdm_client_result_t;
 
 void pdm_client_result_fini(pdm_client_result_t *r);
@@ -260,7 +298,8 @@ void pdm_client_result_fini(pdm_client_result_t *r);
  * pointers are valid during the callback only. */
 typedef struct {
     uint64_t id;
-    uint32_t index;
+    uint32_t choice;                 /* request.n > 1: the choice these tokens belong to */
+    uint32_t index;                  /* in that choice's completion */
     const int32_t *tokens;
     size_t n_tokens;
     const char *text;
@@ -282,7 +321,8 @@ int pdm_client_generate(pdm_client_t *c, const pdm_client_request_t *req,
                         pdm_client_result_t *result);
 
 /* Streaming generation: like pdm_client_generate, and cb is called for each chunk of tokens
- * as the router streams them, in order. result->text/tokens hold the whole completion. */
+ * as the router streams them, in order per choice (chunks of different choices interleave).
+ * result->text/tokens hold the whole completion (choice 0's), result->choices every choice. */
 int pdm_client_generate_stream(pdm_client_t *c, const pdm_client_request_t *req,
                                pdm_client_chunk_cb cb, void *data, pdm_client_result_t *result);
 

@@ -34,14 +34,14 @@ int main(int argc, char **argv)
     size_t n = 0;
     int status = 0;
     char line[4096];
-    turns[n++] = (pdm_client_message_t){"system", "You are a helpful assistant."};
+    turns[n++] = (pdm_client_message_t){.role = "system", .content = "You are a helpful assistant."};
     owned[0] = NULL;
     fprintf(stderr, "> ");
     while (n + 2 <= MAX_TURNS && fgets(line, sizeof(line), stdin)) {
         line[strcspn(line, "\n")] = 0;
         if (!*line) continue;
         owned[n] = strdup(line);
-        turns[n] = (pdm_client_message_t){"user", owned[n]};
+        turns[n] = (pdm_client_message_t){.role = "user", .content = owned[n]};
         n++;
         pdm_client_request_t req;
         pdm_client_request_init(&req);
@@ -63,7 +63,7 @@ int main(int argc, char **argv)
                     : 0.0);
         owned[n] = res.text; /* the answer joins the conversation */
         res.text = NULL;
-        turns[n] = (pdm_client_message_t){"assistant", owned[n]};
+        turns[n] = (pdm_client_message_t){.role = "assistant", .content = owned[n]};
         n++;
         pdm_client_result_fini(&res);
     }

@@ -263,7 +263,7 @@ static char *params_json(const Pdmesh__GenerateRequest *req)
     return s;
 }
 
-int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const char *client,
+static int submit_one(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const char *client,
                       const pdm_router_sink_t *sink, uint64_t *id, int *code)
 {
     const char *text = req->prompt && req->prompt[0] ? req->prompt : "";
@@ -309,6 +309,23 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     *id = q->id;
     printf("submit %llu %s\n", (unsigned long long)q->id, client);
     fflush(stdout);
+    return PDM_OK;
+}
+
+/* OpenAI's n: one scripted request per choice, each with its own sink (router.h). */
+int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const char *client,
+                      const pdm_router_sink_t *sinks, uint64_t *ids, int *code)
+{
+    const uint32_t n = req->n > 1 ? req->n : 1;
+    if (n > 8) {
+        *code = PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT;
+        return pdm_error_set(PDM_EINVAL, "n %u: at most 8 choices", n);
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        /* a scripted refusal comes with the first choice (the same prompt for all) */
+        int st = submit_one(r, req, client, &sinks[i], &ids[i], code);
+        if (st) return st;
+    }
     return PDM_OK;
 }
 

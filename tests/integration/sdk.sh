@@ -188,6 +188,13 @@ grep -q FAIL "$tmp/out" && cat "$tmp/out"
 expect "C SDK: json_schema, json_object, a refused keyword" 0 timeout 300 "$bin/pdm-sdk-itest" structured "$ep" 120
 expect "python: json_schema, json_object, a refused keyword" 0 timeout 300 "$py" tests/integration/sdk_python.py structured "$ep" 120
 grep -q FAIL "$tmp/out" && cat "$tmp/out"
+# OpenAI's n (the choices share the prompt: one prefill through the group) and tools.
+expect "C SDK: n=3 choices, streamed per choice, greedy choices equal, n=9 refused" 0 timeout 300 "$bin/pdm-sdk-itest" nchoices "$ep" 16 "$sp"
+expect "python: n=3 choices, streamed per choice, greedy choices equal, n=9 refused" 0 timeout 300 "$py" tests/integration/sdk_python.py nchoices "$ep" "$sp" 16
+grep -q FAIL "$tmp/out" && cat "$tmp/out"
+expect "C SDK: tools (required, named, the next turn)" 0 timeout 300 "$bin/pdm-sdk-itest" tools "$ep" 60
+expect "python: tools (required, named, the next turn, with n=2)" 0 timeout 300 "$py" tests/integration/sdk_python.py tools "$ep" 60
+grep -q FAIL "$tmp/out" && cat "$tmp/out"
 ctl policy set local_threshold 32 > /dev/null
 
 # Beam search (local prefill at this threshold): C SDK (pdmesh generate --router) and Python

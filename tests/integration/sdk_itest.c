@@ -53,6 +53,8 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+#define PDM_NCHOICES_TEST 3
+
 static void greedy(pdm_client_request_t *q, const char *prompt, long n)
 {
     pdm_client_request_init(q);
@@ -473,7 +475,8 @@ static int cmd_structured(const char *ep, long n)
 {
     pdm_client_t *c;
     if (pdm_client_create(ep, NULL, &c)) return 1;
-    static const pdm_client_message_t msg = {"user", "John is 31. Give his name and age as JSON."};
+    static const pdm_client_message_t msg = {.role = "user",
+                                             .content = "John is 31. Give his name and age as JSON."};
     pdm_client_request_t q;
     greedy(&q, NULL, n);
     q.messages = &msg;
@@ -626,6 +629,178 @@ static int cmd_ha_loop(const char *ep, int threads, double seconds, uint32_t n, 
     return 0;
 }
 
+/* ---- n choices and tools ---- */
+
+/* Texts of a streamed request's choices, joined from their chunks. */
+typedef struct {
+    char text[PDM_NCHOICES_TEST][4096];
+    size_t len[PDM_NCHOICES_TEST];
+    int bad;
+} nchunks_t;
+
+static int on_nchunk(const pdm_client_chunk_t *ch, void *data)
+{
+    nchunks_t *t = data;
+    if (ch->choice >= PDM_NCHOICES_TEST) {
+        t->bad = 1;
+        return 0;
+    }
+    size_t *l = &t->len[ch->choice];
+    if (*l + ch->text_len < sizeof(t->text[0])) {
+        memcpy(t->text[ch->choice] + *l, ch->text, ch->text_len);
+        *l += ch->text_len;
+        t->text[ch->choice][*l] = 0;
+    }
+    return 0;
+}
+
+/* n = 3 seeded at temperature 0.9 (blocking and streamed): three choices with their own
+ * indexes, texts and counts, the stream's chunks name their choice and join to the same texts,
+ * completion tokens summed; the same request twice gives the same choices; temperature 0:
+ * every choice is the same (greedy) text; n = 9 is refused here. */
+static int cmd_nchoices(const char *ep, long n, const char *prompt)
+{
+    pdm_client_t *c;
+    if (pdm_client_create(ep, NULL, &c)) return 1;
+    pdm_client_request_t q;
+    greedy(&q, prompt, n);
+    q.n = PDM_NCHOICES_TEST;
+    q.temperature = 0.9f;
+    q.seed = 17;
+    int status = 0, rc;
+    pdm_client_result_t r, again;
+    static nchunks_t st;
+    memset(&st, 0, sizeof(st));
+    if ((rc = pdm_client_generate(c, &q, &r))) {
+        status = fail("n=3", &r, rc);
+        goto out;
+    }
+    uint32_t sum = 0;
+    int differ = 0;
+    for (size_t i = 0; i < r.n_choices; i++) {
+        sum += r.choices[i].completion_tokens;
+        differ |= strcmp(r.choices[i].text, r.choices[0].text) != 0;
+        if (r.choices[i].index != i || r.choices[i].n_tokens != r.choices[i].completion_tokens)
+            status = 1;
+    }
+    if (r.n_choices != PDM_NCHOICES_TEST || status || sum != r.usage.completion_tokens ||
+        strcmp(r.text, r.choices[0].text) || !differ) {
+        fprintf(stderr, "n=3: %zu choices, %u tokens summed vs %u, differ %d\n", r.n_choices,
+                sum, r.usage.completion_tokens, differ);
+        status = 1;
+    }
+    if (!status && (rc = pdm_client_generate_stream(c, &q, on_nchunk, &st, &again)) == 0) {
+        for (size_t i = 0; i < again.n_choices; i++)
+            if (strcmp(st.text[i], r.choices[i].text) || strcmp(again.choices[i].text,
+                                                                  r.choices[i].text)) {
+                fprintf(stderr, "n=3 streamed: choice %zu: %s / %s vs %s\n", i, st.text[i],
+                        again.choices[i].text, r.choices[i].text);
+                status = 1;
+            }
+        if (st.bad || again.n_choices != PDM_NCHOICES_TEST) status = 1;
+        pdm_client_result_fini(&again);
+    } else if (!status) {
+        status = fail("n=3 streamed", &again, rc);
+        pdm_client_result_fini(&again);
+    }
+    pdm_client_result_fini(&r);
+    q.temperature = 0;
+    if (!status && !(rc = pdm_client_generate(c, &q, &r))) {
+        for (size_t i = 1; i < r.n_choices; i++)
+            if (strcmp(r.choices[i].text, r.choices[0].text)) {
+                fprintf(stderr, "n=3 greedy: choice %zu differs\n", i);
+                status = 1;
+            }
+        pdm_client_result_fini(&r);
+    } else if (!status) {
+        status = fail("n=3 greedy", &r, rc);
+        pdm_client_result_fini(&r);
+    }
+    q.n = 9;
+    rc = pdm_client_generate(c, &q, &r);
+    if (rc != PDM_CLIENT_EINVALID_ARGUMENT) {
+        fprintf(stderr, "n=9 not refused: %s\n", pdm_client_status_name(rc));
+        status = 1;
+    }
+    pdm_client_result_fini(&r);
+out:
+    pdm_client_destroy(c);
+    printf("%s\n", status ? "FAIL nchoices" : "ok nchoices");
+    return status;
+}
+
+/* tool_choice "required" (the grammar forces a call whatever the model): the result's
+ * tool_calls_json names one of the tools with arguments that are a JSON object; then a
+ * conversation with that call and a tool result is answered; a named function is called. */
+static int cmd_tools(const char *ep, long n)
+{
+    static const char tools[] =
+        "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":"
+        "\"Weather of a city\",\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":"
+        "{\"type\":\"string\"}},\"required\":[\"city\"]}}},{\"type\":\"function\",\"function\""
+        ":{\"name\":\"get_time\",\"parameters\":{\"type\":\"object\",\"properties\":{\"zone\":"
+        "{\"type\":\"string\"}},\"required\":[\"zone\"],\"additionalProperties\":false}}}]";
+    pdm_client_t *c;
+    if (pdm_client_create(ep, NULL, &c)) return 1;
+    pdm_client_message_t msgs[3] = {{"user", "What is the weather in Paris?", NULL, NULL}};
+    pdm_client_request_t q;
+    greedy(&q, NULL, n);
+    q.messages = msgs;
+    q.n_messages = 1;
+    q.tools_json = tools;
+    q.tool_choice = "required";
+    int status = 0, rc;
+    pdm_client_result_t r;
+    char *calls = NULL;
+    if ((rc = pdm_client_generate(c, &q, &r))) {
+        status = fail("tools required", &r, rc);
+    } else {
+        cJSON *v = r.tool_calls_json ? cJSON_Parse(r.tool_calls_json) : NULL;
+        cJSON *fn = cJSON_GetObjectItem(cJSON_GetArrayItem(v, 0), "function");
+        const char *name = cJSON_GetStringValue(cJSON_GetObjectItem(fn, "name"));
+        const char *args = cJSON_GetStringValue(cJSON_GetObjectItem(fn, "arguments"));
+        cJSON *a = args ? cJSON_Parse(args) : NULL;
+        if (!name || (strcmp(name, "get_weather") && strcmp(name, "get_time")) ||
+            !cJSON_IsObject(a) || r.n_choices != 1 || !r.choices[0].tool_calls_json) {
+            fprintf(stderr, "tools required: %s / %s\n", r.text,
+                    r.tool_calls_json ? r.tool_calls_json : "(no calls)");
+            status = 1;
+        }
+        cJSON_Delete(a);
+        cJSON_Delete(v);
+        calls = r.tool_calls_json ? strdup(r.tool_calls_json) : NULL;
+    }
+    pdm_client_result_fini(&r);
+    if (!status && calls) { /* the next turn: the call and its result */
+        cJSON *v = cJSON_Parse(calls);
+        const char *id = cJSON_GetStringValue(cJSON_GetObjectItem(cJSON_GetArrayItem(v, 0), "id"));
+        msgs[1] = (pdm_client_message_t){"assistant", "", calls, NULL};
+        msgs[2] = (pdm_client_message_t){"tool", "{\"temperature\": 21}", NULL, id};
+        q.n_messages = 3;
+        q.tool_choice = "none";
+        if ((rc = pdm_client_generate(c, &q, &r)) || r.tool_calls_json) {
+            status = rc ? fail("tools: the next turn", &r, rc) : 1;
+            if (!rc) fprintf(stderr, "tools none: calls %s\n", r.tool_calls_json);
+        }
+        pdm_client_result_fini(&r);
+        cJSON_Delete(v);
+    }
+    q.n_messages = 1;
+    q.tool_choice = "get_time";
+    if (!status) {
+        if ((rc = pdm_client_generate(c, &q, &r)) || !r.tool_calls_json ||
+            !strstr(r.tool_calls_json, "\"get_time\"")) {
+            status = rc ? fail("tools named", &r, rc) : 1;
+            if (!rc) fprintf(stderr, "tools named: %s\n", r.text);
+        }
+        pdm_client_result_fini(&r);
+    }
+    free(calls);
+    pdm_client_destroy(c);
+    printf("%s\n", status ? "FAIL tools" : "ok tools");
+    return status;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 3) {
@@ -638,6 +813,8 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "timeout") && argc == 4) return cmd_timeout(ep, atoi(argv[3]));
     if (!strcmp(cmd, "ping") && argc == 4) return cmd_ping(ep, atoi(argv[3]));
     if (!strcmp(cmd, "structured") && argc == 4) return cmd_structured(ep, atol(argv[3]));
+    if (!strcmp(cmd, "nchoices") && argc == 5) return cmd_nchoices(ep, atol(argv[3]), argv[4]);
+    if (!strcmp(cmd, "tools") && argc == 4) return cmd_tools(ep, atol(argv[3]));
     if (!strcmp(cmd, "ha-loop") && argc == 7)
         return cmd_ha_loop(ep, atoi(argv[3]), atof(argv[4]), (uint32_t)atol(argv[5]), argv[6]);
     if (!strcmp(cmd, "sampling") && argc == 7)

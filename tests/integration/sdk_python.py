@@ -221,6 +221,72 @@ def structured(endpoint, n):
                   str(e))
 
 
+def nchoices(endpoint, prompt, n):
+    """n = 3: Result.choices, chunks naming their choice, usage summed; greedy choices equal;
+    n = 9 refused."""
+    with pdmesh.Client(endpoint, timeout=300) as c:
+        r = c.generate(prompt, max_tokens=n, temperature=0.9, seed=17, n=3)
+        check("python n=3: three choices, in index order",
+              [x.index for x in r.choices] == [0, 1, 2], repr(r.choices))
+        check("python n=3: text/tokens are choice 0's, usage sums the choices",
+              r.text == r.choices[0].text and r.tokens == r.choices[0].tokens and
+              r.usage["completion_tokens"] == sum(len(x.tokens) for x in r.choices))
+        check("python n=3: the samples differ", len({x.text for x in r.choices}) > 1,
+              repr([x.text for x in r.choices]))
+        s = c.stream(prompt, max_tokens=n, temperature=0.9, seed=17, n=3)
+        texts = {}
+        for ch in s:
+            texts[ch.choice] = texts.get(ch.choice, "") + ch.text
+        check("python n=3 streamed: chunks name their choice, same texts",
+              [texts.get(i) for i in range(3)] == [x.text for x in r.choices] and
+              [x.text for x in s.result.choices] == [x.text for x in r.choices], repr(texts))
+        g = c.generate(prompt, max_tokens=n, temperature=0, n=2)
+        check("python n=2 greedy: both choices the same text",
+              len(g.choices) == 2 and g.choices[0].text == g.choices[1].text)
+        try:
+            c.generate(prompt, max_tokens=2, n=9)
+            check("python n=9 refused", False)
+        except pdmesh.InvalidArgumentError:
+            check("python n=9 refused", True)
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"],
+        "additionalProperties": False}}}]
+
+
+def tools(endpoint, n):
+    """tool_choice "required" and a named function (forced by the grammar): parsed ToolCalls;
+    the next turn with the call and a tool result; "none": no calls."""
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with pdmesh.Client(endpoint, timeout=300) as c:
+        r = c.generate(messages=msgs, max_tokens=n, tools=TOOLS, tool_choice="required")
+        ok = len(r.tool_calls) >= 1 and r.tool_calls[0].name in ("get_weather", "get_time")
+        args = r.tool_calls[0].args() if ok else None
+        check("python tools required: a parsed call of one of the tools, object arguments",
+              ok and isinstance(args, dict) and r.choices[0].tool_calls == r.tool_calls,
+              r.text)
+        if ok:
+            turn = msgs + [{"role": "assistant", "content": None, "tool_calls": r.tool_calls},
+                           {"role": "tool", "tool_call_id": r.tool_calls[0].id,
+                            "content": json.dumps({"temperature": 21})}]
+            a = c.generate(messages=turn, max_tokens=n, tools=TOOLS, tool_choice="none")
+            check("python tools: the next turn (call + result) is answered, no call",
+                  not a.tool_calls, a.text)
+        r = c.generate(messages=msgs, max_tokens=n, tools=TOOLS,
+                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+        check("python tools named: get_time is called",
+              [t.name for t in r.tool_calls][:1] == ["get_time"], r.text)
+        r = c.generate(messages=msgs, max_tokens=n, tools=TOOLS, tool_choice="required", n=2,
+                       temperature=0.8, seed=3)
+        check("python tools with n=2: each choice has its parsed call",
+              len(r.choices) == 2 and all(x.tool_calls for x in r.choices), repr(r.choices))
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "live":
@@ -233,6 +299,10 @@ if __name__ == "__main__":
         beams(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif mode == "structured":
         structured(sys.argv[2], int(sys.argv[3]))
+    elif mode == "nchoices":
+        nchoices(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif mode == "tools":
+        tools(sys.argv[2], int(sys.argv[3]))
     elif mode == "sampling":
         sampling(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     sys.exit(1 if failures else 0)

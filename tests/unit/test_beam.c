@@ -781,15 +781,32 @@ END_TEST
  * `finish_sample` is finished after its token `finish_at` (-1: never), so the live rows are
  * compacted in the middle. Writes each sample's tokens to toks[i][max_new], their counts to
  * n_toks[i]. */
+static void nsamp_run_prime(pdm_model_ctx_t *ctx, const int32_t *prompt, int n_prompt,
+                            const pdm_sampler_params_t *sp, int n, int max_new,
+                            int finish_sample, int finish_at, int prime, int32_t toks[][32],
+                            int *n_toks);
+
 static void nsamp_run(pdm_model_ctx_t *ctx, const int32_t *prompt, int n_prompt,
                       const pdm_sampler_params_t *sp, int n, int max_new, int finish_sample,
                       int finish_at, int32_t toks[][32], int *n_toks)
+{
+    nsamp_run_prime(ctx, prompt, n_prompt, sp, n, max_new, finish_sample, finish_at, 0, toks,
+                    n_toks);
+}
+
+/* nsamp_run; prime: the first tokens from the prefill's own logits (pdm_nsamp_prime, as the
+ * decode node does after a local prefill) instead of the priming step. */
+static void nsamp_run_prime(pdm_model_ctx_t *ctx, const int32_t *prompt, int n_prompt,
+                            const pdm_sampler_params_t *sp, int n, int max_new,
+                            int finish_sample, int finish_at, int prime, int32_t toks[][32],
+                            int *n_toks)
 {
     const pdm_model_t *m = pdm_model_ctx_model(ctx);
     const int V = (int)m->hp.n_vocab;
     pdm_kv_cache_t *pc;
     ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n_prompt, PDM_DT_F16, &pc), 0);
-    ck_assert_int_eq(pdm_model_prefill(ctx, pc, prompt, n_prompt, NULL), 0);
+    float *first = malloc(sizeof(float) * (size_t)V);
+    ck_assert_int_eq(pdm_model_prefill(ctx, pc, prompt, n_prompt, first), 0);
     pdm_beam_kv_t *kv;
     pdm_nsamp_t *g;
     ck_assert_int_eq(pdm_beam_kv_create(&m->hp, pc, n_prompt, n, max_new, &kv), 0);
@@ -798,6 +815,19 @@ static void nsamp_run(pdm_model_ctx_t *ctx, const int32_t *prompt, int n_prompt,
     ck_assert_int_eq(pdm_act_alloc(&m->hp, PDM_NSAMP_MAX, &act), 0);
     float *logits = malloc(sizeof(float) * (size_t)V * PDM_NSAMP_MAX);
     for (int i = 0; i < n; i++) n_toks[i] = 0;
+    if (prime) {
+        pdm_nsamp_token_t out[PDM_NSAMP_MAX];
+        ck_assert_int_eq(pdm_nsamp_prime(g, first, out), n);
+        ck_assert(pdm_nsamp_primed(g) == 0 && kv->primed); /* drawn; rows follow on advance */
+        for (int j = 0; j < n; j++) {
+            ck_assert_int_eq(out[j].index, 0);
+            toks[out[j].sample][n_toks[out[j].sample]++] = out[j].token;
+        }
+        pdm_nsamp_advance(g);
+        ck_assert_int_eq(pdm_nsamp_prime(g, first, out), 0); /* once only */
+        ck_assert_int_eq(kv->n_live, n);
+    }
+    free(first);
     for (;;) {
         int32_t in[PDM_NSAMP_MAX];
         pdm_decode_seq_t seqs[PDM_NSAMP_MAX];
@@ -941,6 +971,37 @@ static void nsamp_seeded(pdm_model_t *m, const int32_t *prompt, int n_prompt, in
     pdm_model_ctx_destroy(ctx);
 }
 
+/* Priming from the prefill's logits (the decode node after a local prefill): sample i equals
+ * the ordinary request with its derived seed, first token included (tiny model: bit for bit),
+ * the first tokens' rows are stored at response step 0. */
+START_TEST(test_nsamp_prime)
+{
+    pdm_model_t *m = tiny_model();
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
+    int32_t prompt[9] = {5, 17, 99, 3, 250, 41, 7, 7, 120};
+    pdm_sampler_params_t sp;
+    pdm_sampler_params_default(&sp);
+    sp.temperature = 1.0f;
+    sp.top_k = 40;
+    sp.seed = 777;
+    const int n = 3, max_new = 20;
+    int32_t toks[PDM_NSAMP_MAX][32];
+    int n_toks[PDM_NSAMP_MAX];
+    nsamp_run_prime(ctx, prompt, 9, &sp, n, max_new, -1, 0, 1, toks, n_toks);
+    for (int i = 0; i < n; i++) {
+        pdm_sampler_params_t one = sp;
+        one.seed = pdm_nsamp_seed(sp.seed, i);
+        int32_t ref[32];
+        single_run(ctx, prompt, 9, &one, max_new, ref);
+        ck_assert_int_eq(n_toks[i], max_new);
+        ck_assert(!memcmp(toks[i], ref, sizeof(int32_t) * (size_t)max_new));
+    }
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+END_TEST
+
 START_TEST(test_nsamp_seeded)
 {
     pdm_model_t *m = tiny_model();
@@ -1004,6 +1065,7 @@ Suite *suite_beam(void)
     tcase_add_test(tn, test_nsamp_args);
     tcase_add_test(tn, test_nsamp_greedy);
     tcase_add_test(tn, test_nsamp_seeded);
+    tcase_add_test(tn, test_nsamp_prime);
     suite_add_tcase(s, tn);
     return s;
 }

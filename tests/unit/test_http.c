@@ -114,28 +114,31 @@ START_TEST(test_http_parse_echo_and_lists)
         ck_assert(reqs[i]->max_tokens == 2 && reqs[i]->sampling->seed == 9);
     pdm_http__batch_free(reqs, n);
 
-    /* n: every prompt n times (choice = prompt * n + sample), sample k seeded with
-     * pdm_sampler_seed_for_choice(seed, k); chat too */
+    /* n: one request per prompt with n set (the router makes the choices: choice = prompt * n
+     * + sample, sample k seeded with pdm_sampler_seed_for_choice(seed, k)); chat too */
     static const char body_n[] = "{\"prompt\":[\"a\",\"b\"],\"n\":3,\"seed\":9}";
     ck_assert_int_eq(pdm_http__parse_batch(body_n, strlen(body_n), 0, &limits, "m", &reqs, &n,
                                            &o, &err), PDM_OK);
-    ck_assert_uint_eq(n, 6);
-    ck_assert_int_eq(o.n_prompts, 6);
+    ck_assert_uint_eq(n, 2);
+    ck_assert_int_eq(o.n_prompts, 2);
+    ck_assert_int_eq(o.n_samples, 3);
     for (size_t i = 0; i < n; i++) {
-        ck_assert_str_eq(reqs[i]->prompt, i < 3 ? "a" : "b");
-        ck_assert_uint_eq(reqs[i]->sampling->seed, pdm_sampler_seed_for_choice(9, (int)(i % 3)));
+        ck_assert_str_eq(reqs[i]->prompt, i == 0 ? "a" : "b");
+        ck_assert_uint_eq(reqs[i]->n, 3);
+        ck_assert_uint_eq(reqs[i]->sampling->seed, 9);
     }
-    ck_assert_uint_eq(reqs[0]->sampling->seed, 9);
-    ck_assert_uint_ne(reqs[1]->sampling->seed, reqs[2]->sampling->seed);
     pdm_http__batch_free(reqs, n);
     static const char chat_n[] =
         "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"n\":2,\"stream\":true}";
     ck_assert_int_eq(pdm_http__parse_batch(chat_n, strlen(chat_n), 1, &limits, "m", &reqs, &n,
                                            &o, &err), PDM_OK);
-    ck_assert_uint_eq(n, 2);
-    ck_assert(o.stream && o.chat);
-    ck_assert_uint_eq(reqs[1]->sampling->seed,
-                      pdm_sampler_seed_for_choice(reqs[0]->sampling->seed, 1));
+    ck_assert_uint_eq(n, 1);
+    ck_assert(o.stream && o.chat && o.n_samples == 2 && reqs[0]->n == 2);
+    pdm_http__batch_free(reqs, n);
+    static const char one_n[] = "{\"prompt\":\"a\",\"n\":1}";
+    ck_assert_int_eq(pdm_http__parse_batch(one_n, strlen(one_n), 0, &limits, "m", &reqs, &n,
+                                           &o, &err), PDM_OK);
+    ck_assert(n == 1 && reqs[0]->n == 0 && o.n_samples == 1);
     pdm_http__batch_free(reqs, n);
     parse_fails("{\"prompt\":[\"a\",\"b\",\"c\",\"d\",\"e\",\"f\",\"g\",\"h\",\"i\"],\"n\":8}", 0,
                 400, "invalid_value"); /* 72 choices */

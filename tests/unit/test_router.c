@@ -325,6 +325,215 @@ START_TEST(test_decode_migration_resume)
 }
 END_TEST
 
+/* What n samples (OpenAI's n, nsamp.h) told the node's callback: each sample's tokens and
+ * chosen-token log-probabilities from its TOKEN events, how each event said it ended, and the
+ * DONE's per-sample lists. */
+typedef struct {
+    int32_t toks[PDM_NSAMP_MAX][64];
+    float lps[PDM_NSAMP_MAX][64];
+    int n[PDM_NSAMP_MAX];
+    char ends[PDM_NSAMP_MAX][16];   /* from the TOKEN that ended it */
+    int done, bad_index;
+    int done_samples;               /* DONE.n_samples */
+    int done_n[PDM_NSAMP_MAX];
+    char done_fin[PDM_NSAMP_MAX][16];
+    int done_same;                  /* DONE's tokens equal the streamed ones */
+} nsamp_events_t;
+
+static void nsamp_cb(void *arg, const pdm_decode_event_t *ev)
+{
+    nsamp_events_t *e = arg;
+    if (ev->type == PDM_DECODE_EV_TOKEN) {
+        const int i = ev->sample;
+        if (i < 0 || i >= PDM_NSAMP_MAX || ev->index != e->n[i] || e->ends[i][0]) {
+            e->bad_index = 1;
+            return;
+        }
+        e->lps[i][e->n[i]] = ev->logprob ? ev->logprob->logprob : 1.0f;
+        e->toks[i][e->n[i]++] = ev->token;
+        if (ev->sample_finish) snprintf(e->ends[i], 16, "%s", ev->sample_finish);
+    }
+    if (ev->type == PDM_DECODE_EV_DONE) {
+        e->done = 1;
+        e->done_samples = ev->n_samples;
+        e->done_same = 1;
+        for (int i = 0; i < ev->n_samples && i < PDM_NSAMP_MAX; i++) {
+            e->done_n[i] = ev->sample_n_tokens[i];
+            snprintf(e->done_fin[i], 16, "%s", ev->sample_finish_all[i]);
+            e->done_same &= ev->sample_n_tokens[i] == e->n[i] &&
+                            !memcmp(ev->sample_tokens[i], e->toks[i],
+                                    sizeof(int32_t) * (size_t)e->n[i]);
+        }
+    }
+    if (ev->type == PDM_DECODE_EV_ERROR) e->done = -1;
+}
+
+/* n samples of one prompt on the decode node: the reservation is eq. (3) of beam.h with
+ * BW = n (the prompt once), every TOKEN names its sample and the one that ends a sample says
+ * how, the DONE lists every sample; sample i equals an ordinary request of the same prompt
+ * with the seed pdm_sampler_seed_for_choice(seed, i) (tokens; log-probabilities to 1e-4: the
+ * two attend in a different order, f32 here so the tokens cannot part); a cancel in the middle
+ * ends the running samples as "cancelled" and frees everything; bad counts are refused. */
+START_TEST(test_decode_nsamp_node)
+{
+    pdm_model_t *m = small_model("router-nsamp-model", 64, 96, PDM_DT_F32, PDM_DT_F32, 13);
+    enum { P = 17, NEW = 20, N = 4 };
+    int32_t prompt[P];
+    for (int i = 0; i < P; i++) prompt[i] = (int32_t)((i * 29 + 7) % (int)m->hp.n_vocab);
+    pdm_kvt_t *kvt;
+    ck_assert_int_eq(pdm_kvt_create(NULL, &kvt), 0);
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_dtype = PDM_DT_F32;
+    dp.kv_budget = 4096;
+    pdm_decode_node_t *node;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    pdm_decode_local_t r = {.id = 5, .tokens = prompt, .n_tokens = P, .max_new = NEW,
+                            .samples = 9};
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, &r), PDM_EINVAL);
+    r.samples = N;
+    r.beams = 2;
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, &r), PDM_EINVAL);
+    r.beams = 0;
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, &r), 0);
+    int held;
+    int64_t slots;
+    pdm_decode_node_usage(node, &held, &slots);
+    ck_assert_int_eq(slots, pdm_beam_kv_slots(N, P, NEW));
+    pdm_decode_start_t s = {.id = 5, .first_token = -1, .prompt_last = -1};
+    pdm_sampler_params_default(&s.sp);
+    s.sp.temperature = 1.2f;
+    s.sp.top_k = 0;
+    s.sp.top_p = 1.0f;
+    s.sp.min_p = 0.0f;
+    s.sp.frequency_penalty = 0.3f;
+    s.sp.seed = 99;
+    s.sp.logprobs = 2;
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    static nsamp_events_t e;
+    memset(&e, 0, sizeof(e));
+    for (int round = 0; round < 200 && !e.done; round++) pdm_decode_node_run_once(node, nsamp_cb, &e);
+    ck_assert_int_eq(e.done, 1);
+    ck_assert(!e.bad_index && e.done_same);
+    ck_assert_int_eq(e.done_samples, N);
+    for (int i = 0; i < N; i++) {
+        ck_assert_int_eq(e.n[i], NEW);
+        ck_assert_str_eq(e.ends[i], "length");
+        ck_assert_str_eq(e.done_fin[i], "length");
+        /* the same as an ordinary request with the choice's seed (this small random model's
+         * outputs are near certain: the samples may agree; test_beam's nsamp_seeded shows them
+         * differ on the real model) */
+        pdm_decode_local_t one = {.id = 100 + (uint64_t)i, .tokens = prompt, .n_tokens = P,
+                                  .max_new = NEW};
+        ck_assert_int_eq(pdm_decode_node_reserve_local(node, &one), 0);
+        pdm_decode_start_t os = s;
+        os.id = one.id;
+        os.sp.seed = pdm_sampler_seed_for_choice(s.sp.seed, i);
+        ck_assert_int_eq(pdm_decode_node_start(node, &os), 0);
+        sampled_events_t alone = {0};
+        for (int round = 0; round < 200 && !alone.done; round++)
+            pdm_decode_node_run_once(node, sampled_cb, &alone);
+        ck_assert_int_eq(alone.n, NEW);
+        ck_assert_mem_eq(alone.toks, e.toks[i], sizeof(int32_t) * NEW);
+        for (int k = 0; k < NEW; k++) ck_assert_float_eq_tol(alone.lps[k], e.lps[i][k], 1e-4);
+    }
+    pdm_decode_node_usage(node, &held, &slots);
+    ck_assert_int_eq(held, 0);
+    ck_assert_int_eq(slots, 0);
+
+    /* cancelled after a few steps: the DONE says so for every running sample */
+    r.id = 6;
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, &r), 0);
+    s.id = 6;
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    memset(&e, 0, sizeof(e));
+    for (int round = 0; round < 4; round++) pdm_decode_node_run_once(node, nsamp_cb, &e);
+    ck_assert_int_eq(pdm_decode_node_cancel(node, 6), 0);
+    pdm_decode_node_run_once(node, nsamp_cb, &e);
+    ck_assert_int_eq(e.done, 1);
+    for (int i = 0; i < N; i++) {
+        ck_assert_str_eq(e.done_fin[i], "cancelled");
+        ck_assert(e.n[i] > 0 && e.n[i] < NEW && e.done_n[i] == e.n[i]);
+    }
+    pdm_decode_node_usage(node, &held, &slots);
+    ck_assert_int_eq(held, 0);
+    ck_assert_int_eq(slots, 0);
+    pdm_decode_node_destroy(node);
+    pdm_kvt_destroy(kvt);
+    pdm_model_free(m);
+}
+END_TEST
+
+/* A choice of n that goes on alone after its decode node died (router: rt_leader_end): one
+ * sample over the segmented cache, its k delivered tokens replayed as steps of it
+ * (pdm_nsamp_force), on another node: its continuation equals the undisturbed shared run's
+ * sample, tokens and log-probabilities bit for bit (the same arithmetic), for every k, also
+ * for a sample other than 0 (its derived seed as the request's). The Q4_1 model, where the
+ * ordinary path's replay would round differently. */
+START_TEST(test_decode_nsamp_resume)
+{
+    pdm_model_t *m = small_model("router-nsresume-model", 256, 512, PDM_DT_Q4_1, PDM_DT_Q8_0, 14);
+    enum { P = 19, NEW = 24, N = 3 };
+    int32_t all[P + NEW];
+    for (int i = 0; i < P; i++) all[i] = (int32_t)((i * 43 + 11) % (int)m->hp.n_vocab);
+    pdm_kvt_t *kvt;
+    ck_assert_int_eq(pdm_kvt_create(NULL, &kvt), 0);
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_budget = 4096;
+    pdm_decode_node_t *node;
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+    pdm_decode_start_t s = {.id = 1, .first_token = -1, .prompt_last = -1};
+    pdm_sampler_params_default(&s.sp);
+    s.sp.temperature = 1.2f;
+    s.sp.top_k = 0;
+    s.sp.top_p = 1.0f;
+    s.sp.min_p = 0.0f;
+    s.sp.frequency_penalty = 0.3f;
+    s.sp.seed = 5;
+    s.sp.logprobs = 2;
+    pdm_decode_local_t r = {.id = 1, .tokens = all, .n_tokens = P, .max_new = NEW, .samples = N};
+    ck_assert_int_eq(pdm_decode_node_reserve_local(node, &r), 0);
+    ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+    static nsamp_events_t full, part;
+    memset(&full, 0, sizeof(full));
+    for (int round = 0; round < 200 && !full.done; round++)
+        pdm_decode_node_run_once(node, nsamp_cb, &full);
+    ck_assert_int_eq(full.done, 1);
+    for (int i = 0; i < N; i += 2) /* samples 0 and 2 */
+        for (int k = 1; k < NEW; k += 7) {
+            memcpy(all + P, full.toks[i], sizeof(int32_t) * (size_t)k);
+            pdm_decode_local_t rr = {.id = 10 + (uint64_t)(i * NEW + k), .tokens = all,
+                                     .n_tokens = P + k, .max_new = NEW - k, .samples = 1,
+                                     .n_generated = k, .replay = 1};
+            ck_assert_int_eq(pdm_decode_node_reserve_local(node, &rr), 0);
+            int held;
+            int64_t slots;
+            pdm_decode_node_usage(node, &held, &slots);
+            ck_assert_int_eq(slots, pdm_beam_kv_slots(1, P, NEW)); /* the router's count */
+            pdm_decode_start_t rs = s;
+            rs.id = rr.id;
+            rs.sp.seed = pdm_sampler_seed_for_choice(s.sp.seed, i);
+            ck_assert_int_eq(pdm_decode_node_start(node, &rs), 0);
+            memset(&part, 0, sizeof(part));
+            for (int round = 0; round < 200 && !part.done; round++)
+                pdm_decode_node_run_once(node, nsamp_cb, &part);
+            ck_assert_int_eq(part.done, 1);
+            ck_assert(!part.bad_index && part.done_same && part.done_samples == 1);
+            ck_assert_int_eq(part.n[0], NEW - k);
+            ck_assert_mem_eq(part.toks[0], full.toks[i] + k, sizeof(int32_t) * (size_t)(NEW - k));
+            ck_assert_mem_eq(part.lps[0], full.lps[i] + k, sizeof(float) * (size_t)(NEW - k));
+        }
+    int held;
+    int64_t slots;
+    pdm_decode_node_usage(node, &held, &slots);
+    ck_assert(held == 0 && slots == 0);
+    pdm_decode_node_destroy(node);
+    pdm_kvt_destroy(kvt);
+    pdm_model_free(m);
+}
+END_TEST
+
 /* The decode node's prefix pool (decode.h): a finished sequence's KV (prompt and generated
  * tokens) stays; a next turn that starts with it copies those rows and prefills only the rest,
  * and its greedy continuation equals the engine's on the whole prompt (f32 weights and KV:
@@ -849,6 +1058,8 @@ Suite *suite_router(void)
     tcase_add_test(tl, test_decode_pool_file_tier);
     tcase_add_test(tl, test_decode_window_local);
     tcase_add_test(tl, test_decode_migration_resume);
+    tcase_add_test(tl, test_decode_nsamp_node);
+    tcase_add_test(tl, test_decode_nsamp_resume);
     suite_add_tcase(s, tl);
     TCase *ta = tcase_create("adaptive");
     tcase_add_test(ta, test_adapt_cost_model);

@@ -231,7 +231,7 @@ START_TEST(test_validation)
     int32_t toks[2] = {1, -5};
     const char *stops[17];
     for (int i = 0; i < 17; i++) stops[i] = "s";
-    pdm_client_message_t bad_role = {"robot", "hi"};
+    pdm_client_message_t bad_role = {.role = "robot", .content = "hi"};
     /* no prompt at all */
     pdm_client_request_init(&q);
     ck_assert_int_eq(pdm_client_generate(c, &q, &r), PDM_CLIENT_EINVALID_ARGUMENT);

@@ -7,13 +7,13 @@
         for chunk in c.stream(messages=[{"role": "user", "content": "Hi"}]):
             print(chunk.text, end="", flush=True)
 """
-from .client import Client, Result, Chunk, Stream, Logprob
+from .client import Client, Result, Chunk, Stream, Logprob, Choice, ToolCall
 from .errors import (PdmeshError, PdmeshTimeout, UnreachableError, ProtocolError, ClosedError,
                      InvalidArgumentError, UnauthorizedError, OverloadedError,
                      DeadlineExceededError, CancelledError, UnavailableError, NotFoundError,
                      RouterError)
 
-__all__ = ["Client", "Result", "Chunk", "Stream", "Logprob", "PdmeshError", "PdmeshTimeout",
+__all__ = ["Client", "Result", "Chunk", "Stream", "Logprob", "Choice", "ToolCall", "PdmeshError", "PdmeshTimeout",
            "UnreachableError", "ProtocolError", "ClosedError", "InvalidArgumentError",
            "UnauthorizedError", "OverloadedError", "DeadlineExceededError", "CancelledError",
            "UnavailableError", "NotFoundError", "RouterError"]

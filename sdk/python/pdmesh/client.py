@@ -28,7 +28,8 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:7700"
 _HDR = struct.Struct(">2sBBHH")
 _VERSION = 1
 _POLL_SLICE = 0.05
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
+_MAX_N = 8
 _FINISH = {pb.FINISH_NONE: "none", pb.FINISH_EOS: "eos", pb.FINISH_LENGTH: "length",
            pb.FINISH_STOP: "stop"}
 
@@ -85,10 +86,52 @@ def _logprobs(lst) -> List[Logprob]:
 
 @dataclass
 class Chunk:
-    index: int
+    index: int                       # of its first token in its choice's completion
     tokens: List[int]
     text: str
     logprobs: List[Logprob] = field(default_factory=list)  # one per token with logprobs=True
+    choice: int = 0                  # n > 1: the choice these tokens belong to
+
+
+@dataclass
+class ToolCall:
+    """A tool call found in a chat's output (tools=...): OpenAI's tool_calls entry."""
+    id: str
+    name: str
+    arguments: str                   # the arguments as JSON text
+
+    def args(self) -> Any:
+        """The arguments parsed from their JSON text."""
+        return _json.loads(self.arguments)
+
+    def to_openai(self) -> Dict[str, Any]:
+        """OpenAI's shape, for an assistant message's tool_calls in the next turn."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _tool_calls(text: str) -> List[ToolCall]:
+    if not text:
+        return []
+    out = []
+    for c in _json.loads(text):
+        fn = c.get("function", {})
+        out.append(ToolCall(id=c.get("id", ""), name=fn.get("name", ""),
+                            arguments=fn.get("arguments", "{}")))
+    return out
+
+
+@dataclass
+class Choice:
+    """One of the n choices of a request (n > 1), or the only one."""
+    index: int
+    text: str
+    tokens: List[int]
+    finish: str                      # "eos", "length", "stop"
+    logprobs: List[Logprob] = field(default_factory=list)
+    tool_calls: List[ToolCall] = field(default_factory=list)  # tools=...: the calls in text
+    content: Optional[str] = None    # with tool_calls: the text outside them
+    completion_tokens: int = 0
 
 
 @dataclass
@@ -106,6 +149,10 @@ class Result:
     # prompt_logprobs=True: one per prompt token, log p(token | the tokens before it); the
     # first one's logprob is None (nothing predicts it)
     prompt_logprobs: List[Logprob] = field(default_factory=list)
+    # every choice, in index order (n > 1; else the one); text/tokens/finish are choice 0's
+    # and usage["completion_tokens"] sums them
+    choices: List[Choice] = field(default_factory=list)
+    tool_calls: List[ToolCall] = field(default_factory=list)  # choice 0's (tools=...)
 
 
 class Stream:
@@ -160,6 +207,7 @@ class Stream:
         eps = c._order()
         delivered, text_bytes, first_seen = [], 0, 0.0
         attempt = 0
+        lost_choices = False
         while True:
             ep = eps[attempt % len(eps)]
             attempt += 1
@@ -172,16 +220,20 @@ class Stream:
             left = deadline - time.monotonic()
             req.deadline_ms = max(1, min(req.deadline_ms or int(left * 1000), int(left * 1000)))
             gen = self._run_one(ep, req, deadline, start)
+            several = self._request.n > 1
             try:
                 for ch in gen:
-                    delivered.extend(ch.tokens)
-                    text_bytes += len(ch.text.encode())
+                    if several and ch.tokens:
+                        lost_choices = True  # n > 1 is not resumed elsewhere (one completion)
+                    else:
+                        delivered.extend(ch.tokens)
+                        text_bytes += len(ch.text.encode())
                     if self._request.stream:
                         yield ch
                 return
             except (errors.UnreachableError, errors.UnavailableError):
                 c._mark_down(ep)
-                if len(eps) == 1 or time.monotonic() >= deadline:
+                if len(eps) == 1 or time.monotonic() >= deadline or lost_choices:
                     raise
                 if attempt % len(eps) == 0:
                     time.sleep(0.2)  # every router failed once: a short pause
@@ -200,6 +252,8 @@ class Stream:
             connected, ever, handshaken = False, False, False
             sock.send(pack(pb.MSG_GENERATE_REQUEST, request), zmq.DONTWAIT)
             text, tokens, first = [], [], 0.0
+            n_choices = max(1, request.n)
+            results: Dict[int, Any] = {}
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
             poller.register(mon, zmq.POLLIN)
@@ -266,15 +320,24 @@ class Stream:
                         text.append(m.text)
                         tokens.extend(m.tokens)
                         yield Chunk(index=m.index, tokens=list(m.tokens), text=m.text,
-                                    logprobs=_logprobs(m.logprobs))
+                                    logprobs=_logprobs(m.logprobs), choice=m.choice)
                     elif msg_type == pb.MSG_ERROR:
                         raise errors.from_router(pb.ErrorCode.Name(m.code)
                                                  if m.code in pb.ErrorCode.values()
                                                  else "ERR_INTERNAL", m.message, m.request_id)
                     elif msg_type == pb.MSG_GENERATE_RESULT:
+                        k = m.choice if n_choices > 1 else 0
+                        if k >= n_choices or k in results:
+                            continue  # malformed or repeated: the others decide
+                        results[k] = m
+                        if len(results) < n_choices:
+                            continue  # n > 1: one result per choice
                         end = time.monotonic()
-                        self.result = _result(m, self.router_request_id,
+                        self.result = _result(results[0], self.router_request_id,
                                               (first - start) if first else 0.0, end - start)
+                        self.result.choices = [_choice(k, results[k]) for k in range(n_choices)]
+                        self.result.usage["completion_tokens"] = sum(
+                            x.completion_tokens for x in self.result.choices)
                         self._done = True
                         return
         finally:
@@ -305,7 +368,31 @@ def _result(m, router_id, ttft, total):
     return Result(text=m.text, tokens=list(m.tokens), finish=_FINISH.get(m.finish, "none"),
                   usage=usage, beams=beams, request_id=m.request_id,
                   router_request_id=router_id, ttft=ttft, total=total,
-                  logprobs=_logprobs(m.logprobs), prompt_logprobs=_logprobs(m.prompt_logprobs))
+                  logprobs=_logprobs(m.logprobs), prompt_logprobs=_logprobs(m.prompt_logprobs),
+                  tool_calls=_tool_calls(m.tool_calls_json))
+
+
+def _choice(k, m) -> Choice:
+    calls = _tool_calls(m.tool_calls_json)
+    return Choice(index=k, text=m.text, tokens=list(m.tokens),
+                  finish=_FINISH.get(m.finish, "none"), logprobs=_logprobs(m.logprobs),
+                  tool_calls=calls, content=m.tool_content if calls else None,
+                  completion_tokens=m.usage.completion_tokens)
+
+
+def _tool_choice(choice) -> str:
+    """OpenAI's tool_choice ("auto", "none", "required" or {"type": "function", "function":
+    {"name": ...}}) as GenerateRequest.tool_choice."""
+    if choice is None:
+        return ""
+    if isinstance(choice, str):
+        return choice
+    if isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping) and \
+            isinstance(choice["function"].get("name"), str):
+        return choice["function"]["name"]
+    raise errors.InvalidArgumentError(
+        'tool_choice must be "auto", "none", "required" or {"type": "function", '
+        '"function": {"name": ...}}')
 
 
 def _read_keys(path, secret):
@@ -443,7 +530,7 @@ class Client:
                  length_penalty, ignore_eos, model, timeout, early_stopping=None,
                  presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, logprobs=False,
                  top_logprobs=0, prompt_logprobs=False, prompt_only=False, json_schema=None,
-                 json_object=False):
+                 json_object=False, n=0, tools=None, tool_choice=None):
         if self._closed:
             raise errors.ClosedError("the client is closed")
         given = sum(x is not None for x in (prompt, prompt_tokens, messages))
@@ -478,6 +565,23 @@ class Client:
             json_schema = _json.dumps(json_schema)
         if prompt_only and not prompt_logprobs:
             raise errors.InvalidArgumentError("prompt_only needs prompt_logprobs")
+        if not isinstance(n, int) or not 0 <= n <= _MAX_N:
+            raise errors.InvalidArgumentError("n must be an int in [0, %d]" % _MAX_N)
+        if n > 1 and (beams > 1 or prompt_only):
+            raise errors.InvalidArgumentError("n > 1 cannot be combined with beams or "
+                                              "prompt_only")
+        if (tools is not None or tool_choice is not None) and messages is None:
+            raise errors.InvalidArgumentError("tools need messages (a chat)")
+        tools_json = ""
+        if tools is not None:
+            if isinstance(tools, str):
+                tools_json = tools
+            elif isinstance(tools, Sequence) and all(isinstance(t, Mapping) for t in tools):
+                tools_json = _json.dumps(list(tools))
+            else:
+                raise errors.InvalidArgumentError(
+                    "tools must be OpenAI's tools list (dicts) or its JSON text")
+        choice = _tool_choice(tool_choice)
         stop = list(stop or [])
         if len(stop) > 16 or any(not isinstance(s, str) or not s for s in stop):
             raise errors.InvalidArgumentError("at most 16 stop strings, none empty")
@@ -490,7 +594,8 @@ class Client:
                                  ignore_eos=ignore_eos, model=model or "",
                                  early_stopping=early_stopping or "",
                                  prompt_logprobs=bool(prompt_logprobs),
-                                 prompt_only=bool(prompt_only))
+                                 prompt_only=bool(prompt_only), n=n if n > 1 else 0,
+                                 tools_json=tools_json, tool_choice=choice)
         req.sampling.CopyFrom(pb.SamplingParams(temperature=temperature, top_k=top_k,
                                                 top_p=top_p, min_p=min_p,
                                                 repeat_penalty=repeat_penalty, seed=seed,
@@ -515,10 +620,20 @@ class Client:
                 raise errors.InvalidArgumentError("messages is empty")
             for m in messages:
                 role, content = m.get("role"), m.get("content")
+                calls = m.get("tool_calls")
+                if content is None and calls:
+                    content = ""  # an assistant turn that only called tools
                 if role not in _ROLES or not isinstance(content, str):
                     raise errors.InvalidArgumentError(
-                        "each message needs a role (system, user, assistant) and str content")
-                req.messages.add(role=role, content=content)
+                        "each message needs a role (system, user, assistant, tool) and str "
+                        "content")
+                if calls and role != "assistant":
+                    raise errors.InvalidArgumentError("tool_calls need the role assistant")
+                if calls is not None and not isinstance(calls, str):
+                    calls = _json.dumps([c.to_openai() if isinstance(c, ToolCall) else c
+                                         for c in calls])
+                req.messages.add(role=role, content=content, tool_calls_json=calls or "",
+                                 tool_call_id=m.get("tool_call_id") or "")
         if len(req.SerializeToString()) + _HDR.size > self.max_frame:
             raise errors.InvalidArgumentError("request over the frame size limit")
         return req, timeout
@@ -536,7 +651,9 @@ class Client:
                logprobs: bool = False, top_logprobs: int = 0, prompt_logprobs: bool = False,
                prompt_only: bool = False,
                json_schema: Optional[Union[str, Mapping[str, Any]]] = None,
-               json_object: bool = False) -> "Stream":
+               json_object: bool = False, n: int = 0,
+               tools: Optional[Union[str, Sequence[Mapping[str, Any]]]] = None,
+               tool_choice: Optional[Union[str, Mapping[str, Any]]] = None) -> "Stream":
         """A Stream: iterate it for Chunks as the router produces them; its .result holds
         the final Result once iteration ends. .cancel() works from any thread.
         presence_penalty / frequency_penalty ([-2, 2]) and logit_bias ({token id: bias in
@@ -549,14 +666,21 @@ class Client:
         loglikelihood of a text is then sum(lp.logprob for lp in prompt_logprobs[1:]).
         json_schema (a JSON Schema as a dict or its text) / json_object=True: structured
         output, OpenAI's response_format (docs/http.md "Structured output"): the completion is
-        JSON valid against the schema (any JSON object), enforced at every step."""
+        JSON valid against the schema (any JSON object), enforced at every step.
+        n (<= 8): that many choices of the prompt, sharing its prefill and KV (docs/http.md
+        "n"); choice i samples with seed pdm_sampler_seed_for_choice(seed, i); chunks carry
+        their `choice`, Result.choices holds each. tools (OpenAI's tools list) and
+        tool_choice ("auto", "none", "required", a function's name or OpenAI's dict) for a
+        chat: the calls in the output come back parsed (Result.tool_calls, Choice.tool_calls);
+        messages may carry an assistant's "tool_calls" (ToolCall objects or OpenAI's dicts)
+        and tool results (role "tool", "tool_call_id")."""
         req, timeout = self._request(prompt, prompt_tokens, messages, True, max_tokens,
                                      temperature, top_k, top_p, min_p, repeat_penalty, seed,
                                      stop, deadline_ms, beams, n_best, length_penalty,
                                      ignore_eos, model, timeout, early_stopping,
                                      presence_penalty, frequency_penalty, logit_bias, logprobs,
                                      top_logprobs, prompt_logprobs, prompt_only, json_schema,
-                                     json_object)
+                                     json_object, n, tools, tool_choice)
         return Stream(self, req, timeout)
 
     def generate(self, prompt: Optional[str] = None, *,
@@ -573,7 +697,9 @@ class Client:
                  top_logprobs: int = 0, prompt_logprobs: bool = False,
                  prompt_only: bool = False,
                  json_schema: Optional[Union[str, Mapping[str, Any]]] = None,
-                 json_object: bool = False) -> Result:
+                 json_object: bool = False, n: int = 0,
+                 tools: Optional[Union[str, Sequence[Mapping[str, Any]]]] = None,
+                 tool_choice: Optional[Union[str, Mapping[str, Any]]] = None) -> Result:
         """Blocks until the whole completion is there; returns a Result. Raises a
         PdmeshError subclass on failure. `call`, if given, is a list that receives the
         Stream object first, so another thread can call .cancel() on it.
@@ -582,14 +708,14 @@ class Client:
         hypotheses, best first ({tokens, text, score, logprob, finish}), and text/tokens are
         the best one's; early_stopping is "heuristic" (default), "early" or "never". It
         cannot be streamed, nor combined with stop strings or ignore_eos. The sampling
-        arguments are stream()'s."""
+        arguments are stream()'s (n, tools and tool_choice included)."""
         req, timeout = self._request(prompt, prompt_tokens, messages, False, max_tokens,
                                      temperature, top_k, top_p, min_p, repeat_penalty, seed,
                                      stop, deadline_ms, beams, n_best, length_penalty,
                                      ignore_eos, model, timeout, early_stopping,
                                      presence_penalty, frequency_penalty, logit_bias, logprobs,
                                      top_logprobs, prompt_logprobs, prompt_only, json_schema,
-                                     json_object)
+                                     json_object, n, tools, tool_choice)
         s = Stream(self, req, timeout)
         if call is not None:
             call.append(s)
