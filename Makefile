@@ -72,7 +72,7 @@ KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c 
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/chat.c model/model.c \
              model/forward.c model/reference.c model/kv_cache.c model/kv_quant.c model/sampler.c \
-             model/grammar.c model/testmodel.c model/quantize.c
+             model/grammar.c model/testmodel.c model/quantize.c model/prefill_seqs.c
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/checksum.c \
            kvtransfer/checksum_avx2.c
 PREFILL_SRC := prefill_node/plan.c prefill_node/plan_io.c prefill_node/conv.c \
