@@ -79,7 +79,7 @@ PREFILL_SRC := prefill_node/plan.c prefill_node/plan_io.c prefill_node/conv.c \
                prefill_node/rank.c prefill_node/rank_steps.c prefill_node/tsp.c \
                prefill_node/kvr.c prefill_node/ring.c prefill_node/ring_pass_kv.c \
                prefill_node/ring_pass_q.c prefill_node/kvfile.c \
-               prefill_node/partition_search.c prefill_node/launch.c
+               prefill_node/partition_search.c prefill_node/launch.c prefill_node/batch.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_node/beam.c \
               decode_node/beam_search.c decode_node/nsamp.c decode_node/offload.c
 LIB_SRC := $(COMMON_SRC) $(COMMON_NODE_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
