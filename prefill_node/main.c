@@ -453,8 +453,9 @@ static void pdm__on_batch(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int o
     for (int i = 0; i < n; i++) ran += !out[i].status;
     for (int i = 0; i < n; i++)
         pdm__answer(pn, msg[i], origin, out[i].status, out[i].message, &out[i].res, 0, ran);
-    pdm_log_info("prefill rank: batch of %d task(s) (%u ran, first %llu) in %.3f s", n, ran,
-                 (unsigned long long)t->task_id, out[0].res.t_total);
+    pdm_log_info("prefill rank: batch of %d task(s) (%u ran, first %llu) in %.3f s (compute "
+                 "%.3f s, waiting for streams %.3f s)", n, ran, (unsigned long long)t->task_id,
+                 out[0].res.t_total, out[0].res.t_compute, out[0].res.t_wait);
 }
 
 static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int origin)

@@ -50,7 +50,8 @@ void rt_config_default(rt_config_t *c)
     c->group_inflight = 2;
     c->adaptive_group = 0; /* off: no consistent win below saturation on the reference machine
                             * (docs/perf/serve-adaptive.md) */
-    c->prefill_batch_max = 8;
+    c->prefill_batch_max = 1; /* off: no gain measured on the reference machine
+                               * (docs/perf/serve-batch.md) */
     c->prefill_batch_tokens = 2048;
     c->http_host = "127.0.0.1";
     c->http_port = 8080;

@@ -96,7 +96,7 @@ static void rt_usage(FILE *f)
             "                            different prompts alone (solo tasks): 1 by the cost\n"
             "                            model, 2 whenever others wait, 0 never (0)\n"
             "  --prefill-batch-max N     queued prompts one rank prefills as one batch task\n"
-            "                            (solo ranks, 1-rank groups; 1: no batching) (8)\n"
+            "                            (solo ranks, 1-rank groups; 1: no batching) (1)\n"
             "  --prefill-batch-tokens N  prompt tokens a batch task holds at most (2048)\n");
 }
 

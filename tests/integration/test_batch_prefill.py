@@ -11,8 +11,9 @@
   first token's log-probabilities (logprobs), a json_schema-constrained first token
   (response_format), a logit_bias on the first token; an echo request with prompt
   log-probabilities is never batched (the router sends it alone) and equals its lone run;
-- the bounds: --prefill-batch-tokens smaller than two prompts keeps every task single;
-  --prefill-batch-max 1 turns batching off (no batch task);
+- the bounds (the mesh runs --prefill-batch-max 8): --prefill-batch-tokens smaller than two
+  prompts keeps every task single;
+  the default (--prefill-batch-max 1) never batches;
 - a decode node killed (SIGKILL) just before a burst: members reserved on it leave their batch
   when it is declared lost and are retried; every answer still equals the engine's.
 
@@ -88,7 +89,7 @@ def hist_count(m, name, le=None):
     return m.metric(name + "_bucket", 'le="%s"' % le)
 
 
-def start(args, router_args=()):
+def start(args, router_args=("--prefill-batch-max", "8")):
     m = Mesh(args.bindir, args.model, prefill_ranks=1, router_args=router_args)
     m._start("decode-1", [os.path.join(args.bindir, "pdmesh-decode"), "--model", args.model,
                           "--threads", "1", "--router", m.node_ep, "--node-id", "decode-1"])
@@ -195,8 +196,9 @@ def main():
         m.stop()
 
     # 4. bounds: a token budget below two prompts, and batching off
-    for flags, name in ((("--prefill-batch-tokens", "60"), "a 60-token budget"),
-                        (("--prefill-batch-max", "1"), "--prefill-batch-max 1")):
+    for flags, name in ((("--prefill-batch-max", "8", "--prefill-batch-tokens", "60"),
+                         "a 60-token budget"),
+                        ((), "the default (--prefill-batch-max 1)")):
         m = start(args, router_args=flags)
         try:
             res = burst(m.http_port, [(complete, (m.http_port, p), {}) for p in PROMPTS[:5]])
