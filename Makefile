@@ -31,6 +31,7 @@
 #   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated vs
 #                      llama-server
 #   make bench-serve-adaptive  load-adaptive groups (whole group vs solo ranks) under load
+#   make bench-serve-batch  batched prefill on vs off under load (1-rank group)
 #   make bench-prefix  follow-up turns: TTFT with prefix reuse vs whole-prompt prefill
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
 #   make bench-kquant  issue 14's table: default model, Gemma 3 270M Q4_K_M, 1B-shaped Q4_K_M and
@@ -140,7 +141,8 @@ BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c \
              bench/kquant/pdm_matmul_bench.c bench/grammar/pdm_grammar_bench.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline \
-              $(BUILD)/bin/pdm-matmul-bench $(BUILD)/bin/pdm-grammar-bench
+              $(BUILD)/bin/pdm-matmul-bench $(BUILD)/bin/pdm-grammar-bench \
+              $(BUILD)/bin/pdm-prefill-seqs-bench
 LIB := $(BUILD)/libpdmesh-core.a
 BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode \
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
@@ -148,7 +150,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch golden-tok clean distclean format \
         format-check \
-        integration-test ha-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-serve-adaptive bench-prefix \
+        integration-test ha-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-serve-adaptive bench-serve-batch bench-prefix \
         bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine bench-grammar bench-kquant cuda cuda-check bench-decode-memory-beam bench-decode-memory bench-decode-memory-window python-sdk \
         python-pb python-package-test lm-eval-test \
@@ -279,6 +281,10 @@ $(BUILD)/bin/pdm-http-fake: $(HTTP_FAKE_OBJ) $(LIB)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -luv -lhttp_parser
 
 $(BUILD)/bin/pdm-rclient: $(RCLIENT_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/bin/pdm-prefill-seqs-bench: $(BUILD)/obj/bench/engine/prefill_seqs_bench.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
@@ -479,6 +485,12 @@ bench-serve: deps model all
 # (docs/perf/serve-adaptive.*). BENCH_QUICK=1: 12 s per rate, 4 rates.
 bench-serve-adaptive: deps model all
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/adaptive.py --bindir $(BUILD)/bin \
+	  --out docs/perf $(if $(BENCH_QUICK),--quick)
+
+# Batched prefill on vs off under load, alternating arms (docs/perf/serve-batch.*).
+# BENCH_QUICK=1: 20 s per run, one repeat.
+bench-serve-batch: deps model all
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/batch.py --bindir $(BUILD)/bin \
 	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
 # Prefix reuse: follow-up turns with and without partial prefill (docs/perf/prefix.*).
