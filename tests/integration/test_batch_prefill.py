@@ -15,7 +15,9 @@
   prompts keeps every task single;
   the default (--prefill-batch-max 1) never batches;
 - a decode node killed (SIGKILL) just before a burst: members reserved on it leave their batch
-  when it is declared lost and are retried; every answer still equals the engine's.
+  when it is declared lost and are retried; every answer still equals the engine's;
+- a load-adaptive 2-rank group (--adaptive-group 2): waiting requests go to a solo rank as
+  one batch (usage.pdmesh.prefill_rank names it), answers equal to the engine's.
 
     python3 tests/integration/test_batch_prefill.py --bindir build/bin
 """
@@ -210,6 +212,25 @@ def main():
                   all(same(r, p) for r, p in zip(res, PROMPTS)), methods)
         finally:
             m.stop()
+
+    # 5. a load-adaptive 2-rank group: the solo rank a request goes to takes a batch
+    m = Mesh(args.bindir, args.model, prefill_ranks=2,
+             router_args=("--adaptive-group", "2", "--prefill-batch-max", "8"))
+    try:
+        m.wait_ready()
+        ps = FILLERS[:1] + FRESH + PROMPTS[:3]
+        res = burst(m.http_port, [(complete, (m.http_port, p), {}) for p in ps], first=1)
+        methods = [px(r).get("prefill_method") for r in res]
+        ranks = {px(r).get("prefill_rank") for r in res if px(r).get("prefill_method") == "batch"}
+        print("# adaptive 2-rank group: methods %s, batch ranks %s" % (methods, ranks), flush=True)
+        check("a load-adaptive group: waiting requests go to a solo rank as one batch, every "
+              "answer equal to the engine's",
+              methods.count("batch") >= 2 and ranks <= {0, 1} and None not in ranks and
+              m.metric("pdmesh_prefill_batched_total") >= 2 and
+              all(same(r, p) for r, p in zip(res, ps)),
+              (methods, ranks, [r.get("error") or text(r) for r in res]))
+    finally:
+        m.stop()
 
     print("%d passed, %d failed" % (check.passed, check.failed))
     return 1 if check.failed else 0
