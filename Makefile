@@ -31,6 +31,7 @@
 #   make bench-serve   HTTP serving: throughput, TTFT/TPOT, goodput; disagg vs colocated vs
 #                      llama-server
 #   make bench-serve-adaptive  load-adaptive groups (whole group vs solo ranks) under load
+#   make bench-serve-batch  batched prefill on vs off under load (1-rank group)
 #   make bench-prefix  follow-up turns: TTFT with prefix reuse vs whole-prompt prefill
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
 #   make bench-kquant  issue 14's table: default model, Gemma 3 270M Q4_K_M, 1B-shaped Q4_K_M and
@@ -72,14 +73,14 @@ KERNELS_SRC := kernels/cpu/dtype.c kernels/cpu/pool.c kernels/cpu/ops_generic.c 
                kernels/cpu/ops_avx2.c kernels/cpu/ops_avx512.c kernels/cpu/select.c
 MODEL_SRC := model/gguf.c model/gguf_write.c model/tokenizer.c model/chat.c model/model.c \
              model/forward.c model/reference.c model/kv_cache.c model/kv_quant.c model/sampler.c \
-             model/grammar.c model/testmodel.c model/quantize.c
+             model/grammar.c model/testmodel.c model/quantize.c model/prefill_seqs.c
 KVT_SRC := kvtransfer/ucx.c kvtransfer/group.c kvtransfer/stream.c kvtransfer/checksum.c \
            kvtransfer/checksum_avx2.c
 PREFILL_SRC := prefill_node/plan.c prefill_node/plan_io.c prefill_node/conv.c prefill_node/pool.c \
                prefill_node/rank.c prefill_node/rank_steps.c prefill_node/tsp.c \
                prefill_node/kvr.c prefill_node/ring.c prefill_node/ring_pass_kv.c \
                prefill_node/ring_pass_q.c prefill_node/kvfile.c \
-               prefill_node/partition_search.c prefill_node/launch.c
+               prefill_node/partition_search.c prefill_node/launch.c prefill_node/batch.c
 DECODE_SRC := decode_node/step.c decode_node/node.c decode_node/window.c decode_node/beam.c \
               decode_node/beam_search.c decode_node/nsamp.c decode_node/offload.c
 LIB_SRC := $(COMMON_SRC) $(COMMON_NODE_SRC) $(KERNELS_SRC) $(MODEL_SRC) $(KVT_SRC) $(PREFILL_SRC) $(DECODE_SRC) \
@@ -95,7 +96,7 @@ PREFILLD_SRC := prefill_node/main.c
 # router core (tests/http/fake_core.c: the real server on a scripted core).
 HTTP_SRC := router/http.c router/http_openai.c
 HTTP_FAKE_SRC := tests/http/fake_core.c router/http.c router/http_openai.c
-ROUTER_SRC := router/main.c router/core.c router/api.c router/schedule.c router/adapt.c router/prefix.c router/kvindex.c router/request.c router/beams.c router/registry.c router/admin.c router/zfront.c router/curve.c \
+ROUTER_SRC := router/main.c router/core.c router/api.c router/schedule.c router/adapt.c router/batch.c router/prefix.c router/kvindex.c router/request.c router/beams.c router/registry.c router/admin.c router/zfront.c router/curve.c \
               $(HTTP_SRC)
 RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
@@ -106,7 +107,7 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c \
             tests/unit/test_router.c tests/unit/test_sdk.c tests/unit/test_http.c tests/unit/test_curve.c \
             tests/unit/test_nodeproto.c tests/unit/test_quant.c tests/unit/test_arch.c \
-            router/http_openai.c router/adapt.c router/kvindex.c tests/unit/test_kvindex.c
+            router/http_openai.c router/adapt.c router/batch.c router/kvindex.c tests/unit/test_kvindex.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
 CUDA_HOME ?= /usr/local/cuda
@@ -140,7 +141,8 @@ BENCH_SRC := bench/engine/pdm_engine_bench.c bench/roofline/roofline.c \
              bench/kquant/pdm_matmul_bench.c bench/grammar/pdm_grammar_bench.c
 BENCH_OBJ := $(BENCH_SRC:%.c=$(BUILD)/obj/%.o)
 BENCH_BINS := $(BUILD)/bin/pdm-engine-bench $(BUILD)/bin/pdm-roofline \
-              $(BUILD)/bin/pdm-matmul-bench $(BUILD)/bin/pdm-grammar-bench
+              $(BUILD)/bin/pdm-matmul-bench $(BUILD)/bin/pdm-grammar-bench \
+              $(BUILD)/bin/pdm-prefill-seqs-bench
 LIB := $(BUILD)/libpdmesh-core.a
 BINS := $(BUILD)/bin/pdmesh $(BUILD)/bin/pdmesh-prefill $(BUILD)/bin/pdmesh-decode \
         $(BUILD)/bin/pdmesh-router $(BUILD)/bin/pdm-rclient $(BUILD)/bin/pdm-http-fake
@@ -148,7 +150,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch golden-tok clean distclean format \
         format-check \
-        integration-test ha-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-serve-adaptive bench-prefix \
+        integration-test ha-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-serve-adaptive bench-serve-batch bench-prefix \
         bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine bench-grammar bench-kquant cuda cuda-check bench-decode-memory-beam bench-decode-memory bench-decode-memory-window python-sdk \
         python-pb python-package-test lm-eval-test \
@@ -279,6 +281,10 @@ $(BUILD)/bin/pdm-http-fake: $(HTTP_FAKE_OBJ) $(LIB)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS) -luv -lhttp_parser
 
 $(BUILD)/bin/pdm-rclient: $(RCLIENT_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/bin/pdm-prefill-seqs-bench: $(BUILD)/obj/bench/engine/prefill_seqs_bench.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $^ -o $@ $(LDLIBS)
 
@@ -415,6 +421,8 @@ http-test: $(BINS) python-sdk
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_n.py \
 	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_batch_prefill.py \
+	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_tools.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_adaptive_mesh.py \
@@ -479,6 +487,12 @@ bench-serve: deps model all
 # (docs/perf/serve-adaptive.*). BENCH_QUICK=1: 12 s per rate, 4 rates.
 bench-serve-adaptive: deps model all
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/adaptive.py --bindir $(BUILD)/bin \
+	  --out docs/perf $(if $(BENCH_QUICK),--quick)
+
+# Batched prefill on vs off under load, alternating arms (docs/perf/serve-batch.*).
+# BENCH_QUICK=1: 20 s per run, one repeat.
+bench-serve-batch: deps model all
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/batch.py --bindir $(BUILD)/bin \
 	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
 # Prefix reuse: follow-up turns with and without partial prefill (docs/perf/prefix.*).

@@ -342,6 +342,32 @@ int pdm_model_prefill(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t
  * the last token's logits (PDM_EUNSUPPORTED for first < n - 1). */
 int pdm_model_prefill_logits(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, const int32_t *tokens,
                              int n, int first, float *logits);
+/* Several sequences prefilled as one batch (model/prefill_seqs.c): sequence s appends its
+ * n tokens to its own cache at positions cache->pos0 + cache->n_tokens..., like
+ * pdm_model_prefill. The rows of all sequences share the linear layers (one matrix product
+ * per weight); attention runs per sequence against its own cache only (no cross-sequence
+ * attention). Each sequence's logits and KV are those pdm_model_prefill gives it alone with a
+ * context whose max batch holds its tokens (tests/unit/test_engine.c checks it for every
+ * kernel variant). */
+#define PDM_MODEL_MAX_SEQS 64
+typedef struct {
+    const int32_t *tokens; /* [n] */
+    int n;                 /* >= 1 */
+    pdm_kv_cache_t *cache; /* the sequence's own cache (no two sequences share one; no
+                            * windowed layers); a q8 cache without fixed scales takes them
+                            * from these tokens, per layer, and has them fixed at the end */
+    float *logits;         /* [n_vocab] of the last token, or NULL */
+} pdm_model_seq_t;
+/* Called after layer `layer`'s K and V of every sequence are stored, before the layer's
+ * output projection: a caller streams them while the next layers compute. Nonzero stops the
+ * prefill with that status. */
+typedef int (*pdm_model_layer_cb)(void *data, int layer);
+/* Runs the batch through `act` (capacity >= the sum of n; overwritten) and ctx (max batch >=
+ * that sum). PDM_EINVAL / PDM_ERANGE / PDM_EOVERFLOW / PDM_EUNSUPPORTED on bad input with
+ * nothing changed; on_layer's status if it stops it (the caches then hold a partial prefill:
+ * n_tokens unchanged, rows past it undefined). */
+int pdm_model_prefill_seqs(pdm_model_ctx_t *ctx, pdm_act_t *act, const pdm_model_seq_t *seqs,
+                           int n_seqs, pdm_model_layer_cb on_layer, void *data);
 /* One decode step: pdm_model_prefill of a single token. */
 int pdm_model_decode(pdm_model_ctx_t *ctx, pdm_kv_cache_t *cache, int32_t token, float *logits);
 

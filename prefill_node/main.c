@@ -70,6 +70,7 @@ typedef struct {
     uint64_t wire_hash;         /* of the GroupWire the group was formed from */
     unsigned wired_by;          /* routers (bit = link origin) that wired this formation */
     pdm__queued_t queue[PDM__MAX_QUEUED]; /* FIFO, [0, n_queued) */
+    double task_arrived;        /* when the running task was queued (pdm_now() clock) */
     int n_queued;
     unsigned orphans_seen, orphans_of[PDM_LINK_MAX_ROUTERS];
     /* the group's order (rank 0 sends, the others follow) */
@@ -313,13 +314,15 @@ static int pdm__sample_first(pdm__daemon_t *pn, const Pdmesh__SamplingParams *m,
     return PDM_OK;
 }
 
-static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int origin)
+/* Sends task t's PrefillResult to router `origin`: st and err (its message) when it failed,
+ * else from res (the owner samples the first token with t's sampling parameters). */
+static void pdm__answer(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int origin, int st,
+                        const char *err, const pdm_prefill_result_t *rs, int kv_dumped,
+                        uint32_t batch_size)
 {
     Pdmesh__PrefillResult r = PDMESH__PREFILL_RESULT__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
-    pdm_prefill_task_t task;
-    pdm_prefill_stream_t stream;
-    pdm_prefill_result_t res = {0};
+    pdm_prefill_result_t res = *rs;
     int32_t top_ids[100];
     float top_values[100];
     r.task_id = e.task_id = t->task_id;
@@ -327,24 +330,11 @@ static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int or
     r.epoch = pdm_link_epoch_of(pn->link, origin);
     r.rank = pn->grouped ? (uint32_t)pn->group.rank : 0;
     r.first_token = -1;
-    if (t->solo && pn->grouped && t->solo_rank != (uint32_t)pn->group.rank) {
-        /* Another rank's solo task: not ours to run or answer, and nothing here changes. */
-        pdm_log_debug("prefill rank: task %llu is rank %u's solo task: skipped",
-                      (unsigned long long)t->task_id, t->solo_rank);
-        return;
-    }
-    pdm__set_running(pn, 1);
-    int st = pdm__task_from_msg(pn, t, &task, &stream);
-    if (!st) st = pdm_prefill_rank_run(pn->rank, &task, &res);
-    if (!st && t->kv_dump && t->kv_dump[0]) {
-        char path[PATH_MAX];
-        snprintf(path, sizeof(path), "%s/%s", pn->dump_dir, t->kv_dump);
-        if (!(st = pdm_prefill_rank_dump_kv(pn->rank, path))) r.kv_dumped = 1;
-    }
-    pdm__set_running(pn, 0);
+    r.kv_dumped = kv_dumped;
+    r.batch_size = batch_size;
     if (st) {
         e.code = pdm__error_code(st);
-        e.message = (char *)pdm_error_last();
+        e.message = (char *)err;
         r.error = &e;
         pdm_link_send_to(pn->link, origin, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, &r.base);
         return;
@@ -421,6 +411,82 @@ static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int or
     free(plp);
     free(plpp);
     free(plp_pos);
+}
+
+/* A batch task (PrefillTask.batch): every member checked and converted on its own (a bad one
+ * is answered with its error), the rest run as one batch (batch.c), each answered. */
+static void pdm__on_batch(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int origin)
+{
+    pdm_prefill_batch_member_t in[PDM_PREFILL_BATCH_MAX];
+    pdm_prefill_batch_out_t out[PDM_PREFILL_BATCH_MAX];
+    pdm_prefill_stream_t stream[PDM_PREFILL_BATCH_MAX];
+    const Pdmesh__PrefillTask *msg[PDM_PREFILL_BATCH_MAX];
+    const pdm_prefill_result_t none = {0};
+    int n = 0;
+    for (size_t i = 0; i < t->n_batch; i++) {
+        const Pdmesh__PrefillTask *m = t->batch[i];
+        int st = PDM_OK;
+        if (i >= PDM_PREFILL_BATCH_MAX)
+            st = pdm_error_set(PDM_EINVAL, "PrefillTask: a batch of %zu tasks (at most %d)",
+                               t->n_batch, PDM_PREFILL_BATCH_MAX);
+        else if (m->n_batch || !m->solo || m->solo_rank != t->solo_rank)
+            st = pdm_error_set(PDM_EFORMAT, "PrefillTask: a batch member is a solo task of the "
+                               "batch's rank and holds no batch itself");
+        else if (m->kv_dump && m->kv_dump[0])
+            st = pdm_error_set(PDM_EUNSUPPORTED, "PrefillTask: a solo task keeps no KV to dump");
+        if (!st) st = pdm__task_from_msg(pn, m, &in[n].task, &stream[n]);
+        if (st) {
+            pdm__answer(pn, m, origin, st, pdm_error_last(), &none, 0, 0);
+            continue;
+        }
+        if (in[n].task.stream) in[n].task.stream = &stream[n];
+        /* the deadline counts from when the task reached this rank */
+        in[n].deadline = m->deadline_ms ? pn->task_arrived + m->deadline_ms / 1e3 : 0;
+        msg[n++] = m;
+    }
+    if (!n) return;
+    pdm__set_running(pn, (uint32_t)n);
+    int st = pdm_prefill_rank_run_batch(pn->rank, in, n, out);
+    pdm__set_running(pn, 0);
+    if (st) {
+        for (int i = 0; i < n; i++) pdm__answer(pn, msg[i], origin, st, pdm_error_last(), &none, 0, 0);
+        return;
+    }
+    uint32_t ran = 0; /* members that went through the engine together */
+    for (int i = 0; i < n; i++) ran += !out[i].status;
+    for (int i = 0; i < n; i++)
+        pdm__answer(pn, msg[i], origin, out[i].status, out[i].message, &out[i].res, 0, ran);
+    pdm_log_info("prefill rank: batch of %d task(s) (%u ran, first %llu) in %.3f s (compute "
+                 "%.3f s, waiting for streams %.3f s)", n, ran, (unsigned long long)t->task_id,
+                 out[0].res.t_total, out[0].res.t_compute, out[0].res.t_wait);
+}
+
+static void pdm__on_task(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int origin)
+{
+    pdm_prefill_task_t task;
+    pdm_prefill_stream_t stream;
+    pdm_prefill_result_t res = {0};
+    int kv_dumped = 0;
+    if (t->solo && pn->grouped && t->solo_rank != (uint32_t)pn->group.rank) {
+        /* Another rank's solo task: not ours to run or answer, and nothing here changes. */
+        pdm_log_debug("prefill rank: task %llu is rank %u's solo task: skipped",
+                      (unsigned long long)t->task_id, t->solo_rank);
+        return;
+    }
+    if (t->n_batch) {
+        pdm__on_batch(pn, t, origin);
+        return;
+    }
+    pdm__set_running(pn, 1);
+    int st = pdm__task_from_msg(pn, t, &task, &stream);
+    if (!st) st = pdm_prefill_rank_run(pn->rank, &task, &res);
+    if (!st && t->kv_dump && t->kv_dump[0]) {
+        char path[PATH_MAX];
+        snprintf(path, sizeof(path), "%s/%s", pn->dump_dir, t->kv_dump);
+        if (!(st = pdm_prefill_rank_dump_kv(pn->rank, path))) kv_dumped = 1;
+    }
+    pdm__set_running(pn, 0);
+    pdm__answer(pn, t, origin, st, pdm_error_last(), &res, kv_dumped, 0);
 }
 
 /* Ranks 0 and 1 bounce a message of `bytes` back and forth `iters` times (after one warm-up
@@ -541,6 +607,9 @@ static void pdm__on_cancel(pdm__daemon_t *pn, const Pdmesh__CancelTask *c)
 {
     int i = pdm__queue_find(pn, PDM_LINK_TASK_KEY(c->task_id, c->attempt));
     if (i < 0 || !pdm__droppable(pn, i)) return; /* ran already, never came, or rank 0's call */
+    /* A batch is keyed by its first member: the others still want it (the cancelled member's
+     * decode node dropped its reservation, so its stream fails alone when the batch runs). */
+    if (((const Pdmesh__PrefillTask *)pdm_wire_message(pn->queue[i].m))->n_batch) return;
     pdm_log_info("prefill rank: task %llu cancelled while queued",
                  (unsigned long long)c->task_id);
     pdm__dequeue(pn, i, 0);
@@ -575,6 +644,7 @@ static void pdm__drop_stale(pdm__daemon_t *pn)
 static void pdm__run_queued(pdm__daemon_t *pn, int i)
 {
     int origin = pn->queue[i].origin;
+    pn->task_arrived = pn->queue[i].arrived;
     pdm_wire_msg_t *m = pdm__dequeue(pn, i, 1);
     pdm__on_task(pn, (const Pdmesh__PrefillTask *)pdm_wire_message(m), origin);
     pdm_wire_msg_free(m);

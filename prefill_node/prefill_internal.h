@@ -33,6 +33,10 @@
 _Static_assert(PDM_PREFILL_MAX_RANKS == PDM_KVT_MAX_RANKS,
                "the planner's and kvtransfer's group sizes must agree");
 
+/* Batch tasks' scratch state (batch.c), freed with the rank. */
+typedef struct pdm_prefill__batch pdm_prefill__batch_t;
+void pdm_prefill__batch_free(pdm_prefill__batch_t *b);
+
 #define PDM_PREFILL__MAX_SPANS 32 /* owned position ranges of one rank in one conversation */
 
 /* A run of positions [start, start + len) one rank owns. */
@@ -67,6 +71,7 @@ struct pdm_prefill_rank {
     pdm_kv_cache_t *solo_cache; /* solo tasks' scratch KV [capacity: the longest solo prompt
                                  * so far, at most ctx_tokens], NULL until the first one; the
                                  * group's `cache` is never written by a solo task */
+    pdm_prefill__batch_t *batch; /* batch tasks' scratch caches (batch.c), NULL until one */
     pdm_act_t act;         /* this rank's new tokens */
     int act_cap;
     float *logits; /* [n_vocab] */

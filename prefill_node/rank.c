@@ -173,6 +173,7 @@ void pdm_prefill_rank_destroy(pdm_prefill_rank_t *r)
     pdm_model_ctx_destroy(r->ctx);
     pdm_kv_cache_destroy(r->cache);
     pdm_kv_cache_destroy(r->solo_cache);
+    pdm_prefill__batch_free(r->batch);
     pdm_act_free(&r->act);
     pdm_prefill_pool_fini(&r->pool);
     pdm_prefill_conv_free(&r->conv);

@@ -41,6 +41,15 @@ void pdm_prefill_rank_destroy(pdm_prefill_rank_t *r);
 int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *task,
                          pdm_prefill_result_t *res);
 
+/* Runs n (1..PDM_PREFILL_BATCH_MAX) solo tasks as one batch on this rank (batch.c): their
+ * tokens go through the layers together (model.h, pdm_model_prefill_seqs), each into its own
+ * scratch KV cache, each streamed layer by layer to its own decode node. out[i] is member i's
+ * outcome: a member with bad input, an unreachable or failing decode node or a passed
+ * deadline fails alone. Returns PDM_OK, or PDM_EINVAL / PDM_ENOMEM for the batch as a whole
+ * (then no member ran). The group's cache and conversation stay as they were. */
+int pdm_prefill_rank_run_batch(pdm_prefill_rank_t *r, const pdm_prefill_batch_member_t *in,
+                               int n, pdm_prefill_batch_out_t *out);
+
 /* Conversation length the group holds (P for the next task). */
 int32_t pdm_prefill_rank_seq_len(const pdm_prefill_rank_t *r);
 

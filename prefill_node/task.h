@@ -87,4 +87,19 @@ typedef struct {
     const pdm_token_logprobs_t *prompt_lp;
 } pdm_prefill_result_t;
 
+/* A batch task (rank.h, pdm_prefill_rank_run_batch): up to PDM_PREFILL_BATCH_MAX solo tasks
+ * one rank runs as one batch through the engine; each member streams to its own decode node
+ * and gets its own result or error. */
+#define PDM_PREFILL_BATCH_MAX 8
+#define PDM_PREFILL_BATCH_TOKENS 8192 /* tokens of one batch (activations of this many rows) */
+typedef struct {
+    pdm_prefill_task_t task; /* a solo 'single' task of a whole prompt, no prompt_logprobs */
+    double deadline;         /* pdm_now() clock; 0: none. Past it the member fails alone. */
+} pdm_prefill_batch_member_t;
+typedef struct {
+    int status;              /* 0: res is valid; else the member's error */
+    char message[256];       /* the error's text */
+    pdm_prefill_result_t res; /* res.logits owned by the rank, valid until its next batch */
+} pdm_prefill_batch_out_t;
+
 #endif /* PDM_PREFILL_TASK_H */

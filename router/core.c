@@ -51,6 +51,9 @@ void rt_config_default(rt_config_t *c)
     c->group_inflight = 2;
     c->adaptive_group = 0; /* off: no consistent win below saturation on the reference machine
                             * (docs/perf/serve-adaptive.md) */
+    c->prefill_batch_max = 1; /* off: no gain measured on the reference machine
+                               * (docs/perf/serve-batch.md) */
+    c->prefill_batch_tokens = 2048;
     c->http_host = "127.0.0.1";
     c->http_port = 8080;
 }
@@ -270,6 +273,15 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     r->m.group_inflight_limit = pdm_metrics_add(
         m, PDM_METRIC_GAUGE, "pdmesh_prefill_inflight_limit",
         "Prefill tasks a group may hold (--group-inflight).", NULL, NULL, 0);
+    static const double batch_sizes[] = {1, 2, 3, 4, 5, 6, 7, 8};
+    r->m.batch_requests = pdm_metrics_add(
+        m, PDM_METRIC_HISTOGRAM, "pdmesh_prefill_batch_requests",
+        "Requests per batched prefill task sent (--prefill-batch-max).", NULL, batch_sizes,
+        PDM_ARRAY_SIZE(batch_sizes));
+    r->m.batched = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_prefill_batched_total",
+        "Requests whose prefill rank ran them in one engine batch with others "
+        "(PrefillResult.batch_size > 1).", NULL, NULL, 0);
     r->m.solo_concurrent = pdm_metrics_add(
         m, PDM_METRIC_COUNTER, "pdmesh_prefill_solo_concurrent_total",
         "Solo prefill tasks sent while another rank of the group ran one (--adaptive-group).",

@@ -1062,7 +1062,8 @@ cJSON *pdm_http__usage_json(const Pdmesh__Usage *u)
         }
     }
     cJSON_AddNumberToObject(x, "prefill_ranks", ranks);
-    if (ranks == 1 && u->prefill_method && !strcmp(u->prefill_method, "solo"))
+    if (ranks == 1 && u->prefill_method &&
+        (!strcmp(u->prefill_method, "solo") || !strcmp(u->prefill_method, "batch")))
         cJSON_AddNumberToObject(x, "prefill_rank", u->prefill_ranges[0]->rank);
     cJSON_AddStringToObject(x, "decode_node", u->decode_node ? u->decode_node : "");
     cJSON_AddNumberToObject(x, "attempts", u->attempts);

@@ -27,6 +27,7 @@
 #include "prefill_node/pool.h"    /* the groups' pools of conversations (pure) */
 #include "prefill_node/plan_io.h"
 #include "router/adapt.h"
+#include "router/batch.h"
 #include "router/metrics.h"
 #include "router/router.h"
 
@@ -71,6 +72,9 @@ typedef struct {
     int adaptive_group;           /* load-adaptive parallelism (adapt.h, rt_adapt_rule_t): a
                                    * request may go to one idle rank of a group alone (solo):
                                    * 0 never, 1 by the cost model, 2 whenever others wait */
+    int prefill_batch_max;        /* batched prefill (batch.h): requests per batch task, 1..8
+                                   * (1: none) */
+    int prefill_batch_tokens;     /* ... and their prompt tokens at most */
     const char *http_host;
     int http_port;                /* -1: no HTTP */
 } rt_config_t;
@@ -258,6 +262,15 @@ typedef struct rt_req {
     int fail_code;                /* QUEUED: ends with this error at the next scheduling pass
                                    * (its leader failed), fail_msg says why */
     char fail_msg[200];
+    /* batched prefill (batch.h): the id of the batch's lead request (0: not in a batch) while
+     * the members' decode nodes reserve; the batch's PrefillTask goes out (request.c
+     * rt_batch_try_send) once none is still reserving, without the ones whose reservation
+     * failed; batch_ready: this member's reservation is in place */
+    uint64_t batch_id;
+    int batch_ready;
+    uint64_t sched_pass;          /* the rt_schedule pass that last dispatched it: a pass
+                                   * that looks at the queue again (after forming a batch)
+                                   * does not dispatch a request twice */
 } rt_req_t;
 
 struct pdm_router {
@@ -277,6 +290,7 @@ struct pdm_router {
     rt_node_t nodes[RT_MAX_NODES];
     rt_group_t groups[RT_MAX_GROUPS];
     uint64_t next_epoch, next_id;
+    uint64_t sched_pass;          /* rt_schedule passes so far (rt_req_t.sched_pass) */
     rt_req_t *head, *tail;
     int n_req;
     pdm_router_limits_t limits;
@@ -303,7 +317,7 @@ struct pdm_router {
         pdm_metric_t *requests, *ttft, *tpot, *queue, *method, *prefill_tokens, *kv_bytes,
             *kv_time, *nodes,
             *migrations, *retries, *offload, *prefix_hits, *prefix_tokens, *waiting, *kv_free,
-            *kv_capacity, *group_inflight, *group_inflight_limit, *solo_concurrent,
+            *kv_capacity, *group_inflight, *group_inflight_limit, *solo_concurrent, *batch_requests, *batched,
             /* decode-node prefix pools and the global index (schedule.c, registry.c) */
             *pool_lookups, *pool_hits, *pool_misses, *pool_cached_tokens, *pool_hit_rate,
             *pool_tokens, *pool_bytes, *pool_blocks, *pool_corrupt, *kv_events, *kv_index_blocks,

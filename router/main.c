@@ -97,7 +97,10 @@ static void rt_usage(FILE *f)
             "  --group-inflight N        prefill tasks queued per group (2)\n"
             "  --adaptive-group 0|1|2    while requests wait, a group's idle ranks may prefill\n"
             "                            different prompts alone (solo tasks): 1 by the cost\n"
-            "                            model, 2 whenever others wait, 0 never (0)\n");
+            "                            model, 2 whenever others wait, 0 never (0)\n"
+            "  --prefill-batch-max N     queued prompts one rank prefills as one batch task\n"
+            "                            (solo ranks, 1-rank groups; 1: no batching) (1)\n"
+            "  --prefill-batch-tokens N  prompt tokens a batch task holds at most (2048)\n");
 }
 
 int main(int argc, char **argv)
@@ -112,7 +115,7 @@ int main(int argc, char **argv)
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
         O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW,
         O_PREFIX_REUSE, O_POOL_LOCAL, O_GROUP_POOL, O_HTTP_CONNS, O_HTTP_PER_PEER, O_HTTP_HEAD, O_HTTP_BODY, O_HTTP_IDLE,
-        O_CHAT_TEMPLATE, O_ADAPTIVE
+        O_CHAT_TEMPLATE, O_ADAPTIVE, O_BATCH_MAX, O_BATCH_TOKENS
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},
@@ -150,6 +153,8 @@ int main(int argc, char **argv)
         {"pool-local-max", required_argument, 0, O_POOL_LOCAL},
         {"group-inflight", required_argument, 0, O_GINF},
         {"adaptive-group", required_argument, 0, O_ADAPTIVE},
+        {"prefill-batch-max", required_argument, 0, O_BATCH_MAX},
+        {"prefill-batch-tokens", required_argument, 0, O_BATCH_TOKENS},
         {"curve-secret-file", required_argument, 0, O_CURVE_SECRET},
         {"curve-allow", required_argument, 0, O_CURVE_ALLOW},
         {"help", no_argument, 0, 'h'},
@@ -221,6 +226,8 @@ int main(int argc, char **argv)
         case O_POOL_LOCAL: NUM(0, 1 << 20, cfg.pool_local_max); break;
         case O_GINF: NUM(1, 64, cfg.group_inflight); break;
         case O_ADAPTIVE: NUM(0, 2, cfg.adaptive_group); break;
+        case O_BATCH_MAX: NUM(1, RT_BATCH_MAX, cfg.prefill_batch_max); break;
+        case O_BATCH_TOKENS: NUM(1, 8192, cfg.prefill_batch_tokens); break;
         case 'h': rt_usage(stdout); return 0;
         default: rt_usage(stderr); return 2;
         }

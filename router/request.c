@@ -57,6 +57,7 @@
 #include "router/prefix.h"
 
 static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char *msg);
+static void rt_batch_try_send(pdm_router_t *r, uint64_t batch);
 static int rt_plp_take(pdm_router_t *r, rt_req_t *q, const uint32_t *positions, size_t n_pos,
                        Pdmesh__SampledLogprob *const *lps, size_t n_lps);
 static void rt_plp_complete(pdm_router_t *r, rt_req_t *q, int32_t first);
@@ -148,10 +149,17 @@ rt_req_t *rt_req_clone(const rt_req_t *q)
 
 void rt_req_enqueue(pdm_router_t *r, rt_req_t *q)
 {
-    q->prev = r->tail;
-    if (r->tail) r->tail->next = q;
+    /* Deadline order (batch.h): after every request that goes before it, found from the tail
+     * (a new request mostly has the latest deadline: O(1)). */
+    rt_req_t *after = r->tail;
+    while (after && rt_batch_before(q->deadline, q->id, after->deadline, after->id))
+        after = after->prev;
+    q->prev = after;
+    q->next = after ? after->next : r->head;
+    if (q->next) q->next->prev = q;
+    else r->tail = q;
+    if (after) after->next = q;
     else r->head = q;
-    r->tail = q;
     r->n_req++;
     pdm_metric_set(r->m.queue, NULL, r->n_req);
 }
@@ -220,6 +228,12 @@ static void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel)
         q->group = -1;
     }
     q->reuse_pending = 0;
+    if (q->batch_id) { /* out of its batch: the others may be all that is awaited now */
+        const uint64_t b = q->batch_id;
+        q->batch_id = 0;
+        q->batch_ready = 0;
+        rt_batch_try_send(r, b);
+    }
 }
 
 static const char *rt_outcome(int code)
@@ -715,6 +729,7 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
     q->solo_rank = g >= 0 ? solo_rank : -1;
     q->started = 0;
     q->t_dispatch = pdm_now();
+    q->sched_pass = r->sched_pass;
     q->cached_tokens = 0;
     q->n_plan = 0;
     q->pool_source = 0;
@@ -796,7 +811,9 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
             plan->method = PDM_PREFILL_SINGLE;
             plan->ranges[0] = (pdm_prefill_range_t){0, (int32_t)q->n_prompt, q->solo_rank, 0};
             plan->n_ranges = 1;
-            if (gr->solo_inflight++ > 0) pdm_metric_inc(r->m.solo_concurrent, gr->name, 1);
+            /* (a batch's members after its lead run in the lead's task, not beside it) */
+            if (gr->solo_inflight++ > 0 && (!q->batch_id || q->batch_id == q->id))
+                pdm_metric_inc(r->m.solo_concurrent, gr->name, 1);
             const uint32_t k = (uint32_t)q->solo_rank;
             gr->rank_free_at[k] = PDM_MAX(gr->rank_free_at[k], q->t_dispatch) +
                                   rt_adapt_t1(&gr->cost, (int32_t)q->n_prompt);
@@ -827,7 +844,8 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
         q->cached_tokens = (uint32_t)plan->start;
         q->reuse_pending = gr->reuse_pending = plan->start > 0;
         snprintf(q->method, sizeof(q->method), "%s",
-                 q->solo_rank >= 0 ? "solo" : pdm_prefill_method_name(plan->method));
+                 q->batch_id ? "batch" : q->solo_rank >= 0 ? "solo"
+                                                           : pdm_prefill_method_name(plan->method));
         const int nr = plan->n_ranges;
         memcpy(q->plan, plan->ranges, sizeof(pdm_prefill_range_t) * (size_t)nr);
         q->n_plan = nr;
@@ -855,17 +873,23 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
                  q->attempt, n->id, q->local ? "local prefill" : q->group_name);
     int st = rt_send(r->node_sock, n->ident, n->ident_len, PDMESH__MSG_TYPE__MSG_DECODE_TASK, &t.base);
     free(all);
-    if (st) rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, "cannot reach the decode node");
+    if (st) {
+        /* gone (its socket closed) before its lease ran out: skipped until the lease decides,
+         * so that the retry goes to another node instead of failing here again */
+        n->full_until = pdm_now() + r->cfg.lease_ms / 1e3;
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, "cannot reach the decode node");
+    }
 }
 
-/* RESERVING -> PREFILL: the reservation is in place, the ranks may send the KV. */
-static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
+/* q's PrefillTask into t (pointing into q, sp and chunks[PDM_PREFILL_MAX_RANKS]); q goes
+ * RESERVING -> PREFILL. */
+static void rt_prefill_task_fill(pdm_router_t *r, rt_req_t *q, Pdmesh__PrefillTask *tp,
+                                 Pdmesh__SamplingParams *sp, uint32_t *chunks)
 {
     rt_group_t *g = &r->groups[q->group];
     rt_node_t *d = &r->nodes[q->dnode];
     Pdmesh__PrefillTask t = PDMESH__PREFILL_TASK__INIT;
-    Pdmesh__SamplingParams sp = PDMESH__SAMPLING_PARAMS__INIT;
-    uint32_t chunks[PDM_PREFILL_MAX_RANKS];
+    pdmesh__sampling_params__init(sp);
     t.task_id = q->id;
     t.attempt = q->attempt;
     t.method = q->solo_rank >= 0 ? "single" : q->method;
@@ -895,8 +919,8 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     t.decode_node = d->id;
     t.kv_key.data = q->kv_key;
     t.kv_key.len = sizeof(q->kv_key);
-    pdm_sampler_params_to_msg(&q->sp, &sp); /* the owner rank samples the first token */
-    t.sampling = &sp;
+    pdm_sampler_params_to_msg(&q->sp, sp); /* the owner rank samples the first token */
+    t.sampling = sp;
     /* n samples (or a choice of them going on alone) draw their first tokens from the owner's
      * logits, as each choice's own request did (DecodeStart.first_logits) */
     t.want_logits = q->n_samples > 1 || q->resumed_choice;
@@ -917,6 +941,17 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     q->state = RQ_PREFILL;
     pdm_metric_inc(r->m.method, q->method, 1);
     pdm_metric_inc(r->m.prefill_tokens, "group", (double)t.n_tokens);
+    *tp = t;
+}
+
+/* RESERVING -> PREFILL: the reservation is in place, the ranks may send the KV. */
+static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
+{
+    rt_group_t *g = &r->groups[q->group];
+    Pdmesh__PrefillTask t;
+    Pdmesh__SamplingParams sp;
+    uint32_t chunks[PDM_PREFILL_MAX_RANKS];
+    rt_prefill_task_fill(r, q, &t, &sp, chunks);
     for (uint32_t k = 0; k < g->size; k++) {
         if (!rt_req_has_rank(q, k)) continue; /* a solo task goes to its rank only */
         rt_node_t *m = &r->nodes[g->member[k]];
@@ -926,6 +961,58 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
             return;
         }
     }
+}
+
+/* Batched prefill (batch.h): the PrefillTask of batch `batch` (its lead's id) goes out once
+ * none of its members is still waiting for its decode node's reservation: one task holding
+ * every reserved member, in queue (deadline) order, to the members' rank; a lone member goes
+ * as a plain solo task. Members that left the batch (failed reservation, deadline, cancel)
+ * are not in it. */
+static void rt_batch_try_send(pdm_router_t *r, uint64_t batch)
+{
+    rt_req_t *m[RT_BATCH_MAX];
+    int n = 0;
+    for (rt_req_t *w = r->head; w; w = w->next) {
+        if (w->batch_id != batch) continue;
+        if (w->state == RQ_RESERVING && !w->batch_ready) return; /* still reserving */
+        if (w->state == RQ_RESERVING && n < RT_BATCH_MAX) m[n++] = w;
+    }
+    for (int i = 0; i < n; i++) m[i]->batch_id = 0, m[i]->batch_ready = 0;
+    if (n == 0) return;
+    pdm_metric_observe(r->m.batch_requests, NULL, n);
+    if (n == 1) { /* the others left: a plain solo task */
+        snprintf(m[0]->method, sizeof(m[0]->method), "solo");
+        rt_send_prefill(r, m[0]);
+        return;
+    }
+    Pdmesh__PrefillTask t[RT_BATCH_MAX];
+    Pdmesh__SamplingParams sp[RT_BATCH_MAX];
+    uint32_t chunks[RT_BATCH_MAX][PDM_PREFILL_MAX_RANKS];
+    Pdmesh__PrefillTask *tp[RT_BATCH_MAX];
+    for (int i = 0; i < n; i++) {
+        rt_prefill_task_fill(r, m[i], &t[i], &sp[i], chunks[i]);
+        tp[i] = &t[i];
+    }
+    rt_group_t *g = &r->groups[m[0]->group];
+    const uint32_t k = (uint32_t)m[0]->solo_rank;
+    rt_node_t *node = &r->nodes[g->member[k]];
+    Pdmesh__PrefillTask c = PDMESH__PREFILL_TASK__INIT;
+    c.task_id = m[0]->id; /* the rank's queue key (a cancel of the lead leaves it queued) */
+    c.attempt = m[0]->attempt;
+    c.epoch = node->epoch;
+    c.method = "single";
+    c.solo = 1;
+    c.solo_rank = k;
+    c.batch = tp;
+    c.n_batch = (size_t)n;
+    for (int i = 0; i < n; i++) t[i].epoch = node->epoch;
+    pdm_log_info("router: batch of %d prefill(s) (lead %llu) -> %s rank %u", n,
+                 (unsigned long long)m[0]->id, g->name, k);
+    if (rt_send(r->node_sock, node->ident, node->ident_len, PDMESH__MSG_TYPE__MSG_PREFILL_TASK,
+                &c.base))
+        for (int i = 0; i < n; i++)
+            rt_attempt_failed(r, m[i], PDMESH__ERROR_CODE__ERR_UNAVAILABLE,
+                              "cannot reach a prefill rank");
 }
 
 /* -> DECODE: the decode node may start (first_token -1: it prefills locally). */
@@ -1004,7 +1091,10 @@ void rt_req_on_reserved(pdm_router_t *r, int node, const Pdmesh__DecodeReserved 
         }
         return;
     }
-    if (!q->local) {
+    if (!q->local && q->batch_id) {
+        q->batch_ready = 1;
+        rt_batch_try_send(r, q->batch_id);
+    } else if (!q->local) {
         rt_send_prefill(r, q);
     } else if (q->want_plp && !q->plp_sent) {
         /* the node prefilled and scored the prompt itself */
@@ -1094,6 +1184,7 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
     q->ranks_answered |= 1ull << rank;
     q->ranks_done++;
     q->kv_bytes += p->kv_bytes;
+    if (p->batch_size > 1) pdm_metric_inc(r->m.batched, NULL, 1);
     if (p->seconds > q->prefill_seconds) q->prefill_seconds = p->seconds;
     if (q->group >= 0) rt_rank_done(&r->groups[q->group], rank);
     int32_t first = p->first_token;

@@ -275,6 +275,62 @@ static void rt_pool_count(pdm_router_t *r, rt_req_t *q, const char *reason, int 
     q->pool_expect = expect;
 }
 
+/* Whether queued request w may join a batch task (batch.h): a new prompt for a group (not a
+ * migration, not short), no prompt log-probabilities (a batch member does not score its
+ * prompt), not OpenAI's n or a choice of it going on alone (they need the owner rank's logits,
+ * PrefillTask.want_logits, which a batch member does not send), and not one the prefix pool of
+ * a decode node would prefill locally. */
+static int rt_batch_eligible(pdm_router_t *r, const rt_req_t *w)
+{
+    if (!rt_wants_group(r, w) || (w->want_plp && !w->plp_sent)) return 0;
+    if (w->n_samples > 1 || w->resumed_choice) return 0;
+    uint32_t cached = 0, held = 0;
+    int looked = 0;
+    const int pd = rt_pick_decode_prefix(r, w, &cached, &held, &looked);
+    return !(pd >= 0 && w->n_prompt - cached <= r->cfg.pool_local_max);
+}
+
+/* Batched prefill (batch.h): lead q, placed on rank `rank` of group g (a solo rank or the
+ * only rank) with decode node d, takes the eligible requests queued behind it, in queue
+ * (deadline) order, up to the bounds; each is dispatched (its decode node reserves its KV)
+ * as a member of batch q->id, and request.c sends the one PrefillTask once all are reserved.
+ * Returns 1 if a batch of two or more was formed (q dispatched), 0 when q goes alone. */
+static int rt_schedule_batch(pdm_router_t *r, rt_req_t *q, int g, int rank, int d)
+{
+    enum { SCAN = 64 }; /* queued requests looked at behind the lead */
+    rt_req_t *list[SCAN];
+    rt_batch_cand_t cand[SCAN];
+    int n = 0, pick[RT_BATCH_MAX];
+    list[n] = q;
+    cand[n++] = (rt_batch_cand_t){q->n_prompt, 1};
+    for (rt_req_t *w = q->next; w && n < SCAN; w = w->next) {
+        if (w->state != RQ_QUEUED || w->sched_pass == r->sched_pass || !rt_batch_eligible(r, w))
+            continue;
+        list[n] = w;
+        cand[n++] = (rt_batch_cand_t){w->n_prompt, 1};
+    }
+    const int k = rt_batch_pack(cand, n, r->cfg.prefill_batch_max,
+                                (uint32_t)r->cfg.prefill_batch_tokens, pick);
+    if (k < 2) return 0;
+    const uint64_t batch = q->id;
+    int joined = 0;
+    for (int i = 0; i < k; i++) {
+        rt_req_t *w = list[pick[i]];
+        /* the lead's node was picked by the caller; each member's now (after the others'
+         * reservations): one without room stays queued */
+        const int dw = i == 0 ? d : rt_pick_decode(r, w, 0);
+        if (dw < 0) continue;
+        w->batch_id = batch;
+        w->batch_ready = 0;
+        w->waits_for_group = 0;
+        rt_req_dispatch(r, w, dw, g, rank);
+        joined++;
+    }
+    pdm_log_debug("router: batch %llu: %d of %d queued request(s) packed", (unsigned long long)batch,
+                  joined, n);
+    return 1;
+}
+
 static int rt_any_group_alive(pdm_router_t *r)
 {
     for (int g = 0; g < RT_MAX_GROUPS; g++)
@@ -290,6 +346,7 @@ void rt_schedule(pdm_router_t *r)
     uint32_t held = 0;
     _Static_assert(RT_MAX_GROUPS <= 32, "held is a 32-bit mask");
     rt_req_t *next;
+    const uint64_t pass = ++r->sched_pass;
     for (rt_req_t *q = r->head; q; q = next) {
         next = q->next;
         if (q->fail_code) { /* a choice whose leader failed (request.h, rt_leader_end) */
@@ -307,7 +364,7 @@ void rt_schedule(pdm_router_t *r)
                 continue;
             }
         }
-        if (q->state != RQ_QUEUED) continue;
+        if (q->state != RQ_QUEUED || q->sched_pass == pass) continue;
         if (q->n_gen >= q->max_new) { /* everything was delivered before the node failed */
             rt_req_finish(r, q, PDMESH__FINISH_REASON__FINISH_LENGTH);
             continue;
@@ -352,6 +409,15 @@ void rt_schedule(pdm_router_t *r)
         /* local prefills count here, a group's methods in rt_send_prefill */
         pdm_metric_inc(r->m.method, "local", g < 0 ? 1 : 0);
         if (looked) rt_pool_count(r, q, miss, -1, 0);
+        /* Batched prefill: a prompt for one rank alone (a solo rank, or a 1-rank group) takes
+         * the eligible prompts queued behind it into the same task (batch.h). */
+        if (g >= 0 && r->cfg.prefill_batch_max > 1 && !score_prompt && q->n_samples <= 1 &&
+            !q->resumed_choice &&
+            (solo >= 0 || r->groups[g].size == 1) &&
+            rt_schedule_batch(r, q, g, solo >= 0 ? solo : 0, d)) {
+            next = r->head; /* members behind q left the queue (or failed): look again */
+            continue;
+        }
         rt_req_dispatch(r, q, d, g, solo);
     }
 }

@@ -88,7 +88,9 @@ def main():
         m.stop()
 
     # --pool-local-max 0: the follow-up must go to the group, not to the decode node's pool
-    queue_rule = ("--adaptive-group", "2")
+    # batched prefill off: this test is about solo tasks of one request each
+    # (test_batch_prefill.py covers batches)
+    queue_rule = ("--adaptive-group", "2", "--prefill-batch-max", "1")
     m = Mesh(args.bindir, args.model, prefill_ranks=2,
              router_args=("--pool-local-max", "0") + queue_rule)
     try:

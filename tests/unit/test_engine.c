@@ -320,6 +320,178 @@ START_TEST(test_engine_errors)
 }
 END_TEST
 
+/* ---- Several sequences as one batch (pdm_model_prefill_seqs) ------------------------------ */
+
+#define SEQS_N 4
+static const int seqs_len[SEQS_N] = {33, 1, 70, 7}; /* odd sizes, a one-token sequence */
+
+/* Whether rows [0, n) of every layer's K and V (and the q8 scales) of a and b are the same
+ * bytes. */
+static int same_kv(const pdm_model_hparams_t *hp, const pdm_kv_cache_t *a,
+                   const pdm_kv_cache_t *b, int n, uint32_t layers)
+{
+    const size_t row = pdm_dtype_row_bytes(a->dtype, hp->head_dim);
+    for (uint32_t l = 0; l < layers; l++)
+        for (uint32_t h = 0; h < hp->n_kv_heads; h++)
+            if (memcmp(pdm_kv_cache_k(a, l, h), pdm_kv_cache_k(b, l, h), row * (size_t)n) ||
+                memcmp(pdm_kv_cache_v(a, l, h), pdm_kv_cache_v(b, l, h), row * (size_t)n))
+                return 0;
+    if (a->dtype == PDM_DT_I8 &&
+        memcmp(a->scale, b->scale, sizeof(float) * 2 * layers * hp->n_kv_heads))
+        return 0;
+    return 1;
+}
+
+typedef struct {
+    const pdm_model_hparams_t *hp;
+    pdm_kv_cache_t **got, **want;
+    int calls, stop_at;
+} seqs_probe_t;
+
+/* The layer hook: layer l's KV of every sequence is final when it is called (what the
+ * prefill rank streams then is what the sequence alone would give). */
+static int seqs_on_layer(void *data, int layer)
+{
+    seqs_probe_t *p = data;
+    ck_assert_int_eq(layer, p->calls);
+    p->calls++;
+    if (p->want)
+        for (int s = 0; s < SEQS_N; s++) {
+            const size_t row = pdm_dtype_row_bytes(p->got[s]->dtype, p->hp->head_dim);
+            for (uint32_t h = 0; h < p->hp->n_kv_heads; h++) {
+                ck_assert(!memcmp(pdm_kv_cache_k(p->got[s], (uint32_t)layer, h),
+                                  pdm_kv_cache_k(p->want[s], (uint32_t)layer, h),
+                                  row * (size_t)seqs_len[s]));
+                ck_assert(!memcmp(pdm_kv_cache_v(p->got[s], (uint32_t)layer, h),
+                                  pdm_kv_cache_v(p->want[s], (uint32_t)layer, h),
+                                  row * (size_t)seqs_len[s]));
+            }
+        }
+    return layer == p->stop_at ? PDM_ECANCELED : PDM_OK;
+}
+
+/* Every sequence's last logits and KV equal, bit for bit, those of the sequence prefilled
+ * alone (pdm_model_prefill with a context that holds it in one batch), for every kernel
+ * variant of this CPU, f32/f16/q8 KV, Q4_1 (GQA) and f32 weights. Bit-for-bit holds because
+ * every step but attention is per row, and attention runs per sequence on the same rows. */
+START_TEST(test_prefill_seqs_equal_alone)
+{
+    static const struct { uint32_t h, kv, d; pdm_dtype_t wt; } shapes[] = {
+        {4, 2, 64, PDM_DT_Q4_1}, {6, 3, 96, PDM_DT_F32}};
+    static const pdm_dtype_t kvts[] = {PDM_DT_F16, PDM_DT_F32, PDM_DT_I8};
+    for (size_t sh = 0; sh < PDM_ARRAY_SIZE(shapes); sh++) {
+        char tag[32];
+        snprintf(tag, sizeof(tag), "seqs%zu", sh);
+        pdm_model_t *m = load(make_model(tag, shapes[sh].h, shapes[sh].kv, shapes[sh].d,
+                                         shapes[sh].wt, (int)sh));
+        const pdm_model_hparams_t *hp = &m->hp;
+        int32_t tok[SEQS_N][70];
+        int total = 0;
+        for (int s = 0; s < SEQS_N; s++) {
+            random_tokens(tok[s], seqs_len[s], (int)hp->n_vocab, 11 + (unsigned)s);
+            total += seqs_len[s];
+        }
+        const pdm_kern_ops_t *const *list = pdm_kern_ops_list();
+        for (int v = 0; list[v]; v++)
+            for (size_t kt = 0; kt < PDM_ARRAY_SIZE(kvts); kt++) {
+                pdm_kv_cache_t *want[SEQS_N], *got[SEQS_N];
+                float *want_l[SEQS_N], *got_l[SEQS_N];
+                pdm_model_seq_t seqs[SEQS_N];
+                for (int s = 0; s < SEQS_N; s++) {
+                    pdm_model_ctx_t *one;
+                    ck_assert_int_eq(pdm_model_ctx_create(m, 2, seqs_len[s], &one), PDM_OK);
+                    pdm_model_ctx_set_ops(one, list[v]);
+                    pdm_model_ctx_set_split_single(one, 0); /* as a prefill rank's context */
+                    ck_assert_int_eq(pdm_kv_cache_create(hp, seqs_len[s] + 3, kvts[kt], &want[s]),
+                                     PDM_OK);
+                    want_l[s] = malloc(sizeof(float) * hp->n_vocab);
+                    ck_assert_msg(pdm_model_prefill(one, want[s], tok[s], seqs_len[s],
+                                                    want_l[s]) == PDM_OK, "%s", pdm_error_last());
+                    pdm_model_ctx_destroy(one);
+                    ck_assert_int_eq(pdm_kv_cache_create(hp, seqs_len[s] + 3, kvts[kt], &got[s]),
+                                     PDM_OK);
+                    got_l[s] = malloc(sizeof(float) * hp->n_vocab);
+                    seqs[s] = (pdm_model_seq_t){tok[s], seqs_len[s], got[s], got_l[s]};
+                }
+                pdm_model_ctx_t *ctx;
+                pdm_act_t act;
+                ck_assert_int_eq(pdm_model_ctx_create(m, 2, total, &ctx), PDM_OK);
+                pdm_model_ctx_set_ops(ctx, list[v]);
+                pdm_model_ctx_set_split_single(ctx, 0);
+                ck_assert_int_eq(pdm_act_alloc(hp, total, &act), PDM_OK);
+                seqs_probe_t probe = {hp, got, want, 0, -1};
+                ck_assert_msg(pdm_model_prefill_seqs(ctx, &act, seqs, SEQS_N, seqs_on_layer,
+                                                     &probe) == PDM_OK, "%s", pdm_error_last());
+                ck_assert_int_eq(probe.calls, (int)hp->n_layers);
+                for (int s = 0; s < SEQS_N; s++) {
+                    ck_assert_int_eq(got[s]->n_tokens, seqs_len[s]);
+                    ck_assert_int_eq(got[s]->scales_fixed, want[s]->scales_fixed);
+                    ck_assert_msg(!memcmp(got_l[s], want_l[s], sizeof(float) * hp->n_vocab),
+                                  "%s, kv %zu, sequence %d: logits differ by %g", list[v]->name,
+                                  kt, s, max_diff(got_l[s], want_l[s], (int)hp->n_vocab));
+                    ck_assert_msg(same_kv(hp, got[s], want[s], seqs_len[s], hp->n_layers),
+                                  "%s, kv %zu, sequence %d: KV differs", list[v]->name, kt, s);
+                    pdm_kv_cache_destroy(want[s]);
+                    pdm_kv_cache_destroy(got[s]);
+                    free(want_l[s]);
+                    free(got_l[s]);
+                }
+                pdm_act_free(&act);
+                pdm_model_ctx_destroy(ctx);
+            }
+        pdm_model_free(m);
+    }
+}
+END_TEST
+
+/* Bad batches are refused with nothing changed; a hook that stops it stops it. */
+START_TEST(test_prefill_seqs_errors)
+{
+    pdm_model_t *m = load(make_model("seqserr", 4, 2, 64, PDM_DT_Q4_1, 0));
+    const pdm_model_hparams_t *hp = &m->hp;
+    pdm_model_ctx_t *ctx;
+    pdm_act_t act;
+    pdm_kv_cache_t *a, *b;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), PDM_OK);
+    ck_assert_int_eq(pdm_act_alloc(hp, 16, &act), PDM_OK);
+    ck_assert_int_eq(pdm_kv_cache_create(hp, 8, PDM_DT_F16, &a), PDM_OK);
+    ck_assert_int_eq(pdm_kv_cache_create(hp, 8, PDM_DT_F16, &b), PDM_OK);
+    int32_t tok[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, bad[2] = {1, (int32_t)hp->n_vocab};
+    pdm_model_seq_t s2[2] = {{tok, 4, a, NULL}, {tok, 4, a, NULL}};
+    ck_assert_int_eq(pdm_model_prefill_seqs(ctx, &act, s2, 2, NULL, NULL), PDM_EINVAL); /* shared */
+    s2[1].cache = b;
+    s2[1].tokens = bad;
+    s2[1].n = 2;
+    ck_assert_int_eq(pdm_model_prefill_seqs(ctx, &act, s2, 2, NULL, NULL), PDM_ERANGE);
+    s2[1].tokens = tok;
+    s2[1].n = 9; /* over b's 8 slots */
+    ck_assert_int_eq(pdm_model_prefill_seqs(ctx, &act, s2, 2, NULL, NULL), PDM_EOVERFLOW);
+    s2[1].n = 0;
+    ck_assert_int_eq(pdm_model_prefill_seqs(ctx, &act, s2, 2, NULL, NULL), PDM_EINVAL);
+    ck_assert_int_eq(pdm_model_prefill_seqs(ctx, &act, s2, 0, NULL, NULL), PDM_EINVAL);
+    pdm_kv_cache_t *c;
+    ck_assert_int_eq(pdm_kv_cache_create(hp, 32, PDM_DT_F16, &c), PDM_OK);
+    pdm_model_seq_t big[2] = {{tok, 8, a, NULL}, {tok, 12, c, NULL}}; /* 20 > max batch 16 */
+    ck_assert_int_eq(pdm_model_prefill_seqs(ctx, &act, big, 2, NULL, NULL), PDM_EINVAL);
+    ck_assert_int_eq(a->n_tokens, 0);
+    ck_assert_int_eq(c->n_tokens, 0);
+    /* a hook that stops at layer 1: its status, and no sequence counts as prefilled */
+    s2[1].n = 4;
+    seqs_probe_t probe = {hp, NULL, NULL, 0, 1};
+    ck_assert_int_eq(pdm_model_prefill_seqs(ctx, &act, s2, 2, seqs_on_layer, &probe),
+                     PDM_ECANCELED);
+    ck_assert_int_eq(probe.calls, 2);
+    ck_assert_int_eq(a->n_tokens, 0);
+    ck_assert_int_eq(b->n_tokens, 0);
+    pdm_kv_cache_destroy(a);
+    pdm_kv_cache_destroy(b);
+    pdm_kv_cache_destroy(c);
+    pdm_act_free(&act);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+END_TEST
+
 Suite *suite_engine(void)
 {
     Suite *s = suite_create("engine");
@@ -331,6 +503,8 @@ Suite *suite_engine(void)
     tcase_add_test(tc, test_split_views);
     tcase_add_test(tc, test_kernel_variants_agree);
     tcase_add_test(tc, test_engine_errors);
+    tcase_add_test(tc, test_prefill_seqs_equal_alone);
+    tcase_add_test(tc, test_prefill_seqs_errors);
     suite_add_tcase(s, tc);
     return s;
 }

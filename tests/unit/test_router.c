@@ -10,6 +10,7 @@
 #include "common/pdm.h"
 #include "decode_node/decode.h"
 #include "router/adapt.h"
+#include "router/batch.h"
 #include "router/metrics.h"
 #include "tests.h"
 
@@ -1044,6 +1045,59 @@ START_TEST(test_adapt_decide)
 }
 END_TEST
 
+/* ---- batched prefill (router/batch.h): packing bounds and the queue's order --------------- */
+
+START_TEST(test_batch_pack)
+{
+    int out[RT_BATCH_MAX];
+    /* the lead is taken alone over the token budget; nothing else then fits */
+    rt_batch_cand_t big[3] = {{3000, 1}, {10, 1}, {20, 1}};
+    ck_assert_int_eq(rt_batch_pack(big, 3, 8, 2048, out), 1);
+    ck_assert_int_eq(out[0], 0);
+    /* first fit in queue order: 1500 + 600 is over 2048, 300 and 200 still fit */
+    rt_batch_cand_t c[6] = {{1000, 1}, {500, 1}, {600, 1}, {300, 0}, {300, 1}, {200, 1}};
+    ck_assert_int_eq(rt_batch_pack(c, 6, 8, 2048, out), 4);
+    const int want[4] = {0, 1, 4, 5}; /* 1000 + 500 + 300 + 200 = 2000; [3] not eligible */
+    for (int i = 0; i < 4; i++) ck_assert_int_eq(out[i], want[i]);
+    /* the request bound, in order */
+    ck_assert_int_eq(rt_batch_pack(c, 6, 2, 1 << 20, out), 2);
+    ck_assert_int_eq(out[1], 1);
+    /* exactly at the budget */
+    rt_batch_cand_t e[3] = {{1024, 1}, {1024, 1}, {1, 1}};
+    ck_assert_int_eq(rt_batch_pack(e, 3, 8, 2048, out), 2);
+    /* bounds clamp to [1, RT_BATCH_MAX] */
+    rt_batch_cand_t many[12];
+    for (int i = 0; i < 12; i++) many[i] = (rt_batch_cand_t){10, 1};
+    ck_assert_int_eq(rt_batch_pack(many, 12, 100, 1 << 20, out), RT_BATCH_MAX);
+    ck_assert_int_eq(rt_batch_pack(many, 12, 0, 1 << 20, out), 1);
+    ck_assert_int_eq(rt_batch_pack(many, 0, 8, 2048, out), 0);
+}
+END_TEST
+
+START_TEST(test_batch_deadline_order)
+{
+    /* earlier deadline first; equal deadlines by admission */
+    ck_assert(rt_batch_before(1.0, 9, 2.0, 1));
+    ck_assert(!rt_batch_before(2.0, 1, 1.0, 9));
+    ck_assert(rt_batch_before(5.0, 3, 5.0, 4));
+    ck_assert(!rt_batch_before(5.0, 4, 5.0, 3));
+    ck_assert(!rt_batch_before(5.0, 4, 5.0, 4));
+    /* insertion from the tail as rt_req_enqueue does it gives a sorted, stable queue */
+    const double dl[7] = {10, 4, 10, 2, 7, 4, 12};
+    int q[7], n = 0;
+    for (int id = 0; id < 7; id++) {
+        int at = n;
+        while (at > 0 && rt_batch_before(dl[id], (uint64_t)id, dl[q[at - 1]], (uint64_t)q[at - 1]))
+            at--;
+        memmove(q + at + 1, q + at, sizeof(int) * (size_t)(n - at));
+        q[at] = id;
+        n++;
+    }
+    const int want[7] = {3, 1, 5, 4, 0, 2, 6};
+    for (int i = 0; i < 7; i++) ck_assert_int_eq(q[i], want[i]);
+}
+END_TEST
+
 Suite *suite_router(void)
 {
     Suite *s = suite_create("router");
@@ -1065,5 +1119,9 @@ Suite *suite_router(void)
     tcase_add_test(ta, test_adapt_cost_model);
     tcase_add_test(ta, test_adapt_decide);
     suite_add_tcase(s, ta);
+    TCase *tb = tcase_create("batch");
+    tcase_add_test(tb, test_batch_pack);
+    tcase_add_test(tb, test_batch_deadline_order);
+    suite_add_tcase(s, tb);
     return s;
 }
