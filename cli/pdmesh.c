@@ -16,6 +16,7 @@
 #include "common/curve.h"
 #include "common/pdm.h"
 #include "cli/cli.h"
+#include "decode_node/decode.h"
 #include "model/model.h"
 
 #define PDM__MAX_STOPS 16
@@ -33,6 +34,10 @@ static void usage(FILE *f)
             "              [--stats] [--json] [--ignore-eos]\n"
             "              [--chat-template NAME]  chatml, llama3, gemma, mistral-v7, ... instead\n"
             "              of the file's template (docs/models.md)\n"
+            "              [--turn TEXT]...  later turns of a conversation, each its whole\n"
+            "              prompt: the cache keeps the last turn's prompt and answer (fed back\n"
+            "              as decode steps) and only what follows their common prefix is\n"
+            "              prefilled, as a decode node's prefix pool does; one JSON line a turn\n"
             "              [--router ENDPOINT | --mesh | --config FILE] [--timeout MS]\n"
             "              [--beams B [--n-best N] [--length-penalty X] [--early-stopping R]]\n"
             "              [--ignore-eos]\n"
@@ -93,9 +98,13 @@ static void usage(FILE *f)
 
 /* ---- generate ----------------------------------------------------------------------- */
 
+#define PDM__MAX_TURNS 64 /* (the usage message says 64) */
+
 typedef struct {
     const char *model_path;
     const char *prompt;
+    const char *turns[PDM__MAX_TURNS]; /* --turn TEXT: later turns' whole prompts */
+    int n_turns;
     const char *chat_template; /* --chat-template NAME, or NULL: the file's */
     int chat, stats, json;
     long n_predict, threads, batch, ctx;
@@ -163,6 +172,171 @@ static void add_logprobs_json(cJSON *root, const pdm_tokenizer_t *tk, const int3
     }
 }
 
+/* One run of generate: the model, its context and the cache that carries a conversation from
+ * one turn to the next (--turn). */
+typedef struct {
+    const gen_opts_t *o;
+    pdm_model_t *model;
+    pdm_model_ctx_t *ctx;
+    pdm_kv_cache_t *cache;
+    int32_t *held;                /* [cache->capacity] the token of each filled cache row: the
+                                   * turn's prompt, then the generated tokens fed back */
+    float *logits;                /* [n_vocab] */
+    int32_t *out_ids;             /* [n_predict + 1] the turn's generated tokens */
+    pdm_token_logprobs_t *out_lp; /* [n_predict + 1] with --logprobs, else NULL */
+} gen_run_t;
+
+/* Generates one turn: rows [0, cached) of the cache already hold prompt_ids[0, cached) (a
+ * former turn's), the rest of the prompt is prefilled in batches of --batch, then every
+ * generated token but the last is fed back as a decode step of one token, as a decode node
+ * does. Prints the text (or the turn's JSON line). Returns 0, or 1 after printing the error. */
+static int gen_turn(gen_run_t *g, int turn, const int32_t *prompt_ids, size_t n_prompt,
+                    int32_t cached)
+{
+    const gen_opts_t *o = g->o;
+    pdm_kv_cache_t *cache = g->cache;
+    pdm_sampler_t *sampler = NULL;
+    char *text = NULL;
+    size_t text_len = 0, text_cap = 0, emitted = 0;
+    int status = 1;
+    if (pdm_sampler_create(&o->sp, (int32_t)g->model->hp.n_vocab, &sampler)) {
+        cli_runtime_error("cannot set up sampling");
+        return 1;
+    }
+    cache->n_tokens = cached; /* rows after it are overwritten */
+    memcpy(g->held, prompt_ids, n_prompt * sizeof(int32_t));
+    const char *finish = "length";
+    double t0 = pdm_now(), t_first = t0, t_end;
+    if (pdm_model_prefill(g->ctx, cache, prompt_ids + cached, (int)(n_prompt - (size_t)cached),
+                          g->logits)) {
+        cli_runtime_error("prefill failed");
+        goto out;
+    }
+    pdm_detok_t detok;
+    pdm_detok_init(&detok, 0);
+    long n_out = 0;
+    int hit_stop_string = 0;
+    char piece[256];
+    for (;;) {
+        if (n_out >= o->n_predict) break;
+        if (cache->n_tokens >= cache->capacity && n_out > 0) {
+            finish = "length";
+            break;
+        }
+        /* the history is the completion so far (model.h "Sampling"), as on the mesh */
+        int32_t tok = pdm_sampler_sample(sampler, g->logits, g->out_ids, (int)n_out,
+                                         g->out_lp ? &g->out_lp[n_out] : NULL);
+        if (n_out == 0) t_first = pdm_now();
+        g->out_ids[n_out++] = tok;
+        const int eog = pdm_tokenizer_is_eog(g->model->tokenizer, tok);
+        if (eog && !o->ignore_eos) {
+            finish = "stop";
+            break;
+        }
+        int pl = eog ? 0 : pdm_detok_feed(&detok, g->model->tokenizer, tok, piece, sizeof(piece));
+        if (pl < 0) pl = 0;
+        if (text_len + (size_t)pl + 1 > text_cap) {
+            size_t cap = PDM_MAX(text_cap * 2, text_len + (size_t)pl + 256);
+            char *nt = realloc(text, cap);
+            if (!nt) {
+                fprintf(stderr, "%s: out of memory\n", cli_prog);
+                goto out;
+            }
+            text = nt;
+            text_cap = cap;
+        }
+        memcpy(text + text_len, piece, (size_t)pl);
+        text_len += (size_t)pl;
+        text[text_len] = '\0';
+        long stop_at = o->n_stops ? stop_find(text, o) : -1;
+        if (stop_at >= 0) {
+            hit_stop_string = 1;
+            text_len = (size_t)stop_at;
+            text[text_len] = '\0';
+            finish = "stop";
+            break;
+        }
+        size_t safe = text_len - stop_holdback(text, text_len, o);
+        if (!o->json && safe > emitted) {
+            fwrite(text + emitted, 1, safe - emitted, stdout);
+            fflush(stdout);
+            emitted = safe;
+        }
+        if (n_out >= o->n_predict || cache->n_tokens >= cache->capacity) break;
+        g->held[cache->n_tokens] = tok;
+        if (pdm_model_decode(g->ctx, cache, tok, g->logits)) {
+            cli_runtime_error("decode failed");
+            goto out;
+        }
+    }
+    t_end = pdm_now();
+    if (!hit_stop_string) {
+        /* bytes of an unfinished UTF-8 character at the end become U+FFFD */
+        int fl = pdm_detok_flush(&detok, piece, sizeof(piece));
+        if (fl > 0) {
+            char *nt = realloc(text, text_len + (size_t)fl + 1);
+            if (nt) {
+                text = nt;
+                memcpy(text + text_len, piece, (size_t)fl);
+                text_len += (size_t)fl;
+                text[text_len] = '\0';
+            }
+        }
+    }
+    if (!o->json && text_len > emitted) fwrite(text + emitted, 1, text_len - emitted, stdout);
+
+    const size_t n_new = n_prompt - (size_t)cached;
+    double prefill_s = t_first - t0, decode_s = t_end - t_first;
+    double prefill_tps = prefill_s > 0 ? (double)n_new / prefill_s : 0.0;
+    double decode_tps = n_out > 1 && decode_s > 0 ? (double)(n_out - 1) / decode_s : 0.0;
+    if (o->json) {
+        cJSON *root = cJSON_CreateObject();
+        cJSON *ids = cJSON_AddArrayToObject(root, "tokens");
+        for (long i = 0; i < n_out; i++)
+            cJSON_AddItemToArray(ids, cJSON_CreateNumber(g->out_ids[i]));
+        cJSON_AddStringToObject(root, "text", text ? text : "");
+        if (g->out_lp) add_logprobs_json(root, g->model->tokenizer, g->out_ids, g->out_lp, n_out);
+        cJSON_AddStringToObject(root, "finish_reason", finish);
+        cJSON_AddNumberToObject(root, "prompt_tokens", (double)n_prompt);
+        cJSON_AddNumberToObject(root, "completion_tokens", (double)n_out);
+        if (o->n_turns) {
+            cJSON_AddNumberToObject(root, "turn", turn);
+            cJSON_AddNumberToObject(root, "cached_tokens", cached);
+        }
+        cJSON_AddNumberToObject(root, "ttft_s", prefill_s);
+        cJSON_AddNumberToObject(root, "prefill_tokens_per_s", prefill_tps);
+        cJSON_AddNumberToObject(root, "decode_tokens_per_s", decode_tps);
+        cJSON_AddStringToObject(root, "kernels", pdm_model_ctx_ops(g->ctx)->name);
+        cJSON_AddNumberToObject(root, "threads", (double)o->threads);
+        cli_print_json_line(root);
+    } else {
+        printf("\n");
+    }
+    fflush(stdout);
+    if (o->stats) {
+        if (o->n_turns) fprintf(stderr, "turn %d: %d prompt tokens cached\n", turn, (int)cached);
+        fprintf(stderr, "prompt tokens: %zu, generated: %ld (%s)\nTTFT: %.3f s\n"
+                        "prefill: %.1f tokens/s\ndecode: %.1f tokens/s\nkernels: %s, threads: %ld\n",
+                n_prompt, n_out, finish, prefill_s, prefill_tps, decode_tps,
+                pdm_model_ctx_ops(g->ctx)->name, o->threads);
+    }
+    status = 0;
+out:
+    free(text);
+    pdm_sampler_destroy(sampler);
+    return status;
+}
+
+/* The rows a turn reuses: the longest common prefix of the cache's tokens and the turn's
+ * prompt, at most all but its last token (whose logits are needed), and none unless it has
+ * PDM_DECODE_POOL_MIN tokens: the decode node's prefix-pool rule (decode_node/decode.h). */
+static int32_t gen_reuse(const int32_t *held, int32_t n_held, const int32_t *ids, size_t n)
+{
+    int32_t k = 0, lim = PDM_MIN(n_held, (int32_t)n - 1);
+    while (k < lim && held[k] == ids[k]) k++;
+    return k >= PDM_DECODE_POOL_MIN ? k : 0;
+}
+
 static int cmd_generate(int argc, char **argv)
 {
     if (cli_generate_wants_router(argc, argv)) return cmd_generate_remote(argc, argv);
@@ -170,7 +344,7 @@ static int cmd_generate(int argc, char **argv)
                     .batch = 512, .ctx = 0, .kv_dtype = PDM_DT_F16};
     pdm_sampler_params_default(&o.sp);
     o.sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
-    enum { O_STOP = 256, O_BATCH, O_CTX, O_KV, O_IGNORE_EOS, O_CHAT_TEMPLATE };
+    enum { O_STOP = 256, O_BATCH, O_CTX, O_KV, O_IGNORE_EOS, O_CHAT_TEMPLATE, O_TURN };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"prompt", required_argument, 0, 'p'},
         {"chat", no_argument, 0, 'c'},            {"n-predict", required_argument, 0, 'n'},
@@ -181,6 +355,7 @@ static int cmd_generate(int argc, char **argv)
         {"kv-dtype", required_argument, 0, O_KV}, {"help", no_argument, 0, 'h'},
         {"ignore-eos", no_argument, 0, O_IGNORE_EOS},
         {"chat-template", required_argument, 0, O_CHAT_TEMPLATE},
+        {"turn", required_argument, 0, O_TURN},
         {0, 0, 0, 0}};
     int c;
     optind = 1;
@@ -221,6 +396,11 @@ static int cmd_generate(int argc, char **argv)
             if (!*optarg) return cli_usage_error("empty --stop string%s", "");
             o.stops[o.n_stops++] = optarg;
             break;
+        case O_TURN:
+            if (o.n_turns == PDM__MAX_TURNS)
+                return cli_usage_error("too many --turn options (at most %s)", "64");
+            o.turns[o.n_turns++] = optarg;
+            break;
         case O_KV:
             if (pdm_kv_dtype_parse(optarg, &o.kv_dtype))
                 return cli_usage_error("invalid --kv-dtype '%s' (f32, f16 or q8)", optarg);
@@ -231,31 +411,33 @@ static int cmd_generate(int argc, char **argv)
     }
     if (optind < argc) return cli_usage_error("unexpected argument '%s'", argv[optind]);
     if (!o.prompt) return cli_usage_error("%s", "generate needs --prompt TEXT");
+    if (o.n_turns && o.chat)
+        return cli_usage_error("%s", "--turn continues plain prompts; with --chat give the "
+                                     "rendered conversation as the turns' prompts instead");
+    if (o.n_turns && o.kv_dtype == PDM_DT_I8)
+        return cli_usage_error("%s", "--turn needs an f16 or f32 KV cache (q8 fixes its scales "
+                                     "from the first prompt)");
     if (o.threads == 0) o.threads = PDM_MAX(1, sysconf(_SC_NPROCESSORS_ONLN));
 
     int status = 1;
-    pdm_model_t *model = NULL;
-    pdm_model_ctx_t *ctx = NULL;
-    pdm_kv_cache_t *cache = NULL;
-    pdm_sampler_t *sampler = NULL;
-    int32_t *prompt_ids = NULL, *out_ids = NULL;
-    pdm_token_logprobs_t *out_lp = NULL; /* [n_predict + 1] with --logprobs */
-    float *logits = NULL;
-    char *rendered = NULL, *text = NULL;
-    size_t n_prompt = 0, text_len = 0, text_cap = 0, emitted = 0;
-    if (cli_load_model(o.model_path, &model)) return 1;
-    const pdm_model_hparams_t *hp = &model->hp;
+    const int n_turns = 1 + o.n_turns;
+    gen_run_t g = {.o = &o};
+    int32_t *ids[1 + PDM__MAX_TURNS] = {0};
+    size_t n_ids[1 + PDM__MAX_TURNS] = {0};
+    char *rendered = NULL;
+    if (cli_load_model(o.model_path, &g.model)) return 1;
+    const pdm_model_hparams_t *hp = &g.model->hp;
 
     const char *prompt_text = o.prompt;
     int flags = PDM_TOKENIZE_ADD_BOS;
     if (o.chat) {
         const char *role = "user";
         if (o.chat_template &&
-            pdm_tokenizer_set_chat_template(model->tokenizer, o.chat_template)) {
+            pdm_tokenizer_set_chat_template(g.model->tokenizer, o.chat_template)) {
             cli_runtime_error("--chat-template");
             goto out;
         }
-        rendered = pdm_tokenizer_chat_render(model->tokenizer, &role, &o.prompt, 1, 1);
+        rendered = pdm_tokenizer_chat_render(g.model->tokenizer, &role, &o.prompt, 1, 1);
         if (!rendered) {
             cli_runtime_error("cannot apply the chat template");
             goto out;
@@ -263,154 +445,55 @@ static int cmd_generate(int argc, char **argv)
         prompt_text = rendered;
         flags |= PDM_TOKENIZE_SPECIAL;
     }
-    if (cli_tokenize_alloc(model->tokenizer, prompt_text, strlen(prompt_text), flags, &prompt_ids,
-                       &n_prompt)) {
-        cli_runtime_error("cannot tokenize the prompt");
-        goto out;
+    long n_ctx = o.ctx ? o.ctx : (long)hp->n_ctx_train, capacity = 0;
+    for (int k = 0; k < n_turns; k++) {
+        const char *t = k ? o.turns[k - 1] : prompt_text;
+        if (cli_tokenize_alloc(g.model->tokenizer, t, strlen(t), flags, &ids[k], &n_ids[k])) {
+            cli_runtime_error("cannot tokenize the prompt");
+            goto out;
+        }
+        if (n_ids[k] == 0) {
+            fprintf(stderr, "%s: the prompt%s is empty after tokenization\n", cli_prog,
+                    k ? " of a --turn" : "");
+            goto out;
+        }
+        if ((long)n_ids[k] >= n_ctx) {
+            fprintf(stderr, "%s: the prompt%s has %zu tokens, more than the context allows (%ld); "
+                            "shorten it or raise --ctx\n", cli_prog, k ? " of a --turn" : "",
+                    n_ids[k], n_ctx);
+            goto out;
+        }
+        capacity = PDM_MAX(capacity, PDM_MIN(n_ctx, (long)n_ids[k] + o.n_predict));
     }
-    if (n_prompt == 0) {
-        fprintf(stderr, "%s: the prompt is empty after tokenization\n", cli_prog);
-        goto out;
-    }
-    long n_ctx = o.ctx ? o.ctx : (long)hp->n_ctx_train;
-    if ((long)n_prompt >= n_ctx) {
-        fprintf(stderr, "%s: the prompt has %zu tokens, more than the context allows (%ld); "
-                        "shorten it or raise --ctx\n", cli_prog, n_prompt, n_ctx);
-        goto out;
-    }
-    long capacity = PDM_MIN(n_ctx, (long)n_prompt + o.n_predict);
-    if (pdm_model_ctx_create(model, (int)o.threads, (int)o.batch, &ctx) ||
-        pdm_kv_cache_create(hp, (int32_t)capacity, o.kv_dtype, &cache) ||
-        pdm_sampler_create(&o.sp, (int32_t)hp->n_vocab, &sampler)) {
+    if (pdm_model_ctx_create(g.model, (int)o.threads, (int)o.batch, &g.ctx) ||
+        pdm_kv_cache_create(hp, (int32_t)capacity, o.kv_dtype, &g.cache)) {
         cli_runtime_error("cannot set up generation");
         goto out;
     }
-    logits = malloc(hp->n_vocab * sizeof(float));
-    out_ids = malloc((size_t)(o.n_predict + 1) * sizeof(int32_t));
-    if (o.sp.logprobs >= 0) out_lp = malloc((size_t)(o.n_predict + 1) * sizeof(*out_lp));
-    if (!logits || !out_ids || (o.sp.logprobs >= 0 && !out_lp)) {
+    g.logits = malloc(hp->n_vocab * sizeof(float));
+    g.out_ids = malloc((size_t)(o.n_predict + 1) * sizeof(int32_t));
+    g.held = malloc((size_t)capacity * sizeof(int32_t));
+    if (o.sp.logprobs >= 0) g.out_lp = malloc((size_t)(o.n_predict + 1) * sizeof(*g.out_lp));
+    if (!g.logits || !g.out_ids || !g.held || (o.sp.logprobs >= 0 && !g.out_lp)) {
         fprintf(stderr, "%s: out of memory\n", cli_prog);
         goto out;
     }
-
-    const char *finish = "length";
-    double t0 = pdm_now(), t_first = t0, t_end;
-    if (pdm_model_prefill(ctx, cache, prompt_ids, (int)n_prompt, logits)) {
-        cli_runtime_error("prefill failed");
-        goto out;
+    for (int k = 0; k < n_turns; k++) {
+        const int32_t cached = k ? gen_reuse(g.held, g.cache->n_tokens, ids[k], n_ids[k]) : 0;
+        if (gen_turn(&g, k, ids[k], n_ids[k], cached)) goto out;
     }
-    pdm_detok_t detok;
-    pdm_detok_init(&detok, 0);
-    long n_out = 0;
-    int hit_stop_string = 0;
-    char piece[256];
-    for (;;) {
-        if (n_out >= o.n_predict) break;
-        if (cache->n_tokens >= cache->capacity && n_out > 0) {
-            finish = "length";
-            break;
-        }
-        /* the history is the completion so far (model.h "Sampling"), as on the mesh */
-        int32_t tok = pdm_sampler_sample(sampler, logits, out_ids, (int)n_out,
-                                         out_lp ? &out_lp[n_out] : NULL);
-        if (n_out == 0) t_first = pdm_now();
-        out_ids[n_out++] = tok;
-        const int eog = pdm_tokenizer_is_eog(model->tokenizer, tok);
-        if (eog && !o.ignore_eos) {
-            finish = "stop";
-            break;
-        }
-        int pl = eog ? 0 : pdm_detok_feed(&detok, model->tokenizer, tok, piece, sizeof(piece));
-        if (pl < 0) pl = 0;
-        if (text_len + (size_t)pl + 1 > text_cap) {
-            size_t cap = PDM_MAX(text_cap * 2, text_len + (size_t)pl + 256);
-            char *nt = realloc(text, cap);
-            if (!nt) {
-                fprintf(stderr, "%s: out of memory\n", cli_prog);
-                goto out;
-            }
-            text = nt;
-            text_cap = cap;
-        }
-        memcpy(text + text_len, piece, (size_t)pl);
-        text_len += (size_t)pl;
-        text[text_len] = '\0';
-        long stop_at = o.n_stops ? stop_find(text, &o) : -1;
-        if (stop_at >= 0) {
-            hit_stop_string = 1;
-            text_len = (size_t)stop_at;
-            text[text_len] = '\0';
-            finish = "stop";
-            break;
-        }
-        size_t safe = text_len - stop_holdback(text, text_len, &o);
-        if (!o.json && safe > emitted) {
-            fwrite(text + emitted, 1, safe - emitted, stdout);
-            fflush(stdout);
-            emitted = safe;
-        }
-        if (n_out >= o.n_predict || cache->n_tokens >= cache->capacity) break;
-        if (pdm_model_decode(ctx, cache, tok, logits)) {
-            cli_runtime_error("decode failed");
-            goto out;
-        }
-    }
-    t_end = pdm_now();
-    if (!hit_stop_string) {
-        /* bytes of an unfinished UTF-8 character at the end become U+FFFD */
-        int fl = pdm_detok_flush(&detok, piece, sizeof(piece));
-        if (fl > 0) {
-            char *nt = realloc(text, text_len + (size_t)fl + 1);
-            if (nt) {
-                text = nt;
-                memcpy(text + text_len, piece, (size_t)fl);
-                text_len += (size_t)fl;
-                text[text_len] = '\0';
-            }
-        }
-    }
-    if (!o.json && text_len > emitted) fwrite(text + emitted, 1, text_len - emitted, stdout);
-
-    double prefill_s = t_first - t0, decode_s = t_end - t_first;
-    double prefill_tps = prefill_s > 0 ? (double)n_prompt / prefill_s : 0.0;
-    double decode_tps = n_out > 1 && decode_s > 0 ? (double)(n_out - 1) / decode_s : 0.0;
-    if (o.json) {
-        cJSON *root = cJSON_CreateObject();
-        cJSON *ids = cJSON_AddArrayToObject(root, "tokens");
-        for (long i = 0; i < n_out; i++) cJSON_AddItemToArray(ids, cJSON_CreateNumber(out_ids[i]));
-        cJSON_AddStringToObject(root, "text", text ? text : "");
-        if (out_lp) add_logprobs_json(root, model->tokenizer, out_ids, out_lp, n_out);
-        cJSON_AddStringToObject(root, "finish_reason", finish);
-        cJSON_AddNumberToObject(root, "prompt_tokens", (double)n_prompt);
-        cJSON_AddNumberToObject(root, "completion_tokens", (double)n_out);
-        cJSON_AddNumberToObject(root, "ttft_s", prefill_s);
-        cJSON_AddNumberToObject(root, "prefill_tokens_per_s", prefill_tps);
-        cJSON_AddNumberToObject(root, "decode_tokens_per_s", decode_tps);
-        cJSON_AddStringToObject(root, "kernels", pdm_model_ctx_ops(ctx)->name);
-        cJSON_AddNumberToObject(root, "threads", (double)o.threads);
-        cli_print_json_line(root);
-    } else {
-        printf("\n");
-    }
-    fflush(stdout);
-    if (o.stats)
-        fprintf(stderr, "prompt tokens: %zu, generated: %ld (%s)\nTTFT: %.3f s\n"
-                        "prefill: %.1f tokens/s\ndecode: %.1f tokens/s\nkernels: %s, threads: %ld\n",
-                n_prompt, n_out, finish, prefill_s, prefill_tps, decode_tps,
-                pdm_model_ctx_ops(ctx)->name, o.threads);
     status = 0;
 
 out:
-    free(text);
-    free(logits);
-    free(out_ids);
-    free(out_lp);
-    free(prompt_ids);
+    for (int k = 0; k < n_turns; k++) free(ids[k]);
+    free(g.logits);
+    free(g.out_ids);
+    free(g.out_lp);
+    free(g.held);
     free(rendered);
-    pdm_sampler_destroy(sampler);
-    pdm_kv_cache_destroy(cache);
-    pdm_model_ctx_destroy(ctx);
-    pdm_model_free(model);
+    pdm_kv_cache_destroy(g.cache);
+    pdm_model_ctx_destroy(g.ctx);
+    pdm_model_free(g.model);
     return status;
 }
 

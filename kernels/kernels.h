@@ -193,7 +193,8 @@ typedef enum {
     PDM_KERN_LAYOUT_ROWS = 0, /* the file's: row r at data + r * row_bytes */
     PDM_KERN_LAYOUT_X8 = 1,   /* repacked at load (pdm_kern_repack): groups of 8 rows, see
                                * pdm_block_q4_Kx8_t, pdm_block_q5_Kx8_t, pdm_block_q6_Kx8_t,
-                               * pdm_block_q8_0x8_t, pdm_block_q5_0x8_t, pdm_block_iq4_xsx8_t;
+                               * pdm_block_q8_0x8_t, pdm_block_q5_0x8_t, pdm_block_q4_1x8_t,
+                               * pdm_block_iq4_xsx8_t;
                                * the last group padded with zero rows */
 } pdm_kern_layout_t;
 
@@ -210,7 +211,7 @@ typedef struct {
 
 /* ---- Repacking at load -------------------------------------------------------------------
  *
- * Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0 and Q5_0 matrices can be rearranged once, at load, into a layout the CPU
+ * Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0, Q5_0 and Q4_1 matrices can be rearranged once, at load, into a layout the CPU
  * kernels compute on faster (the idea of llama.cpp's ggml-cpu repack.cpp, block_q4_Kx8; the
  * layouts here are our own): 8 rows interleaved so that one 32-byte vector holds 4 consecutive 4-bit values of
  * each of the 8 rows, and each row's 6-bit packed sub-block scales and minimums decoded once
@@ -280,6 +281,14 @@ typedef struct {
                                    * and 4k + 16 + l (high nibble) of row r */
 } pdm_block_q5_0x8_t;
 
+/* Q4_1's group block (160 bytes, 8 x 20 as in the file): Q5_0's arrangement of the nibbles
+ * (chunk k of elements 4k..4k+3 is the low nibbles of qs[k] for k < 4, the high nibbles of
+ * qs[k - 4] after), and the rows' scales and minimums side by side. x = d q + m, q 4 bits. */
+typedef struct {
+    uint16_t d[8], m[8];          /* f16 scale and minimum of each row */
+    uint8_t qs[4][32];            /* [k][4 r + l]: byte 4k + l of row r's qs */
+} pdm_block_q4_1x8_t;
+
 /* IQ4_XS's group super-block (1104 bytes for 8 x 136 in the file: the scales decoded to
  * bytes). Nibbles keep the file's pairing within a 32-element sub-block (element 32j + 4k + l
  * low, 32j + 16 + 4k + l high). The kernels look the codes up in kvalues + 128 (unsigned, for
@@ -291,7 +300,7 @@ typedef struct {
 } pdm_block_iq4_xsx8_t;
 
 /* Bytes matrix `m` takes repacked (0 if its type or shape has no repacked layout: today
- * Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0 and Q5_0 with ROWS layout). */
+ * Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0, Q5_0 and Q4_1 with ROWS layout). */
 size_t pdm_kern_repack_bytes(const pdm_kern_mat_t *m);
 /* Repacks `m` (ROWS layout) into `dst` (pdm_kern_repack_bytes(m) bytes, 32-byte aligned) and
  * writes the repacked matrix (data = dst) to *out. Returns 0, or -1 (nothing written) if the

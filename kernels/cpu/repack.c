@@ -20,7 +20,8 @@
 static int64_t pdm__x8_groups(const pdm_kern_mat_t *m, int64_t *nb)
 {
     if ((m->type != PDM_DT_Q4_K && m->type != PDM_DT_Q5_K && m->type != PDM_DT_Q6_K &&
-         m->type != PDM_DT_IQ4_XS && m->type != PDM_DT_Q8_0 && m->type != PDM_DT_Q5_0) ||
+         m->type != PDM_DT_IQ4_XS && m->type != PDM_DT_Q8_0 && m->type != PDM_DT_Q5_0 &&
+         m->type != PDM_DT_Q4_1) ||
         m->layout != PDM_KERN_LAYOUT_ROWS || m->rows < 1 || m->cols < 1)
         return 0;
     const int be = pdm_dtype_block_elems(m->type);
@@ -37,6 +38,7 @@ static size_t pdm__x8_block_bytes(pdm_dtype_t type)
            : type == PDM_DT_Q6_K ? sizeof(pdm_block_q6_Kx8_t)
            : type == PDM_DT_Q5_0 ? sizeof(pdm_block_q5_0x8_t)
            : type == PDM_DT_IQ4_XS ? sizeof(pdm_block_iq4_xsx8_t)
+           : type == PDM_DT_Q4_1 ? sizeof(pdm_block_q4_1x8_t)
                                  : sizeof(pdm_block_q8_0x8_t);
 }
 
@@ -146,6 +148,14 @@ static void pdm__repack_q5_K(const pdm_block_q5_K_t *b, int r, pdm_block_q5_Kx8_
     }
 }
 
+/* Row r (0..7) of group block o from the file's Q4_1 block b. */
+static void pdm__repack_q4_1(const pdm_block_q4_1_t *b, int r, pdm_block_q4_1x8_t *o)
+{
+    o->d[r] = b->d;
+    o->m[r] = b->m;
+    for (int k = 0; k < 4; k++) memcpy(&o->qs[k][4 * r], b->qs + 4 * k, 4);
+}
+
 /* Row r (0..7) of group super-block o from the file's IQ4_XS block b. */
 static void pdm__repack_iq4_xs(const pdm_block_iq4_xs_t *b, int r, pdm_block_iq4_xsx8_t *o)
 {
@@ -182,6 +192,8 @@ int pdm_kern_repack(const pdm_kern_mat_t *m, void *dst, pdm_kern_mat_t *out)
                     pdm__repack_q8_0((const pdm_block_q8_0_t *)b, r, (pdm_block_q8_0x8_t *)o);
                 else if (m->type == PDM_DT_Q5_0)
                     pdm__repack_q5_0((const pdm_block_q5_0_t *)b, r, (pdm_block_q5_0x8_t *)o);
+                else if (m->type == PDM_DT_Q4_1)
+                    pdm__repack_q4_1((const pdm_block_q4_1_t *)b, r, (pdm_block_q4_1x8_t *)o);
                 else if (m->type == PDM_DT_IQ4_XS)
                     pdm__repack_iq4_xs((const pdm_block_iq4_xs_t *)b, r, (pdm_block_iq4_xsx8_t *)o);
                 else pdm__repack_q6_K((const pdm_block_q6_K_t *)b, r, (pdm_block_q6_Kx8_t *)o);
@@ -246,6 +258,20 @@ void pdm_kern_mat_dequantize_row(const pdm_kern_mat_t *m, int64_t r, float *dst)
             const float d = pdm_f16_to_f32(g[i].d[rr]);
             for (int e = 0; e < PDM_QK; e++)
                 dst[i * PDM_QK + e] = (float)((int)g[i].qs[e / 4][4 * rr + e % 4] - 128) * d;
+        }
+        return;
+    }
+    if (m->type == PDM_DT_Q4_1) { /* as pdm_dequantize_row: q * d + m */
+        const int64_t nb = m->cols / PDM_QK;
+        const pdm_block_q4_1x8_t *g = (const pdm_block_q4_1x8_t *)m->data + (r / PDM_X8_ROWS) * nb;
+        const int rr = (int)(r % PDM_X8_ROWS);
+        for (int64_t i = 0; i < nb; i++) {
+            const float d = pdm_f16_to_f32(g[i].d[rr]), mn = pdm_f16_to_f32(g[i].m[rr]);
+            for (int e = 0; e < PDM_QK; e++) {
+                const int k = (e % 16) / 4, hi = e / 16;
+                const int q = (g[i].qs[k][4 * rr + e % 4] >> (4 * hi)) & 0x0f;
+                dst[i * PDM_QK + e] = (float)q * d + mn;
+            }
         }
         return;
     }
@@ -341,6 +367,34 @@ static void matmul_q6_Kx8(const pdm_kern_mat_t *w, const void *act, int n_tok, f
     }
 }
 
+/* The reference product on a repacked Q4_1 matrix (Q8_1 activations): per output, block by
+ * block, acc = fma(d_w * d_x, sum of q * x, acc), acc = fma(m_w, s_x, acc). */
+static void matmul_q4_1x8(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
+                          int64_t ldy, int64_t r0, int64_t r1)
+{
+    const int64_t nb = w->cols / PDM_QK;
+    const pdm_block_q4_1x8_t *wb = w->data;
+    const pdm_block_q8_1_t *x = act;
+    for (int t = 0; t < n_tok; t++) {
+        const pdm_block_q8_1_t *xt = x + (size_t)t * nb;
+        for (int64_t r = r0; r < r1; r++) {
+            const pdm_block_q4_1x8_t *g = wb + (r / PDM_X8_ROWS) * nb;
+            const int rr = (int)(r % PDM_X8_ROWS);
+            float acc = 0.0f;
+            for (int64_t i = 0; i < nb; i++) {
+                int32_t sumi = 0;
+                for (int e = 0; e < PDM_QK; e++) {
+                    const int k = (e % 16) / 4, hi = e / 16;
+                    sumi += ((g[i].qs[k][4 * rr + e % 4] >> (4 * hi)) & 0x0f) * xt[i].qs[e];
+                }
+                acc = fmaf(pdm_f16_to_f32(g[i].d[rr]) * xt[i].d, (float)sumi, acc);
+                acc = fmaf(pdm_f16_to_f32(g[i].m[rr]), xt[i].s, acc);
+            }
+            y[(size_t)t * ldy + r] = acc;
+        }
+    }
+}
+
 /* The reference product on a repacked IQ4_XS matrix: per output, super-block by super-block,
  * sumi = sum_j scale_j * (q_j . x_j), acc = fma(d * dx, sumi, acc). */
 static void matmul_iq4_xsx8(const pdm_kern_mat_t *w, const void *act, int n_tok, float *y,
@@ -422,6 +476,10 @@ void pdm_kern__matmul_x8_generic(const pdm_kern_mat_t *w, const void *act, int n
     }
     if (w->type == PDM_DT_IQ4_XS) {
         matmul_iq4_xsx8(w, act, n_tok, y, ldy, r0, r1);
+        return;
+    }
+    if (w->type == PDM_DT_Q4_1) {
+        matmul_q4_1x8(w, act, n_tok, y, ldy, r0, r1);
         return;
     }
     const int q5 = w->type == PDM_DT_Q5_K; /* Q5_K: the same header, 5-bit values */

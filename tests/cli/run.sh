@@ -35,6 +35,33 @@ expect "generate on test model" 0 "$bin" generate --model "$tmp/tiny.gguf" --pro
 if $py -c 'import json,sys; d=json.load(open(sys.argv[1])); assert len(d["tokens"]) == 8, d' "$tmp/out"; then ok "test model json"; else bad "test model json"; fi
 expect "generate q8 KV" 0 "$bin" generate --model "$tmp/tiny.gguf" --prompt "The quick brown fox" -n 8 --temp 0 --kv-dtype q8 --json
 expect "test model tokenize" 0 "$bin" tokenize --model "$tmp/tiny.gguf" "the fox"
+# ---- generate --turn: a conversation continued in one cache (docs/configuration.md) ----
+expect "--turn with --chat refused" 2 "$bin" generate --model "$tmp/tiny.gguf" --prompt x --turn y --chat && contains "--turn with --chat named" "$tmp/err" "--turn"
+expect "--turn with a q8 cache refused" 2 "$bin" generate --model "$tmp/tiny.gguf" --prompt x --turn y --kv-dtype q8 && contains "--turn with q8 named" "$tmp/err" "q8"
+P1="The quick brown fox jumps over the lazy dog, and then it runs far away into the woods"
+P3="Some other words entirely"
+expect "turn 1 alone" 0 "$bin" generate --model "$tmp/tiny.gguf" --prompt "$P1" -n 6 --temp 0 --json && cp "$tmp/out" "$tmp/t1.json"
+expect "another prompt alone" 0 "$bin" generate --model "$tmp/tiny.gguf" --prompt "$P3" -n 6 --temp 0 --json && cp "$tmp/out" "$tmp/t3.json"
+P2="$P1$($py -c 'import json,sys; print(json.load(open(sys.argv[1]))["text"], end="")' "$tmp/t1.json") and so on"
+expect "three turns" 0 "$bin" generate --model "$tmp/tiny.gguf" --prompt "$P1" --turn "$P2" --turn "$P3" --turn "$P3" -n 6 --temp 0 --json
+if $py - "$tmp/out" "$tmp/t1.json" "$tmp/t3.json" <<'PYEOF'
+import json, sys
+t = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+one, three = json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
+assert len(t) == 4 and [x["turn"] for x in t] == [0, 1, 2, 3], t
+# turn 0 is a plain generate; turn 1 reuses the first prompt and the fed-back answer
+assert t[0]["tokens"] == one["tokens"] and t[0]["cached_tokens"] == 0, (t[0], one)
+assert 16 <= t[1]["cached_tokens"] < t[1]["prompt_tokens"], t[1]
+assert t[1]["cached_tokens"] >= one["prompt_tokens"], (t[1], one["prompt_tokens"])
+# an unrelated prompt shares nothing: prefilled in full, the same tokens as alone
+assert t[2]["cached_tokens"] == 0 and t[2]["tokens"] == three["tokens"], (t[2], three)
+# the same prompt again: all but its last token reused, or none under 16 tokens
+n3 = t[3]["prompt_tokens"]
+assert t[3]["cached_tokens"] == (n3 - 1 if n3 - 1 >= 16 else 0), t[3]
+PYEOF
+then ok "--turn: a JSON line per turn, the prompt and fed-back answer reused, nothing of an unrelated prompt"; else bad "--turn checks" "$(head -c 600 "$tmp/out")"; fi
+expect "the same long prompt twice" 0 "$bin" generate --model "$tmp/tiny.gguf" --prompt "$P1" --turn "$P1" -n 6 --temp 0 --json
+if $py -c 'import json,sys; t=[json.loads(l) for l in open(sys.argv[1])]; assert t[1]["cached_tokens"] == t[1]["prompt_tokens"] - 1, t' "$tmp/out"; then ok "--turn: a repeated prompt reuses all but its last token"; else bad "--turn repeated prompt" "$(head -c 400 "$tmp/out")"; fi
 # ---- weight types: make-test-model --wtype, pdmesh quantize ----
 expect "unknown wtype" 2 "$bin" make-test-model --out "$tmp/x.gguf" --wtype q7_z && contains "unknown wtype named" "$tmp/err" "q7_z"
 expect "k type needs 256 columns" 1 "$bin" make-test-model --out "$tmp/x.gguf" --wtype q4_k && contains "block size named" "$tmp/err" "q4_k (256)"

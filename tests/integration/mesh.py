@@ -176,3 +176,25 @@ def reference(bindir, model, prompt, n, chat=False, threads=1, extra=()):
     if out.returncode != 0:
         raise AssertionError("pdmesh generate failed: " + out.stderr[-2000:])
     return json.loads(out.stdout)
+
+
+def reference_turns(bindir, model, prompts, n, threads=1, extra=()):
+    """The single-process engine following a conversation as the mesh serves it (pdmesh
+    generate --turn, docs/configuration.md): prompts[0] is prefilled, its answer generated
+    with every token but the last fed back as a decode step; each later prompt (the whole
+    conversation so far) reuses the rows of the longest common token prefix, as a decode
+    node's prefix pool does, and prefills only the rest. Returns one dict per turn (text,
+    tokens, cached_tokens, logprobs with extra=("--logprobs", "2"), ...). Pass ("--batch",
+    "16") in extra to prefill in the decode node's batches (its --batch)."""
+    argv = [os.path.join(bindir, "pdmesh"), "generate", "--model", model, "--temp", "0",
+            "-n", str(n), "--prompt", prompts[0], "--json", "--threads", str(threads), *extra]
+    for p in prompts[1:]:
+        argv += ["--turn", p]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise AssertionError("pdmesh generate --turn failed: " + out.stderr[-2000:])
+    turns = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    if len(turns) != len(prompts):
+        raise AssertionError("pdmesh generate --turn printed %d turns for %d prompts"
+                             % (len(turns), len(prompts)))
+    return turns

@@ -8,9 +8,10 @@ Mesh 1, two decode nodes with pools:
    (`pdctl cache`: X's index_blocks > 0).
 2. Turns 2 and 3: the conversation so far and a new sentence. The index sends each to X, which
    prefills only the rest itself: prefill_method "local", cached_tokens the reused prefix, a hit
-   in pdmesh_prefix_pool_hits_total, and the greedy answer equal to `pdmesh generate --temp 0`
-   on the whole prompt (first 8 tokens: the pooled rows of an answer were computed by decode
-   steps, the engine's by one prefill, so later tokens may part at a near-tie).
+   in pdmesh_prefix_pool_hits_total, and the greedy answer (all 16 tokens) equal to the engine
+   following the same conversation in its own cache (`pdmesh generate --turn`: the answers'
+   rows computed by decode steps, the same rows reused, the rest prefilled in the node's
+   batches of 16), which must also reuse the same number of tokens.
 3. A prompt sharing nothing goes through the group (no false hit; a `no_match` miss).
 4. `pdctl cache` (human and --json) shows both nodes' pools: tokens, blocks, bytes, budget, tier.
 5. X restarts (SIGTERM, started again: a new epoch): the router drops its index entries; the
@@ -44,7 +45,8 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mesh import Checks, Mesh, equal_up_to_near_tie, mesh_argparser, reference  # noqa: E402
+from mesh import (Checks, Mesh, equal_up_to_near_tie, mesh_argparser, reference,  # noqa: E402
+                  reference_turns)
 
 LONG = ("The capital of France is a city that many people visit because of its museums, its "
         "food, and its long history. In this short essay I will explain why the city became so "
@@ -121,6 +123,7 @@ def mesh_one(args, check, token):
               nodes and nodes[x]["pool"]["index_blocks"] == nodes[x]["pool"]["blocks"] > 0, nodes)
         conv = LONG + r1["choices"][0]["text"]
         prev_prompt = u1["prompt_tokens"]
+        turns = [LONG]
         for turn, q in ((2, " Which museum should I see first?"),
                         (3, " And where should I eat in the evening?")):
             conv += q
@@ -136,10 +139,16 @@ def mesh_one(args, check, token):
                   and cached_of(r) >= prev_prompt - 16, u)
             check("turn %d counts as a pool hit" % turn,
                   m.metric("pdmesh_prefix_pool_hits_total") == hits0 + 1)
-            ref8 = reference(args.bindir, args.model, conv, 8, extra=("--logprobs", "2"))
-            same, how = equal_up_to_near_tie(r["choices"][0]["text"], ref8)
-            check("turn %d's greedy answer starts as the engine's on the whole prompt, up to a "
-                  "near-tie (%s)" % (turn, how), same, (r["choices"][0]["text"], ref8["text"]))
+            turns.append(conv)
+            ref = reference_turns(args.bindir, args.model, turns, 16,
+                                  extra=("--logprobs", "2", "--batch", "16"))[-1]
+            same, how = equal_up_to_near_tie(r["choices"][0]["text"], ref)
+            check("turn %d's greedy answer equals the engine's continuing the conversation in "
+                  "its own cache (%s; both reuse %d tokens: %d)"
+                  % (turn, how, cached_of(r), ref["cached_tokens"]),
+                  (r["choices"][0]["text"] == ref["text"] if how == "equal" else same) and
+                  ref["cached_tokens"] == cached_of(r),
+                  (r["choices"][0]["text"], ref["text"]))
             conv += r["choices"][0]["text"]
             prev_prompt = u["prompt_tokens"]
         nm0 = m.metric("pdmesh_prefix_pool_misses_total", 'reason="no_match"')

@@ -358,7 +358,7 @@ END_TEST
  * largest magnitude twice with both signs (the first fixes the scale's sign), exact ties of
  * the rounding, +128 after scaling (clipped to 127), tiny and huge scales. Every variant
  * must equal the reference byte for byte. */
-/* Repacked Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0 and Q5_0 (PDM_KERN_LAYOUT_X8) on odd shapes: rows that do not fill a group of 8,
+/* Repacked Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0, Q5_0 and Q4_1 (PDM_KERN_LAYOUT_X8) on odd shapes: rows that do not fill a group of 8,
  * row ranges cut inside groups, token counts around the 4-token tile. Every variant on the
  * repacked matrix equals the repacked reference bit for bit; the repacked reference matches
  * the file-layout reference to float summation order; dequantized rows are identical. */
@@ -383,6 +383,7 @@ static void check_repack(pdm_dtype_t wtype, int rows, int cols, int n_tok)
     const size_t gb = wtype == PDM_DT_Q4_K   ? sizeof(pdm_block_q4_Kx8_t)
                       : wtype == PDM_DT_Q5_K ? sizeof(pdm_block_q5_Kx8_t)
                       : wtype == PDM_DT_IQ4_XS ? sizeof(pdm_block_iq4_xsx8_t)
+                      : wtype == PDM_DT_Q4_1 ? sizeof(pdm_block_q4_1x8_t)
                       : wtype == PDM_DT_Q6_K ? sizeof(pdm_block_q6_Kx8_t)
                       : wtype == PDM_DT_Q5_0 ? sizeof(pdm_block_q5_0x8_t)
                                              : sizeof(pdm_block_q8_0x8_t);
@@ -431,7 +432,7 @@ static void check_repack(pdm_dtype_t wtype, int rows, int cols, int n_tok)
 START_TEST(test_repack_kquants)
 {
     static const pdm_dtype_t types[] = {PDM_DT_Q4_K, PDM_DT_Q5_K, PDM_DT_Q6_K, PDM_DT_IQ4_XS,
-                                        PDM_DT_Q8_0, PDM_DT_Q5_0};
+                                        PDM_DT_Q8_0, PDM_DT_Q5_0, PDM_DT_Q4_1};
     static const int toks[] = {1, 2, 3, 4, 5, 8, 9};
     static const int shapes[][2] = {{1, 256}, {7, 512}, {8, 256}, {13, 768}, {64, 256}, {67, 1280}};
     for (size_t s = 0; s < PDM_ARRAY_SIZE(shapes); s++)
@@ -443,6 +444,8 @@ START_TEST(test_repack_kquants)
         check_repack(PDM_DT_Q8_0, 19, 96, toks[k]);
         check_repack(PDM_DT_Q5_0, 5, 32, toks[k]);
         check_repack(PDM_DT_Q5_0, 19, 96, toks[k]);
+        check_repack(PDM_DT_Q4_1, 5, 32, toks[k]);
+        check_repack(PDM_DT_Q4_1, 19, 96, toks[k]);
     }
     /* types without a repacked layout are left alone */
     pdm_kern_mat_t q5 = {.type = PDM_DT_Q3_K, .rows = 8, .cols = 256, .row_bytes = 110};
