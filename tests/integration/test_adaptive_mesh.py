@@ -28,7 +28,7 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from mesh import Checks, Mesh, mesh_argparser, reference  # noqa: E402
+from mesh import Checks, Mesh, equal_up_to_near_tie, mesh_argparser, reference  # noqa: E402
 
 N = 8
 BASE = ("In the small harbour town the fishermen mended their nets while the gulls circled "
@@ -124,15 +124,20 @@ def main():
                     if px(r).get("prefill_method") not in ("solo", None)] or
                    [(0, PROMPTS[0])])[1]
         followup = last + MORE
-        refs[followup] = reference(args.bindir, args.model, followup, N,
-                                   extra=("--ignore-eos",))["text"]
+        # (with the engine's top two per token: the follow-up attends over the cached prefix
+        # and its new rows as two KV views merged by log-sum-exp, which rounds differently
+        # from one pass, so it may part at a near-tie: mesh.equal_up_to_near_tie)
+        fref = reference(args.bindir, args.model, followup, N,
+                         extra=("--ignore-eos", "--logprobs", "2"))
+        refs[followup] = fref["text"]
         rf = complete(m.http_port, followup)
         cached = rf.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
         check("after solo tasks the group still holds its conversation: the follow-up is a "
               "partial prefill", cached >= 64 and px(rf).get("prefill_method") != "solo",
               (cached, px(rf)))
-        check("... and its answer equals the engine's", text(rf) == refs[followup],
-              (text(rf), refs[followup]))
+        same, how = equal_up_to_near_tie(text(rf), fref)
+        check("... and its answer equals the engine's (up to a near-tie)", same,
+              (how, text(rf), refs[followup]))
         check("the router exits cleanly", m.stop() == 0)
     finally:
         m.stop()
