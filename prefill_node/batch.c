@@ -50,27 +50,16 @@ static void pdm__fail(pdm_prefill_batch_out_t *out, int i, int st)
     snprintf(out[i].message, sizeof(out[i].message), "%s", pdm_error_last());
 }
 
-/* Checks one member as a solo task is checked (rank.c pdm__run_solo). */
+/* Checks one member as a solo task is checked (rank.c pdm_prefill__solo_check), and that it
+ * asks for nothing a batch member does not do. */
 static int pdm__member_check(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
 {
-    if (t->method != PDM_PREFILL_SINGLE || t->start != 0 || t->prefix || !t->solo)
-        return pdm_error_set(PDM_EINVAL, "prefill: a batch member is a solo 'single' prefill of "
-                             "a whole prompt (got '%s' at position %d)",
-                             pdm_prefill_method_name(t->method), t->start);
+    if (!t->solo)
+        return pdm_error_set(PDM_EINVAL, "prefill: a batch member is a solo task");
     if (t->prompt_logprobs)
         return pdm_error_set(PDM_EUNSUPPORTED, "prefill: a batch member does not score its "
                              "prompt (the router sends those alone)");
-    if (t->n_tokens < 1) return pdm_error_set(PDM_EINVAL, "prefill: a task needs new tokens");
-    if (t->n_tokens > r->p.ctx_tokens)
-        return pdm_error_set(PDM_EOVERFLOW, "prefill: %d tokens exceed the KV capacity of %d "
-                             "(--ctx)", t->n_tokens, r->p.ctx_tokens);
-    if (t->stream && (t->stream->max_in_flight < 1 || t->stream->peer < 0))
-        return pdm_error_set(PDM_EINVAL, "prefill: bad stream target");
-    for (int32_t i = 0; i < t->n_tokens; i++)
-        if (t->tokens[i] < 0 || (uint32_t)t->tokens[i] >= r->hp->n_vocab)
-            return pdm_error_set(PDM_ERANGE, "prefill: token %d at index %d is outside the "
-                                 "vocabulary", t->tokens[i], i);
-    return PDM_OK;
+    return pdm_prefill__solo_check(r, t);
 }
 
 /* Member slot k's scratch cache and logits, grown to n tokens (steps of 256). */

@@ -120,6 +120,10 @@ struct pdm_prefill_rank {
         (r)->t_compute += pdm_now() - t0_;                                                      \
     } while (0)
 
+/* Checks a solo task (a whole prompt, method single, valid tokens, a stream target, within
+ * --ctx) as rank.c runs it and batch.c takes it as a member (rank.c). */
+int pdm_prefill__solo_check(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *t);
+
 /* ---- Per-layer steps (rank_steps.c) ------------------------------------------------------ */
 
 /* A model context for `batch` rows (at least 1), recreated only when it must grow. */

@@ -299,14 +299,8 @@ static int pdm__run_solo_layers(pdm_prefill_rank_t *r, const pdm_prefill_task_t 
     return st;
 }
 
-/* A solo task: this rank alone prefills the whole prompt (the engine's single-rank prefill,
- * or its per-layer steps so that the KV streams layer by layer) into its scratch cache and
- * streams all of it; the group's cache and conversation are not touched (on success or
- * failure), so a later partial prefill finds what the group held before. */
-static int pdm__run_solo(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
-                         pdm_prefill_result_t *res)
+int pdm_prefill__solo_check(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
 {
-    const int me = r->g->rank;
     if (t->method != PDM_PREFILL_SINGLE || t->start != 0 || t->prefix)
         return pdm_error_set(PDM_EINVAL, "prefill: a solo task is a 'single' prefill of a whole "
                              "prompt (got '%s' at position %d)",
@@ -321,6 +315,19 @@ static int pdm__run_solo(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
         if (t->tokens[i] < 0 || (uint32_t)t->tokens[i] >= r->hp->n_vocab)
             return pdm_error_set(PDM_ERANGE, "prefill: token %d at index %d is outside the "
                                  "vocabulary", t->tokens[i], i);
+    return PDM_OK;
+}
+
+/* A solo task: this rank alone prefills the whole prompt (the engine's single-rank prefill,
+ * or its per-layer steps so that the KV streams layer by layer) into its scratch cache and
+ * streams all of it; the group's cache and conversation are not touched (on success or
+ * failure), so a later partial prefill finds what the group held before. */
+static int pdm__run_solo(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
+                         pdm_prefill_result_t *res)
+{
+    const int me = r->g->rank;
+    const int invalid = pdm_prefill__solo_check(r, t);
+    if (invalid) return invalid;
     if (!r->solo_cache || r->solo_cache->capacity < t->n_tokens) {
         /* grown in steps of 256 tokens so a mix of prompt lengths settles quickly */
         int32_t cap = PDM_MIN((t->n_tokens + 255) / 256 * 256, r->p.ctx_tokens);
