@@ -15,7 +15,7 @@
 int pdm_prefill__ensure_ctx(pdm_prefill_rank_t *r, int batch)
 {
     if (batch < 1) batch = 1;
-    if (r->ctx && r->ctx_batch >= batch) return PDM_OK;
+    if (r->ctx && r->ctx_batch >= batch && r->act_cap >= batch) return PDM_OK;
     pdm_model_ctx_destroy(r->ctx);
     r->ctx = NULL;
     int st = pdm_model_ctx_create(r->model, r->p.threads, batch, &r->ctx);
@@ -23,13 +23,14 @@ int pdm_prefill__ensure_ctx(pdm_prefill_rank_t *r, int batch)
     /* prompt tokens: the same numbers whether a range holds one token or many (a cached
      * prefix leaves a rank one token to compute; the engine computes it in the batch) */
     pdm_model_ctx_set_split_single(r->ctx, 0);
-    r->ctx_batch = batch;
     if (r->act_cap < batch) {
         pdm_act_free(&r->act);
+        r->act_cap = 0; /* freed: a failed allocation must not leave a stale capacity */
         st = pdm_act_alloc(r->hp, batch, &r->act);
         if (st) return st;
         r->act_cap = batch;
     }
+    r->ctx_batch = batch; /* only once the context and the activations both hold `batch` */
     return PDM_OK;
 }
 

@@ -291,6 +291,7 @@ struct pdm_router {
     rt_group_t groups[RT_MAX_GROUPS];
     uint64_t next_epoch, next_id;
     uint64_t sched_pass;          /* rt_schedule passes so far (rt_req_t.sched_pass) */
+    int batch_pending;            /* a batch lost a member: rt_batch_send_pending looks again */
     rt_req_t *head, *tail;
     int n_req;
     pdm_router_limits_t limits;

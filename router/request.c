@@ -228,11 +228,12 @@ static void rt_req_release_nodes(pdm_router_t *r, rt_req_t *q, int cancel)
         q->group = -1;
     }
     q->reuse_pending = 0;
-    if (q->batch_id) { /* out of its batch: the others may be all that is awaited now */
-        const uint64_t b = q->batch_id;
+    if (q->batch_id) { /* out of its batch: the others may be all that is awaited now; the
+                        * send waits for the next scheduling pass (rt_batch_send_pending),
+                        * since sending may end members, and callers walk the queue */
         q->batch_id = 0;
         q->batch_ready = 0;
-        rt_batch_try_send(r, b);
+        r->batch_pending = 1;
     }
 }
 
@@ -828,6 +829,9 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
             /* The conversation it continues: the current one or one of the group's pool
              * (pool.h); the ranks do what the mirror does when the task ends. */
             if (!plan->start) q->pool_source = 0;
+            /* named, not "the current one": a new prompt's task may reach the ranks first
+             * (its decode node reserved sooner) and move this conversation into the pool */
+            else if (!q->pool_source) q->pool_source = pdm_prefill_conv_id(&gr->conv);
             q->pool_budget = rt_group_pool_budget(r, gr);
             /* every rank: after the last task it holds, for the predicted group time */
             double at = q->t_dispatch;
@@ -1013,6 +1017,22 @@ static void rt_batch_try_send(pdm_router_t *r, uint64_t batch)
         for (int i = 0; i < n; i++)
             rt_attempt_failed(r, m[i], PDMESH__ERROR_CODE__ERR_UNAVAILABLE,
                               "cannot reach a prefill rank");
+}
+
+void rt_batch_send_pending(pdm_router_t *r)
+{
+    if (!r->batch_pending) return;
+    r->batch_pending = 0;
+    enum { MAX_BATCHES = 64 };
+    uint64_t ids[MAX_BATCHES];
+    int n = 0;
+    for (rt_req_t *w = r->head; w && n < MAX_BATCHES; w = w->next) {
+        if (!w->batch_id || w->state != RQ_RESERVING) continue;
+        int seen = 0;
+        for (int i = 0; i < n && !seen; i++) seen = ids[i] == w->batch_id;
+        if (!seen) ids[n++] = w->batch_id;
+    }
+    for (int i = 0; i < n; i++) rt_batch_try_send(r, ids[i]); /* each walks the queue anew */
 }
 
 /* -> DECODE: the decode node may start (first_token -1: it prefills locally). */
@@ -1275,7 +1295,9 @@ static void rt_leader_tokens(pdm_router_t *r, rt_req_t *q, uint32_t i, uint32_t 
     if (!c) return; /* ended already (cancelled, or its stop string) */
     rt_choice_sync(c, q);
     if (rt_req_tokens(r, c, index, toks, n, lps)) return;
-    if (finish) rt_req_finish(r, c, finish);
+    /* a sample's end ends its choice only with every token in hand: after a lost message the
+     * leader's DecodeResult fills the gap first */
+    if (finish && c->n_gen == index + (uint32_t)n) rt_req_finish(r, c, finish);
 }
 
 void rt_req_on_tokens(pdm_router_t *r, int node, const Pdmesh__DecodeTokens *d)

@@ -29,6 +29,9 @@ int rt_req_resume(pdm_router_t *r, rt_req_t *q, const int32_t *toks, size_t n,
  * by all its ranks (solo_rank -1) or by rank solo_rank alone (a solo task, adapt.h); sends
  * the DecodeTask. A failure to plan or send is a failed attempt (q may have ended). */
 void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank);
+/* Batched prefill: sends the batches that lost a member since the last pass (the others
+ * may be all that was awaited); called by rt_schedule outside any walk of the queue. */
+void rt_batch_send_pending(pdm_router_t *r);
 
 /* Ends q with success: flushes the text held back for stop strings, calls sink.on_result and
  * frees q. */

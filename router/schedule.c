@@ -347,6 +347,7 @@ void rt_schedule(pdm_router_t *r)
     _Static_assert(RT_MAX_GROUPS <= 32, "held is a 32-bit mask");
     rt_req_t *next;
     const uint64_t pass = ++r->sched_pass;
+    rt_batch_send_pending(r);
     for (rt_req_t *q = r->head; q; q = next) {
         next = q->next;
         if (q->fail_code) { /* a choice whose leader failed (request.h, rt_leader_end) */
