@@ -50,7 +50,7 @@ static void pdm__fail(pdm_prefill_batch_out_t *out, int i, int st)
     snprintf(out[i].message, sizeof(out[i].message), "%s", pdm_error_last());
 }
 
-/* Checks one member as a solo task is checked (rank.c pdm_prefill__solo_check), and that it
+/* Checks one member as a solo task is checked (rank_steps.c pdm_prefill__solo_check), and that it
  * asks for nothing a batch member does not do. */
 static int pdm__member_check(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
 {

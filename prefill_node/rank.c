@@ -299,25 +299,6 @@ static int pdm__run_solo_layers(pdm_prefill_rank_t *r, const pdm_prefill_task_t 
     return st;
 }
 
-int pdm_prefill__solo_check(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
-{
-    if (t->method != PDM_PREFILL_SINGLE || t->start != 0 || t->prefix)
-        return pdm_error_set(PDM_EINVAL, "prefill: a solo task is a 'single' prefill of a whole "
-                             "prompt (got '%s' at position %d)",
-                             pdm_prefill_method_name(t->method), t->start);
-    if (t->n_tokens < 1) return pdm_error_set(PDM_EINVAL, "prefill: a task needs new tokens");
-    if (t->n_tokens > r->p.ctx_tokens)
-        return pdm_error_set(PDM_EOVERFLOW, "prefill: %d tokens exceed the KV capacity of %d "
-                             "(--ctx)", t->n_tokens, r->p.ctx_tokens);
-    if (t->stream && (t->stream->max_in_flight < 1 || t->stream->peer < 0))
-        return pdm_error_set(PDM_EINVAL, "prefill: bad stream target");
-    for (int32_t i = 0; i < t->n_tokens; i++)
-        if (t->tokens[i] < 0 || (uint32_t)t->tokens[i] >= r->hp->n_vocab)
-            return pdm_error_set(PDM_ERANGE, "prefill: token %d at index %d is outside the "
-                                 "vocabulary", t->tokens[i], i);
-    return PDM_OK;
-}
-
 /* A solo task: this rank alone prefills the whole prompt (the engine's single-rank prefill,
  * or its per-layer steps so that the KV streams layer by layer) into its scratch cache and
  * streams all of it; the group's cache and conversation are not touched (on success or
