@@ -31,6 +31,7 @@ typedef struct {
     char endpoint[256];
     void *dealer;                /* to the router's node socket (link thread only) */
     _Atomic uint64_t epoch;
+    _Atomic uint64_t router_id;  /* RegisterAck.router_id */
     atomic_uint orphans;         /* generations of this router's work orphaned */
     atomic_int registered;
     /* link thread only */
@@ -288,6 +289,7 @@ static void pdm__link_on_control(pdm_link_t *l, pdm__link_router_t *rt, int type
         pthread_mutex_unlock(&l->load_mu);
         /* A new epoch after an earlier one: the router forgot this node (it restarted, or
          * its lease of the node ran out), so whatever it gave the node before is nobody's. */
+        atomic_store(&rt->router_id, ack->router_id);
         uint64_t old = atomic_exchange(&rt->epoch, ack->epoch);
         if (old != 0 && old != ack->epoch) pdm__link_orphan(l, rt);
         atomic_store(&rt->registered, 1);
@@ -715,6 +717,19 @@ uint64_t pdm_link_epoch_of(const pdm_link_t *l, int origin)
 {
     if (origin < 0 || origin >= l->n_routers) return 0;
     return atomic_load(&((pdm_link_t *)l)->routers[origin].epoch);
+}
+
+uint64_t pdm_link_router_id(const pdm_link_t *l, int origin)
+{
+    if (origin < 0 || origin >= l->n_routers) return 0;
+    return atomic_load(&((pdm_link_t *)l)->routers[origin].router_id);
+}
+
+int pdm_link_origin_of_router(const pdm_link_t *l, uint64_t router_id)
+{
+    for (int o = 0; o < l->n_routers; o++)
+        if (pdm_link_router_registered(l, o) && pdm_link_router_id(l, o) == router_id) return o;
+    return -1;
 }
 
 int pdm_link_params_add_router(pdm_link_params_t *p, const char *endpoint)

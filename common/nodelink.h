@@ -112,6 +112,12 @@ int pdm_link_origin(const pdm_link_t *l);
 int pdm_link_n_routers(const pdm_link_t *l);
 const char *pdm_link_router_endpoint(const pdm_link_t *l, int origin);
 int pdm_link_router_registered(const pdm_link_t *l, int origin);
+/* The identity router `origin` gave in its current RegisterAck (random per router process;
+ * 0 from a harness that sends none), and the registered router of the list with identity
+ * `router_id` (-1: none now; e.g. it restarted since). Ranks of a group name a router by it:
+ * each rank may list the routers in its own order. */
+uint64_t pdm_link_router_id(const pdm_link_t *l, int origin);
+int pdm_link_origin_of_router(const pdm_link_t *l, uint64_t router_id);
 
 /* Sends an Error about a task. */
 int pdm_link_send_error(pdm_link_t *l, int code, uint64_t task_id, uint32_t attempt,

@@ -123,7 +123,9 @@ typedef enum {
     PDM_KVT_KIND_A2A = 5,    /* all-to-all */
     PDM_KVT_KIND_RESULT = 6,
     PDM_KVT_KIND_PING = 7,   /* calibration ping-pong */
-    PDM_KVT_KIND_ALLREDUCE = 9 /* all-reduce (8 is the KV stream's kind) */
+    PDM_KVT_KIND_ALLREDUCE = 9, /* all-reduce (8 is the KV stream's kind) */
+    PDM_KVT_KIND_ORDER = 10,    /* the group's task order, rank 0 -> the others */
+    PDM_KVT_KIND_ORDER_TASK = 11 /* the task of an order entry */
 } pdm_kvt_kind_t;
 
 static inline uint64_t pdm_kvt_tag(pdm_kvt_kind_t kind, int src_rank, uint32_t task, int layer,

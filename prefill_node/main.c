@@ -16,16 +16,19 @@
  *
  * One order for the whole group (several routers, docs/router.md "High availability"): every
  * rank of a group must run the group's tasks in one order, or their collectives pair
- * different tasks and stall. Tasks are queued as they come (from any router); rank 0 takes
- * them first come, first served and, before running one, sends its key (task id, attempt) to
- * every other rank as the next entry of the group's order (UCX, tag PDM_KVT_KIND_ORDER and
- * a sequence number). The other ranks run exactly that sequence: a task ordered but not yet
- * arrived is waited for (one group timeout); queued tasks of the same router that rank 0
- * passed over (cancelled, dropped) are dropped. Solo tasks need no order. The task's answer
- * goes to the router it came from. A router whose lease expired (common/nodelink.h) has its
- * queued tasks dropped, like a CancelTask: one mechanism frees what a dead router left. Only
- * rank 0 drops an ordered task (it then never orders it); the others drop it when rank 0
- * passes it over, never one rank 0 may be running (that would stall its collectives).
+ * different tasks and stall. A router sends a group task to rank 0 only; rank 0 queues the
+ * tasks of every router, takes them first come, first served and, before running one, sends
+ * it to every other rank as the next entry of the group's order (UCX: an entry naming the
+ * task's key and router, tag PDM_KVT_KIND_ORDER and a sequence number, then the task's
+ * frame, PDM_KVT_KIND_ORDER_TASK). The other ranks run exactly that sequence, each task as
+ * rank 0 forwarded it, and answer the router the entry names (RegisterAck.router_id: each
+ * rank may list the routers in its own order). A router that dies after handing rank 0 a
+ * task therefore cannot leave the others without it (before, rank 0's collectives waited a
+ * group timeout for a copy that never came). A follower drops a group task a router sent it
+ * directly (an older router, or a harness that sends to every rank): its copy comes from
+ * rank 0. Solo tasks need no order and come from the router to their rank. A router whose
+ * lease expired (common/nodelink.h) has its queued tasks dropped, like a CancelTask: one
+ * mechanism frees what a dead router left.
  *
  * A task is checked before anything runs; what the rank cannot do is answered in its result
  * (ok = false, an Error with a code and a message). Diagnostics go to stderr. SIGTERM ends
@@ -46,7 +49,15 @@
 #include "prefill_node/prefill.h"
 
 #define PDM__MAX_QUEUED 256
-#define PDM_KVT_KIND_ORDER 10 /* the group's task order, rank 0 -> the others */
+
+/* An entry of the group's order as rank 0 sends it; the task's frame follows as a message of
+ * its own (frame_bytes, kind PDM_KVT_KIND_ORDER_TASK, the same sequence number). */
+typedef struct {
+    uint64_t key;         /* PDM_LINK_TASK_KEY of the task */
+    uint64_t router_id;   /* the router it came from (RegisterAck.router_id) */
+    uint32_t frame_bytes; /* its frame (common/wire.h), as rank 0 forwards it */
+    uint32_t reserved;
+} pdm__order_entry_t;
 
 /* A PrefillTask waiting for its turn. */
 typedef struct {
@@ -76,10 +87,8 @@ typedef struct {
     /* the group's order (rank 0 sends, the others follow) */
     uint32_t order_seq;         /* number of the next entry */
     pdm_kvt_req_t order_req;    /* rank > 0: the posted receive of entry order_seq */
-    uint64_t order_key;         /* its payload */
-    int has_wanted;             /* rank > 0: an entry came, its task is awaited */
-    uint64_t wanted;
-    double wanted_until, order_retry_at;
+    pdm__order_entry_t order_entry; /* its payload */
+    double order_retry_at;
 } pdm__daemon_t;
 
 /* The Error code of a failed task, from its status. */
@@ -103,7 +112,6 @@ static void pdm__leave_group(pdm__daemon_t *pn)
 {
     if (pn->order_req != PDM_KVT_REQ_NONE) pdm_kvt_cancel(pn->kvt, &pn->order_req, 1);
     pn->order_seq = 0;
-    pn->has_wanted = 0;
     if (!pn->grouped) return;
     pdm_log_info("prefill rank: leaving the group to re-form it");
     pdm_prefill_rank_destroy(pn->rank);
@@ -591,22 +599,12 @@ static void pdm__enqueue(pdm__daemon_t *pn, pdm_wire_msg_t *m, int origin)
         .arrived = pdm_now()};
 }
 
-static int pdm__ordered(const pdm__daemon_t *pn, const pdm__queued_t *q);
-
-/* 1 if queue entry i may be dropped here: on rank 0 (which then never orders it) or when it
- * needs no order. A follower rank keeps an ordered task even when its router gave it up:
- * rank 0 may have ordered and started it already, and would wait in its collectives for a
- * rank that dropped it; the follower drops it when rank 0 passes it over (pdm__run_next). */
-static int pdm__droppable(const pdm__daemon_t *pn, int i)
-{
-    return !pdm__ordered(pn, &pn->queue[i]) || pn->group.rank == 0;
-}
-
-/* CancelTask: a queued task is dropped (no answer: the router gave it up). */
+/* CancelTask: a queued task is dropped (no answer: the router gave it up). On rank 0 that is
+ * before it was ordered: the others never hear of it. */
 static void pdm__on_cancel(pdm__daemon_t *pn, const Pdmesh__CancelTask *c)
 {
     int i = pdm__queue_find(pn, PDM_LINK_TASK_KEY(c->task_id, c->attempt));
-    if (i < 0 || !pdm__droppable(pn, i)) return; /* ran already, never came, or rank 0's call */
+    if (i < 0) return; /* ran already or never came */
     /* A batch is keyed by its first member: the others still want it (the cancelled member's
      * decode node dropped its reservation, so its stream fails alone when the batch runs). */
     if (((const Pdmesh__PrefillTask *)pdm_wire_message(pn->queue[i].m))->n_batch) return;
@@ -616,7 +614,7 @@ static void pdm__on_cancel(pdm__daemon_t *pn, const Pdmesh__CancelTask *c)
 }
 
 /* The routers whose lease ran out (common/nodelink.h): their queued tasks are dropped, and
- * tasks queued for longer than any deadline allows (their order never came). */
+ * tasks queued for longer than any deadline allows. */
 static void pdm__drop_stale(pdm__daemon_t *pn)
 {
     int gone[PDM_LINK_MAX_ROUTERS] = {0}, any = 0;
@@ -633,21 +631,26 @@ static void pdm__drop_stale(pdm__daemon_t *pn)
     const double too_old = pdm_now() - PDM_MAX(60.0, 4 * pn->rp.timeout);
     int n = 0;
     for (int i = pn->n_queued - 1; i >= 0; i--)
-        if ((any && gone[pn->queue[i].origin] && pdm__droppable(pn, i)) ||
-            pn->queue[i].arrived < too_old) {
+        if ((any && gone[pn->queue[i].origin]) || pn->queue[i].arrived < too_old) {
             pdm__dequeue(pn, i, 0);
             n++;
         }
     if (n) pdm_log_warn("prefill rank: dropped %d queued task(s) of a router that is gone", n);
 }
 
-static void pdm__run_queued(pdm__daemon_t *pn, int i)
+/* Runs task m (owned, freed here) of router `origin` (-1: a router no longer registered; the
+ * task still runs, the others' collectives count on it, and its answer goes nowhere). */
+static void pdm__run_msg(pdm__daemon_t *pn, pdm_wire_msg_t *m, int origin, double arrived)
 {
-    int origin = pn->queue[i].origin;
-    pn->task_arrived = pn->queue[i].arrived;
-    pdm_wire_msg_t *m = pdm__dequeue(pn, i, 1);
+    pn->task_arrived = arrived;
     pdm__on_task(pn, (const Pdmesh__PrefillTask *)pdm_wire_message(m), origin);
     pdm_wire_msg_free(m);
+}
+
+static void pdm__run_queued(pdm__daemon_t *pn, int i)
+{
+    const pdm__queued_t q = pn->queue[i];
+    pdm__run_msg(pn, pdm__dequeue(pn, i, 1), q.origin, q.arrived);
 }
 
 /* 1 when the task needs the whole group in one order (not solo, group of 2 or more). */
@@ -657,92 +660,136 @@ static int pdm__ordered(const pdm__daemon_t *pn, const pdm__queued_t *q)
     return pn->grouped && pn->group.size > 1 && !t->solo;
 }
 
-/* Rank 0: the next entry of the group's order goes to every other rank. A rank that does not
- * take it fails the task's collectives within the group timeout, not later. */
-static void pdm__order_send(pdm__daemon_t *pn, uint64_t key)
+/* Rank 0: queued task q goes to every other rank as the next entry of the group's order, with
+ * the deadline it has left. A rank that does not take it fails the task's collectives within
+ * the group timeout, not later. Fails (nothing sent) only when the frame cannot be made. */
+static int pdm__order_send(pdm__daemon_t *pn, const pdm__queued_t *q)
 {
-    pdm_kvt_req_t reqs[PDM_KVT_MAX_RANKS];
+    Pdmesh__PrefillTask t = *(const Pdmesh__PrefillTask *)pdm_wire_message(q->m);
+    if (t.deadline_ms) {
+        const double left = t.deadline_ms / 1e3 - (pdm_now() - q->arrived);
+        t.deadline_ms = left > 1e-3 ? (uint32_t)(left * 1e3) : 1;
+    }
+    uint8_t *frame;
+    size_t len;
+    int st = pdm_wire_pack(PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base, &frame, &len);
+    if (st) return st;
+    pdm__order_entry_t e = {.key = q->key, .router_id = pdm_link_router_id(pn->link, q->origin),
+                            .frame_bytes = (uint32_t)len};
+    pdm_kvt_req_t reqs[2 * PDM_KVT_MAX_RANKS];
     int n = 0;
-    uint64_t payload = key;
-    pdm_kvt_iov_t iov = {&payload, sizeof(payload)};
-    const uint64_t tag = pdm_kvt_tag((pdm_kvt_kind_t)PDM_KVT_KIND_ORDER, 0, 0, 0,
-                                     (int)(pn->order_seq & 0xffff));
+    pdm_kvt_iov_t iov[2] = {{&e, sizeof(e)}, {frame, len}};
+    const int seq = (int)(pn->order_seq & 0xffff);
+    const uint64_t tag[2] = {pdm_kvt_tag(PDM_KVT_KIND_ORDER, 0, 0, 0, seq),
+                             pdm_kvt_tag(PDM_KVT_KIND_ORDER_TASK, 0, 0, 0, seq)};
     pn->order_seq++;
     for (int k = 1; k < pn->group.size; k++)
-        if (!pdm_kvt_isend(pn->kvt, pn->group.peer[k], tag, &iov, 1, &reqs[n])) n++;
+        for (int part = 0; part < 2; part++)
+            if (!pdm_kvt_isend(pn->kvt, pn->group.peer[k], tag[part], &iov[part], 1, &reqs[n]))
+                n++;
     if (pdm_kvt_wait_all(pn->kvt, reqs, n, pdm_kvt_group_deadline(&pn->group)))
         pdm_log_warn("prefill rank: the group's order did not reach every rank: %s",
                      pdm_error_last());
+    free(frame);
+    return PDM_OK;
 }
 
-/* Rank > 0: looks for the next entry of the order (posting its receive). */
-static void pdm__order_poll(pdm__daemon_t *pn)
+/* Rank > 0: the next entry of the order, when it came (its receive is posted meanwhile), with
+ * its task: *m (to run), its router *origin. 0: none yet; -1: an entry that cannot be run
+ * (logged; rank 0's collectives for it time out as for a dead rank). */
+static int pdm__order_poll(pdm__daemon_t *pn, pdm_wire_msg_t **m, int *origin)
 {
-    if (pn->has_wanted) return;
     if (pn->order_req == PDM_KVT_REQ_NONE) {
-        if (pdm_now() < pn->order_retry_at) return;
-        pdm_kvt_iov_t iov = {&pn->order_key, sizeof(pn->order_key)};
-        const uint64_t tag = pdm_kvt_tag((pdm_kvt_kind_t)PDM_KVT_KIND_ORDER, 0, 0, 0,
-                                         (int)(pn->order_seq & 0xffff));
+        if (pdm_now() < pn->order_retry_at) return 0;
+        pdm_kvt_iov_t iov = {&pn->order_entry, sizeof(pn->order_entry)};
+        const uint64_t tag = pdm_kvt_tag(PDM_KVT_KIND_ORDER, 0, 0, 0, (int)(pn->order_seq & 0xffff));
         if (pdm_kvt_irecv(pn->kvt, pn->group.peer[0], tag, &iov, 1, &pn->order_req)) {
             pn->order_req = PDM_KVT_REQ_NONE;
             pn->order_retry_at = pdm_now() + 1.0;
-            return;
+            return 0;
         }
     }
     size_t bytes = 0;
     int st = pdm_kvt_test(pn->kvt, pn->order_req, &bytes);
-    if (st == 0) return;
+    if (st == 0) return 0;
     pn->order_req = PDM_KVT_REQ_NONE;
-    if (st < 0 || bytes != sizeof(pn->order_key)) {
-        pdm_log_warn("prefill rank: no order from rank 0: %s", pdm_error_last());
+    if (st < 0 || bytes != sizeof(pn->order_entry)) {
+        pdm_log_warn("prefill rank: no order from rank 0: %s",
+                     st < 0 ? pdm_error_last() : "an entry of the wrong size");
         pn->order_retry_at = pdm_now() + 1.0;
-        return;
+        return 0;
     }
-    pn->order_seq++;
-    pn->has_wanted = 1;
-    pn->wanted = pn->order_key;
-    pn->wanted_until = pdm_now() + PDM_MAX(1.0, pn->rp.timeout);
+    const pdm__order_entry_t e = pn->order_entry;
+    const int seq = (int)(pn->order_seq++ & 0xffff);
+    if (e.frame_bytes < PDM_WIRE_HDR || e.frame_bytes > PDM_WIRE_MAX_FRAME) {
+        pdm_log_warn("prefill rank: order entry %d names a task of %u bytes: skipped", seq,
+                     e.frame_bytes);
+        return -1;
+    }
+    uint8_t *frame = malloc(e.frame_bytes);
+    if (!frame) {
+        pdm_log_warn("prefill rank: no memory for order entry %d's task: skipped", seq);
+        return -1;
+    }
+    pdm_kvt_iov_t iov = {frame, e.frame_bytes};
+    pdm_kvt_req_t r;
+    st = pdm_kvt_irecv(pn->kvt, pn->group.peer[0], pdm_kvt_tag(PDM_KVT_KIND_ORDER_TASK, 0, 0, 0, seq),
+                       &iov, 1, &r);
+    if (!st) st = pdm_kvt_wait(pn->kvt, r, pdm_kvt_group_deadline(&pn->group), &bytes);
+    if (!st && bytes != e.frame_bytes)
+        st = pdm_error_set(PDM_EFORMAT, "%zu bytes, the entry said %u", bytes, e.frame_bytes);
+    if (!st) st = pdm_wire_unpack(frame, bytes, PDM_WIRE_MAX_FRAME, 0, m);
+    if (!st && pdm_wire_type(*m) != PDMESH__MSG_TYPE__MSG_PREFILL_TASK) {
+        pdm_wire_msg_free(*m);
+        st = pdm_error_set(PDM_EFORMAT, "not a PrefillTask");
+    }
+    free(frame);
+    if (st) {
+        pdm_log_warn("prefill rank: order entry %d's task: %s: skipped", seq, pdm_error_last());
+        return -1;
+    }
+    *origin = pdm_link_origin_of_router(pn->link, e.router_id);
+    if (*origin < 0)
+        pdm_log_info("prefill rank: the router of task key %llu is gone: it runs for the group, "
+                     "unanswered", (unsigned long long)e.key);
+    return 1;
 }
 
 /* Runs what may run now: 1 if a task ran. */
 static int pdm__run_next(pdm__daemon_t *pn)
 {
-    if (!pn->n_queued && !(pn->grouped && pn->group.rank > 0 && pn->group.size > 1)) return 0;
-    /* solo tasks and tasks before the group formed need no order */
-    for (int i = 0; i < pn->n_queued; i++)
+    const int follower = pn->grouped && pn->group.rank > 0 && pn->group.size > 1;
+    /* solo tasks and tasks before the group formed need no order; a follower drops the group
+     * tasks a router sent it (rank 0 forwards them) */
+    for (int i = 0; i < pn->n_queued; i++) {
         if (!pdm__ordered(pn, &pn->queue[i])) {
             pdm__run_queued(pn, i);
             return 1;
         }
-    if (pn->group.rank == 0) {
+        if (follower) {
+            pdm_log_debug("prefill rank: task key %llu came from a router: rank 0 forwards it",
+                          (unsigned long long)pn->queue[i].key);
+            pdm__dequeue(pn, i--, 0);
+        }
+    }
+    if (!follower) {
         if (!pn->n_queued) return 0;
-        pdm__order_send(pn, pn->queue[0].key);
+        const pdm__queued_t q = pn->queue[0];
+        const int st = pdm__order_send(pn, &q);
+        if (st) {
+            const pdm_prefill_result_t none = {0};
+            pdm__answer(pn, (const Pdmesh__PrefillTask *)pdm_wire_message(q.m), q.origin, st,
+                        pdm_error_last(), &none, 0, 0);
+            pdm__dequeue(pn, 0, 0);
+            return 1;
+        }
         pdm__run_queued(pn, 0);
         return 1;
     }
-    pdm__order_poll(pn);
-    if (!pn->has_wanted) return 0;
-    int i = pdm__queue_find(pn, pn->wanted);
-    if (i < 0) {
-        if (pdm_now() > pn->wanted_until) {
-            pdm_log_warn("prefill rank: the group's next task (key %llu) never came",
-                         (unsigned long long)pn->wanted);
-            pn->has_wanted = 0;
-        }
-        return 0;
-    }
-    pn->has_wanted = 0;
-    /* tasks of the same router queued before it were passed over by rank 0 */
-    const int origin = pn->queue[i].origin;
-    for (int j = i - 1; j >= 0; j--)
-        if (pn->queue[j].origin == origin) {
-            pdm_log_info("prefill rank: task key %llu was passed over by rank 0: dropped",
-                         (unsigned long long)pn->queue[j].key);
-            pdm__dequeue(pn, j, 0);
-            i--;
-        }
-    pdm__run_queued(pn, i);
+    pdm_wire_msg_t *m;
+    int origin;
+    if (pdm__order_poll(pn, &m, &origin) <= 0) return 0;
+    pdm__run_msg(pn, m, origin, pdm_now());
     return 1;
 }
 

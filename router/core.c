@@ -174,6 +174,9 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     if (st) goto fail; /* the message names the secret and its sources */
     if ((st = rt_load_token(cfg->admin_token_file, &r->admin_token))) goto fail;
     pdm_prefix_salt_derive(r->secret, r->secret_len, r->prefix_salt); /* one per mesh */
+    do { /* RegisterAck.router_id: random and never 0 (a one-router harness's) */
+        if ((st = pdm_random_bytes(&r->router_id, sizeof(r->router_id)))) goto fail;
+    } while (!r->router_id);
     r->pool_block_tokens = cfg->block_tokens > 0 ? cfg->block_tokens : 64;
     if (!(r->kvidx = rt_kvindex_create(0))) {
         st = pdm_error_set(PDM_ENOMEM, "router: no memory for the prefix block index");

@@ -309,6 +309,7 @@ struct pdm_router {
                                    * their RegisterAck: fixed at start (policy set block_tokens
                                    * changes only the groups' prefix keys) */
     uint8_t prefix_salt[16];      /* random per router: prefix keys are not predictable */
+    uint64_t router_id;           /* random per process (RegisterAck.router_id) */
     struct { uint64_t nonce; uint8_t id[8]; double t; } seen[1024]; /* registration replay */
     unsigned seen_next;
     void *zfront;                 /* zfront.c state */

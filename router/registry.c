@@ -280,6 +280,7 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
         ack.epoch = n->epoch;
         ack.heartbeat_ms = (uint32_t)r->cfg.heartbeat_ms;
         ack.lease_ms = (uint32_t)r->cfg.lease_ms;
+    ack.router_id = r->router_id;
         rt_send(s, ident, ident_len, PDMESH__MSG_TYPE__MSG_REGISTER_ACK, &ack.base);
         return;
     }
@@ -330,6 +331,7 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
     ack.epoch = n->epoch;
     ack.heartbeat_ms = (uint32_t)r->cfg.heartbeat_ms;
     ack.lease_ms = (uint32_t)r->cfg.lease_ms;
+    ack.router_id = r->router_id;
     /* A new epoch: whatever the index held for this node is from its previous life. */
     rt_prefix_node_reset(r, (int)(n - r->nodes));
     if (n->role == PDMESH__ROLE__ROLE_DECODE && n->pool_tokens) {

@@ -429,6 +429,255 @@ START_TEST(test_prefill_rank_protocol)
 }
 END_TEST
 
+/* ---- Two routers, one 2-rank group: rank 0 forwards every group task -------------------- */
+
+/* One test router: a node socket and what each rank registered with it. */
+typedef struct {
+    void *sock;
+    char ep[160];
+    uint64_t id;             /* RegisterAck.router_id */
+    uint8_t ident[2][256];   /* per rank */
+    size_t ident_len[2];
+    ProtobufCBinaryData ucx[2];
+} grouter_t;
+
+/* One message from either router before `seconds` (registrations acked, heartbeats answered);
+ * *router and *rank say whose. NULL on timeout. */
+static pdm_wire_msg_t *g_recv(grouter_t *rt, int *router, int *rank, double seconds)
+{
+    const double deadline = pdm_now() + seconds;
+    while (pdm_now() < deadline) {
+        zmq_pollitem_t it[2] = {{rt[0].sock, 0, ZMQ_POLLIN, 0}, {rt[1].sock, 0, ZMQ_POLLIN, 0}};
+        if (zmq_poll(it, 2, 50) <= 0) continue;
+        const int w = it[0].revents & ZMQ_POLLIN ? 0 : 1;
+        grouter_t *g = &rt[w];
+        uint8_t ident[256];
+        int il = zmq_recv(g->sock, ident, sizeof(ident), 0);
+        ck_assert_int_gt(il, 0);
+        zmq_msg_t f;
+        zmq_msg_init(&f);
+        ck_assert_int_ge(zmq_msg_recv(&f, g->sock, 0), 0);
+        pdm_wire_msg_t *m;
+        ck_assert_int_eq(pdm_wire_unpack(zmq_msg_data(&f), zmq_msg_size(&f), PDM_WIRE_MAX_FRAME,
+                                         0, &m), 0);
+        zmq_msg_close(&f);
+        const int type = pdm_wire_type(m);
+        int k = -1;
+        for (int j = 0; j < 2; j++)
+            if (g->ident_len[j] == (size_t)il && !memcmp(g->ident[j], ident, (size_t)il)) k = j;
+        if (type == PDMESH__MSG_TYPE__MSG_REGISTER) {
+            const Pdmesh__Register *r = (const Pdmesh__Register *)pdm_wire_message(m);
+            k = r->node_id[strlen(r->node_id) - 1] - '0'; /* "fw/0", "fw/1" */
+            ck_assert(k == 0 || k == 1);
+            memcpy(g->ident[k], ident, (size_t)il);
+            g->ident_len[k] = (size_t)il;
+            free(g->ucx[k].data);
+            g->ucx[k].data = malloc(r->ucx_address.len);
+            memcpy(g->ucx[k].data, r->ucx_address.data, r->ucx_address.len);
+            g->ucx[k].len = r->ucx_address.len;
+            Pdmesh__RegisterAck ack = PDMESH__REGISTER_ACK__INIT;
+            ack.epoch = EPOCH;
+            ack.heartbeat_ms = 200;
+            ack.router_id = g->id;
+            pdm_wire_send(g->sock, ident, (size_t)il, PDMESH__MSG_TYPE__MSG_REGISTER_ACK, &ack.base);
+        } else if (type == PDMESH__MSG_TYPE__MSG_HEARTBEAT) {
+            Pdmesh__HeartbeatAck ack = PDMESH__HEARTBEAT_ACK__INIT;
+            ack.epoch = EPOCH;
+            pdm_wire_send(g->sock, ident, (size_t)il, PDMESH__MSG_TYPE__MSG_HEARTBEAT_ACK, &ack.base);
+        } else {
+            *router = w;
+            *rank = k;
+            return m;
+        }
+        pdm_wire_msg_free(m);
+    }
+    return NULL;
+}
+
+static void g_send(grouter_t *g, int rank, int type, const ProtobufCMessage *msg)
+{
+    ck_assert_int_eq(pdm_wire_send(g->sock, g->ident[rank], g->ident_len[rank], type, msg), 0);
+}
+
+/* Collects `want` PrefillResults of task `task_id` within `seconds`: got[router][rank] counts
+ * them; each must be ok. Nothing else may come. */
+static void g_results(grouter_t *rt, uint64_t task_id, int want, double seconds, int got[2][2])
+{
+    memset(got, 0, sizeof(int) * 4);
+    const double deadline = pdm_now() + seconds;
+    for (int n = 0; n < want;) {
+        int w, k;
+        pdm_wire_msg_t *m = g_recv(rt, &w, &k, deadline - pdm_now());
+        ck_assert_msg(m != NULL, "task %llu: %d of %d results within %.0f s",
+                      (unsigned long long)task_id, n, want, seconds);
+        ck_assert_int_eq(pdm_wire_type(m), PDMESH__MSG_TYPE__MSG_PREFILL_RESULT);
+        const Pdmesh__PrefillResult *r = (const Pdmesh__PrefillResult *)pdm_wire_message(m);
+        ck_assert_msg(r->task_id == task_id && r->ok, "task %llu: result of %llu, ok %d: %s",
+                      (unsigned long long)task_id, (unsigned long long)r->task_id, r->ok,
+                      r->error && r->error->message ? r->error->message : "");
+        ck_assert_int_eq(r->rank, (uint32_t)k);
+        got[w][k]++;
+        n++;
+        pdm_wire_msg_free(m);
+    }
+}
+
+/* A router hands a 2-rank group a task and dies before it reaches rank 1: the group must not
+ * wait a group timeout for rank 1's copy (the CI failure of test_ha.py, 30 s pauses). Now a
+ * router sends a group task to rank 0 only, which forwards it; rank 1 answers the router the
+ * entry names though it lists the routers in the other order; a copy a router still sends to
+ * rank 1 is dropped (one answer per rank). The logits equal the single-process engine. */
+START_TEST(test_prefill_group_forwarding)
+{
+    grouter_t rt[2];
+    memset(rt, 0, sizeof(rt));
+    void *ctx = zmq_ctx_new();
+    char dir[64];
+    snprintf(dir, sizeof(dir), "/tmp/pdm-fw-XXXXXX");
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    for (int w = 0; w < 2; w++) {
+        snprintf(rt[w].ep, sizeof(rt[w].ep), "ipc://%s/router%d", dir, w);
+        rt[w].id = 0x1111111111111111ull * (uint64_t)(w + 1);
+        rt[w].sock = zmq_socket(ctx, ZMQ_ROUTER);
+        int zero = 0;
+        zmq_setsockopt(rt[w].sock, ZMQ_LINGER, &zero, sizeof(zero));
+        ck_assert_int_eq(zmq_bind(rt[w].sock, rt[w].ep), 0);
+    }
+    pid_t pid[2];
+    setenv("PDMESH_SECRET", SECRET, 1);
+    for (int k = 0; k < 2; k++) {
+        char rank[4], id[16];
+        snprintf(rank, sizeof(rank), "%d", k);
+        snprintf(id, sizeof(id), "fw/%d", k);
+        const char *argv[] = {bin("PDMESH_PREFILL_BIN", "build/bin/pdmesh-prefill"), "--node-id",
+                              id, "--group", "fw", "--rank", rank, "--group-size", "2",
+                              "--kv-dtype", "f32", "--timeout", "30", "--model", model_path,
+                              /* rank 1 lists the routers the other way round */
+                              "--router", rt[k].ep, "--router", rt[1 - k].ep,
+                              "--exit-with-parent", NULL};
+        ck_assert_int_eq(posix_spawnp(&pid[k], argv[0], NULL, NULL, (char *const *)argv, environ), 0);
+    }
+    unsetenv("PDMESH_SECRET");
+    /* both ranks register with both routers */
+    for (double until = pdm_now() + 20; pdm_now() < until;) {
+        int w, k;
+        pdm_wire_msg_t *m = g_recv(rt, &w, &k, 0.1);
+        ck_assert_msg(m == NULL, "unexpected %s", m ? pdm_wire_type_name(pdm_wire_type(m)) : "");
+        if (rt[0].ident_len[0] && rt[0].ident_len[1] && rt[1].ident_len[0] && rt[1].ident_len[1])
+            break;
+    }
+    ck_assert_msg(rt[0].ident_len[0] && rt[0].ident_len[1] && rt[1].ident_len[0] &&
+                  rt[1].ident_len[1], "the ranks did not register with both routers");
+    /* each router wires the group (the second is answered at once) */
+    for (int w = 0; w < 2; w++) {
+        for (int k = 0; k < 2; k++) {
+            Pdmesh__GroupWire gw = PDMESH__GROUP_WIRE__INIT;
+            gw.epoch = EPOCH;
+            gw.group = "fw";
+            gw.rank = (uint32_t)k;
+            gw.size = 2;
+            gw.ucx_addresses = rt[0].ucx;
+            gw.n_ucx_addresses = 2;
+            g_send(&rt[w], k, PDMESH__MSG_TYPE__MSG_GROUP_WIRE, &gw.base);
+        }
+        for (int n = 0; n < 2; n++) {
+            int ww, k;
+            pdm_wire_msg_t *m = g_recv(rt, &ww, &k, 20);
+            ck_assert_msg(m && pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_GROUP_READY,
+                          "no GroupReady");
+            ck_assert(ww == w && ((const Pdmesh__GroupReady *)pdm_wire_message(m))->ok);
+            pdm_wire_msg_free(m);
+        }
+    }
+
+    int32_t prompt[9] = {4, 8, 15, 16, 23, 42, 99, 7, 3};
+    Pdmesh__PrefillTask t = PDMESH__PREFILL_TASK__INIT;
+    t.epoch = EPOCH;
+    t.method = "cp-kv";
+    t.tokens = prompt;
+    t.n_tokens = 9;
+    t.top_logits = 5;
+    t.want_logits = 1;
+    t.deadline_ms = 20000;
+    int got[2][2];
+
+    /* router 1's task reaches rank 0 only (it "died" before rank 1): both ranks answer router
+     * 1, well within the group timeout (30 s) */
+    t.task_id = 41;
+    double t0 = pdm_now();
+    g_send(&rt[1], 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    g_results(rt, 41, 2, 10, got);
+    ck_assert_msg(got[1][0] == 1 && got[1][1] == 1, "results at the wrong router");
+    ck_assert_msg(pdm_now() - t0 < 10, "the group waited %.1f s", pdm_now() - t0);
+
+    /* router 0's task also sent to rank 1 (as a router of old did): one answer per rank */
+    t.task_id = 42;
+    g_send(&rt[0], 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    g_send(&rt[0], 1, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    g_results(rt, 42, 2, 10, got);
+    ck_assert(got[0][0] == 1 && got[0][1] == 1);
+
+    /* both routers at once, in one order: every task answered at its own router, and the
+     * owner's logits equal the engine's */
+    t.task_id = 43;
+    g_send(&rt[0], 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    Pdmesh__PrefillTask t2 = t;
+    t2.task_id = 44;
+    g_send(&rt[1], 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t2.base);
+    pdm_model_t *model;
+    pdm_model_ctx_t *mctx;
+    pdm_kv_cache_t *cache;
+    ck_assert_int_eq(pdm_model_load(model_path, &model), 0);
+    ck_assert_int_eq(pdm_model_ctx_create(model, 1, 64, &mctx), 0);
+    ck_assert_int_eq(pdm_kv_cache_create(&model->hp, 16, PDM_DT_F32, &cache), 0);
+    float *logits = malloc(sizeof(float) * model->hp.n_vocab);
+    ck_assert_int_eq(pdm_model_prefill(mctx, cache, prompt, 9, logits), 0);
+    int seen[2][2] = {{0}}, owners = 0;
+    for (int n = 0; n < 4; n++) {
+        int w, k;
+        pdm_wire_msg_t *m = g_recv(rt, &w, &k, 10);
+        ck_assert_msg(m && pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_PREFILL_RESULT,
+                      "%d of 4 results", n);
+        const Pdmesh__PrefillResult *r = (const Pdmesh__PrefillResult *)pdm_wire_message(m);
+        ck_assert_msg(r->ok && r->task_id == (w == 0 ? 43u : 44u), "task %llu at router %d",
+                      (unsigned long long)r->task_id, w);
+        seen[w][k]++;
+        if (r->owner) {
+            owners++;
+            ck_assert_int_eq(r->n_logits, model->hp.n_vocab);
+            for (uint32_t v = 0; v < model->hp.n_vocab; v++)
+                ck_assert_msg(fabsf(r->logits[v] - logits[v]) <= 1e-3f * fmaxf(1, fabsf(logits[v])),
+                              "logit %u: %g vs %g", v, r->logits[v], logits[v]);
+        }
+        pdm_wire_msg_free(m);
+    }
+    ck_assert(seen[0][0] == 1 && seen[0][1] == 1 && seen[1][0] == 1 && seen[1][1] == 1);
+    ck_assert_int_eq(owners, 2);
+    /* and nothing more (no second answer to the copy of task 42) */
+    int w, k;
+    pdm_wire_msg_t *extra = g_recv(rt, &w, &k, 1.0);
+    ck_assert_msg(extra == NULL, "an extra %s", extra ? pdm_wire_type_name(pdm_wire_type(extra)) : "");
+    free(logits);
+    pdm_kv_cache_destroy(cache);
+    pdm_model_ctx_destroy(mctx);
+    pdm_model_free(model);
+
+    for (int j = 0; j < 2; j++) {
+        kill(pid[j], SIGKILL);
+        waitpid(pid[j], NULL, 0);
+    }
+    for (int j = 0; j < 2; j++) {
+        zmq_close(rt[j].sock);
+        for (int r = 0; r < 2; r++) free(rt[j].ucx[r].data);
+        char path[256];
+        snprintf(path, sizeof(path), "%s/router%d", dir, j);
+        unlink(path);
+    }
+    zmq_ctx_term(ctx);
+    rmdir(dir);
+}
+END_TEST
+
 static void setup(void)
 {
     make_model();
@@ -443,6 +692,7 @@ Suite *suite_nodeproto(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_decode_node_protocol);
     tcase_add_test(tc, test_prefill_rank_protocol);
+    tcase_add_test(tc, test_prefill_group_forwarding);
     suite_add_tcase(s, tc);
     return s;
 }
