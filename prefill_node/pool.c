@@ -88,19 +88,24 @@ static int pdm__conv_copy(pdm_prefill_conv_t *dst, const pdm_prefill_conv_t *src
 }
 
 /* Keeps a copy of conversation c (with its rows, ops.save): entries it extends are dropped;
- * nothing is kept when an entry already extends it (that one becomes the most recently used),
- * when it alone exceeds the budget, or when it would fit only by evicting the entry with id
- * `keep` (the source of the running task; 0: none). Out of memory only loses the copy. */
+ * nothing is kept (and nothing dropped) when an entry already extends it (that one becomes
+ * the most recently used), when it alone exceeds the budget, or when it would fit only by
+ * evicting the entry with id `keep` (the source of the running task; 0: none). Out of memory
+ * only loses the copy. */
 static void pdm__pool_save(pdm_prefill_pool_t *p, const pdm_prefill_conv_t *c, uint64_t keep)
 {
     if (c->n <= 0) return;
+    int64_t pinned = 0; /* what no eviction may free */
     for (int i = 0; i < p->n; i++) {
         const pdm_prefill_conv_t *e = &p->e[i].conv;
         if (e->n >= c->n && pdm_prefill_conv_common(e, c->tokens, c->n) == c->n) {
             p->e[i].stamp = ++p->clock;
             return;
         }
+        if (keep && p->e[i].id == keep) pinned += e->n;
     }
+    /* a copy that cannot fit leaves the shorter entries it would replace in place */
+    if (c->n + pinned > p->budget_tokens) return;
     for (int i = p->n - 1; i >= 0; i--) {
         const pdm_prefill_conv_t *e = &p->e[i].conv;
         if (p->e[i].id != keep && pdm_prefill_conv_common(c, e->tokens, e->n) == e->n)

@@ -777,6 +777,33 @@ START_TEST(test_pool_bookkeeping)
 }
 END_TEST
 
+/* A conversation too long for the budget is not kept, and the shorter entry of it that the
+ * pool holds stays (it used to be dropped before the fit was checked). */
+START_TEST(test_pool_keeps_prefix_of_unfit)
+{
+    int32_t conv[3][80];
+    for (int c = 0; c < 3; c++)
+        for (int i = 0; i < 80; i++) conv[c][i] = i < 10 ? 7 + i : 1000 * (c + 1) + i;
+    pdm_prefill_pool_ops_t ops = {fake_save, fake_load, fake_drop, NULL};
+    pdm_prefill_pool_t p;
+    pdm_prefill_pool_init(&p, 50, &ops);
+    pdm_prefill_conv_t active = {0};
+    uint64_t src;
+    pool_turn(&p, &active, 0, 0, conv[0], 30);
+    pool_turn(&p, &active, 0, 0, conv[1], 30); /* conversation 0 (30) goes to the pool */
+    ck_assert_int_eq(p.n, 1);
+    ck_assert_int_eq(pool_followup(&p, &active, conv[0], 60, &src), 30);
+    pool_turn(&p, &active, src, 30, conv[0], 60); /* the active one: conversation 0, 60 */
+    pool_turn(&p, &active, 0, 0, conv[2], 30);    /* 60 > 50: not kept; its 30 stay */
+    ck_assert_int_eq(p.n, 1);
+    ck_assert_int_eq(p.tokens, 30);
+    ck_assert_int_eq(pool_followup(&p, &active, conv[0], 70, &src), 30);
+    ck_assert(src != 0);
+    pdm_prefill_pool_fini(&p);
+    pdm_prefill_conv_free(&active);
+}
+END_TEST
+
 /* The router's mirror and a rank's pool stay in step on the same task sequence: the same
  * entries (ids) after every task, so the mirror's pick always names a source the rank holds. */
 START_TEST(test_pool_mirror_in_step)
@@ -1280,6 +1307,7 @@ Suite *suite_prefill(void)
     tcase_add_test(plan, test_followup_plannable);
     tcase_add_test(plan, test_partition_search);
     tcase_add_test(plan, test_pool_bookkeeping);
+    tcase_add_test(plan, test_pool_keeps_prefix_of_unfit);
     tcase_add_test(plan, test_pool_mirror_in_step);
     suite_add_tcase(s, plan);
     return s;
