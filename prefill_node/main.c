@@ -26,7 +26,9 @@
  * task therefore cannot leave the others without it (before, rank 0's collectives waited a
  * group timeout for a copy that never came). A follower drops a group task a router sent it
  * directly (an older router, or a harness that sends to every rank): its copy comes from
- * rank 0. Solo tasks need no order and come from the router to their rank. A router whose
+ * rank 0. Rank 0 refuses, before ordering it, a group task planned for another formation of
+ * the group (PrefillTask.formation: an elastic group re-wired by another router since). Solo
+ * tasks need no order and come from the router to their rank. A router whose
  * lease expired (common/nodelink.h) has its queued tasks dropped, like a CancelTask: one
  * mechanism frees what a dead router left.
  *
@@ -79,6 +81,7 @@ typedef struct {
     pdm_vocab_trie_t *trie;     /* the vocabulary's byte trie, built at the first task with a
                                  * json_schema (its first token is masked here) */
     uint64_t wire_hash;         /* of the GroupWire the group was formed from */
+    uint64_t formation;         /* its pdm_prefill_formation (PrefillTask.formation) */
     unsigned wired_by;          /* routers (bit = link origin) that wired this formation */
     pdm__queued_t queue[PDM__MAX_QUEUED]; /* FIFO, [0, n_queued) */
     double task_arrived;        /* when the running task was queued (pdm_now() clock) */
@@ -173,6 +176,7 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
             addrs[i] = w->ucx_addresses[i].data;
             lens[i] = w->ucx_addresses[i].len;
         }
+        pn->formation = pdm_prefill_formation(addrs, lens, (int)w->size);
         st = pdm_kvt_group_init(&pn->group, pn->kvt, (int)w->rank, (int)w->size, addrs, lens,
                                 pn->rp.timeout);
         if (!st && (st = pdm_prefill_rank_create(pn->model, &pn->group, &pn->rp, &pn->rank)))
@@ -775,7 +779,14 @@ static int pdm__run_next(pdm__daemon_t *pn)
     if (!follower) {
         if (!pn->n_queued) return 0;
         const pdm__queued_t q = pn->queue[0];
-        const int st = pdm__order_send(pn, &q);
+        const uint64_t formation = ((const Pdmesh__PrefillTask *)pdm_wire_message(q.m))->formation;
+        /* a task planned for another formation (the group re-formed since, under another
+         * router's GroupWire) is refused before the others hear of it: its collectives and
+         * the decode node's ranges would not match this one */
+        const int st = formation && formation != pn->formation
+                           ? pdm_error_set(PDM_ESTATE, "PrefillTask: planned for another "
+                                           "formation of the group (it re-formed since)")
+                           : pdm__order_send(pn, &q);
         if (st) {
             const pdm_prefill_result_t none = {0};
             pdm__answer(pn, (const Pdmesh__PrefillTask *)pdm_wire_message(q.m), q.origin, st,

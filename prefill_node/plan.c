@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <xxhash.h>
 
 #include "common/pdm.h"
 #include "proto/pdmesh.pb-c.h"
@@ -293,4 +294,15 @@ void pdm_prefill_ranges_to_wire(const pdm_prefill_range_t *ranges, int n,
         msgs[k].chunk = (uint32_t)ranges[k].chunk;
         ptrs[k] = &msgs[k];
     }
+}
+
+uint64_t pdm_prefill_formation(const void *const *addrs, const size_t *lens, int n)
+{
+    uint64_t h = (uint64_t)n; /* each part seeds the next: no state to allocate */
+    for (int i = 0; i < n; i++) {
+        const uint64_t len = lens[i];
+        h = XXH64(&len, sizeof(len), h);
+        h = XXH64(addrs[i], lens[i], h);
+    }
+    return h ? h : 1;
 }

@@ -73,6 +73,12 @@ void pdm_prefill_ranges_to_wire(const pdm_prefill_range_t *ranges, int n,
 
 #define PDM_PREFILL_MAX_RANGES (2 * PDM_PREFILL_MAX_RANKS)
 
+/* The formation of a group (PrefillTask.formation): an XXH64 of its size and every rank's UCX
+ * address in rank order (addrs[i] = data, lens[i] = bytes, as a GroupWire lists them); never
+ * 0. The router, which wires the group, and its rank 0, which checks each task, compute it
+ * alike. */
+uint64_t pdm_prefill_formation(const void *const *addrs, const size_t *lens, int n);
+
 /* The ranges of [start, start + n) in position order: single: one range on rank 0; tsp:
  * `chunks[r]` on rank r; kvr-*: `chunks[c]` in chain order on rank (head + c) mod R; cp-*:
  * 2N even chunks, chunk c on rank c < N ? c : 2N-1-c (context parallelism §3.5.1). Returns the

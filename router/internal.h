@@ -121,6 +121,7 @@ typedef struct {
                                    * tasks in flight end and it is wired anew */
     int member[PDM_PREFILL_MAX_RANKS]; /* node index per rank, -1 while missing */
     uint64_t member_epoch[PDM_PREFILL_MAX_RANKS];
+    uint64_t formation;           /* of the current wiring (PrefillTask.formation) */
     int wired;
     int inflight;                 /* prefill tasks sent and not finished on all ranks */
     double suspect_until;         /* an attempt through it failed: not used until then (a

@@ -116,10 +116,15 @@ static void rt_group_try_wire(pdm_router_t *r, int g)
     gr->size = want;
     gr->rewire = 0;
     ProtobufCBinaryData addrs[PDM_PREFILL_MAX_RANKS];
+    const void *datas[PDM_PREFILL_MAX_RANKS];
+    size_t lens[PDM_PREFILL_MAX_RANKS];
     for (uint32_t k = 0; k < gr->size; k++) {
         addrs[k].data = r->nodes[gr->member[k]].ucx;
         addrs[k].len = r->nodes[gr->member[k]].ucx_len;
+        datas[k] = addrs[k].data;
+        lens[k] = addrs[k].len;
     }
+    gr->formation = pdm_prefill_formation(datas, lens, (int)gr->size);
     for (uint32_t k = 0; k < gr->size; k++) {
         rt_node_t *n = &r->nodes[gr->member[k]];
         Pdmesh__GroupWire w = PDMESH__GROUP_WIRE__INIT;

@@ -907,6 +907,7 @@ static void rt_prefill_task_fill(pdm_router_t *r, rt_req_t *q, Pdmesh__PrefillTa
     t.n_prefix = q->cached_tokens;
     if (q->reuse_pending) g->reuse_pending = q->reuse_pending = 0; /* it goes out now */
     if (q->solo_rank < 0) { /* a solo task leaves the group's conversations alone */
+        t.formation = g->formation; /* rank 0 refuses it if the group re-formed meanwhile */
         t.pool_source = q->pool_source;
         t.pool_tokens = (uint64_t)q->pool_budget;
         t.pool_reset = q->pool_reset = g->pool_reset;

@@ -485,6 +485,7 @@ def live_run(bindir, model, docs, produced):
     ports = {}  # (router pod, its bind port) -> local port
     procs = []
     http_port = None
+    http_ports = {}  # router pod -> its HTTP port
     svc_port = {}
 
     def local(pod_name, port):
@@ -502,8 +503,10 @@ def live_run(bindir, model, docs, produced):
         m = re.match(r"(tcp://)?0\.0\.0\.0:(\d+)$", arg)
         if m:
             port = local(pod.name, int(m.group(2)))
-            if not m.group(1) and http_port is None:
-                http_port = port  # the first router's HTTP port
+            if not m.group(1):
+                http_ports[pod.name] = port
+                if http_port is None:
+                    http_port = port  # the first router's HTTP port
             return "%s127.0.0.1:%d" % (m.group(1) or "", port)
         m = re.match(r"tcp://([a-z0-9-]+)(?:\.([a-z0-9-]+))?:(\d+)$", arg)
         if m:
@@ -644,18 +647,12 @@ def live_run(bindir, model, docs, produced):
               % (None if failed_after is None else round(failed_after, 1)),
               failed_after is not None and back_after is not None,
               (failed_after, back_after, probe(dpod, "liveness")))
-        # The elastic group's scale-up and scale-down run with the first router alone: with
-        # several routers, a rank added under load can leave them wiring the group differently
-        # for a group timeout or longer (a known gap of issue 16, docs/router.md "High
-        # availability"). The other routers stop (SIGTERM); the nodes drop them when their
-        # leases run out and go on with the first.
-        for name, kind, p in procs:
-            if name.startswith("pdmesh-router-") and name != first_router:
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=20)
-        time.sleep(4)
-        elastic_run(docs, http_port, start, procs, os.path.join(tmp, first_router + ".log"),
-                    prompt, want)
+        # The elastic group grows and shrinks under load on every router at once: a router
+        # that re-wires the group first makes the tasks the others planned for the old
+        # formation be refused by rank 0 (PrefillTask.formation) and planned again, instead
+        # of stalling a group timeout (docs/router.md "High availability").
+        elastic_run(docs, sorted(http_ports.values()), start, procs,
+                    os.path.join(tmp, first_router + ".log"), prompt, want)
     finally:
         for name, kind, p in procs:
             if p.poll() is None:
@@ -672,13 +669,13 @@ def live_run(bindir, model, docs, produced):
 
 
 class Load:
-    """Clients sending completions over HTTP one after another (long prompts, which the prefill
-    group takes, and short ones) until finish(): each result is "ok", "refused" (429/503 at
+    """Clients sending completions over HTTP one after another, to every router in turn (long
+    prompts, which the prefill group takes, and short ones) until finish(): each result is "ok", "refused" (429/503 at
     admission) or "failed" with the reason."""
     CLIENTS = 3
 
-    def __init__(self, port, prompt):
-        self.port, self.prompt = port, prompt
+    def __init__(self, ports, prompt):
+        self.ports, self.prompt = ports, prompt
         self.results, self.stop = [], threading.Event()
         self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
                         for i in range(self.CLIENTS)]
@@ -692,7 +689,8 @@ class Load:
             words = self.prompt + (" Tell me more, part %d of %d." % (k, i) if k % 3 else "")
             body = json.dumps({"prompt": words if (k + i) % 2 else "Hi %d" % k,
                                "max_tokens": 24, "temperature": 0}).encode()
-            req = urllib.request.Request("http://127.0.0.1:%d/v1/completions" % self.port,
+            port = self.ports[(i + k) % len(self.ports)]  # every router in turn
+            req = urllib.request.Request("http://127.0.0.1:%d/v1/completions" % port,
                                          data=body, headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=120) as r:
@@ -711,7 +709,7 @@ class Load:
         return self.results
 
 
-def elastic_run(docs, http_port, start, procs, router_log, prompt, want):
+def elastic_run(docs, http_ports, start, procs, router_log, prompt, want):
     """The mesh grows and shrinks under load the way a Deployment/StatefulSet scale does: a
     decode replica added (it takes requests within a heartbeat of registering), a prefill rank
     added (the elastic group is wired anew with 3 ranks, once the tasks in flight end), then
@@ -734,7 +732,7 @@ def elastic_run(docs, http_port, start, procs, router_log, prompt, want):
             time.sleep(0.2)
         return False
 
-    load = Load(http_port, prompt)
+    load = Load(http_ports, prompt)
     try:
         time.sleep(2)
         t0 = time.time()

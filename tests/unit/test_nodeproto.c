@@ -20,6 +20,7 @@
 #include "common/pdm.h"
 #include "common/wire.h"
 #include "model/model.h"
+#include "prefill_node/plan.h"
 #include "tests.h"
 
 extern char **environ;
@@ -657,6 +658,28 @@ START_TEST(test_prefill_group_forwarding)
     int w, k;
     pdm_wire_msg_t *extra = g_recv(rt, &w, &k, 1.0);
     ck_assert_msg(extra == NULL, "an extra %s", extra ? pdm_wire_type_name(pdm_wire_type(extra)) : "");
+
+    /* PrefillTask.formation: the group's own is run; another (planned before the group
+     * re-formed) is refused by rank 0 at once, and rank 1 never hears of it */
+    const void *datas[2] = {rt[0].ucx[0].data, rt[0].ucx[1].data};
+    const size_t lens[2] = {rt[0].ucx[0].len, rt[0].ucx[1].len};
+    t.task_id = 45;
+    t.formation = pdm_prefill_formation(datas, lens, 2);
+    g_send(&rt[0], 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    g_results(rt, 45, 2, 10, got);
+    ck_assert(got[0][0] == 1 && got[0][1] == 1);
+    t.task_id = 46;
+    t.formation ^= 1;
+    g_send(&rt[0], 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    pdm_wire_msg_t *m = g_recv(rt, &w, &k, 5);
+    ck_assert_msg(m && pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, "no answer");
+    const Pdmesh__PrefillResult *rr = (const Pdmesh__PrefillResult *)pdm_wire_message(m);
+    ck_assert_msg(rr->task_id == 46 && !rr->ok && w == 0 && k == 0 && rr->error &&
+                  strstr(rr->error->message, "formation"), "task %llu ok %d from %d/%d",
+                  (unsigned long long)rr->task_id, rr->ok, w, k);
+    pdm_wire_msg_free(m);
+    extra = g_recv(rt, &w, &k, 1.0);
+    ck_assert_msg(extra == NULL, "rank %d answered a refused task", k);
     free(logits);
     pdm_kv_cache_destroy(cache);
     pdm_model_ctx_destroy(mctx);
