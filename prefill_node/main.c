@@ -105,8 +105,8 @@ static int pdm__error_code(int st)
     case PDM_ESTATE: return PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT;
     case PDM_EOVERFLOW: return PDMESH__ERROR_CODE__ERR_NODE_FULL;
     case PDM_ETIMEOUT: return PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED;
-    case PDM_EPEER:
-    case PDM_ECHECKSUM: return PDMESH__ERROR_CODE__ERR_KV_TRANSFER;
+    case PDM_EPEER: return PDMESH__ERROR_CODE__ERR_KV_TRANSFER;
+    case PDM_ECHECKSUM: return PDMESH__ERROR_CODE__ERR_KV_CORRUPT; /* its group pool (pool.c) */
     default: return PDMESH__ERROR_CODE__ERR_INTERNAL;
     }
 }

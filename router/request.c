@@ -1195,7 +1195,8 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
     if (!p->ok) {
         char m2[512];
         snprintf(m2, sizeof(m2), "prefill rank %s: %s", r->nodes[node].id, rt_err_text(p->error));
-        if (q->group >= 0 && strstr(m2, "pooled KV")) { /* pool.c / rank.c's checksum refusal */
+        if (q->group >= 0 && p->error &&
+            p->error->code == PDMESH__ERROR_CODE__ERR_KV_CORRUPT) { /* pool.c, rank.c */
             r->groups[q->group].pool_corrupt++;
             pdm_metric_inc(r->m.group_pool_corrupt, r->groups[q->group].name, 1);
         }
