@@ -35,7 +35,10 @@ Delta transfer (issue 19; `policy set pool_local_max 0`: every follow-up goes th
    count it, X reports the prefix as cached, far fewer KV bytes than the whole prompt's (the
    same prompt again with pool_delta 0), and the same greedy answer (up to a near-tie at the
    engine's own top two, as the other mesh checks allow). Turn 5, whose prefix the group holds
-   as well (a partial prefill): its ranks' cached runs are cut at the delta too.
+   as well (a partial prefill): its ranks' cached runs are cut at the delta too. Then
+   tsp, cp-kv and cp-q (`policy set method`; single runs on 1-rank groups only, kvr-p falls
+   back to kvr-e without a partition table): a new conversation each, whose follow-up streams
+   exactly the rows after the pooled prefix, with the engine's answer.
 10. Mesh 2 (--fault-corrupt-pool), a follow-up with a delta: the node's pooled prefix fails its
    checksum, the node refuses the reservation (DecodeReserved.pool_miss), the router retries it
    with the whole prompt streamed (pdmesh_pool_delta_refused_total), and the answer is the
@@ -228,6 +231,7 @@ def mesh_one(args, check, token):
               (out, r["usage"], r["choices"][0]["text"], ref8["text"]))
         pdctl(m, token, "undrain", z)
         delta_turns(m, args, check, token, conv + r["choices"][0]["text"])
+        delta_methods(m, args, check, token)
     finally:
         rc = m.stop()
     check("the router exits 0 on SIGTERM", rc == 0)
@@ -307,6 +311,47 @@ def delta_turns(m, args, check, token, conv):
           u5["pdmesh"]["kv_bytes"] == per_token * (u5["prompt_tokens"] - dt5) and same5,
           (u5, r5["choices"][0]["text"], ref5["text"]))
 
+
+
+TOPICS = {"tsp": "how honey bees build their combs and decide where a new colony should live",
+          "cp-kv": "the daily life of a lighthouse keeper on a small island in a winter storm",
+          "cp-q": "the first electronic computers, how large they were and who programmed them"}
+
+
+def delta_methods(m, args, check, token):
+    """Step 9, every other method: a new conversation per method (no prefix shared with the
+    others), its follow-up streamed from the node's pooled prefix on."""
+    pdctl(m, token, "policy", "set", "pool_local_max", "0")
+    try:
+        for method, topic in TOPICS.items():
+            rc, out = pdctl(m, token, "policy", "set", "method", method)
+            first = ("Here is a short essay about %s. It has three parts: where it began, what "
+                     "changed, and why it still matters today. First," % topic)
+            r1 = complete(m.http_port, first, 16)
+            per_token = r1["usage"]["pdmesh"]["kv_bytes"] // max(r1["usage"]["prompt_tokens"], 1)
+            conv = (first + r1["choices"][0]["text"] +
+                    " Second, and this is the part that most readers remember best,")
+            time.sleep(0.3)  # the KV events
+            n0, t0 = (m.metric("pdmesh_pool_delta_requests_total"),
+                      m.metric("pdmesh_pool_delta_tokens_total"))
+            r = complete(m.http_port, conv, 16)
+            u = r["usage"]
+            dt = m.metric("pdmesh_pool_delta_tokens_total") - t0
+            ref = reference(args.bindir, args.model, conv, 16, extra=("--logprobs", "2"))
+            same, how = equal_up_to_near_tie(r["choices"][0]["text"], ref)
+            check("%s: the follow-up streams %d of %d rows (%d KV bytes, %d a token), the rest "
+                  "from %s's pool; the answer the engine's (%s)"
+                  % (method, u["prompt_tokens"] - dt, u["prompt_tokens"], u["pdmesh"]["kv_bytes"],
+                     per_token, u["pdmesh"]["decode_node"], how),
+                  rc == 0 and u["pdmesh"]["prefill_method"] == method and
+                  r["choices"][0]["text"] != "" and
+                  r1["usage"]["pdmesh"]["prefill_method"] == method and
+                  m.metric("pdmesh_pool_delta_requests_total") == n0 + 1 and dt > 0 and
+                  u["pdmesh"]["kv_bytes"] == per_token * (u["prompt_tokens"] - dt) and same,
+                  (out, r1["usage"], u, r["choices"][0]["text"], ref["text"]))
+    finally:
+        pdctl(m, token, "policy", "set", "method", "kvr-e")
+        pdctl(m, token, "policy", "set", "pool_local_max", "512")
 
 
 def delta_refused(m, args, check, token):
