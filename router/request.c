@@ -628,6 +628,10 @@ static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char
     }
     rt_req_release_nodes(r, q, 1);
     q->retries++;
+    /* a failed delta transfer is not tried again: whatever went wrong (a node or rank that
+     * does not know the fields, a stream that broke), the retry streams the whole prompt */
+    if (q->pool_delta) q->no_delta = 1;
+    q->pool_delta = 0;
     pdm_log_warn("router: request %llu attempt %u failed: %s", (unsigned long long)q->id,
                  q->attempt, msg);
     if (q->n_samples) {
