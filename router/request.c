@@ -573,6 +573,7 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
     u.decode_node = q->dnode_name;
     u.attempts = q->attempt;
     u.cached_tokens = q->cached_tokens;
+    u.pool_prefix_tokens = q->pool_delta;
     Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rgp[PDM_PREFILL_MAX_PLAN];
     pdm_prefill_ranges_to_wire(q->plan, q->n_plan, rg, rgp);
     u.prefill_ranges = rgp;
@@ -1383,7 +1384,10 @@ void rt_req_on_decode_result(pdm_router_t *r, int node, const Pdmesh__DecodeResu
         if (rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens, NULL)) return;
         q->kv_seconds = d->kv_seconds;
         if (d->kv_bytes) q->kv_bytes = d->kv_bytes;
-        if (d->cached_tokens > q->cached_tokens) q->cached_tokens = d->cached_tokens;
+        /* (a delta's pooled prefix saved its transfer, not its computation on the group:
+         * Usage.pool_prefix_tokens reports it, cached_tokens stays the group's) */
+        if (!q->pool_delta && d->cached_tokens > q->cached_tokens)
+            q->cached_tokens = d->cached_tokens;
         if (d->cached_tokens)
             pdm_metric_inc(r->m.pool_cached_tokens, NULL, (double)d->cached_tokens);
         if (q->pool_expect && (q->local || q->pool_delta) && node == q->pool_node) {

@@ -252,11 +252,13 @@ def delta_turns(m, args, check, token, conv):
     dn, dt = (m.metric("pdmesh_pool_delta_requests_total") - n0,
               m.metric("pdmesh_pool_delta_tokens_total") - t0)
     check("a follow-up through the group (%s) to %s, which holds its prefix, takes %d tokens "
-          "from the pool and receives the KV of the other %d (%d cached, %d prompt tokens)"
+          "from the pool and receives the KV of the other %d (usage: pool_prefix_tokens %s, %d "
+          "cached on the group, %d prompt tokens)"
           % (u["pdmesh"]["prefill_method"], u["pdmesh"]["decode_node"], dt,
-             u["prompt_tokens"] - dt, cached_of(r), u["prompt_tokens"]),
-          u["pdmesh"]["prefill_method"] == "kvr-e" and dn == 1 and dt > 0 and dt % 16 == 0 and dt < u["prompt_tokens"] and
-          cached_of(r) >= dt, u)
+             u["prompt_tokens"] - dt, u["pdmesh"].get("pool_prefix_tokens"), cached_of(r),
+             u["prompt_tokens"]),
+          u["pdmesh"]["prefill_method"] == "kvr-e" and dn == 1 and dt > 0 and dt % 16 == 0 and
+          dt < u["prompt_tokens"] and u["pdmesh"].get("pool_prefix_tokens") == dt, u)
     rc, out = pdctl(m, token, "policy", "set", "pool_delta", "0")
     r_full = complete(m.http_port, conv, 16)
     uf = r_full["usage"]
@@ -305,7 +307,8 @@ def delta_turns(m, args, check, token, conv):
           "and %s hold: %d of %d rows streamed (%d KV bytes), the answer the engine's (%s)"
           % (m.metric("pdmesh_prefix_hits_total") - h0, x, u5["prompt_tokens"] - dt5,
              u5["prompt_tokens"], u5["pdmesh"]["kv_bytes"], how5),
-          u5["pdmesh"]["prefill_method"] == "kvr-e" and cached_of(r5) >= dt5 and
+          u5["pdmesh"]["prefill_method"] == "kvr-e" and cached_of(r5) > 0 and
+          u5["pdmesh"].get("pool_prefix_tokens") == dt5 and
           m.metric("pdmesh_prefix_hits_total") == h0 + 1 and
           m.metric("pdmesh_pool_delta_requests_total") == n0 + 1 and dt5 > 0 and
           u5["pdmesh"]["kv_bytes"] == per_token * (u5["prompt_tokens"] - dt5) and same5,
@@ -347,6 +350,7 @@ def delta_methods(m, args, check, token):
                   r["choices"][0]["text"] != "" and
                   r1["usage"]["pdmesh"]["prefill_method"] == method and
                   m.metric("pdmesh_pool_delta_requests_total") == n0 + 1 and dt > 0 and
+                  u["pdmesh"].get("pool_prefix_tokens") == dt and
                   u["pdmesh"]["kv_bytes"] == per_token * (u["prompt_tokens"] - dt) and same,
                   (out, r1["usage"], u, r["choices"][0]["text"], ref["text"]))
     finally:
