@@ -170,11 +170,19 @@ typedef struct {
                                        * blocks are not authenticated */
     const int32_t *tokens;            /* [n_prompt] the prompt's tokens, or NULL: with them
                                        * the finished sequence's KV can join the prefix pool */
+    int32_t pool_prefix;              /* delta transfer (DecodeTask.pool_prefix): rows
+                                       * [0, pool_prefix) come from this node's prefix pool
+                                       * (needs tokens), `ranges` cover [pool_prefix, n_prompt)
+                                       * only; 0: every row is streamed */
 } pdm_decode_reserve_t;
 
 /* Reserves KV for n_prompt + max_new tokens and posts the receives of every block of the
  * plan (layer x kv head x range) into the new cache. PDM_EOVERFLOW "node full" when the KV
- * budget or the sequence bound would be exceeded; PDM_EINVAL for a bad plan or a duplicate id. */
+ * budget or the sequence bound would be exceeded; PDM_EINVAL for a bad plan or a duplicate id.
+ * With pool_prefix, the pooled rows are verified (checksums) and copied first; the pool not
+ * holding that prefix any more gives PDM_ENOTFOUND, a checksum mismatch PDM_ECHECKSUM (the
+ * entry dropped), a sequence that cannot take pooled rows (beams, samples, head-wise offload,
+ * q8) PDM_EUNSUPPORTED: the caller streams the whole prompt instead. Nothing is held then. */
 int pdm_decode_node_reserve(pdm_decode_node_t *node, const pdm_decode_reserve_t *r);
 
 /* A local prefill (conditional disaggregation, migration). */

@@ -145,6 +145,11 @@ static void pdm__reserved(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, int st
                                      : PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT;
         e.message = (char *)pdm_error_last();
         r.error = &e;
+        /* delta transfer refused (decode.h, pdm_decode_node_reserve): the router streams the
+         * whole prompt instead */
+        r.pool_miss = t->pool_prefix && !t->local_prefill &&
+                      (st == PDM_ENOTFOUND || st == PDM_ECHECKSUM || st == PDM_EUNSUPPORTED);
+        if (r.pool_miss) e.code = PDMESH__ERROR_CODE__ERR_KV_TRANSFER;
     }
     pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESERVED, &r.base);
     free(msgs);
@@ -162,6 +167,8 @@ static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pd
     if (t->max_new > (1u << 30) || t->n_prompt > (1u << 30))
         return pdm_error_set(PDM_ERANGE, "DecodeTask: n_prompt or max_new out of range");
     if (t->local_prefill) {
+        if (t->pool_prefix) /* (the local prefill finds its pooled prefix by itself) */
+            return pdm_error_set(PDM_EINVAL, "DecodeTask: pool_prefix with a local prefill");
         if (!t->n_prompt_tokens)
             return pdm_error_set(PDM_EINVAL, "DecodeTask: local prefill without prompt tokens");
         if (t->n_prompt_tokens > (1u << 30) || t->n_generated >= t->n_prompt_tokens)
@@ -207,7 +214,8 @@ static int pdm__reserve(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, const pd
                                .samples = (int)rec->samples,
                                .kv_key = t->kv_key.len ? t->kv_key.data : NULL,
                                .tokens = t->n_prompt_tokens == t->n_prompt ? t->prompt_tokens
-                                                                           : NULL};
+                                                                           : NULL,
+                               .pool_prefix = (int32_t)PDM_MIN(t->pool_prefix, 1u << 30)};
     return pdm_decode_node_reserve(dn->node, &rv);
 }
 

@@ -473,6 +473,63 @@ static pdm__pooled_t *pdm__pool_match(pdm_decode_node_t *n, const int32_t *token
     return best;
 }
 
+/* Per-head pointers to a pooled entry's rows, as a cache's k/v arrays ([n_layers *
+ * n_kv_heads] each, the caller frees both): into its cache in RAM or its file-tier rows.
+ * PDM_ENOMEM leaves both NULL. */
+static int pdm__pool_rows(const pdm_decode_node_t *n, const pdm__pooled_t *hit, void ***k,
+                          void ***v)
+{
+    const pdm_model_hparams_t *hp = &n->model->hp;
+    const size_t nh = (size_t)hp->n_layers * hp->n_kv_heads;
+    void **hk = malloc(sizeof(void *) * nh), **hv = malloc(sizeof(void *) * nh);
+    if (!hk || !hv) {
+        free(hk);
+        free(hv);
+        *k = *v = NULL;
+        return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    }
+    if (hit->file) {
+        const size_t rows = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim) * (size_t)hit->n;
+        for (size_t i = 0; i < nh; i++) {
+            hk[i] = (char *)hit->file + 2 * i * rows;
+            hv[i] = (char *)hit->file + (2 * i + 1) * rows;
+        }
+    } else {
+        memcpy(hk, hit->cache->k, sizeof(void *) * nh);
+        memcpy(hv, hit->cache->v, sizeof(void *) * nh);
+    }
+    *k = hk;
+    *v = hv;
+    return PDM_OK;
+}
+
+/* Verifies a pooled entry's rows (pdm__pool_rows) against its checksums before any reuse
+ * (--fault-corrupt-pool flips a byte first). A mismatch drops the entry, counts it corrupt,
+ * logs once what happens to the request (`then`) and returns PDM_ECHECKSUM: its rows must not
+ * be used. */
+static int pdm__pool_verify(pdm_decode_node_t *n, uint64_t id, pdm__pooled_t *hit,
+                            void *const *hit_k, void *const *hit_v, const char *then)
+{
+    const pdm_model_hparams_t *hp = &n->model->hp;
+    const size_t nh = (size_t)hp->n_layers * hp->n_kv_heads;
+    if (n->p.fault_corrupt_pool) /* tests: what a bad page or a reuse race would do */
+        ((uint8_t *)hit_k[0])[0] ^= 0x40;
+    uint64_t *ck = malloc(sizeof(uint64_t) * nh);
+    if (!ck) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    const size_t rows = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim) * (size_t)hit->n;
+    for (size_t i = 0; i < nh; i++)
+        ck[i] = pdm_kvt_block_checksum((uint64_t)hit->n, hit_k[i], hit_v[i], rows);
+    const int bad = memcmp(ck, hit->ck, sizeof(uint64_t) * nh) != 0;
+    free(ck);
+    if (!bad) return PDM_OK;
+    n->pool_st.corrupt++;
+    pdm_log_warn("decode node: request %llu: a pooled prefix of %d tokens failed its checksum: "
+                 "dropped, %s", (unsigned long long)id, hit->n, then);
+    pdm__pool_drop(n, hit);
+    return pdm_error_set(PDM_ECHECKSUM, "decode node: request %llu: the pooled prefix failed "
+                         "its checksum", (unsigned long long)id);
+}
+
 /* A sequence that ended normally: its KV (prompt and the generated tokens fed back) joins the
  * pool, replacing pooled sequences it extends (a chat's earlier turns). */
 static void pdm__pool_put(pdm_decode_node_t *n, pdm__seq_t *s)
@@ -674,6 +731,27 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
     if (st) return st;
     const int64_t need = width ? pdm_beam_kv_slots(width, r->n_prompt, r->max_new)
                                : wp.slots + wp.stage_slots;
+    /* Delta transfer: the prefix comes from the pool, found before making room (which may
+     * evict it; most recently used, it goes last). */
+    pdm__pooled_t *hit = NULL;
+    if (r->pool_prefix) {
+        if (r->pool_prefix < 0 || r->pool_prefix >= r->n_prompt || !r->tokens)
+            return pdm_error_set(PDM_EINVAL, "decode node: request %llu: a pooled prefix of %d "
+                                 "tokens (the prompt has %d%s)", (unsigned long long)r->id,
+                                 r->pool_prefix, r->n_prompt, r->tokens ? "" : ", not given");
+        if (width || n->offload || n->p.kv_dtype == PDM_DT_I8 || n->p.pool_tokens <= 0)
+            return pdm_error_set(PDM_EUNSUPPORTED, "decode node: request %llu: no pooled prefix "
+                                 "for a beam search, samples, head-wise offload, q8 KV or "
+                                 "without a pool", (unsigned long long)r->id);
+        int32_t m = 0;
+        n->pool_st.lookups++;
+        hit = pdm__pool_match(n, r->tokens, r->n_prompt, &m);
+        if (!hit || m < r->pool_prefix)
+            return pdm_error_set(PDM_ENOTFOUND, "decode node: request %llu: the pool holds %d of "
+                                 "the %d prefix tokens asked for (evicted)",
+                                 (unsigned long long)r->id, m, r->pool_prefix);
+        hit->stamp = ++n->pool_stamp;
+    }
     if (!pdm__kv_fits(n, need))
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: request %llu needs %lld KV slots, "
                              "%lld of %lld are free", (unsigned long long)r->id, (long long)need,
@@ -684,10 +762,27 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
     if (!s)
         return pdm_error_set(PDM_EOVERFLOW, "decode node full: %d sequences held",
                              n->p.max_sequences);
+    if (hit && !pdm__used(hit))
+        return pdm_error_set(PDM_ENOTFOUND, "decode node: request %llu: the pooled prefix was "
+                             "evicted to make room", (unsigned long long)r->id);
+    void **hit_k = NULL, **hit_v = NULL;
+    int st_pool = hit ? pdm__pool_rows(n, hit, &hit_k, &hit_v) : PDM_OK;
+    if (!st_pool && hit)
+        st_pool = pdm__pool_verify(n, r->id, hit, hit_k, hit_v,
+                                   "the task is refused (streamed in full)");
+    if (st_pool) {
+        free(hit_k);
+        free(hit_v);
+        return st_pool;
+    }
     /* The plan: one block per (layer, kv head, range). */
     const size_t n_blocks = (size_t)hp->n_layers * hp->n_kv_heads * (size_t)r->n_ranges;
     pdm_kvt_stream_block_t *blocks = malloc(sizeof(*blocks) * n_blocks);
-    if (!blocks) return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    if (!blocks) {
+        free(hit_k);
+        free(hit_v);
+        return pdm_error_set(PDM_ENOMEM, "decode node: out of memory");
+    }
     size_t nb = 0;
     for (uint32_t l = 0; l < hp->n_layers; l++)
         for (uint32_t h = 0; h < hp->n_kv_heads; h++)
@@ -722,6 +817,25 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
         else
             memcpy(s->prompt, r->tokens, sizeof(int32_t) * (size_t)r->n_prompt);
     }
+    /* The pooled prefix's rows where the stream would have put them (a windowed layer's
+     * staging included: the window is filled from it when the rest has arrived). */
+    if (!st && hit) {
+        void *const *dk = s->rx_k ? s->rx_k : s->cache->k, *const *dv = s->rx_v ? s->rx_v
+                                                                                 : s->cache->v;
+        const size_t rows = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim) *
+                            (size_t)r->pool_prefix;
+        for (size_t i = 0; i < (size_t)hp->n_layers * hp->n_kv_heads; i++) {
+            memcpy(dk[i], hit_k[i], rows);
+            memcpy(dv[i], hit_v[i], rows);
+        }
+        s->cached = r->pool_prefix;
+        n->pool_st.hits++;
+        n->pool_st.reused_tokens += (uint64_t)r->pool_prefix;
+        if (hit->file) n->pool_st.file_hits++;
+        hit->stamp = ++n->pool_stamp;
+    }
+    free(hit_k);
+    free(hit_v);
     if (!st) {
         s->kv_slots = need;
         s->stage_slots = width ? 0 : wp.stage_slots;
@@ -735,7 +849,7 @@ int pdm_decode_node_reserve(pdm_decode_node_t *n, const pdm_decode_reserve_t *r)
             /* q8: the blocks' headers carry each head's scales, fixed at prefill; response
              * rows are appended with them (no re-quantization) */
             .scales = n->p.kv_dtype == PDM_DT_I8 ? s->cache->scale : NULL, .blocks = blocks,
-            .n_blocks = (int)nb, .key = r->kv_key};
+            .n_blocks = (int)nb, .key = r->kv_key, .token_from = r->pool_prefix};
         st = pdm_kvt_stream_rx_start(n->kvt, &rp, &s->rx);
     }
     free(blocks);
@@ -877,47 +991,14 @@ int pdm_decode_node_reserve_local(pdm_decode_node_t *n, const pdm_decode_local_t
     if (hit && !pdm__used(hit)) hit = NULL; /* evicted after all (or moved to the file tier) */
     if (!width && n->p.kv_dtype != PDM_DT_I8 && !r->replay && !r->prompt_lp)
         n->pool_st.lookups++;
-    /* a hit in the file tier: per-head pointers into its rows, as a cache's k/v arrays */
     void **hit_k = NULL, **hit_v = NULL;
-    const size_t nh = (size_t)hp->n_layers * hp->n_kv_heads;
-    if (hit && hit->file) {
-        hit_k = malloc(sizeof(void *) * nh);
-        hit_v = malloc(sizeof(void *) * nh);
-        const size_t rows = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim) * (size_t)hit->n;
-        for (size_t i = 0; hit_k && hit_v && i < nh; i++) {
-            hit_k[i] = (char *)hit->file + 2 * i * rows;
-            hit_v[i] = (char *)hit->file + (2 * i + 1) * rows;
-        }
-        if (!hit_k || !hit_v) hit = NULL;
-    } else if (hit) {
-        hit_k = malloc(sizeof(void *) * nh);
-        hit_v = malloc(sizeof(void *) * nh);
-        if (hit_k && hit_v) {
-            memcpy(hit_k, hit->cache->k, sizeof(void *) * nh);
-            memcpy(hit_v, hit->cache->v, sizeof(void *) * nh);
-        } else {
-            hit = NULL;
-        }
-    }
-    if (hit && n->p.fault_corrupt_pool) /* tests: what a bad page or a reuse race would do */
-        ((uint8_t *)hit_k[0])[0] ^= 0x40;
-    if (hit) { /* verify before use: a corrupted prefix is dropped and recomputed */
-        uint64_t *ck = malloc(sizeof(uint64_t) * nh);
-        const size_t rows = pdm_dtype_row_bytes(n->p.kv_dtype, hp->head_dim) * (size_t)hit->n;
-        for (size_t i = 0; ck && i < nh; i++)
-            ck[i] = pdm_kvt_block_checksum((uint64_t)hit->n, hit_k[i], hit_v[i], rows);
-        if (!ck || memcmp(ck, hit->ck, sizeof(uint64_t) * nh)) {
-            if (ck) {
-                n->pool_st.corrupt++;
-                pdm_log_warn("decode node: request %llu: a pooled prefix of %d tokens failed "
-                             "its checksum: dropped, the prompt is prefilled in full",
-                             (unsigned long long)id, hit->n);
-                pdm__pool_drop(n, hit);
-            }
-            hit = NULL;
-            m = 0;
-        }
-        free(ck);
+    if (hit && pdm__pool_rows(n, hit, &hit_k, &hit_v)) hit = NULL;
+    if (hit && pdm__pool_verify(n, id, hit, hit_k, hit_v, "the prompt is prefilled in full")) {
+        free(hit_k);
+        free(hit_v);
+        hit_k = hit_v = NULL;
+        hit = NULL;
+        m = 0;
     }
     pdm__seq_t *s = NULL;
     for (int i = 0; i < n->p.max_sequences && !s; i++)

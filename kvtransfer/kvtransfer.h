@@ -263,7 +263,11 @@ typedef struct {
     uint32_t n_layers, n_kv_heads;
     uint16_t dtype;
     size_t row_bytes;
-    int32_t n_tokens;                /* the request's tokens: all must be covered once */
+    int32_t n_tokens;                /* the request's tokens: all from token_from on must be
+                                      * covered once */
+    int32_t token_from;              /* rows [0, token_from) are not streamed (the caller has
+                                      * them: a decode node's prefix pool); no block may start
+                                      * before it. 0: every row comes in blocks */
     void *const *k, *const *v;       /* [n_layers * n_kv_heads] destination of token 0's row */
     float *scales;                   /* int8 KV: [n_layers * n_kv_heads][2] receives each
                                       * head's K and V scale from the headers (every block of
@@ -285,8 +289,8 @@ typedef struct {
     double seconds;      /* from start to the last block */
 } pdm_kvt_stream_stats_t;
 
-/* Checks that the blocks cover every (layer, head, token) exactly once and fit the
- * destinations, then posts a receive for each. PDM_EINVAL names the first gap or overlap. */
+/* Checks that the blocks cover every (layer, head, token >= token_from) exactly once and fit
+ * the destinations, then posts a receive for each. PDM_EINVAL names the first gap or overlap. */
 int pdm_kvt_stream_rx_start(pdm_kvt_t *kvt, const pdm_kvt_stream_rx_params_t *p,
                             pdm_kvt_stream_rx_t **out);
 /* Waits for every block until `deadline` and verifies each one (PDM_ECHECKSUM, PDM_EFORMAT

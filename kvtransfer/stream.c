@@ -54,7 +54,7 @@ static void pdm__block_mac(const uint8_t key[PDM_KVT_KEY_BYTES], const pdm_kvt_b
 static int pdm__plan_check(const pdm_kvt_stream_rx_params_t *p)
 {
     if (p->n_layers == 0 || p->n_kv_heads == 0 || p->row_bytes == 0 || p->n_tokens < 1 ||
-        p->n_blocks < 1 || !p->k || !p->v)
+        p->n_blocks < 1 || !p->k || !p->v || p->token_from < 0 || p->token_from >= p->n_tokens)
         return pdm_error_set(PDM_EINVAL, "stream: empty plan or destinations");
     if (p->n_layers > PDM_KVT_STREAM_MAX_LAYERS)
         return pdm_error_set(PDM_EINVAL, "stream: %u layers (at most %d)", p->n_layers,
@@ -65,7 +65,8 @@ static int pdm__plan_check(const pdm_kvt_stream_rx_params_t *p)
     int st = PDM_OK;
     for (int b = 0; b < p->n_blocks && !st; b++) {
         const pdm_kvt_stream_block_t *blk = &p->blocks[b];
-        if (blk->layer >= p->n_layers || blk->head >= p->n_kv_heads || blk->token_start < 0 ||
+        if (blk->layer >= p->n_layers || blk->head >= p->n_kv_heads ||
+            blk->token_start < p->token_from ||
             blk->n_tokens < 1 || blk->token_start > p->n_tokens - blk->n_tokens ||
             blk->chunk > 0xff) {
             st = pdm_error_set(PDM_EINVAL, "stream: block %d (layer %u head %u tokens %d+%d) is "
@@ -84,7 +85,7 @@ static int pdm__plan_check(const pdm_kvt_stream_rx_params_t *p)
         }
     }
     for (size_t c = 0; c < cells && !st; c++)
-        if (!seen[c])
+        if (!seen[c] && (int32_t)(c % (size_t)p->n_tokens) >= p->token_from)
             st = pdm_error_set(PDM_EINVAL, "stream: token %zu of layer %zu head %zu has no "
                                "block", c % (size_t)p->n_tokens,
                                c / ((size_t)p->n_tokens * p->n_kv_heads),

@@ -241,6 +241,11 @@ static int pdm__task_from_msg(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, p
     for (size_t i = 0; i < t->n_chunks; i++)
         if (t->chunks[i] > (uint32_t)INT32_MAX)
             return pdm_error_set(PDM_ERANGE, "PrefillTask: chunk size out of range");
+    /* (the last token's row is always streamed: the decode node needs its KV) */
+    if (t->stream_from && (int64_t)t->stream_from >= (int64_t)t->start + (int64_t)t->n_tokens)
+        return pdm_error_set(PDM_ERANGE, "PrefillTask: stream_from %u is not before the "
+                             "prompt's last token (%u + %zu tokens)", t->stream_from, t->start,
+                             t->n_tokens);
     if (t->n_prefix && t->n_prefix != t->start)
         return pdm_error_set(PDM_EFORMAT, "PrefillTask: prefix must hold the start cached "
                              "tokens (%zu for start %u)", t->n_prefix, t->start);
@@ -282,7 +287,7 @@ static int pdm__task_from_msg(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, p
             .peer = peer, .request_id = PDM_LINK_TASK_KEY(t->task_id, t->attempt),
             .attempt = t->attempt & 15u,
             .max_in_flight = t->stream_window ? (int)PDM_MIN(t->stream_window, 4096u) : 64,
-            .key = t->kv_key.len ? t->kv_key.data : NULL};
+            .key = t->kv_key.len ? t->kv_key.data : NULL, .from = (int32_t)t->stream_from};
         task->stream = stream;
     }
     return PDM_OK;
@@ -444,6 +449,9 @@ static void pdm__on_batch(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int o
         else if (m->n_batch || !m->solo || m->solo_rank != t->solo_rank)
             st = pdm_error_set(PDM_EFORMAT, "PrefillTask: a batch member is a solo task of the "
                                "batch's rank and holds no batch itself");
+        else if (m->stream_from) /* (batch.c streams each member's whole prompt) */
+            st = pdm_error_set(PDM_EUNSUPPORTED, "PrefillTask: a batch member streams its whole "
+                               "prompt (stream_from %u)", m->stream_from);
         else if (m->kv_dump && m->kv_dump[0])
             st = pdm_error_set(PDM_EUNSUPPORTED, "PrefillTask: a solo task keeps no KV to dump");
         if (!st) st = pdm__task_from_msg(pn, m, &in[n].task, &stream[n]);

@@ -306,3 +306,18 @@ uint64_t pdm_prefill_formation(const void *const *addrs, const size_t *lens, int
     }
     return h ? h : 1;
 }
+
+int32_t pdm_prefill_ranges_clip(pdm_prefill_range_t *ranges, int n, int32_t from)
+{
+    int32_t left = 0;
+    for (int k = 0; k < n; k++) {
+        pdm_prefill_range_t *g = &ranges[k];
+        const int32_t end = g->start + g->len;
+        if (g->start < from) {
+            g->start = PDM_MIN(from, end);
+            g->len = end - g->start;
+        }
+        left += g->len;
+    }
+    return left;
+}

@@ -71,6 +71,13 @@ struct Pdmesh__TokenRange;
 void pdm_prefill_ranges_to_wire(const pdm_prefill_range_t *ranges, int n,
                                 struct Pdmesh__TokenRange *msgs, struct Pdmesh__TokenRange **ptrs);
 
+/* Delta transfer (PrefillTask.stream_from, DecodeTask.pool_prefix): cuts every range to its
+ * rows at or after `from`, in place; a range wholly before it keeps its rank and chunk with
+ * len 0 (streamed by nobody, planned by nobody). The ranks (what they send) and the router (the
+ * decode node's plan) cut with this one function, so the blocks sent and expected agree.
+ * Returns the rows left. */
+int32_t pdm_prefill_ranges_clip(pdm_prefill_range_t *ranges, int n, int32_t from);
+
 #define PDM_PREFILL_MAX_RANGES (2 * PDM_PREFILL_MAX_RANKS)
 
 /* The formation of a group (PrefillTask.formation): an XXH64 of its size and every rank's UCX

@@ -323,6 +323,7 @@ static int pdm__run_solo(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
     r->n_mine = 1;
     r->mine[0] = (pdm_prefill_range_t){0, t->n_tokens, me, 0};
     r->n_prefix_mine = 0;
+    if (t->stream) pdm_prefill_ranges_clip(r->mine, 1, t->stream->from); /* delta transfer */
     r->t_wait = r->t_compute = 0;
     double t0 = pdm_now();
     uint64_t streamed;
@@ -486,6 +487,13 @@ int pdm_prefill_rank_run(pdm_prefill_rank_t *r, const pdm_prefill_task_t *t,
                                               PDM_PREFILL_MAX_PREFIX_RUNS);
         for (int i = 0; i < nr; i++)
             if (runs[i].rank == me) r->prefix_mine[r->n_prefix_mine++] = runs[i];
+    }
+    /* Delta transfer: the decode node holds the rows before stream->from in its own pool;
+     * nothing before them is sent, computed now or cached (the router cut the decode node's
+     * plan with the same function). */
+    if (t->stream) {
+        pdm_prefill_ranges_clip(r->mine, r->n_mine, t->stream->from);
+        pdm_prefill_ranges_clip(r->prefix_mine, r->n_prefix_mine, t->stream->from);
     }
     if ((st = pdm__stream_open(r, t))) return st;
 

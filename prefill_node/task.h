@@ -34,6 +34,9 @@ typedef struct {
     int max_in_flight;    /* blocks outstanding per rank (flow control) */
     const uint8_t *key;   /* [PDM_KVT_KEY_BYTES] the request's KV key (every block carries a
                            * MAC with it), or NULL: unauthenticated */
+    int32_t from;         /* delta transfer: no row before this position is sent (the decode
+                           * node has [0, from) in its prefix pool), whether computed now or
+                           * cached on the group; 0: every row (PrefillTask.stream_from) */
 } pdm_prefill_stream_t;
 
 /* One prefill task, identical on every rank of the group. */

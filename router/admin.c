@@ -89,6 +89,7 @@ static int rt_policies(pdm_router_t *r, rt_policy_t *p)
     p[n++] = (rt_policy_t){"prefix_reuse", &c->prefix_reuse, NULL, 0, 1};
     p[n++] = (rt_policy_t){"group_pool_tokens", &c->group_pool_tokens, NULL, 0, 1 << 24};
     p[n++] = (rt_policy_t){"pool_local_max", NULL, &c->pool_local_max, 0, 1 << 20};
+    p[n++] = (rt_policy_t){"pool_delta", &c->pool_delta, NULL, 0, 1};
     p[n++] = (rt_policy_t){"prefill_batch_max", &c->prefill_batch_max, NULL, 1, RT_BATCH_MAX};
     p[n++] = (rt_policy_t){"prefill_batch_tokens", &c->prefill_batch_tokens, NULL, 1, 8192};
     return n;

@@ -47,6 +47,7 @@ void rt_config_default(rt_config_t *c)
     c->prefix_reuse = 1;
     c->group_pool_tokens = 0;
     c->pool_local_max = 512;
+    c->pool_delta = 1;
     c->max_skew_s = 30;
     c->group_inflight = 2;
     c->adaptive_group = 0; /* off: no consistent win below saturation on the reference machine
@@ -308,6 +309,17 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
         m, PDM_METRIC_COUNTER, "pdmesh_prefix_pool_cached_tokens_total",
         "Prompt tokens served from decode-node prefix pools (DecodeResult.cached_tokens).", NULL,
         NULL, 0);
+    r->m.pool_delta_requests = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_pool_delta_requests_total",
+        "Group prefills whose decode node took the prompt's prefix from its own pool and "
+        "received only the rest's KV (delta transfer, --pool-delta).", NULL, NULL, 0);
+    r->m.pool_delta_tokens = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_pool_delta_tokens_total",
+        "Prompt tokens whose KV was not streamed thanks to the delta transfer.", NULL, NULL, 0);
+    r->m.pool_delta_refused = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_pool_delta_refused_total",
+        "Delta transfers a decode node refused (its pool no longer held the prefix, or held it "
+        "corrupt); each was retried with the whole prompt streamed.", NULL, NULL, 0);
     r->m.pool_hit_rate = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_prefix_pool_hit_rate",
                                          "Prefix pool hits / lookups so far.", NULL, NULL, 0);
     r->m.pool_tokens = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_prefix_pool_tokens",

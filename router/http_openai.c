@@ -1067,6 +1067,8 @@ cJSON *pdm_http__usage_json(const Pdmesh__Usage *u)
         cJSON_AddNumberToObject(x, "prefill_rank", u->prefill_ranges[0]->rank);
     cJSON_AddStringToObject(x, "decode_node", u->decode_node ? u->decode_node : "");
     cJSON_AddNumberToObject(x, "attempts", u->attempts);
+    if (u->pool_prefix_tokens) /* delta transfer: taken from the decode node's pool */
+        cJSON_AddNumberToObject(x, "pool_prefix_tokens", u->pool_prefix_tokens);
     return usage;
 }
 

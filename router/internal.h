@@ -67,6 +67,8 @@ typedef struct {
                                    * this many tokens (prefill_node/pool.h; 0: only its last) */
     uint32_t pool_local_max;      /* a prompt whose prefix a decode node's pool holds is
                                    * prefilled there when at most this many tokens are left */
+    int pool_delta;               /* 1: a longer rest goes through a group to that node, which
+                                   * receives only the rest's KV (delta transfer) */
     double max_skew_s;            /* registration timestamp skew */
     int group_inflight;           /* prefill tasks queued per group */
     int adaptive_group;           /* load-adaptive parallelism (adapt.h, rt_adapt_rule_t): a
@@ -236,6 +238,13 @@ typedef struct rt_req {
     int pool_looked;
     int pool_node;
     uint32_t pool_expect;
+    /* delta transfer (DecodeTask.pool_prefix, PrefillTask.stream_from): the prefix the
+     * scheduler chose for the next dispatch (rt_req_dispatch takes it), the current attempt's
+     * (0: whole prompt streamed), and whether a decode node refused it (its pool lost the
+     * prefix or held it corrupt): every later attempt streams the whole prompt */
+    uint32_t delta_next;
+    uint32_t pool_delta;
+    int no_delta;
     /* OpenAI's n sharing one prompt (docs/http.md "n", decode_node/nsamp.h). The submit makes
      * one choice request per choice, each with its own sink, seed, tokens, text and stop
      * strings, and a leader that carries the one attempt (one prefill, one KV transfer, one
@@ -324,6 +333,7 @@ struct pdm_router {
             /* decode-node prefix pools and the global index (schedule.c, registry.c) */
             *pool_lookups, *pool_hits, *pool_misses, *pool_cached_tokens, *pool_hit_rate,
             *pool_tokens, *pool_bytes, *pool_blocks, *pool_corrupt, *kv_events, *kv_index_blocks,
+            *pool_delta_requests, *pool_delta_tokens, *pool_delta_refused,
             /* prefill groups' pools of conversations (request.c) */
             *group_pool_tokens, *group_pool_entries, *group_pool_evictions, *group_pool_corrupt,
             *group_prefill_tokens;

@@ -94,6 +94,8 @@ static void rt_usage(FILE *f)
             "                            follow-ups of any of them (0: only the last one)\n"
             "  --pool-local-max N        a prompt whose prefix a decode node's pool holds is\n"
             "                            prefilled there if at most N tokens are left (512)\n"
+            "  --pool-delta 0|1          if more are left, the prompt goes through a group to\n"
+            "                            that node, which receives only the rest's KV (1)\n"
             "  --group-inflight N        prefill tasks queued per group (2)\n"
             "  --adaptive-group 0|1|2    while requests wait, a group's idle ranks may prefill\n"
             "                            different prompts alone (solo tasks): 1 by the cost\n"
@@ -114,7 +116,7 @@ int main(int argc, char **argv)
         O_CLIENT = 1000, O_NODE, O_ADMIN, O_HTTP_HOST, O_HTTP_PORT, O_SECRET, O_TOKEN, O_HB, O_LEASE,
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
         O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW,
-        O_PREFIX_REUSE, O_POOL_LOCAL, O_GROUP_POOL, O_HTTP_CONNS, O_HTTP_PER_PEER, O_HTTP_HEAD, O_HTTP_BODY, O_HTTP_IDLE,
+        O_PREFIX_REUSE, O_POOL_LOCAL, O_POOL_DELTA, O_GROUP_POOL, O_HTTP_CONNS, O_HTTP_PER_PEER, O_HTTP_HEAD, O_HTTP_BODY, O_HTTP_IDLE,
         O_CHAT_TEMPLATE, O_ADAPTIVE, O_BATCH_MAX, O_BATCH_TOKENS
     };
     static const struct option opts[] = {
@@ -151,6 +153,7 @@ int main(int argc, char **argv)
         {"prefix-reuse", required_argument, 0, O_PREFIX_REUSE},
         {"group-pool-tokens", required_argument, 0, O_GROUP_POOL},
         {"pool-local-max", required_argument, 0, O_POOL_LOCAL},
+        {"pool-delta", required_argument, 0, O_POOL_DELTA},
         {"group-inflight", required_argument, 0, O_GINF},
         {"adaptive-group", required_argument, 0, O_ADAPTIVE},
         {"prefill-batch-max", required_argument, 0, O_BATCH_MAX},
@@ -224,6 +227,7 @@ int main(int argc, char **argv)
         case O_PREFIX_REUSE: NUM(0, 1, cfg.prefix_reuse); break;
         case O_GROUP_POOL: NUM(0, 1 << 24, cfg.group_pool_tokens); break;
         case O_POOL_LOCAL: NUM(0, 1 << 20, cfg.pool_local_max); break;
+        case O_POOL_DELTA: NUM(0, 1, cfg.pool_delta); break;
         case O_GINF: NUM(1, 64, cfg.group_inflight); break;
         case O_ADAPTIVE: NUM(0, 2, cfg.adaptive_group); break;
         case O_BATCH_MAX: NUM(1, RT_BATCH_MAX, cfg.prefill_batch_max); break;

@@ -573,6 +573,7 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
     u.decode_node = q->dnode_name;
     u.attempts = q->attempt;
     u.cached_tokens = q->cached_tokens;
+    u.pool_prefix_tokens = q->pool_delta;
     Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rgp[PDM_PREFILL_MAX_PLAN];
     pdm_prefill_ranges_to_wire(q->plan, q->n_plan, rg, rgp);
     u.prefill_ranges = rgp;
@@ -628,6 +629,10 @@ static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char
     }
     rt_req_release_nodes(r, q, 1);
     q->retries++;
+    /* a failed delta transfer is not tried again: whatever went wrong (a node or rank that
+     * does not know the fields, a stream that broke), the retry streams the whole prompt */
+    if (q->pool_delta) q->no_delta = 1;
+    q->pool_delta = 0;
     pdm_log_warn("router: request %llu attempt %u failed: %s", (unsigned long long)q->id,
                  q->attempt, msg);
     if (q->n_samples) {
@@ -736,6 +741,10 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
     q->pool_source = 0;
     q->pool_budget = 0;
     q->pool_reset = 0;
+    /* delta transfer: chosen by the scheduler for a group attempt to the node whose pool
+     * holds the prefix (schedule.c, rt_delta_prefix); not in a batch (whole prompts) */
+    q->pool_delta = g >= 0 && !q->batch_id && q->delta_next < q->n_prompt ? q->delta_next : 0;
+    q->delta_next = 0;
     snprintf(q->dnode_name, sizeof(q->dnode_name), "%s", n->id);
     const uint32_t remaining = q->max_new - q->n_gen;
     const uint32_t n_in = q->local ? q->n_prompt + q->n_gen : q->n_prompt;
@@ -752,6 +761,7 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
     int32_t *all = NULL;
     ProtobufCBinaryData addrs[PDM_PREFILL_MAX_RANKS];
     Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rgp[PDM_PREFILL_MAX_PLAN];
+    pdm_prefill_range_t cut[PDM_PREFILL_MAX_PLAN];
     if (q->local) {
         snprintf(q->method, sizeof(q->method), "local");
         q->group_name[0] = 0;
@@ -853,7 +863,12 @@ void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
         const int nr = plan->n_ranges;
         memcpy(q->plan, plan->ranges, sizeof(pdm_prefill_range_t) * (size_t)nr);
         q->n_plan = nr;
-        pdm_prefill_ranges_to_wire(plan->ranges, nr, rg, rgp);
+        /* Delta transfer: the node expects only the rows from pool_delta on, cut as the ranks
+         * cut what they send (PrefillTask.stream_from); Usage keeps the whole plan. */
+        memcpy(cut, plan->ranges, sizeof(pdm_prefill_range_t) * (size_t)nr);
+        pdm_prefill_ranges_clip(cut, nr, (int32_t)q->pool_delta);
+        pdm_prefill_ranges_to_wire(cut, nr, rg, rgp);
+        t.pool_prefix = q->pool_delta;
         /* A fresh KV key for the attempt: the decode node takes blocks only from the ranks
          * that hold it (kvtransfer.h). */
         if (pdm_random_bytes(q->kv_key, sizeof(q->kv_key))) {
@@ -905,6 +920,7 @@ static void rt_prefill_task_fill(pdm_router_t *r, rt_req_t *q, Pdmesh__PrefillTa
     t.n_tokens = q->n_prompt - q->cached_tokens;
     t.prefix = q->prompt;
     t.n_prefix = q->cached_tokens;
+    t.stream_from = q->pool_delta; /* the decode node holds the rows before it */
     if (q->reuse_pending) g->reuse_pending = q->reuse_pending = 0; /* it goes out now */
     if (q->solo_rank < 0) { /* a solo task leaves the group's conversations alone */
         t.formation = g->formation; /* rank 0 refuses it if the group re-formed meanwhile */
@@ -1100,6 +1116,23 @@ void rt_req_on_reserved(pdm_router_t *r, int node, const Pdmesh__DecodeReserved 
     rt_req_t *q = rt_task_req(r, node, d->task_id, d->attempt);
     if (!q || q->state != RQ_RESERVING) return;
     if (!d->ok) {
+        if (d->pool_miss && q->pool_delta) {
+            /* Delta transfer refused: the node's pool lost the prefix since its last KV event,
+             * or held it corrupt (never used). Not a failure of the request: it goes again
+             * with the whole prompt streamed (counted; its lookup an `evicted` miss). */
+            pdm_metric_inc(r->m.pool_delta_refused, NULL, 1);
+            if (q->pool_expect && node == q->pool_node)
+                pdm_metric_inc(r->m.pool_misses, "evicted", 1);
+            q->pool_expect = 0;
+            q->no_delta = 1;
+            pdm_log_info("router: request %llu: %s refused the delta transfer of %u tokens (%s): "
+                         "retried in full", (unsigned long long)q->id, r->nodes[node].id,
+                         q->pool_delta, rt_err_text(d->error));
+            rt_req_release_nodes(r, q, 0);
+            q->state = RQ_QUEUED;
+            q->pool_delta = 0;
+            return;
+        }
         if (d->error && d->error->code == PDMESH__ERROR_CODE__ERR_NODE_FULL) {
             /* Not a failure of the request: try another node (or this one later). */
             r->nodes[node].full_until = pdm_now() + 0.5;
@@ -1118,6 +1151,10 @@ void rt_req_on_reserved(pdm_router_t *r, int node, const Pdmesh__DecodeReserved 
         q->batch_ready = 1;
         rt_batch_try_send(r, q->batch_id);
     } else if (!q->local) {
+        if (q->pool_delta) {
+            pdm_metric_inc(r->m.pool_delta_requests, NULL, 1);
+            pdm_metric_inc(r->m.pool_delta_tokens, NULL, (double)q->pool_delta);
+        }
         rt_send_prefill(r, q);
     } else if (q->want_plp && !q->plp_sent) {
         /* the node prefilled and scored the prompt itself */
@@ -1349,10 +1386,13 @@ void rt_req_on_decode_result(pdm_router_t *r, int node, const Pdmesh__DecodeResu
         if (rt_req_tokens(r, q, q->base, d->tokens, d->n_tokens, NULL)) return;
         q->kv_seconds = d->kv_seconds;
         if (d->kv_bytes) q->kv_bytes = d->kv_bytes;
-        if (d->cached_tokens > q->cached_tokens) q->cached_tokens = d->cached_tokens;
+        /* (a delta's pooled prefix saved its transfer, not its computation on the group:
+         * Usage.pool_prefix_tokens reports it, cached_tokens stays the group's) */
+        if (!q->pool_delta && d->cached_tokens > q->cached_tokens)
+            q->cached_tokens = d->cached_tokens;
         if (d->cached_tokens)
             pdm_metric_inc(r->m.pool_cached_tokens, NULL, (double)d->cached_tokens);
-        if (q->pool_expect && q->local && node == q->pool_node) {
+        if (q->pool_expect && (q->local || q->pool_delta) && node == q->pool_node) {
             /* the index sent it here: did the node find what the index promised? */
             if (d->cached_tokens >= q->pool_expect) {
                 r->pool_hits++;

@@ -275,11 +275,29 @@ static void rt_pool_count(pdm_router_t *r, rt_req_t *q, const char *reason, int 
     q->pool_expect = expect;
 }
 
+/* Delta transfer (issue 19): the prefix of q that decode node pd's pool holds (`cached`
+ * tokens, as rt_pick_decode_prefix found them) and that the node takes from it when q goes
+ * through a group: whole blocks only, never the last prompt token; 0 when no delta applies.
+ * Excluded: turned off (pool_delta), refused once for q (no_delta: the node's pool lost the
+ * prefix or held it corrupt), a local prefill or migration (the node finds its prefix by
+ * itself), a resumed choice of OpenAI's n (its logits come from the owner rank's whole row,
+ * kept simple: streamed in full); beams, n > 1 and prompt log-probabilities never get a pd. */
+static uint32_t rt_delta_prefix(const pdm_router_t *r, const rt_req_t *q, int pd, uint32_t cached,
+                                int want_local)
+{
+    const uint32_t bt = (uint32_t)r->pool_block_tokens;
+    if (pd < 0 || !r->cfg.pool_delta || q->no_delta || want_local || q->resumed_choice ||
+        q->n_gen > 0 || bt == 0 || !rt_node_usable(r, pd))
+        return 0;
+    return PDM_MIN(cached, q->n_prompt - 1) / bt * bt;
+}
+
 /* Whether queued request w may join a batch task (batch.h): a new prompt for a group (not a
  * migration, not short), no prompt log-probabilities (a batch member does not score its
  * prompt), not OpenAI's n or a choice of it going on alone (they need the owner rank's logits,
  * PrefillTask.want_logits, which a batch member does not send), and not one the prefix pool of
- * a decode node would prefill locally. */
+ * a decode node would prefill locally or take a delta transfer for (a batch member streams its
+ * whole prompt). */
 static int rt_batch_eligible(pdm_router_t *r, const rt_req_t *w)
 {
     if (!rt_wants_group(r, w) || (w->want_plp && !w->plp_sent)) return 0;
@@ -287,7 +305,8 @@ static int rt_batch_eligible(pdm_router_t *r, const rt_req_t *w)
     uint32_t cached = 0, held = 0;
     int looked = 0;
     const int pd = rt_pick_decode_prefix(r, w, &cached, &held, &looked);
-    return !(pd >= 0 && w->n_prompt - cached <= r->cfg.pool_local_max);
+    return !(pd >= 0 && w->n_prompt - cached <= r->cfg.pool_local_max) &&
+           !rt_delta_prefix(r, w, pd, cached, 0);
 }
 
 /* Batched prefill (batch.h): lead q, placed on rank `rank` of group g (a solo rank or the
@@ -389,6 +408,9 @@ void rt_schedule(pdm_router_t *r)
         }
         const char *miss = pd >= 0 ? "delta_over_local_max"
                            : held_prefix ? "routed_elsewhere_load" : "no_match";
+        /* Too long a rest for a local prefill: through a group to that node all the same,
+         * which takes the prefix from its pool and receives only the rest's KV. */
+        const uint32_t delta = rt_delta_prefix(r, q, pd, cached, want_local);
         int g = -1, solo = -1;
         if (!want_local) {
             /* no hashing of prompts behind one that holds every group with room */
@@ -404,15 +426,19 @@ void rt_schedule(pdm_router_t *r)
             q->waits_for_group = g < 0;
             if (g < 0) continue; /* every group is busy: wait */
         }
-        int d = rt_pick_decode(r, q, g < 0);
+        int d = delta && g >= 0 ? pd : rt_pick_decode(r, q, g < 0);
         q->waits_for_group = 0;
         if (d < 0) continue; /* wait for capacity (the deadline bounds the wait) */
         /* local prefills count here, a group's methods in rt_send_prefill */
         pdm_metric_inc(r->m.method, "local", g < 0 ? 1 : 0);
-        if (looked) rt_pool_count(r, q, miss, -1, 0);
+        q->delta_next = g >= 0 ? delta : 0;
+        if (looked && q->delta_next) rt_pool_count(r, q, NULL, pd, q->delta_next);
+        else if (looked) rt_pool_count(r, q, miss, -1, 0);
         /* Batched prefill: a prompt for one rank alone (a solo rank, or a 1-rank group) takes
-         * the eligible prompts queued behind it into the same task (batch.h). */
-        if (g >= 0 && r->cfg.prefill_batch_max > 1 && !score_prompt && q->n_samples <= 1 &&
+         * the eligible prompts queued behind it into the same task (batch.h); not one with a
+         * delta transfer (a batch member streams its whole prompt). */
+        if (g >= 0 && !q->delta_next && r->cfg.prefill_batch_max > 1 && !score_prompt &&
+            q->n_samples <= 1 &&
             !q->resumed_choice &&
             (solo >= 0 || r->groups[g].size == 1) &&
             rt_schedule_batch(r, q, g, solo >= 0 ? solo : 0, d)) {

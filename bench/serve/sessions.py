@@ -20,6 +20,12 @@ the router's global index of the nodes' KV events then decides which node a foll
 and the pooled arm also reports the router's prefix-pool counters (lookups, hits, misses by
 reason). --arms picks the arms (default: all three).
 
+Delta transfer (issue 19): the arms `delta` and `nodelta` run the decode-node pool and the
+group pool (16384 tokens) with every follow-up sent through the group (--pool-local-max 0),
+with and without --pool-delta: the decode node holding the conversation takes its prefix from
+its pool and receives only the rest's KV, or receives the whole prompt's. Reported besides:
+KV bytes streamed, the delta counters.
+
   python3 bench/serve/sessions.py [--bindir build/bin] [--rate 0.2] [--duration 60] [--quick]
       [--decode-nodes 2] [--arms with] [--name sessions-2dec]
 """
@@ -65,7 +71,7 @@ def session(k, args, port, rng, rows, lock):
         time.sleep(rng.expovariate(1.0 / args.think))
 
 
-def run(args, pool, llama_server=None, group_pool=0):
+def run(args, pool, llama_server=None, group_pool=0, router_extra=()):
     """One arm: the mesh with a decode-node pool of `pool` tokens (0: none) and a prefill-group
     pool of `group_pool` tokens (0: the group keeps its last conversation only), or llama.cpp's
     llama-server (binary path) on the same model and cores."""
@@ -74,7 +80,7 @@ def run(args, pool, llama_server=None, group_pool=0):
     else:
         mesh = Mesh(args.bindir, args.model, prefill_ranks=2, threads=1, local_threshold=16,
                     router_args=["--prefix-reuse", "1", "--block-tokens", "16",
-                                 "--group-pool-tokens", str(group_pool)],
+                                 "--group-pool-tokens", str(group_pool), *router_extra],
                     decode_args=["--kv-pool", str(pool)])
         for d in range(1, args.decode_nodes):
             mesh._start("decode-%d" % d, [os.path.join(args.bindir, "pdmesh-decode"), "--model",
@@ -122,6 +128,9 @@ def run(args, pool, llama_server=None, group_pool=0):
                      'reason="routed_elsewhere_load"'),
                     ("miss_delta_over_local_max", "pdmesh_prefix_pool_misses_total",
                      'reason="delta_over_local_max"'),
+                    ("delta_requests", "pdmesh_pool_delta_requests_total", ""),
+                    ("delta_tokens", "pdmesh_pool_delta_tokens_total", ""),
+                    ("delta_refused", "pdmesh_pool_delta_refused_total", ""),
                     ("kv_events_stored", "pdmesh_kv_events_total", 'kind="stored"'),
                     ("kv_events_evicted", "pdmesh_kv_events_total", 'kind="evicted"')):
                 pool_counts[key] = mesh.metric(name, labels)
@@ -161,7 +170,9 @@ def main():
     ap.add_argument("--decode-nodes", type=int, default=1)
     ap.add_argument("--arms", default="without,with,llama",
                     help="comma-separated: without (no pool), with (decode-node pool), group "
-                    "(prefill-group pool of conversations), llama (llama-server)")
+                    "(prefill-group pool of conversations), llama (llama-server), delta / "
+                    "nodelta (both pools, follow-ups through the group, with / without the "
+                    "delta transfer)")
     ap.add_argument("--name", default="sessions", help="output file name (OUT/NAME.json, .md)")
     ap.add_argument("--llama-bindir", help="where llama-server is (default: $LLAMA_SERVER or "
                     "build/llama.cpp, built by tools/llama_tools.sh); without one its arm is "
@@ -178,6 +189,11 @@ def main():
         res["with pool"] = summary(run(args, 65536), args.slo_ttft)
     if "group" in arms:
         res["group pool"] = summary(run(args, 0, group_pool=16384), args.slo_ttft)
+    for arm, on in (("delta", "1"), ("nodelta", "0")):
+        if arm in arms:
+            res["both pools, via group, delta %s" % ("on" if on == "1" else "off")] = summary(
+                run(args, 65536, group_pool=16384,
+                    router_extra=("--pool-local-max", "0", "--pool-delta", on)), args.slo_ttft)
     ls = find_llama_server(args.llama_bindir) if "llama" in arms else None
     if ls:
         res["llama-server"] = summary(run(args, 0, llama_server=ls), args.slo_ttft)
@@ -241,8 +257,8 @@ def main():
                    "the group keeps every recent conversation, so a follow-up computes only its "
                    "new tokens whichever session came between; without it the group keeps its "
                    "last conversation only (a follow-up reuses the shared system text at best). "
-                   "The group still streams the whole prompt's KV to the decode node (no delta "
-                   "transfer yet), so the KV bytes do not drop."]
+                   "Without the delta transfer the group streams the whole prompt's KV to "
+                   "the decode node, so the KV bytes do not drop."]
     for name, r in res.items():
         pc = r.get("pool") or {}
         if pc.get("lookups"):
@@ -255,6 +271,10 @@ def main():
                                     pc["miss_routed_elsewhere_load"],
                                     pc["miss_delta_over_local_max"], pc["kv_events_stored"],
                                     pc["kv_events_evicted"])]
+        if pc.get("delta_requests") or "delta" in name:
+            md += ["", "%s: %d delta transfers, %d prompt tokens' KV not streamed, %d refused."
+                   % (name, pc.get("delta_requests", 0), pc.get("delta_tokens", 0),
+                      pc.get("delta_refused", 0))]
     with open(os.path.join(args.out, args.name + ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))

@@ -26,6 +26,14 @@ started with PDMESH_FAULT_CORRUPT_POOL=1:
    rank's copy fails its checksum (the fault flips a byte), the ranks refuse the task together,
    pdmesh_group_pool_corrupt_total counts it, the request is retried without the pool and its
    answer is the engine's.
+Mesh 3, --group-pool-tokens 8192, a decode node with its prefix pool (--kv-pool 65536) and
+--pool-local-max 0 (every prompt through the group): the delta transfer (issue 19) together
+with the group pool:
+7. The same nine turns: each answers as the engine (up to a near-tie), every follow-up still
+   continues its conversation from the group's pool (the ranks take their rows from it), and
+   the decode node takes the prompt's prefix from its own pool: the ranks stream only the rows
+   after it, cached or computed (pdmesh_kv_bytes_total is exactly the rows not taken from the
+   pool, pdmesh_pool_delta_tokens_total, at mesh 1's bytes per token).
 
     python3 tests/integration/test_group_pool.py --bindir build/bin [--model FILE]
 """
@@ -255,6 +263,38 @@ def mesh_baseline(args, check, token, refs, pool_rows, pool_computed, pool_kv_by
         m.stop()
 
 
+def mesh_delta(args, check, token, refs, pool_rows, pool_kv_bytes):
+    router = ("--method", "kvr-e", "--block-tokens", "16", "--group-pool-tokens", "8192",
+              "--pool-local-max", "0", "--admin-token-file", token)
+    m = Mesh(args.bindir, args.model, prefill_ranks=2, router_args=router,
+             decode_args=("--kv-pool", "65536"))
+    try:
+        m.wait_ready()
+        rows, _ = conversations(m, check, refs, "pool+delta")
+        follow = [r for r in rows if r[1] > 0]
+        n_delta = m.metric("pdmesh_pool_delta_requests_total")
+        t_delta = m.metric("pdmesh_pool_delta_tokens_total")
+        kv = m.metric("pdmesh_kv_bytes_total")
+        total = sum(r[2] for r in rows)
+        # mesh 1 streamed every prompt whole: its bytes per prompt token
+        per_token = pool_kv_bytes / sum(r[2] for r in pool_rows[:9])
+        check("with both pools every follow-up continues from the group's pool (cached / "
+              "previous prompt: %s; %g group prefix hits)"
+              % (", ".join("%d/%d" % (r[3], r[4]) for r in follow),
+                 m.metric("pdmesh_prefix_hits_total")),
+              all(r[3] >= r[4] - 4 for r in follow) and
+              m.metric("pdmesh_prefix_hits_total") >= len(follow), rows)
+        check("and the decode node took %g prompt tokens from its own pool in %g delta transfers "
+              "(%d turns, %d prompt tokens): %g KV bytes streamed, %.0f bytes a token for the "
+              "rest, mesh 1 (whole prompts) %.0f"
+              % (t_delta, n_delta, len(rows), total, kv, kv / max(total - t_delta, 1), per_token),
+              n_delta >= len(follow) and m.metric("pdmesh_pool_delta_refused_total") == 0 and
+              per_token == int(per_token) and kv == per_token * (total - t_delta) and
+              kv < pool_kv_bytes / 2, (n_delta, t_delta, kv, pool_kv_bytes))
+    finally:
+        m.stop()
+
+
 def main():
     args = mesh_argparser(__doc__.split("\n")[0]).parse_args()
     check = Checks()
@@ -267,6 +307,7 @@ def main():
         os.chmod(token, 0o600)
         rows, computed, kv_bytes = mesh_pool(args, check, token, refs)
         mesh_baseline(args, check, token, refs, rows, computed, kv_bytes)
+        mesh_delta(args, check, token, refs, rows, kv_bytes)
     print("group pool: %d passed, %d failed in %.0f s" % (check.passed, check.failed,
                                                            time.time() - t0))
     return 1 if check.failed else 0

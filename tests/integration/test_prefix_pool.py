@@ -29,6 +29,20 @@ Mesh 2, one decode node with a small pool (--kv-pool 160) and --fault-corrupt-po
 8. Malformed events from a registered (fake, Python) decode node: keys of the wrong length, an
    unknown kind, a sequence gap, undecodable bytes: counted (malformed, stale), the node gets
    an Error for the bad frame, and the router goes on serving.
+Delta transfer (issue 19; `policy set pool_local_max 0`: every follow-up goes through the group):
+9. Mesh 1 at its end, the next turn with pool_delta 1: the group prefills it and streams only the rows after the
+   prefix X's pool holds (block-aligned): pdmesh_pool_delta_requests_total and _tokens_total
+   count it, X reports the prefix as cached, far fewer KV bytes than the whole prompt's (the
+   same prompt again with pool_delta 0), and the same greedy answer (up to a near-tie at the
+   engine's own top two, as the other mesh checks allow). Turn 5, whose prefix the group holds
+   as well (a partial prefill): its ranks' cached runs are cut at the delta too. Then
+   tsp, cp-kv and cp-q (`policy set method`; single runs on 1-rank groups only, kvr-p falls
+   back to kvr-e without a partition table): a new conversation each, whose follow-up streams
+   exactly the rows after the pooled prefix, with the engine's answer.
+10. Mesh 2 (--fault-corrupt-pool), a follow-up with a delta: the node's pooled prefix fails its
+   checksum, the node refuses the reservation (DecodeReserved.pool_miss), the router retries it
+   with the whole prompt streamed (pdmesh_pool_delta_refused_total), and the answer is the
+   engine's.
 
     python3 tests/integration/test_prefix_pool.py --bindir build/bin [--model FILE]
 """
@@ -216,9 +230,162 @@ def mesh_one(args, check, token):
                        'reason="routed_elsewhere_load"') == rl0 + 1,
               (out, r["usage"], r["choices"][0]["text"], ref8["text"]))
         pdctl(m, token, "undrain", z)
+        delta_turns(m, args, check, token, conv + r["choices"][0]["text"])
+        delta_methods(m, args, check, token)
     finally:
         rc = m.stop()
     check("the router exits 0 on SIGTERM", rc == 0)
+
+
+def delta_turns(m, args, check, token, conv):
+    """Step 9: a follow-up through the group with a delta transfer to the node holding its
+    prefix, then the same prompt streamed whole, then the next turn."""
+    time.sleep(0.3)  # the last turn's KV events
+    rc, out = pdctl(m, token, "policy", "set", "pool_local_max", "0")
+    check("policy set pool_local_max 0 (every follow-up through the group)", rc == 0, out)
+    conv += (" Which of the bridges is the oldest one, and what can a visitor still see of the "
+             "old city walls near it today?")
+    n0, t0 = (m.metric("pdmesh_pool_delta_requests_total"),
+              m.metric("pdmesh_pool_delta_tokens_total"))
+    r = complete(m.http_port, conv, 16)
+    u = r["usage"]
+    dn, dt = (m.metric("pdmesh_pool_delta_requests_total") - n0,
+              m.metric("pdmesh_pool_delta_tokens_total") - t0)
+    check("a follow-up through the group (%s) to %s, which holds its prefix, takes %d tokens "
+          "from the pool and receives the KV of the other %d (usage: pool_prefix_tokens %s, %d "
+          "cached on the group, %d prompt tokens)"
+          % (u["pdmesh"]["prefill_method"], u["pdmesh"]["decode_node"], dt,
+             u["prompt_tokens"] - dt, u["pdmesh"].get("pool_prefix_tokens"), cached_of(r),
+             u["prompt_tokens"]),
+          u["pdmesh"]["prefill_method"] == "kvr-e" and dn == 1 and dt > 0 and dt % 16 == 0 and
+          dt < u["prompt_tokens"] and u["pdmesh"].get("pool_prefix_tokens") == dt, u)
+    rc, out = pdctl(m, token, "policy", "set", "pool_delta", "0")
+    r_full = complete(m.http_port, conv, 16)
+    uf = r_full["usage"]
+    pdctl(m, token, "policy", "set", "pool_delta", "1")
+    pdctl(m, token, "policy", "set", "pool_local_max", "512")
+    check("the same prompt with pool_delta 0 streams all its KV: %d bytes, against %d with the "
+          "delta (%.2fx; %d of %d rows)"
+          % (uf["pdmesh"]["kv_bytes"], u["pdmesh"]["kv_bytes"],
+             u["pdmesh"]["kv_bytes"] / max(uf["pdmesh"]["kv_bytes"], 1),
+             u["prompt_tokens"] - dt, u["prompt_tokens"]),
+          rc == 0 and uf["pdmesh"]["prefill_method"] == "kvr-e" and
+          m.metric("pdmesh_pool_delta_requests_total") == n0 + 1 and
+          0 < u["pdmesh"]["kv_bytes"] < uf["pdmesh"]["kv_bytes"] and
+          u["pdmesh"]["kv_bytes"] * u["prompt_tokens"] ==
+          uf["pdmesh"]["kv_bytes"] * (u["prompt_tokens"] - dt), (u, uf))
+    ref = reference(args.bindir, args.model, conv, 16, extra=("--logprobs", "2"))
+    same, how = equal_up_to_near_tie(r["choices"][0]["text"], ref)
+    same_f, how_f = equal_up_to_near_tie(r_full["choices"][0]["text"], ref)
+    check("the delta's greedy answer is the whole stream's (%s) and the engine's (%s; whole "
+          "stream: %s)" % ("equal" if r["choices"][0]["text"] == r_full["choices"][0]["text"]
+                           else "differs", how, how_f),
+          same and same_f and (r["choices"][0]["text"] == r_full["choices"][0]["text"] or
+                               how != "equal" or how_f != "equal"),
+          (r["choices"][0]["text"], r_full["choices"][0]["text"], ref["text"]))
+    print("delta transfer: %d prompt tokens, %d from the pool: KV streamed %d bytes with the "
+          "delta, %d without" % (u["prompt_tokens"], dt, u["pdmesh"]["kv_bytes"],
+                                 uf["pdmesh"]["kv_bytes"]))
+    # The next turn: the group holds most of it too (its conversation: the prompt it streamed
+    # whole), so its ranks stream their cached runs cut at the delta, as well as the new rows.
+    per_token = uf["pdmesh"]["kv_bytes"] // uf["prompt_tokens"]
+    conv += r_full["choices"][0]["text"] + (" Are the bridges lit at night, and from which one "
+                                            "is the view of the river the most beautiful?")
+    time.sleep(0.3)
+    pdctl(m, token, "policy", "set", "pool_local_max", "0")
+    n0, t0, h0 = (m.metric("pdmesh_pool_delta_requests_total"),
+                  m.metric("pdmesh_pool_delta_tokens_total"),
+                  m.metric("pdmesh_prefix_hits_total"))
+    r5 = complete(m.http_port, conv, 16)
+    pdctl(m, token, "policy", "set", "pool_local_max", "512")
+    u5 = r5["usage"]
+    dt5 = m.metric("pdmesh_pool_delta_tokens_total") - t0
+    x = u5["pdmesh"]["decode_node"]
+    ref5 = reference(args.bindir, args.model, conv, 16, extra=("--logprobs", "2"))
+    same5, how5 = equal_up_to_near_tie(r5["choices"][0]["text"], ref5)
+    check("a follow-up whose prefix both the group (a partial prefill: +%g group prefix hits) "
+          "and %s hold: %d of %d rows streamed (%d KV bytes), the answer the engine's (%s)"
+          % (m.metric("pdmesh_prefix_hits_total") - h0, x, u5["prompt_tokens"] - dt5,
+             u5["prompt_tokens"], u5["pdmesh"]["kv_bytes"], how5),
+          u5["pdmesh"]["prefill_method"] == "kvr-e" and cached_of(r5) > 0 and
+          u5["pdmesh"].get("pool_prefix_tokens") == dt5 and
+          m.metric("pdmesh_prefix_hits_total") == h0 + 1 and
+          m.metric("pdmesh_pool_delta_requests_total") == n0 + 1 and dt5 > 0 and
+          u5["pdmesh"]["kv_bytes"] == per_token * (u5["prompt_tokens"] - dt5) and same5,
+          (u5, r5["choices"][0]["text"], ref5["text"]))
+
+
+
+TOPICS = {"tsp": "how honey bees build their combs and decide where a new colony should live",
+          "cp-kv": "the daily life of a lighthouse keeper on a small island in a winter storm",
+          "cp-q": "the first electronic computers, how large they were and who programmed them"}
+
+
+def delta_methods(m, args, check, token):
+    """Step 9, every other method: a new conversation per method (no prefix shared with the
+    others), its follow-up streamed from the node's pooled prefix on."""
+    pdctl(m, token, "policy", "set", "pool_local_max", "0")
+    try:
+        for method, topic in TOPICS.items():
+            rc, out = pdctl(m, token, "policy", "set", "method", method)
+            first = ("Here is a short essay about %s. It has three parts: where it began, what "
+                     "changed, and why it still matters today. First," % topic)
+            r1 = complete(m.http_port, first, 16)
+            per_token = r1["usage"]["pdmesh"]["kv_bytes"] // max(r1["usage"]["prompt_tokens"], 1)
+            conv = (first + r1["choices"][0]["text"] +
+                    " Second, and this is the part that most readers remember best,")
+            time.sleep(0.3)  # the KV events
+            n0, t0 = (m.metric("pdmesh_pool_delta_requests_total"),
+                      m.metric("pdmesh_pool_delta_tokens_total"))
+            r = complete(m.http_port, conv, 16)
+            u = r["usage"]
+            dt = m.metric("pdmesh_pool_delta_tokens_total") - t0
+            ref = reference(args.bindir, args.model, conv, 16, extra=("--logprobs", "2"))
+            same, how = equal_up_to_near_tie(r["choices"][0]["text"], ref)
+            check("%s: the follow-up streams %d of %d rows (%d KV bytes, %d a token), the rest "
+                  "from %s's pool; the answer the engine's (%s)"
+                  % (method, u["prompt_tokens"] - dt, u["prompt_tokens"], u["pdmesh"]["kv_bytes"],
+                     per_token, u["pdmesh"]["decode_node"], how),
+                  rc == 0 and u["pdmesh"]["prefill_method"] == method and
+                  r["choices"][0]["text"] != "" and
+                  r1["usage"]["pdmesh"]["prefill_method"] == method and
+                  m.metric("pdmesh_pool_delta_requests_total") == n0 + 1 and dt > 0 and
+                  u["pdmesh"].get("pool_prefix_tokens") == dt and
+                  u["pdmesh"]["kv_bytes"] == per_token * (u["prompt_tokens"] - dt) and same,
+                  (out, r1["usage"], u, r["choices"][0]["text"], ref["text"]))
+    finally:
+        pdctl(m, token, "policy", "set", "method", "kvr-e")
+        pdctl(m, token, "policy", "set", "pool_local_max", "512")
+
+
+def delta_refused(m, args, check, token):
+    """Step 10: a delta transfer to a node whose pooled prefix fails its checksum."""
+    r1 = complete(m.http_port, OTHER, 16)
+    kv_bytes_per_token = r1["usage"]["pdmesh"]["kv_bytes"] // r1["usage"]["prompt_tokens"]
+    conv = OTHER + r1["choices"][0]["text"] + (" The first books printed in Italy were made by "
+                                               "two German printers in the town of")
+    time.sleep(0.3)  # the KV events
+    rc, out = pdctl(m, token, "policy", "set", "pool_local_max", "0")
+    ref0, c0 = (m.metric("pdmesh_pool_delta_refused_total"),
+                m.metric("pdmesh_prefix_pool_corrupt_total", 'node="decode-0"'))
+    r = complete(m.http_port, conv, 16)
+    pdctl(m, token, "policy", "set", "pool_local_max", "512")
+    u = r["usage"]
+    ref = reference(args.bindir, args.model, conv, 16, extra=("--logprobs", "2"))
+    same, how = equal_up_to_near_tie(r["choices"][0]["text"], ref)
+    check("a delta transfer to a node whose pooled prefix fails its checksum is refused and "
+          "retried with the whole prompt streamed (refused +%g, corrupt +%g, attempts %d, %d KV "
+          "bytes for %d prompt tokens), the answer %r the engine's (%s)"
+          % (m.metric("pdmesh_pool_delta_refused_total") - ref0,
+             m.metric("pdmesh_prefix_pool_corrupt_total", 'node="decode-0"') - c0,
+             u["pdmesh"].get("attempts", 0), u["pdmesh"]["kv_bytes"], u["prompt_tokens"],
+             r["choices"][0]["text"], how),
+          rc == 0 and m.metric("pdmesh_pool_delta_refused_total") == ref0 + 1 and
+          m.metric("pdmesh_prefix_pool_corrupt_total", 'node="decode-0"') == c0 + 1 and
+          u["pdmesh"]["prefill_method"] == "kvr-e" and u["pdmesh"].get("attempts") == 2 and
+          u["pdmesh"]["kv_bytes"] == kv_bytes_per_token * u["prompt_tokens"] and
+          r["choices"][0]["text"] != "" and same,
+          (u, r["choices"][0]["text"], ref["text"]))
 
 
 def mesh_two(args, check, token):
@@ -265,6 +432,7 @@ def mesh_two(args, check, token):
               cached_of(r) == 0 and r["choices"][0]["text"] == ref8["text"] and
               m.metric("pdmesh_prefix_pool_misses_total", 'reason="no_match"') == nm0 + 1,
               (r["choices"][0]["text"], ref8["text"]))
+        delta_refused(m, args, check, token)
     finally:
         rc = m.stop()
     check("the router exits 0 on SIGTERM", rc == 0)

@@ -416,6 +416,49 @@ START_TEST(test_stream_plan_checked)
 }
 END_TEST
 
+/* Delta transfer (token_from): rows before it are the receiver's own; the plan covers the rest
+ * exactly, no block may start before it, and the rows before it are left untouched. */
+START_TEST(test_stream_token_from)
+{
+    stream_fix_t f;
+    stream_setup(&f, 1);
+    pdm_kvt_stream_rx_t *rx;
+    f.rx.token_from = 6; /* chunk 0 (tokens 0-5) is not planned: only chunk 1 comes */
+    ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), PDM_EINVAL); /* starts at 0 */
+    ck_assert(strstr(pdm_error_last(), "outside the request") != NULL);
+    int n = 0;
+    for (int b = 0; b < f.rx.n_blocks; b++)
+        if (f.plan[b].chunk == 1) f.plan[n++] = f.plan[b];
+    f.rx.n_blocks = n;
+    f.rx.token_from = 7; /* token 6 is then planned but before token_from */
+    ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), PDM_EINVAL);
+    f.rx.token_from = 5; /* token 5 has no block */
+    ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), PDM_EINVAL);
+    ck_assert(strstr(pdm_error_last(), "has no block") != NULL);
+    f.rx.token_from = S_TOKENS; /* nothing left to stream */
+    ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), PDM_EINVAL);
+    f.rx.token_from = 6;
+    memset(f.dst_k, 0xee, sizeof(f.dst_k));
+    memset(f.dst_v, 0xee, sizeof(f.dst_v));
+    ck_assert_int_eq(pdm_kvt_stream_rx_start(f.p.b, &f.rx, &rx), 0);
+    stream_send(&f, 1, -1, 3, NULL);
+    ck_assert_msg(pdm_kvt_stream_rx_wait(rx, pdm_now() + 5) == 0, "%s", pdm_error_last());
+    for (int hi = 0; hi < S_LAYERS * S_HEADS; hi++) {
+        ck_assert(memcmp(f.src_k[hi] + 6 * S_ROW, f.dst_k[hi] + 6 * S_ROW, 4 * S_ROW) == 0);
+        ck_assert(memcmp(f.src_v[hi] + 6 * S_ROW, f.dst_v[hi] + 6 * S_ROW, 4 * S_ROW) == 0);
+        for (int i = 0; i < 6 * S_ROW; i++)
+            ck_assert(f.dst_k[hi][i] == 0xee && f.dst_v[hi][i] == 0xee);
+    }
+    pdm_kvt_stream_stats_t st;
+    pdm_kvt_stream_rx_stats(rx, &st);
+    ck_assert_int_eq(st.blocks, S_LAYERS * S_HEADS);
+    ck_assert_uint_eq(st.bytes, (uint64_t)2 * S_LAYERS * S_HEADS * 4 * S_ROW);
+    ck_assert_int_eq(pdm_kvt_stream_rx_drain(rx), 0);
+    pdm_kvt_stream_rx_destroy(rx);
+    pair_close(&f.p);
+}
+END_TEST
+
 START_TEST(test_block_checksum)
 {
     /* The AVX2 build and the baseline build agree, and both equal the xxhash library's own
@@ -534,6 +577,7 @@ Suite *suite_kvtransfer(void)
     tcase_add_test(tc, test_kvt_group_patterns);
     tcase_add_test(tc, test_stream_lands_in_place);
     tcase_add_test(tc, test_stream_forged_blocks);
+    tcase_add_test(tc, test_stream_token_from);
     tcase_add_test(tc, test_stream_q8_scales);
     tcase_add_test(tc, test_stream_plan_checked);
     tcase_add_test(tc, test_stream_corrupt_block);

@@ -1073,6 +1073,41 @@ START_TEST(test_followup_single)
 }
 END_TEST
 
+/* Delta transfer: pdm_prefill_ranges_clip keeps exactly the rows at or after `from` of every
+ * method's plan (cp's ranges are not in rank order; kvr's chain may start anywhere), each
+ * range keeping its rank and chunk, with len 0 for the ranges wholly before it. */
+START_TEST(test_ranges_clip)
+{
+    const pdm_prefill_method_t methods[] = {PDM_PREFILL_SINGLE, PDM_PREFILL_TSP,
+                                            PDM_PREFILL_KVR_E, PDM_PREFILL_CP_KV};
+    const int32_t start = 40, n = 61, end = start + n;
+    for (size_t m = 0; m < PDM_ARRAY_SIZE(methods); m++)
+        for (int32_t from = 0; from <= end; from += 7) {
+            int chunks[3] = {20, 20, 21};
+            pdm_prefill_range_t rg[PDM_PREFILL_MAX_RANGES], cut[PDM_PREFILL_MAX_RANGES];
+            const int nr = pdm_prefill_plan_ranges(methods[m], 3, start, n, chunks, 1, rg);
+            ck_assert_int_gt(nr, 0);
+            memcpy(cut, rg, sizeof(rg));
+            const int32_t left = pdm_prefill_ranges_clip(cut, nr, from);
+            const int32_t want = end - PDM_MAX(from, start);
+            ck_assert_int_eq(left, PDM_MAX(want, 0));
+            uint8_t seen[128] = {0};
+            for (int i = 0; i < nr; i++) {
+                ck_assert_int_eq(cut[i].rank, rg[i].rank);
+                ck_assert_int_eq(cut[i].chunk, rg[i].chunk);
+                ck_assert_int_ge(cut[i].len, 0);
+                ck_assert_int_eq(cut[i].start + cut[i].len, PDM_MAX(rg[i].start + rg[i].len,
+                                                                     cut[i].start));
+                for (int32_t p = cut[i].start; p < cut[i].start + cut[i].len; p++) {
+                    ck_assert(p >= from && p >= rg[i].start && p < rg[i].start + rg[i].len);
+                    ck_assert(!seen[p]++);
+                }
+            }
+            for (int32_t p = PDM_MAX(from, start); p < end; p++) ck_assert(seen[p] == 1);
+        }
+}
+END_TEST
+
 /* tsp has no partial prefill: always 0, whatever the group holds. */
 START_TEST(test_followup_tsp)
 {
@@ -1301,6 +1336,7 @@ Suite *suite_prefill(void)
     TCase *plan = tcase_create("plan"); /* pure planning: no processes, no model */
     tcase_set_timeout(plan, 30);
     tcase_add_test(plan, test_followup_single);
+    tcase_add_test(plan, test_ranges_clip);
     tcase_add_test(plan, test_followup_tsp);
     tcase_add_test(plan, test_followup_kvr);
     tcase_add_test(plan, test_followup_cp);

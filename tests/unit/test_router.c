@@ -9,6 +9,7 @@
 
 #include "common/pdm.h"
 #include "decode_node/decode.h"
+#include "kvtransfer/kvtransfer.h"
 #include "router/adapt.h"
 #include "router/batch.h"
 #include "router/metrics.h"
@@ -756,6 +757,125 @@ START_TEST(test_decode_pool_events)
 }
 END_TEST
 
+/* Delta transfer (decode.h, pdm_decode_node_reserve with pool_prefix): turn 1 is pooled (37
+ * rows); turn 2 (47 tokens) takes rows [0, 32) from the pool and receives only [32, 47) over a
+ * real stream, from the engine's own KV of the whole prompt (what a prefill rank sends); its
+ * greedy continuation equals the engine's, the pool counts a hit of 32 tokens and 15 rows
+ * came. Refused: no tokens or a prefix reaching the last token (PDM_EINVAL), a prefix the pool
+ * does not hold (PDM_ENOTFOUND), a corrupt entry (PDM_ECHECKSUM, dropped, never used). */
+START_TEST(test_decode_pool_delta)
+{
+    pdm_model_t *m = small_model("router-pool-delta", 64, 96, PDM_DT_F32, PDM_DT_F32, 12);
+    enum { P = 30, NEW = 8, EXTRA = 9, D = 32, ID = 5 };
+    pdm_model_ctx_t *ctx;
+    ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
+    pdm_kvt_params_t kp;
+    pdm_kvt_params_default(&kp);
+    pdm_kvt_t *rank, *kvt; /* the prefill rank's end and the decode node's */
+    ck_assert_int_eq(pdm_kvt_create(&kp, &rank), 0);
+    ck_assert_int_eq(pdm_kvt_create(&kp, &kvt), 0);
+    const void *addr;
+    size_t len;
+    int to_node, to_rank;
+    pdm_kvt_address(kvt, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(rank, addr, len, &to_node), 0);
+    pdm_kvt_address(rank, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(kvt, addr, len, &to_rank), 0);
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_dtype = PDM_DT_F32;
+    dp.kv_budget = 200;
+    dp.pool_tokens = 200;
+    for (int corrupt = 0; corrupt < 2; corrupt++) {
+        dp.fault_corrupt_pool = corrupt;
+        pdm_decode_node_t *node;
+        ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &node), 0);
+        int32_t turn[P + NEW + EXTRA];
+        for (int i = 0; i < P; i++) turn[i] = (int32_t)((i * 29 + 3) % (int)m->hp.n_vocab);
+        local_events_t ev;
+        pool_turn(node, 1, turn, P, NEW, &ev);
+        int n2 = P;
+        for (int k = 0; k < NEW; k++) turn[n2++] = ev.toks[k];
+        for (int i = 0; i < EXTRA; i++) turn[n2++] = (int32_t)((i * 7 + 1) % (int)m->hp.n_vocab);
+        const pdm_decode_range_t range = {.start = D, .len = n2 - D, .peer = to_rank, .chunk = 0};
+        pdm_decode_reserve_t r = {.id = ID, .n_prompt = n2, .max_new = NEW, .ranges = &range,
+                                  .n_ranges = 1, .beams = -1, .pool_prefix = D};
+        ck_assert_int_eq(pdm_decode_node_reserve(node, &r), PDM_EINVAL); /* no tokens */
+        r.tokens = turn;
+        r.pool_prefix = n2;
+        ck_assert_int_eq(pdm_decode_node_reserve(node, &r), PDM_EINVAL);
+        int32_t other[P + NEW + EXTRA];
+        memcpy(other, turn, sizeof(other));
+        other[D - 4] = (other[D - 4] + 1) % (int32_t)m->hp.n_vocab;
+        r.tokens = other;
+        r.pool_prefix = D;
+        ck_assert_int_eq(pdm_decode_node_reserve(node, &r), PDM_ENOTFOUND);
+        r.tokens = turn;
+        pdm_decode_pool_stats_t ps;
+        if (corrupt) {
+            ck_assert_int_eq(pdm_decode_node_reserve(node, &r), PDM_ECHECKSUM);
+            pdm_decode_node_pool_stats(node, &ps);
+            ck_assert_int_eq(ps.corrupt, 1);
+            ck_assert_int_eq(ps.entries, 0);
+            ck_assert_int_eq(ps.hits, 0);
+            int held;
+            int64_t slots;
+            pdm_decode_node_usage(node, &held, &slots);
+            ck_assert_int_eq(held, 0); /* nothing is held after a refusal */
+            ck_assert_int_eq(slots, 0);
+            pdm_decode_node_destroy(node);
+            continue;
+        }
+        ck_assert_int_eq(pdm_decode_node_reserve(node, &r), 0);
+        /* the rank's side: the engine's KV of the whole prompt, rows from D on */
+        pdm_kv_cache_t *c;
+        ck_assert_int_eq(pdm_kv_cache_create(&m->hp, n2, PDM_DT_F32, &c), 0);
+        float *logits = malloc(sizeof(float) * m->hp.n_vocab);
+        ck_assert_int_eq(pdm_model_prefill(ctx, c, turn, n2, logits), 0);
+        int32_t ref[NEW];
+        engine_greedy(ctx, m, turn, n2, NEW, PDM_DT_F32, ref);
+        pdm_kvt_stream_tx_t *tx;
+        ck_assert_int_eq(pdm_kvt_stream_tx_create(rank, to_node, ID, 0, 64, 5, &tx), 0);
+        const size_t row = pdm_dtype_row_bytes(PDM_DT_F32, m->hp.head_dim);
+        for (uint32_t l = 0; l < m->hp.n_layers; l++)
+            for (uint32_t h = 0; h < m->hp.n_kv_heads; h++)
+                ck_assert_int_eq(pdm_kvt_stream_tx_send(
+                                     tx, l, h, 0, D, n2 - D, (uint16_t)PDM_DT_F32, 1.0f,
+                                     (const char *)pdm_kv_cache_k(c, l, h) + D * row,
+                                     (const char *)pdm_kv_cache_v(c, l, h) + D * row, row),
+                                 0);
+        pdm_sampler_params_t greedy;
+        pdm_sampler_params_default(&greedy);
+        greedy.temperature = 0;
+        pdm_decode_start_t s = {.id = ID, .first_token = ref[0], .sp = greedy};
+        ck_assert_int_eq(pdm_decode_node_start(node, &s), 0);
+        memset(&ev, 0, sizeof(ev));
+        for (int round = 0; round < 500 && !ev.done; round++) {
+            pdm_decode_node_run_once(node, local_cb, &ev);
+            pdm_kvt_progress(rank);
+        }
+        ck_assert_int_eq(pdm_kvt_stream_tx_finish(tx, pdm_now() + 5), 0);
+        ck_assert_uint_eq(pdm_kvt_stream_tx_bytes(tx),
+                          (uint64_t)2 * m->hp.n_layers * m->hp.n_kv_heads * (n2 - D) * row);
+        pdm_kvt_stream_tx_destroy(tx);
+        ck_assert_int_eq(ev.done, 1);
+        ck_assert_int_eq(ev.n, NEW);
+        for (int k = 0; k < NEW; k++) ck_assert_int_eq(ev.toks[k], ref[k]);
+        pdm_decode_node_pool_stats(node, &ps);
+        ck_assert_int_eq(ps.hits, 1);
+        ck_assert_int_eq(ps.reused_tokens, D);
+        ck_assert_int_eq(ps.corrupt, 0);
+        free(logits);
+        pdm_kv_cache_destroy(c);
+        pdm_decode_node_destroy(node);
+    }
+    pdm_kvt_destroy(kvt);
+    pdm_kvt_destroy(rank);
+    pdm_model_ctx_destroy(ctx);
+    pdm_model_free(m);
+}
+END_TEST
+
 /* The prefix pool's second tier (decode.h): a RAM pool of 50 tokens and a file tier of 200.
  * Turn 1 (37 tokens of KV) is pooled; an unrelated sequence needs the RAM, so turn 1 moves to
  * the file tier (its blocks announced again with tier FILE, no EVICTED); turn 2 hits it there:
@@ -1109,6 +1229,7 @@ Suite *suite_router(void)
     tcase_add_test(tl, test_decode_local_prefill);
     tcase_add_test(tl, test_decode_prefix_pool);
     tcase_add_test(tl, test_decode_pool_events);
+    tcase_add_test(tl, test_decode_pool_delta);
     tcase_add_test(tl, test_decode_pool_file_tier);
     tcase_add_test(tl, test_decode_window_local);
     tcase_add_test(tl, test_decode_migration_resume);
