@@ -16,6 +16,7 @@
 
 #include "common/pdm.h"
 #include "common/wire.h"
+#include "model/model.h"
 #include "sdk/pdmesh_admin.h"
 #include "sdk/pdmesh_client.h"
 #include "tests.h"
@@ -212,6 +213,39 @@ START_TEST(test_status_strings)
     ck_assert_int_eq(PDM_CLIENT_EKV_TRANSFER, -PDMESH__ERROR_CODE__ERR_KV_TRANSFER);
     ck_assert_int_eq(PDM_CLIENT_ECANCELLED, -PDMESH__ERROR_CODE__ERR_CANCELLED);
     ck_assert_str_eq(pdm_client_strerror(12345), "unknown status");
+}
+END_TEST
+
+/* The seeds of OpenAI's n choices: the SDK's failover of a choice (sdk/client.c) sends the
+ * seed the router and the decode node derive (pdm_sampler_seed_for_choice). The same values
+ * pin the Python SDK's copy (tests/integration/sdk_python.py seeds). */
+START_TEST(test_seed_for_choice)
+{
+    static const struct {
+        uint64_t seed;
+        int i;
+        uint64_t want;
+    } known[] = {
+        {PDM_SEED_DEFAULT, 0, 0x5eedull},
+        {PDM_SEED_DEFAULT, 1, 0xbf61994367a404f7ull},
+        {PDM_SEED_DEFAULT, 2, 0x8bf7ae6268510a62ull},
+        {PDM_SEED_DEFAULT, 3, 0xea51ef4ce9ddb022ull},
+        {7, 1, 0x6078bf180ff8632full},
+        {7, 3, 0xdcfa1426c230ef5full},
+        {42, 2, 0xfa797f03f3c87f80ull},
+        {0xffffffffffffffffull, 0, 0xffffffffffffffffull},
+        {0xffffffffffffffffull, 1, 0x6a5ca13be3a3489eull},
+        {0xffffffffffffffffull, 3, 0x294a8675f849beddull},
+    };
+    for (size_t k = 0; k < sizeof(known) / sizeof(known[0]); k++) {
+        ck_assert_uint_eq(pdm_seed_for_choice(known[k].seed, known[k].i), known[k].want);
+        ck_assert_uint_eq(pdm_sampler_seed_for_choice(known[k].seed, known[k].i),
+                          known[k].want);
+    }
+    /* a request without a seed samples with the default (model.h sampling parameters) */
+    pdm_sampler_params_t p;
+    pdm_sampler_params_default(&p);
+    ck_assert_uint_eq(p.seed, PDM_SEED_DEFAULT);
 }
 END_TEST
 
@@ -619,6 +653,7 @@ Suite *suite_sdk(void)
     TCase *tc = tcase_create("client");
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, test_status_strings);
+    tcase_add_test(tc, test_seed_for_choice);
     tcase_add_test(tc, test_validation);
     tcase_add_test(tc, test_timeout_silent_router);
     tcase_add_test(tc, test_unreachable);
