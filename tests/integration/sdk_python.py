@@ -3,6 +3,8 @@
     python sdk_python.py live ENDPOINT EXPECTED.json
     python sdk_python.py silent            (binds its own socket that never answers)
     python sdk_python.py unreachable
+    python sdk_python.py seeds             (no router: pdmesh.seed_for_choice against the C
+                                          function's values)
     python sdk_python.py sampling ENDPOINT PROMPT N K REF.json  (REF: pdmesh generate --json
                                           --logprobs K --presence-penalty 0.5
                                           --frequency-penalty 0.5 --logit-bias 13=-100)
@@ -287,6 +289,23 @@ def tools(endpoint, n):
               len(r.choices) == 2 and all(x.tool_calls for x in r.choices), repr(r.choices))
 
 
+# pdm_seed_for_choice / pdm_sampler_seed_for_choice (common/pdm.h) of these (seed, i): the
+# values tests/unit/test_sdk.c checks the C functions against (test_seed_for_choice)
+SEEDS_OF_C = [(0x5EED, 0, 0x5EED), (0x5EED, 1, 0xBF61994367A404F7),
+              (0x5EED, 2, 0x8BF7AE6268510A62), (0x5EED, 3, 0xEA51EF4CE9DDB022),
+              (7, 1, 0x6078BF180FF8632F), (7, 3, 0xDCFA1426C230EF5F), (42, 2, 0xFA797F03F3C87F80),
+              (2**64 - 1, 0, 2**64 - 1), (2**64 - 1, 1, 0x6A5CA13BE3A3489E),
+              (2**64 - 1, 3, 0x294A8675F849BEDD)]
+
+
+def seeds():
+    """The seed a failed-over choice is sent with equals the one the router derives."""
+    got = [(s, i, pdmesh.seed_for_choice(s, i)) for s, i, _ in SEEDS_OF_C]
+    check("python seed_for_choice equals the C function's values", got == SEEDS_OF_C,
+          [(hex(a[2]), hex(b[2])) for a, b in zip(got, SEEDS_OF_C) if a != b])
+    check("python SEED_DEFAULT is the sampler's default seed", pdmesh.SEED_DEFAULT == 0x5EED)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "live":
@@ -295,6 +314,8 @@ if __name__ == "__main__":
         silent()
     elif mode == "unreachable":
         unreachable()
+    elif mode == "seeds":
+        seeds()
     elif mode == "beams":
         beams(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif mode == "structured":
