@@ -667,6 +667,7 @@ static void *ha_main(void *arg)
         clock_gettime(CLOCK_REALTIME, &wall);
         cJSON_AddNumberToObject(o1, "t_end", (double)wall.tv_sec + wall.tv_nsec * 1e-9);
         cJSON_AddNumberToObject(o1, "ttft_ms", r.client_ttft_ms);
+        cJSON_AddStringToObject(o1, "method", r.usage.prefill_method);
         char *line = cJSON_PrintUnformatted(o1);
         pthread_mutex_lock(j->out_mu);
         printf("%s\n", line);
