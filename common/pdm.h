@@ -95,6 +95,23 @@ static inline uint64_t pdm_splitmix64(uint64_t *state)
     return z ^ (z >> 31);
 }
 
+/* The seed a request that names none (seed 0) samples with (model.h, sampling parameters). */
+#define PDM_SEED_DEFAULT 0x5eedull
+
+/* The seed of choice i of a request seeded with `seed` (OpenAI's n): `seed` itself for i = 0,
+ * so that n = 1 is the ordinary request, else splitmix64 of seed XOR (i * 0xD1B54A32D192ED03)
+ * (a constant other than the sampler's per-step one, so that choice i's draws are not choice
+ * 0's shifted by i steps). The sampler (pdm_sampler_seed_for_choice), the decode node's
+ * samples and the SDKs' failover of a choice all derive it here; `seed` is the one sampled
+ * with, PDM_SEED_DEFAULT for a request that named none. The Python SDK's copy
+ * (sdk/python/pdmesh/client.py seed_for_choice) is checked against the same values. */
+static inline uint64_t pdm_seed_for_choice(uint64_t seed, int i)
+{
+    if (i == 0) return seed;
+    uint64_t x = seed ^ ((uint64_t)i * 0xD1B54A32D192ED03ull);
+    return pdm_splitmix64(&x);
+}
+
 /* Lower-case hex of `len` bytes, malloc'd and NUL-terminated (NULL if out of memory). */
 char *pdm_hex_encode(const void *data, size_t len);
 /* Decodes lower- or upper-case hex into a malloc'd buffer; PDM_EFORMAT if `s` is empty, of odd

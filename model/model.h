@@ -476,9 +476,8 @@ int pdm_sampler_params_from_msg(const struct Pdmesh__SamplingParams *m, pdm_samp
 void pdm_sampler_params_to_msg(const pdm_sampler_params_t *p, struct Pdmesh__SamplingParams *m);
 
 /* The seed of choice i of a request seeded with `seed` (OpenAI's n: choice i draws with it,
- * on whichever path computes it): `seed` itself for i = 0, so that n = 1 is the ordinary
- * request, else splitmix64 of seed XOR (i * 0xD1B54A32D192ED03) (a constant other than the
- * per-step one above, so that choice i's draws are not choice 0's shifted by i steps). */
+ * on whichever path computes it): common/pdm.h pdm_seed_for_choice, the rule the SDKs use
+ * too. */
 uint64_t pdm_sampler_seed_for_choice(uint64_t seed, int i);
 
 typedef struct pdm_sampler pdm_sampler_t;

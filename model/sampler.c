@@ -38,7 +38,7 @@ void pdm_sampler_params_default(pdm_sampler_params_t *p)
     p->min_p = 0.05f;
     p->repeat_penalty = 1.0f;
     p->repeat_last_n = 64;
-    p->seed = 0x5eed;
+    p->seed = PDM_SEED_DEFAULT;
     p->logprobs = -1;
 }
 
@@ -147,9 +147,7 @@ static double pdm__step_uniform(uint64_t seed, uint64_t step)
 
 uint64_t pdm_sampler_seed_for_choice(uint64_t seed, int i)
 {
-    if (i == 0) return seed;
-    uint64_t x = seed ^ ((uint64_t)i * 0xD1B54A32D192ED03ull);
-    return pdm_splitmix64(&x);
+    return pdm_seed_for_choice(seed, i);
 }
 
 int pdm_sampler_create(const pdm_sampler_params_t *p, int32_t n_vocab, pdm_sampler_t **out)

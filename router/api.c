@@ -218,6 +218,9 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
     if (n_choices > 1 && (req->beams > 1 || req->n_resume_tokens || req->prompt_only))
         return rt_refuse(code, INV, PDM_EINVAL, "n %u cannot be combined with beams, "
                          "resume_tokens or prompt_only", n_choices);
+    if (req->resume_choice && (n_choices > 1 || req->beams > 1 || req->prompt_only))
+        return rt_refuse(code, INV, PDM_EINVAL, "resume_choice (one choice of n going on "
+                         "alone) cannot be combined with n > 1, beams or prompt_only");
     int kinds = (req->prompt && req->prompt[0]) + (req->n_prompt_tokens > 0) + (req->n_messages > 0);
     if (kinds != 1)
         return rt_refuse(code, INV, PDM_EINVAL, "give exactly one of prompt, prompt_tokens or messages");
@@ -415,6 +418,13 @@ int pdm_router_submit(pdm_router_t *r, const Pdmesh__GenerateRequest *req, const
         return st;
     }
     if (req->n_resume_tokens) pdm_metric_inc(r->m.requests, "resumed", 1);
+    /* A choice of n that a client fails over (GenerateRequest.resume_choice) runs as this
+     * router's own choices run once their shared attempt failed (rt_leader_end), so that its
+     * tokens are the ones the shared run would have given. Choices with prompt log-
+     * probabilities never share an attempt (below): theirs is a plain request's resume. */
+    q->resumed_choice = req->resume_choice && !q->want_plp;
+    if (req->resume_choice && req->n_resume_tokens)
+        pdm_metric_inc(r->m.requests, "resumed_choice", 1);
     if (n_choices > 1) {
         /* One prompt for every choice where a decode node can share it (prompt log-
          * probabilities are computed per attempt: those choices go alone, as before) */

@@ -215,12 +215,32 @@ typedef struct pdmc_call {
 #define PDMC_MAX_ROUTERS 8
 
 /* A "resume" for pdmc__run (docs/sdk.md "Failover"): the completion tokens already delivered
- * by another router and the bytes of text the caller received with them. */
+ * by another router and the bytes of text the caller received with them; choice_alone: the
+ * request is one choice of a request with n > 1 going on alone
+ * (GenerateRequest.resume_choice), with or without tokens. */
 typedef struct {
     const int32_t *tokens;
     size_t n_tokens;
     size_t text_bytes;
+    int choice_alone;
 } pdmc_resume_t;
+
+/* OpenAI's n over several routers (pdmc__run_choices): what each choice delivered to the
+ * caller across attempts, and the results of the choices that ended whole. */
+typedef struct {
+    int32_t *tokens;             /* (n_tokens) delivered to the caller's callback */
+    size_t n_tokens;
+    char *text;                  /* (text_len) their text as delivered, NUL-terminated or NULL */
+    size_t text_len;
+    int dropped;                 /* the last attempt lost chunks of it (queued, undelivered) */
+    pdm_wire_msg_t *final;       /* its GenerateResult, once it ended with every chunk
+                                    delivered; then it is not run again */
+} pdmc_delivered_t;
+
+typedef struct {
+    uint32_t n_choices;
+    pdmc_delivered_t choice[PDMC_MAX_CHOICES];
+} pdmc_choices_t;
 
 struct pdm_client {
     char *endpoint;
@@ -1009,6 +1029,7 @@ static int pdmc__pack_request(const pdm_client_request_t *q, uint64_t id, int st
         m.n_resume_tokens = resume->n_tokens;
         m.resume_text_bytes = (uint32_t)resume->text_bytes;
     }
+    m.resume_choice = resume && resume->choice_alone;
     int rc = pdmc__pack(PDMESH__MSG_TYPE__MSG_GENERATE_REQUEST, &m.base, frame, len);
     free(msgs);
     free(msgp);
@@ -1090,6 +1111,33 @@ static int pdmc__fill_result(const Pdmesh__GenerateResult *g, pdm_client_result_
     return PDM_CLIENT_OK;
 }
 
+/* Fills *ch (zeroed; freed by the result's fini) as choice k from its GenerateResult g. */
+static int pdmc__fill_choice(const Pdmesh__GenerateResult *g, uint32_t k,
+                             pdm_client_choice_t *ch)
+{
+    pdm_client_result_t one;
+    memset(&one, 0, sizeof(one));
+    int rc = pdmc__fill_result(g, &one);
+    ch->index = k;
+    ch->finish = one.finish;
+    ch->tokens = one.tokens;
+    ch->n_tokens = one.n_tokens;
+    ch->text = one.text;
+    ch->logprobs = one.logprobs;
+    ch->n_logprobs = one.n_logprobs;
+    ch->tool_calls_json = one.tool_calls_json;
+    ch->completion_tokens = one.usage.completion_tokens;
+    one.tokens = NULL;
+    one.text = NULL;
+    one.logprobs = NULL;
+    one.tool_calls_json = NULL;
+    pdm_client_result_fini(&one);
+    if (!rc && !ch->text) rc = PDM_CLIENT_ENOMEM;
+    if (!rc && ch->tool_calls_json && !(ch->tool_content = pdmc__strdup0(g->tool_content)))
+        rc = PDM_CLIENT_ENOMEM;
+    return rc;
+}
+
 /* result->choices from each choice's GenerateResult (one for a request without n), and
  * usage.completion_tokens summed over them. */
 static int pdmc__fill_choices(const pdmc_call_t *call, pdm_client_result_t *r)
@@ -1100,29 +1148,9 @@ static int pdmc__fill_choices(const pdmc_call_t *call, pdm_client_result_t *r)
     for (uint32_t k = 0; k < call->n_choices; k++) {
         const Pdmesh__GenerateResult *g =
             (const Pdmesh__GenerateResult *)pdm_wire_message(call->finals[k]);
-        pdm_client_result_t one;
-        memset(&one, 0, sizeof(one));
-        int rc = pdmc__fill_result(g, &one);
-        pdm_client_choice_t *ch = &r->choices[k];
-        ch->index = k;
-        ch->finish = one.finish;
-        ch->tokens = one.tokens;
-        ch->n_tokens = one.n_tokens;
-        ch->text = one.text;
-        ch->logprobs = one.logprobs;
-        ch->n_logprobs = one.n_logprobs;
-        ch->tool_calls_json = one.tool_calls_json;
-        ch->completion_tokens = one.usage.completion_tokens;
-        total += one.usage.completion_tokens;
-        one.tokens = NULL;
-        one.text = NULL;
-        one.logprobs = NULL;
-        one.tool_calls_json = NULL;
-        pdm_client_result_fini(&one);
-        if (!rc && !ch->text) rc = PDM_CLIENT_ENOMEM;
-        if (!rc && ch->tool_calls_json && !(ch->tool_content = pdmc__strdup0(g->tool_content)))
-            rc = PDM_CLIENT_ENOMEM;
+        int rc = pdmc__fill_choice(g, k, &r->choices[k]);
         if (rc) return rc;
+        total += r->choices[k].completion_tokens;
     }
     r->usage.completion_tokens = total;
     return PDM_CLIENT_OK;
@@ -1154,10 +1182,41 @@ static int pdmc__append(pdm_client_result_t *r, size_t *cap_tokens, size_t *text
     return PDM_CLIENT_OK;
 }
 
-/* The body of both generate calls. */
+/* Appends n_add tokens and text_add[add_len] to a growing (tokens, text) pair; text stays
+ * NUL-terminated. ENOMEM leaves both as they were. */
+static int pdmc__keep(int32_t **tokens, size_t *n, const int32_t *add, size_t n_add,
+                      char **text, size_t *text_len, const char *text_add, size_t add_len)
+{
+    if (n_add) {
+        int32_t *t = realloc(*tokens, sizeof(int32_t) * (*n + n_add));
+        if (!t) return PDM_CLIENT_ENOMEM;
+        memcpy(t + *n, add, sizeof(int32_t) * n_add);
+        *tokens = t;
+        *n += n_add;
+    }
+    char *x = realloc(*text, *text_len + add_len + 1);
+    if (!x) return PDM_CLIENT_ENOMEM;
+    if (add_len) memcpy(x + *text_len, text_add, add_len);
+    *text_len += add_len;
+    x[*text_len] = 0;
+    *text = x;
+    return PDM_CLIENT_OK;
+}
+
+/* A failed call will not deliver its queued chunks: their choices lost tokens (mutex held). */
+static void pdmc__note_dropped(const pdmc_call_t *call, pdmc_choices_t *track)
+{
+    if (!track) return;
+    for (const pdmc_chunk_t *ch = call->head; ch; ch = ch->next)
+        if (ch->choice < track->n_choices) track->choice[ch->choice].dropped = 1;
+}
+
+/* The body of both generate calls. With `track` (OpenAI's n over several routers), what each
+ * choice delivers to the callback is appended to it, and when the call fails the
+ * GenerateResults of the choices that ended with every chunk delivered move into it. */
 static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
-                     const pdmc_resume_t *resume, pdm_client_chunk_cb cb, void *data,
-                     pdm_client_result_t *res)
+                     const pdmc_resume_t *resume, pdmc_choices_t *track,
+                     pdm_client_chunk_cb cb, void *data, pdm_client_result_t *res)
 {
     if (!res) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "result is NULL");
     pdmc__result_init(res);
@@ -1222,9 +1281,13 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
     if ((rc = pdmc__enqueue(c, id, frame, len))) pdmc__end(&call, rc, "command queue full");
 
     size_t cap_tokens = 0, text_len = 0, cap_text = 0;
+    for (uint32_t k = 0; track && k < PDMC_MAX_CHOICES; k++) track->choice[k].dropped = 0;
     for (;;) {
         /* A call that failed (timeout, cancel, lost connection) delivers nothing more. */
-        if (call.done && call.status != PDM_CLIENT_OK) pdmc__free_chunks(&call);
+        if (call.done && call.status != PDM_CLIENT_OK) {
+            pdmc__note_dropped(&call, track);
+            pdmc__free_chunks(&call);
+        }
         if (call.head) {
             pdmc_chunk_t *ch = call.head;
             call.head = ch->next;
@@ -1240,6 +1303,11 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
                                           ch->text, ch->text_len, ch->logprobs,
                                           ch->logprobs ? ch->n_tokens : 0};
                 stop = cb(&pub, data);
+            }
+            if (track && !arc && !stop && ch->choice < track->n_choices) {
+                pdmc_delivered_t *tc = &track->choice[ch->choice];
+                arc = pdmc__keep(&tc->tokens, &tc->n_tokens, ch->tokens, ch->n_tokens,
+                                 &tc->text, &tc->text_len, ch->text, ch->text_len);
             }
             free(ch->logprobs);
             free(ch);
@@ -1305,6 +1373,11 @@ static int pdmc__run(pdm_client_t *c, const pdm_client_request_t *q, int stream,
             snprintf(call.error, sizeof(call.error), "out of memory copying the result");
         }
     }
+    for (uint32_t k = 0; track && rc != PDM_CLIENT_OK && k < call.n_choices; k++)
+        if (call.finals[k] && !track->choice[k].dropped && !track->choice[k].final) {
+            track->choice[k].final = call.finals[k]; /* that choice is whole */
+            call.finals[k] = NULL;
+        }
     pdmc__free_finals(&call);
     pthread_cond_destroy(&call.cond);
     if (!res->text && !(res->text = strdup(""))) rc = PDM_CLIENT_ENOMEM;
@@ -1341,76 +1414,86 @@ static pdm_client_t *pdmc__router(pdm_client_t *c, int i)
 static int pdmc__keep_delivered(const pdm_client_result_t *src, int32_t **tokens, size_t *n,
                                 char **text, size_t *text_len)
 {
-    if (src->n_tokens) {
-        int32_t *t = realloc(*tokens, sizeof(int32_t) * (*n + src->n_tokens));
-        if (!t) return PDM_CLIENT_ENOMEM;
-        memcpy(t + *n, src->tokens, sizeof(int32_t) * src->n_tokens);
-        *tokens = t;
-        *n += src->n_tokens;
-    }
-    size_t add = src->text ? strlen(src->text) : 0;
-    char *x = realloc(*text, *text_len + add + 1);
-    if (!x) return PDM_CLIENT_ENOMEM;
-    memcpy(x + *text_len, src->text ? src->text : "", add);
-    *text_len += add;
-    x[*text_len] = 0;
-    *text = x;
-    return PDM_CLIENT_OK;
+    return pdmc__keep(tokens, n, src->tokens, src->n_tokens, text, text_len,
+                      src->text ? src->text : "", src->text ? strlen(src->text) : 0);
 }
 
-/* A call over a list of routers (docs/sdk.md "Failover"). New calls go round robin to the
- * routers that are connected. When the call's router is lost (the connection dropped: a
- * crash, or no ZeroMQ heartbeat for 5 s) or it has no node yet, the call is sent to the next
- * router with the tokens already delivered (GenerateRequest.resume_tokens): the new router
- * prefills prompt + those tokens and streams on from there, so the caller's callback sees
- * one stream with no token lost or repeated. A request that delivered nothing is sent whole.
- * Everything stays within the call's one timeout; the result is the whole completion. */
-static int pdmc__run_failover(pdm_client_t *c, const pdm_client_request_t *q, int stream,
-                              pdm_client_chunk_cb cb, void *data, pdm_client_result_t *res)
+/* The router a new call starts at: round robin, the next connected one. */
+static int pdmc__first_router(pdm_client_t *c)
 {
-    /* (a request with n > 1 is not resumed elsewhere: a resume carries one completion) */
-    if (!c || !c->n_alt || (q && q->n > 1)) return pdmc__run(c, q, stream, NULL, cb, data, res);
-    if (!res) return pdm_client__fail(PDM_CLIENT_EINVALID_ARGUMENT, "result is NULL");
-    if (!q) return pdmc__run(c, q, stream, NULL, cb, data, res);
     const int n_routers = c->n_alt + 1;
-    const int timeout_ms = q->timeout_ms ? q->timeout_ms : c->opt.timeout_ms;
-    const double t_start = pdmc__now(), deadline = t_start + timeout_ms / 1000.0;
-    pdm_client_request_t q2 = *q;
     pthread_mutex_lock(&c->mu);
-    if (!q2.id) q2.id = c->next_id++;
     unsigned first = c->next_router++;
     pthread_mutex_unlock(&c->mu);
-    /* start at the next connected router, round robin */
-    int at = (int)(first % (unsigned)n_routers);
     for (int k = 0; k < n_routers; k++) {
-        pdm_client_t *sub = pdmc__router(c, (int)((first + (unsigned)k) % (unsigned)n_routers));
+        int i = (int)((first + (unsigned)k) % (unsigned)n_routers);
+        pdm_client_t *sub = pdmc__router(c, i);
         pthread_mutex_lock(&sub->mu);
         int up = sub->connected;
         pthread_mutex_unlock(&sub->mu);
-        if (up) {
-            at = (int)((first + (unsigned)k) % (unsigned)n_routers);
-            break;
-        }
+        if (up) return i;
     }
-    int32_t *tokens = NULL;
-    size_t n_tokens = 0, text_len = 0;
-    char *text = NULL;
-    double ttft_ms = 0;
-    int rc = PDM_CLIENT_OK, tries = 0;
+    return (int)(first % (unsigned)n_routers);
+}
+
+/* One failover step after a failed attempt: the next router; a short pause once every router
+ * failed once. */
+static void pdmc__next_router(const pdm_client_t *c, int *at, int tries)
+{
+    const int n_routers = c->n_alt + 1;
+    *at = (*at + 1) % n_routers;
+    if (tries % n_routers == 0) {
+        struct timespec ts = {0, 200 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* Sets the attempt's timeout and router deadline from what is left of the call's. */
+static void pdmc__attempt_times(const pdm_client_request_t *q, double deadline,
+                                pdm_client_request_t *q2)
+{
+    double left_ms = (deadline - pdmc__now()) * 1e3;
+    if (left_ms < 1) left_ms = 1;
+    q2->timeout_ms = (int)left_ms;
+    q2->deadline_ms = q->deadline_ms ? (uint32_t)PDM_MIN((double)q->deadline_ms, left_ms)
+                                     : (uint32_t)left_ms;
+}
+
+/* The times of a call over several routers. */
+typedef struct {
+    double t_start, deadline;
+    double ttft_ms;              /* call start -> the first token of any attempt, 0: none yet */
+    int tries;                   /* attempts so far, every router and choice counted */
+} pdmc_span_t;
+
+static void pdmc__span_attempt(pdmc_span_t *sp, const pdm_client_result_t *res)
+{
+    if (!sp->ttft_ms && res->client_ttft_ms > 0)
+        sp->ttft_ms = res->client_ttft_ms + (pdmc__now() * 1e3 - res->client_total_ms -
+                                             sp->t_start * 1e3);
+    sp->tries++;
+}
+
+/* One completion over the routers from *at (docs/sdk.md "Failover"): q2 (id set) is sent;
+ * when its router is lost or has no node yet, it goes to the next router with the tokens
+ * delivered so far (GenerateRequest.resume_tokens), until it ends or the span's deadline.
+ * (tokens, text) are what was delivered before (malloc'd or NULL; taken over). choice_alone:
+ * q2 is one choice of a request with n > 1 going on alone (resume_choice). On failure the
+ * result keeps everything delivered. *at is left at the last router tried. */
+static int pdmc__run_attempts(pdm_client_t *c, int *at, const pdm_client_request_t *q,
+                              pdm_client_request_t *q2, int stream, int choice_alone,
+                              int32_t *tokens, size_t n_tokens, char *text, size_t text_len,
+                              pdm_client_chunk_cb cb, void *data, pdmc_span_t *sp,
+                              pdm_client_result_t *res)
+{
+    int rc;
     for (;;) {
-        pdmc_resume_t resume = {tokens, n_tokens, text_len};
-        double left_ms = (deadline - pdmc__now()) * 1e3;
-        if (left_ms < 1) left_ms = 1;
-        q2.timeout_ms = (int)left_ms;
-        q2.deadline_ms = q->deadline_ms ? (uint32_t)PDM_MIN((double)q->deadline_ms, left_ms)
-                                        : (uint32_t)left_ms;
-        rc = pdmc__run(pdmc__router(c, at), &q2, stream, n_tokens ? &resume : NULL, cb, data,
-                       res);
-        if (!ttft_ms && res->client_ttft_ms > 0)
-            ttft_ms = res->client_ttft_ms + (pdmc__now() * 1e3 - res->client_total_ms -
-                                             t_start * 1e3);
-        tries++;
-        if (!pdmc__failover_status(rc) || pdmc__now() >= deadline) break;
+        pdmc_resume_t resume = {tokens, n_tokens, text_len, choice_alone};
+        pdmc__attempt_times(q, sp->deadline, q2);
+        rc = pdmc__run(pdmc__router(c, *at), q2, stream,
+                       n_tokens || choice_alone ? &resume : NULL, NULL, cb, data, res);
+        pdmc__span_attempt(sp, res);
+        if (!pdmc__failover_status(rc) || pdmc__now() >= sp->deadline) break;
         /* what this router delivered stays delivered */
         if (pdmc__keep_delivered(res, &tokens, &n_tokens, &text, &text_len)) {
             pdm_client_result_fini(res);
@@ -1419,15 +1502,8 @@ static int pdmc__run_failover(pdm_client_t *c, const pdm_client_request_t *q, in
             snprintf(res->error, sizeof(res->error), "out of memory keeping the stream");
             break;
         }
-        char why[256];
-        snprintf(why, sizeof(why), "%s", res->error);
         pdm_client_result_fini(res);
-        at = (at + 1) % n_routers;
-        if (tries % n_routers == 0) { /* every router failed once: wait a little */
-            struct timespec ts = {0, 200 * 1000 * 1000};
-            nanosleep(&ts, NULL);
-        }
-        (void)why;
+        pdmc__next_router(c, at, sp->tries);
     }
     if (n_tokens && rc != PDM_CLIENT_OK &&
         !pdmc__keep_delivered(res, &tokens, &n_tokens, &text, &text_len)) {
@@ -1442,8 +1518,193 @@ static int pdmc__run_failover(pdm_client_t *c, const pdm_client_request_t *q, in
     }
     free(tokens);
     free(text);
-    res->client_total_ms = (pdmc__now() - t_start) * 1e3;
-    if (ttft_ms > 0) res->client_ttft_ms = ttft_ms;
+    return rc;
+}
+
+/* A choice's chunks from its own request (n 1) carry choice 0: the caller sees its index. */
+typedef struct {
+    pdm_client_chunk_cb cb;
+    void *data;
+    uint32_t choice;
+} pdmc_renumber_t;
+
+static int pdmc__renumber_cb(const pdm_client_chunk_t *chunk, void *data)
+{
+    const pdmc_renumber_t *rn = data;
+    pdm_client_chunk_t ch = *chunk;
+    ch.choice = rn->choice;
+    return rn->cb ? rn->cb(&ch, rn->data) : 0;
+}
+
+/* Choice k's outcome as a whole result (*one zeroed): from the GenerateResult it ended with,
+ * or by running it alone at the next routers (n 1, its seed, its delivered tokens as the
+ * resume, GenerateRequest.resume_choice). Takes its delivered tokens out of d. */
+static int pdmc__choice_outcome(pdm_client_t *c, int *at, const pdm_client_request_t *q,
+                                uint64_t id, int stream, uint32_t k, pdmc_delivered_t *d,
+                                pdm_client_chunk_cb cb, void *data, pdmc_span_t *sp,
+                                pdm_client_result_t *one)
+{
+    if (d->final) {
+        const Pdmesh__GenerateResult *g =
+            (const Pdmesh__GenerateResult *)pdm_wire_message(d->final);
+        one->id = id;
+        int rc = pdmc__fill_result(g, one);
+        if (!rc && !(one->choices = calloc(1, sizeof(*one->choices)))) rc = PDM_CLIENT_ENOMEM;
+        if (!rc) {
+            one->n_choices = 1;
+            rc = pdmc__fill_choice(g, k, &one->choices[0]);
+        }
+        if (rc) snprintf(one->error, sizeof(one->error), "out of memory copying the result");
+        return one->status = rc;
+    }
+    pdm_client_request_t q1 = *q;
+    q1.id = id;
+    q1.n = 0;
+    /* the seed choice k sampled with: the router derives it from the seed it samples with,
+     * its default for a request that named none (choice 0 keeps the request's own) */
+    if (k > 0) q1.seed = pdm_seed_for_choice(q->seed ? q->seed : PDM_SEED_DEFAULT, (int)k);
+    pdmc_renumber_t rn = {cb, data, k};
+    int rc = pdmc__run_attempts(c, at, q, &q1, stream, 1, d->tokens, d->n_tokens, d->text,
+                                d->text_len, cb ? pdmc__renumber_cb : NULL, &rn, sp, one);
+    d->tokens = NULL;
+    d->n_tokens = 0;
+    d->text = NULL;
+    d->text_len = 0;
+    if (!rc && one->n_choices == 1) one->choices[0].index = k;
+    return rc;
+}
+
+/* The whole result of a request with n > 1 from each choice's (one[n], emptied): choice 0's
+ * is the result's own, choices[] holds every choice, usage.completion_tokens sums them. */
+static int pdmc__merge_choices(pdm_client_result_t *one, uint32_t n, pdm_client_result_t *res)
+{
+    pdm_client_choice_t *all = calloc(n, sizeof(*all));
+    if (!all) return PDM_CLIENT_ENOMEM;
+    *res = one[0];
+    memset(&one[0], 0, sizeof(one[0]));
+    uint32_t total = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        pdm_client_result_t *src = k ? &one[k] : res;
+        if (src->n_choices == 1) {
+            all[k] = src->choices[0];
+            free(src->choices);
+            src->choices = NULL;
+            src->n_choices = 0;
+        }
+        all[k].index = k;
+        if (!all[k].text && !(all[k].text = strdup(""))) {
+            res->choices = all; /* freed with the result */
+            res->n_choices = k + 1;
+            return PDM_CLIENT_ENOMEM;
+        }
+        total += all[k].completion_tokens;
+        if (k) pdm_client_result_fini(&one[k]);
+    }
+    res->choices = all;
+    res->n_choices = n;
+    res->usage.completion_tokens = total;
+    return PDM_CLIENT_OK;
+}
+
+/* OpenAI's n over several routers (docs/sdk.md "Failover"). The request goes whole to a
+ * router; when that router is lost (or has no node yet) and nothing was delivered, it goes
+ * whole to the next. Once any choice delivered tokens (or ended), every choice that has not
+ * ended goes on at the next routers as its own request: n 1, the seed that choice samples
+ * with, its delivered tokens as the resume, GenerateRequest.resume_choice so that the router
+ * computes it as its own choices go on alone; the choices run one after the other, each with
+ * the single-completion failover. The callback sees every choice's chunks contiguous; the
+ * result is the one the undisturbed call gives (choices, usage summed). */
+static int pdmc__run_choices(pdm_client_t *c, const pdm_client_request_t *q, int stream,
+                             pdm_client_chunk_cb cb, void *data, pdm_client_result_t *res)
+{
+    const int timeout_ms = q->timeout_ms ? q->timeout_ms : c->opt.timeout_ms;
+    pdmc_span_t sp = {pdmc__now(), 0, 0, 0};
+    sp.deadline = sp.t_start + timeout_ms / 1000.0;
+    pdm_client_request_t q2 = *q;
+    if (!q2.id) q2.id = pdm_client_new_id(c);
+    int at = pdmc__first_router(c);
+    pdmc_choices_t track;
+    memset(&track, 0, sizeof(track));
+    track.n_choices = q->n <= PDMC_MAX_CHOICES ? q->n : PDMC_MAX_CHOICES;
+    int rc, alone = 0;
+    for (;;) {
+        pdmc__attempt_times(q, sp.deadline, &q2);
+        rc = pdmc__run(pdmc__router(c, at), &q2, stream, NULL, &track, cb, data, res);
+        pdmc__span_attempt(&sp, res);
+        if (!pdmc__failover_status(rc) || pdmc__now() >= sp.deadline) break;
+        for (uint32_t k = 0; k < track.n_choices; k++)
+            alone |= track.choice[k].n_tokens > 0 || track.choice[k].final != NULL;
+        pdm_client_result_fini(res);
+        pdmc__next_router(c, &at, sp.tries);
+        if (alone) break; /* the choices go on one by one */
+    }
+    if (alone) {
+        pdm_client_result_t one[PDMC_MAX_CHOICES];
+        memset(one, 0, sizeof(one));
+        uint32_t k = 0;
+        rc = PDM_CLIENT_OK;
+        for (; k < track.n_choices && !rc; k++)
+            rc = pdmc__choice_outcome(c, &at, q, q2.id, stream, k, &track.choice[k], cb, data,
+                                      &sp, &one[k]);
+        if (!rc && (rc = pdmc__merge_choices(one, track.n_choices, res))) {
+            snprintf(res->error, sizeof(res->error), "out of memory merging the choices");
+        } else if (rc) {
+            /* The failed choice's result says why; the call keeps choice 0's tokens (all of
+             * them once it ended), and has no choices, as a failed call. */
+            pdm_client_result_t *failed = &one[k - 1], gone;
+            *res = k > 1 ? one[0] : *failed;
+            memset(k > 1 ? &one[0] : failed, 0, sizeof(*res));
+            if (k > 1) pdmc__copy_str(res->error, sizeof(res->error), failed->error);
+            memset(&gone, 0, sizeof(gone));
+            gone.choices = res->choices;
+            gone.n_choices = res->n_choices;
+            pdm_client_result_fini(&gone);
+            res->choices = NULL;
+            res->n_choices = 0;
+        }
+        for (uint32_t i = 0; i < track.n_choices; i++) pdm_client_result_fini(&one[i]);
+        res->id = q2.id;
+        res->status = rc;
+        if (rc) pdm_client__fail(rc, "%s", res->error);
+    }
+    for (uint32_t k = 0; k < PDMC_MAX_CHOICES; k++) {
+        free(track.choice[k].tokens);
+        free(track.choice[k].text);
+        pdm_wire_msg_free(track.choice[k].final);
+    }
+    res->client_total_ms = (pdmc__now() - sp.t_start) * 1e3;
+    if (sp.ttft_ms > 0) res->client_ttft_ms = sp.ttft_ms;
+    return rc;
+}
+
+/* A call over a list of routers (docs/sdk.md "Failover"). New calls go round robin to the
+ * routers that are connected. When the call's router is lost (the connection dropped: a
+ * crash, or no ZeroMQ heartbeat for 5 s) or it has no node yet, the call is sent to the next
+ * router with the tokens already delivered (GenerateRequest.resume_tokens): the new router
+ * prefills prompt + those tokens and streams on from there, so the caller's callback sees
+ * one stream with no token lost or repeated. A request that delivered nothing is sent whole;
+ * one with n > 1 goes on per choice (pdmc__run_choices). Everything stays within the call's
+ * one timeout; the result is the whole completion. */
+static int pdmc__run_failover(pdm_client_t *c, const pdm_client_request_t *q, int stream,
+                              pdm_client_chunk_cb cb, void *data, pdm_client_result_t *res)
+{
+    if (!c || !c->n_alt || !q || !res) return pdmc__run(c, q, stream, NULL, NULL, cb, data, res);
+    if (q->n > 1) {
+        /* checked first: a request the router would refuse is refused here, not split */
+        int rc = pdmc__validate(q);
+        if (rc) return pdmc__run(c, q, stream, NULL, NULL, cb, data, res);
+        return pdmc__run_choices(c, q, stream, cb, data, res);
+    }
+    const int timeout_ms = q->timeout_ms ? q->timeout_ms : c->opt.timeout_ms;
+    pdmc_span_t sp = {pdmc__now(), 0, 0, 0};
+    sp.deadline = sp.t_start + timeout_ms / 1000.0;
+    pdm_client_request_t q2 = *q;
+    if (!q2.id) q2.id = pdm_client_new_id(c);
+    int at = pdmc__first_router(c);
+    int rc = pdmc__run_attempts(c, &at, q, &q2, stream, 0, NULL, 0, NULL, 0, cb, data, &sp,
+                                res);
+    res->client_total_ms = (pdmc__now() - sp.t_start) * 1e3;
+    if (sp.ttft_ms > 0) res->client_ttft_ms = sp.ttft_ms;
     return rc;
 }
 

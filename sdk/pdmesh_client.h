@@ -199,7 +199,10 @@ typedef struct {
      * one prefill, one KV transfer and the decode node's prompt KV; choice i samples with the
      * seed pdm_sampler_seed_for_choice(seed, i) (choice 0 keeps `seed`). The result holds each
      * in choices[] (its tokens/text are choice 0's); streamed chunks name their choice. Not
-     * with beams, prompt_only or a failover resume. */
+     * with beams or prompt_only. With several routers, a call whose router is lost after a
+     * choice delivered tokens goes on per choice at the next router (docs/sdk.md
+     * "Failover"): each unfinished choice as its own request with its seed and delivered
+     * tokens, one after the other; chunks stay contiguous per choice, the result the same. */
     uint32_t n;
     /* Tools (chat only; docs/http.md "Tools"): OpenAI's tools list as JSON text ([{"type":
      * "function", "function": {"name", "description", "parameters"}}]), rendered by the

@@ -66,6 +66,8 @@ expect "pdctl: silent router" 3 "$bin/pdctl" --router "$silent" --token-file "$t
 contains "pdctl: silent router named" "$tmp/err" "did not answer"
 if "$py" -c 'import pdmesh.pdmesh_pb2' 2>/dev/null; then
   expect "python: silent router and unreachable" 0 sh -c "'$py' tests/integration/sdk_python.py silent && '$py' tests/integration/sdk_python.py unreachable"
+  expect "python: seed_for_choice equals the C function's" 0 "$py" tests/integration/sdk_python.py seeds
+  expect "python: n=2 failed over per choice (scripted routers)" 0 timeout 120 "$py" tests/integration/sdk_python.py nfailover
 else
   bad "python package importable" "build it with make python-sdk"
 fi

@@ -31,7 +31,10 @@
  *        while routers die and come back (tests/integration/test_ha.py). One JSON line per
  *        request: {"prompt": j, "status": rc, "name": ..., "text": result, "stream": the
  *        chunks' text joined, "tokens": [...], "gap": 1 if a chunk's index was not the
- *        count of tokens before it (a lost or repeated token), "ms": elapsed, "timeout_ms"}
+ *        count of tokens before it (a lost or repeated token), "ms": elapsed, "timeout_ms"}.
+ *        Every other request asks n = 2 choices, greedy and seeded (HA_SEED at
+ *        HA_TEMPERATURE) in turn: its line adds "n", "seeded" and "choices" [{"text",
+ *        "stream", "gap"}], its "text"/"stream" are choice 0's
  * Exit status 0 when the check holds, 1 otherwise (with a message on stderr).
  */
 #include <cjson/cJSON.h>
@@ -556,6 +559,73 @@ static int ha_cb(const pdm_client_chunk_t *ch, void *data)
     return 0;
 }
 
+/* OpenAI's n in the HA loop: the choices' streams, each checked for contiguity, and the
+ * longest wait for a chunk of any choice. */
+#define HA_CHOICES 2
+#define HA_SEED 7          /* test_ha.py sends the same seeded request to a router it keeps */
+#define HA_TEMPERATURE 0.8f
+
+typedef struct {
+    ha_acc_t choice[HA_CHOICES];
+    int bad;               /* a chunk named a choice outside 0..HA_CHOICES-1 */
+    double last, max_pause;
+    size_t pre_len[HA_CHOICES]; /* each choice's text bytes before the longest pause */
+} ha_nacc_t;
+
+static int ha_ncb(const pdm_client_chunk_t *ch, void *data)
+{
+    ha_nacc_t *a = data;
+    if (ch->choice >= HA_CHOICES) {
+        a->bad = 1;
+        return 0;
+    }
+    double now = now_s();
+    if (a->last > 0 && now - a->last > a->max_pause) {
+        a->max_pause = now - a->last;
+        for (int i = 0; i < HA_CHOICES; i++) a->pre_len[i] = a->choice[i].len;
+    }
+    a->last = now;
+    return ha_cb(ch, &a->choice[ch->choice]);
+}
+
+/* One streamed request with n = HA_CHOICES (greedy, or seeded with HA_SEED at
+ * HA_TEMPERATURE) into o1: "n", "seeded", "choices" [{text, stream, pre: the stream's text
+ * before the longest pause, gap}], and choice 0's text and stream as the request's. */
+static int ha_nrequest(pdm_client_t *c, pdm_client_request_t *q, int seeded, cJSON *o1,
+                       pdm_client_result_t *r)
+{
+    q->n = HA_CHOICES;
+    if (seeded) {
+        q->temperature = HA_TEMPERATURE;
+        q->seed = HA_SEED;
+    }
+    ha_nacc_t acc;
+    memset(&acc, 0, sizeof(acc));
+    int rc = pdm_client_generate_stream(c, q, ha_ncb, &acc, r);
+    cJSON_AddNumberToObject(o1, "n", HA_CHOICES);
+    cJSON_AddNumberToObject(o1, "seeded", seeded);
+    cJSON *chs = cJSON_AddArrayToObject(o1, "choices");
+    int gap = acc.bad;
+    for (int i = 0; i < HA_CHOICES; i++) {
+        cJSON *x = cJSON_CreateObject();
+        const char *text = (size_t)i < r->n_choices ? r->choices[i].text : "";
+        cJSON_AddStringToObject(x, "text", text);
+        cJSON_AddStringToObject(x, "stream", acc.choice[i].buf ? acc.choice[i].buf : "");
+        if (acc.choice[i].buf) acc.choice[i].buf[acc.pre_len[i]] = 0;
+        cJSON_AddStringToObject(x, "pre", acc.choice[i].buf ? acc.choice[i].buf : "");
+        cJSON_AddNumberToObject(x, "gap", acc.choice[i].gap);
+        cJSON_AddItemToArray(chs, x);
+        gap |= acc.choice[i].gap;
+    }
+    cJSON_AddStringToObject(o1, "text", r->n_choices ? r->choices[0].text : "");
+    cJSON_AddStringToObject(o1, "stream", cJSON_GetObjectItem(
+                                              cJSON_GetArrayItem(chs, 0), "stream")->valuestring);
+    cJSON_AddNumberToObject(o1, "gap", gap);
+    cJSON_AddNumberToObject(o1, "max_gap", acc.max_pause);
+    for (int i = 0; i < HA_CHOICES; i++) free(acc.choice[i].buf);
+    return rc;
+}
+
 static void *ha_main(void *arg)
 {
     ha_job_t *j = arg;
@@ -574,25 +644,30 @@ static void *ha_main(void *arg)
         pdm_client_result_t r;
         ha_acc_t acc = {0};
         double t0 = now_s();
-        int rc = pdm_client_generate_stream(c, &q, ha_cb, &acc, &r);
         cJSON *o1 = cJSON_CreateObject();
+        /* one request in two has n = 2 choices, greedy and seeded in turn */
+        int rc = k % 2 ? ha_nrequest(c, &q, k % 4 == 3, o1, &r)
+                       : pdm_client_generate_stream(c, &q, ha_cb, &acc, &r);
         cJSON_AddNumberToObject(o1, "prompt", pi);
         cJSON_AddNumberToObject(o1, "status", rc);
         cJSON_AddStringToObject(o1, "name", pdm_client_status_name(rc));
         cJSON_AddStringToObject(o1, "error", r.error);
-        cJSON_AddStringToObject(o1, "text", r.text ? r.text : "");
-        cJSON_AddStringToObject(o1, "stream", acc.buf ? acc.buf : "");
+        if (k % 2 == 0) {
+            cJSON_AddStringToObject(o1, "text", r.text ? r.text : "");
+            cJSON_AddStringToObject(o1, "stream", acc.buf ? acc.buf : "");
+            cJSON_AddNumberToObject(o1, "gap", acc.gap);
+            cJSON_AddNumberToObject(o1, "max_gap", acc.max_pause);
+        }
         cJSON *toks = cJSON_AddArrayToObject(o1, "tokens");
         for (size_t i = 0; i < r.n_tokens; i++)
             cJSON_AddItemToArray(toks, cJSON_CreateNumber(r.tokens[i]));
-        cJSON_AddNumberToObject(o1, "gap", acc.gap);
-        cJSON_AddNumberToObject(o1, "max_gap", acc.max_pause);
         cJSON_AddNumberToObject(o1, "ms", (now_s() - t0) * 1e3);
         cJSON_AddNumberToObject(o1, "timeout_ms", o.timeout_ms);
         struct timespec wall;
         clock_gettime(CLOCK_REALTIME, &wall);
         cJSON_AddNumberToObject(o1, "t_end", (double)wall.tv_sec + wall.tv_nsec * 1e-9);
         cJSON_AddNumberToObject(o1, "ttft_ms", r.client_ttft_ms);
+        cJSON_AddStringToObject(o1, "method", r.usage.prefill_method);
         char *line = cJSON_PrintUnformatted(o1);
         pthread_mutex_lock(j->out_mu);
         printf("%s\n", line);

@@ -3,6 +3,10 @@
     python sdk_python.py live ENDPOINT EXPECTED.json
     python sdk_python.py silent            (binds its own socket that never answers)
     python sdk_python.py unreachable
+    python sdk_python.py seeds             (no router: pdmesh.seed_for_choice against the C
+                                          function's values)
+    python sdk_python.py nfailover         (two scripted routers: n = 2 failed over per
+                                          choice, as tests/unit/test_sdk.c)
     python sdk_python.py sampling ENDPOINT PROMPT N K REF.json  (REF: pdmesh generate --json
                                           --logprobs K --presence-penalty 0.5
                                           --frequency-penalty 0.5 --logit-bias 13=-100)
@@ -287,6 +291,133 @@ def tools(endpoint, n):
               len(r.choices) == 2 and all(x.tool_calls for x in r.choices), repr(r.choices))
 
 
+# pdm_seed_for_choice / pdm_sampler_seed_for_choice (common/pdm.h) of these (seed, i): the
+# values tests/unit/test_sdk.c checks the C functions against (test_seed_for_choice)
+SEEDS_OF_C = [(0x5EED, 0, 0x5EED), (0x5EED, 1, 0xBF61994367A404F7),
+              (0x5EED, 2, 0x8BF7AE6268510A62), (0x5EED, 3, 0xEA51EF4CE9DDB022),
+              (7, 1, 0x6078BF180FF8632F), (7, 3, 0xDCFA1426C230EF5F), (42, 2, 0xFA797F03F3C87F80),
+              (2**64 - 1, 0, 2**64 - 1), (2**64 - 1, 1, 0x6A5CA13BE3A3489E),
+              (2**64 - 1, 3, 0x294A8675F849BEDD)]
+
+
+def seeds():
+    """The seed a failed-over choice is sent with equals the one the router derives."""
+    got = [(s, i, pdmesh.seed_for_choice(s, i)) for s, i, _ in SEEDS_OF_C]
+    check("python seed_for_choice equals the C function's values", got == SEEDS_OF_C,
+          [(hex(a[2]), hex(b[2])) for a, b in zip(got, SEEDS_OF_C) if a != b])
+    check("python SEED_DEFAULT is the sampler's default seed", pdmesh.SEED_DEFAULT == 0x5EED)
+
+
+NFAIL_SEED = 7
+NFAIL_TEXT = ["abcd", "xyz"]  # choice 0's and choice 1's completions, one token a character
+
+
+class ScriptedRouter(threading.Thread):
+    """A ROUTER socket in its own thread answering as test_sdk.c's peer_nfail: `first`
+    streams choice 0's first two tokens and choice 1's first (keep: choice 1 whole with its
+    result) for an n = 2 request, then waits; kill() closes its socket (the connection
+    drops). Otherwise one choice going on alone (resume_choice) gets the rest of its text
+    after its resume tokens, told apart by its seed; anything else an ERR_INVALID_ARGUMENT."""
+
+    def __init__(self, keep):
+        super().__init__(daemon=True)
+        self.keep, self.requests, self.dead = keep, [], threading.Event()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = "tcp://127.0.0.1:%d" % self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.start()
+
+    def kill(self):
+        self.dead.set()
+        self.join(5)
+
+    def run(self):
+        pb = pdmesh.client.pb
+        while not self.dead.is_set():
+            if not self.sock.poll(20):
+                continue
+            ident, frame = self.sock.recv_multipart()
+            q = pb.GenerateRequest()
+            q.ParseFromString(frame[8:])
+            self.requests.append(q)
+
+            def send(t, m):
+                self.sock.send_multipart([ident, pdmesh.client.pack(t, m)])
+
+            def chunk(choice, index, ch):
+                send(pb.MSG_TOKEN_CHUNK, pb.TokenChunk(request_id=q.request_id, choice=choice,
+                                                       index=index, tokens=[ord(ch)], text=ch))
+
+            def result(choice, text):
+                r = pb.GenerateResult(request_id=q.request_id, choice=choice,
+                                      finish=pb.FINISH_EOS, tokens=[ord(x) for x in text],
+                                      text=text)
+                r.usage.prompt_tokens, r.usage.completion_tokens = 5, len(text)
+                send(pb.MSG_GENERATE_RESULT, r)
+
+            send(pb.MSG_ACCEPTED, pb.Accepted(request_id=q.request_id, router_request_id=1))
+            seed = q.sampling.seed
+            if q.n == 2 and not q.resume_choice and seed == NFAIL_SEED:
+                chunk(0, 0, "a")
+                chunk(0, 1, "b")
+                for i in range(3 if self.keep else 1):
+                    chunk(1, i, NFAIL_TEXT[1][i])
+                if self.keep:
+                    result(1, NFAIL_TEXT[1])
+                continue
+            k = {NFAIL_SEED: 0, pdmesh.seed_for_choice(NFAIL_SEED, 1): 1}.get(seed)
+            text = NFAIL_TEXT[k] if k is not None else ""
+            done = len(q.resume_tokens)
+            if k is None or not q.resume_choice or q.n > 1 or \
+                    list(q.resume_tokens) != [ord(x) for x in text[:done]]:
+                send(pb.MSG_ERROR, pb.Error(request_id=q.request_id,
+                                            code=pb.ERR_INVALID_ARGUMENT,
+                                            message="nfail: unexpected request %s" % q))
+                continue
+            for i in range(done, len(text)):
+                chunk(0, i, text[i])
+            result(0, text)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def nfailover():
+    """n = 2 whose router dies after both choices delivered tokens: the unfinished choices go
+    on alone at the next router (n 0, their seeds, their tokens, resume_choice), a choice
+    whose result came is kept; streams contiguous, the result whole, usage summed."""
+    for keep in (False, True):
+        first, nxt = ScriptedRouter(keep), ScriptedRouter(keep)
+        with pdmesh.Client([first.endpoint, nxt.endpoint], timeout=20) as c:
+            texts, nexts, gap = ["", ""], [0, 0], False
+            s = c.stream("nfail", max_tokens=8, temperature=0.8, seed=NFAIL_SEED, n=2)
+            try:
+                for k, ch in enumerate(s):
+                    if ch.choice > 1 or ch.index != nexts[ch.choice] or len(ch.tokens) != 1:
+                        gap = True
+                        continue
+                    texts[ch.choice] += ch.text
+                    nexts[ch.choice] += 1
+                    if k + 1 == (5 if keep else 3):
+                        time.sleep(0.2)
+                        first.kill()  # the connection drops: the call fails over
+                r = s.result
+                name = "python n=2 failover%s" % (" (choice 1 ended first)" if keep else "")
+                check(name + ": streams contiguous, per choice", not gap and texts == NFAIL_TEXT,
+                      texts)
+                check(name + ": the result holds both choices, usage summed",
+                      [x.text for x in r.choices] == NFAIL_TEXT and r.text == NFAIL_TEXT[0] and
+                      [x.index for x in r.choices] == [0, 1] and
+                      [x.finish for x in r.choices] == ["eos", "eos"] and
+                      r.usage["completion_tokens"] == 7, r)
+                check(name + ": only the unfinished choices went on",
+                      len(nxt.requests) == (1 if keep else 2), nxt.requests)
+            except pdmesh.PdmeshError as e:
+                check("python n=2 failover (keep %s)" % keep, False, e)
+        first.kill()
+        nxt.kill()
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "live":
@@ -295,6 +426,10 @@ if __name__ == "__main__":
         silent()
     elif mode == "unreachable":
         unreachable()
+    elif mode == "seeds":
+        seeds()
+    elif mode == "nfailover":
+        nfailover()
     elif mode == "beams":
         beams(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif mode == "structured":

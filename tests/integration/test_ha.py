@@ -4,19 +4,25 @@
 Two routers; one 2-rank prefill group and one decode node registered with both; streaming
 clients of the C SDK (pdm-sdk-itest ha-loop, one client per thread) and of the Python package
 (threads in this process) looping over greedy requests with both routers in their endpoint
-list. Meanwhile one router at a time is killed with SIGKILL mid-stream and started again.
+list, every other one with OpenAI's n = 2 choices (greedy and seeded in turn). Meanwhile one
+router at a time is killed with SIGKILL mid-stream and started again.
 
 Checks:
   - every request the clients made completes with the single-process engine's greedy text
     (pdmesh generate --temp 0), its chunks contiguous (no token lost or repeated) and equal
     to the result, or ends with a typed error before its timeout; "lost" counts the others
     and the failures, and must be 0;
+  - n = 2 requests (docs/sdk.md "Failover": their unfinished choices go on alone): each
+    choice's stream is contiguous and equals its result; greedy choices are the engine's
+    text, seeded ones (seed 7, temperature 0.8) the choices the same request got from the
+    mesh before any router was killed; some n = 2 stream was failed over mid-way (a choice
+    sent on alone with delivered tokens: pdmesh_requests_total{resumed_choice});
   - both routers served requests, resumed ones among them (pdmesh_requests_total{resumed});
   - the prefill group served both routers at once (its ranks ran one order: no stall);
   - a restarted router serves a request within 3 s of starting (nodes re-register by
     themselves, nobody restarts a node);
   - afterwards the nodes hold nothing (pdctl nodes: held 0 everywhere, from both routers).
-Figures printed: requests, resumed, lost, failover time (the longest gap a client saw in
+Figures printed: requests, resumed, resumed choices, lost, failover time (the longest gap a client saw in
 its stream around a kill), restart-to-serve time.
 
 usage: test_ha.py [--bindir build/bin] [--model M] [--threads-c 4] [--threads-py 4]
@@ -197,13 +203,58 @@ def main():
         check("a burst on both routers through one group ends (%.1f s)" % (time.time() - t0),
               time.time() - t0 < 60)
 
+        sys.path.insert(0, os.path.join(os.path.dirname(a.bindir), "python"))
+        import pdmesh  # noqa: E402 (build/python, made by make python-sdk)
+
+        # The n = 2 requests (greedy; seeded with pdm-sdk-itest ha-loop's HA_SEED and
+        # HA_TEMPERATURE) on the undisturbed mesh: what their choices must be, failed over or
+        # not. (Greedy choices decode as samples of one shared sequence, whose rounding
+        # differs from a single sequence's: at a near-tie they may part from the engine.)
+        seeded_kw = dict(temperature=0.8, seed=7, n=2)
+        seeded_refs, greedy_refs, seeded_stable = [], [], []
+
+        def alone(c, prompt, i, first_token):
+            """Choice i of the seeded request sent on alone after its first token, as the
+            SDKs fail a choice over (resume_choice): its prompt's KV is the decode node's."""
+            req = pdmesh.pdmesh_pb2.GenerateRequest(
+                request_id=c._next_id(), prompt=prompt, max_tokens=a.n, stream=True,
+                deadline_ms=120000, resume_choice=True, resume_tokens=[first_token])
+            req.sampling.temperature = seeded_kw["temperature"]
+            req.sampling.seed = pdmesh.seed_for_choice(seeded_kw["seed"], i)
+            s = pdmesh.Stream(c, req, 120)
+            for _ in s:
+                pass
+            return s.result.text
+
+        with pdmesh.Client(routers[0].client, timeout=120) as c:
+            for p in prompts:
+                r = c.generate(p, max_tokens=a.n, **seeded_kw)
+                seeded_refs.append([x.text for x in r.choices])
+                seeded_stable.append(all(alone(c, p, i, x.tokens[0]) == x.text
+                                         for i, x in enumerate(r.choices) if x.tokens))
+                greedy_refs.append([x.text for x in c.generate(p, max_tokens=a.n,
+                                                               n=2).choices])
+        check("the seeded n = 2 references differ from each other (%d prompts)"
+              % len(seeded_refs), all(len(x) == 2 and x[0] != x[1] for x in seeded_refs),
+              seeded_refs)
+        # A seeded choice is checked where its draws do not depend on which node computed
+        # the prompt's KV (the 2-rank group, or the decode node: a resume, or a restarted
+        # router with no group yet): there it must equal the reference exactly, failed over
+        # or not. Elsewhere a sampling boundary lies near, and only its stream is checked.
+        print("seeded n = 2: the same choices with the prompt's KV from the group and from the "
+              "decode node for prompts %s of %d (checked exactly)"
+              % ([i for i, x in enumerate(seeded_stable) if x], len(prompts)), flush=True)
+        check("the seeded n = 2 check has a prompt to check", any(seeded_stable))
+        near = [all(t == refs[i] or equal_up_to_near_tie(t, full_refs[i])[0] for t in x)
+                for i, x in enumerate(greedy_refs)]
+        print("greedy n = 2 through the mesh: the engine's text (up to a near-tie) for %d of %d "
+              "prompts" % (sum(near), len(near)), flush=True)
+
         client_list = ",".join(r.client for r in routers)
         c_proc = subprocess.Popen([os.path.join(a.bindir, "pdm-sdk-itest"), "ha-loop", client_list,
                                    str(a.threads_c), str(a.seconds), str(a.n), prompts_file],
                                   stdout=subprocess.PIPE, stderr=open(os.path.join(logdir, "c-clients.log"), "w"),
                                   text=True, env=env)
-        sys.path.insert(0, os.path.join(os.path.dirname(a.bindir), "python"))
-        import pdmesh  # noqa: E402 (build/python, made by make python-sdk)
 
         py_results = []
         py_lock = threading.Lock()
@@ -217,22 +268,36 @@ def main():
                 j += 1
                 t0 = time.time()
                 rec = {"prompt": pi, "status": 0, "name": "OK", "gap": 0, "timeout_ms": 60000}
-                stream, nxt, gaps = [], 0, []
+                # every other request asks n = 2 choices, greedy and seeded in turn (as the C
+                # clients do)
+                n_choices = 2 if j % 2 == 0 else 1
+                kw = (seeded_kw if j % 4 == 0 else dict(n=2)) if n_choices == 2 else {}
+                streams, nxt, gaps = [[] for _ in range(n_choices)], [0] * n_choices, []
+                texts, pre = [""] * n_choices, [""] * n_choices
                 try:
-                    s = c.stream(prompts[pi], max_tokens=a.n)
+                    s = c.stream(prompts[pi], max_tokens=a.n, **kw)
                     last = time.time()
                     for ch in s:
-                        if ch.index != nxt:
+                        if ch.choice >= n_choices or ch.index != nxt[ch.choice]:
                             rec["gap"] = 1
-                        nxt = ch.index + len(ch.tokens)
-                        stream.append(ch.text)
+                            continue
+                        nxt[ch.choice] = ch.index + len(ch.tokens)
+                        if time.time() - last > max(gaps, default=0):
+                            pre = ["".join(x) for x in streams]  # before the longest pause
+                        streams[ch.choice].append(ch.text)
                         gaps.append(time.time() - last)
                         last = time.time()
+                    texts = [x.text for x in s.result.choices]
                     rec["text"] = s.result.text
+                    rec["method"] = s.result.usage["prefill_method"]
                 except pdmesh.PdmeshError as e:
                     rec.update(status=-1, name=type(e).__name__, error=str(e), text="")
-                rec.update(stream="".join(stream), ms=(time.time() - t0) * 1e3,
+                rec.update(stream="".join(streams[0]), ms=(time.time() - t0) * 1e3,
                            t_end=time.time(), max_gap=max(gaps) if gaps else 0)
+                if n_choices > 1:
+                    rec.update(n=n_choices, seeded=int("seed" in kw),
+                               choices=[{"text": t, "stream": "".join(x), "pre": b, "gap": 0}
+                                        for t, x, b in zip(texts, streams, pre)])
                 with py_lock:
                     py_results.append(rec)
             c.close()
@@ -248,8 +313,9 @@ def main():
         def read_resumed():
             for r in routers:
                 try:
-                    resumed_seen[(r.name, r.starts)] = r.metric("pdmesh_requests_total",
-                                                                'outcome="resumed"')
+                    resumed_seen[(r.name, r.starts)] = (
+                        r.metric("pdmesh_requests_total", 'outcome="resumed"'),
+                        r.metric("pdmesh_requests_total", 'outcome="resumed_choice"'))
                 except OSError:
                     pass
         period = a.seconds / (a.kills + 1)
@@ -282,7 +348,41 @@ def main():
         results += py_results
 
         lost, bad_text, gaps, typed, diverged = 0, [], 0, 0, []
+        n_multi, multi_paused, multi_exact, diverged_choices, seeded_unchecked = 0, 0, 0, [], 0
+        seeded_checked_paused = 0
         for res in results:
+            if res["status"] == 0 and res.get("n", 1) > 1:
+                # n = 2: every choice contiguous and equal to its result, and to what the
+                # undisturbed mesh gave (greedy ones: or the engine's text up to a near-tie,
+                # as any request through the group). A choice that went on alone
+                # (GenerateRequest.resume_choice) makes the same draws as the shared run, but
+                # over the prompt's KV recomputed by the decode node (the resume of any
+                # request): a greedy one, after a pause (a failover), must equal the expected
+                # text up to what it had delivered before the pause, and may part after it at
+                # a near tie (reported, counted, not failed); a seeded one must be exact on
+                # the prompts where that KV does not change the draws (seeded_stable).
+                n_multi += 1
+                paused = res.get("max_gap", 0) > 0.3
+                multi_paused += paused
+                gaps += res["gap"]
+                exact = True
+                for i, ch in enumerate(res["choices"]):
+                    want = (seeded_refs if res["seeded"] else greedy_refs)[res["prompt"]][i]
+                    same = ch["text"] == want or (not res["seeded"] and equal_up_to_near_tie(
+                        ch["text"], full_refs[res["prompt"]])[0])
+                    if res["seeded"] and not seeded_stable[res["prompt"]]:
+                        seeded_unchecked += not same
+                        same = True
+                    exact &= same
+                    may_part = paused and not res["seeded"] and want.startswith(ch.get("pre", ""))
+                    if ch["stream"] != ch["text"] or (not same and not may_part):
+                        bad_text.append(dict(res, bad_choice=i, want=want))
+                        break
+                    if not same:
+                        diverged_choices.append((res, i, want))
+                multi_exact += paused and exact
+                seeded_checked_paused += paused and res["seeded"] and seeded_stable[res["prompt"]]
+                continue
             if res["status"] == 0:
                 ref = refs[res["prompt"]]
                 if res["stream"] != res["text"]:
@@ -303,14 +403,30 @@ def main():
             else:
                 lost += 1
         failed = [r for r in results if r["status"] != 0]
-        print("requests: %d (C %d, Python %d); failed: %d (typed errors in time: %d)"
-              % (len(results), n_c, len(py_results), len(failed), typed), flush=True)
+        print("requests: %d (C %d, Python %d; n = 2: %d completed, %d of them paused > 0.3 s, "
+              "%d of those with every choice equal to the undisturbed one, %d greedy choices "
+              "parted after the pause, %d seeded paused ones on checked prompts, %d seeded "
+              "choices of unchecked prompts differed); failed: %d (typed errors in time: %d)"
+              % (len(results), n_c, len(py_results), n_multi, multi_paused, multi_exact,
+                 len(diverged_choices), seeded_checked_paused, seeded_unchecked, len(failed),
+                 typed), flush=True)
+        for res, i, want in diverged_choices:
+            text = res["choices"][i]["text"]
+            at = next((k for k in range(min(len(want), len(text))) if want[k] != text[k]), None)
+            print("  n = 2 greedy choice %d parted after its pause at character %s (%d delivered "
+                  "before it): %r vs %r" % (i, at, len(res["choices"][i].get("pre", "")),
+                                            text[at:at + 30] if at is not None else "",
+                                            want[at:at + 30] if at is not None else ""),
+                  flush=True)
         for r in failed[:5]:
             print("  failed:", r.get("name"), r.get("error", "")[:200], flush=True)
         check("the clients made requests", len(results) >= 10, len(results))
+        with open(os.path.join(logdir, "requests.json"), "w") as f:
+            json.dump(results, f, indent=1)  # every request's record, for a post-mortem
         check("every completed request equals the engine's greedy text (%d wrong; %d resumed "
               "ones diverged after the resume point)" % (len(bad_text), len(diverged)),
-              not bad_text, bad_text[:2])
+              not bad_text, [(r.get("bad_choice"), r.get("want"), r.get("choices", r["text"]))
+                             for r in bad_text[:2]])
         for r in diverged:
             ref = refs[r["prompt"]]
             same = next((i for i in range(min(len(ref), len(r["text"])))
@@ -330,10 +446,13 @@ def main():
               % ", ".join("%.2f" % x for x in restart_serve),
               restart_serve and max(restart_serve) <= 3.0)
         read_resumed()
-        resumed = int(sum(resumed_seen.values()))
-        print("requests resumed on another router with delivered tokens: %d" % resumed,
-              flush=True)
+        resumed = int(sum(x[0] for x in resumed_seen.values()))
+        resumed_choices = int(sum(x[1] for x in resumed_seen.values()))
+        print("requests resumed on another router with delivered tokens: %d (of them choices "
+              "of n = 2 going on alone: %d)" % (resumed, resumed_choices), flush=True)
         check("some streams were resumed mid-way (%d)" % resumed, resumed >= 1)
+        check("some n = 2 streams were failed over mid-way (%d choices went on alone with "
+              "their delivered tokens)" % resumed_choices, resumed_choices >= 1)
 
         # Nothing leaked on the nodes: every router sees held 0 on every node.
         time.sleep(3)
@@ -388,11 +507,14 @@ def main():
             time.sleep(0.1)
         check("a router restarted alone serves within 3 s of starting (%.2f s)" % alone,
               alone <= 3.0)
-        print("FIGURES: diverged_after_resume=%d" % len(diverged))
-        print("FIGURES: requests=%d resumed=%d lost=%d failover_max_pause_s=%.2f "
-              "restart_to_serve_s=%s restart_alone_to_serve_s=%.2f"
-              % (len(results), resumed, lost, max_gap, ",".join("%.2f" % x for x in restart_serve),
-                 alone),
+        print("FIGURES: diverged_after_resume=%d n2_diverged_choices=%d n2_paused=%d "
+              "n2_paused_exact=%d n2_seeded_unchecked_differed=%d"
+              % (len(diverged), len(diverged_choices), multi_paused, multi_exact,
+                 seeded_unchecked))
+        print("FIGURES: requests=%d resumed=%d resumed_choices=%d lost=%d "
+              "failover_max_pause_s=%.2f restart_to_serve_s=%s restart_alone_to_serve_s=%.2f"
+              % (len(results), resumed, resumed_choices, lost, max_gap,
+                 ",".join("%.2f" % x for x in restart_serve), alone),
               flush=True)
     finally:
         for name, p in nodes:

@@ -16,6 +16,7 @@
 
 #include "common/pdm.h"
 #include "common/wire.h"
+#include "model/model.h"
 #include "sdk/pdmesh_admin.h"
 #include "sdk/pdmesh_client.h"
 #include "tests.h"
@@ -51,6 +52,83 @@ static void peer_chunk(peer_t *p, zmq_msg_t *ident, uint64_t id, uint32_t index,
     peer_send(p, ident, PDMESH__MSG_TYPE__MSG_TOKEN_CHUNK, &t.base);
 }
 
+/* OpenAI's n = 2 over two scripted routers (test_failover_choices): the completions of
+ * choice 0 and choice 1 of the prompt "nfail" (one token per character), the request's seed,
+ * and how much the first router sends before it dies. */
+#define NFAIL_SEED 7u
+static const char *const nfail_text[2] = {"abcd", "xyz"};
+
+static void peer_nchunk(peer_t *p, zmq_msg_t *ident, uint64_t id, uint32_t choice,
+                        uint32_t index, char c)
+{
+    int32_t tok = (unsigned char)c;
+    char text[2] = {c, 0};
+    Pdmesh__TokenChunk t = PDMESH__TOKEN_CHUNK__INIT;
+    t.request_id = id;
+    t.choice = choice;
+    t.index = index;
+    t.tokens = &tok;
+    t.n_tokens = 1;
+    t.text = text;
+    peer_send(p, ident, PDMESH__MSG_TYPE__MSG_TOKEN_CHUNK, &t.base);
+}
+
+static void peer_nresult(peer_t *p, zmq_msg_t *ident, uint64_t id, uint32_t choice,
+                         const char *text)
+{
+    int32_t toks[8];
+    size_t n = strlen(text);
+    for (size_t i = 0; i < n; i++) toks[i] = (unsigned char)text[i];
+    Pdmesh__Usage u = PDMESH__USAGE__INIT;
+    u.prompt_tokens = 5;
+    u.completion_tokens = (uint32_t)n;
+    Pdmesh__GenerateResult r = PDMESH__GENERATE_RESULT__INIT;
+    r.request_id = id;
+    r.choice = choice;
+    r.finish = PDMESH__FINISH_REASON__FINISH_EOS;
+    r.tokens = toks;
+    r.n_tokens = n;
+    r.text = (char *)text;
+    r.usage = &u;
+    peer_send(p, ident, PDMESH__MSG_TYPE__MSG_GENERATE_RESULT, &r.base);
+}
+
+/* "nfail" / "nfail keep" with n = 2 (the first router): choice 0's first two tokens and
+ * choice 1's first one ("nfail keep": choice 1 whole and its result), then nothing (the test
+ * kills this peer). One choice going on alone (resume_choice, the next router): the rest of
+ * that choice's text after its resume tokens, told apart by its seed; a wrong seed, resume or
+ * flag is refused (ERR_INVALID_ARGUMENT). */
+static void peer_nfail(peer_t *p, zmq_msg_t *ident, const Pdmesh__GenerateRequest *q)
+{
+    const uint64_t seed = q->sampling ? q->sampling->seed : 0;
+    if (q->n == 2 && !q->resume_choice && !q->n_resume_tokens && seed == NFAIL_SEED) {
+        peer_nchunk(p, ident, q->request_id, 0, 0, 'a');
+        peer_nchunk(p, ident, q->request_id, 0, 1, 'b');
+        const int keep = strstr(q->prompt, "keep") != NULL;
+        for (uint32_t i = 0; i < (keep ? 3u : 1u); i++)
+            peer_nchunk(p, ident, q->request_id, 1, i, nfail_text[1][i]);
+        if (keep) peer_nresult(p, ident, q->request_id, 1, nfail_text[1]);
+        return;
+    }
+    const int k = seed == NFAIL_SEED ? 0 : seed == pdm_seed_for_choice(NFAIL_SEED, 1) ? 1 : -1;
+    const char *text = k >= 0 ? nfail_text[k] : "";
+    int ok = k >= 0 && q->resume_choice && q->n <= 1 && q->n_resume_tokens <= strlen(text);
+    for (size_t i = 0; ok && i < q->n_resume_tokens; i++)
+        ok = q->resume_tokens[i] == (unsigned char)text[i];
+    if (!ok) {
+        ck_assert_int_eq(pdm_wire_send_error(p->sock, zmq_msg_data(ident), zmq_msg_size(ident),
+                                             PDMESH__ERROR_CODE__ERR_INVALID_ARGUMENT,
+                                             q->request_id, "nfail: unexpected request (n %u, "
+                                             "seed %llu, resume_choice %d, %zu resume tokens)",
+                                             q->n, (unsigned long long)seed, q->resume_choice,
+                                             q->n_resume_tokens), PDM_OK);
+        return;
+    }
+    for (size_t i = q->n_resume_tokens; text[i]; i++)
+        peer_nchunk(p, ident, q->request_id, 0, (uint32_t)i, text[i]);
+    peer_nresult(p, ident, q->request_id, 0, text);
+}
+
 /* Answers by the prompt's first word:
  *   "echo ..."     Accepted, one chunk per character of the prompt after "echo " (token =
  *                  the byte, when streaming), then the result (text = that rest)
@@ -70,6 +148,10 @@ static void peer_generate(peer_t *p, zmq_msg_t *ident, const Pdmesh__GenerateReq
         return;
     }
     peer_send(p, ident, PDMESH__MSG_TYPE__MSG_ACCEPTED, &a.base);
+    if (!strncmp(prompt, "nfail", 5)) {
+        peer_nfail(p, ident, q);
+        return;
+    }
     if (!strcmp(prompt, "hang")) {
         peer_chunk(p, ident, q->request_id, 0, 42, "x");
         return;
@@ -212,6 +294,39 @@ START_TEST(test_status_strings)
     ck_assert_int_eq(PDM_CLIENT_EKV_TRANSFER, -PDMESH__ERROR_CODE__ERR_KV_TRANSFER);
     ck_assert_int_eq(PDM_CLIENT_ECANCELLED, -PDMESH__ERROR_CODE__ERR_CANCELLED);
     ck_assert_str_eq(pdm_client_strerror(12345), "unknown status");
+}
+END_TEST
+
+/* The seeds of OpenAI's n choices: the SDK's failover of a choice (sdk/client.c) sends the
+ * seed the router and the decode node derive (pdm_sampler_seed_for_choice). The same values
+ * pin the Python SDK's copy (tests/integration/sdk_python.py seeds). */
+START_TEST(test_seed_for_choice)
+{
+    static const struct {
+        uint64_t seed;
+        int i;
+        uint64_t want;
+    } known[] = {
+        {PDM_SEED_DEFAULT, 0, 0x5eedull},
+        {PDM_SEED_DEFAULT, 1, 0xbf61994367a404f7ull},
+        {PDM_SEED_DEFAULT, 2, 0x8bf7ae6268510a62ull},
+        {PDM_SEED_DEFAULT, 3, 0xea51ef4ce9ddb022ull},
+        {7, 1, 0x6078bf180ff8632full},
+        {7, 3, 0xdcfa1426c230ef5full},
+        {42, 2, 0xfa797f03f3c87f80ull},
+        {0xffffffffffffffffull, 0, 0xffffffffffffffffull},
+        {0xffffffffffffffffull, 1, 0x6a5ca13be3a3489eull},
+        {0xffffffffffffffffull, 3, 0x294a8675f849beddull},
+    };
+    for (size_t k = 0; k < sizeof(known) / sizeof(known[0]); k++) {
+        ck_assert_uint_eq(pdm_seed_for_choice(known[k].seed, known[k].i), known[k].want);
+        ck_assert_uint_eq(pdm_sampler_seed_for_choice(known[k].seed, known[k].i),
+                          known[k].want);
+    }
+    /* a request without a seed samples with the default (model.h sampling parameters) */
+    pdm_sampler_params_t p;
+    pdm_sampler_params_default(&p);
+    ck_assert_uint_eq(p.seed, PDM_SEED_DEFAULT);
 }
 END_TEST
 
@@ -426,6 +541,79 @@ START_TEST(test_generate_and_stream)
 }
 END_TEST
 
+/* The chunks of an n = 2 stream per choice; once `kill_after` chunks came, the first router
+ * (a peer) is stopped, after a pause that lets its queued frames reach the client. */
+typedef struct {
+    char text[2][16];
+    uint32_t next[2];
+    int gap, chunks, kill_after;
+    peer_t *first;
+} nfail_col_t;
+
+static int nfail_cb(const pdm_client_chunk_t *ch, void *data)
+{
+    nfail_col_t *col = data;
+    if (ch->choice > 1 || ch->index != col->next[ch->choice] || ch->n_tokens != 1) {
+        col->gap = 1;
+        return 0;
+    }
+    size_t len = strlen(col->text[ch->choice]);
+    if (len + 1 < sizeof(col->text[0])) col->text[ch->choice][len] = ch->text[0];
+    col->next[ch->choice]++;
+    if (++col->chunks == col->kill_after) {
+        usleep(200 * 1000);
+        peer_stop(col->first); /* the connection drops: the call fails over */
+    }
+    return 0;
+}
+
+/* OpenAI's n = 2 when its router dies after both choices delivered tokens: each unfinished
+ * choice goes on alone at the next router (n 1, its seed pdm_seed_for_choice(seed, i), its
+ * delivered tokens, resume_choice), a choice whose result came is kept; every choice's
+ * stream is contiguous and the result holds both, usage summed. */
+START_TEST(test_failover_choices)
+{
+    for (int keep = 0; keep < 2; keep++) {
+        peer_t first, next;
+        peer_start(&first, 0);
+        peer_start(&next, 0);
+        char list[300];
+        snprintf(list, sizeof(list), "%s,%s", first.endpoint, next.endpoint);
+        pdm_client_t *c;
+        ck_assert_int_eq(pdm_client_create(list, NULL, &c), PDM_CLIENT_OK);
+        ck_assert_int_eq(pdm_client_ping(c, 5000), PDM_CLIENT_OK); /* the first is connected */
+        pdm_client_request_t q;
+        pdm_client_request_init(&q);
+        q.prompt = keep ? "nfail keep" : "nfail";
+        q.n = 2;
+        q.temperature = 0.8f;
+        q.seed = NFAIL_SEED;
+        q.timeout_ms = 20000;
+        nfail_col_t col = {.kill_after = keep ? 5 : 3, .first = &first};
+        pdm_client_result_t r;
+        int rc = pdm_client_generate_stream(c, &q, nfail_cb, &col, &r);
+        ck_assert_msg(rc == PDM_CLIENT_OK, "keep %d: %s", keep, r.error);
+        ck_assert_int_eq(col.gap, 0);
+        ck_assert_str_eq(col.text[0], nfail_text[0]);
+        ck_assert_str_eq(col.text[1], nfail_text[1]);
+        ck_assert_uint_eq(r.n_choices, 2);
+        for (uint32_t i = 0; i < 2; i++) {
+            ck_assert_uint_eq(r.choices[i].index, i);
+            ck_assert_str_eq(r.choices[i].text, nfail_text[i]);
+            ck_assert_uint_eq(r.choices[i].n_tokens, strlen(nfail_text[i]));
+            ck_assert_int_eq(r.choices[i].finish, PDM_CLIENT_FINISH_EOS);
+        }
+        ck_assert_str_eq(r.text, nfail_text[0]);
+        ck_assert_uint_eq(r.usage.completion_tokens, 7);
+        /* choice 0 went on alone, choice 1 too unless its result had come */
+        ck_assert_int_eq(atomic_load(&next.requests), keep ? 1 : 2);
+        pdm_client_result_fini(&r);
+        pdm_client_destroy(c);
+        peer_stop(&next);
+    }
+}
+END_TEST
+
 typedef struct {
     pdm_client_t *c;
     uint64_t id;
@@ -619,10 +807,12 @@ Suite *suite_sdk(void)
     TCase *tc = tcase_create("client");
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, test_status_strings);
+    tcase_add_test(tc, test_seed_for_choice);
     tcase_add_test(tc, test_validation);
     tcase_add_test(tc, test_timeout_silent_router);
     tcase_add_test(tc, test_unreachable);
     tcase_add_test(tc, test_generate_and_stream);
+    tcase_add_test(tc, test_failover_choices);
     tcase_add_test(tc, test_cancel_from_other_thread);
     tcase_add_test(tc, test_concurrent_threads);
     tcase_add_test(tc, test_destroy_with_open_calls);

@@ -7,13 +7,15 @@
         for chunk in c.stream(messages=[{"role": "user", "content": "Hi"}]):
             print(chunk.text, end="", flush=True)
 """
-from .client import Client, Result, Chunk, Stream, Logprob, Choice, ToolCall
+from .client import (Client, Result, Chunk, Stream, Logprob, Choice, ToolCall, seed_for_choice,
+                     SEED_DEFAULT)
 from .errors import (PdmeshError, PdmeshTimeout, UnreachableError, ProtocolError, ClosedError,
                      InvalidArgumentError, UnauthorizedError, OverloadedError,
                      DeadlineExceededError, CancelledError, UnavailableError, NotFoundError,
                      RouterError)
 
-__all__ = ["Client", "Result", "Chunk", "Stream", "Logprob", "Choice", "ToolCall", "PdmeshError", "PdmeshTimeout",
+__all__ = ["Client", "Result", "Chunk", "Stream", "Logprob", "Choice", "ToolCall", "seed_for_choice",
+           "SEED_DEFAULT", "PdmeshError", "PdmeshTimeout",
            "UnreachableError", "ProtocolError", "ClosedError", "InvalidArgumentError",
            "UnauthorizedError", "OverloadedError", "DeadlineExceededError", "CancelledError",
            "UnavailableError", "NotFoundError", "RouterError"]

@@ -32,6 +32,22 @@ _ROLES = ("system", "user", "assistant", "tool")
 _MAX_N = 8
 _FINISH = {pb.FINISH_NONE: "none", pb.FINISH_EOS: "eos", pb.FINISH_LENGTH: "length",
            pb.FINISH_STOP: "stop"}
+_MASK64 = (1 << 64) - 1
+# The seed a request that names none (seed 0) samples with (common/pdm.h PDM_SEED_DEFAULT).
+SEED_DEFAULT = 0x5EED
+
+
+def seed_for_choice(seed: int, i: int) -> int:
+    """The seed choice i of a request seeded with `seed` samples with (OpenAI's n): the C
+    rule pdm_seed_for_choice (common/pdm.h, pdm_sampler_seed_for_choice), the router's and
+    the decode node's: `seed` for i = 0, else splitmix64 of seed XOR (i * 0xD1B54A32D192ED03).
+    `seed` is the one sampled with (SEED_DEFAULT for a request that named none)."""
+    if i == 0:
+        return seed
+    z = ((seed ^ (i * 0xD1B54A32D192ED03)) + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def pack(msg_type, msg):
@@ -199,48 +215,129 @@ class Stream:
         lost (connection dropped, never came, or it has no node yet), the request goes to
         the next router with the tokens already delivered (GenerateRequest.resume_tokens);
         the new router continues from there, so the caller sees one stream with no token
-        lost or repeated. A request that delivered nothing is sent whole. One timeout for
-        all attempts."""
-        c = self._client
+        lost or repeated. A request that delivered nothing is sent whole; one with n > 1 goes
+        on per choice (_run_choices). One timeout for all attempts."""
         start = time.monotonic()
         deadline = start + self._timeout
-        eps = c._order()
-        delivered, text_bytes, first_seen = [], 0, 0.0
-        attempt = 0
-        lost_choices = False
+        eps = self._client._order()
+        tries = [0]  # attempts so far, every router and choice counted
+        if self._request.n > 1 and len(eps) > 1:
+            yield from self._run_choices(eps, tries, deadline, start)
+        else:
+            yield from self._completion(self._request, eps, tries, deadline, start)
+
+    def _attempt(self, eps, tries, base, delivered, text_bytes, deadline):
+        """(endpoint, request) of the next attempt: `base` with the delivered tokens as its
+        resume and what is left of the call's time as its deadline."""
+        ep = eps[tries[0] % len(eps)]
+        tries[0] += 1
+        req = pb.GenerateRequest()
+        req.CopyFrom(base)
+        if delivered:
+            req.resume_tokens.extend(delivered)
+            req.resume_text_bytes = text_bytes
+        left = int((deadline - time.monotonic()) * 1000)
+        req.deadline_ms = max(1, min(req.deadline_ms or left, left))
+        return ep, req
+
+    def _may_fail_over(self, ep, eps, tries, deadline):
+        """After the router at ep was lost: whether the call may go on at another one."""
+        self._client._mark_down(ep)
+        if len(eps) == 1 or time.monotonic() >= deadline:
+            return False
+        if tries[0] % len(eps) == 0:
+            time.sleep(0.2)  # every router failed once: a short pause
+        return True
+
+    def _completion(self, base, eps, tries, deadline, start, delivered=(), text_bytes=0,
+                    choice=None):
+        """One completion over the routers, resumed at the next router with what it delivered
+        (starting from `delivered`, `text_bytes`); self.result is its result. choice: the
+        request is that choice of a request with n > 1 going on alone; its chunks carry it."""
+        delivered = list(delivered)
         while True:
-            ep = eps[attempt % len(eps)]
-            attempt += 1
-            req = self._request
-            if delivered:
-                req = pb.GenerateRequest()
-                req.CopyFrom(self._request)
-                req.resume_tokens.extend(delivered)
-                req.resume_text_bytes = text_bytes
-            left = deadline - time.monotonic()
-            req.deadline_ms = max(1, min(req.deadline_ms or int(left * 1000), int(left * 1000)))
+            ep, req = self._attempt(eps, tries, base, delivered, text_bytes, deadline)
             gen = self._run_one(ep, req, deadline, start)
-            several = self._request.n > 1
             try:
                 for ch in gen:
-                    if several and ch.tokens:
-                        lost_choices = True  # n > 1 is not resumed elsewhere (one completion)
-                    else:
-                        delivered.extend(ch.tokens)
-                        text_bytes += len(ch.text.encode())
+                    if choice is not None:
+                        ch.choice = choice
+                    delivered.extend(ch.tokens)
+                    text_bytes += len(ch.text.encode())
                     if self._request.stream:
                         yield ch
                 return
             except (errors.UnreachableError, errors.UnavailableError):
-                c._mark_down(ep)
-                if len(eps) == 1 or time.monotonic() >= deadline or lost_choices:
+                if not self._may_fail_over(ep, eps, tries, deadline):
                     raise
-                if attempt % len(eps) == 0:
-                    time.sleep(0.2)  # every router failed once: a short pause
             finally:
                 gen.close()
 
-    def _run_one(self, endpoint, request, deadline, start):
+    def _run_choices(self, eps, tries, deadline, start):
+        """OpenAI's n over several routers. The request goes whole to a router, and whole
+        to the next while nothing was delivered. Once a choice delivered tokens (or ended),
+        every choice that has not ended goes on at the next routers as its own request: n 1,
+        the seed that choice samples with, its delivered tokens as the resume and
+        GenerateRequest.resume_choice, so that the router computes it as its own choices go
+        on alone; one choice after the other. The caller sees every choice's chunks
+        contiguous and the result of the undisturbed call (choices, usage summed)."""
+        n = self._request.n
+        delivered: List[List[int]] = [[] for _ in range(n)]
+        text_bytes = [0] * n
+        ended: Dict[int, Any] = {}  # choice -> the GenerateResult it ended with
+        first = 0.0
+        while True:
+            ep, req = self._attempt(eps, tries, self._request, [], 0, deadline)
+            gen = self._run_one(ep, req, deadline, start, ended)
+            try:
+                for ch in gen:
+                    if 0 <= ch.choice < n:
+                        delivered[ch.choice].extend(ch.tokens)
+                        text_bytes[ch.choice] += len(ch.text.encode())
+                    if ch.tokens and not first:
+                        first = time.monotonic()
+                    if self._request.stream:
+                        yield ch
+                return
+            except (errors.UnreachableError, errors.UnavailableError):
+                if not self._may_fail_over(ep, eps, tries, deadline):
+                    raise
+                if ended or any(delivered):
+                    break  # the choices go on one by one
+            finally:
+                gen.close()
+        router_id = self.router_request_id
+        base, choices = None, []
+        for k in range(n):
+            if k in ended:
+                r = _result(ended[k], router_id, 0.0, 0.0)
+                r.choices = [_choice(k, ended[k])]
+            else:
+                q = pb.GenerateRequest()
+                q.CopyFrom(self._request)
+                q.n = 0
+                q.resume_choice = True
+                if k:  # the router derives it from the seed it samples with
+                    q.sampling.seed = seed_for_choice(q.sampling.seed or SEED_DEFAULT, k)
+                for ch in self._completion(q, eps, tries, deadline, start, delivered[k],
+                                           text_bytes[k], choice=k):
+                    if ch.tokens and not first:
+                        first = time.monotonic()
+                    yield ch
+                r = self.result
+                r.choices[0].index = k
+            base = base or r
+            choices.append(r.choices[0])
+        base.choices = choices
+        base.usage["completion_tokens"] = sum(x.completion_tokens for x in choices)
+        base.request_id = self.request_id
+        base.ttft = (first - start) if first else 0.0
+        base.total = time.monotonic() - start
+        self.result = base
+
+    def _run_one(self, endpoint, request, deadline, start, ended=None):
+        """One attempt at one router; yields its Chunks and sets self.result. ended (n > 1):
+        receives each choice's GenerateResult as it comes."""
         c = self._client
         sock = c._socket()
         sock.setsockopt(zmq.MAXMSGSIZE, c.max_frame)
@@ -330,6 +427,8 @@ class Stream:
                         if k >= n_choices or k in results:
                             continue  # malformed or repeated: the others decide
                         results[k] = m
+                        if ended is not None:
+                            ended[k] = m
                         if len(results) < n_choices:
                             continue  # n > 1: one result per choice
                         end = time.monotonic()
