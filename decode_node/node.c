@@ -87,6 +87,18 @@ typedef struct {
                              * it; pdm__append feeds it) */
 } pdm__seq_t;
 
+/* A stream whose sequence went before its KV was all in (cancelled, failed, its router gone):
+ * the ranks may still be sending it. Its blocks are received and thrown away until `until`,
+ * so that a rank blocked on a rendezvous send completes at once instead of waiting out its
+ * own timeout - which stalled its whole prefill group for 30 s (test_ha.py in CI: a router
+ * killed while its prompt still streamed). */
+#define PDM__DEAD_STREAMS 64
+typedef struct {
+    uint64_t id;
+    uint32_t attempt;
+    double until; /* 0: a free entry */
+} pdm__dead_stream_t;
+
 /* A finished sequence kept for its prefix: its tokens and the KV of each of them. */
 typedef struct {
     int32_t *tokens;
@@ -139,6 +151,8 @@ struct pdm_decode_node {
     int ev_reset;              /* the next drained batch says reset */
     const pdm__pooled_t *pool_pending; /* pdm__pool_put: the sequence being pooled, whose
                                         * blocks evictions meanwhile keep in the index */
+    pdm__dead_stream_t dead[PDM__DEAD_STREAMS]; /* a ring; the oldest entry is reused */
+    int dead_next;
 };
 
 void pdm_decode_params_default(pdm_decode_params_t *p)
@@ -607,8 +621,35 @@ void pdm_decode_node_pool_stats(const pdm_decode_node_t *n, pdm_decode_pool_stat
     st->file_tokens = n->pool_file_slots;
 }
 
+/* Throws away what came of the dead streams (pdm__dead_stream_t), entries whose time is up
+ * freed. A live sequence whose stream tags look the same (20 bits of the id and 8 of the
+ * attempt) keeps its blocks: that dead entry waits. */
+static void pdm__dead_drain(pdm_decode_node_t *n, double now)
+{
+    for (int k = 0; k < PDM__DEAD_STREAMS; k++) {
+        pdm__dead_stream_t *d = &n->dead[k];
+        if (d->until == 0) continue;
+        if (now > d->until) {
+            d->until = 0;
+            continue;
+        }
+        const uint64_t tag = pdm_kvt_stream_tag(d->id, d->attempt, 0, 0, 0);
+        int live = 0;
+        for (int i = 0; i < n->p.max_sequences && !live; i++)
+            live = n->seqs[i].rx && (pdm_kvt_stream_tag(n->seqs[i].id, n->seqs[i].attempt, 0, 0,
+                                                        0) & PDM_KVT_STREAM_MASK_ATTEMPT) ==
+                                        (tag & PDM_KVT_STREAM_MASK_ATTEMPT);
+        if (!live) pdm_kvt_drain(n->kvt, tag, PDM_KVT_STREAM_MASK_ATTEMPT, NULL, NULL);
+    }
+}
+
 static void pdm__seq_release(pdm_decode_node_t *n, pdm__seq_t *s)
 {
+    if (s->rx) { /* its KV was not all in: the ranks may still be sending it */
+        n->dead[n->dead_next] = (pdm__dead_stream_t){
+            .id = s->id, .attempt = s->attempt, .until = pdm_now() + n->p.kv_timeout + 5};
+        n->dead_next = (n->dead_next + 1) % PDM__DEAD_STREAMS;
+    }
     pdm_kvt_stream_rx_destroy(s->rx); /* cancels receives before the cache goes away */
     free(s->stage);                   /* (and before the staging goes away) */
     free(s->rx_k);
@@ -1479,6 +1520,7 @@ int pdm_decode_node_running(const pdm_decode_node_t *n)
 int pdm_decode_node_run_once(pdm_decode_node_t *n, pdm_decode_event_cb cb, void *arg)
 {
     const double now = pdm_now();
+    pdm__dead_drain(n, now);
     /* Arrivals, cancellations and deadlines. */
     for (int i = 0; i < n->p.max_sequences; i++) {
         pdm__seq_t *s = &n->seqs[i];

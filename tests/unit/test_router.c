@@ -3,9 +3,12 @@
  * local prefill (what the router uses for short prompts and migration). The router itself is
  * tested with real processes in tests/integration/run.sh.
  */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/pdm.h"
 #include "decode_node/decode.h"
@@ -763,6 +766,85 @@ END_TEST
  * greedy continuation equals the engine's, the pool counts a hit of 32 tokens and 15 rows
  * came. Refused: no tokens or a prefix reaching the last token (PDM_EINVAL), a prefix the pool
  * does not hold (PDM_ENOTFOUND), a corrupt entry (PDM_ECHECKSUM, dropped, never used). */
+/* The decode node's loop in a thread (test_decode_dropped_stream). */
+typedef struct {
+    pdm_decode_node_t *node;
+    local_events_t ev;
+    atomic_int stop;
+} node_loop_t;
+
+static void *node_loop(void *arg)
+{
+    node_loop_t *nl = arg;
+    while (!atomic_load(&nl->stop)) {
+        pdm_decode_node_run_once(nl->node, local_cb, &nl->ev);
+        usleep(1000);
+    }
+    return NULL;
+}
+
+/* A sequence cancelled while its prompt's KV streams in: the rank goes on sending (it does
+ * not know yet) and must not wait out its stream timeout on rendezvous sends nobody receives
+ * (it stalled a prefill group for 30 s in test_ha.py): the node throws the blocks away. */
+START_TEST(test_decode_dropped_stream)
+{
+    pdm_model_t *m = small_model("router-dead-stream", 64, 96, PDM_DT_F32, PDM_DT_F32, 13);
+    enum { N = 1000, ID = 9 };
+    pdm_kvt_params_t kp;
+    pdm_kvt_params_default(&kp);
+    pdm_kvt_t *rank, *kvt;
+    ck_assert_int_eq(pdm_kvt_create(&kp, &rank), 0);
+    ck_assert_int_eq(pdm_kvt_create(&kp, &kvt), 0);
+    const void *addr;
+    size_t len;
+    int to_node, to_rank;
+    pdm_kvt_address(kvt, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(rank, addr, len, &to_node), 0);
+    pdm_kvt_address(rank, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(kvt, addr, len, &to_rank), 0);
+    pdm_decode_params_t dp;
+    pdm_decode_params_default(&dp);
+    dp.kv_dtype = PDM_DT_F32;
+    dp.kv_budget = 4 * N;
+    node_loop_t nl = {0};
+    ck_assert_int_eq(pdm_decode_node_create(m, kvt, &dp, &nl.node), 0);
+    const pdm_decode_range_t range = {.start = 0, .len = N, .peer = to_rank, .chunk = 0};
+    pdm_decode_reserve_t r = {.id = ID, .n_prompt = N, .max_new = 4, .ranges = &range,
+                              .n_ranges = 1, .beams = -1};
+    ck_assert_int_eq(pdm_decode_node_reserve(nl.node, &r), 0);
+    ck_assert_int_eq(pdm_decode_node_cancel(nl.node, ID), 0);
+    pthread_t th;
+    ck_assert_int_eq(pthread_create(&th, NULL, node_loop, &nl), 0);
+    /* 64 KB pieces: rendezvous sends, complete only once someone receives them */
+    const size_t row = pdm_dtype_row_bytes(PDM_DT_F32, m->hp.head_dim);
+    char *rows = calloc(N, row);
+    pdm_kvt_stream_tx_t *tx;
+    ck_assert_int_eq(pdm_kvt_stream_tx_create(rank, to_node, ID, 0, 2, 20, &tx), 0);
+    const double t0 = pdm_now();
+    int st = PDM_OK;
+    for (uint32_t l = 0; l < m->hp.n_layers && !st; l++)
+        for (uint32_t h = 0; h < m->hp.n_kv_heads && !st; h++)
+            st = pdm_kvt_stream_tx_send(tx, l, h, 0, 0, N, (uint16_t)PDM_DT_F32, 1.0f, rows, rows,
+                                        row);
+    if (!st) st = pdm_kvt_stream_tx_finish(tx, pdm_now() + 20);
+    const double took = pdm_now() - t0;
+    pdm_kvt_stream_tx_destroy(tx);
+    atomic_store(&nl.stop, 1);
+    pthread_join(th, NULL);
+    ck_assert_msg(st == PDM_OK && took < 5, "the rank's stream to a dropped sequence took %.1f s "
+                  "(status %d)", took, st);
+    int held;
+    int64_t slots;
+    pdm_decode_node_usage(nl.node, &held, &slots);
+    ck_assert_int_eq(held, 0);
+    free(rows);
+    pdm_decode_node_destroy(nl.node);
+    pdm_kvt_destroy(kvt);
+    pdm_kvt_destroy(rank);
+    pdm_model_free(m);
+}
+END_TEST
+
 START_TEST(test_decode_pool_delta)
 {
     pdm_model_t *m = small_model("router-pool-delta", 64, 96, PDM_DT_F32, PDM_DT_F32, 12);
@@ -1231,6 +1313,7 @@ Suite *suite_router(void)
     tcase_add_test(tl, test_decode_prefix_pool);
     tcase_add_test(tl, test_decode_pool_events);
     tcase_add_test(tl, test_decode_pool_delta);
+    tcase_add_test(tl, test_decode_dropped_stream);
     tcase_add_test(tl, test_decode_pool_file_tier);
     tcase_add_test(tl, test_decode_window_local);
     tcase_add_test(tl, test_decode_migration_resume);
