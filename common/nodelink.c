@@ -317,6 +317,18 @@ static void pdm__link_on_control(pdm_link_t *l, pdm__link_router_t *rt, int type
             pdm__link_tell_stop(l);
             return;
         }
+        if ((e->code == PDMESH__ERROR_CODE__ERR_STALE_EPOCH ||
+             e->code == PDMESH__ERROR_CODE__ERR_NOT_FOUND) &&
+            e->epoch && e->epoch != atomic_load(&rt->epoch)) {
+            /* The refusal of a message sent before the current registration's ack came (a
+             * heartbeat of the registration a restarted router never knew): it says nothing
+             * of the current one. Registering again would look like a restart of this node
+             * to the router, which would fail its tasks and re-wire its group. */
+            pdm_log_info("node %s: router %s refused a message of epoch %llu (now %llu): "
+                         "ignored", l->p.node_id, rt->endpoint, (unsigned long long)e->epoch,
+                         (unsigned long long)atomic_load(&rt->epoch));
+            return;
+        }
         if (e->code == PDMESH__ERROR_CODE__ERR_STALE_EPOCH ||
             e->code == PDMESH__ERROR_CODE__ERR_NOT_FOUND) {
             if (atomic_load(&rt->registered)) rt->generation++;

@@ -371,9 +371,14 @@ static int rt_check_sender(pdm_router_t *r, const uint8_t *ident, size_t ident_l
 {
     int i = rt_node_by_ident(r, ident, ident_len);
     if (i < 0 || (has_epoch && epoch != r->nodes[i].epoch)) {
-        pdm_wire_send_error(r->node_sock, ident, ident_len, PDMESH__ERROR_CODE__ERR_STALE_EPOCH, 0,
-                            "%s: %s", what, i < 0 ? "unknown or expired node: register again"
-                                                  : "stale epoch");
+        char text[160];
+        snprintf(text, sizeof(text), "%s: %s", what,
+                 i < 0 ? "unknown or expired node: register again" : "stale epoch");
+        Pdmesh__Error e = PDMESH__ERROR__INIT;
+        e.code = PDMESH__ERROR_CODE__ERR_STALE_EPOCH;
+        e.message = text;
+        e.epoch = has_epoch ? epoch : 0; /* so that a node registered anew since ignores it */
+        rt_send(r->node_sock, ident, ident_len, PDMESH__MSG_TYPE__MSG_ERROR, &e.base);
         return -1;
     }
     return i;
