@@ -766,6 +766,22 @@ END_TEST
  * greedy continuation equals the engine's, the pool counts a hit of 32 tokens and 15 rows
  * came. Refused: no tokens or a prefix reaching the last token (PDM_EINVAL), a prefix the pool
  * does not hold (PDM_ENOTFOUND), a corrupt entry (PDM_ECHECKSUM, dropped, never used). */
+/* Two UCX workers in this process connected both ways: a prefill rank's end and a decode
+ * node's, with each one's peer index of the other. */
+static void kvt_pair(pdm_kvt_t **rank, pdm_kvt_t **kvt, int *to_node, int *to_rank)
+{
+    pdm_kvt_params_t kp;
+    pdm_kvt_params_default(&kp);
+    ck_assert_int_eq(pdm_kvt_create(&kp, rank), 0);
+    ck_assert_int_eq(pdm_kvt_create(&kp, kvt), 0);
+    const void *addr;
+    size_t len;
+    pdm_kvt_address(*kvt, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(*rank, addr, len, to_node), 0);
+    pdm_kvt_address(*rank, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(*kvt, addr, len, to_rank), 0);
+}
+
 /* The decode node's loop in a thread (test_decode_dropped_stream). */
 typedef struct {
     pdm_decode_node_t *node;
@@ -790,18 +806,9 @@ START_TEST(test_decode_dropped_stream)
 {
     pdm_model_t *m = small_model("router-dead-stream", 64, 96, PDM_DT_F32, PDM_DT_F32, 13);
     enum { N = 1000, ID = 9 };
-    pdm_kvt_params_t kp;
-    pdm_kvt_params_default(&kp);
-    pdm_kvt_t *rank, *kvt;
-    ck_assert_int_eq(pdm_kvt_create(&kp, &rank), 0);
-    ck_assert_int_eq(pdm_kvt_create(&kp, &kvt), 0);
-    const void *addr;
-    size_t len;
+    pdm_kvt_t *rank, *kvt; /* the prefill rank's end and the decode node's */
     int to_node, to_rank;
-    pdm_kvt_address(kvt, &addr, &len);
-    ck_assert_int_eq(pdm_kvt_connect(rank, addr, len, &to_node), 0);
-    pdm_kvt_address(rank, &addr, &len);
-    ck_assert_int_eq(pdm_kvt_connect(kvt, addr, len, &to_rank), 0);
+    kvt_pair(&rank, &kvt, &to_node, &to_rank);
     pdm_decode_params_t dp;
     pdm_decode_params_default(&dp);
     dp.kv_dtype = PDM_DT_F32;
@@ -851,18 +858,9 @@ START_TEST(test_decode_pool_delta)
     enum { P = 30, NEW = 8, EXTRA = 9, D = 32, ID = 5 };
     pdm_model_ctx_t *ctx;
     ck_assert_int_eq(pdm_model_ctx_create(m, 1, 16, &ctx), 0);
-    pdm_kvt_params_t kp;
-    pdm_kvt_params_default(&kp);
     pdm_kvt_t *rank, *kvt; /* the prefill rank's end and the decode node's */
-    ck_assert_int_eq(pdm_kvt_create(&kp, &rank), 0);
-    ck_assert_int_eq(pdm_kvt_create(&kp, &kvt), 0);
-    const void *addr;
-    size_t len;
     int to_node, to_rank;
-    pdm_kvt_address(kvt, &addr, &len);
-    ck_assert_int_eq(pdm_kvt_connect(rank, addr, len, &to_node), 0);
-    pdm_kvt_address(rank, &addr, &len);
-    ck_assert_int_eq(pdm_kvt_connect(kvt, addr, len, &to_rank), 0);
+    kvt_pair(&rank, &kvt, &to_node, &to_rank);
     pdm_decode_params_t dp;
     pdm_decode_params_default(&dp);
     dp.kv_dtype = PDM_DT_F32;
