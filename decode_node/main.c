@@ -149,7 +149,9 @@ static void pdm__reserved(pdm__daemon_t *dn, const Pdmesh__DecodeTask *t, int st
          * whole prompt instead */
         r.pool_miss = t->pool_prefix && !t->local_prefill &&
                       (st == PDM_ENOTFOUND || st == PDM_ECHECKSUM || st == PDM_EUNSUPPORTED);
-        if (r.pool_miss) e.code = PDMESH__ERROR_CODE__ERR_KV_TRANSFER;
+        if (r.pool_miss)
+            e.code = st == PDM_ECHECKSUM ? PDMESH__ERROR_CODE__ERR_KV_CORRUPT
+                                         : PDMESH__ERROR_CODE__ERR_KV_TRANSFER;
     }
     pdm_link_send(dn->link, PDMESH__MSG_TYPE__MSG_DECODE_RESERVED, &r.base);
     free(msgs);

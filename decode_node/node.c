@@ -92,7 +92,7 @@ typedef struct {
  * so that a rank blocked on a rendezvous send completes at once instead of waiting out its
  * own timeout - which stalled its whole prefill group for 30 s (test_ha.py in CI: a router
  * killed while its prompt still streamed). */
-#define PDM__DEAD_STREAMS 64
+#define PDM__DEAD_STREAMS 256
 typedef struct {
     uint64_t id;
     uint32_t attempt;
@@ -151,7 +151,9 @@ struct pdm_decode_node {
     int ev_reset;              /* the next drained batch says reset */
     const pdm__pooled_t *pool_pending; /* pdm__pool_put: the sequence being pooled, whose
                                         * blocks evictions meanwhile keep in the index */
-    pdm__dead_stream_t dead[PDM__DEAD_STREAMS]; /* a ring; the oldest entry is reused */
+    pdm__dead_stream_t dead[PDM__DEAD_STREAMS]; /* a ring; the oldest entry is reused (more
+                                                 * dropped streams than that in kv_timeout:
+                                                 * their senders wait out their timeout) */
     int dead_next;
 };
 

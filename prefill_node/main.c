@@ -91,6 +91,8 @@ typedef struct {
     uint32_t order_seq;         /* number of the next entry */
     pdm_kvt_req_t order_req;    /* rank > 0: the posted receive of entry order_seq */
     pdm__order_entry_t order_entry; /* its payload */
+    pdm__order_entry_t order_out;   /* rank 0: the entry being sent (not on the stack: a
+                                     * send UCX gave up on may read it later) */
     double order_retry_at;
 } pdm__daemon_t;
 
@@ -686,11 +688,13 @@ static int pdm__order_send(pdm__daemon_t *pn, const pdm__queued_t *q)
     size_t len;
     int st = pdm_wire_pack(PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base, &frame, &len);
     if (st) return st;
-    pdm__order_entry_t e = {.key = q->key, .router_id = pdm_link_router_id(pn->link, q->origin),
-                            .frame_bytes = (uint32_t)len};
+    pdm__order_entry_t *e = &pn->order_out;
+    *e = (pdm__order_entry_t){.key = q->key,
+                              .router_id = pdm_link_router_id(pn->link, q->origin),
+                              .frame_bytes = (uint32_t)len};
     pdm_kvt_req_t reqs[2 * PDM_KVT_MAX_RANKS];
     int n = 0;
-    pdm_kvt_iov_t iov[2] = {{&e, sizeof(e)}, {frame, len}};
+    pdm_kvt_iov_t iov[2] = {{e, sizeof(*e)}, {frame, len}};
     const int seq = (int)(pn->order_seq & 0xffff);
     const uint64_t tag[2] = {pdm_kvt_tag(PDM_KVT_KIND_ORDER, 0, 0, 0, seq),
                              pdm_kvt_tag(PDM_KVT_KIND_ORDER_TASK, 0, 0, 0, seq)};
@@ -699,9 +703,13 @@ static int pdm__order_send(pdm__daemon_t *pn, const pdm__queued_t *q)
         for (int part = 0; part < 2; part++)
             if (!pdm_kvt_isend(pn->kvt, pn->group.peer[k], tag[part], &iov[part], 1, &reqs[n]))
                 n++;
-    if (pdm_kvt_wait_all(pn->kvt, reqs, n, pdm_kvt_group_deadline(&pn->group)))
+    if (pdm_kvt_wait_all(pn->kvt, reqs, n, pdm_kvt_group_deadline(&pn->group))) {
+        /* A send UCX gave up on may still read its buffer: the frame is left to it (leaked,
+         * once per broken group) rather than freed under it. */
         pdm_log_warn("prefill rank: the group's order did not reach every rank: %s",
                      pdm_error_last());
+        return PDM_OK;
+    }
     free(frame);
     return PDM_OK;
 }
