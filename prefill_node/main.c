@@ -733,11 +733,16 @@ static int pdm__order_poll(pdm__daemon_t *pn, pdm_wire_msg_t **m, int *origin)
     int st = pdm_kvt_test(pn->kvt, pn->order_req, &bytes);
     if (st == 0) return 0;
     pn->order_req = PDM_KVT_REQ_NONE;
-    if (st < 0 || bytes != sizeof(pn->order_entry)) {
-        pdm_log_warn("prefill rank: no order from rank 0: %s",
-                     st < 0 ? pdm_error_last() : "an entry of the wrong size");
+    if (st < 0) {
+        pdm_log_warn("prefill rank: no order from rank 0: %s", pdm_error_last());
         pn->order_retry_at = pdm_now() + 1.0;
         return 0;
+    }
+    if (bytes != sizeof(pn->order_entry)) { /* consumed: the next entry has the next number */
+        pdm_log_warn("prefill rank: order entry %u of %zu bytes (a rank 0 of another version?): "
+                     "skipped", pn->order_seq & 0xffff, bytes);
+        pn->order_seq++;
+        return -1;
     }
     const pdm__order_entry_t e = pn->order_entry;
     const int seq = (int)(pn->order_seq++ & 0xffff);
