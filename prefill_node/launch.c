@@ -729,9 +729,13 @@ int pdm_launch_task(pdm_launch_t *l, const pdm_prefill_task_t *task, const char 
     t.kv_dump = kv_out ? dump_name : "";
     t.deadline_ms = (uint32_t)(l->p.timeout * 1000);
     double t0 = pdm_now(), deadline = t0 + l->p.timeout;
-    /* to rank 0, which forwards it to the others in the group's order (main.c) */
-    t.epoch = l->proc[0].epoch;
-    int st = pdm__send(l, 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    /* to every rank: rank 0 forwards it to the others in the group's order, and their
+     * copies tell them work is still to come (main.c) */
+    int st = PDM_OK;
+    for (int i = 0; i < l->n && !st; i++) {
+        t.epoch = l->proc[i].epoch;
+        st = pdm__send(l, i, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    }
     if (st) return st;
 
     /* Collect results as they come (any order), so the owner's arrival time is its own. */

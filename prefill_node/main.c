@@ -16,7 +16,7 @@
  *
  * One order for the whole group (several routers, docs/router.md "High availability"): every
  * rank of a group must run the group's tasks in one order, or their collectives pair
- * different tasks and stall. A router sends a group task to rank 0 only; rank 0 queues the
+ * different tasks and stall. A router sends a group task to every rank; rank 0 queues the
  * tasks of every router, takes them first come, first served and, before running one, sends
  * it to every other rank as the next entry of the group's order (UCX: an entry naming the
  * task's key and router, tag PDM_KVT_KIND_ORDER and a sequence number, then the task's
@@ -24,9 +24,12 @@
  * rank 0 forwarded it, and answer the router the entry names (RegisterAck.router_id: each
  * rank may list the routers in its own order). A router that dies after handing rank 0 a
  * task therefore cannot leave the others without it (before, rank 0's collectives waited a
- * group timeout for a copy that never came). A follower drops a group task a router sent it
- * directly (an older router, or a harness that sends to every rank): its copy comes from
- * rank 0. Rank 0 refuses, before ordering it, a group task planned for another formation of
+ * group timeout for a copy that never came). A follower keeps the copies routers send it
+ * only as a record of the group's work still to come: one is dropped when its forwarded
+ * twin runs (or on arrival if that ran first), with the same router's copies queued before
+ * it (rank 0 passed them over: cancelled, dropped), or as any queued task is (CancelTask,
+ * its router's lease). A draining follower leaves only once it holds none, as rank 0 does
+ * (a follower that left early stalled rank 0's next task). Rank 0 refuses, before ordering it, a group task planned for another formation of
  * the group (PrefillTask.formation: an elastic group re-wired by another router since). Solo
  * tasks need no order and come from the router to their rank. A router whose
  * lease expired (common/nodelink.h) has its queued tasks dropped, like a CancelTask: one
@@ -93,6 +96,9 @@ typedef struct {
     pdm__order_entry_t order_entry; /* its payload */
     pdm__order_entry_t order_out;   /* rank 0: the entry being sent (not on the stack: a
                                      * send UCX gave up on may read it later) */
+    uint64_t ran[64];               /* follower: keys of the last forwarded tasks it ran, so
+                                     * that a router's copy coming after is dropped */
+    int ran_next;
     double order_retry_at;
 } pdm__daemon_t;
 
@@ -608,9 +614,14 @@ static void pdm__enqueue(pdm__daemon_t *pn, pdm_wire_msg_t *m, int origin)
         pdm_wire_msg_free(m);
         return;
     }
+    const uint64_t key = PDM_LINK_TASK_KEY(t->task_id, t->attempt);
+    for (int k = 0; k < (int)PDM_ARRAY_SIZE(pn->ran); k++)
+        if (pn->ran[k] == key && key) { /* its forwarded twin ran already */
+            pdm_wire_msg_free(m);
+            return;
+        }
     pn->queue[pn->n_queued++] = (pdm__queued_t){
-        .m = m, .origin = origin, .key = PDM_LINK_TASK_KEY(t->task_id, t->attempt),
-        .arrived = pdm_now()};
+        .m = m, .origin = origin, .key = key, .arrived = pdm_now()};
 }
 
 /* CancelTask: a queued task is dropped (no answer: the router gave it up). On rank 0 that is
@@ -780,23 +791,37 @@ static int pdm__order_poll(pdm__daemon_t *pn, pdm_wire_msg_t **m, int *origin)
     return 1;
 }
 
+/* Follower: the forwarded task `key` of router `origin` runs. Its copy from the router is
+ * dropped, with the same router's copies queued before it (rank 0 passed them over); a copy
+ * not here yet is dropped when it comes (pn->ran). */
+static void pdm__forwarded_ran(pdm__daemon_t *pn, uint64_t key, int origin)
+{
+    const int i = pdm__queue_find(pn, key);
+    if (i < 0) {
+        pn->ran[pn->ran_next] = key;
+        pn->ran_next = (pn->ran_next + 1) % (int)PDM_ARRAY_SIZE(pn->ran);
+        return;
+    }
+    for (int j = i; j >= 0; j--)
+        if (j == i || pn->queue[j].origin == origin) {
+            if (j != i)
+                pdm_log_info("prefill rank: task key %llu was passed over by rank 0: dropped",
+                             (unsigned long long)pn->queue[j].key);
+            pdm__dequeue(pn, j, 0);
+        }
+}
+
 /* Runs what may run now: 1 if a task ran. */
 static int pdm__run_next(pdm__daemon_t *pn)
 {
     const int follower = pn->grouped && pn->group.rank > 0 && pn->group.size > 1;
-    /* solo tasks and tasks before the group formed need no order; a follower drops the group
-     * tasks a router sent it (rank 0 forwards them) */
-    for (int i = 0; i < pn->n_queued; i++) {
+    /* solo tasks and tasks before the group formed need no order; a follower runs a group
+     * task only as rank 0 forwards it (its own copy is a record: pdm__forwarded_ran) */
+    for (int i = 0; i < pn->n_queued; i++)
         if (!pdm__ordered(pn, &pn->queue[i])) {
             pdm__run_queued(pn, i);
             return 1;
         }
-        if (follower) {
-            pdm_log_debug("prefill rank: task key %llu came from a router: rank 0 forwards it",
-                          (unsigned long long)pn->queue[i].key);
-            pdm__dequeue(pn, i--, 0);
-        }
-    }
     if (!follower) {
         if (!pn->n_queued) return 0;
         const pdm__queued_t q = pn->queue[0];
@@ -821,6 +846,8 @@ static int pdm__run_next(pdm__daemon_t *pn)
     pdm_wire_msg_t *m;
     int origin;
     if (pdm__order_poll(pn, &m, &origin) <= 0) return 0;
+    const Pdmesh__PrefillTask *t = (const Pdmesh__PrefillTask *)pdm_wire_message(m);
+    pdm__forwarded_ran(pn, PDM_LINK_TASK_KEY(t->task_id, t->attempt), origin);
     pdm__run_msg(pn, m, origin, pdm_now());
     return 1;
 }

@@ -975,8 +975,8 @@ static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
     rt_prefill_task_fill(r, q, &t, &sp, chunks);
     for (uint32_t k = 0; k < g->size; k++) {
         if (!rt_req_has_rank(q, k)) continue; /* a solo task goes to its rank only */
-        if (!t.solo && k > 0) break; /* rank 0 forwards a group task to the others, in the
-                                      * group's one order (prefill_node/main.c) */
+        /* (rank 0 forwards a group task to the others in the group's one order; their own
+         * copies tell them what work of the group is still to come: prefill_node/main.c) */
         rt_node_t *m = &r->nodes[g->member[k]];
         t.epoch = m->epoch;
         if (rt_send(r->node_sock, m->ident, m->ident_len, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base)) {

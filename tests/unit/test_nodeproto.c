@@ -524,10 +524,10 @@ static void g_results(grouter_t *rt, uint64_t task_id, int want, double seconds,
 }
 
 /* A router hands a 2-rank group a task and dies before it reaches rank 1: the group must not
- * wait a group timeout for rank 1's copy (the CI failure of test_ha.py, 30 s pauses). Now a
- * router sends a group task to rank 0 only, which forwards it; rank 1 answers the router the
- * entry names though it lists the routers in the other order; a copy a router still sends to
- * rank 1 is dropped (one answer per rank). The logits equal the single-process engine. */
+ * wait a group timeout for rank 1's copy (the CI failure of test_ha.py, 30 s pauses). Rank 0
+ * forwards every group task; rank 1 answers the router the entry names though it lists the
+ * routers in the other order; the copy a router also sends rank 1 only records the work to
+ * come (one answer per rank). The logits equal the single-process engine. */
 START_TEST(test_prefill_group_forwarding)
 {
     grouter_t rt[2];
@@ -611,7 +611,7 @@ START_TEST(test_prefill_group_forwarding)
     ck_assert_msg(got[1][0] == 1 && got[1][1] == 1, "results at the wrong router");
     ck_assert_msg(pdm_now() - t0 < 10, "the group waited %.1f s", pdm_now() - t0);
 
-    /* router 0's task also sent to rank 1 (as a router of old did): one answer per rank */
+    /* router 0's task sent to both ranks, as a router does: one answer per rank */
     t.task_id = 42;
     g_send(&rt[0], 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
     g_send(&rt[0], 1, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
