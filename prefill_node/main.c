@@ -29,11 +29,11 @@
  * twin runs (or on arrival if that ran first), with the same router's copies queued before
  * it (rank 0 passed them over: cancelled, dropped), or as any queued task is (CancelTask,
  * its router's lease). A draining follower leaves only once it holds none, as rank 0 does
- * (a follower that left early stalled rank 0's next task). Rank 0 refuses, before ordering it, a group task planned for another formation of
- * the group (PrefillTask.formation: an elastic group re-wired by another router since). Solo
- * tasks need no order and come from the router to their rank. A router whose
- * lease expired (common/nodelink.h) has its queued tasks dropped, like a CancelTask: one
- * mechanism frees what a dead router left.
+ * (a follower that left early stalled rank 0's next task). Rank 0 refuses, before ordering
+ * it, a group task planned for another formation of the group (PrefillTask.formation: an
+ * elastic group re-wired by another router since). Solo tasks need no order and come from
+ * the router to their rank. A router whose lease expired (common/nodelink.h) has its queued
+ * tasks dropped, like a CancelTask: one mechanism frees what a dead router left.
  *
  * A task is checked before anything runs; what the rank cannot do is answered in its result
  * (ok = false, an Error with a code and a message). Diagnostics go to stderr. SIGTERM ends
