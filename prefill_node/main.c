@@ -733,7 +733,8 @@ static int pdm__order_poll(pdm__daemon_t *pn, pdm_wire_msg_t **m, int *origin)
     if (pn->order_req == PDM_KVT_REQ_NONE) {
         if (pdm_now() < pn->order_retry_at) return 0;
         pdm_kvt_iov_t iov = {&pn->order_entry, sizeof(pn->order_entry)};
-        const uint64_t tag = pdm_kvt_tag(PDM_KVT_KIND_ORDER, 0, 0, 0, (int)(pn->order_seq & 0xffff));
+        const uint64_t tag =
+            pdm_kvt_tag(PDM_KVT_KIND_ORDER, 0, 0, 0, (int)(pn->order_seq & 0xffff));
         if (pdm_kvt_irecv(pn->kvt, pn->group.peer[0], tag, &iov, 1, &pn->order_req)) {
             pn->order_req = PDM_KVT_REQ_NONE;
             pn->order_retry_at = pdm_now() + 1.0;
@@ -769,8 +770,8 @@ static int pdm__order_poll(pdm__daemon_t *pn, pdm_wire_msg_t **m, int *origin)
     }
     pdm_kvt_iov_t iov = {frame, e.frame_bytes};
     pdm_kvt_req_t r;
-    st = pdm_kvt_irecv(pn->kvt, pn->group.peer[0], pdm_kvt_tag(PDM_KVT_KIND_ORDER_TASK, 0, 0, 0, seq),
-                       &iov, 1, &r);
+    st = pdm_kvt_irecv(pn->kvt, pn->group.peer[0],
+                       pdm_kvt_tag(PDM_KVT_KIND_ORDER_TASK, 0, 0, 0, seq), &iov, 1, &r);
     if (!st) st = pdm_kvt_wait(pn->kvt, r, pdm_kvt_group_deadline(&pn->group), &bytes);
     if (!st && bytes != e.frame_bytes)
         st = pdm_error_set(PDM_EFORMAT, "%zu bytes, the entry said %u", bytes, e.frame_bytes);
