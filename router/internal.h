@@ -100,6 +100,7 @@ typedef struct {
     int dead, draining;
     uint32_t pid;
     uint64_t generation;    /* Register.generation of the registration it holds */
+    uint64_t reg_ts_ms;     /* Register.timestamp_ms of the newest copy of it taken */
     int tasks;                    /* router-side: attempts assigned and not ended */
     int64_t kv_reserved;          /* router-side: KV tokens of those attempts */
     double full_until;            /* refused a reservation: skip it until then */

@@ -276,8 +276,17 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
         r->nodes[i].ucx_len == m->ucx_address.len &&
         !memcmp(r->nodes[i].ucx, m->ucx_address.data, m->ucx_address.len)) {
         /* The same registration sent again (its ack was late; the retry came over a fresh
-         * connection): the same epoch, nothing lost, answers to the new connection. */
+         * connection): the same epoch, nothing lost, answers to the new connection - unless
+         * this copy is older than the one taken (the first attempt, delivered late over the
+         * connection the node has since dropped): answering there would move the node to a
+         * dead connection, refuse its heartbeats and make it register anew as if it had
+         * restarted (its group re-wired under running tasks: a 30 s stall in test_ha.py). */
         rt_node_t *n = &r->nodes[i];
+        if (m->timestamp_ms < n->reg_ts_ms) {
+            pdm_log_info("router: %s: an older copy of its registration: ignored", n->id);
+            return;
+        }
+        n->reg_ts_ms = m->timestamp_ms;
         memcpy(n->ident, ident, ident_len);
         n->ident_len = ident_len;
         n->last_hb = pdm_now();
@@ -285,7 +294,7 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
         ack.epoch = n->epoch;
         ack.heartbeat_ms = (uint32_t)r->cfg.heartbeat_ms;
         ack.lease_ms = (uint32_t)r->cfg.lease_ms;
-    ack.router_id = r->router_id;
+        ack.router_id = r->router_id;
         rt_send(s, ident, ident_len, PDMESH__MSG_TYPE__MSG_REGISTER_ACK, &ack.base);
         return;
     }
@@ -331,6 +340,7 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
     n->last_hb = n->registered_at = pdm_now();
     n->pid = m->pid;
     n->generation = m->generation;
+    n->reg_ts_ms = m->timestamp_ms;
     n->draining = draining;
     Pdmesh__RegisterAck ack = PDMESH__REGISTER_ACK__INIT;
     ack.epoch = n->epoch;

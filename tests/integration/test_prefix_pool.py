@@ -168,6 +168,7 @@ def mesh_one(args, check, token):
         nm0 = m.metric("pdmesh_prefix_pool_misses_total", 'reason="no_match"')
         r3 = complete(m.http_port, OTHER, 8)
         fake_node_abuse(m, check)
+        fake_node_register_twice(m, check)
         check("an unrelated prompt is not served from a pool (%s) and is a no_match miss"
               % r3["usage"]["pdmesh"]["prefill_method"],
               cached_of(r3) == 0 and
@@ -503,6 +504,65 @@ def fake_node_abuse(m, check):
         time.sleep(0.3)
     finally:
         s.close()
+        ctx.term()
+
+
+def fake_node_register_twice(m, check):
+    """A registration sent twice (its first copy waited for a restarting router; the node sent
+    it again over a fresh connection) whose older copy arrives last: the router keeps the
+    node on the newer connection (docs/router.md, "A router dies"). Before, it moved the node
+    to the older one, refused its heartbeats and took its next registration for a restart."""
+    import zmq
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "sdk", "python"))
+    from pdmesh import pdmesh_pb2 as pb
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for _ in range(2):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, 3000)
+            s.connect(m.node_ep)
+            socks.append(s)
+        new, old = socks
+        now = int(time.time() * 1000)
+
+        def register(ts):
+            reg = pb.Register(node_id="fake-twice", role=pb.ROLE_DECODE, model_id="x",
+                              nonce=int.from_bytes(os.urandom(8), "big"), timestamp_ms=ts,
+                              pid=os.getpid(), generation=1)
+            reg.capacity.kv_tokens = 1000
+            reg.capacity.max_sequences = 4
+            reg.capacity.max_batch = 4
+            reg.ucx_address = b"\x00" * 16
+            reg.proof = hmac.new(m.env["PDMESH_SECRET"].encode(), reg.node_id.encode() +
+                                 b"\x00" + struct.pack(">QQ", reg.nonce, reg.timestamp_ms),
+                                 hashlib.sha256).digest()
+            return frame(pb, pb.MSG_REGISTER, reg)
+        new.send(register(now))
+        raw = new.recv()
+        ack = pb.RegisterAck()
+        ack.ParseFromString(raw[8:])
+        old.send(register(now - 800))  # the first attempt, delivered late
+        old.setsockopt(zmq.RCVTIMEO, 1000)
+        try:
+            old_answer = struct.unpack(">H", old.recv()[4:6])[0]
+        except zmq.Again:
+            old_answer = None
+        new.send(frame(pb, pb.MSG_HEARTBEAT, pb.Heartbeat(node_id="fake-twice", epoch=ack.epoch)))
+        raw = new.recv()
+        hb_type = struct.unpack(">H", raw[4:6])[0]
+        check("a registration's older copy arriving after the newer one is ignored (answer on "
+              "the old connection: %s) and the node's heartbeats on the newer one are acked (%s)"
+              % (old_answer, pb.MsgType.Name(hb_type)),
+              old_answer is None and hb_type == pb.MSG_HEARTBEAT_ACK, (old_answer, hb_type))
+        new.send(frame(pb, pb.MSG_DEREGISTER, pb.Deregister(node_id="fake-twice",
+                                                             epoch=ack.epoch)))
+        time.sleep(0.3)
+    finally:
+        for s in socks:
+            s.close()
         ctx.term()
 
 
