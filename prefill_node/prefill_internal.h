@@ -123,9 +123,6 @@ struct pdm_prefill_rank {
 /* Checks a solo task (a whole prompt, method single, valid tokens, a stream target, within
  * --ctx) as rank.c runs it and batch.c takes it as a member (rank_steps.c, below both). */
 int pdm_prefill__solo_check(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *t);
-/* Checks what every task must hold, solo or not: a usable stream target (if any) and tokens
- * in the vocabulary. */
-int pdm_prefill__check_input(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *t);
 
 /* ---- Per-layer steps (rank_steps.c) ------------------------------------------------------ */
 

@@ -385,8 +385,12 @@ static int pdm__validate(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *
         pdm_prefill_conv_prefix_runs(&r->conv, t->start, NULL, PDM_PREFILL_MAX_PREFIX_RUNS) < 0)
         return pdm_error_set(PDM_EOVERFLOW, "prefill: the cached prefix is split into more than "
                              "%d runs, too many to stream", PDM_PREFILL_MAX_PREFIX_RUNS);
-    int st = pdm_prefill__check_input(r, t);
-    if (st) return st;
+    if (t->stream && (t->stream->max_in_flight < 1 || t->stream->peer < 0))
+        return pdm_error_set(PDM_EINVAL, "prefill: bad stream target");
+    for (int32_t i = 0; i < t->n_tokens; i++)
+        if (t->tokens[i] < 0 || (uint32_t)t->tokens[i] >= r->hp->n_vocab)
+            return pdm_error_set(PDM_ERANGE, "prefill: token %d at index %d is outside the "
+                                 "vocabulary", t->tokens[i], i);
     switch (t->method) {
     case PDM_PREFILL_SINGLE:
         if (R != 1)

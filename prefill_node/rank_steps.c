@@ -44,11 +44,6 @@ int pdm_prefill__solo_check(const pdm_prefill_rank_t *r, const pdm_prefill_task_
     if (t->n_tokens > r->p.ctx_tokens)
         return pdm_error_set(PDM_EOVERFLOW, "prefill: %d tokens exceed the KV capacity of %d "
                              "(--ctx)", t->n_tokens, r->p.ctx_tokens);
-    return pdm_prefill__check_input(r, t);
-}
-
-int pdm_prefill__check_input(const pdm_prefill_rank_t *r, const pdm_prefill_task_t *t)
-{
     if (t->stream && (t->stream->max_in_flight < 1 || t->stream->peer < 0))
         return pdm_error_set(PDM_EINVAL, "prefill: bad stream target");
     for (int32_t i = 0; i < t->n_tokens; i++)

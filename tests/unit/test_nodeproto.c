@@ -605,9 +605,11 @@ START_TEST(test_prefill_group_forwarding)
     /* router 1's task reaches rank 0 only (it "died" before rank 1): both ranks answer router
      * 1, well within the group timeout (30 s) */
     t.task_id = 41;
+    double t0 = pdm_now();
     g_send(&rt[1], 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
-    g_results(rt, 41, 2, 10, got); /* (a group timeout would be 30 s) */
+    g_results(rt, 41, 2, 10, got);
     ck_assert_msg(got[1][0] == 1 && got[1][1] == 1, "results at the wrong router");
+    ck_assert_msg(pdm_now() - t0 < 10, "the group waited %.1f s", pdm_now() - t0);
 
     /* router 0's task sent to both ranks, as a router does: one answer per rank */
     t.task_id = 42;

@@ -838,9 +838,8 @@ START_TEST(test_decode_dropped_stream)
     pdm_kvt_stream_tx_destroy(tx);
     atomic_store(&nl.stop, 1);
     pthread_join(th, NULL);
-    /* without the drain the sends never complete and the stream times out (PDM_ETIMEOUT) */
-    ck_assert_msg(st == PDM_OK, "the rank's stream to a dropped sequence ended with status %d "
-                  "after %.1f s", st, took);
+    ck_assert_msg(st == PDM_OK && took < 5, "the rank's stream to a dropped sequence took %.1f s "
+                  "(status %d)", took, st);
     int held;
     int64_t slots;
     pdm_decode_node_usage(nl.node, &held, &slots);
