@@ -56,10 +56,11 @@ typedef struct {
 } pdm_prefill__ring_layout_t;
 
 struct pdm_prefill_rank {
-    /* Fault injection for tests (PDMESH_FAULT_STALL_AFTER_LAYER=L): after streaming layer L
-     * the rank stalls for 60 s, so a test can kill it while its request is certainly
-     * mid-stream; -1 = off. */
+    /* Fault injection for tests (PDMESH_FAULT_STALL_AFTER_LAYER=L[:MS]): after streaming
+     * layer L the rank stalls for MS milliseconds (default 60000), so a test can kill it, or
+     * its decode node, while its request is certainly mid-stream; layer -1 = off. */
     int fault_stall_layer;
+    int fault_stall_ms;
     const pdm_model_t *model;
     pdm_kvt_group_t *g;
     pdm_prefill_rank_params_t p;

@@ -136,8 +136,16 @@ int pdm_prefill_rank_create(const pdm_model_t *model, pdm_kvt_group_t *group,
     pdm_prefill_rank_t *r = calloc(1, sizeof(*r));
     if (r) {
         const char *f = getenv("PDMESH_FAULT_STALL_AFTER_LAYER");
-        long v;
-        r->fault_stall_layer = f && !pdm_parse_long(f, 0, 1 << 20, &v) ? (int)v : -1;
+        char spec[32] = "";
+        if (f) snprintf(spec, sizeof(spec), "%s", f);
+        char *ms = strchr(spec, ':');
+        if (ms) *ms++ = '\0';
+        long v, w = 60000;
+        r->fault_stall_layer = f && !pdm_parse_long(spec, 0, 1 << 20, &v) &&
+                                       (!ms || !pdm_parse_long(ms, 0, 600000, &w))
+                                   ? (int)v
+                                   : -1;
+        r->fault_stall_ms = (int)w;
         const char *c = getenv("PDMESH_FAULT_CORRUPT_POOL");
         r->fault_corrupt_pool = c && !strcmp(c, "1");
     }

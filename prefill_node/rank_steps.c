@@ -7,7 +7,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
+#include <time.h>
 
 #include "common/pdm.h"
 #include "prefill_node/prefill_internal.h"
@@ -254,8 +254,10 @@ int pdm_prefill__stream_layer(pdm_prefill_rank_t *r, int layer)
     }
     r->t_wait += pdm_now() - t0; /* only blocks when the window is full */
     if (layer == r->fault_stall_layer) {
-        pdm_log_warn("prefill rank: fault injection: stalling after layer %d", layer);
-        sleep(60);
+        pdm_log_warn("prefill rank: fault injection: stalling %d ms after layer %d",
+                     r->fault_stall_ms, layer);
+        struct timespec ts = {r->fault_stall_ms / 1000, (r->fault_stall_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
     }
     return st;
 }

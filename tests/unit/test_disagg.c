@@ -579,10 +579,13 @@ START_TEST(test_disagg_dead_decode_node)
 END_TEST
 
 /* The decode node killed while the ranks stream: the run fails quickly, and the prefill group
- * still serves tasks that do not stream. */
+ * still serves tasks that do not stream. The ranks pause 1 s after streaming layer 1, so the
+ * kill (30 ms in) lands mid-stream even where the whole request takes less than 30 ms. */
 START_TEST(test_disagg_decode_killed_mid_stream)
 {
+    setenv("PDMESH_FAULT_STALL_AFTER_LAYER", "1:1000", 1);
     pdm_launch_t *l = start_mesh(model_path, 2, "f32", 1 << 16, 5);
+    unsetenv("PDMESH_FAULT_STALL_AFTER_LAYER");
     run_killed_mid_stream(l, pdm_launch_decode_pid(l), PDM_PREFILL_KVR_E, 6);
     int32_t a[50];
     random_ids(a, 50, 256, 7);
