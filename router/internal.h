@@ -77,6 +77,10 @@ typedef struct {
     int prefill_batch_max;        /* batched prefill (batch.h): requests per batch task, 1..8
                                    * (1: none) */
     int prefill_batch_tokens;     /* ... and their prompt tokens at most */
+    int prefill_chunk_tokens;     /* chunked prefill (request.c "Chunked prefill"): a prompt
+                                   * with more than this many tokens left for a whole-group
+                                   * task is prefilled by the group in chunks of this size,
+                                   * other tasks free to go between them (0: off) */
     const char *http_host;
     int http_port;                /* -1: no HTTP */
 } rt_config_t;
@@ -282,6 +286,20 @@ typedef struct rt_req {
     uint64_t sched_pass;          /* the rt_schedule pass that last dispatched it: a pass
                                    * that looks at the queue again (after forming a batch)
                                    * does not dispatch a request twice */
+    /* chunked prefill (request.c "Chunked prefill"): while QUEUED, a chunk of the prompt may
+     * be in flight on group chunk_group as its own task (chunk_id, attempt 1: no attempt of
+     * the request), computing the prompt up to chunk_end; chunk_answered: bit k, rank k
+     * answered; chunk_until: when the router stops waiting for it. chunk_off: chunking
+     * stopped for this request (a chunk failed or made no progress): it goes whole. */
+    uint64_t chunk_id;
+    int chunk_group;
+    uint32_t chunk_start, chunk_end;
+    uint64_t chunk_answered;
+    uint64_t chunk_epochs[PDM_PREFILL_MAX_RANKS];
+    double chunk_sent, chunk_until, chunk_seconds;
+    int chunk_off;
+    uint32_t chunks_done;         /* chunks computed for it */
+    uint32_t chunk_reused;        /* the cached prefix its first chunk continued (Usage) */
 } rt_req_t;
 
 struct pdm_router {
@@ -337,7 +355,9 @@ struct pdm_router {
             *pool_delta_requests, *pool_delta_tokens, *pool_delta_refused,
             /* prefill groups' pools of conversations (request.c) */
             *group_pool_tokens, *group_pool_entries, *group_pool_evictions, *group_pool_corrupt,
-            *group_prefill_tokens;
+            *group_prefill_tokens,
+            /* chunked prefill (request.c) */
+            *prefill_chunks, *prefill_chunk_failures;
     } m;
 };
 
