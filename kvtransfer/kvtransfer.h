@@ -144,10 +144,16 @@ typedef struct {
     int peer[PDM_KVT_MAX_RANKS]; /* kvt peer of each rank (-1 for ourselves) */
     uint32_t task;               /* current task id, part of every tag */
     double timeout;              /* seconds allowed for each collective */
+    uint32_t nonce;              /* this formation's name: rank 0's random number, shared at
+                                  * init (tags of traffic that must not reach a later
+                                  * formation of the same ranks) */
 } pdm_kvt_group_t;
 
-/* Connects to every other rank given all ranks' addresses (index = rank) and exchanges a
- * barrier message with each so that connections are established before timing starts. */
+/* Connects to every other rank given all ranks' addresses (index = rank) and exchanges a join
+ * message with each, so that connections are established before timing starts and every rank
+ * learns rank 0's nonce. A join message whose sender gave up on it (its timeout had passed,
+ * by its wall clock, when this rank started to form; 1 s allowed for skew) is left over from
+ * an earlier formation that failed: it is skipped, not taken as this formation's. */
 int pdm_kvt_group_init(pdm_kvt_group_t *g, pdm_kvt_t *kvt, int rank, int size,
                        const void *const *addrs, const size_t *lens, double timeout);
 void pdm_kvt_group_fini(pdm_kvt_group_t *g);

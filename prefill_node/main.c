@@ -85,7 +85,10 @@ typedef struct {
                                  * json_schema (its first token is masked here) */
     uint64_t wire_hash;         /* of the GroupWire the group was formed from */
     uint64_t formation;         /* its pdm_prefill_formation (PrefillTask.formation) */
-    unsigned wired_by;          /* routers (bit = link origin) that wired this formation */
+    /* the routers (RegisterAck.router_id, random per router process) that wired this
+     * formation: what decides, alike on every rank, whether a GroupWire re-forms the group */
+    uint64_t wired_ids[PDM_LINK_MAX_ROUTERS];
+    int n_wired;
     pdm__queued_t queue[PDM__MAX_QUEUED]; /* FIFO, [0, n_queued) */
     double task_arrived;        /* when the running task was queued (pdm_now() clock) */
     int n_queued;
@@ -123,6 +126,11 @@ static void pdm__leave_group(pdm__daemon_t *pn)
 {
     if (pn->order_req != PDM_KVT_REQ_NONE) pdm_kvt_cancel(pn->kvt, &pn->order_req, 1);
     pn->order_seq = 0;
+    /* order entries of the formation that ends, never taken, are thrown away (rank 0 sends
+     * the next formation's only after this rank's join message) */
+    const uint64_t kind_mask = 0xffull << 56;
+    pdm_kvt_drain(pn->kvt, (uint64_t)PDM_KVT_KIND_ORDER << 56, kind_mask, NULL, NULL);
+    pdm_kvt_drain(pn->kvt, (uint64_t)PDM_KVT_KIND_ORDER_TASK << 56, kind_mask, NULL, NULL);
     if (!pn->grouped) return;
     pdm_log_info("prefill rank: leaving the group to re-form it");
     pdm_prefill_rank_destroy(pn->rank);
@@ -135,7 +143,7 @@ static void pdm__drop_stale(pdm__daemon_t *pn);
 
 static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
 {
-    pdm__drop_stale(pn); /* a restarted router's wire finds its old one forgotten */
+    pdm__drop_stale(pn); /* tasks of routers that are gone leave the queue first */
     Pdmesh__GroupReady ready = PDMESH__GROUP_READY__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
     char transports[128] = "";
@@ -144,8 +152,12 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
      * group was formed from (same rank, size and addresses) is answered at once, without
      * re-forming the group under the other routers' tasks. A router that wires it again
      * means it (a rank came back): the group re-forms. Every rank sees each router's wires
-     * in that router's order, so all ranks decide alike; a router that is gone or restarted
-     * (its lease, pdm__drop_stale) counts as not having wired. */
+     * in that router's order, so all ranks decide alike. Routers are told apart by their
+     * process's router_id, never by what this rank alone saw of them: a restarted router (a
+     * new id) has not wired this formation; a router whose lease ran out here but that lives
+     * on wires it again to re-form it, and every rank re-forms. (Clearing a router whenever
+     * this rank lost its lease let one rank skip a re-forming wire that the other took: the
+     * follower then waited for order entry 0 while rank 0 sent entry 10, for good.) */
     XXH64_state_t *hs = XXH64_createState();
     uint64_t hash = 0;
     if (hs) {
@@ -159,9 +171,12 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
         hash = XXH64_digest(hs);
         XXH64_freeState(hs);
     }
-    const unsigned bit = 1u << pdm_link_origin(pn->link);
-    if (pn->grouped && hash && hash == pn->wire_hash && !(pn->wired_by & bit)) {
-        pn->wired_by |= bit;
+    const uint64_t rid = pdm_link_router_id(pn->link, pdm_link_origin(pn->link));
+    int known = 0;
+    for (int i = 0; i < pn->n_wired && !known; i++) known = pn->wired_ids[i] == rid;
+    if (pn->grouped && hash && hash == pn->wire_hash && !known &&
+        pn->n_wired < PDM_LINK_MAX_ROUTERS) {
+        pn->wired_ids[pn->n_wired++] = rid;
         ready.epoch = pdm_link_epoch(pn->link);
         ready.group = (char *)(w->group ? w->group : "");
         ready.rank = w->rank;
@@ -201,7 +216,8 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
     } else {
         pn->grouped = 1;
         pn->wire_hash = hash;
-        pn->wired_by = bit;
+        pn->wired_ids[0] = rid;
+        pn->n_wired = 1;
         ready.ok = 1;
         pdm_kvt_peer_transports(pn->kvt, pn->group.peer[(pn->group.rank + 1) % pn->group.size],
                                 transports, sizeof(transports));
@@ -650,7 +666,6 @@ static void pdm__drop_stale(pdm__daemon_t *pn)
             unsigned k = pdm_link_orphans_of(pn->link, o);
             any |= gone[o] = k != pn->orphans_of[o];
             pn->orphans_of[o] = k;
-            if (gone[o]) pn->wired_by &= ~(1u << o);
         }
     }
     const double too_old = pdm_now() - PDM_MAX(60.0, 4 * pn->rp.timeout);
@@ -676,6 +691,14 @@ static void pdm__run_queued(pdm__daemon_t *pn, int i)
 {
     const pdm__queued_t q = pn->queue[i];
     pdm__run_msg(pn, pdm__dequeue(pn, i, 1), q.origin, q.arrived);
+}
+
+/* The tag of order entry `seq` (or of its task): named by the formation (the group's nonce,
+ * kvtransfer.h), so that an entry a follower never took before the group re-formed cannot be
+ * taken for the new formation's entry of the same number. */
+static uint64_t pdm__order_tag(const pdm__daemon_t *pn, pdm_kvt_kind_t kind, int seq)
+{
+    return pdm_kvt_tag(kind, 0, pn->group.nonce & 0xffff, 0, seq);
 }
 
 /* 1 when the task needs the whole group in one order (not solo, group of 2 or more). */
@@ -707,8 +730,8 @@ static int pdm__order_send(pdm__daemon_t *pn, const pdm__queued_t *q)
     int n = 0;
     pdm_kvt_iov_t iov[2] = {{e, sizeof(*e)}, {frame, len}};
     const int seq = (int)(pn->order_seq & 0xffff);
-    const uint64_t tag[2] = {pdm_kvt_tag(PDM_KVT_KIND_ORDER, 0, 0, 0, seq),
-                             pdm_kvt_tag(PDM_KVT_KIND_ORDER_TASK, 0, 0, 0, seq)};
+    const uint64_t tag[2] = {pdm__order_tag(pn, PDM_KVT_KIND_ORDER, seq),
+                             pdm__order_tag(pn, PDM_KVT_KIND_ORDER_TASK, seq)};
     pn->order_seq++;
     for (int k = 1; k < pn->group.size; k++)
         for (int part = 0; part < 2; part++)
@@ -734,7 +757,7 @@ static int pdm__order_poll(pdm__daemon_t *pn, pdm_wire_msg_t **m, int *origin)
         if (pdm_now() < pn->order_retry_at) return 0;
         pdm_kvt_iov_t iov = {&pn->order_entry, sizeof(pn->order_entry)};
         const uint64_t tag =
-            pdm_kvt_tag(PDM_KVT_KIND_ORDER, 0, 0, 0, (int)(pn->order_seq & 0xffff));
+            pdm__order_tag(pn, PDM_KVT_KIND_ORDER, (int)(pn->order_seq & 0xffff));
         if (pdm_kvt_irecv(pn->kvt, pn->group.peer[0], tag, &iov, 1, &pn->order_req)) {
             pn->order_req = PDM_KVT_REQ_NONE;
             pn->order_retry_at = pdm_now() + 1.0;
@@ -771,7 +794,7 @@ static int pdm__order_poll(pdm__daemon_t *pn, pdm_wire_msg_t **m, int *origin)
     pdm_kvt_iov_t iov = {frame, e.frame_bytes};
     pdm_kvt_req_t r;
     st = pdm_kvt_irecv(pn->kvt, pn->group.peer[0],
-                       pdm_kvt_tag(PDM_KVT_KIND_ORDER_TASK, 0, 0, 0, seq), &iov, 1, &r);
+                       pdm__order_tag(pn, PDM_KVT_KIND_ORDER_TASK, seq), &iov, 1, &r);
     if (!st) st = pdm_kvt_wait(pn->kvt, r, pdm_kvt_group_deadline(&pn->group), &bytes);
     if (!st && bytes != e.frame_bytes)
         st = pdm_error_set(PDM_EFORMAT, "%zu bytes, the entry said %u", bytes, e.frame_bytes);

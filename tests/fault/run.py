@@ -378,7 +378,7 @@ def main():
         res = [gen(bindir, "tcp://%s.254:%d" % (NET, px.port), LONG) for _ in range(2)]
         check("2-40 ms jitter on every chunk client <-> router: equal to the engine",
               all(o and o.get("ok") and o["text"] == ref and o.get("stream_matches")
-                  for o, _, _ in res), [o for o, _, _ in res])
+                  for o, _, _ in res), res)
         px.close()
 
         # 6. corrupted bytes between client and router

@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <xxhash.h>
 
@@ -222,6 +223,68 @@ START_TEST(test_kvt_group_patterns)
         ck_assert_msg(t.ok[i], "rank %d failed: %s", i, pdm_error_last());
         pdm_kvt_destroy(t.kvt[i]);
     }
+}
+END_TEST
+
+/* A formation that failed leaves its join message behind; the next formation of the same two
+ * ranks must not take it for its own (the rank that took it formed alone, and the group's
+ * order then named entries its rank 0 never sent). */
+typedef struct {
+    pdm_kvt_t *kvt[2];
+    const void *addr[2];
+    size_t len[2];
+    double timeout[2], delay[2], started[2], done[2];
+    int st[2];
+    uint32_t nonce[2];
+} duo_t;
+
+typedef struct {
+    duo_t *d;
+    int rank;
+} duo_arg_t;
+
+static void *duo_main(void *p)
+{
+    duo_arg_t *a = p;
+    duo_t *d = a->d;
+    usleep((useconds_t)(d->delay[a->rank] * 1e6));
+    pdm_kvt_group_t g;
+    d->started[a->rank] = pdm_now();
+    d->st[a->rank] = pdm_kvt_group_init(&g, d->kvt[a->rank], a->rank, 2, d->addr, d->len,
+                                        d->timeout[a->rank]);
+    d->done[a->rank] = pdm_now();
+    d->nonce[a->rank] = g.nonce;
+    return NULL;
+}
+
+START_TEST(test_kvt_group_join_skips_stale)
+{
+    duo_t d = {0};
+    for (int i = 0; i < 2; i++) {
+        ck_assert_int_eq(pdm_kvt_create(NULL, &d.kvt[i]), 0);
+        pdm_kvt_address(d.kvt[i], &d.addr[i], &d.len[i]);
+    }
+    /* rank 0 forms alone and gives up after 0.3 s: its join message waits at rank 1 */
+    pthread_t th[2];
+    duo_arg_t args[2] = {{&d, 0}, {&d, 1}};
+    d.timeout[0] = 0.3;
+    pthread_create(&th[0], NULL, duo_main, &args[0]);
+    pthread_join(th[0], NULL);
+    ck_assert_int_ne(d.st[0], 0);
+    const uint32_t old_nonce = d.nonce[0];
+    usleep(1500 * 1000); /* its sender gave up more than the 1 s allowed for skew ago */
+    /* the next formation: rank 1 first, rank 0 0.4 s later */
+    d.timeout[0] = d.timeout[1] = 10;
+    d.delay[1] = 0;
+    d.delay[0] = 0.4;
+    for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, duo_main, &args[i]);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    ck_assert_msg(d.st[0] == 0 && d.st[1] == 0, "the formation failed: %d %d", d.st[0], d.st[1]);
+    ck_assert_msg(d.done[1] >= d.started[0], "rank 1 formed %.3f s before rank 0 started: it "
+                  "took the stale join message", d.started[0] - d.done[1]);
+    ck_assert_msg(d.nonce[1] == d.nonce[0] && d.nonce[0] && d.nonce[0] != old_nonce,
+                  "nonces: rank 0 %u (before %u), rank 1 %u", d.nonce[0], old_nonce, d.nonce[1]);
+    for (int i = 0; i < 2; i++) pdm_kvt_destroy(d.kvt[i]);
 }
 END_TEST
 
@@ -575,6 +638,7 @@ Suite *suite_kvtransfer(void)
     tcase_add_test(tc, test_kvt_message_too_long);
     tcase_add_test(tc, test_kvt_bounded);
     tcase_add_test(tc, test_kvt_group_patterns);
+    tcase_add_test(tc, test_kvt_group_join_skips_stale);
     tcase_add_test(tc, test_stream_lands_in_place);
     tcase_add_test(tc, test_stream_forged_blocks);
     tcase_add_test(tc, test_stream_token_from);
