@@ -142,6 +142,11 @@ class Proxy:
             except OSError:
                 c.close()
                 continue
+            # (the connect's timeout must not stay on the socket: a reply that takes longer
+            # than 5 s, a slow first token on a loaded machine, made the proxy close the
+            # connection, and the client's ZeroMQ socket reconnected under a new identity
+            # that the router's reply never reached)
+            u.settimeout(None)
             for a, b in ((c, u), (u, c)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
