@@ -31,9 +31,10 @@
  * its router's lease). A draining follower leaves only once it holds none, as rank 0 does
  * (a follower that left early stalled rank 0's next task). Rank 0 refuses, before ordering
  * it, a group task planned for another formation of the group (PrefillTask.formation: an
- * elastic group re-wired by another router since). Solo tasks need no order and come from
- * the router to their rank. A router whose lease expired (common/nodelink.h) has its queued
- * tasks dropped, like a CancelTask: one mechanism frees what a dead router left.
+ * elastic group re-wired by another router since), with ERR_STALE_FORMATION and its own
+ * formation. Solo tasks need no order and come from the router to their rank. A router whose
+ * lease expired (common/nodelink.h) has its queued tasks dropped, like a CancelTask: one
+ * mechanism frees what a dead router left.
  *
  * A task is checked before anything runs; what the rank cannot do is answered in its result
  * (ok = false, an Error with a code and a message). Diagnostics go to stderr. SIGTERM ends
@@ -835,28 +836,63 @@ static void pdm__forwarded_ran(pdm__daemon_t *pn, uint64_t key, int origin)
         }
 }
 
+/* Rank 0: task t was planned for another formation of the group than this rank's. Answered
+ * ERR_STALE_FORMATION with the rank's formation, a code of its own: the router does not take
+ * it for a failure of the group (it re-checks its wiring and plans the task again). */
+static void pdm__refuse_formation(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int origin)
+{
+    Pdmesh__PrefillResult r = PDMESH__PREFILL_RESULT__INIT;
+    Pdmesh__Error e = PDMESH__ERROR__INIT;
+    char msg[160];
+    snprintf(msg, sizeof(msg), "PrefillTask: planned for formation %016llx of the group, the "
+             "rank is in %016llx (the group re-formed since)", (unsigned long long)t->formation,
+             (unsigned long long)pn->formation);
+    pdm_log_info("prefill rank: task %llu attempt %u refused: %s", (unsigned long long)t->task_id,
+                 t->attempt, msg);
+    r.task_id = e.task_id = t->task_id;
+    r.attempt = e.attempt = t->attempt;
+    r.epoch = pdm_link_epoch_of(pn->link, origin);
+    r.rank = pn->grouped ? (uint32_t)pn->group.rank : 0;
+    r.first_token = -1;
+    e.code = PDMESH__ERROR_CODE__ERR_STALE_FORMATION;
+    e.message = msg;
+    e.formation = pn->grouped ? pn->formation : 0;
+    r.error = &e;
+    pdm_link_send_to(pn->link, origin, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, &r.base);
+}
+
+/* Whether queued task q is a group task planned for another formation than this rank's: if
+ * so it is answered (pdm__refuse_formation) and dropped. */
+static int pdm__stale_formation(pdm__daemon_t *pn, pdm__queued_t *q)
+{
+    const Pdmesh__PrefillTask *t = (const Pdmesh__PrefillTask *)pdm_wire_message(q->m);
+    if (!t->formation || t->solo || (pn->grouped && t->formation == pn->formation)) return 0;
+    pdm__refuse_formation(pn, t, q->origin);
+    pdm__dequeue(pn, (int)(q - pn->queue), 0);
+    return 1;
+}
+
 /* Runs what may run now: 1 if a task ran. */
 static int pdm__run_next(pdm__daemon_t *pn)
 {
     const int follower = pn->grouped && pn->group.rank > 0 && pn->group.size > 1;
     /* solo tasks and tasks before the group formed need no order; a follower runs a group
      * task only as rank 0 forwards it (its own copy is a record: pdm__forwarded_ran) */
+    /* a group task planned for another formation (the group re-formed since, under another
+     * router's GroupWire) is refused before the others hear of it: its collectives and the
+     * decode node's ranges would not match this one (a group of one rank runs its tasks
+     * unordered: checked alike) */
     for (int i = 0; i < pn->n_queued; i++)
         if (!pdm__ordered(pn, &pn->queue[i])) {
+            if (pdm__stale_formation(pn, &pn->queue[i])) return 1;
             pdm__run_queued(pn, i);
             return 1;
         }
     if (!follower) {
         if (!pn->n_queued) return 0;
+        if (pdm__stale_formation(pn, &pn->queue[0])) return 1;
         const pdm__queued_t q = pn->queue[0];
-        const uint64_t formation = ((const Pdmesh__PrefillTask *)pdm_wire_message(q.m))->formation;
-        /* a task planned for another formation (the group re-formed since, under another
-         * router's GroupWire) is refused before the others hear of it: its collectives and
-         * the decode node's ranges would not match this one */
-        const int st = formation && formation != pn->formation
-                           ? pdm_error_set(PDM_ESTATE, "PrefillTask: planned for another "
-                                           "formation of the group (it re-formed since)")
-                           : pdm__order_send(pn, &q);
+        const int st = pdm__order_send(pn, &q);
         if (st) {
             const pdm_prefill_result_t none = {0};
             pdm__answer(pn, (const Pdmesh__PrefillTask *)pdm_wire_message(q.m), q.origin, st,

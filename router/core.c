@@ -364,6 +364,12 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     r->m.prefill_chunk_failures = pdm_metrics_add(
         m, PDM_METRIC_COUNTER, "pdmesh_prefill_chunk_failures_total",
         "Chunks that failed or were lost (the request then went whole).", NULL, NULL, 0);
+    r->m.stale_formation = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_stale_formation_total",
+        "Group tasks rank 0 refused as planned for another formation of the group (it re-formed "
+        "under another router's wiring, or this router's re-wire was on its way); each was "
+        "planned again, not counted as a failure.",
+        "group", NULL, 0);
     r->m.kv_index_blocks = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_kv_index_blocks",
                                            "Block keys in the router's global prefix index.",
                                            NULL, NULL, 0);

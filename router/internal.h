@@ -41,6 +41,9 @@
  * when the vocabulary has long tokens (rt_logprob_entries_max): its GenerateResult must fit
  * the frame. */
 #define RT_MAX_LOGPROB_ENTRIES 32768
+/* Refusals for another formation of the group (ERR_STALE_FORMATION) a request's tasks may get
+ * and be planned again without a failed attempt; the next one is a failed attempt. */
+#define RT_MAX_STALE_FORMATION 3
 
 typedef struct {
     const char *client_ep, *node_ep, *admin_ep;
@@ -129,6 +132,10 @@ typedef struct {
     int member[PDM_PREFILL_MAX_RANKS]; /* node index per rank, -1 while missing */
     uint64_t member_epoch[PDM_PREFILL_MAX_RANKS];
     uint64_t formation;           /* of the current wiring (PrefillTask.formation) */
+    uint64_t wire_gen;            /* wirings sent so far (rt_req_t.wire_gen) */
+    int wire_stale;               /* rank 0 refused a task of the current wiring for another
+                                   * formation (ERR_STALE_FORMATION): registry.c re-sends the
+                                   * GroupWire */
     int wired;
     int inflight;                 /* prefill tasks sent and not finished on all ranks */
     double suspect_until;         /* an attempt through it failed: not used until then (a
@@ -232,6 +239,9 @@ typedef struct rt_req {
                                    * (PrefillTask.pool_source; 0: the current one) */
     int64_t pool_budget;          /* PrefillTask.pool_tokens of the attempt */
     int pool_reset;               /* the attempt's PrefillTask.pool_reset */
+    uint64_t wire_gen;            /* its group's wire_gen when its whole-group task went out */
+    uint32_t stale_formations;    /* its tasks rank 0 refused for another formation (at most
+                                   * RT_MAX_STALE_FORMATION are planned again unfailed) */
     int waits_for_group;          /* QUEUED: the scheduler last found no prefill group with room
                                    * (0: no decode node with room, or not yet scheduled) */
     pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN]; /* the group attempt's ranges (Usage) */
@@ -355,7 +365,7 @@ struct pdm_router {
             *pool_delta_requests, *pool_delta_tokens, *pool_delta_refused,
             /* prefill groups' pools of conversations (request.c) */
             *group_pool_tokens, *group_pool_entries, *group_pool_evictions, *group_pool_corrupt,
-            *group_prefill_tokens,
+            *group_prefill_tokens, *stale_formation,
             /* chunked prefill (request.c) */
             *prefill_chunks, *prefill_chunk_failures;
     } m;

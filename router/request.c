@@ -25,6 +25,9 @@
  *                                   RESERVING -> DECODE (local prefill)      DecodeStart to D
  *   D DecodeReserved ERR_NODE_FULL  RESERVING -> QUEUED, not a failure (D skipped for 0.5 s;
  *                                   after 15 dispatches -> ended, OVERLOADED)
+ *   P PrefillResult ERR_STALE_FORMATION  PREFILL -> QUEUED, not a failure (rank 0: planned
+ *                                   for another formation; the group may be re-wired; after
+ *                                   RT_MAX_STALE_FORMATION of them -> attempt failed)
  *   P PrefillResult ok              ranks_done++ (once per rank asked); the last frees the group; the rank
  *                                   that carries the first token: -> DECODE  DecodeStart to D
  *   D DecodeTokens                  DECODE: tokens delivered (a stop string ends the request)
@@ -1155,6 +1158,7 @@ static void rt_prefill_task_fill(pdm_router_t *r, rt_req_t *q, Pdmesh__PrefillTa
     if (q->reuse_pending) g->reuse_pending = q->reuse_pending = 0; /* it goes out now */
     if (q->solo_rank < 0) { /* a solo task leaves the group's conversations alone */
         t.formation = g->formation; /* rank 0 refuses it if the group re-formed meanwhile */
+        q->wire_gen = g->wire_gen;
         t.pool_source = q->pool_source;
         t.pool_tokens = (uint64_t)q->pool_budget;
         t.pool_reset = q->pool_reset = g->pool_reset;
@@ -1458,6 +1462,33 @@ static void rt_plp_complete(pdm_router_t *r, rt_req_t *q, int32_t first)
     rt_send_start(r, q, first);
 }
 
+/* Rank 0 refused q's whole-group task as planned for another formation of the group
+ * (ERR_STALE_FORMATION, e): the group re-formed under another router's GroupWire, or this
+ * router's re-wire is on its way. Nothing is wrong with the group, so it is not suspected and
+ * its mirrors stay: no rank ran the task, and the wiring that changed the ranks' formation
+ * (ours, now or before) empties them as any wiring does. If the task was planned for the
+ * current wiring, registry.c re-sends it (wire_stale). The request goes back to QUEUED for
+ * the next scheduling pass, without a failed attempt, RT_MAX_STALE_FORMATION times; the
+ * next refusal is a failed attempt as any other. */
+static void rt_stale_formation(pdm_router_t *r, rt_req_t *q, const Pdmesh__Error *e,
+                               const char *msg)
+{
+    rt_group_t *gr = &r->groups[q->group];
+    pdm_metric_inc(r->m.stale_formation, gr->name, 1);
+    if (q->stale_formations >= RT_MAX_STALE_FORMATION) {
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, msg);
+        return;
+    }
+    q->stale_formations++;
+    if (gr->wired && q->wire_gen == gr->wire_gen && e->formation != gr->formation)
+        gr->wire_stale = 1;
+    pdm_log_info("router: request %llu attempt %u planned again (%s)", (unsigned long long)q->id,
+                 q->attempt, msg);
+    rt_req_release_nodes(r, q, 1);
+    q->state = RQ_QUEUED;
+    q->started = 0;
+}
+
 void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillResult *p)
 {
     rt_req_t *c = rt_chunk_req(r, node, p->task_id, p->attempt);
@@ -1470,6 +1501,11 @@ void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillRe
     if (!p->ok) {
         char m2[512];
         snprintf(m2, sizeof(m2), "prefill rank %s: %s", r->nodes[node].id, rt_err_text(p->error));
+        if (q->group >= 0 && q->solo_rank < 0 && q->state == RQ_PREFILL && p->error &&
+            p->error->code == PDMESH__ERROR_CODE__ERR_STALE_FORMATION) {
+            rt_stale_formation(r, q, p->error, m2);
+            return;
+        }
         if (q->group >= 0 && p->error &&
             p->error->code == PDMESH__ERROR_CODE__ERR_KV_CORRUPT) { /* pool.c, rank.c */
             r->groups[q->group].pool_corrupt++;

@@ -5,6 +5,7 @@
  * prefill suite.
  */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -621,6 +622,147 @@ START_TEST(test_stream_duplicate_and_stale)
 }
 END_TEST
 
+/* ---- Draining never waits for a stalled sender ----------------------------------------- */
+
+typedef struct {
+    int seen;
+    size_t bytes;
+    int intact;
+} drain_seen_t;
+
+static void drain_count(void *arg, uint64_t tag, const void *data, size_t len)
+{
+    drain_seen_t *d = arg;
+    const unsigned char *b = data;
+    d->seen++;
+    d->bytes = len;
+    d->intact = len > 0 && b[0] == 0x5a && b[len - 1] == 0x5a;
+}
+
+/* Drains `tag` from rx until a message is taken, progressing the sender tx until then only
+ * (its announcement must go out, its data must not), within 10 s; *worst: the longest call.
+ * Returns how many were taken. */
+static int drain_take(pdm_kvt_t *rx, pdm_kvt_t *tx, uint64_t tag, drain_seen_t *seen,
+                      double *worst)
+{
+    int taken = 0;
+    for (double end = pdm_now() + 10; !taken && pdm_now() < end;) {
+        const double t0 = pdm_now();
+        taken = pdm_kvt_drain(rx, tag, ~0ull, drain_count, seen);
+        if (pdm_now() - t0 > *worst) *worst = pdm_now() - t0;
+        if (!taken) pdm_kvt_progress(tx);
+    }
+    return taken;
+}
+
+/* A dead or stalled sender's rendezvous (decode_node/node.c drains the dropped sequences'
+ * streams on its loop): its receive cannot complete, and pdm_kvt_drain used to spin up to
+ * the 2 s grace for it, per message, stalling every other sequence. The sender here is a
+ * worker that nobody progresses (TCP only, so the receiver cannot read its memory itself):
+ * the drain must return at once with the message in flight; once the sender goes on, a later
+ * call completes it (its cb sees the data); a message whose sender never goes on is cancelled
+ * after the grace, later calls still returning at once. No more than 256 are in flight: the
+ * others wait in UCX's queue for later calls. */
+START_TEST(test_kvt_drain_stalled_sender)
+{
+    setenv("UCX_TLS", "tcp", 1);
+    setenv("UCX_RNDV_THRESH", "8192", 1);
+    pdm_kvt_params_t prm;
+    pdm_kvt_params_default(&prm);
+    prm.max_requests = 64;
+    pdm_kvt_t *rx, *tx;
+    ck_assert_int_eq(pdm_kvt_create(&prm, &rx), 0);
+    prm.max_requests = 1024;
+    prm.progress_thread = 0; /* progressed only when the test says */
+    ck_assert_int_eq(pdm_kvt_create(&prm, &tx), 0);
+    const void *addr;
+    size_t len;
+    int to_rx, to_tx;
+    pdm_kvt_address(rx, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(tx, addr, len, &to_rx), 0);
+    pdm_kvt_address(tx, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(rx, addr, len, &to_tx), 0);
+    /* wire-up both ways while the sender is progressed */
+    int one = 1, got = 0;
+    pdm_kvt_iov_t o1 = {&one, sizeof(one)}, i1 = {&got, sizeof(got)};
+    pdm_kvt_req_t rr, sr;
+    ck_assert_int_eq(pdm_kvt_irecv(rx, to_tx, 1, &i1, 1, &rr), 0);
+    ck_assert_int_eq(pdm_kvt_isend(tx, to_rx, 1, &o1, 1, &sr), 0);
+    ck_assert_int_eq(pdm_kvt_wait(tx, sr, pdm_now() + 10, NULL), 0);
+    ck_assert_int_eq(pdm_kvt_wait(rx, rr, pdm_now() + 10, NULL), 0);
+
+    const size_t big = 4u << 20;
+    unsigned char *payload = malloc(big);
+    memset(payload, 0x5a, big);
+    pdm_kvt_iov_t ob = {payload, big};
+    const uint64_t tag_a = 0x7100000000000001ull, tag_b = 0x7200000000000001ull;
+    const uint64_t mask = ~0ull;
+    double worst = 0;
+
+    /* a stalled sender that goes on later */
+    drain_seen_t seen = {0};
+    ck_assert_int_eq(pdm_kvt_isend(tx, to_rx, tag_a, &ob, 1, &sr), 0);
+    pdm_kvt_progress(tx);
+    ck_assert_int_eq(drain_take(rx, tx, tag_a, &seen, &worst), 1);
+    ck_assert_msg(worst < 1.0, "a drain call blocked %.3f s (the grace is 2 s)", worst);
+    ck_assert_msg(pdm_kvt_drain_pending(rx, NULL) == 1 && seen.seen == 0,
+                  "the stalled receive did not stay in flight (%d pending, %d seen)",
+                  pdm_kvt_drain_pending(rx, NULL), seen.seen);
+    fprintf(stderr, "drain of a stalled rendezvous: %.1f ms per call at most\n", worst * 1e3);
+    ck_assert_int_eq(pdm_kvt_wait(tx, sr, pdm_now() + 10, NULL), 0); /* the sender goes on */
+    for (double end = pdm_now() + 10; seen.seen == 0 && pdm_now() < end; usleep(1000))
+        ck_assert_int_eq(pdm_kvt_drain(rx, tag_a, mask, drain_count, &seen), 0);
+    ck_assert_msg(seen.seen == 1 && seen.bytes == big && seen.intact,
+                  "the later call saw %d message(s) of %zu bytes", seen.seen, seen.bytes);
+    ck_assert_int_eq(pdm_kvt_drain_pending(rx, NULL), 0);
+
+    /* a sender that never goes on: cancelled after the grace, every call still at once */
+    drain_seen_t never = {0};
+    ck_assert_int_eq(pdm_kvt_isend(tx, to_rx, tag_b, &ob, 1, &sr), 0);
+    pdm_kvt_progress(tx);
+    worst = 0;
+    ck_assert_int_eq(drain_take(rx, tx, tag_b, &never, &worst), 1);
+    ck_assert_int_eq(pdm_kvt_drain_pending(rx, NULL), 1);
+    for (double end = pdm_now() + 10; pdm_kvt_drain_pending(rx, NULL) && pdm_now() < end;) {
+        const double t0 = pdm_now();
+        pdm_kvt_drain(rx, tag_b, mask, drain_count, &never);
+        if (pdm_now() - t0 > worst) worst = pdm_now() - t0;
+        usleep(20000);
+    }
+    uint64_t abandoned = 0;
+    ck_assert_msg(pdm_kvt_drain_pending(rx, &abandoned) == 0,
+                  "the stalled receive is still in flight after 10 s");
+    ck_assert_msg(worst < 1.0, "a drain call blocked %.3f s", worst);
+    ck_assert_int_eq(never.seen, 0);
+    fprintf(stderr, "a never-ending rendezvous: cancelled or given up (%llu given up), calls "
+            "%.1f ms at most\n", (unsigned long long)abandoned, worst * 1e3);
+
+    /* the bound: 256 in flight at most, the rest stays in UCX's queue for later calls */
+    enum { N_MANY = 300 };
+    const uint64_t tag_c = 0x7300000000000000ull, mask_c = ~0xffffull;
+    pdm_kvt_iov_t om = {payload, 65536};
+    pdm_kvt_req_t sm[N_MANY];
+    for (int i = 0; i < N_MANY; i++)
+        ck_assert_int_eq(pdm_kvt_isend(tx, to_rx, tag_c | (uint64_t)i, &om, 1, &sm[i]), 0);
+    for (double end = pdm_now() + 1; pdm_now() < end; usleep(1000)) pdm_kvt_progress(tx);
+    drain_seen_t many = {0};
+    int taken = pdm_kvt_drain(rx, tag_c, mask_c, drain_count, &many);
+    ck_assert_msg(taken == 256 && pdm_kvt_drain_pending(rx, NULL) == 256,
+                  "the first call took %d messages, %d in flight", taken,
+                  pdm_kvt_drain_pending(rx, NULL));
+    for (double end = pdm_now() + 20; many.seen < N_MANY && pdm_now() < end;) {
+        pdm_kvt_progress(tx);
+        taken += pdm_kvt_drain(rx, tag_c, mask_c, drain_count, &many);
+        ck_assert_int_le(pdm_kvt_drain_pending(rx, NULL), 256);
+    }
+    ck_assert_msg(taken == N_MANY && many.seen == N_MANY, "%d taken, %d seen", taken, many.seen);
+    ck_assert_int_eq(pdm_kvt_wait_all(tx, sm, N_MANY, pdm_now() + 10), 0);
+    pdm_kvt_destroy(rx);
+    pdm_kvt_destroy(tx); /* (tag_b's send is still posted there: cancelled) */
+    free(payload);
+}
+END_TEST
+
 static void setup_env(void)
 {
     setenv("UCX_HANDLE_ERRORS", "none", 0);
@@ -648,6 +790,7 @@ Suite *suite_kvtransfer(void)
     tcase_add_test(tc, test_stream_missing_block);
     tcase_add_test(tc, test_stream_duplicate_and_stale);
     tcase_add_test(tc, test_block_checksum);
+    tcase_add_test(tc, test_kvt_drain_stalled_sender);
     suite_add_tcase(s, tc);
     return s;
 }
