@@ -100,6 +100,7 @@ typedef struct {
     int dead, draining;
     uint32_t pid;
     uint64_t generation;    /* Register.generation of the registration it holds */
+    uint64_t features;      /* Register.features (PDM_FEAT_*; 0: a node of an older version) */
     uint64_t reg_ts_ms;     /* Register.timestamp_ms of the newest copy of it taken */
     int tasks;                    /* router-side: attempts assigned and not ended */
     int64_t kv_reserved;          /* router-side: KV tokens of those attempts */
@@ -125,6 +126,8 @@ typedef struct {
     int member[PDM_PREFILL_MAX_RANKS]; /* node index per rank, -1 while missing */
     uint64_t member_epoch[PDM_PREFILL_MAX_RANKS];
     uint64_t formation;           /* of the current wiring (PrefillTask.formation) */
+    int ordered;                  /* of the current wiring (GroupWire.ordered): every rank
+                                   * has PDM_FEAT_ORDERED_GROUP (router/features.h) */
     int wired;
     int inflight;                 /* prefill tasks sent and not finished on all ranks */
     double suspect_until;         /* an attempt through it failed: not used until then (a
