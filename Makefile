@@ -415,6 +415,8 @@ http-test: $(BINS) python-sdk
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_group_pool.py \
 	  --bindir $(BUILD)/bin
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_chunked_prefill.py \
+	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_echo.py \
 	  --bindir $(BUILD)/bin
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python tests/integration/test_openai_structured.py \

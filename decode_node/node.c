@@ -625,7 +625,10 @@ void pdm_decode_node_pool_stats(const pdm_decode_node_t *n, pdm_decode_pool_stat
 
 /* Throws away what came of the dead streams (pdm__dead_stream_t), entries whose time is up
  * freed. A live sequence whose stream tags look the same (20 bits of the id and 8 of the
- * attempt) keeps its blocks: that dead entry waits. */
+ * attempt) keeps its blocks: that dead entry waits. Runs on the decode loop, so it must not
+ * wait: pdm_kvt_drain leaves a block still arriving (a rendezvous whose rank died
+ * mid-transfer) in flight and finishes or cancels it in a later call (before, it waited up
+ * to 2 s per such block, stalling every sequence's next token). */
 static void pdm__dead_drain(pdm_decode_node_t *n, double now)
 {
     for (int k = 0; k < PDM__DEAD_STREAMS; k++) {

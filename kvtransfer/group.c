@@ -8,12 +8,90 @@
 
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/pdm.h"
+#include "common/wire.h"
 
 double pdm_kvt_group_deadline(const pdm_kvt_group_t *g)
 {
     return pdm_now() + g->timeout;
+}
+
+/* The join message of a formation (pdm_kvt_group_init). */
+typedef struct {
+    uint32_t rank;
+    uint32_t nonce;  /* rank 0's for this formation; 0 from the others */
+    int64_t until_ms; /* when the sender gives up on this formation (its wall clock) */
+} pdm__join_msg_t;
+
+static int64_t pdm__wall_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Every rank sends its join message to every other and takes one from each that is not left
+ * over from an earlier formation (kvtransfer.h); followers take rank 0's nonce. */
+static int pdm__join(pdm_kvt_group_t *g)
+{
+    if (g->rank == 0) {
+        if (pdm_random_bytes(&g->nonce, sizeof(g->nonce)) || !g->nonce)
+            g->nonce = (uint32_t)pdm__wall_ms() | 1u;
+    }
+    if (g->size == 1) return PDM_OK;
+    /* a message whose sender gave up before this rank started (1 s allowed for clock skew)
+     * is left over from a formation that failed */
+    const int64_t start = pdm__wall_ms(), oldest = start - 1000;
+    const double deadline = pdm_kvt_group_deadline(g);
+    pdm__join_msg_t out = {(uint32_t)g->rank, g->rank == 0 ? g->nonce : 0,
+                           start + (int64_t)(g->timeout * 1e3)};
+    pdm__join_msg_t in[PDM_KVT_MAX_RANKS];
+    pdm_kvt_req_t recv[PDM_KVT_MAX_RANKS], send[PDM_KVT_MAX_RANKS];
+    int n_send = 0, st = PDM_OK;
+    for (int j = 0; j < g->size; j++) {
+        recv[j] = PDM_KVT_REQ_NONE;
+        if (j == g->rank || st) continue;
+        pdm_kvt_iov_t iov = {&in[j], sizeof(in[j])};
+        st = pdm_kvt_group_recv(g, j, PDM_KVT_KIND_BARRIER, 0, 0, &iov, 1, &recv[j]);
+    }
+    for (int j = 0; j < g->size && !st; j++) {
+        if (j == g->rank) continue;
+        pdm_kvt_iov_t iov = {&out, sizeof(out)};
+        st = pdm_kvt_group_send(g, j, PDM_KVT_KIND_BARRIER, 0, 0, &iov, 1, &send[n_send]);
+        if (!st) n_send++;
+    }
+    for (int j = 0; j < g->size && !st; j++) {
+        if (j == g->rank) continue;
+        for (;;) {
+            size_t bytes = 0;
+            st = pdm_kvt_wait(g->kvt, recv[j], deadline, &bytes);
+            recv[j] = PDM_KVT_REQ_NONE;
+            if (st) break;
+            if (bytes != sizeof(in[j]) || in[j].rank != (uint32_t)j) {
+                st = pdm_error_set(PDM_EPEER, "group: the join message from rank %d is not one "
+                                   "(%zu bytes, rank %u)", j, bytes, in[j].rank);
+                break;
+            }
+            if (in[j].until_ms >= oldest) break;
+            /* left over from a formation that failed: the next one is this formation's */
+            pdm_kvt_iov_t iov = {&in[j], sizeof(in[j])};
+            if ((st = pdm_kvt_group_recv(g, j, PDM_KVT_KIND_BARRIER, 0, 0, &iov, 1, &recv[j])))
+                break;
+        }
+    }
+    if (!st && g->rank != 0) {
+        g->nonce = in[0].nonce;
+        if (!g->nonce) st = pdm_error_set(PDM_EPEER, "group: rank 0 named no formation");
+    }
+    char msg[512];
+    snprintf(msg, sizeof(msg), "%s", st ? pdm_error_last() : "");
+    for (int j = 0; j < g->size; j++) /* receives still posted after a failure */
+        if (recv[j] != PDM_KVT_REQ_NONE) pdm_kvt_cancel(g->kvt, &recv[j], 1);
+    const int sst = pdm_kvt_wait_all(g->kvt, send, n_send, st ? pdm_now() : deadline);
+    if (st) return pdm_error_set(st, "%s", msg);
+    return sst;
 }
 
 int pdm_kvt_group_init(pdm_kvt_group_t *g, pdm_kvt_t *kvt, int rank, int size,
@@ -34,7 +112,7 @@ int pdm_kvt_group_init(pdm_kvt_group_t *g, pdm_kvt_t *kvt, int rank, int size,
         int st = pdm_kvt_connect(kvt, addrs[r], lens[r], &g->peer[r]);
         if (st) return pdm_error_set(st, "group: rank %d: %s", r, pdm_error_last());
     }
-    return pdm_kvt_group_barrier(g, 0);
+    return pdm__join(g);
 }
 
 void pdm_kvt_group_fini(pdm_kvt_group_t *g)

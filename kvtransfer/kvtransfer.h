@@ -144,10 +144,16 @@ typedef struct {
     int peer[PDM_KVT_MAX_RANKS]; /* kvt peer of each rank (-1 for ourselves) */
     uint32_t task;               /* current task id, part of every tag */
     double timeout;              /* seconds allowed for each collective */
+    uint32_t nonce;              /* this formation's name: rank 0's random number, shared at
+                                  * init (tags of traffic that must not reach a later
+                                  * formation of the same ranks) */
 } pdm_kvt_group_t;
 
-/* Connects to every other rank given all ranks' addresses (index = rank) and exchanges a
- * barrier message with each so that connections are established before timing starts. */
+/* Connects to every other rank given all ranks' addresses (index = rank) and exchanges a join
+ * message with each, so that connections are established before timing starts and every rank
+ * learns rank 0's nonce. A join message whose sender gave up on it (its timeout had passed,
+ * by its wall clock, when this rank started to form; 1 s allowed for skew) is left over from
+ * an earlier formation that failed: it is skipped, not taken as this formation's. */
 int pdm_kvt_group_init(pdm_kvt_group_t *g, pdm_kvt_t *kvt, int rank, int size,
                        const void *const *addrs, const size_t *lens, double timeout);
 void pdm_kvt_group_fini(pdm_kvt_group_t *g);
@@ -330,9 +336,19 @@ uint64_t pdm_kvt_stream_tx_bytes(const pdm_kvt_stream_tx_t *tx);
 void pdm_kvt_stream_tx_destroy(pdm_kvt_stream_tx_t *tx);
 
 /* Receives and discards every unexpected message matching (tag, mask) that has arrived;
- * `cb` (may be NULL) sees each one first. Returns how many were drained. */
+ * `cb` (may be NULL) sees each one first, once received. Never waits: a receive that does
+ * not complete at once (a rendezvous whose sender is slow or died mid-transfer) stays in
+ * flight in kvt's own bounded list (256), and every later call, whatever its tag, finishes
+ * what ended since: its data goes to that call's cb if the call's (tag, mask) matches it,
+ * then it is freed. A receive still in flight 2 s after it was taken is cancelled; one the
+ * cancel has not ended 2 s later is given up and its buffer leaked (UCX may still write it:
+ * never freed under UCX). While the list is full, messages stay in UCX's queue for a later
+ * call. Returns how many messages this call took from the queue. */
 typedef void (*pdm_kvt_drain_cb)(void *arg, uint64_t tag, const void *data, size_t len);
 int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb cb, void *arg);
+/* Drained messages whose receive is still in flight; *abandoned (may be NULL): those given
+ * up so far (their buffers leaked). */
+int pdm_kvt_drain_pending(pdm_kvt_t *kvt, uint64_t *abandoned);
 /* Cancels posted receives (PDM_KVT_REQ_NONE entries are skipped) and waits, one bounded
  * grace period for all, until the transport has released them; every handle is released and
  * set to PDM_KVT_REQ_NONE. */

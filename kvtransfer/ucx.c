@@ -27,6 +27,7 @@
 
 #define PDM__KVT_MAX_PEERS 256
 #define PDM__KVT_GRACE 2.0 /* seconds UCX gets to let go of buffers after a failure */
+#define PDM__KVT_MAX_DRAINS 256 /* drained messages whose receive is in flight, at most */
 
 enum { SLOT_FREE = 0, SLOT_PENDING, SLOT_DONE, SLOT_ORPHAN };
 
@@ -46,6 +47,17 @@ typedef struct pdm__slot {
                           operation completes, so it is freed only when the slot is reused) */
     size_t total;      /* bytes of the message */
 } pdm__slot_t;
+
+/* A message pdm_kvt_drain took from UCX's unexpected queue whose receive did not complete at
+ * once: a rendezvous whose sender is slow, stalled or dead. Later drain calls finish it. */
+typedef struct {
+    void *ureq;       /* the UCX receive; released only once done, or given up after a cancel */
+    void *buf;        /* (len) bytes UCX writes into: freed only once ureq is done */
+    size_t len;
+    uint64_t tag;     /* the sender's */
+    double cancel_at; /* pdm_now() clock: cancelled from then on (once cancelled: given up) */
+    int cancelled;
+} pdm__drain_t;
 
 typedef struct {
     ucp_ep_h ep;
@@ -79,6 +91,12 @@ struct pdm_kvt {
     pdm__peer_t peers[PDM__KVT_MAX_PEERS];
     int n_peers;
     pdm_kvt_stats_t stats;
+
+    /* pdm_kvt_drain's receives in flight, [0, n_drains) (under progress_lock), and those given
+     * up (a cancel did not end them: their buffers are leaked rather than freed under UCX) */
+    pdm__drain_t drains[PDM__KVT_MAX_DRAINS];
+    int n_drains;
+    uint64_t drains_abandoned;
 
     int use_thread;
     pthread_t thread;
@@ -425,6 +443,8 @@ void pdm_kvt_destroy(pdm_kvt_t *kvt)
         if (kvt->slots[i].ucx_alive && kvt->slots[i].ureq && !kvt->slots[i].is_send)
             ucp_request_cancel(kvt->worker, kvt->slots[i].ureq);
     pthread_mutex_unlock(&kvt->lock);
+    for (int i = 0; i < kvt->n_drains; i++)
+        if (!kvt->drains[i].cancelled) ucp_request_cancel(kvt->worker, kvt->drains[i].ureq);
     double until = pdm_now() + PDM__KVT_GRACE;
     for (;;) {
         int alive = 0;
@@ -432,10 +452,15 @@ void pdm_kvt_destroy(pdm_kvt_t *kvt)
         pthread_mutex_lock(&kvt->lock);
         for (int i = 0; i < kvt->n_slots; i++) alive += kvt->slots[i].ucx_alive;
         pthread_mutex_unlock(&kvt->lock);
+        for (int i = 0; i < kvt->n_drains; i++)
+            alive += ucp_request_check_status(kvt->drains[i].ureq) == UCS_INPROGRESS;
         if (!alive || pdm_now() > until) break;
     }
+    for (int i = 0; i < kvt->n_drains; i++) ucp_request_free(kvt->drains[i].ureq);
     ucp_worker_release_address(kvt->worker, kvt->address);
     ucp_worker_destroy(kvt->worker);
+    /* (the worker is gone: nothing writes the drained buffers any more) */
+    for (int i = 0; i < kvt->n_drains; i++) free(kvt->drains[i].buf);
     ucp_cleanup(kvt->context);
     pthread_cond_destroy(&kvt->cond);
     pthread_mutex_destroy(&kvt->lock);
@@ -856,44 +881,85 @@ void pdm_kvt_cancel(pdm_kvt_t *kvt, pdm_kvt_req_t *reqs, int n)
     pthread_mutex_unlock(&kvt->lock);
 }
 
+/* Finishes pdm_kvt_drain's receives in flight (progress_lock held). A finished one goes to cb
+ * when its tag matches (tag, mask), then is freed. One still in flight past its grace is
+ * cancelled; one a cancel has not ended within another grace is given up: its request is
+ * released (UCX frees it when it ends) and its buffer leaked, since UCX may still write it. */
+static void pdm__drains_reap(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb cb,
+                             void *arg, double now)
+{
+    for (int i = 0; i < kvt->n_drains;) {
+        pdm__drain_t *d = &kvt->drains[i];
+        const ucs_status_t st = ucp_request_check_status(d->ureq);
+        if (st == UCS_INPROGRESS && now < d->cancel_at) {
+            i++;
+            continue;
+        }
+        if (st == UCS_INPROGRESS && !d->cancelled) {
+            ucp_request_cancel(kvt->worker, d->ureq); /* may end it at once: looked at again */
+            d->cancelled = 1;
+            d->cancel_at = now + PDM__KVT_GRACE;
+            continue;
+        }
+        ucp_request_free(d->ureq);
+        if (st == UCS_INPROGRESS) {
+            kvt->drains_abandoned++;
+            pdm_log_warn("kvt: a drained message (tag %016llx, %zu bytes) did not end %.0f s "
+                         "after its cancel: its buffer is left to UCX",
+                         (unsigned long long)d->tag, d->len, PDM__KVT_GRACE);
+        } else {
+            if (st == UCS_OK && cb && ((d->tag ^ tag) & mask) == 0)
+                cb(arg, d->tag, d->buf, d->len);
+            free(d->buf);
+        }
+        kvt->drains[i] = kvt->drains[--kvt->n_drains];
+    }
+}
+
 int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb cb, void *arg)
 {
     int n = 0;
     pdm_kvt_progress(kvt);
-    for (int guard = 0; guard < 65536; guard++) {
+    pthread_mutex_lock(&kvt->progress_lock);
+    const double now = pdm_now();
+    pdm__drains_reap(kvt, tag, mask, cb, arg, now);
+    /* One list entry must be free before a message leaves UCX's queue (it may not complete
+     * at once); with none, the rest stays queued for a later call. */
+    for (int guard = 0; guard < 65536 && kvt->n_drains < PDM__KVT_MAX_DRAINS; guard++) {
         ucp_tag_recv_info_t info;
         ucp_tag_message_h msg = ucp_tag_probe_nb(kvt->worker, tag, mask, 1, &info);
         if (!msg) break;
+        n++;
         /* Removed from the unexpected queue: it must be received, whatever its size. */
         void *buf = malloc(info.length ? info.length : 1);
+        if (!buf) {
+            pdm_log_warn("kvt: no memory to drain a message of %zu bytes: lost", info.length);
+            continue;
+        }
         ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE,
                                    .datatype = ucp_dt_make_contig(1)};
-        int ok = 0;
-        if (buf) {
-            void *r = ucp_tag_msg_recv_nbx(kvt->worker, buf, info.length, msg, &prm);
-            if (UCS_PTR_IS_PTR(r)) {
-                double until = pdm_now() + PDM__KVT_GRACE;
-                while (ucp_request_check_status(r) == UCS_INPROGRESS && pdm_now() < until) {
-                    pthread_mutex_lock(&kvt->progress_lock);
-                    ucp_worker_progress(kvt->worker);
-                    pthread_mutex_unlock(&kvt->progress_lock);
-                }
-                ok = ucp_request_check_status(r) == UCS_OK;
-                if (ucp_request_check_status(r) == UCS_INPROGRESS) {
-                    ucp_request_cancel(kvt->worker, r);
-                    ucp_request_free(r);
-                    buf = NULL; /* UCX may still write it: leak rather than corrupt */
-                } else {
-                    ucp_request_free(r);
-                }
-            } else {
-                ok = !UCS_PTR_IS_ERR(r);
-            }
+        void *r = ucp_tag_msg_recv_nbx(kvt->worker, buf, info.length, msg, &prm);
+        ucs_status_t st = UCS_PTR_IS_PTR(r) ? ucp_request_check_status(r) : UCS_PTR_STATUS(r);
+        if (st == UCS_INPROGRESS) { /* finished (or given up) by a later call */
+            kvt->drains[kvt->n_drains++] = (pdm__drain_t){
+                .ureq = r, .buf = buf, .len = info.length, .tag = info.sender_tag,
+                .cancel_at = now + PDM__KVT_GRACE};
+            continue;
         }
-        if (ok && cb) cb(arg, info.sender_tag, buf, info.length);
+        if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+        if (st == UCS_OK && cb) cb(arg, info.sender_tag, buf, info.length);
         free(buf);
-        n++;
     }
+    pthread_mutex_unlock(&kvt->progress_lock);
+    return n;
+}
+
+int pdm_kvt_drain_pending(pdm_kvt_t *kvt, uint64_t *abandoned)
+{
+    pthread_mutex_lock(&kvt->progress_lock);
+    const int n = kvt->n_drains;
+    if (abandoned) *abandoned = kvt->drains_abandoned;
+    pthread_mutex_unlock(&kvt->progress_lock);
     return n;
 }
 

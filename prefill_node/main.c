@@ -31,9 +31,10 @@
  * its router's lease). A draining follower leaves only once it holds none, as rank 0 does
  * (a follower that left early stalled rank 0's next task). Rank 0 refuses, before ordering
  * it, a group task planned for another formation of the group (PrefillTask.formation: an
- * elastic group re-wired by another router since). Solo tasks need no order and come from
- * the router to their rank. A router whose lease expired (common/nodelink.h) has its queued
- * tasks dropped, like a CancelTask: one mechanism frees what a dead router left.
+ * elastic group re-wired by another router since), with ERR_STALE_FORMATION and its own
+ * formation. Solo tasks need no order and come from the router to their rank. A router whose
+ * lease expired (common/nodelink.h) has its queued tasks dropped, like a CancelTask: one
+ * mechanism frees what a dead router left.
  *
  * Mixed versions (docs/deployment.md "Versions"): the group is ordered as above only when
  * the router's GroupWire says so (GroupWire.ordered: every rank registered with
@@ -98,7 +99,10 @@ typedef struct {
                                  * others run only what it forwards; 0: every rank runs its
                                  * own copies in arrival order (a rank of an older version) */
     uint64_t formation;         /* its pdm_prefill_formation (PrefillTask.formation) */
-    unsigned wired_by;          /* routers (bit = link origin) that wired this formation */
+    /* the routers (RegisterAck.router_id, random per router process) that wired this
+     * formation: what decides, alike on every rank, whether a GroupWire re-forms the group */
+    uint64_t wired_ids[PDM_LINK_MAX_ROUTERS];
+    int n_wired;
     pdm__queued_t queue[PDM__MAX_QUEUED]; /* FIFO, [0, n_queued) */
     double task_arrived;        /* when the running task was queued (pdm_now() clock) */
     int n_queued;
@@ -139,6 +143,11 @@ static void pdm__leave_group(pdm__daemon_t *pn)
     memset(pn->ran, 0, sizeof(pn->ran)); /* keys of the old formation's forwarded tasks */
     pn->ran_next = 0;
     pn->follow_rank0 = 0;
+    /* order entries of the formation that ends, never taken, are thrown away (rank 0 sends
+     * the next formation's only after this rank's join message) */
+    const uint64_t kind_mask = 0xffull << 56;
+    pdm_kvt_drain(pn->kvt, (uint64_t)PDM_KVT_KIND_ORDER << 56, kind_mask, NULL, NULL);
+    pdm_kvt_drain(pn->kvt, (uint64_t)PDM_KVT_KIND_ORDER_TASK << 56, kind_mask, NULL, NULL);
     if (!pn->grouped) return;
     pdm_log_info("prefill rank: leaving the group to re-form it");
     pdm_prefill_rank_destroy(pn->rank);
@@ -151,7 +160,7 @@ static void pdm__drop_stale(pdm__daemon_t *pn);
 
 static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
 {
-    pdm__drop_stale(pn); /* a restarted router's wire finds its old one forgotten */
+    pdm__drop_stale(pn); /* tasks of routers that are gone leave the queue first */
     Pdmesh__GroupReady ready = PDMESH__GROUP_READY__INIT;
     Pdmesh__Error e = PDMESH__ERROR__INIT;
     char transports[128] = "";
@@ -160,8 +169,12 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
      * group was formed from (same rank, size and addresses) is answered at once, without
      * re-forming the group under the other routers' tasks. A router that wires it again
      * means it (a rank came back): the group re-forms. Every rank sees each router's wires
-     * in that router's order, so all ranks decide alike; a router that is gone or restarted
-     * (its lease, pdm__drop_stale) counts as not having wired. */
+     * in that router's order, so all ranks decide alike. Routers are told apart by their
+     * process's router_id, never by what this rank alone saw of them: a restarted router (a
+     * new id) has not wired this formation; a router whose lease ran out here but that lives
+     * on wires it again to re-form it, and every rank re-forms. (Clearing a router whenever
+     * this rank lost its lease let one rank skip a re-forming wire that the other took: the
+     * follower then waited for order entry 0 while rank 0 sent entry 10, for good.) */
     XXH64_state_t *hs = XXH64_createState();
     uint64_t hash = 0;
     if (hs) {
@@ -178,9 +191,12 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
         hash = XXH64_digest(hs);
         XXH64_freeState(hs);
     }
-    const unsigned bit = 1u << pdm_link_origin(pn->link);
-    if (pn->grouped && hash && hash == pn->wire_hash && !(pn->wired_by & bit)) {
-        pn->wired_by |= bit;
+    const uint64_t rid = pdm_link_router_id(pn->link, pdm_link_origin(pn->link));
+    int known = 0;
+    for (int i = 0; i < pn->n_wired && !known; i++) known = pn->wired_ids[i] == rid;
+    if (pn->grouped && hash && hash == pn->wire_hash && !known &&
+        pn->n_wired < PDM_LINK_MAX_ROUTERS) {
+        pn->wired_ids[pn->n_wired++] = rid;
         ready.epoch = pdm_link_epoch(pn->link);
         ready.group = (char *)(w->group ? w->group : "");
         ready.rank = w->rank;
@@ -225,7 +241,8 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
             pdm_log_info("prefill rank: group %s runs unordered (a rank of an older version): "
                          "each rank runs its routers' copies in arrival order",
                          w->group ? w->group : "");
-        pn->wired_by = bit;
+        pn->wired_ids[0] = rid;
+        pn->n_wired = 1;
         ready.ok = 1;
         pdm_kvt_peer_transports(pn->kvt, pn->group.peer[(pn->group.rank + 1) % pn->group.size],
                                 transports, sizeof(transports));
@@ -682,7 +699,6 @@ static void pdm__drop_stale(pdm__daemon_t *pn)
             unsigned k = pdm_link_orphans_of(pn->link, o);
             any |= gone[o] = k != pn->orphans_of[o];
             pn->orphans_of[o] = k;
-            if (gone[o]) pn->wired_by &= ~(1u << o);
         }
     }
     const double too_old = pdm_now() - PDM_MAX(60.0, 4 * pn->rp.timeout);
@@ -708,6 +724,14 @@ static void pdm__run_queued(pdm__daemon_t *pn, int i)
 {
     const pdm__queued_t q = pn->queue[i];
     pdm__run_msg(pn, pdm__dequeue(pn, i, 1), q.origin, q.arrived);
+}
+
+/* The tag of order entry `seq` (or of its task): named by the formation (the group's nonce,
+ * kvtransfer.h), so that an entry a follower never took before the group re-formed cannot be
+ * taken for the new formation's entry of the same number. */
+static uint64_t pdm__order_tag(const pdm__daemon_t *pn, pdm_kvt_kind_t kind, int seq)
+{
+    return pdm_kvt_tag(kind, 0, pn->group.nonce & 0xffff, 0, seq);
 }
 
 /* 1 when the task needs the whole group in one order (not solo, group of 2 or more). */
@@ -739,8 +763,8 @@ static int pdm__order_send(pdm__daemon_t *pn, const pdm__queued_t *q)
     int n = 0;
     pdm_kvt_iov_t iov[2] = {{e, sizeof(*e)}, {frame, len}};
     const int seq = (int)(pn->order_seq & 0xffff);
-    const uint64_t tag[2] = {pdm_kvt_tag(PDM_KVT_KIND_ORDER, 0, 0, 0, seq),
-                             pdm_kvt_tag(PDM_KVT_KIND_ORDER_TASK, 0, 0, 0, seq)};
+    const uint64_t tag[2] = {pdm__order_tag(pn, PDM_KVT_KIND_ORDER, seq),
+                             pdm__order_tag(pn, PDM_KVT_KIND_ORDER_TASK, seq)};
     pn->order_seq++;
     for (int k = 1; k < pn->group.size; k++)
         for (int part = 0; part < 2; part++)
@@ -766,7 +790,7 @@ static int pdm__order_poll(pdm__daemon_t *pn, pdm_wire_msg_t **m, int *origin)
         if (pdm_now() < pn->order_retry_at) return 0;
         pdm_kvt_iov_t iov = {&pn->order_entry, sizeof(pn->order_entry)};
         const uint64_t tag =
-            pdm_kvt_tag(PDM_KVT_KIND_ORDER, 0, 0, 0, (int)(pn->order_seq & 0xffff));
+            pdm__order_tag(pn, PDM_KVT_KIND_ORDER, (int)(pn->order_seq & 0xffff));
         if (pdm_kvt_irecv(pn->kvt, pn->group.peer[0], tag, &iov, 1, &pn->order_req)) {
             pn->order_req = PDM_KVT_REQ_NONE;
             pn->order_retry_at = pdm_now() + 1.0;
@@ -803,7 +827,7 @@ static int pdm__order_poll(pdm__daemon_t *pn, pdm_wire_msg_t **m, int *origin)
     pdm_kvt_iov_t iov = {frame, e.frame_bytes};
     pdm_kvt_req_t r;
     st = pdm_kvt_irecv(pn->kvt, pn->group.peer[0],
-                       pdm_kvt_tag(PDM_KVT_KIND_ORDER_TASK, 0, 0, 0, seq), &iov, 1, &r);
+                       pdm__order_tag(pn, PDM_KVT_KIND_ORDER_TASK, seq), &iov, 1, &r);
     if (!st) st = pdm_kvt_wait(pn->kvt, r, pdm_kvt_group_deadline(&pn->group), &bytes);
     if (!st && bytes != e.frame_bytes)
         st = pdm_error_set(PDM_EFORMAT, "%zu bytes, the entry said %u", bytes, e.frame_bytes);
@@ -844,6 +868,42 @@ static void pdm__forwarded_ran(pdm__daemon_t *pn, uint64_t key, int origin)
         }
 }
 
+/* Rank 0: task t was planned for another formation of the group than this rank's. Answered
+ * ERR_STALE_FORMATION with the rank's formation, a code of its own: the router does not take
+ * it for a failure of the group (it re-checks its wiring and plans the task again). */
+static void pdm__refuse_formation(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int origin)
+{
+    Pdmesh__PrefillResult r = PDMESH__PREFILL_RESULT__INIT;
+    Pdmesh__Error e = PDMESH__ERROR__INIT;
+    char msg[160];
+    snprintf(msg, sizeof(msg), "PrefillTask: planned for formation %016llx of the group, the "
+             "rank is in %016llx (the group re-formed since)", (unsigned long long)t->formation,
+             (unsigned long long)pn->formation);
+    pdm_log_info("prefill rank: task %llu attempt %u refused: %s", (unsigned long long)t->task_id,
+                 t->attempt, msg);
+    r.task_id = e.task_id = t->task_id;
+    r.attempt = e.attempt = t->attempt;
+    r.epoch = pdm_link_epoch_of(pn->link, origin);
+    r.rank = pn->grouped ? (uint32_t)pn->group.rank : 0;
+    r.first_token = -1;
+    e.code = PDMESH__ERROR_CODE__ERR_STALE_FORMATION;
+    e.message = msg;
+    e.formation = pn->grouped ? pn->formation : 0;
+    r.error = &e;
+    pdm_link_send_to(pn->link, origin, PDMESH__MSG_TYPE__MSG_PREFILL_RESULT, &r.base);
+}
+
+/* Whether queued task q is a group task planned for another formation than this rank's: if
+ * so it is answered (pdm__refuse_formation) and dropped. */
+static int pdm__stale_formation(pdm__daemon_t *pn, pdm__queued_t *q)
+{
+    const Pdmesh__PrefillTask *t = (const Pdmesh__PrefillTask *)pdm_wire_message(q->m);
+    if (!t->formation || t->solo || (pn->grouped && t->formation == pn->formation)) return 0;
+    pdm__refuse_formation(pn, t, q->origin);
+    pdm__dequeue(pn, (int)(q - pn->queue), 0);
+    return 1;
+}
+
 /* Runs what may run now: 1 if a task ran. */
 static int pdm__run_next(pdm__daemon_t *pn)
 {
@@ -852,23 +912,21 @@ static int pdm__run_next(pdm__daemon_t *pn)
     /* solo tasks and tasks before the group formed need no order; a follower runs a group
      * task only as rank 0 forwards it (its own copy is a record: pdm__forwarded_ran); in an
      * unordered group every rank takes its queue's head, as rank 0 does, and forwards none */
+    /* a group task planned for another formation (the group re-formed since, under another
+     * router's GroupWire) is refused before the others hear of it: its collectives and the
+     * decode node's ranges would not match this one (a group of one rank runs its tasks
+     * unordered: checked alike) */
     for (int i = 0; i < pn->n_queued; i++)
         if (!pdm__ordered(pn, &pn->queue[i])) {
+            if (pdm__stale_formation(pn, &pn->queue[i])) return 1;
             pdm__run_queued(pn, i);
             return 1;
         }
     if (!follower) {
         if (!pn->n_queued) return 0;
+        if (pdm__stale_formation(pn, &pn->queue[0])) return 1;
         const pdm__queued_t q = pn->queue[0];
-        const uint64_t formation = ((const Pdmesh__PrefillTask *)pdm_wire_message(q.m))->formation;
-        /* a task planned for another formation (the group re-formed since, under another
-         * router's GroupWire) is refused before the others hear of it: its collectives and
-         * the decode node's ranges would not match this one */
-        const int st = formation && formation != pn->formation
-                           ? pdm_error_set(PDM_ESTATE, "PrefillTask: planned for another "
-                                           "formation of the group (it re-formed since)")
-                           : pn->follow_rank0 ? pdm__order_send(pn, &q)
-                                              : PDM_OK;
+        const int st = pn->follow_rank0 ? pdm__order_send(pn, &q) : PDM_OK;
         if (st) {
             const pdm_prefill_result_t none = {0};
             pdm__answer(pn, (const Pdmesh__PrefillTask *)pdm_wire_message(q.m), q.origin, st,

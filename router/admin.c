@@ -93,6 +93,7 @@ static int rt_policies(pdm_router_t *r, rt_policy_t *p)
     p[n++] = (rt_policy_t){"pool_delta", &c->pool_delta, NULL, 0, 1};
     p[n++] = (rt_policy_t){"prefill_batch_max", &c->prefill_batch_max, NULL, 1, RT_BATCH_MAX};
     p[n++] = (rt_policy_t){"prefill_batch_tokens", &c->prefill_batch_tokens, NULL, 1, 8192};
+    p[n++] = (rt_policy_t){"prefill_chunk_tokens", &c->prefill_chunk_tokens, NULL, 0, 1 << 20};
     return n;
 }
 

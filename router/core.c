@@ -55,6 +55,7 @@ void rt_config_default(rt_config_t *c)
     c->prefill_batch_max = 1; /* off: no gain measured on the reference machine
                                * (docs/perf/serve-batch.md) */
     c->prefill_batch_tokens = 2048;
+    c->prefill_chunk_tokens = 0;
     c->http_host = "127.0.0.1";
     c->http_port = 8080;
 }
@@ -357,6 +358,19 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     r->m.group_prefill_tokens = pdm_metrics_add(
         m, PDM_METRIC_COUNTER, "pdmesh_group_prefill_tokens_total",
         "Prompt tokens prefill groups computed (cached ones not counted).", NULL, NULL, 0);
+    r->m.prefill_chunks = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_prefill_chunks_total",
+        "Chunks of long prompts prefill groups computed ahead of the request's own task "
+        "(--prefill-chunk-tokens).", NULL, NULL, 0);
+    r->m.prefill_chunk_failures = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_prefill_chunk_failures_total",
+        "Chunks that failed or were lost (the request then went whole).", NULL, NULL, 0);
+    r->m.stale_formation = pdm_metrics_add(
+        m, PDM_METRIC_COUNTER, "pdmesh_stale_formation_total",
+        "Group tasks rank 0 refused as planned for another formation of the group (it re-formed "
+        "under another router's wiring, or this router's re-wire was on its way); each was "
+        "planned again, not counted as a failure.",
+        "group", NULL, 0);
     r->m.kv_index_blocks = pdm_metrics_add(m, PDM_METRIC_GAUGE, "pdmesh_kv_index_blocks",
                                            "Block keys in the router's global prefix index.",
                                            NULL, NULL, 0);

@@ -41,6 +41,9 @@
  * when the vocabulary has long tokens (rt_logprob_entries_max): its GenerateResult must fit
  * the frame. */
 #define RT_MAX_LOGPROB_ENTRIES 32768
+/* Refusals for another formation of the group (ERR_STALE_FORMATION) a request's tasks may get
+ * and be planned again without a failed attempt; the next one is a failed attempt. */
+#define RT_MAX_STALE_FORMATION 3
 
 typedef struct {
     const char *client_ep, *node_ep, *admin_ep;
@@ -77,6 +80,10 @@ typedef struct {
     int prefill_batch_max;        /* batched prefill (batch.h): requests per batch task, 1..8
                                    * (1: none) */
     int prefill_batch_tokens;     /* ... and their prompt tokens at most */
+    int prefill_chunk_tokens;     /* chunked prefill (request.c "Chunked prefill"): a prompt
+                                   * with more than this many tokens left for a whole-group
+                                   * task is prefilled by the group in chunks of this size,
+                                   * other tasks free to go between them (0: off) */
     const char *http_host;
     int http_port;                /* -1: no HTTP */
 } rt_config_t;
@@ -128,6 +135,10 @@ typedef struct {
     uint64_t formation;           /* of the current wiring (PrefillTask.formation) */
     int ordered;                  /* of the current wiring (GroupWire.ordered): every rank
                                    * has PDM_FEAT_ORDERED_GROUP (router/features.h) */
+    uint64_t wire_gen;            /* wirings sent so far (rt_req_t.wire_gen) */
+    int wire_stale;               /* rank 0 refused a task of the current wiring for another
+                                   * formation (ERR_STALE_FORMATION): registry.c re-sends the
+                                   * GroupWire */
     int wired;
     int inflight;                 /* prefill tasks sent and not finished on all ranks */
     double suspect_until;         /* an attempt through it failed: not used until then (a
@@ -231,6 +242,9 @@ typedef struct rt_req {
                                    * (PrefillTask.pool_source; 0: the current one) */
     int64_t pool_budget;          /* PrefillTask.pool_tokens of the attempt */
     int pool_reset;               /* the attempt's PrefillTask.pool_reset */
+    uint64_t wire_gen;            /* its group's wire_gen when its whole-group task went out */
+    uint32_t stale_formations;    /* its tasks rank 0 refused for another formation (at most
+                                   * RT_MAX_STALE_FORMATION are planned again unfailed) */
     int waits_for_group;          /* QUEUED: the scheduler last found no prefill group with room
                                    * (0: no decode node with room, or not yet scheduled) */
     pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN]; /* the group attempt's ranges (Usage) */
@@ -285,6 +299,20 @@ typedef struct rt_req {
     uint64_t sched_pass;          /* the rt_schedule pass that last dispatched it: a pass
                                    * that looks at the queue again (after forming a batch)
                                    * does not dispatch a request twice */
+    /* chunked prefill (request.c "Chunked prefill"): while QUEUED, a chunk of the prompt may
+     * be in flight on group chunk_group as its own task (chunk_id, attempt 1: no attempt of
+     * the request), computing the prompt up to chunk_end; chunk_answered: bit k, rank k
+     * answered; chunk_until: when the router stops waiting for it. chunk_off: chunking
+     * stopped for this request (a chunk failed or made no progress): it goes whole. */
+    uint64_t chunk_id;
+    int chunk_group;
+    uint32_t chunk_start, chunk_end;
+    uint64_t chunk_answered;
+    uint64_t chunk_epochs[PDM_PREFILL_MAX_RANKS];
+    double chunk_sent, chunk_until, chunk_seconds;
+    int chunk_off;
+    uint32_t chunks_done;         /* chunks computed for it */
+    uint32_t chunk_reused;        /* the cached prefix its first chunk continued (Usage) */
 } rt_req_t;
 
 struct pdm_router {
@@ -340,7 +368,9 @@ struct pdm_router {
             *pool_delta_requests, *pool_delta_tokens, *pool_delta_refused,
             /* prefill groups' pools of conversations (request.c) */
             *group_pool_tokens, *group_pool_entries, *group_pool_evictions, *group_pool_corrupt,
-            *group_prefill_tokens;
+            *group_prefill_tokens, *stale_formation,
+            /* chunked prefill (request.c) */
+            *prefill_chunks, *prefill_chunk_failures;
     } m;
 };
 

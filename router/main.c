@@ -102,7 +102,10 @@ static void rt_usage(FILE *f)
             "                            model, 2 whenever others wait, 0 never (0)\n"
             "  --prefill-batch-max N     queued prompts one rank prefills as one batch task\n"
             "                            (solo ranks, 1-rank groups; 1: no batching) (1)\n"
-            "  --prefill-batch-tokens N  prompt tokens a batch task holds at most (2048)\n");
+            "  --prefill-batch-tokens N  prompt tokens a batch task holds at most (2048)\n"
+            "  --prefill-chunk-tokens N  a group prefills a longer prompt in chunks of N tokens,\n"
+            "                            other tasks going between them; needs a group pool\n"
+            "                            that holds the prompt (--group-pool-tokens) (0: off)\n");
 }
 
 int main(int argc, char **argv)
@@ -117,7 +120,8 @@ int main(int argc, char **argv)
         O_QUEUE, O_PERCLIENT, O_MAXPROMPT, O_MAXTOK, O_DEFTOK, O_DEADLINE, O_ATTEMPTS, O_LOCAL,
         O_METHOD, O_TABLE, O_CALIB, O_BLOCK, O_GINF, O_HTTP, O_CURVE_SECRET, O_CURVE_ALLOW,
         O_PREFIX_REUSE, O_POOL_LOCAL, O_POOL_DELTA, O_GROUP_POOL, O_HTTP_CONNS, O_HTTP_PER_PEER, O_HTTP_HEAD, O_HTTP_BODY, O_HTTP_IDLE,
-        O_CHAT_TEMPLATE, O_ADAPTIVE, O_BATCH_MAX, O_BATCH_TOKENS
+        O_CHAT_TEMPLATE, O_ADAPTIVE, O_BATCH_MAX, O_BATCH_TOKENS,
+        O_CHUNK_TOKENS
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},
@@ -158,6 +162,7 @@ int main(int argc, char **argv)
         {"adaptive-group", required_argument, 0, O_ADAPTIVE},
         {"prefill-batch-max", required_argument, 0, O_BATCH_MAX},
         {"prefill-batch-tokens", required_argument, 0, O_BATCH_TOKENS},
+        {"prefill-chunk-tokens", required_argument, 0, O_CHUNK_TOKENS},
         {"curve-secret-file", required_argument, 0, O_CURVE_SECRET},
         {"curve-allow", required_argument, 0, O_CURVE_ALLOW},
         {"help", no_argument, 0, 'h'},
@@ -232,6 +237,7 @@ int main(int argc, char **argv)
         case O_ADAPTIVE: NUM(0, 2, cfg.adaptive_group); break;
         case O_BATCH_MAX: NUM(1, RT_BATCH_MAX, cfg.prefill_batch_max); break;
         case O_BATCH_TOKENS: NUM(1, 8192, cfg.prefill_batch_tokens); break;
+        case O_CHUNK_TOKENS: NUM(0, 1 << 20, cfg.prefill_chunk_tokens); break;
         case 'h': rt_usage(stdout); return 0;
         default: rt_usage(stderr); return 2;
         }

@@ -135,6 +135,8 @@ static void rt_group_try_wire(pdm_router_t *r, int g)
     if (!gr->ordered && gr->size > 1)
         pdm_log_warn("router: group %s: rank %u (%s) lacks ordered tasks (older version); "
                      "running unordered", gr->name, lacking, r->nodes[gr->member[lacking]].id);
+    gr->wire_gen++;
+    gr->wire_stale = 0;
     for (uint32_t k = 0; k < gr->size; k++) {
         rt_node_t *n = &r->nodes[gr->member[k]];
         Pdmesh__GroupWire w = PDMESH__GROUP_WIRE__INIT;
@@ -160,6 +162,30 @@ static void rt_group_try_wire(pdm_router_t *r, int g)
     gr->pool_reset = 1; /* and in case a rank kept its process: empty its pool too */
     pdm_log_info("router: prefill group %s wired (%u ranks%s%s)", gr->name, gr->size,
                  gr->elastic ? ", elastic" : "", gr->ordered || gr->size < 2 ? "" : ", unordered");
+}
+
+/* Rank 0 of group g refused a task of its current wiring as planned for another formation
+ * (request.c set wire_stale): the ranks are in a formation this router did not wire (another
+ * router re-wired an elastic group it sees differently), so the GroupWire goes out again and
+ * the group re-forms as this router plans it. Once per wiring: the other tasks refused under
+ * it only wait for the new one. Its tasks still in flight stay counted (they run, or are
+ * refused, under the new wiring). */
+static void rt_group_rewire_stale(pdm_router_t *r, int g)
+{
+    if (g < 0 || !r->groups[g].wire_stale) return;
+    rt_group_t *gr = &r->groups[g];
+    const int inflight = gr->inflight, solo_inflight = gr->solo_inflight;
+    int rank_tasks[PDM_PREFILL_MAX_RANKS];
+    memcpy(rank_tasks, gr->rank_tasks, sizeof(rank_tasks));
+    pdm_log_info("router: prefill group %s: its ranks are in another formation than the one "
+                 "wired; wiring it again", gr->name);
+    gr->wire_stale = 0;
+    gr->wired = 0;
+    rt_group_try_wire(r, g);
+    if (!gr->wired) return; /* a rank is gone: it re-forms when the rank is back */
+    gr->inflight = inflight;
+    gr->solo_inflight = solo_inflight;
+    memcpy(gr->rank_tasks, rank_tasks, sizeof(rank_tasks));
 }
 
 static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_len,
@@ -466,6 +492,7 @@ void rt_on_node_frame(pdm_router_t *r, const uint8_t *ident, size_t ident_len, c
         if ((i = rt_check_sender(r, ident, ident_len, p->epoch, 1, "prefill result")) < 0) break;
         r->nodes[i].last_hb = now;
         rt_req_on_prefill_result(r, i, p);
+        rt_group_rewire_stale(r, rt_group_of(r, &r->nodes[i]));
         break;
     }
     case PDMESH__MSG_TYPE__MSG_DECODE_TOKENS: {

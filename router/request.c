@@ -25,6 +25,9 @@
  *                                   RESERVING -> DECODE (local prefill)      DecodeStart to D
  *   D DecodeReserved ERR_NODE_FULL  RESERVING -> QUEUED, not a failure (D skipped for 0.5 s;
  *                                   after 15 dispatches -> ended, OVERLOADED)
+ *   P PrefillResult ERR_STALE_FORMATION  PREFILL -> QUEUED, not a failure (rank 0: planned
+ *                                   for another formation; the group may be re-wired; after
+ *                                   RT_MAX_STALE_FORMATION of them -> attempt failed)
  *   P PrefillResult ok              ranks_done++ (once per rank asked); the last frees the group; the rank
  *                                   that carries the first token: -> DECODE  DecodeStart to D
  *   D DecodeTokens                  DECODE: tokens delivered (a stop string ends the request)
@@ -41,6 +44,10 @@
  * a migration if tokens were delivered, else a retry. Tokens already delivered are never sent again: a
  * migrated request is prefilled locally on the new decode node with prompt + delivered
  * tokens and continues at completion index n_gen.
+ * Chunked prefill ("Chunked prefill" below) happens while QUEUED and changes no state: the
+ * scheduler may send a chunk of a long prompt to a group (rt_req_chunk, PrefillTask under the
+ * chunk's own task id, nothing streamed); the ranks' PrefillResults complete it, an error
+ * or a lost rank ends the chunking, and the request goes on as above.
  * Task messages count only for the request's current attempt on the node (or group rank, by
  * epoch) that holds it; anything else is stale and dropped. registry.c checks the sender and
  * its epoch before it hands a message here.
@@ -69,8 +76,23 @@ rt_req_t *rt_req_find(pdm_router_t *r, uint64_t id)
     return NULL;
 }
 
+static const char *rt_err_text(const Pdmesh__Error *e)
+{
+    return e && e->message && e->message[0] ? e->message : "failed";
+}
+
+static void rt_chunk_release(pdm_router_t *r, rt_req_t *q);
+
+/* Prompt tokens q reused from a cache rather than computed for it: its task's cached prefix,
+ * of which the rows its own prefill chunks computed do not count. */
+static uint32_t rt_req_reused(const rt_req_t *q)
+{
+    return q->chunks_done ? PDM_MIN(q->cached_tokens, q->chunk_reused) : q->cached_tokens;
+}
+
 static void rt_req_unlink_free(pdm_router_t *r, rt_req_t *q)
 {
+    rt_chunk_release(r, q); /* a chunk of its prompt still in flight */
     /* OpenAI's n: a choice leaves its leader; a leader's choices go on alone */
     if (q->leader) q->leader->choice[q->choice_index] = NULL;
     for (uint32_t i = 0; i < q->n_samples && i < RT_MAX_CHOICES; i++) {
@@ -572,7 +594,7 @@ void rt_req_finish(pdm_router_t *r, rt_req_t *q, int finish)
     u.prefill_group = q->group_name;
     u.decode_node = q->dnode_name;
     u.attempts = q->attempt;
-    u.cached_tokens = q->cached_tokens;
+    u.cached_tokens = rt_req_reused(q);
     u.pool_prefix_tokens = q->pool_delta;
     Pdmesh__TokenRange rg[PDM_PREFILL_MAX_PLAN], *rgp[PDM_PREFILL_MAX_PLAN];
     pdm_prefill_ranges_to_wire(q->plan, q->n_plan, rg, rgp);
@@ -668,36 +690,45 @@ static void rt_attempt_failed(pdm_router_t *r, rt_req_t *q, int code, const char
 /* A whole-group task goes out: the mirror does what the ranks will do before and after it
  * (pool.h, then conv.c), in the order the tasks are sent, which is the order the ranks run
  * them. A task that fails resets the mirror (rt_attempt_failed). */
-static void rt_group_mirror(pdm_router_t *r, rt_req_t *q)
+static void rt_group_mirror_task(pdm_router_t *r, rt_group_t *gr, int reset, uint64_t source,
+                                 int64_t budget, int method, const int *chunks,
+                                 const int32_t *tokens, int32_t start, int32_t end)
 {
-    rt_group_t *gr = &r->groups[q->group];
-    const int32_t start = (int32_t)q->cached_tokens, T = (int32_t)q->n_prompt - start;
+    const int32_t T = end - start;
     pdm_prefill_range_t plan[PDM_PREFILL_MAX_PLAN];
     int n_prefix;
-    if (q->pool_reset) {
+    if (reset) {
         pdm_prefill_pool_clear(&gr->pool);
         pdm_prefill_conv_reset(&gr->conv);
     }
     int loaded;
-    if (pdm_prefill_pool_begin(&gr->pool, &gr->conv, q->pool_source, start, &loaded)) {
+    if (pdm_prefill_pool_begin(&gr->pool, &gr->conv, source, start, &loaded)) {
         pdm_log_warn("router: group %s: its pool mirror is out of step (%s): reset",
                      gr->name, pdm_error_last());
         pdm_prefill_pool_clear(&gr->pool);
         gr->pool_reset = 1;
     }
-    pdm_prefill_pool_set_budget(&gr->pool, q->pool_budget); /* after, as the ranks do */
-    int nr = pdm_prefill_conv_plan(&gr->conv, (pdm_prefill_method_t)q->method_id, (int)gr->size,
-                                   start, T, q->chunks, 0, plan, &n_prefix);
-    if (nr < 0 || pdm_prefill_conv_commit(&gr->conv, (pdm_prefill_method_t)q->method_id,
-                                          (int)gr->size, start, q->prompt + start, T, plan, nr))
+    pdm_prefill_pool_set_budget(&gr->pool, budget); /* after, as the ranks do */
+    int nr = pdm_prefill_conv_plan(&gr->conv, (pdm_prefill_method_t)method, (int)gr->size,
+                                   start, T, chunks, 0, plan, &n_prefix);
+    if (nr < 0 || pdm_prefill_conv_commit(&gr->conv, (pdm_prefill_method_t)method,
+                                          (int)gr->size, start, tokens + start, T, plan, nr))
         pdm_prefill_conv_reset(&gr->conv); /* out of step: forget (a smaller view is safe) */
+}
+
+static void rt_group_mirror(pdm_router_t *r, rt_req_t *q)
+{
+    rt_group_mirror_task(r, &r->groups[q->group], q->pool_reset, q->pool_source, q->pool_budget,
+                         q->method_id, q->chunks, q->prompt, (int32_t)q->cached_tokens,
+                         (int32_t)q->n_prompt);
 }
 
 /* Every rank of the request's group finished its task: its counters. */
 static void rt_group_prefilled(pdm_router_t *r, rt_req_t *q)
 {
     rt_group_t *gr = &r->groups[q->group];
-    const int32_t start = (int32_t)q->cached_tokens, T = (int32_t)q->n_prompt - start;
+    const int32_t T = (int32_t)q->n_prompt - (int32_t)q->cached_tokens;
+    const int32_t start = (int32_t)rt_req_reused(q);
     gr->pool_tasks++;
     pdm_metric_inc(r->m.group_prefill_tokens, NULL, (double)T);
     pdm_metric_set(r->m.group_pool_tokens, gr->name, (double)gr->pool.tokens);
@@ -718,6 +749,209 @@ static int rt_group_unsent(const pdm_router_t *r, int g, const rt_req_t *q)
     for (const rt_req_t *w = r->head; w; w = w->next)
         if (w != q && w->group == g && w->state == RQ_RESERVING && w->solo_rank < 0) return 1;
     return 0;
+}
+
+/* ---------------------------------------------------------------- chunked prefill */
+/*
+ * Chunked prefill (issue 19; the chunked prefills of Sarathi-Serve, Agrawal et al., OSDI '24,
+ * §4, applied here between the tasks of a prefill group instead of inside one batch). A long
+ * prompt holds its group for its whole prefill, and every prompt queued behind it waits that
+ * long. With prefill_chunk_tokens C, a request that has more than C tokens left for a
+ * whole-group task first has the group compute its prompt C tokens at a time. Each chunk is
+ * a partial prefill of the prompt so far (PrefillTask.start/prefix, as a follow-up turn is),
+ * sent under its own task id, with no decode node and nothing streamed. The request stays
+ * QUEUED meanwhile, so what the scheduler sends the group next (deadline order, up to
+ * group_inflight tasks) runs between two chunks, and the group's pool (prefill_node/pool.h)
+ * keeps the chunked conversation while it does: chunking needs a pool budget that holds the
+ * whole prompt. Once at most C tokens are left, the request is dispatched as any other: its
+ * task continues the conversation, computes the rest and streams the whole prompt's KV to
+ * its decode node (the chunks' rows from the ranks' caches, as for a follow-up turn).
+ * Chunks are only a way there: one that fails, is lost with its group or finds the group
+ * holding less than it left (the pool lost the conversation) stops the chunking, and the
+ * request goes whole. The mirror follows a chunk when it is sent, as it follows any task.
+ */
+
+/* The request whose chunk in flight is task `task_id`, when `node` is one of the ranks it went
+ * to (same registration); else NULL. */
+static rt_req_t *rt_chunk_req(pdm_router_t *r, int node, uint64_t task_id, uint32_t attempt)
+{
+    if (attempt != 1 || !task_id) return NULL;
+    for (rt_req_t *q = r->head; q; q = q->next) {
+        if (q->chunk_id != task_id) continue;
+        const rt_node_t *n = &r->nodes[node];
+        const rt_group_t *gr = &r->groups[q->chunk_group];
+        return n->rank < gr->size && gr->member[n->rank] == node &&
+                       q->chunk_epochs[n->rank] == n->epoch ? q : NULL;
+    }
+    return NULL;
+}
+
+/* Gives back what q's chunk in flight holds of its group; the ranks that did not answer are
+ * taken as free (a chunk is not cancelled: it is bounded work, and the mirror counts on it). */
+static void rt_chunk_release(pdm_router_t *r, rt_req_t *q)
+{
+    if (!q->chunk_id) return;
+    rt_group_t *gr = &r->groups[q->chunk_group];
+    if (gr->inflight > 0) gr->inflight--;
+    for (uint32_t k = 0; k < gr->size && k < PDM_PREFILL_MAX_RANKS; k++)
+        if (!(q->chunk_answered >> k & 1)) rt_rank_done(gr, k);
+    q->chunk_id = 0;
+}
+
+/* q's chunk failed (why): the group's ranks may hold less than the mirror says, so both start
+ * afresh (as after a failed attempt); with `stop`, q goes whole from now on. */
+static void rt_chunk_failed(pdm_router_t *r, rt_req_t *q, const char *why, int stop)
+{
+    rt_group_t *gr = &r->groups[q->chunk_group];
+    pdm_log_warn("router: request %llu: its prefill chunk %u-%u on group %s failed: %s%s",
+                 (unsigned long long)q->id, q->chunk_start, q->chunk_end, gr->name, why,
+                 stop ? " (the request goes whole)" : "");
+    pdm_prefill_conv_reset(&gr->conv);
+    pdm_prefill_pool_clear(&gr->pool);
+    gr->pool_reset = 1;
+    rt_chunk_release(r, q);
+    if (stop) q->chunk_off = 1;
+    pdm_metric_inc(r->m.prefill_chunk_failures, NULL, 1);
+}
+
+int rt_req_chunk(pdm_router_t *r, rt_req_t *q, int g)
+{
+    rt_group_t *gr = &r->groups[g];
+    const int32_t C = r->cfg.prefill_chunk_tokens, n = (int32_t)q->n_prompt;
+    const int64_t budget = rt_group_pool_budget(r, gr);
+    pdm_prefill_method_t want = PDM_PREFILL_AUTO;
+    pdm_prefill_method_parse(r->cfg.method, &want);
+    /* (prompt log-probabilities need every row computed in the request's own task; tsp has
+     * no partial prefill) */
+    if (C <= 0 || n <= C || q->chunk_off || q->chunk_id || !r->cfg.prefix_reuse || q->n_gen > 0 ||
+        (q->want_plp && !q->plp_sent) || want == PDM_PREFILL_TSP || budget < n)
+        return 0;
+    /* Another task of the group waits for its decode node's reservation and goes out first:
+     * planned now, the request's task could not count on the chunks (no reuse), so it waits. */
+    if (rt_group_unsent(r, g, q) || gr->reuse_pending) return q->chunks_done ? -1 : 0;
+    if (!gr->has_cost) {
+        rt_adapt_cost_init(&gr->cost, &r->model->hp, (int)gr->size,
+                           r->has_calib ? &r->calib : NULL);
+        gr->has_cost = 1;
+    }
+    pdm_prefill_task_plan_params_t pp = {
+        .followup = {.method = want, .ranks = (int)gr->size, .tokens = q->prompt,
+                     .n_tokens = n, .min_cached = r->cfg.block_tokens, .reuse = 1},
+        .hp = &r->model->hp, .table = r->has_table ? &r->table : NULL,
+        .calib = r->has_calib ? &r->calib : NULL, .fallback = 1};
+    uint64_t source = 0;
+    const pdm_prefill_conv_t *from = pdm_prefill_pool_pick(&gr->pool, &gr->conv, &pp.followup,
+                                                           &source);
+    const int32_t start = pdm_prefill_conv_followup_start(from, &pp.followup);
+    if (q->chunks_done && start < (int32_t)q->chunk_end) {
+        q->chunk_off = 1; /* the group no longer holds what the chunks computed */
+        pdm_metric_inc(r->m.prefill_chunk_failures, NULL, 1);
+        pdm_log_info("router: request %llu: group %s holds %d of the %u tokens its chunks "
+                     "computed: it goes whole", (unsigned long long)q->id, gr->name, start,
+                     q->chunk_end);
+        return 0;
+    }
+    if (n - start <= C) return 0; /* the rest goes in the request's own task */
+    const int32_t end = start + C;
+    pp.followup.n_tokens = end;
+    pdm_prefill_task_plan_t plan;
+    if (pdm_prefill_conv_plan_task(from, &pp, &plan) || plan.start != start) {
+        q->chunk_off = 1; /* a method that cannot continue there: whole */
+        return 0;
+    }
+    if (!plan.start) source = 0;
+    else if (!source) source = pdm_prefill_conv_id(&gr->conv);
+    uint32_t chunks[PDM_PREFILL_MAX_RANKS];
+    Pdmesh__PrefillTask t = PDMESH__PREFILL_TASK__INIT;
+    q->chunk_id = ++r->next_id; /* its own task: the request's attempts are not touched */
+    t.task_id = q->chunk_id;
+    t.attempt = 1;
+    t.method = (char *)pdm_prefill_method_name(plan.method);
+    t.start = (uint32_t)start;
+    t.tokens = q->prompt + start;
+    t.n_tokens = (size_t)(end - start);
+    t.prefix = q->prompt;
+    t.n_prefix = (size_t)start;
+    t.formation = gr->formation;
+    t.pool_source = source;
+    t.pool_tokens = (uint64_t)budget;
+    t.pool_reset = gr->pool_reset;
+    if (plan.has_chunks) {
+        for (uint32_t k = 0; k < gr->size; k++) chunks[k] = (uint32_t)plan.chunks[k];
+        t.chunks = chunks;
+        t.n_chunks = gr->size;
+    }
+    const double now = pdm_now(), left = q->deadline - now;
+    t.deadline_ms = left > 0 ? (uint32_t)(left * 1e3) : 1;
+    rt_group_mirror_task(r, gr, gr->pool_reset, source, budget, (int)plan.method, plan.chunks,
+                         q->prompt, start, end);
+    gr->pool_reset = 0;
+    if (!q->chunks_done) q->chunk_reused = (uint32_t)start; /* a follow-up's cached prefix */
+    q->chunk_group = g;
+    q->chunk_start = (uint32_t)start;
+    q->chunk_end = (uint32_t)end;
+    q->chunk_answered = 0;
+    q->chunk_seconds = 0;
+    q->chunk_sent = now;
+    /* a rank that fails answers within its group timeout; this only bounds a lost answer */
+    q->chunk_until = now + 60;
+    gr->inflight++;
+    double at = now;
+    for (uint32_t k = 0; k < gr->size; k++) at = PDM_MAX(at, gr->rank_free_at[k]);
+    at += rt_adapt_tR(&gr->cost, end - start, start);
+    for (uint32_t k = 0; k < gr->size; k++) {
+        gr->rank_free_at[k] = at;
+        gr->rank_tasks[k]++;
+        q->chunk_epochs[k] = r->nodes[gr->member[k]].epoch;
+    }
+    pdm_metric_inc(r->m.prefill_tokens, "group", (double)(end - start));
+    pdm_log_info("router: request %llu: prefill chunk %d-%d of %d -> %s (%s, task %llu)",
+                 (unsigned long long)q->id, start, end, n, gr->name, t.method,
+                 (unsigned long long)q->chunk_id);
+    for (uint32_t k = 0; k < gr->size; k++) {
+        rt_node_t *m = &r->nodes[gr->member[k]];
+        t.epoch = m->epoch;
+        if (rt_send(r->node_sock, m->ident, m->ident_len, PDMESH__MSG_TYPE__MSG_PREFILL_TASK,
+                    &t.base)) {
+            rt_chunk_failed(r, q, "cannot reach a prefill rank", 1);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* A rank's PrefillResult for q's chunk: when every rank answered, the chunk is done. */
+static void rt_chunk_on_result(pdm_router_t *r, rt_req_t *q, int node,
+                               const Pdmesh__PrefillResult *p)
+{
+    rt_group_t *gr = &r->groups[q->chunk_group];
+    const uint32_t rank = r->nodes[node].rank;
+    if (!p->ok) {
+        char m2[512];
+        snprintf(m2, sizeof(m2), "prefill rank %s: %s", r->nodes[node].id, rt_err_text(p->error));
+        if (p->error && p->error->code == PDMESH__ERROR_CODE__ERR_KV_CORRUPT) {
+            gr->pool_corrupt++;
+            pdm_metric_inc(r->m.group_pool_corrupt, gr->name, 1);
+        }
+        rt_chunk_failed(r, q, m2, 1);
+        return;
+    }
+    if (q->chunk_answered >> rank & 1) return;
+    q->chunk_answered |= 1ull << rank;
+    rt_rank_done(gr, rank);
+    if (p->seconds > q->chunk_seconds) q->chunk_seconds = p->seconds;
+    for (uint32_t k = 0; k < gr->size; k++)
+        if (!(q->chunk_answered >> k & 1)) return;
+    const int32_t start = (int32_t)q->chunk_start, T = (int32_t)q->chunk_end - start;
+    if (gr->inflight > 0) gr->inflight--;
+    rt_adapt_learn(&gr->cost, 0, T, start, q->chunk_seconds);
+    pdm_metric_inc(r->m.group_prefill_tokens, NULL, (double)T);
+    pdm_metric_inc(r->m.prefill_chunks, NULL, 1);
+    pdm_metric_set(r->m.group_pool_tokens, gr->name, (double)gr->pool.tokens);
+    pdm_metric_set(r->m.group_pool_entries, gr->name, (double)gr->pool.n);
+    pdm_metric_set(r->m.group_pool_evictions, gr->name, (double)gr->pool.evictions);
+    q->chunks_done++;
+    q->chunk_id = 0;
 }
 
 void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank)
@@ -924,6 +1158,7 @@ static void rt_prefill_task_fill(pdm_router_t *r, rt_req_t *q, Pdmesh__PrefillTa
     if (q->reuse_pending) g->reuse_pending = q->reuse_pending = 0; /* it goes out now */
     if (q->solo_rank < 0) { /* a solo task leaves the group's conversations alone */
         t.formation = g->formation; /* rank 0 refuses it if the group re-formed meanwhile */
+        q->wire_gen = g->wire_gen;
         t.pool_source = q->pool_source;
         t.pool_tokens = (uint64_t)q->pool_budget;
         t.pool_reset = q->pool_reset = g->pool_reset;
@@ -1106,11 +1341,6 @@ static rt_req_t *rt_task_req(pdm_router_t *r, int node, uint64_t task_id, uint32
                    q->group_epochs[n->rank] == n->epoch ? q : NULL;
 }
 
-static const char *rt_err_text(const Pdmesh__Error *e)
-{
-    return e && e->message && e->message[0] ? e->message : "failed";
-}
-
 void rt_req_on_reserved(pdm_router_t *r, int node, const Pdmesh__DecodeReserved *d)
 {
     rt_req_t *q = rt_task_req(r, node, d->task_id, d->attempt);
@@ -1174,6 +1404,13 @@ void rt_req_on_reserved(pdm_router_t *r, int node, const Pdmesh__DecodeReserved 
 
 void rt_req_on_task_error(pdm_router_t *r, int node, const Pdmesh__Error *e)
 {
+    rt_req_t *c = rt_chunk_req(r, node, e->task_id, e->attempt);
+    if (c) {
+        char m1[512];
+        snprintf(m1, sizeof(m1), "%s refused it: %s", r->nodes[node].id, rt_err_text(e));
+        rt_chunk_failed(r, c, m1, 1);
+        return;
+    }
     rt_req_t *q = rt_task_req(r, node, e->task_id, e->attempt);
     if (!q || q->state == RQ_QUEUED) return;
     char m2[512];
@@ -1225,13 +1462,50 @@ static void rt_plp_complete(pdm_router_t *r, rt_req_t *q, int32_t first)
     rt_send_start(r, q, first);
 }
 
+/* Rank 0 refused q's whole-group task as planned for another formation of the group
+ * (ERR_STALE_FORMATION, e): the group re-formed under another router's GroupWire, or this
+ * router's re-wire is on its way. Nothing is wrong with the group, so it is not suspected and
+ * its mirrors stay: no rank ran the task, and the wiring that changed the ranks' formation
+ * (ours, now or before) empties them as any wiring does. If the task was planned for the
+ * current wiring, registry.c re-sends it (wire_stale). The request goes back to QUEUED for
+ * the next scheduling pass, without a failed attempt, RT_MAX_STALE_FORMATION times; the
+ * next refusal is a failed attempt as any other. */
+static void rt_stale_formation(pdm_router_t *r, rt_req_t *q, const Pdmesh__Error *e,
+                               const char *msg)
+{
+    rt_group_t *gr = &r->groups[q->group];
+    pdm_metric_inc(r->m.stale_formation, gr->name, 1);
+    if (q->stale_formations >= RT_MAX_STALE_FORMATION) {
+        rt_attempt_failed(r, q, PDMESH__ERROR_CODE__ERR_UNAVAILABLE, msg);
+        return;
+    }
+    q->stale_formations++;
+    if (gr->wired && q->wire_gen == gr->wire_gen && e->formation != gr->formation)
+        gr->wire_stale = 1;
+    pdm_log_info("router: request %llu attempt %u planned again (%s)", (unsigned long long)q->id,
+                 q->attempt, msg);
+    rt_req_release_nodes(r, q, 1);
+    q->state = RQ_QUEUED;
+    q->started = 0;
+}
+
 void rt_req_on_prefill_result(pdm_router_t *r, int node, const Pdmesh__PrefillResult *p)
 {
+    rt_req_t *c = rt_chunk_req(r, node, p->task_id, p->attempt);
+    if (c) {
+        rt_chunk_on_result(r, c, node, p);
+        return;
+    }
     rt_req_t *q = rt_task_req(r, node, p->task_id, p->attempt);
     if (!q || (q->state != RQ_PREFILL && q->state != RQ_DECODE)) return;
     if (!p->ok) {
         char m2[512];
         snprintf(m2, sizeof(m2), "prefill rank %s: %s", r->nodes[node].id, rt_err_text(p->error));
+        if (q->group >= 0 && q->solo_rank < 0 && q->state == RQ_PREFILL && p->error &&
+            p->error->code == PDMESH__ERROR_CODE__ERR_STALE_FORMATION) {
+            rt_stale_formation(r, q, p->error, m2);
+            return;
+        }
         if (q->group >= 0 && p->error &&
             p->error->code == PDMESH__ERROR_CODE__ERR_KV_CORRUPT) { /* pool.c, rank.c */
             r->groups[q->group].pool_corrupt++;
@@ -1318,7 +1592,7 @@ static void rt_choice_sync(rt_req_t *c, const rt_req_t *q)
     c->kv_seconds = q->kv_seconds;
     c->shared_kv = 1;
     c->attempt = q->attempt;
-    c->cached_tokens = q->cached_tokens;
+    c->cached_tokens = rt_req_reused(q);
     memcpy(c->method, q->method, sizeof(c->method));
     memcpy(c->group_name, q->group_name, sizeof(c->group_name));
     memcpy(c->dnode_name, q->dnode_name, sizeof(c->dnode_name));
@@ -1427,6 +1701,11 @@ void rt_req_on_node_lost(pdm_router_t *r, int node, int group, const char *why)
     rt_req_t *next;
     for (rt_req_t *q = r->head; q; q = next) {
         next = q->next;
+        if (q->chunk_id && group >= 0 && q->chunk_group == group) {
+            char m1[256];
+            snprintf(m1, sizeof(m1), "prefill rank %s %s", n->id, why);
+            rt_chunk_failed(r, q, m1, 0); /* the group's fault: it may chunk again elsewhere */
+        }
         if (q->state == RQ_QUEUED) continue;
         int hit = q->dnode == node || (group >= 0 && q->group == group);
         if (!hit) continue;
@@ -1449,6 +1728,8 @@ void rt_req_expire(pdm_router_t *r)
     rt_req_t *next;
     for (rt_req_t *q = r->head; q; q = next) {
         next = q->next;
+        if (q->chunk_id && now > q->chunk_until)
+            rt_chunk_failed(r, q, "no answer from every rank", 1);
         if (now > q->deadline)
             rt_req_fail(r, q, PDMESH__ERROR_CODE__ERR_DEADLINE_EXCEEDED,
                         "deadline exceeded after %.0f ms (%u of %u tokens generated)",

@@ -29,6 +29,12 @@ int rt_req_resume(pdm_router_t *r, rt_req_t *q, const int32_t *toks, size_t n,
  * by all its ranks (solo_rank -1) or by rank solo_rank alone (a solo task, adapt.h); sends
  * the DecodeTask. A failure to plan or send is a failed attempt (q may have ended). */
 void rt_req_dispatch(pdm_router_t *r, rt_req_t *q, int d, int g, int solo_rank);
+/* Chunked prefill (request.c): with prefill_chunk_tokens set, sends the next chunk of q's
+ * prompt to group g, chosen for a whole-group task (q stays QUEUED until it is done): 1.
+ * 0: q goes whole now (nothing to chunk, or at most a chunk left: its own task continues
+ * the chunks). -1: q waits for g (its chunks are done, but another task of g goes out
+ * first). */
+int rt_req_chunk(pdm_router_t *r, rt_req_t *q, int g);
 /* Batched prefill: sends the batches that lost a member since the last pass (the others
  * may be all that was awaited); called by rt_schedule outside any walk of the queue. */
 void rt_batch_send_pending(pdm_router_t *r);

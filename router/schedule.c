@@ -75,7 +75,8 @@ static int rt_group_has_room(const pdm_router_t *r, int g)
  * prefilled locally). */
 static int rt_wants_group(const pdm_router_t *r, const rt_req_t *q)
 {
-    return q->state == RQ_QUEUED && q->n_gen == 0 && q->n_prompt >= r->cfg.local_threshold;
+    return q->state == RQ_QUEUED && !q->chunk_id && q->n_gen == 0 &&
+           q->n_prompt >= r->cfg.local_threshold;
 }
 
 /* The tokens of q's prompt a whole-group task would reuse once group g is idle: of the
@@ -396,7 +397,7 @@ void rt_schedule(pdm_router_t *r)
                 continue;
             }
         }
-        if (q->state != RQ_QUEUED || q->sched_pass == pass) continue;
+        if (q->state != RQ_QUEUED || q->sched_pass == pass || q->chunk_id) continue;
         if (q->n_gen >= q->max_new) { /* everything was delivered before the node failed */
             rt_req_finish(r, q, PDMESH__FINISH_REASON__FINISH_LENGTH);
             continue;
@@ -437,6 +438,13 @@ void rt_schedule(pdm_router_t *r)
             }
             q->waits_for_group = g < 0;
             if (g < 0) continue; /* every group is busy: wait */
+            /* chunked prefill: a long prompt's whole-group prefill a chunk at a time, other
+             * tasks of the group free to go between the chunks (request.c) */
+            const int ch = solo < 0 ? rt_req_chunk(r, q, g) : 0;
+            if (ch) {
+                if (ch < 0) held |= 1u << g;
+                continue;
+            }
         }
         if (delta && g >= 0 && !rt_delta_supported(r, pd, g)) {
             delta = 0; /* the whole prompt streams, to whichever node fits */

@@ -5,8 +5,10 @@
  * prefill suite.
  */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <xxhash.h>
 
@@ -222,6 +224,68 @@ START_TEST(test_kvt_group_patterns)
         ck_assert_msg(t.ok[i], "rank %d failed: %s", i, pdm_error_last());
         pdm_kvt_destroy(t.kvt[i]);
     }
+}
+END_TEST
+
+/* A formation that failed leaves its join message behind; the next formation of the same two
+ * ranks must not take it for its own (the rank that took it formed alone, and the group's
+ * order then named entries its rank 0 never sent). */
+typedef struct {
+    pdm_kvt_t *kvt[2];
+    const void *addr[2];
+    size_t len[2];
+    double timeout[2], delay[2], started[2], done[2];
+    int st[2];
+    uint32_t nonce[2];
+} duo_t;
+
+typedef struct {
+    duo_t *d;
+    int rank;
+} duo_arg_t;
+
+static void *duo_main(void *p)
+{
+    duo_arg_t *a = p;
+    duo_t *d = a->d;
+    usleep((useconds_t)(d->delay[a->rank] * 1e6));
+    pdm_kvt_group_t g;
+    d->started[a->rank] = pdm_now();
+    d->st[a->rank] = pdm_kvt_group_init(&g, d->kvt[a->rank], a->rank, 2, d->addr, d->len,
+                                        d->timeout[a->rank]);
+    d->done[a->rank] = pdm_now();
+    d->nonce[a->rank] = g.nonce;
+    return NULL;
+}
+
+START_TEST(test_kvt_group_join_skips_stale)
+{
+    duo_t d = {0};
+    for (int i = 0; i < 2; i++) {
+        ck_assert_int_eq(pdm_kvt_create(NULL, &d.kvt[i]), 0);
+        pdm_kvt_address(d.kvt[i], &d.addr[i], &d.len[i]);
+    }
+    /* rank 0 forms alone and gives up after 0.3 s: its join message waits at rank 1 */
+    pthread_t th[2];
+    duo_arg_t args[2] = {{&d, 0}, {&d, 1}};
+    d.timeout[0] = 0.3;
+    pthread_create(&th[0], NULL, duo_main, &args[0]);
+    pthread_join(th[0], NULL);
+    ck_assert_int_ne(d.st[0], 0);
+    const uint32_t old_nonce = d.nonce[0];
+    usleep(1500 * 1000); /* its sender gave up more than the 1 s allowed for skew ago */
+    /* the next formation: rank 1 first, rank 0 0.4 s later */
+    d.timeout[0] = d.timeout[1] = 10;
+    d.delay[1] = 0;
+    d.delay[0] = 0.4;
+    for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, duo_main, &args[i]);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    ck_assert_msg(d.st[0] == 0 && d.st[1] == 0, "the formation failed: %d %d", d.st[0], d.st[1]);
+    ck_assert_msg(d.done[1] >= d.started[0], "rank 1 formed %.3f s before rank 0 started: it "
+                  "took the stale join message", d.started[0] - d.done[1]);
+    ck_assert_msg(d.nonce[1] == d.nonce[0] && d.nonce[0] && d.nonce[0] != old_nonce,
+                  "nonces: rank 0 %u (before %u), rank 1 %u", d.nonce[0], old_nonce, d.nonce[1]);
+    for (int i = 0; i < 2; i++) pdm_kvt_destroy(d.kvt[i]);
 }
 END_TEST
 
@@ -558,6 +622,147 @@ START_TEST(test_stream_duplicate_and_stale)
 }
 END_TEST
 
+/* ---- Draining never waits for a stalled sender ----------------------------------------- */
+
+typedef struct {
+    int seen;
+    size_t bytes;
+    int intact;
+} drain_seen_t;
+
+static void drain_count(void *arg, uint64_t tag, const void *data, size_t len)
+{
+    drain_seen_t *d = arg;
+    const unsigned char *b = data;
+    d->seen++;
+    d->bytes = len;
+    d->intact = len > 0 && b[0] == 0x5a && b[len - 1] == 0x5a;
+}
+
+/* Drains `tag` from rx until a message is taken, progressing the sender tx until then only
+ * (its announcement must go out, its data must not), within 10 s; *worst: the longest call.
+ * Returns how many were taken. */
+static int drain_take(pdm_kvt_t *rx, pdm_kvt_t *tx, uint64_t tag, drain_seen_t *seen,
+                      double *worst)
+{
+    int taken = 0;
+    for (double end = pdm_now() + 10; !taken && pdm_now() < end;) {
+        const double t0 = pdm_now();
+        taken = pdm_kvt_drain(rx, tag, ~0ull, drain_count, seen);
+        if (pdm_now() - t0 > *worst) *worst = pdm_now() - t0;
+        if (!taken) pdm_kvt_progress(tx);
+    }
+    return taken;
+}
+
+/* A dead or stalled sender's rendezvous (decode_node/node.c drains the dropped sequences'
+ * streams on its loop): its receive cannot complete, and pdm_kvt_drain used to spin up to
+ * the 2 s grace for it, per message, stalling every other sequence. The sender here is a
+ * worker that nobody progresses (TCP only, so the receiver cannot read its memory itself):
+ * the drain must return at once with the message in flight; once the sender goes on, a later
+ * call completes it (its cb sees the data); a message whose sender never goes on is cancelled
+ * after the grace, later calls still returning at once. No more than 256 are in flight: the
+ * others wait in UCX's queue for later calls. */
+START_TEST(test_kvt_drain_stalled_sender)
+{
+    setenv("UCX_TLS", "tcp", 1);
+    setenv("UCX_RNDV_THRESH", "8192", 1);
+    pdm_kvt_params_t prm;
+    pdm_kvt_params_default(&prm);
+    prm.max_requests = 64;
+    pdm_kvt_t *rx, *tx;
+    ck_assert_int_eq(pdm_kvt_create(&prm, &rx), 0);
+    prm.max_requests = 1024;
+    prm.progress_thread = 0; /* progressed only when the test says */
+    ck_assert_int_eq(pdm_kvt_create(&prm, &tx), 0);
+    const void *addr;
+    size_t len;
+    int to_rx, to_tx;
+    pdm_kvt_address(rx, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(tx, addr, len, &to_rx), 0);
+    pdm_kvt_address(tx, &addr, &len);
+    ck_assert_int_eq(pdm_kvt_connect(rx, addr, len, &to_tx), 0);
+    /* wire-up both ways while the sender is progressed */
+    int one = 1, got = 0;
+    pdm_kvt_iov_t o1 = {&one, sizeof(one)}, i1 = {&got, sizeof(got)};
+    pdm_kvt_req_t rr, sr;
+    ck_assert_int_eq(pdm_kvt_irecv(rx, to_tx, 1, &i1, 1, &rr), 0);
+    ck_assert_int_eq(pdm_kvt_isend(tx, to_rx, 1, &o1, 1, &sr), 0);
+    ck_assert_int_eq(pdm_kvt_wait(tx, sr, pdm_now() + 10, NULL), 0);
+    ck_assert_int_eq(pdm_kvt_wait(rx, rr, pdm_now() + 10, NULL), 0);
+
+    const size_t big = 4u << 20;
+    unsigned char *payload = malloc(big);
+    memset(payload, 0x5a, big);
+    pdm_kvt_iov_t ob = {payload, big};
+    const uint64_t tag_a = 0x7100000000000001ull, tag_b = 0x7200000000000001ull;
+    const uint64_t mask = ~0ull;
+    double worst = 0;
+
+    /* a stalled sender that goes on later */
+    drain_seen_t seen = {0};
+    ck_assert_int_eq(pdm_kvt_isend(tx, to_rx, tag_a, &ob, 1, &sr), 0);
+    pdm_kvt_progress(tx);
+    ck_assert_int_eq(drain_take(rx, tx, tag_a, &seen, &worst), 1);
+    ck_assert_msg(worst < 1.0, "a drain call blocked %.3f s (the grace is 2 s)", worst);
+    ck_assert_msg(pdm_kvt_drain_pending(rx, NULL) == 1 && seen.seen == 0,
+                  "the stalled receive did not stay in flight (%d pending, %d seen)",
+                  pdm_kvt_drain_pending(rx, NULL), seen.seen);
+    fprintf(stderr, "drain of a stalled rendezvous: %.1f ms per call at most\n", worst * 1e3);
+    ck_assert_int_eq(pdm_kvt_wait(tx, sr, pdm_now() + 10, NULL), 0); /* the sender goes on */
+    for (double end = pdm_now() + 10; seen.seen == 0 && pdm_now() < end; usleep(1000))
+        ck_assert_int_eq(pdm_kvt_drain(rx, tag_a, mask, drain_count, &seen), 0);
+    ck_assert_msg(seen.seen == 1 && seen.bytes == big && seen.intact,
+                  "the later call saw %d message(s) of %zu bytes", seen.seen, seen.bytes);
+    ck_assert_int_eq(pdm_kvt_drain_pending(rx, NULL), 0);
+
+    /* a sender that never goes on: cancelled after the grace, every call still at once */
+    drain_seen_t never = {0};
+    ck_assert_int_eq(pdm_kvt_isend(tx, to_rx, tag_b, &ob, 1, &sr), 0);
+    pdm_kvt_progress(tx);
+    worst = 0;
+    ck_assert_int_eq(drain_take(rx, tx, tag_b, &never, &worst), 1);
+    ck_assert_int_eq(pdm_kvt_drain_pending(rx, NULL), 1);
+    for (double end = pdm_now() + 10; pdm_kvt_drain_pending(rx, NULL) && pdm_now() < end;) {
+        const double t0 = pdm_now();
+        pdm_kvt_drain(rx, tag_b, mask, drain_count, &never);
+        if (pdm_now() - t0 > worst) worst = pdm_now() - t0;
+        usleep(20000);
+    }
+    uint64_t abandoned = 0;
+    ck_assert_msg(pdm_kvt_drain_pending(rx, &abandoned) == 0,
+                  "the stalled receive is still in flight after 10 s");
+    ck_assert_msg(worst < 1.0, "a drain call blocked %.3f s", worst);
+    ck_assert_int_eq(never.seen, 0);
+    fprintf(stderr, "a never-ending rendezvous: cancelled or given up (%llu given up), calls "
+            "%.1f ms at most\n", (unsigned long long)abandoned, worst * 1e3);
+
+    /* the bound: 256 in flight at most, the rest stays in UCX's queue for later calls */
+    enum { N_MANY = 300 };
+    const uint64_t tag_c = 0x7300000000000000ull, mask_c = ~0xffffull;
+    pdm_kvt_iov_t om = {payload, 65536};
+    pdm_kvt_req_t sm[N_MANY];
+    for (int i = 0; i < N_MANY; i++)
+        ck_assert_int_eq(pdm_kvt_isend(tx, to_rx, tag_c | (uint64_t)i, &om, 1, &sm[i]), 0);
+    for (double end = pdm_now() + 1; pdm_now() < end; usleep(1000)) pdm_kvt_progress(tx);
+    drain_seen_t many = {0};
+    int taken = pdm_kvt_drain(rx, tag_c, mask_c, drain_count, &many);
+    ck_assert_msg(taken == 256 && pdm_kvt_drain_pending(rx, NULL) == 256,
+                  "the first call took %d messages, %d in flight", taken,
+                  pdm_kvt_drain_pending(rx, NULL));
+    for (double end = pdm_now() + 20; many.seen < N_MANY && pdm_now() < end;) {
+        pdm_kvt_progress(tx);
+        taken += pdm_kvt_drain(rx, tag_c, mask_c, drain_count, &many);
+        ck_assert_int_le(pdm_kvt_drain_pending(rx, NULL), 256);
+    }
+    ck_assert_msg(taken == N_MANY && many.seen == N_MANY, "%d taken, %d seen", taken, many.seen);
+    ck_assert_int_eq(pdm_kvt_wait_all(tx, sm, N_MANY, pdm_now() + 10), 0);
+    pdm_kvt_destroy(rx);
+    pdm_kvt_destroy(tx); /* (tag_b's send is still posted there: cancelled) */
+    free(payload);
+}
+END_TEST
+
 static void setup_env(void)
 {
     setenv("UCX_HANDLE_ERRORS", "none", 0);
@@ -575,6 +780,7 @@ Suite *suite_kvtransfer(void)
     tcase_add_test(tc, test_kvt_message_too_long);
     tcase_add_test(tc, test_kvt_bounded);
     tcase_add_test(tc, test_kvt_group_patterns);
+    tcase_add_test(tc, test_kvt_group_join_skips_stale);
     tcase_add_test(tc, test_stream_lands_in_place);
     tcase_add_test(tc, test_stream_forged_blocks);
     tcase_add_test(tc, test_stream_token_from);
@@ -584,6 +790,7 @@ Suite *suite_kvtransfer(void)
     tcase_add_test(tc, test_stream_missing_block);
     tcase_add_test(tc, test_stream_duplicate_and_stale);
     tcase_add_test(tc, test_block_checksum);
+    tcase_add_test(tc, test_kvt_drain_stalled_sender);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -22,6 +23,7 @@
 #include "model/model.h"
 #include "prefill_node/plan.h"
 #include "router/features.h"
+#include "sdk/pdmesh_client.h"
 #include "tests.h"
 
 extern char **environ;
@@ -838,6 +840,200 @@ START_TEST(test_prefill_group_unordered)
 }
 END_TEST
 
+/* ---- A real router meets a formation refusal ------------------------------------------- */
+
+/* One message from the second router's socket (registrations acked with long heartbeats, so
+ * the test need not answer any), or NULL after `seconds`. *rank: whose (-1: unknown). */
+static pdm_wire_msg_t *f_recv(grouter_t *g, int *rank, double seconds)
+{
+    const double deadline = pdm_now() + seconds;
+    while (pdm_now() < deadline) {
+        zmq_pollitem_t it = {g->sock, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 50) <= 0) continue;
+        uint8_t ident[256];
+        int il = zmq_recv(g->sock, ident, sizeof(ident), 0);
+        ck_assert_int_gt(il, 0);
+        zmq_msg_t f;
+        zmq_msg_init(&f);
+        ck_assert_int_ge(zmq_msg_recv(&f, g->sock, 0), 0);
+        pdm_wire_msg_t *m;
+        ck_assert_int_eq(pdm_wire_unpack(zmq_msg_data(&f), zmq_msg_size(&f), PDM_WIRE_MAX_FRAME,
+                                         0, &m), 0);
+        zmq_msg_close(&f);
+        int k = -1;
+        for (int j = 0; j < 2; j++)
+            if (g->ident_len[j] == (size_t)il && !memcmp(g->ident[j], ident, (size_t)il)) k = j;
+        if (pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_REGISTER) {
+            const Pdmesh__Register *r = (const Pdmesh__Register *)pdm_wire_message(m);
+            k = r->node_id[strlen(r->node_id) - 1] - '0'; /* "sf/0", "sf/1" */
+            ck_assert(k == 0 || k == 1);
+            memcpy(g->ident[k], ident, (size_t)il);
+            g->ident_len[k] = (size_t)il;
+            free(g->ucx[k].data);
+            g->ucx[k].data = malloc(r->ucx_address.len);
+            memcpy(g->ucx[k].data, r->ucx_address.data, r->ucx_address.len);
+            g->ucx[k].len = r->ucx_address.len;
+            Pdmesh__RegisterAck ack = PDMESH__REGISTER_ACK__INIT;
+            ack.epoch = EPOCH;
+            ack.heartbeat_ms = 60000;
+            ack.lease_ms = 600000;
+            ack.router_id = g->id;
+            pdm_wire_send(g->sock, ident, (size_t)il, PDMESH__MSG_TYPE__MSG_REGISTER_ACK,
+                          &ack.base);
+        } else if (pdm_wire_type(m) != PDMESH__MSG_TYPE__MSG_HEARTBEAT) {
+            *rank = k;
+            return m;
+        }
+        pdm_wire_msg_free(m);
+    }
+    return NULL;
+}
+
+/* One greedy request of 24 prompt tokens through the router at `ep`. */
+static void sf_generate(const char *ep, pdm_client_result_t *res)
+{
+    int32_t prompt[24];
+    for (int i = 0; i < 24; i++) prompt[i] = 1 + (i * 7) % 50;
+    pdm_client_t *c;
+    pdm_client_options_t o = {0};
+    o.timeout_ms = 40000;
+    ck_assert_int_eq(pdm_client_create(ep, &o, &c), 0);
+    pdm_client_request_t req;
+    pdm_client_request_init(&req);
+    req.prompt_tokens = prompt;
+    req.n_prompt_tokens = 24;
+    req.max_tokens = 4;
+    req.ignore_eos = 1;
+    memset(res, 0, sizeof(*res));
+    pdm_client_generate(c, &req, res);
+    pdm_client_destroy(c);
+}
+
+/* Issue 19: a group task refused for another formation (the group re-formed under another
+ * router's GroupWire) is not a failure of the group. A real router, decode node and 2-rank
+ * group; a second router (this test) re-wires rank 0 alone, so the router's next task is
+ * refused with ERR_STALE_FORMATION. The router must wire the group again and run the task
+ * through the group at once: the request ends ok via the group in its second attempt. Had
+ * the router taken the refusal for a failure, it would have suspected the group and the
+ * second attempt would have been prefilled by the decode node (no group in its usage). */
+START_TEST(test_router_stale_formation)
+{
+    char dir[64], client_ep[160], node_ep[160], admin_ep[160];
+    snprintf(dir, sizeof(dir), "/tmp/pdm-sf-XXXXXX");
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(client_ep, sizeof(client_ep), "ipc://%s/client", dir);
+    snprintf(node_ep, sizeof(node_ep), "ipc://%s/node", dir);
+    snprintf(admin_ep, sizeof(admin_ep), "ipc://%s/admin", dir);
+    grouter_t fake;
+    memset(&fake, 0, sizeof(fake));
+    void *ctx = zmq_ctx_new();
+    snprintf(fake.ep, sizeof(fake.ep), "ipc://%s/fake", dir);
+    fake.id = 0x5151515151515151ull;
+    fake.sock = zmq_socket(ctx, ZMQ_ROUTER);
+    int zero = 0;
+    zmq_setsockopt(fake.sock, ZMQ_LINGER, &zero, sizeof(zero));
+    ck_assert_int_eq(zmq_bind(fake.sock, fake.ep), 0);
+    setenv("PDMESH_SECRET", SECRET, 1);
+    pid_t pid[4];
+    const char *router_argv[] = {bin("PDMESH_ROUTER_BIN", "build/bin/pdmesh-router"), "--model",
+                                 model_path, "--client", client_ep, "--node", node_ep, "--admin",
+                                 admin_ep, "--http-port", "-1", "--local-threshold", "4",
+                                 "--max-attempts", "4", "--method", "kvr-e", NULL};
+    /* the router has no --exit-with-parent: it dies with this test process (a failed check
+     * ends it before the kills below) */
+    const pid_t parent = getpid();
+    pid[0] = fork();
+    ck_assert_int_ge(pid[0], 0);
+    if (pid[0] == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent) _exit(1);
+        execvp(router_argv[0], (char *const *)router_argv);
+        _exit(127);
+    }
+    const char *decode_argv[] = {bin("PDMESH_DECODE_BIN", "build/bin/pdmesh-decode"), "--model",
+                                 model_path, "--router", node_ep, "--node-id", "sf-d",
+                                 "--exit-with-parent", NULL};
+    ck_assert_int_eq(posix_spawnp(&pid[1], decode_argv[0], NULL, NULL,
+                                  (char *const *)decode_argv, environ), 0);
+    for (int k = 0; k < 2; k++) {
+        char rank[4], id[16];
+        snprintf(rank, sizeof(rank), "%d", k);
+        snprintf(id, sizeof(id), "sf/%d", k);
+        const char *argv[] = {bin("PDMESH_PREFILL_BIN", "build/bin/pdmesh-prefill"), "--node-id",
+                              id, "--group", "sf", "--rank", rank, "--group-size", "2",
+                              "--timeout", "10", "--model", model_path, "--router", node_ep,
+                              "--router", fake.ep, "--exit-with-parent", NULL};
+        ck_assert_int_eq(posix_spawnp(&pid[2 + k], argv[0], NULL, NULL, (char *const *)argv,
+                                      environ), 0);
+    }
+    /* both ranks registered here too; then a first request goes through the group */
+    int rank;
+    for (double end = pdm_now() + 20; (!fake.ident_len[0] || !fake.ident_len[1]) &&
+                                      pdm_now() < end;) {
+        pdm_wire_msg_t *m = f_recv(&fake, &rank, 0.2);
+        pdm_wire_msg_free(m);
+    }
+    ck_assert_msg(fake.ident_len[0] && fake.ident_len[1], "the ranks did not register");
+    pdm_client_result_t res;
+    for (double end = pdm_now() + 30;;) { /* until the router has wired the group */
+        sf_generate(client_ep, &res);
+        const int via_group = res.status == 0 && !strcmp(res.usage.prefill_group, "sf");
+        pdm_client_result_fini(&res);
+        if (via_group) break;
+        ck_assert_msg(pdm_now() < end, "no request through the group: %s", res.error);
+        usleep(200000);
+    }
+
+    /* the second router re-wires rank 0 as a group of its own */
+    Pdmesh__GroupWire w = PDMESH__GROUP_WIRE__INIT;
+    w.epoch = EPOCH;
+    w.group = "sf";
+    w.rank = 0;
+    w.size = 1;
+    w.ucx_addresses = &fake.ucx[0];
+    w.n_ucx_addresses = 1;
+    ck_assert_int_eq(pdm_wire_send(fake.sock, fake.ident[0], fake.ident_len[0],
+                                   PDMESH__MSG_TYPE__MSG_GROUP_WIRE, &w.base), 0);
+    pdm_wire_msg_t *m = f_recv(&fake, &rank, 20);
+    ck_assert_msg(m && pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_GROUP_READY && rank == 0,
+                  "no GroupReady from rank 0");
+    const Pdmesh__GroupReady *ready = (const Pdmesh__GroupReady *)pdm_wire_message(m);
+    ck_assert_msg(ready->ok, "rank 0 did not re-form alone");
+    pdm_wire_msg_free(m);
+
+    /* the router's next task is refused (stale formation), the group re-wired and the task
+     * run by it in the next attempt */
+    sf_generate(client_ep, &res);
+    ck_assert_msg(res.status == 0, "request failed: %s", res.error);
+    ck_assert_int_eq(res.n_tokens, 4);
+    ck_assert_msg(!strcmp(res.usage.prefill_group, "sf") && res.usage.attempts == 2,
+                  "attempt %u prefilled by '%s' (expected the group's second attempt)",
+                  res.usage.attempts, res.usage.prefill_group);
+    pdm_client_result_fini(&res);
+    /* and the group stays in use (not suspected): the next request goes through it at once */
+    sf_generate(client_ep, &res);
+    ck_assert_msg(res.status == 0 && !strcmp(res.usage.prefill_group, "sf") &&
+                  res.usage.attempts == 1, "next request: %s, attempt %u via '%s'", res.error,
+                  res.usage.attempts, res.usage.prefill_group);
+    pdm_client_result_fini(&res);
+
+    for (int j = 0; j < 4; j++) {
+        kill(pid[j], SIGKILL);
+        waitpid(pid[j], NULL, 0);
+    }
+    zmq_close(fake.sock);
+    for (int k = 0; k < 2; k++) free(fake.ucx[k].data);
+    zmq_ctx_term(ctx);
+    const char *files[] = {"client", "node", "admin", "fake"};
+    for (int j = 0; j < 4; j++) {
+        char path[256];
+        snprintf(path, sizeof(path), "%s/%s", dir, files[j]);
+        unlink(path);
+    }
+    rmdir(dir);
+}
+END_TEST
+
 static void setup(void)
 {
     make_model();
@@ -854,6 +1050,7 @@ Suite *suite_nodeproto(void)
     tcase_add_test(tc, test_prefill_rank_protocol);
     tcase_add_test(tc, test_prefill_group_forwarding);
     tcase_add_test(tc, test_prefill_group_unordered);
+    tcase_add_test(tc, test_router_stale_formation);
     suite_add_tcase(s, tc);
     return s;
 }
