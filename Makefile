@@ -96,7 +96,7 @@ PREFILLD_SRC := prefill_node/main.c
 # router core (tests/http/fake_core.c: the real server on a scripted core).
 HTTP_SRC := router/http.c router/http_openai.c
 HTTP_FAKE_SRC := tests/http/fake_core.c router/http.c router/http_openai.c
-ROUTER_SRC := router/main.c router/core.c router/api.c router/schedule.c router/adapt.c router/batch.c router/prefix.c router/kvindex.c router/request.c router/beams.c router/registry.c router/admin.c router/zfront.c router/curve.c \
+ROUTER_SRC := router/main.c router/core.c router/api.c router/schedule.c router/adapt.c router/batch.c router/features.c router/prefix.c router/kvindex.c router/request.c router/beams.c router/registry.c router/admin.c router/zfront.c router/curve.c \
               $(HTTP_SRC)
 RCLIENT_SRC := tests/integration/rclient.c
 DECODED_SRC := decode_node/main.c
@@ -107,7 +107,7 @@ TEST_SRC := tests/unit/main.c tests/unit/test_common.c tests/unit/test_gguf.c \
             tests/unit/test_disagg.c tests/unit/test_beam.c tests/unit/test_offload.c \
             tests/unit/test_router.c tests/unit/test_sdk.c tests/unit/test_http.c tests/unit/test_curve.c \
             tests/unit/test_nodeproto.c tests/unit/test_quant.c tests/unit/test_arch.c \
-            router/http_openai.c router/adapt.c router/batch.c router/kvindex.c tests/unit/test_kvindex.c
+            router/http_openai.c router/adapt.c router/batch.c router/features.c router/kvindex.c tests/unit/test_kvindex.c
 
 # CUDA (make cuda): nvcc for sm_80 and sm_90; the objects join the library only in that build.
 CUDA_HOME ?= /usr/local/cuda

@@ -87,6 +87,11 @@ static cJSON *node_json(const Pdmesh__NodeInfo *n)
     cJSON_AddNumberToObject(o, "epoch", (double)n->epoch);
     cJSON_AddNumberToObject(o, "last_heartbeat_ms_ago", n->last_heartbeat_ms_ago);
     cJSON_AddNumberToObject(o, "pid", n->pid);
+    char feats[128], hex[24];
+    pdm_feat_format(n->features, feats, sizeof(feats));
+    snprintf(hex, sizeof(hex), "0x%llx", (unsigned long long)n->features);
+    cJSON_AddStringToObject(o, "features", feats); /* "none": a node of an older version */
+    cJSON_AddStringToObject(o, "features_mask", hex);
     if (n->capacity) {
         cJSON *c = cJSON_AddObjectToObject(o, "capacity");
         cJSON_AddNumberToObject(c, "kv_tokens", (double)n->capacity->kv_tokens);
@@ -188,6 +193,10 @@ static void print_node_detail(const Pdmesh__NodeInfo *n)
     printf("epoch:           %llu\n", (unsigned long long)n->epoch);
     printf("last heartbeat:  %.0f ms ago\n", n->last_heartbeat_ms_ago);
     printf("pid:             %u\n", n->pid);
+    char feats[128];
+    pdm_feat_format(n->features, feats, sizeof(feats));
+    printf("features:        %s (0x%llx)%s\n", feats, (unsigned long long)n->features,
+           n->features ? "" : ": an older version");
     if (n->capacity)
         printf("capacity:        kv_tokens %llu, max_sequences %u, max_batch %u, threads %u, "
                "max_prompt %u\n", (unsigned long long)n->capacity->kv_tokens,
@@ -205,17 +214,20 @@ static void print_human(const Pdmesh__AdminReply *a, Pdmesh__AdminOp op)
 {
     switch (op) {
     case PDMESH__ADMIN_OP__ADMIN_NODES:
-        printf("%-20s %-8s %-12s %4s %-9s %6s %8s %7s %10s %10s %8s\n", "NODE", "ROLE", "GROUP",
-               "RANK", "STATE", "EPOCH", "HB_AGO", "RUNNING", "KV_USED", "KV_FREE", "PID");
+        printf("%-20s %-8s %-12s %4s %-9s %6s %8s %7s %10s %10s %8s %s\n", "NODE", "ROLE",
+               "GROUP", "RANK", "STATE", "EPOCH", "HB_AGO", "RUNNING", "KV_USED", "KV_FREE", "PID",
+               "FEATURES");
         for (size_t i = 0; i < a->n_nodes; i++) {
             const Pdmesh__NodeInfo *n = a->nodes[i];
             const Pdmesh__Load *l = n->load;
-            printf("%-20s %-8s %-12s %4u %-9s %6llu %6.0fms %7u %10llu %10llu %8u\n",
+            char feats[128]; /* "none": an older version (docs/deployment.md "Versions") */
+            pdm_feat_format(n->features, feats, sizeof(feats));
+            printf("%-20s %-8s %-12s %4u %-9s %6llu %6.0fms %7u %10llu %10llu %8u %s\n",
                    n->node_id ? n->node_id : "", role_name(n->role),
                    n->group && *n->group ? n->group : "-", n->rank, n->state ? n->state : "",
                    (unsigned long long)n->epoch, n->last_heartbeat_ms_ago, l ? l->running : 0,
                    (unsigned long long)(l ? l->kv_tokens_used : 0),
-                   (unsigned long long)(l ? l->kv_tokens_free : 0), n->pid);
+                   (unsigned long long)(l ? l->kv_tokens_free : 0), n->pid, feats);
         }
         if (!a->n_nodes) printf("(no nodes registered)\n");
         break;

@@ -165,3 +165,27 @@ int pdm_hex_decode(const char *s, uint8_t **out, size_t *len)
     *len = n / 2;
     return PDM_OK;
 }
+
+void pdm_feat_format(uint64_t features, char *buf, size_t cap)
+{
+    static const char *const names[] = {"ordered_group", "delta_kv"};
+    size_t used = 0;
+    if (!cap) return;
+    buf[0] = 0;
+    if (!features) {
+        snprintf(buf, cap, "none");
+        return;
+    }
+    for (unsigned bit = 0; bit < 64 && used + 1 < cap; bit++) {
+        if (!(features >> bit & 1)) continue;
+        char unknown[16];
+        const char *name = names[PDM_MIN(bit, PDM_ARRAY_SIZE(names) - 1)];
+        if (bit >= PDM_ARRAY_SIZE(names)) {
+            snprintf(unknown, sizeof(unknown), "bit%u", bit);
+            name = unknown;
+        }
+        const int n = snprintf(buf + used, cap - used, "%s%s", used ? "," : "", name);
+        if (n < 0) break;
+        used = PDM_MIN(used + (size_t)n, cap - 1);
+    }
+}

@@ -157,6 +157,7 @@ static void pdm__link_register(pdm_link_t *l, pdm__link_router_t *rt)
     r.proof.len = sizeof(proof);
     r.pid = (uint32_t)getpid();
     r.generation = rt->generation;
+    r.features = l->p.features;
     pdm__link_send(l, rt, PDMESH__MSG_TYPE__MSG_REGISTER, &r.base);
     rt->next_register = pdm_now() + 0.5; /* a restarted router is found within half a second */
 }
@@ -518,6 +519,21 @@ int pdm_link_create(const pdm_link_params_t *p, pdm_link_t **out)
     if (!l) return pdm_error_set(PDM_ENOMEM, "node link: out of memory");
     l->p = *p;
     l->sig_fd = -1;
+    /* Tests stand in for a node of an older version (one that registers without these
+     * features) by setting PDMESH_TEST_FEATURES (a number, e.g. 0); read once, here. */
+    const char *tf = getenv("PDMESH_TEST_FEATURES");
+    if (tf && *tf) {
+        char *end;
+        errno = 0;
+        const unsigned long long v = strtoull(tf, &end, 0);
+        if (errno || *end) {
+            free(l);
+            return pdm_error_set(PDM_EINVAL, "PDMESH_TEST_FEATURES: \"%s\" is not a number", tf);
+        }
+        pdm_log_warn("node %s: registers with features 0x%llx (PDMESH_TEST_FEATURES), not "
+                     "0x%llx", p->node_id, v, (unsigned long long)p->features);
+        l->p.features = (uint64_t)v;
+    }
     int st;
     for (const char *c = list; *c;) {
         size_t n = strcspn(c, ", ");

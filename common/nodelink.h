@@ -72,6 +72,8 @@ typedef struct {
     uint32_t rank, group_size;
     const char *model_id;
     Pdmesh__Capacity capacity; /* copied into every Register */
+    uint64_t features;       /* Register.features: PDM_FEAT_* this daemon has (common/pdm.h);
+                              * $PDMESH_TEST_FEATURES overrides it (tests: an older node) */
     int heartbeat_ms;        /* until the router's RegisterAck says otherwise (1000) */
     int exit_with_parent;    /* SIGTERM to this process when its parent dies (local harness) */
     const char *health_file; /* rewritten every second (see above); NULL: none */

@@ -151,6 +151,24 @@ typedef struct {
  * src->min_len, or a NUL byte in a text secret), PDM_ENOMEM. */
 int pdm_secret_load(const pdm_secret_source_t *src, char **out, size_t *len);
 
+/* ---- protocol features (Register.features) ----
+ * One bit per control-plane behaviour that a peer of an older version does not have, so that
+ * a mesh whose pods are upgraded one by one keeps serving (docs/deployment.md "Versions"). A
+ * node sends the bits of its role; an older node sends none. A new behaviour that an older
+ * peer would misread gets the next bit here, its name in pdm_feat_format, and a rule in the
+ * router for what it does when a peer lacks it. */
+#define PDM_FEAT_ORDERED_GROUP (1ull << 0) /* prefill: rank 0 forwards each group task
+                                            * (PDM_KVT_KIND_ORDER_TASK), followers run only
+                                            * what it forwards when GroupWire.ordered */
+#define PDM_FEAT_DELTA_KV (1ull << 1)      /* prefill: PrefillTask.stream_from honoured;
+                                            * decode: DecodeTask.pool_prefix honoured */
+#define PDM_FEAT_PREFILL (PDM_FEAT_ORDERED_GROUP | PDM_FEAT_DELTA_KV)
+#define PDM_FEAT_DECODE PDM_FEAT_DELTA_KV
+
+/* Writes the names of the bits of `features` into buf ("ordered_group,delta_kv"; "none" for
+ * 0; an unknown bit as "bit<N>"), always NUL-terminated, cut at cap - 1 bytes. */
+void pdm_feat_format(uint64_t features, char *buf, size_t cap);
+
 #define PDM_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 #define PDM_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define PDM_MAX(a, b) ((a) > (b) ? (a) : (b))

@@ -774,6 +774,7 @@ int main(int argc, char **argv)
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
     lp.role = PDMESH__ROLE__ROLE_DECODE;
+    lp.features = PDM_FEAT_DECODE;
     pdm_decode_params_t *dp = &dn.dp;
     int c;
     long v;

@@ -49,6 +49,7 @@ typedef struct {
     uint64_t epoch;              /* 0 until registered */
     uint8_t *ucx;                /* UCX worker address from the registration */
     size_t ucx_len;
+    uint64_t features;           /* Register.features (PDM_FEAT_*) */
 } pdm__proc_t;
 
 /* A message a waiter did not ask for (another daemon's), kept for the next one that does. */
@@ -309,6 +310,7 @@ static void pdm__on_register(pdm_launch_t *l, const uint8_t *ident, size_t ident
     free(pr->ucx);
     pr->ucx = ucx;
     pr->ucx_len = r->ucx_address.len;
+    pr->features = r->features;
     memcpy(pr->ident, ident, ident_len);
     pr->ident_len = ident_len;
     pr->epoch = ++l->next_epoch;
@@ -576,8 +578,12 @@ static int pdm__wire_group(pdm_launch_t *l, double deadline)
         addrs[i].len = l->proc[i].ucx_len;
     }
     int st = PDM_OK;
+    /* the router's rule (GroupWire.ordered): ordered only if every rank has the feature */
+    int ordered = 1;
+    for (int i = 0; i < l->n; i++) ordered &= (l->proc[i].features & PDM_FEAT_ORDERED_GROUP) != 0;
     for (int i = 0; i < l->n && !st; i++) {
         Pdmesh__GroupWire w = PDMESH__GROUP_WIRE__INIT;
+        w.ordered = ordered;
         w.epoch = l->proc[i].epoch;
         w.group = PDM__GROUP;
         w.rank = (uint32_t)i;

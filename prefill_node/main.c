@@ -36,6 +36,16 @@
  * lease expired (common/nodelink.h) has its queued tasks dropped, like a CancelTask: one
  * mechanism frees what a dead router left.
  *
+ * Mixed versions (docs/deployment.md "Versions"): the group is ordered as above only when
+ * the router's GroupWire says so (GroupWire.ordered: every rank registered with
+ * PDM_FEAT_ORDERED_GROUP). Otherwise (a rank of an older version, which neither forwards nor
+ * follows forwarded tasks) the group runs as before forwarding existed: every rank runs the
+ * copies the routers send it, first come, first served, answers the router each came from,
+ * and rank 0 forwards nothing. One flag (follow_rank0) selects which; the queue is the same.
+ * In that mode a group task is the group's work on every rank: a CancelTask does not drop it
+ * from one rank alone (the others would wait in its collectives), it runs and its stream is
+ * refused by the decode node that gave it up.
+ *
  * A task is checked before anything runs; what the rank cannot do is answered in its result
  * (ok = false, an Error with a code and a message). Diagnostics go to stderr. SIGTERM ends
  * the process cleanly (Deregister first).
@@ -85,6 +95,9 @@ typedef struct {
     pdm_vocab_trie_t *trie;     /* the vocabulary's byte trie, built at the first task with a
                                  * json_schema (its first token is masked here) */
     uint64_t wire_hash;         /* of the GroupWire the group was formed from */
+    int follow_rank0;           /* GroupWire.ordered: rank 0 forwards each group task and the
+                                 * others run only what it forwards; 0: every rank runs its
+                                 * own copies in arrival order (a rank of an older version) */
     uint64_t formation;         /* its pdm_prefill_formation (PrefillTask.formation) */
     /* the routers (RegisterAck.router_id, random per router process) that wired this
      * formation: what decides, alike on every rank, whether a GroupWire re-forms the group */
@@ -127,6 +140,9 @@ static void pdm__leave_group(pdm__daemon_t *pn)
 {
     if (pn->order_req != PDM_KVT_REQ_NONE) pdm_kvt_cancel(pn->kvt, &pn->order_req, 1);
     pn->order_seq = 0;
+    memset(pn->ran, 0, sizeof(pn->ran)); /* keys of the old formation's forwarded tasks */
+    pn->ran_next = 0;
+    pn->follow_rank0 = 0;
     /* order entries of the formation that ends, never taken, are thrown away (rank 0 sends
      * the next formation's only after this rank's join message) */
     const uint64_t kind_mask = 0xffull << 56;
@@ -165,6 +181,9 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
         XXH64_reset(hs, 0);
         XXH64_update(hs, &w->rank, sizeof(w->rank));
         XXH64_update(hs, &w->size, sizeof(w->size));
+        /* a wire that runs the group the other way (ordered or not) is another formation */
+        const uint8_t ordered = w->ordered != 0;
+        XXH64_update(hs, &ordered, sizeof(ordered));
         for (size_t i = 0; i < w->n_ucx_addresses; i++) {
             XXH64_update(hs, &w->ucx_addresses[i].len, sizeof(w->ucx_addresses[i].len));
             XXH64_update(hs, w->ucx_addresses[i].data, w->ucx_addresses[i].len);
@@ -217,6 +236,11 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
     } else {
         pn->grouped = 1;
         pn->wire_hash = hash;
+        pn->follow_rank0 = w->ordered;
+        if (!w->ordered && w->size > 1)
+            pdm_log_info("prefill rank: group %s runs unordered (a rank of an older version): "
+                         "each rank runs its routers' copies in arrival order",
+                         w->group ? w->group : "");
         pn->wired_ids[0] = rid;
         pn->n_wired = 1;
         ready.ok = 1;
@@ -641,6 +665,8 @@ static void pdm__enqueue(pdm__daemon_t *pn, pdm_wire_msg_t *m, int origin)
         .m = m, .origin = origin, .key = key, .arrived = pdm_now()};
 }
 
+static int pdm__ordered(const pdm__daemon_t *pn, const pdm__queued_t *q);
+
 /* CancelTask: a queued task is dropped (no answer: the router gave it up). On rank 0 that is
  * before it was ordered: the others never hear of it. */
 static void pdm__on_cancel(pdm__daemon_t *pn, const Pdmesh__CancelTask *c)
@@ -650,6 +676,12 @@ static void pdm__on_cancel(pdm__daemon_t *pn, const Pdmesh__CancelTask *c)
     /* A batch is keyed by its first member: the others still want it (the cancelled member's
      * decode node dropped its reservation, so its stream fails alone when the batch runs). */
     if (((const Pdmesh__PrefillTask *)pdm_wire_message(pn->queue[i].m))->n_batch) return;
+    /* Unordered (see the top): only all ranks together may leave a group task out. */
+    if (!pn->follow_rank0 && pdm__ordered(pn, &pn->queue[i])) {
+        pdm_log_info("prefill rank: task %llu cancelled while queued: it runs all the same "
+                     "(unordered group)", (unsigned long long)c->task_id);
+        return;
+    }
     pdm_log_info("prefill rank: task %llu cancelled while queued",
                  (unsigned long long)c->task_id);
     pdm__dequeue(pn, i, 0);
@@ -875,9 +907,11 @@ static int pdm__stale_formation(pdm__daemon_t *pn, pdm__queued_t *q)
 /* Runs what may run now: 1 if a task ran. */
 static int pdm__run_next(pdm__daemon_t *pn)
 {
-    const int follower = pn->grouped && pn->group.rank > 0 && pn->group.size > 1;
+    const int follower =
+        pn->grouped && pn->group.rank > 0 && pn->group.size > 1 && pn->follow_rank0;
     /* solo tasks and tasks before the group formed need no order; a follower runs a group
-     * task only as rank 0 forwards it (its own copy is a record: pdm__forwarded_ran) */
+     * task only as rank 0 forwards it (its own copy is a record: pdm__forwarded_ran); in an
+     * unordered group every rank takes its queue's head, as rank 0 does, and forwards none */
     /* a group task planned for another formation (the group re-formed since, under another
      * router's GroupWire) is refused before the others hear of it: its collectives and the
      * decode node's ranges would not match this one (a group of one rank runs its tasks
@@ -892,7 +926,7 @@ static int pdm__run_next(pdm__daemon_t *pn)
         if (!pn->n_queued) return 0;
         if (pdm__stale_formation(pn, &pn->queue[0])) return 1;
         const pdm__queued_t q = pn->queue[0];
-        const int st = pdm__order_send(pn, &q);
+        const int st = pn->follow_rank0 ? pdm__order_send(pn, &q) : PDM_OK;
         if (st) {
             const pdm_prefill_result_t none = {0};
             pdm__answer(pn, (const Pdmesh__PrefillTask *)pdm_wire_message(q.m), q.origin, st,
@@ -977,6 +1011,7 @@ int main(int argc, char **argv)
     pdm_link_params_t lp;
     pdm_link_params_default(&lp);
     lp.role = PDMESH__ROLE__ROLE_PREFILL;
+    lp.features = PDM_FEAT_PREFILL;
     const char *kv_iface = NULL;
     int c;
     long v;
@@ -1086,7 +1121,8 @@ int main(int argc, char **argv)
     for (;;) {
         pdm_wire_msg_t *m;
         /* a follower rank polls its order channel between messages */
-        const int follower = pn.grouped && pn.group.rank > 0 && pn.group.size > 1;
+        const int follower =
+            pn.grouped && pn.group.rank > 0 && pn.group.size > 1 && pn.follow_rank0;
         const int timeout = pn.n_queued || follower ? 2 : 1000;
         if (pdm_link_recv(pn.link, timeout, &m)) break; /* SIGTERM or a refused registration */
         if (!m && !pn.n_queued && pdm_link_draining(pn.link)) break; /* drained */

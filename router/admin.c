@@ -59,6 +59,7 @@ static void rt_fill_node(const pdm_router_t *r, const rt_node_t *n, Pdmesh__Node
     ni->capacity = cap;
     ni->load = load;
     ni->pid = n->pid;
+    ni->features = n->features;
     (void)r;
 }
 

@@ -304,7 +304,8 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
         "Lookups that reused no pooled prefix, by reason (no_match: no node holds a prefix; "
         "evicted: the index said the node held it, the node found less; routed_elsewhere_load: a "
         "node held it but load or free KV sent the request elsewhere; delta_over_local_max: the "
-        "rest of the prompt was longer than pool_local_max).",
+        "rest of the prompt was longer than pool_local_max; delta_unsupported: ... and the node "
+        "or a rank of the group is of an older version without the delta transfer).",
         "reason", NULL, 0);
     r->m.pool_cached_tokens = pdm_metrics_add(
         m, PDM_METRIC_COUNTER, "pdmesh_prefix_pool_cached_tokens_total",
@@ -376,9 +377,9 @@ int rt_router_create(uv_loop_t *loop, const rt_config_t *cfg, pdm_router_t **out
     pdm_metric_inc(r->m.pool_lookups, NULL, 0);
     pdm_metric_inc(r->m.pool_hits, NULL, 0);
     pdm_metric_inc(r->m.pool_cached_tokens, NULL, 0);
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 5; k++) {
         static const char *reasons[] = {"no_match", "evicted", "routed_elsewhere_load",
-                                        "delta_over_local_max"};
+                                        "delta_over_local_max", "delta_unsupported"};
         pdm_metric_inc(r->m.pool_misses, reasons[k], 0);
     }
     pdm_metric_set(r->m.queue, NULL, 0);

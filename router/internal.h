@@ -107,6 +107,7 @@ typedef struct {
     int dead, draining;
     uint32_t pid;
     uint64_t generation;    /* Register.generation of the registration it holds */
+    uint64_t features;      /* Register.features (PDM_FEAT_*; 0: a node of an older version) */
     uint64_t reg_ts_ms;     /* Register.timestamp_ms of the newest copy of it taken */
     int tasks;                    /* router-side: attempts assigned and not ended */
     int64_t kv_reserved;          /* router-side: KV tokens of those attempts */
@@ -132,6 +133,8 @@ typedef struct {
     int member[PDM_PREFILL_MAX_RANKS]; /* node index per rank, -1 while missing */
     uint64_t member_epoch[PDM_PREFILL_MAX_RANKS];
     uint64_t formation;           /* of the current wiring (PrefillTask.formation) */
+    int ordered;                  /* of the current wiring (GroupWire.ordered): every rank
+                                   * has PDM_FEAT_ORDERED_GROUP (router/features.h) */
     uint64_t wire_gen;            /* wirings sent so far (rt_req_t.wire_gen) */
     int wire_stale;               /* rank 0 refused a task of the current wiring for another
                                    * formation (ERR_STALE_FORMATION): registry.c re-sends the

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "router/features.h"
 #include "router/internal.h"
 #include "router/prefix.h"
 #include "router/registry.h"
@@ -125,11 +126,21 @@ static void rt_group_try_wire(pdm_router_t *r, int g)
         lens[k] = addrs[k].len;
     }
     gr->formation = pdm_prefill_formation(datas, lens, (int)gr->size);
+    /* ordered only if every rank has it (features.h): a rank of an older version neither
+     * forwards nor follows, so the whole group then runs each rank's own copies */
+    uint64_t feats[PDM_PREFILL_MAX_RANKS];
+    uint32_t lacking = 0;
+    for (uint32_t k = 0; k < gr->size; k++) feats[k] = r->nodes[gr->member[k]].features;
+    gr->ordered = rt_feat_group_ordered(feats, gr->size, &lacking);
+    if (!gr->ordered && gr->size > 1)
+        pdm_log_warn("router: group %s: rank %u (%s) lacks ordered tasks (older version); "
+                     "running unordered", gr->name, lacking, r->nodes[gr->member[lacking]].id);
     gr->wire_gen++;
     gr->wire_stale = 0;
     for (uint32_t k = 0; k < gr->size; k++) {
         rt_node_t *n = &r->nodes[gr->member[k]];
         Pdmesh__GroupWire w = PDMESH__GROUP_WIRE__INIT;
+        w.ordered = gr->ordered;
         w.epoch = n->epoch;
         w.group = gr->name;
         w.rank = k;
@@ -149,8 +160,8 @@ static void rt_group_try_wire(pdm_router_t *r, int g)
     pdm_prefill_conv_reset(&gr->conv); /* fresh ranks hold nothing */
     pdm_prefill_pool_clear(&gr->pool);
     gr->pool_reset = 1; /* and in case a rank kept its process: empty its pool too */
-    pdm_log_info("router: prefill group %s wired (%u ranks%s)", gr->name, gr->size,
-                 gr->elastic ? ", elastic" : "");
+    pdm_log_info("router: prefill group %s wired (%u ranks%s%s)", gr->name, gr->size,
+                 gr->elastic ? ", elastic" : "", gr->ordered || gr->size < 2 ? "" : ", unordered");
 }
 
 /* Rank 0 of group g refused a task of its current wiring as planned for another formation
@@ -344,6 +355,7 @@ static void rt_on_register(pdm_router_t *r, const uint8_t *ident, size_t ident_l
     snprintf(n->group, sizeof(n->group), "%s", m->group ? m->group : "");
     n->rank = m->rank;
     n->gsize = m->group_size;
+    n->features = m->features;
     memcpy(n->ident, ident, ident_len);
     n->ident_len = ident_len;
     n->ucx = malloc(m->ucx_address.len);

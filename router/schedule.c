@@ -12,6 +12,7 @@
 
 #include "router/internal.h"
 #include "router/beams.h"
+#include "router/features.h"
 #include "router/registry.h"
 #include "router/request.h"
 #include "router/prefix.h"
@@ -293,6 +294,17 @@ static uint32_t rt_delta_prefix(const pdm_router_t *r, const rt_req_t *q, int pd
     return PDM_MIN(cached, q->n_prompt - 1) / bt * bt;
 }
 
+/* Whether decode node pd and every rank of group g registered with the delta transfer
+ * (features.h): a node or rank of an older version gets the whole prompt streamed. */
+static int rt_delta_supported(const pdm_router_t *r, int pd, int g)
+{
+    const rt_group_t *gr = &r->groups[g];
+    uint64_t feats[PDM_PREFILL_MAX_RANKS];
+    for (uint32_t k = 0; k < gr->size && k < PDM_PREFILL_MAX_RANKS; k++)
+        feats[k] = gr->member[k] >= 0 ? r->nodes[gr->member[k]].features : 0;
+    return rt_feat_delta(r->nodes[pd].features, feats, PDM_MIN(gr->size, PDM_PREFILL_MAX_RANKS));
+}
+
 /* Whether queued request w may join a batch task (batch.h): a new prompt for a group (not a
  * migration, not short), no prompt log-probabilities (a batch member does not score its
  * prompt), not OpenAI's n or a choice of it going on alone (they need the owner rank's logits,
@@ -411,7 +423,7 @@ void rt_schedule(pdm_router_t *r)
                            : held_prefix ? "routed_elsewhere_load" : "no_match";
         /* Too long a rest for a local prefill: through a group to that node all the same,
          * which takes the prefix from its pool and receives only the rest's KV. */
-        const uint32_t delta = rt_delta_prefix(r, q, pd, cached, want_local);
+        uint32_t delta = rt_delta_prefix(r, q, pd, cached, want_local);
         int g = -1, solo = -1;
         if (!want_local) {
             /* no hashing of prompts behind one that holds every group with room */
@@ -433,6 +445,10 @@ void rt_schedule(pdm_router_t *r)
                 if (ch < 0) held |= 1u << g;
                 continue;
             }
+        }
+        if (delta && g >= 0 && !rt_delta_supported(r, pd, g)) {
+            delta = 0; /* the whole prompt streams, to whichever node fits */
+            miss = "delta_unsupported";
         }
         int d = delta && g >= 0 ? pd : rt_pick_decode(r, q, g < 0);
         q->waits_for_group = 0;

@@ -51,8 +51,11 @@ def mesh_argparser(doc=None):
 class Mesh:
     def __init__(self, bindir="build/bin", model="models/SmolLM2-135M-Instruct.Q4_1.gguf",
                  prefill_ranks=1, threads=1, local_threshold=16, router_args=(), decode_args=(),
-                 logdir=None):
+                 logdir=None, node_env=None):
         self.bindir = bindir
+        # extra environment per process name ("decode-0", "prefill-a.1"), e.g. a node that
+        # stands in for an older version: {"PDMESH_TEST_FEATURES": "0"}
+        self.node_env = node_env or {}
         self.model = model
         self.logdir = logdir or tempfile.mkdtemp(prefix="pdm-mesh-")
         self.env = dict(os.environ)
@@ -82,8 +85,9 @@ class Mesh:
 
     def _start(self, name, argv):
         log = open(os.path.join(self.logdir, name + ".log"), "w")
+        env = dict(self.env, **self.node_env.get(name, {}))
         self.procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, env=self.env), log)
+                                             stdin=subprocess.DEVNULL, env=env), log)
 
     def get(self, path, timeout=5):
         with urllib.request.urlopen("http://127.0.0.1:%d%s" % (self.http_port, path),

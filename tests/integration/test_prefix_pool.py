@@ -43,6 +43,13 @@ Delta transfer (issue 19; `policy set pool_local_max 0`: every follow-up goes th
    checksum, the node refuses the reservation (DecodeReserved.pool_miss), the router retries it
    with the whole prompt streamed (pdmesh_pool_delta_refused_total), and the answer is the
    engine's.
+Mesh 3, a rolling upgrade half done: the decode node and prefill rank 1 stand in for an older
+version (PDMESH_TEST_FEATURES=0: they register without protocol features):
+11. `pdctl nodes` shows each node's features (older ones: none); the router logs that group a
+   runs unordered because rank 1 lacks ordered tasks; a prompt through the unordered group gets
+   the engine's answer; a follow-up whose prefix the node's pool holds goes through the group
+   without a delta (pdmesh_pool_delta_requests_total unchanged, a `delta_unsupported` miss):
+   the whole prompt's KV is streamed, and the answer is the engine's.
 
     python3 tests/integration/test_prefix_pool.py --bindir build/bin [--model FILE]
 """
@@ -439,6 +446,61 @@ def mesh_two(args, check, token):
     check("the router exits 0 on SIGTERM", rc == 0)
 
 
+def mesh_three(args, check, token):
+    """Step 11: older nodes in the mesh (docs/deployment.md "Versions")."""
+    router = ("--method", "kvr-e", "--block-tokens", "16", "--admin-token-file", token)
+    old = {"PDMESH_TEST_FEATURES": "0"}
+    m = Mesh(args.bindir, args.model, prefill_ranks=2, router_args=router,
+             decode_args=("--kv-pool", "65536"),
+             node_env={"decode-0": old, "prefill-a.1": old})
+    try:
+        m.wait_ready()
+        rc, out = pdctl(m, token, "--json", "nodes")
+        feats = {n["node_id"]: n.get("features") for n in json.loads(out).get("nodes", [])}
+        rc2, human = pdctl(m, token, "nodes")
+        check("pdctl nodes shows each node's features (%s)" % feats,
+              rc == 0 and rc2 == 0 and feats == {"decode-0": "none",
+                                                 "prefill-a/0": "ordered_group,delta_kv",
+                                                 "prefill-a/1": "none"} and
+              "FEATURES" in human, (out, human))
+        check("the router says group a runs unordered because rank 1 is older",
+              "group a: rank 1 (prefill-a/1) lacks ordered tasks (older version); running "
+              "unordered" in m.log("router"), m.log("router")[-2000:])
+        r1 = complete(m.http_port, LONG, 16)
+        ref = reference(args.bindir, args.model, LONG, 16, extra=("--logprobs", "2"))
+        same, how = equal_up_to_near_tie(r1["choices"][0]["text"], ref)
+        check("a prompt through the unordered group (%s) gets the engine's answer (%s)"
+              % (r1["usage"]["pdmesh"]["prefill_method"], how),
+              r1["usage"]["pdmesh"]["prefill_method"] == "kvr-e" and same,
+              (r1["choices"][0]["text"], ref["text"]))
+        per_token = r1["usage"]["pdmesh"]["kv_bytes"] // r1["usage"]["prompt_tokens"]
+        conv = LONG + r1["choices"][0]["text"] + " Which museum should I see first?"
+        wait_for("index", lambda: cache_json(m, token)[0].get("decode-0", {}).get("pool", {})
+                 .get("index_blocks", 0) > 0)
+        rc, out = pdctl(m, token, "policy", "set", "pool_local_max", "0")
+        n0 = m.metric("pdmesh_pool_delta_requests_total")
+        u0 = m.metric("pdmesh_prefix_pool_misses_total", 'reason="delta_unsupported"')
+        r = complete(m.http_port, conv, 16)
+        u = r["usage"]
+        ref = reference(args.bindir, args.model, conv, 16, extra=("--logprobs", "2"))
+        same, how = equal_up_to_near_tie(r["choices"][0]["text"], ref)
+        check("a follow-up whose prefix the older decode node holds streams its whole prompt "
+              "(%d KV bytes for %d tokens, %d per token; delta requests +%g, delta_unsupported "
+              "+%g) and gets the engine's answer (%s)"
+              % (u["pdmesh"]["kv_bytes"], u["prompt_tokens"], per_token,
+                 m.metric("pdmesh_pool_delta_requests_total") - n0,
+                 m.metric("pdmesh_prefix_pool_misses_total", 'reason="delta_unsupported"') - u0,
+                 how),
+              rc == 0 and u["pdmesh"]["prefill_method"] == "kvr-e" and
+              m.metric("pdmesh_pool_delta_requests_total") == n0 and
+              m.metric("pdmesh_prefix_pool_misses_total", 'reason="delta_unsupported"') ==
+              u0 + 1 and u["pdmesh"]["kv_bytes"] == per_token * u["prompt_tokens"] and same,
+              (u, r["choices"][0]["text"], ref["text"]))
+    finally:
+        rc = m.stop()
+    check("the router exits 0 on SIGTERM", rc == 0)
+
+
 def frame(pb, type_, msg):
     return b"PD\x01\x00" + struct.pack(">H", type_) + b"\x00\x00" + msg.SerializeToString()
 
@@ -577,6 +639,7 @@ def main():
         os.chmod(token, 0o600)
         mesh_one(args, check, token)
         mesh_two(args, check, token)
+        mesh_three(args, check, token)
     print("prefix pool: %d passed, %d failed in %.0f s" % (check.passed, check.failed,
                                                             time.time() - t0))
     return 1 if check.failed else 0

@@ -22,6 +22,7 @@
 #include "common/wire.h"
 #include "model/model.h"
 #include "prefill_node/plan.h"
+#include "router/features.h"
 #include "sdk/pdmesh_client.h"
 #include "tests.h"
 
@@ -442,6 +443,7 @@ typedef struct {
     uint8_t ident[2][256];   /* per rank */
     size_t ident_len[2];
     ProtobufCBinaryData ucx[2];
+    uint64_t features[2];    /* Register.features per rank */
 } grouter_t;
 
 /* One message from either router before `seconds` (registrations acked, heartbeats answered);
@@ -478,6 +480,7 @@ static pdm_wire_msg_t *g_recv(grouter_t *rt, int *router, int *rank, double seco
             g->ucx[k].data = malloc(r->ucx_address.len);
             memcpy(g->ucx[k].data, r->ucx_address.data, r->ucx_address.len);
             g->ucx[k].len = r->ucx_address.len;
+            g->features[k] = r->features;
             Pdmesh__RegisterAck ack = PDMESH__REGISTER_ACK__INIT;
             ack.epoch = EPOCH;
             ack.heartbeat_ms = 200;
@@ -525,28 +528,31 @@ static void g_results(grouter_t *rt, uint64_t task_id, int want, double seconds,
     }
 }
 
-/* A router hands a 2-rank group a task and dies before it reaches rank 1: the group must not
- * wait a group timeout for rank 1's copy (the CI failure of test_ha.py, 30 s pauses). Rank 0
- * forwards every group task; rank 1 answers the router the entry names though it lists the
- * routers in the other order; the copy a router also sends rank 1 only records the work to
- * come (one answer per rank). The logits equal the single-process engine. */
-START_TEST(test_prefill_group_forwarding)
-{
+/* A 2-rank group "fw" of real pdmesh-prefill processes registered with two test routers
+ * (rank 1 lists the routers the other way round). rank1_features: PDMESH_TEST_FEATURES of
+ * rank 1 (a rank of an older version: "0"), or NULL. */
+typedef struct {
     grouter_t rt[2];
-    memset(rt, 0, sizeof(rt));
-    void *ctx = zmq_ctx_new();
+    void *ctx;
     char dir[64];
-    snprintf(dir, sizeof(dir), "/tmp/pdm-fw-XXXXXX");
-    ck_assert_ptr_nonnull(mkdtemp(dir));
+    pid_t pid[2];
+} fw_group_t;
+
+static void fw_start(fw_group_t *f, const char *rank1_features)
+{
+    memset(f, 0, sizeof(*f));
+    grouter_t *rt = f->rt;
+    f->ctx = zmq_ctx_new();
+    snprintf(f->dir, sizeof(f->dir), "/tmp/pdm-fw-XXXXXX");
+    ck_assert_ptr_nonnull(mkdtemp(f->dir));
     for (int w = 0; w < 2; w++) {
-        snprintf(rt[w].ep, sizeof(rt[w].ep), "ipc://%s/router%d", dir, w);
+        snprintf(rt[w].ep, sizeof(rt[w].ep), "ipc://%s/router%d", f->dir, w);
         rt[w].id = 0x1111111111111111ull * (uint64_t)(w + 1);
-        rt[w].sock = zmq_socket(ctx, ZMQ_ROUTER);
+        rt[w].sock = zmq_socket(f->ctx, ZMQ_ROUTER);
         int zero = 0;
         zmq_setsockopt(rt[w].sock, ZMQ_LINGER, &zero, sizeof(zero));
         ck_assert_int_eq(zmq_bind(rt[w].sock, rt[w].ep), 0);
     }
-    pid_t pid[2];
     setenv("PDMESH_SECRET", SECRET, 1);
     for (int k = 0; k < 2; k++) {
         char rank[4], id[16];
@@ -558,7 +564,10 @@ START_TEST(test_prefill_group_forwarding)
                               /* rank 1 lists the routers the other way round */
                               "--router", rt[k].ep, "--router", rt[1 - k].ep,
                               "--exit-with-parent", NULL};
-        ck_assert_int_eq(posix_spawnp(&pid[k], argv[0], NULL, NULL, (char *const *)argv, environ), 0);
+        if (k == 1 && rank1_features) setenv("PDMESH_TEST_FEATURES", rank1_features, 1);
+        ck_assert_int_eq(posix_spawnp(&f->pid[k], argv[0], NULL, NULL, (char *const *)argv,
+                                      environ), 0);
+        unsetenv("PDMESH_TEST_FEATURES");
     }
     unsetenv("PDMESH_SECRET");
     /* both ranks register with both routers */
@@ -571,7 +580,16 @@ START_TEST(test_prefill_group_forwarding)
     }
     ck_assert_msg(rt[0].ident_len[0] && rt[0].ident_len[1] && rt[1].ident_len[0] &&
                   rt[1].ident_len[1], "the ranks did not register with both routers");
-    /* each router wires the group (the second is answered at once) */
+}
+
+/* Each router wires the group as the router would (GroupWire.ordered from the ranks'
+ * registrations, router/features.h); the second router's wire is answered at once. Returns
+ * the ordered flag sent. */
+static int fw_wire(fw_group_t *f)
+{
+    grouter_t *rt = f->rt;
+    ck_assert(rt[0].features[0] == rt[1].features[0] && rt[0].features[1] == rt[1].features[1]);
+    const int ordered = rt_feat_group_ordered(rt[0].features, 2, NULL);
     for (int w = 0; w < 2; w++) {
         for (int k = 0; k < 2; k++) {
             Pdmesh__GroupWire gw = PDMESH__GROUP_WIRE__INIT;
@@ -581,6 +599,7 @@ START_TEST(test_prefill_group_forwarding)
             gw.size = 2;
             gw.ucx_addresses = rt[0].ucx;
             gw.n_ucx_addresses = 2;
+            gw.ordered = ordered;
             g_send(&rt[w], k, PDMESH__MSG_TYPE__MSG_GROUP_WIRE, &gw.base);
         }
         for (int n = 0; n < 2; n++) {
@@ -592,6 +611,59 @@ START_TEST(test_prefill_group_forwarding)
             pdm_wire_msg_free(m);
         }
     }
+    return ordered;
+}
+
+static void fw_stop(fw_group_t *f)
+{
+    for (int j = 0; j < 2; j++) {
+        kill(f->pid[j], SIGKILL);
+        waitpid(f->pid[j], NULL, 0);
+    }
+    for (int j = 0; j < 2; j++) {
+        zmq_close(f->rt[j].sock);
+        for (int r = 0; r < 2; r++) free(f->rt[j].ucx[r].data);
+        char path[256];
+        snprintf(path, sizeof(path), "%s/router%d", f->dir, j);
+        unlink(path);
+    }
+    zmq_ctx_term(f->ctx);
+    rmdir(f->dir);
+}
+
+/* The engine's logits of prompt[0..n) (n_vocab floats, malloc'd). */
+static float *engine_logits(const int32_t *prompt, int n, uint32_t *n_vocab)
+{
+    pdm_model_t *model;
+    pdm_model_ctx_t *mctx;
+    pdm_kv_cache_t *cache;
+    ck_assert_int_eq(pdm_model_load(model_path, &model), 0);
+    ck_assert_int_eq(pdm_model_ctx_create(model, 1, 64, &mctx), 0);
+    ck_assert_int_eq(pdm_kv_cache_create(&model->hp, 16, PDM_DT_F32, &cache), 0);
+    float *logits = malloc(sizeof(float) * model->hp.n_vocab);
+    ck_assert_int_eq(pdm_model_prefill(mctx, cache, prompt, n, logits), 0);
+    *n_vocab = model->hp.n_vocab;
+    pdm_kv_cache_destroy(cache);
+    pdm_model_ctx_destroy(mctx);
+    pdm_model_free(model);
+    return logits;
+}
+
+/* A router hands a 2-rank group a task and dies before it reaches rank 1: the group must not
+ * wait a group timeout for rank 1's copy (the CI failure of test_ha.py, 30 s pauses). Rank 0
+ * forwards every group task; rank 1 answers the router the entry names though it lists the
+ * routers in the other order; the copy a router also sends rank 1 only records the work to
+ * come (one answer per rank). The logits equal the single-process engine. Both ranks are of
+ * this version: both register PDM_FEAT_PREFILL and the group is wired ordered. */
+START_TEST(test_prefill_group_forwarding)
+{
+    fw_group_t f;
+    fw_start(&f, NULL);
+    grouter_t *rt = f.rt;
+    for (int k = 0; k < 2; k++)
+        ck_assert_msg(rt[0].features[k] == PDM_FEAT_PREFILL, "rank %d registered features "
+                      "0x%llx", k, (unsigned long long)rt[0].features[k]);
+    ck_assert_int_eq(fw_wire(&f), 1);
 
     int32_t prompt[9] = {4, 8, 15, 16, 23, 42, 99, 7, 3};
     Pdmesh__PrefillTask t = PDMESH__PREFILL_TASK__INIT;
@@ -627,14 +699,8 @@ START_TEST(test_prefill_group_forwarding)
     Pdmesh__PrefillTask t2 = t;
     t2.task_id = 44;
     g_send(&rt[1], 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t2.base);
-    pdm_model_t *model;
-    pdm_model_ctx_t *mctx;
-    pdm_kv_cache_t *cache;
-    ck_assert_int_eq(pdm_model_load(model_path, &model), 0);
-    ck_assert_int_eq(pdm_model_ctx_create(model, 1, 64, &mctx), 0);
-    ck_assert_int_eq(pdm_kv_cache_create(&model->hp, 16, PDM_DT_F32, &cache), 0);
-    float *logits = malloc(sizeof(float) * model->hp.n_vocab);
-    ck_assert_int_eq(pdm_model_prefill(mctx, cache, prompt, 9, logits), 0);
+    uint32_t n_vocab;
+    float *logits = engine_logits(prompt, 9, &n_vocab);
     int seen[2][2] = {{0}}, owners = 0;
     for (int n = 0; n < 4; n++) {
         int w, k;
@@ -647,8 +713,8 @@ START_TEST(test_prefill_group_forwarding)
         seen[w][k]++;
         if (r->owner) {
             owners++;
-            ck_assert_int_eq(r->n_logits, model->hp.n_vocab);
-            for (uint32_t v = 0; v < model->hp.n_vocab; v++)
+            ck_assert_int_eq(r->n_logits, n_vocab);
+            for (uint32_t v = 0; v < n_vocab; v++)
                 ck_assert_msg(fabsf(r->logits[v] - logits[v]) <= 1e-3f * fmaxf(1, fabsf(logits[v])),
                               "logit %u: %g vs %g", v, r->logits[v], logits[v]);
         }
@@ -683,23 +749,94 @@ START_TEST(test_prefill_group_forwarding)
     extra = g_recv(rt, &w, &k, 1.0);
     ck_assert_msg(extra == NULL, "rank %d answered a refused task", k);
     free(logits);
-    pdm_kv_cache_destroy(cache);
-    pdm_model_ctx_destroy(mctx);
-    pdm_model_free(model);
+    fw_stop(&f);
+}
+END_TEST
 
-    for (int j = 0; j < 2; j++) {
-        kill(pid[j], SIGKILL);
-        waitpid(pid[j], NULL, 0);
+/* A rolling upgrade: rank 1 is of an older version (PDMESH_TEST_FEATURES=0: it registers
+ * without features), so the group is wired unordered (the router's rule, GroupWire.ordered
+ * false) and runs as before forwarding: each rank runs the copies its routers send it, in
+ * arrival order, and answers the router each came from; rank 0 forwards nothing. Every task
+ * is answered by both ranks, the owner's logits equal the engine's. */
+START_TEST(test_prefill_group_unordered)
+{
+    /* the engine's logits first: while the test does not poll, its routers answer no
+     * heartbeat, and a node that gives a router up registers anew from another socket
+     * identity (tasks sent to the old one are lost) */
+    int32_t prompt[9] = {4, 8, 15, 16, 23, 42, 99, 7, 3};
+    uint32_t n_vocab;
+    float *logits = engine_logits(prompt, 9, &n_vocab);
+    fw_group_t f;
+    fw_start(&f, "0");
+    grouter_t *rt = f.rt;
+    ck_assert_msg(rt[0].features[0] == PDM_FEAT_PREFILL && rt[0].features[1] == 0,
+                  "registered features 0x%llx and 0x%llx", (unsigned long long)rt[0].features[0],
+                  (unsigned long long)rt[0].features[1]);
+    uint32_t lacking = 9;
+    ck_assert_int_eq(rt_feat_group_ordered(rt[0].features, 2, &lacking), 0);
+    ck_assert_uint_eq(lacking, 1);
+    ck_assert_int_eq(fw_wire(&f), 0);
+
+    Pdmesh__PrefillTask t = PDMESH__PREFILL_TASK__INIT;
+    t.epoch = EPOCH;
+    t.method = "cp-kv";
+    t.tokens = prompt;
+    t.n_tokens = 9;
+    t.top_logits = 5;
+    t.want_logits = 1;
+    t.deadline_ms = 20000;
+    /* tasks 51..53 from router 0, router 1, router 0, each sent to both ranks and answered
+     * before the next is sent: an unordered group has no order across routers (a rank may
+     * take a later task of one router before an earlier one of the other: the stall of
+     * docs/deployment.md "Versions"), so one at a time */
+    int seen[2][2] = {{0}}, owners = 0;
+    for (uint64_t id = 51; id <= 53; id++) {
+        t.task_id = id;
+        const int from = id == 52;
+        g_send(&rt[from], 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+        g_send(&rt[from], 1, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+        for (int n = 0; n < 2; n++) {
+            int w, k;
+            pdm_wire_msg_t *m = g_recv(rt, &w, &k, 20);
+            ck_assert_msg(m && pdm_wire_type(m) == PDMESH__MSG_TYPE__MSG_PREFILL_RESULT,
+                          "task %llu: %d of 2 results, then %s", (unsigned long long)id, n,
+                          m ? pdm_wire_type_name(pdm_wire_type(m)) : "none");
+            const Pdmesh__PrefillResult *r = (const Pdmesh__PrefillResult *)pdm_wire_message(m);
+            ck_assert_msg(r->ok && r->task_id == id && r->rank == (uint32_t)k && w == from,
+                          "task %llu: ok %d, rank %u at router %d: %s",
+                          (unsigned long long)r->task_id, r->ok, r->rank, w,
+                          r->error && r->error->message ? r->error->message : "");
+            seen[w][k]++;
+            if (r->owner) {
+                owners++;
+                ck_assert_int_eq(r->n_logits, n_vocab);
+                for (uint32_t v = 0; v < n_vocab; v++)
+                    ck_assert_msg(fabsf(r->logits[v] - logits[v]) <=
+                                      1e-3f * fmaxf(1, fabsf(logits[v])),
+                                  "logit %u: %g vs %g", v, r->logits[v], logits[v]);
+            }
+            pdm_wire_msg_free(m);
+        }
     }
-    for (int j = 0; j < 2; j++) {
-        zmq_close(rt[j].sock);
-        for (int r = 0; r < 2; r++) free(rt[j].ucx[r].data);
-        char path[256];
-        snprintf(path, sizeof(path), "%s/router%d", dir, j);
-        unlink(path);
-    }
-    zmq_ctx_term(ctx);
-    rmdir(dir);
+    ck_assert(seen[0][0] == 2 && seen[0][1] == 2 && seen[1][0] == 1 && seen[1][1] == 1);
+    ck_assert_int_eq(owners, 3);
+
+    /* Rank 1 runs its own copy, not one forwarded by rank 0: one task reaching rank 0 from
+     * router 0 and rank 1 from router 1 is answered by each rank to its own router (an
+     * ordered group answers both at router 0, the router of rank 0's copy). */
+    t.task_id = 54;
+    g_send(&rt[0], 0, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    g_send(&rt[1], 1, PDMESH__MSG_TYPE__MSG_PREFILL_TASK, &t.base);
+    int got[2][2];
+    g_results(rt, 54, 2, 20, got);
+    ck_assert_msg(got[0][0] == 1 && got[1][1] == 1, "rank 1 answered router %d (forwarded?)",
+                  got[0][1] ? 0 : 1);
+    int w, k;
+    pdm_wire_msg_t *extra = g_recv(rt, &w, &k, 1.0);
+    ck_assert_msg(extra == NULL, "an extra %s",
+                  extra ? pdm_wire_type_name(pdm_wire_type(extra)) : "");
+    free(logits);
+    fw_stop(&f);
 }
 END_TEST
 
@@ -912,6 +1049,7 @@ Suite *suite_nodeproto(void)
     tcase_add_test(tc, test_decode_node_protocol);
     tcase_add_test(tc, test_prefill_rank_protocol);
     tcase_add_test(tc, test_prefill_group_forwarding);
+    tcase_add_test(tc, test_prefill_group_unordered);
     tcase_add_test(tc, test_router_stale_formation);
     suite_add_tcase(s, tc);
     return s;

@@ -15,6 +15,7 @@
 #include "kvtransfer/kvtransfer.h"
 #include "router/adapt.h"
 #include "router/batch.h"
+#include "router/features.h"
 #include "router/metrics.h"
 #include "tests.h"
 
@@ -1299,6 +1300,50 @@ START_TEST(test_batch_deadline_order)
 }
 END_TEST
 
+/* ---- protocol features (router/features.h): what a mixed-version mesh runs -------------- */
+
+/* A group runs ordered only if every rank has the feature; the first rank without it is
+ * named (the router's log line). The delta transfer only if the decode node and every rank
+ * have it: a node or rank of an older version (features 0) gets the whole prompt. */
+START_TEST(test_feat_rules)
+{
+    const uint64_t all = PDM_FEAT_PREFILL, old = 0;
+    uint32_t lacking = 99;
+    const uint64_t new2[2] = {all, all}, old_rank1[2] = {all, old}, old_rank0[3] = {old, all, old};
+    ck_assert_int_eq(rt_feat_group_ordered(new2, 2, &lacking), 1);
+    ck_assert_int_eq(rt_feat_group_ordered(old_rank1, 2, &lacking), 0);
+    ck_assert_uint_eq(lacking, 1);
+    ck_assert_int_eq(rt_feat_group_ordered(old_rank0, 3, &lacking), 0);
+    ck_assert_uint_eq(lacking, 0);
+    ck_assert_int_eq(rt_feat_group_ordered(new2, 0, &lacking), 0);
+    /* a rank with only the delta bit (a future build could drop ordering) is not ordered */
+    const uint64_t delta_only[2] = {all, PDM_FEAT_DELTA_KV};
+    ck_assert_int_eq(rt_feat_group_ordered(delta_only, 2, NULL), 0);
+    ck_assert_int_eq(rt_feat_delta(PDM_FEAT_DECODE, delta_only, 2), 1);
+
+    ck_assert_int_eq(rt_feat_delta(PDM_FEAT_DECODE, new2, 2), 1);
+    ck_assert_int_eq(rt_feat_delta(old, new2, 2), 0);              /* an older decode node */
+    ck_assert_int_eq(rt_feat_delta(PDM_FEAT_DECODE, old_rank1, 2), 0); /* an older rank */
+    const uint64_t ordered_only[1] = {PDM_FEAT_ORDERED_GROUP};
+    ck_assert_int_eq(rt_feat_delta(PDM_FEAT_DECODE, ordered_only, 1), 0);
+    ck_assert_int_eq(rt_feat_delta(PDM_FEAT_DECODE, new2, 0), 0);
+    /* unknown bits of a newer node change nothing */
+    const uint64_t newer[2] = {all | 1ull << 40, all};
+    ck_assert_int_eq(rt_feat_group_ordered(newer, 2, NULL), 1);
+    ck_assert_int_eq(rt_feat_delta(PDM_FEAT_DECODE | 1ull << 63, newer, 2), 1);
+
+    char buf[64];
+    pdm_feat_format(0, buf, sizeof(buf));
+    ck_assert_str_eq(buf, "none");
+    pdm_feat_format(PDM_FEAT_PREFILL, buf, sizeof(buf));
+    ck_assert_str_eq(buf, "ordered_group,delta_kv");
+    pdm_feat_format(PDM_FEAT_DELTA_KV | 1ull << 5, buf, sizeof(buf));
+    ck_assert_str_eq(buf, "delta_kv,bit5");
+    pdm_feat_format(PDM_FEAT_PREFILL, buf, 8); /* cut, terminated */
+    ck_assert_str_eq(buf, "ordered");
+}
+END_TEST
+
 Suite *suite_router(void)
 {
     Suite *s = suite_create("router");
@@ -1326,5 +1371,8 @@ Suite *suite_router(void)
     tcase_add_test(tb, test_batch_pack);
     tcase_add_test(tb, test_batch_deadline_order);
     suite_add_tcase(s, tb);
+    TCase *tf = tcase_create("features");
+    tcase_add_test(tf, test_feat_rules);
+    suite_add_tcase(s, tf);
     return s;
 }
