@@ -32,6 +32,7 @@
 #                      llama-server
 #   make bench-serve-adaptive  load-adaptive groups (whole group vs solo ranks) under load
 #   make bench-serve-batch  batched prefill on vs off under load (1-rank group)
+#   make bench-serve-chunked  chunked prefill on vs off under load (2-rank group)
 #   make bench-prefix  follow-up turns: TTFT with prefix reuse vs whole-prompt prefill
 #   make bench-engine  pdmesh vs llama.cpp speed and roofline into docs/perf/ (PDM_BENCH_QUICK=1)
 #   make bench-kquant  issue 14's table: default model, Gemma 3 270M Q4_K_M, 1B-shaped Q4_K_M and
@@ -150,7 +151,7 @@ TEST_BIN := $(BUILD)/bin/pdm-tests
 
 .PHONY: all deps model test check unit curve-test deploy-test fault-test golden-test asan demo golden golden-quant golden-arch golden-tok clean distclean format \
         format-check \
-        integration-test ha-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-serve-adaptive bench-serve-batch bench-prefix \
+        integration-test ha-test window-test hardening-test hardening-memory bench-sessions bench-router http-test bench-serve bench-serve-adaptive bench-serve-batch bench-serve-chunked bench-prefix \
         bench-prefill bench-prefill-models cuda-kvtransfer sim-test bench-sim bench-transfer bench-decode \
         bench-engine bench-grammar bench-kquant cuda cuda-check bench-decode-memory-beam bench-decode-memory bench-decode-memory-window python-sdk \
         python-pb python-package-test lm-eval-test \
@@ -495,6 +496,11 @@ bench-serve-adaptive: deps model all
 # BENCH_QUICK=1: 20 s per run, one repeat.
 bench-serve-batch: deps model all
 	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/batch.py --bindir $(BUILD)/bin \
+	  --out docs/perf $(if $(BENCH_QUICK),--quick)
+
+# Chunked prefill on vs off under load (docs/perf/serve-chunked.*).
+bench-serve-chunked: deps model all
+	PDMESH_MODEL=$(MODEL_FILE) $(VENV)/bin/python bench/serve/chunked.py --bindir $(BUILD)/bin \
 	  --out docs/perf $(if $(BENCH_QUICK),--quick)
 
 # Prefix reuse: follow-up turns with and without partial prefill (docs/perf/prefix.*).
