@@ -380,6 +380,17 @@ static int pdm__sample_first(pdm__daemon_t *pn, const Pdmesh__SamplingParams *m,
     return PDM_OK;
 }
 
+/* What every PrefillResult of task t to router `origin` says, and its Error's task. */
+static void pdm__result_head(const pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int origin,
+                             Pdmesh__PrefillResult *r, Pdmesh__Error *e)
+{
+    r->task_id = e->task_id = t->task_id;
+    r->attempt = e->attempt = t->attempt;
+    r->epoch = pdm_link_epoch_of(pn->link, origin);
+    r->rank = pn->grouped ? (uint32_t)pn->group.rank : 0;
+    r->first_token = -1;
+}
+
 /* Sends task t's PrefillResult to router `origin`: st and err (its message) when it failed,
  * else from res (the owner samples the first token with t's sampling parameters). */
 static void pdm__answer(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int origin, int st,
@@ -391,11 +402,7 @@ static void pdm__answer(pdm__daemon_t *pn, const Pdmesh__PrefillTask *t, int ori
     pdm_prefill_result_t res = *rs;
     int32_t top_ids[100];
     float top_values[100];
-    r.task_id = e.task_id = t->task_id;
-    r.attempt = e.attempt = t->attempt;
-    r.epoch = pdm_link_epoch_of(pn->link, origin);
-    r.rank = pn->grouped ? (uint32_t)pn->group.rank : 0;
-    r.first_token = -1;
+    pdm__result_head(pn, t, origin, &r, &e);
     r.kv_dumped = kv_dumped;
     r.batch_size = batch_size;
     if (st) {
@@ -881,11 +888,7 @@ static void pdm__refuse_formation(pdm__daemon_t *pn, const Pdmesh__PrefillTask *
              (unsigned long long)pn->formation);
     pdm_log_info("prefill rank: task %llu attempt %u refused: %s", (unsigned long long)t->task_id,
                  t->attempt, msg);
-    r.task_id = e.task_id = t->task_id;
-    r.attempt = e.attempt = t->attempt;
-    r.epoch = pdm_link_epoch_of(pn->link, origin);
-    r.rank = pn->grouped ? (uint32_t)pn->group.rank : 0;
-    r.first_token = -1;
+    pdm__result_head(pn, t, origin, &r, &e);
     e.code = PDMESH__ERROR_CODE__ERR_STALE_FORMATION;
     e.message = msg;
     e.formation = pn->grouped ? pn->formation : 0;
