@@ -8,7 +8,7 @@
 
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
+#include <unistd.h>
 
 #include "common/pdm.h"
 #include "common/wire.h"
@@ -18,80 +18,147 @@ double pdm_kvt_group_deadline(const pdm_kvt_group_t *g)
     return pdm_now() + g->timeout;
 }
 
-/* The join message of a formation (pdm_kvt_group_init). */
+/*
+ * Forming a group (pdm_kvt_group_init). Two processes may form a group many times (a GroupWire
+ * re-forms it), and a message of an attempt that failed stays in the receiver's transport
+ * queue: it must never pass for a later attempt's. So the formation is a handshake that only
+ * fresh numbers complete, between rank 0 and each other rank:
+ *   rank 0 -> rank j   JOIN    {0, n}     n: rank 0's random number for this attempt
+ *   rank j -> rank 0   CONFIRM {j, n', f} n': the n of a JOIN it took, f: its own random number
+ *   rank 0 -> rank j   COMMIT  {0, n, f}  only for a CONFIRM of this attempt's n
+ * Rank 0 skips a CONFIRM of another n (left over, or for a JOIN left over). Rank j confirms
+ * every JOIN that comes while it waits, so a left-over JOIN it took first costs nothing: the
+ * fresh one comes and is confirmed too; it is done at the COMMIT of its own f. Then a barrier
+ * of every rank, tagged with n, connects all the ranks. n is the group's nonce.
+ */
 typedef struct {
     uint32_t rank;
-    uint32_t nonce;  /* rank 0's for this formation; 0 from the others */
-    int64_t until_ms; /* when the sender gives up on this formation (its wall clock) */
+    uint32_t nonce;
+    uint64_t f;
 } pdm__join_msg_t;
 
-static int64_t pdm__wall_ms(void)
+enum { PDM__JOIN = 0, PDM__CONFIRM = 1, PDM__COMMIT = 2 };
+
+static int pdm__join_send(pdm_kvt_group_t *g, int j, int step, const pdm__join_msg_t *m,
+                          double deadline)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    pdm_kvt_req_t r;
+    pdm_kvt_iov_t iov = {(void *)m, sizeof(*m)};
+    int st = pdm_kvt_group_send(g, j, PDM_KVT_KIND_JOIN, 0, step, &iov, 1, &r);
+    return st ? st : pdm_kvt_wait(g->kvt, r, deadline, NULL);
 }
 
-/* Every rank sends its join message to every other and takes one from each that is not left
- * over from an earlier formation (kvtransfer.h); followers take rank 0's nonce. */
-static int pdm__join(pdm_kvt_group_t *g)
+static int pdm__join_post(pdm_kvt_group_t *g, int step, pdm__join_msg_t *m, pdm_kvt_req_t *r)
 {
-    if (g->rank == 0) {
-        if (pdm_random_bytes(&g->nonce, sizeof(g->nonce)) || !g->nonce)
-            g->nonce = (uint32_t)pdm__wall_ms() | 1u;
-    }
-    if (g->size == 1) return PDM_OK;
-    /* a message whose sender gave up before this rank started (1 s allowed for clock skew)
-     * is left over from a formation that failed */
-    const int64_t start = pdm__wall_ms(), oldest = start - 1000;
-    const double deadline = pdm_kvt_group_deadline(g);
-    pdm__join_msg_t out = {(uint32_t)g->rank, g->rank == 0 ? g->nonce : 0,
-                           start + (int64_t)(g->timeout * 1e3)};
-    pdm__join_msg_t in[PDM_KVT_MAX_RANKS];
-    pdm_kvt_req_t recv[PDM_KVT_MAX_RANKS], send[PDM_KVT_MAX_RANKS];
-    int n_send = 0, st = PDM_OK;
-    for (int j = 0; j < g->size; j++) {
-        recv[j] = PDM_KVT_REQ_NONE;
-        if (j == g->rank || st) continue;
-        pdm_kvt_iov_t iov = {&in[j], sizeof(in[j])};
-        st = pdm_kvt_group_recv(g, j, PDM_KVT_KIND_BARRIER, 0, 0, &iov, 1, &recv[j]);
-    }
-    for (int j = 0; j < g->size && !st; j++) {
-        if (j == g->rank) continue;
-        pdm_kvt_iov_t iov = {&out, sizeof(out)};
-        st = pdm_kvt_group_send(g, j, PDM_KVT_KIND_BARRIER, 0, 0, &iov, 1, &send[n_send]);
-        if (!st) n_send++;
-    }
-    for (int j = 0; j < g->size && !st; j++) {
-        if (j == g->rank) continue;
+    pdm_kvt_iov_t iov = {m, sizeof(*m)};
+    return pdm_kvt_group_recv(g, 0, PDM_KVT_KIND_JOIN, 0, step, &iov, 1, r);
+}
+
+/* Rank 0: a JOIN to every rank, then each rank's CONFIRM of it, answered by a COMMIT. */
+static int pdm__join_lead(pdm_kvt_group_t *g, double deadline)
+{
+    const pdm__join_msg_t join = {0, g->nonce, 0};
+    int st = PDM_OK;
+    for (int j = 1; j < g->size && !st; j++) st = pdm__join_send(g, j, PDM__JOIN, &join, deadline);
+    for (int j = 1; j < g->size && !st; j++) {
         for (;;) {
+            pdm__join_msg_t c;
+            pdm_kvt_req_t r;
+            pdm_kvt_iov_t iov = {&c, sizeof(c)};
             size_t bytes = 0;
-            st = pdm_kvt_wait(g->kvt, recv[j], deadline, &bytes);
-            recv[j] = PDM_KVT_REQ_NONE;
+            st = pdm_kvt_group_recv(g, j, PDM_KVT_KIND_JOIN, 0, PDM__CONFIRM, &iov, 1, &r);
+            if (!st) st = pdm_kvt_wait(g->kvt, r, deadline, &bytes);
             if (st) break;
-            if (bytes != sizeof(in[j]) || in[j].rank != (uint32_t)j) {
-                st = pdm_error_set(PDM_EPEER, "group: the join message from rank %d is not one "
-                                   "(%zu bytes, rank %u)", j, bytes, in[j].rank);
+            if (bytes != sizeof(c) || c.rank != (uint32_t)j) {
+                st = pdm_error_set(PDM_EPEER, "group: rank %d sent a malformed CONFIRM", j);
                 break;
             }
-            if (in[j].until_ms >= oldest) break;
-            /* left over from a formation that failed: the next one is this formation's */
-            pdm_kvt_iov_t iov = {&in[j], sizeof(in[j])};
-            if ((st = pdm_kvt_group_recv(g, j, PDM_KVT_KIND_BARRIER, 0, 0, &iov, 1, &recv[j])))
-                break;
+            if (c.nonce != g->nonce) continue; /* of an earlier attempt */
+            const pdm__join_msg_t commit = {0, g->nonce, c.f};
+            st = pdm__join_send(g, j, PDM__COMMIT, &commit, deadline);
+            break;
         }
     }
-    if (!st && g->rank != 0) {
-        g->nonce = in[0].nonce;
-        if (!g->nonce) st = pdm_error_set(PDM_EPEER, "group: rank 0 named no formation");
+    return st;
+}
+
+/* Rank j > 0: confirms every JOIN from rank 0 until the COMMIT of its own f comes. */
+static int pdm__join_follow(pdm_kvt_group_t *g, double deadline)
+{
+    uint64_t f = 0;
+    if (pdm_random_bytes(&f, sizeof(f)) || !f) f = (uint64_t)(pdm_now() * 1e9) | 1u;
+    pdm__join_msg_t jm, cm;
+    pdm_kvt_req_t rj = PDM_KVT_REQ_NONE, rc = PDM_KVT_REQ_NONE;
+    int st = pdm__join_post(g, PDM__JOIN, &jm, &rj);
+    if (!st) st = pdm__join_post(g, PDM__COMMIT, &cm, &rc);
+    uint32_t nonce = 0;
+    int done = 0;
+    while (!st && !done) {
+        size_t bytes = 0;
+        int got = 0, t = pdm_kvt_test(g->kvt, rj, &bytes);
+        if (t < 0) {
+            rj = PDM_KVT_REQ_NONE;
+            st = t;
+            break;
+        }
+        if (t > 0) {
+            got = 1;
+            rj = PDM_KVT_REQ_NONE;
+            if (bytes == sizeof(jm) && jm.rank == 0 && jm.nonce) {
+                nonce = jm.nonce;
+                const pdm__join_msg_t c = {(uint32_t)g->rank, nonce, f};
+                st = pdm__join_send(g, 0, PDM__CONFIRM, &c, deadline);
+            }
+            if (!st) st = pdm__join_post(g, PDM__JOIN, &jm, &rj);
+        }
+        if (st) break;
+        t = pdm_kvt_test(g->kvt, rc, &bytes);
+        if (t < 0) {
+            rc = PDM_KVT_REQ_NONE;
+            st = t;
+            break;
+        }
+        if (t > 0) {
+            got = 1;
+            rc = PDM_KVT_REQ_NONE;
+            if (bytes == sizeof(cm) && cm.rank == 0 && cm.f == f && cm.nonce) {
+                g->nonce = cm.nonce;
+                done = 1;
+            } else {
+                st = pdm__join_post(g, PDM__COMMIT, &cm, &rc); /* of an earlier attempt */
+            }
+        }
+        if (!st && !done && !got) {
+            if (pdm_now() > deadline)
+                st = pdm_error_set(PDM_ETIMEOUT, "group: no COMMIT from rank 0 within %.1f s%s",
+                                   g->timeout, nonce ? " (a JOIN came and was confirmed)"
+                                                     : " (no JOIN came)");
+            else
+                usleep(200);
+        }
     }
-    char msg[512];
-    snprintf(msg, sizeof(msg), "%s", st ? pdm_error_last() : "");
-    for (int j = 0; j < g->size; j++) /* receives still posted after a failure */
-        if (recv[j] != PDM_KVT_REQ_NONE) pdm_kvt_cancel(g->kvt, &recv[j], 1);
-    const int sst = pdm_kvt_wait_all(g->kvt, send, n_send, st ? pdm_now() : deadline);
-    if (st) return pdm_error_set(st, "%s", msg);
-    return sst;
+    pdm_kvt_req_t left[2] = {rj, rc};
+    pdm_kvt_cancel(g->kvt, left, 2);
+    return st;
+}
+
+/* The handshake above, then a barrier of every rank tagged with the nonce. */
+static int pdm__join(pdm_kvt_group_t *g)
+{
+    if (g->rank == 0 && (pdm_random_bytes(&g->nonce, sizeof(g->nonce)) || !g->nonce))
+        g->nonce = (uint32_t)(pdm_now() * 1e6) | 1u;
+    if (g->size == 1) return PDM_OK;
+    const double deadline = pdm_kvt_group_deadline(g);
+    int st = g->rank == 0 ? pdm__join_lead(g, deadline) : pdm__join_follow(g, deadline);
+    if (st) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s", pdm_error_last());
+        return pdm_error_set(st, "%s", msg);
+    }
+    g->task = g->nonce & 0xffff; /* a barrier message of another formation cannot match */
+    st = pdm_kvt_group_barrier(g, 0);
+    g->task = 0;
+    return st;
 }
 
 int pdm_kvt_group_init(pdm_kvt_group_t *g, pdm_kvt_t *kvt, int rank, int size,

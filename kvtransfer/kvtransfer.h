@@ -125,7 +125,8 @@ typedef enum {
     PDM_KVT_KIND_PING = 7,   /* calibration ping-pong */
     PDM_KVT_KIND_ALLREDUCE = 9, /* all-reduce (8 is the KV stream's kind) */
     PDM_KVT_KIND_ORDER = 10,    /* the group's task order, rank 0 -> the others */
-    PDM_KVT_KIND_ORDER_TASK = 11 /* the task of an order entry */
+    PDM_KVT_KIND_ORDER_TASK = 11, /* the task of an order entry */
+    PDM_KVT_KIND_JOIN = 12        /* forming a group (group.c) */
 } pdm_kvt_kind_t;
 
 static inline uint64_t pdm_kvt_tag(pdm_kvt_kind_t kind, int src_rank, uint32_t task, int layer,
@@ -149,11 +150,11 @@ typedef struct {
                                   * formation of the same ranks) */
 } pdm_kvt_group_t;
 
-/* Connects to every other rank given all ranks' addresses (index = rank) and exchanges a join
- * message with each, so that connections are established before timing starts and every rank
- * learns rank 0's nonce. A join message whose sender gave up on it (its timeout had passed,
- * by its wall clock, when this rank started to form; 1 s allowed for skew) is left over from
- * an earlier formation that failed: it is skipped, not taken as this formation's. */
+/* Connects to every other rank given all ranks' addresses (index = rank) and forms the group:
+ * a handshake between rank 0 and each other rank that only this attempt's random numbers
+ * complete (a message left over from an earlier attempt of the same processes is skipped),
+ * then a barrier of every rank, so that connections are established before timing starts.
+ * Every rank ends with rank 0's nonce. */
 int pdm_kvt_group_init(pdm_kvt_group_t *g, pdm_kvt_t *kvt, int rank, int size,
                        const void *const *addrs, const size_t *lens, double timeout);
 void pdm_kvt_group_fini(pdm_kvt_group_t *g);

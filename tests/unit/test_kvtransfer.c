@@ -227,9 +227,9 @@ START_TEST(test_kvt_group_patterns)
 }
 END_TEST
 
-/* A formation that failed leaves its join message behind; the next formation of the same two
- * ranks must not take it for its own (the rank that took it formed alone, and the group's
- * order then named entries its rank 0 never sent). */
+/* A formation that failed leaves its messages behind; the next formation of the same two
+ * ranks must not take them for its own (a rank that took rank 0's old JOIN formed with the
+ * old nonce, and the group's order then named entries its rank 0 never sent). */
 typedef struct {
     pdm_kvt_t *kvt[2];
     const void *addr[2];
@@ -265,26 +265,32 @@ START_TEST(test_kvt_group_join_skips_stale)
         ck_assert_int_eq(pdm_kvt_create(NULL, &d.kvt[i]), 0);
         pdm_kvt_address(d.kvt[i], &d.addr[i], &d.len[i]);
     }
-    /* rank 0 forms alone and gives up after 0.3 s: its join message waits at rank 1 */
     pthread_t th[2];
     duo_arg_t args[2] = {{&d, 0}, {&d, 1}};
-    d.timeout[0] = 0.3;
-    pthread_create(&th[0], NULL, duo_main, &args[0]);
-    pthread_join(th[0], NULL);
-    ck_assert_int_ne(d.st[0], 0);
-    const uint32_t old_nonce = d.nonce[0];
-    usleep(1500 * 1000); /* its sender gave up more than the 1 s allowed for skew ago */
-    /* the next formation: rank 1 first, rank 0 0.4 s later */
-    d.timeout[0] = d.timeout[1] = 10;
-    d.delay[1] = 0;
-    d.delay[0] = 0.4;
-    for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, duo_main, &args[i]);
-    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
-    ck_assert_msg(d.st[0] == 0 && d.st[1] == 0, "the formation failed: %d %d", d.st[0], d.st[1]);
-    ck_assert_msg(d.done[1] >= d.started[0], "rank 1 formed %.3f s before rank 0 started: it "
-                  "took the stale join message", d.started[0] - d.done[1]);
-    ck_assert_msg(d.nonce[1] == d.nonce[0] && d.nonce[0] && d.nonce[0] != old_nonce,
-                  "nonces: rank 0 %u (before %u), rank 1 %u", d.nonce[0], old_nonce, d.nonce[1]);
+    for (int round = 0; round < 2; round++) {
+        /* rank 0 forms alone and gives up after 0.3 s: its JOIN waits at rank 1 (in round 1
+         * beside rank 1's CONFIRM of round 0's stale JOIN, which waits at rank 0) */
+        d.timeout[0] = 0.3;
+        d.delay[0] = 0;
+        pthread_create(&th[0], NULL, duo_main, &args[0]);
+        pthread_join(th[0], NULL);
+        ck_assert_int_ne(d.st[0], 0);
+        const uint32_t old_nonce = d.nonce[0];
+        /* the next formation at once (the stale JOIN's sender gave up only just now): rank 1
+         * first, rank 0 0.4 s later */
+        d.timeout[0] = d.timeout[1] = 10;
+        d.delay[1] = 0;
+        d.delay[0] = 0.4;
+        for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, duo_main, &args[i]);
+        for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+        ck_assert_msg(d.st[0] == 0 && d.st[1] == 0, "round %d: the formation failed: %d %d",
+                      round, d.st[0], d.st[1]);
+        ck_assert_msg(d.done[1] >= d.started[0], "round %d: rank 1 formed %.3f s before rank 0 "
+                      "started: it took the stale JOIN", round, d.started[0] - d.done[1]);
+        ck_assert_msg(d.nonce[1] == d.nonce[0] && d.nonce[0] && d.nonce[0] != old_nonce,
+                      "round %d: nonces: rank 0 %u (before %u), rank 1 %u", round, d.nonce[0],
+                      old_nonce, d.nonce[1]);
+    }
     for (int i = 0; i < 2; i++) pdm_kvt_destroy(d.kvt[i]);
 }
 END_TEST
