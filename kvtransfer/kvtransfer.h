@@ -342,13 +342,14 @@ void pdm_kvt_stream_tx_destroy(pdm_kvt_stream_tx_t *tx);
  * flight in kvt's own bounded list (256), and every later call, whatever its tag, finishes
  * what ended since: its data goes to that call's cb if the call's (tag, mask) matches it,
  * then it is freed. A receive still in flight 2 s after it was taken is cancelled; one the
- * cancel has not ended 2 s later is given up and its buffer leaked (UCX may still write it:
- * never freed under UCX). While the list is full, messages stay in UCX's queue for a later
- * call. Returns how many messages this call took from the queue. */
+ * cancel has not ended 2 s later is given up: kept aside, its buffer freed only once UCX ends
+ * it (never under UCX). While 256 are in flight, or 64 MiB of buffers are held, messages
+ * stay in UCX's queue for a later call. Returns how many messages this call took. */
 typedef void (*pdm_kvt_drain_cb)(void *arg, uint64_t tag, const void *data, size_t len);
 int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb cb, void *arg);
 /* Drained messages whose receive is still in flight; *abandoned (may be NULL): those given
- * up so far (their buffers leaked). */
+ * up so far (a cancel did not end them: each is kept, not counted in flight, until UCX ends
+ * it, when its endpoint fails or at pdm_kvt_destroy, and its buffer is freed then). */
 int pdm_kvt_drain_pending(pdm_kvt_t *kvt, uint64_t *abandoned);
 /* Cancels posted receives (PDM_KVT_REQ_NONE entries are skipped) and waits, one bounded
  * grace period for all, until the transport has released them; every handle is released and

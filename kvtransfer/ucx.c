@@ -28,6 +28,8 @@
 #define PDM__KVT_MAX_PEERS 256
 #define PDM__KVT_GRACE 2.0 /* seconds UCX gets to let go of buffers after a failure */
 #define PDM__KVT_MAX_DRAINS 256 /* drained messages whose receive is in flight, at most */
+/* ... and their bytes: a drained KV block may be megabytes, and a dead stream has many */
+#define PDM__KVT_DRAIN_BYTES ((size_t)64 << 20)
 
 enum { SLOT_FREE = 0, SLOT_PENDING, SLOT_DONE, SLOT_ORPHAN };
 
@@ -57,6 +59,8 @@ typedef struct {
     uint64_t tag;     /* the sender's */
     double cancel_at; /* pdm_now() clock: cancelled from then on (once cancelled: given up) */
     int cancelled;
+    int abandoned;    /* a cancel did not end it: kept until UCX ends it (a failed endpoint
+                       * does), then its buffer is freed */
 } pdm__drain_t;
 
 typedef struct {
@@ -94,8 +98,9 @@ struct pdm_kvt {
 
     /* pdm_kvt_drain's receives in flight, [0, n_drains) (under progress_lock), and those given
      * up (a cancel did not end them: their buffers are leaked rather than freed under UCX) */
-    pdm__drain_t drains[PDM__KVT_MAX_DRAINS];
-    int n_drains;
+    pdm__drain_t drains[2 * PDM__KVT_MAX_DRAINS]; /* in flight, then given up (abandoned) */
+    int n_drains, n_abandoned;
+    size_t drain_bytes;         /* their buffers' bytes */
     uint64_t drains_abandoned;
 
     int use_thread;
@@ -891,7 +896,7 @@ static void pdm__drains_reap(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kv
     for (int i = 0; i < kvt->n_drains;) {
         pdm__drain_t *d = &kvt->drains[i];
         const ucs_status_t st = ucp_request_check_status(d->ureq);
-        if (st == UCS_INPROGRESS && now < d->cancel_at) {
+        if (st == UCS_INPROGRESS && (now < d->cancel_at || d->abandoned)) {
             i++;
             continue;
         }
@@ -901,17 +906,22 @@ static void pdm__drains_reap(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kv
             d->cancel_at = now + PDM__KVT_GRACE;
             continue;
         }
-        ucp_request_free(d->ureq);
-        if (st == UCS_INPROGRESS) {
+        if (st == UCS_INPROGRESS) { /* UCX may still write its buffer: kept until it ends */
+            d->abandoned = 1;
+            kvt->n_abandoned++;
             kvt->drains_abandoned++;
             pdm_log_warn("kvt: a drained message (tag %016llx, %zu bytes) did not end %.0f s "
-                         "after its cancel: its buffer is left to UCX",
+                         "after its cancel: kept until its endpoint fails",
                          (unsigned long long)d->tag, d->len, PDM__KVT_GRACE);
-        } else {
-            if (st == UCS_OK && cb && ((d->tag ^ tag) & mask) == 0)
-                cb(arg, d->tag, d->buf, d->len);
-            free(d->buf);
+            i++;
+            continue;
         }
+        ucp_request_free(d->ureq);
+        if (st == UCS_OK && cb && !d->abandoned && ((d->tag ^ tag) & mask) == 0)
+            cb(arg, d->tag, d->buf, d->len);
+        if (d->abandoned) kvt->n_abandoned--;
+        free(d->buf);
+        kvt->drain_bytes -= d->len;
         kvt->drains[i] = kvt->drains[--kvt->n_drains];
     }
 }
@@ -925,7 +935,11 @@ int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb 
     pdm__drains_reap(kvt, tag, mask, cb, arg, now);
     /* One list entry must be free before a message leaves UCX's queue (it may not complete
      * at once); with none, the rest stays queued for a later call. */
-    for (int guard = 0; guard < 65536 && kvt->n_drains < PDM__KVT_MAX_DRAINS; guard++) {
+    for (int guard = 0; guard < 65536 &&
+                        kvt->n_drains - kvt->n_abandoned < PDM__KVT_MAX_DRAINS &&
+                        kvt->n_drains < 2 * PDM__KVT_MAX_DRAINS &&
+                        kvt->drain_bytes < PDM__KVT_DRAIN_BYTES;
+         guard++) {
         ucp_tag_recv_info_t info;
         ucp_tag_message_h msg = ucp_tag_probe_nb(kvt->worker, tag, mask, 1, &info);
         if (!msg) break;
@@ -944,6 +958,7 @@ int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb 
             kvt->drains[kvt->n_drains++] = (pdm__drain_t){
                 .ureq = r, .buf = buf, .len = info.length, .tag = info.sender_tag,
                 .cancel_at = now + PDM__KVT_GRACE};
+            kvt->drain_bytes += info.length;
             continue;
         }
         if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
@@ -957,7 +972,7 @@ int pdm_kvt_drain(pdm_kvt_t *kvt, uint64_t tag, uint64_t mask, pdm_kvt_drain_cb 
 int pdm_kvt_drain_pending(pdm_kvt_t *kvt, uint64_t *abandoned)
 {
     pthread_mutex_lock(&kvt->progress_lock);
-    const int n = kvt->n_drains;
+    const int n = kvt->n_drains - kvt->n_abandoned;
     if (abandoned) *abandoned = kvt->drains_abandoned;
     pthread_mutex_unlock(&kvt->progress_lock);
     return n;

@@ -194,8 +194,11 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
     const uint64_t rid = pdm_link_router_id(pn->link, pdm_link_origin(pn->link));
     int known = 0;
     for (int i = 0; i < pn->n_wired && !known; i++) known = pn->wired_ids[i] == rid;
-    if (pn->grouped && hash && hash == pn->wire_hash && !known &&
-        pn->n_wired < PDM_LINK_MAX_ROUTERS) {
+    if (pn->grouped && hash && hash == pn->wire_hash && !known) {
+        if (pn->n_wired == PDM_LINK_MAX_ROUTERS) { /* the oldest (a router long restarted) */
+            memmove(pn->wired_ids, pn->wired_ids + 1, sizeof(pn->wired_ids[0]) * (size_t)(PDM_LINK_MAX_ROUTERS - 1));
+            pn->n_wired--;
+        }
         pn->wired_ids[pn->n_wired++] = rid;
         ready.epoch = pdm_link_epoch(pn->link);
         ready.group = (char *)(w->group ? w->group : "");
@@ -710,11 +713,15 @@ static void pdm__drop_stale(pdm__daemon_t *pn)
     }
     const double too_old = pdm_now() - PDM_MAX(60.0, 4 * pn->rp.timeout);
     int n = 0;
-    for (int i = pn->n_queued - 1; i >= 0; i--)
-        if ((any && gone[pn->queue[i].origin]) || pn->queue[i].arrived < too_old) {
+    for (int i = pn->n_queued - 1; i >= 0; i--) {
+        /* (in an unordered group a group task runs on every rank or none: a router's lease
+         * runs out on each rank at its own time, so its group tasks run, unanswered) */
+        const int keep = !pn->follow_rank0 && pdm__ordered(pn, &pn->queue[i]);
+        if ((any && gone[pn->queue[i].origin] && !keep) || pn->queue[i].arrived < too_old) {
             pdm__dequeue(pn, i, 0);
             n++;
         }
+    }
     if (n) pdm_log_warn("prefill rank: dropped %d queued task(s) of a router that is gone", n);
 }
 

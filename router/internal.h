@@ -139,6 +139,9 @@ typedef struct {
     int wire_stale;               /* rank 0 refused a task of the current wiring for another
                                    * formation (ERR_STALE_FORMATION): registry.c re-sends the
                                    * GroupWire */
+    double stale_rewire_at;       /* when it last did: at most once a lease, so that two
+                                   * routers that see an elastic group differently do not
+                                   * re-form it under each other's tasks without end */
     int wired;
     int inflight;                 /* prefill tasks sent and not finished on all ranks */
     double suspect_until;         /* an attempt through it failed: not used until then (a

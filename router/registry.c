@@ -174,6 +174,9 @@ static void rt_group_rewire_stale(pdm_router_t *r, int g)
 {
     if (g < 0 || !r->groups[g].wire_stale) return;
     rt_group_t *gr = &r->groups[g];
+    const double now = pdm_now();
+    if (now < gr->stale_rewire_at + r->cfg.lease_ms / 1e3) return; /* (wire_stale stays) */
+    gr->stale_rewire_at = now;
     const int inflight = gr->inflight, solo_inflight = gr->solo_inflight;
     int rank_tasks[PDM_PREFILL_MAX_RANKS];
     memcpy(rank_tasks, gr->rank_tasks, sizeof(rank_tasks));

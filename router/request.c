@@ -81,7 +81,7 @@ static const char *rt_err_text(const Pdmesh__Error *e)
     return e && e->message && e->message[0] ? e->message : "failed";
 }
 
-static void rt_chunk_release(pdm_router_t *r, rt_req_t *q);
+static void rt_chunk_release(pdm_router_t *r, rt_req_t *q, int cancel);
 
 /* Prompt tokens q reused from a cache rather than computed for it: its task's cached prefix,
  * of which the rows its own prefill chunks computed do not count. */
@@ -92,7 +92,7 @@ static uint32_t rt_req_reused(const rt_req_t *q)
 
 static void rt_req_unlink_free(pdm_router_t *r, rt_req_t *q)
 {
-    rt_chunk_release(r, q); /* a chunk of its prompt still in flight */
+    rt_chunk_release(r, q, 0); /* a chunk of its prompt still in flight */
     /* OpenAI's n: a choice leaves its leader; a leader's choices go on alone */
     if (q->leader) q->leader->choice[q->choice_index] = NULL;
     for (uint32_t i = 0; i < q->n_samples && i < RT_MAX_CHOICES; i++) {
@@ -787,14 +787,27 @@ static rt_req_t *rt_chunk_req(pdm_router_t *r, int node, uint64_t task_id, uint3
 }
 
 /* Gives back what q's chunk in flight holds of its group; the ranks that did not answer are
- * taken as free (a chunk is not cancelled: it is bounded work, and the mirror counts on it). */
-static void rt_chunk_release(pdm_router_t *r, rt_req_t *q)
+ * taken as free. With `cancel` (the chunk failed, the mirror is reset), they are told to drop
+ * it if it still waits there: a follower's copy that rank 0 refused is never forwarded, and
+ * would hold it (a draining follower waits for its copies). Otherwise the chunk is bounded
+ * work that the mirror counts on, and runs. */
+static void rt_chunk_release(pdm_router_t *r, rt_req_t *q, int cancel)
 {
     if (!q->chunk_id) return;
     rt_group_t *gr = &r->groups[q->chunk_group];
     if (gr->inflight > 0) gr->inflight--;
-    for (uint32_t k = 0; k < gr->size && k < PDM_PREFILL_MAX_RANKS; k++)
-        if (!(q->chunk_answered >> k & 1)) rt_rank_done(gr, k);
+    for (uint32_t k = 0; k < gr->size && k < PDM_PREFILL_MAX_RANKS; k++) {
+        if (q->chunk_answered >> k & 1) continue;
+        rt_rank_done(gr, k);
+        rt_node_t *m = gr->member[k] >= 0 ? &r->nodes[gr->member[k]] : NULL;
+        if (cancel && m && !m->dead && m->epoch == q->chunk_epochs[k]) {
+            Pdmesh__CancelTask c = PDMESH__CANCEL_TASK__INIT;
+            c.task_id = q->chunk_id;
+            c.attempt = 1;
+            rt_send(r->node_sock, m->ident, m->ident_len, PDMESH__MSG_TYPE__MSG_CANCEL_TASK,
+                    &c.base);
+        }
+    }
     q->chunk_id = 0;
 }
 
@@ -809,7 +822,7 @@ static void rt_chunk_failed(pdm_router_t *r, rt_req_t *q, const char *why, int s
     pdm_prefill_conv_reset(&gr->conv);
     pdm_prefill_pool_clear(&gr->pool);
     gr->pool_reset = 1;
-    rt_chunk_release(r, q);
+    rt_chunk_release(r, q, 1);
     if (stop) q->chunk_off = 1;
     pdm_metric_inc(r->m.prefill_chunk_failures, NULL, 1);
 }
@@ -817,7 +830,11 @@ static void rt_chunk_failed(pdm_router_t *r, rt_req_t *q, const char *why, int s
 int rt_req_chunk(pdm_router_t *r, rt_req_t *q, int g)
 {
     rt_group_t *gr = &r->groups[g];
-    const int32_t C = r->cfg.prefill_chunk_tokens, n = (int32_t)q->n_prompt;
+    /* (at least a prefix block: smaller chunks would not be reused) */
+    const int32_t C = r->cfg.prefill_chunk_tokens > 0
+                          ? PDM_MAX(r->cfg.prefill_chunk_tokens, r->cfg.block_tokens)
+                          : 0,
+                  n = (int32_t)q->n_prompt;
     const int64_t budget = rt_group_pool_budget(r, gr);
     pdm_prefill_method_t want = PDM_PREFILL_AUTO;
     pdm_prefill_method_parse(r->cfg.method, &want);
@@ -1204,6 +1221,18 @@ static void rt_prefill_task_fill(pdm_router_t *r, rt_req_t *q, Pdmesh__PrefillTa
 static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
 {
     rt_group_t *g = &r->groups[q->group];
+    if (q->solo_rank < 0 && q->cached_tokens > 0 && g->pool_reset) {
+        /* A failure since the task was planned emptied the group's conversations (the ranks
+         * empty theirs with this very task): the prefix it counts on is gone. Planned again,
+         * not a failed attempt, and not held against the group. */
+        pdm_log_info("router: request %llu: the group %s was reset after its task was planned "
+                     "on %u cached tokens: planned again", (unsigned long long)q->id, g->name,
+                     q->cached_tokens);
+        rt_req_release_nodes(r, q, 1);
+        q->state = RQ_QUEUED;
+        q->started = 0;
+        return;
+    }
     Pdmesh__PrefillTask t;
     Pdmesh__SamplingParams sp;
     uint32_t chunks[PDM_PREFILL_MAX_RANKS];
@@ -1704,7 +1733,9 @@ void rt_req_on_node_lost(pdm_router_t *r, int node, int group, const char *why)
         if (q->chunk_id && group >= 0 && q->chunk_group == group) {
             char m1[256];
             snprintf(m1, sizeof(m1), "prefill rank %s %s", n->id, why);
-            rt_chunk_failed(r, q, m1, 0); /* the group's fault: it may chunk again elsewhere */
+            /* (not the request's fault; its next chunk finds less held than its chunks
+             * computed, and it then goes whole) */
+            rt_chunk_failed(r, q, m1, 0);
         }
         if (q->state == RQ_QUEUED) continue;
         int hit = q->dnode == node || (group >= 0 && q->group == group);
