@@ -4,8 +4,8 @@
 One real mesh per (rate, arm, repeat) - pdmesh-router with a group pool, a 2-rank prefill
 group and a decode node, 1 thread each, every prompt prefilled by the group
 (--local-threshold 0) - with two arms that differ only in --prefill-chunk-tokens:
-  chunk-on   --prefill-chunk-tokens 256: a long prompt's group prefill runs as chunks of 256
-             tokens, and the tasks queued meanwhile go between them;
+  chunk-on   --prefill-chunk-tokens C (--chunk, 512): a long prompt's group prefill runs as
+             chunks of C tokens, and the tasks queued meanwhile go between them;
   chunk-off  0 (the default): one task per prompt.
 Both arms run --group-pool-tokens 16384 (chunking needs a pool that holds the prompt), so
 the pool itself is not what differs. The arms alternate (A B, then B A). Poisson arrivals
@@ -28,7 +28,7 @@ from batch import cpu_model  # noqa: E402
 from mesh import Mesh, mesh_argparser  # noqa: E402
 from run import fmt  # noqa: E402
 
-ARMS = {"chunk-on": "256", "chunk-off": "0"}
+ARMS = {"chunk-on": "512", "chunk-off": "0"}
 
 
 def mix(short_words, long_words, long_share, n=64, seed=11):
@@ -96,11 +96,11 @@ def write(out, result):
         "(`--local-threshold 0`). Poisson arrivals for %d s of distinct prompts: %d %% of %d "
         "words, the rest of %d words (about 1.3 tokens a word), %d output tokens (ignore_eos), "
         "temperature 0, streamed. Goodput: requests per second with TTFT <= %.1f s and TPOT <= "
-        "%.0f ms. `chunk-on` is `--prefill-chunk-tokens 256`, `chunk-off` `0` (the default); "
+        "%.0f ms. `chunk-on` is `--prefill-chunk-tokens %d`, `chunk-off` `0` (the default); "
         "they alternate. `chunks`: chunk tasks the groups ran." % (
             result["duration_s"], round(100 * result["long_share"]), result["long_words"],
             result["short_words"], result["max_tokens"], result["slo_ttft_s"],
-            1e3 * result["slo_tpot_s"]),
+            1e3 * result["slo_tpot_s"], result["chunk_tokens"]),
         "",
         "| rate (req/s) | arm | ok/sent | chunks | goodput (req/s) | short TTFT p50 / p99 | "
         "long TTFT p50 / p99 | TPOT p50 / p99 | load |",
@@ -129,6 +129,7 @@ def main():
     ap.add_argument("--short-words", type=int, default=40)
     ap.add_argument("--long-words", type=int, default=900)
     ap.add_argument("--long-share", type=float, default=0.25)
+    ap.add_argument("--chunk", type=int, default=512, help="--prefill-chunk-tokens of chunk-on")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--slo-ttft", type=float, default=2.0)
     ap.add_argument("--slo-tpot", type=float, default=0.1)
@@ -138,6 +139,7 @@ def main():
     if args.repeats is None:
         args.repeats = 1 if args.quick else 2
     rates = [float(x) for x in args.rates.split(",")]
+    ARMS["chunk-on"] = str(args.chunk)
     prompts = mix(args.short_words, args.long_words, args.long_share)
     t0 = time.time()
     load_before = os.getloadavg()
@@ -154,6 +156,7 @@ def main():
         "quick": args.quick, "duration_s": args.duration, "rates": rates,
         "repeats": args.repeats, "short_words": args.short_words,
         "long_words": args.long_words, "long_share": args.long_share,
+        "chunk_tokens": args.chunk,
         "max_tokens": args.max_tokens, "slo_ttft_s": args.slo_ttft,
         "slo_tpot_s": args.slo_tpot, "rows": rows,
         "errors": sorted({e for r in rows for e in r["errors"]}),
