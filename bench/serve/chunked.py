@@ -94,7 +94,7 @@ def write(out, result):
         "One mesh per row: pdmesh-router (`--group-pool-tokens 16384`), a 2-rank prefill group "
         "and a decode node, 1 thread each, every prompt prefilled by the group "
         "(`--local-threshold 0`). Poisson arrivals for %d s of distinct prompts: %d %% of %d "
-        "words, the rest of %d words (about 1.3 tokens a word), %d output tokens (ignore_eos), "
+        "words, the rest of %d words (about a token a word), %d output tokens (ignore_eos), "
         "temperature 0, streamed. Goodput: requests per second with TTFT <= %.1f s and TPOT <= "
         "%.0f ms. `chunk-on` is `--prefill-chunk-tokens %d`, `chunk-off` `0` (the default); "
         "they alternate. `chunks`: chunk tasks the groups ran." % (
