@@ -20,13 +20,14 @@ Checks:
   3. UCX between containers runs over TCP on the bridge: the decode containers hold
      established TCP connections with prefill containers' addresses inside UCX_TCP_PORT_RANGE
      (separate containers share no memory or PID namespace, and UCX_TLS has no shm);
-  4. SIGKILL of the decode container serving a 400-token stream (once the client has 8
-     tokens; sent to its init process as `podman kill` does, without podman's latency): the request migrates to the other decode node and completes, the stream
+  4. SIGKILL of the decode container serving a 1000-token stream (once the client has 8
+     tokens; sent to its init process as `podman kill` does, without podman's latency): the
+     request migrates to the other decode node and completes, the stream
      consistent (no token lost or repeated); what was streamed before the kill equals the
      same request run undisturbed. After the migration point the text may differ (the new
      node prefills the delivered tokens in one batch: docs/router.md), and a group's greedy
      output parts from the single-process engine's after a few dozen tokens on this prompt
-     (a group prefill rounds the KV differently), so the 400-token texts are compared with
+     (a group prefill rounds the KV differently), so the 1000-token texts are compared with
      the engine's only in the printed numbers;
   5. `podman start` of the killed container: it registers again and is sent requests; the
      completions it serves equal the engine (prints the time from start to first request);
@@ -71,7 +72,7 @@ PROMPT = ("The capital of France is a city that many people visit because of its
           "so important in Europe and what travellers should see first.")
 # The stream that loses its decode node: LONG_N tokens (~5 s here on 2 cores); its node is
 # killed once the client has received KILL_AT of them.
-LONG_N = 400
+LONG_N = 1000  # (the router's --max-tokens 1024) long: the kill lands mid-stream on any host
 KILL_AT = 8
 HEARTBEAT_S = 1.0  # the router's --heartbeat-ms default (the manifests keep it)
 check = Checks(800)
@@ -218,18 +219,25 @@ class Mesh:
         if not hasattr(self, "router_log"):
             self.router_log = podman("container", "inspect", "--format",
                                      "{{.HostConfig.LogConfig.Path}}", self.router)
-        out = []
-        with open(self.router_log, errors="replace") as fh:
-            for line in fh:
-                f = line.rstrip("\n").split(" ", 3)
-                m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$", f[0])
-                if len(f) < 4 or not m:
-                    continue
-                when = datetime.datetime.fromisoformat(
-                    m.group(1) + (m.group(2) or ".0")[:7] +
-                    ("+00:00" if m.group(3) == "Z" else m.group(3))).timestamp()
-                out.append((when, f[3]))
-        return out
+            self.events, self.events_at = [], 0
+        # only the lines added since the last call are parsed: the log grows to thousands of
+        # lines, and a whole parse under load took long enough to let a stream end before
+        # the kill it was to time
+        with open(self.router_log, "rb") as fh:
+            fh.seek(self.events_at)
+            data = fh.read()
+        end = data.rfind(b"\n") + 1
+        self.events_at += end
+        for line in data[:end].decode(errors="replace").splitlines():
+            f = line.split(" ", 3)
+            m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$", f[0])
+            if len(f) < 4 or not m:
+                continue
+            when = datetime.datetime.fromisoformat(
+                m.group(1) + (m.group(2) or ".0")[:7] +
+                ("+00:00" if m.group(3) == "Z" else m.group(3))).timestamp()
+            self.events.append((when, f[3]))
+        return list(self.events)
 
     def dispatches(self, node=None, attempt=" attempt 1 -> "):
         """The router's first-attempt dispatch lines (request.c: "attempt N -> NODE via")."""
@@ -485,17 +493,17 @@ def main():
         engine_same = next((i for i, (x, y) in enumerate(zip(ref_long, engine_long))
                             if x != y), min(len(ref_long), len(engine_long)))
         migr = mesh.metric("pdmesh_migrations_total")
-        seen = len(mesh.dispatches())
         chunks, holder = [], {}
         # The kill is SIGKILL to the container's init process, as `podman kill` sends it, but
         # without podman's own start-up: on a CI host `podman kill` took longer than the rest
-        # of the stream (400 tokens at 4.3 ms), and the request finished before the node died.
+        # of a 400-token stream (at 4.3 ms a token), which finished before the node died.
         pids = {d: mesh.pid(d) for d in decodes if mesh.running(d)}
 
         def stream_job():
             try:
                 with pdmesh.Client(mesh.client_ep, timeout=60) as c:
                     s = c.stream(PROMPT, max_tokens=LONG_N, temperature=0)
+                    holder["stream"] = s
                     for ch in s:
                         chunks.append((time.time(), ch))
                     holder["res"] = s.result
@@ -503,12 +511,26 @@ def main():
                 holder["err"] = e
         t = threading.Thread(target=stream_job)
         t.start()
+        # the node it went to (pdctl requests, by the router id the client has from the
+        # router's Accepted; not the router's log, which conmon may write seconds late under
+        # load), then the kill as soon as the client has KILL_AT tokens
         end = time.time() + 60
+        victim, polls = None, 0
+        while victim is None and t.is_alive() and time.time() < end:
+            rid = getattr(holder.get("stream"), "router_request_id", 0)
+            if not rid:
+                time.sleep(0.005)
+                continue
+            polls += 1
+            mine = [q["decode_node"] for q in pdctl(mesh, "requests").get("requests", [])
+                    if q.get("router_request_id") == rid and q.get("decode_node")]
+            mine += [m.split(" -> ")[1].split()[0] for m in mesh.dispatches()
+                     if "request %d attempt 1 -> " % rid in m]
+            victim = mine[0] if mine else None
+        holder["victim_search"] = "%d polls, %.1f s" % (polls, time.time() - end + 60)
         while (sum(len(ch.tokens) for _, ch in chunks) < KILL_AT and t.is_alive() and
                time.time() < end):
-            time.sleep(0.01)
-        lines = mesh.dispatches()
-        victim = lines[seen].split(" -> ")[1].split()[0] if len(lines) > seen else None
+            time.sleep(0.005)
         t_kill = time.time()
         if victim in pids and t.is_alive():
             try:
@@ -536,7 +558,8 @@ def main():
               res.usage.get("attempts", 0) >= 2 and whole == res.text and
               sum(len(ch.tokens) for _, ch in chunks) == len(res.tokens) and
               (len(res.tokens) == LONG_N or res.finish in ("eos", "stop")),
-              holder.get("err") or (res and (res.usage, res.finish, len(whole), len(res.text))))
+              holder.get("err") or (res and (res.usage, res.finish, len(whole), len(res.text),
+                                             holder.get("victim_search"))))
         if res is None:  # where the client's connection stood
             print(subprocess.run("ip addr show %s; ss -tnoi dst %s" % (bridge(), mesh.router_ip),
                                  shell=True, capture_output=True, text=True).stdout)
