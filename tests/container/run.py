@@ -527,7 +527,8 @@ def main():
             mine += [m.split(" -> ")[1].split()[0] for m in mesh.dispatches()
                      if "request %d attempt 1 -> " % rid in m]
             victim = mine[0] if mine else None
-        holder["victim_search"] = "%d polls, %.1f s" % (polls, time.time() - end + 60)
+        holder["victim_search"] = "%d polls in %.2f s, %d tokens then" % (
+            polls, time.time() - end + 60, sum(len(ch.tokens) for _, ch in chunks))
         while (sum(len(ch.tokens) for _, ch in chunks) < KILL_AT and t.is_alive() and
                time.time() < end):
             time.sleep(0.005)
@@ -551,9 +552,10 @@ def main():
         whole = "".join(ch.text for _, ch in chunks)
         same = next((i for i, (x, y) in enumerate(zip(res.text if res else "", ref_long))
                      if x != y), min(len(res.text if res else ""), len(ref_long)))
-        check("SIGKILL of %s after %d streamed tokens: the request migrates and completes "
-              "on the other node (%s tokens, %d attempts), the stream consistent"
-              % (victim, n_pre, res and len(res.tokens), res and res.usage.get("attempts", 0) or 0),
+        check("SIGKILL of %s after %d streamed tokens (found by %s): the request migrates and "
+              "completes on the other node (%s tokens, %d attempts), the stream consistent"
+              % (victim, n_pre, holder.get("victim_search"), res and len(res.tokens),
+                 res and res.usage.get("attempts", 0) or 0),
               victim in decodes and res is not None and res.usage["decode_node"] != victim and
               res.usage.get("attempts", 0) >= 2 and whole == res.text and
               sum(len(ch.tokens) for _, ch in chunks) == len(res.tokens) and
