@@ -82,6 +82,15 @@ static int pdm__join_lead(pdm_kvt_group_t *g, double deadline)
     return st;
 }
 
+/* Whether posted receive *r has a message (1, *bytes set) or failed (negative); either way
+ * *r is released. 0 while it waits. */
+static int pdm__join_took(pdm_kvt_group_t *g, pdm_kvt_req_t *r, size_t *bytes)
+{
+    const int t = pdm_kvt_test(g->kvt, *r, bytes);
+    if (t) *r = PDM_KVT_REQ_NONE;
+    return t;
+}
+
 /* Rank j > 0: confirms every JOIN from rank 0 until the COMMIT of its own f comes. */
 static int pdm__join_follow(pdm_kvt_group_t *g, double deadline)
 {
@@ -95,15 +104,9 @@ static int pdm__join_follow(pdm_kvt_group_t *g, double deadline)
     int done = 0;
     while (!st && !done) {
         size_t bytes = 0;
-        int got = 0, t = pdm_kvt_test(g->kvt, rj, &bytes);
-        if (t < 0) {
-            rj = PDM_KVT_REQ_NONE;
-            st = t;
-            break;
-        }
+        int got = 0, t = pdm__join_took(g, &rj, &bytes);
         if (t > 0) {
             got = 1;
-            rj = PDM_KVT_REQ_NONE;
             if (bytes == sizeof(jm) && jm.rank == 0 && jm.nonce) {
                 nonce = jm.nonce;
                 const pdm__join_msg_t c = {(uint32_t)g->rank, nonce, f};
@@ -111,16 +114,11 @@ static int pdm__join_follow(pdm_kvt_group_t *g, double deadline)
             }
             if (!st) st = pdm__join_post(g, PDM__JOIN, &jm, &rj);
         }
+        if (t < 0) st = t;
         if (st) break;
-        t = pdm_kvt_test(g->kvt, rc, &bytes);
-        if (t < 0) {
-            rc = PDM_KVT_REQ_NONE;
-            st = t;
-            break;
-        }
+        t = pdm__join_took(g, &rc, &bytes);
         if (t > 0) {
             got = 1;
-            rc = PDM_KVT_REQ_NONE;
             if (bytes == sizeof(cm) && cm.rank == 0 && cm.f == f && cm.nonce) {
                 g->nonce = cm.nonce;
                 done = 1;
@@ -128,6 +126,7 @@ static int pdm__join_follow(pdm_kvt_group_t *g, double deadline)
                 st = pdm__join_post(g, PDM__COMMIT, &cm, &rc); /* of an earlier attempt */
             }
         }
+        if (t < 0) st = t;
         if (!st && !done && !got) {
             if (pdm_now() > deadline)
                 st = pdm_error_set(PDM_ETIMEOUT, "group: no COMMIT from rank 0 within %.1f s%s",

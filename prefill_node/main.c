@@ -196,7 +196,8 @@ static void pdm__on_group_wire(pdm__daemon_t *pn, const Pdmesh__GroupWire *w)
     for (int i = 0; i < pn->n_wired && !known; i++) known = pn->wired_ids[i] == rid;
     if (pn->grouped && hash && hash == pn->wire_hash && !known) {
         if (pn->n_wired == PDM_LINK_MAX_ROUTERS) { /* the oldest (a router long restarted) */
-            memmove(pn->wired_ids, pn->wired_ids + 1, sizeof(pn->wired_ids[0]) * (size_t)(PDM_LINK_MAX_ROUTERS - 1));
+            memmove(pn->wired_ids, pn->wired_ids + 1,
+                    sizeof(pn->wired_ids[0]) * (size_t)(PDM_LINK_MAX_ROUTERS - 1));
             pn->n_wired--;
         }
         pn->wired_ids[pn->n_wired++] = rid;

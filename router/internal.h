@@ -312,7 +312,7 @@ typedef struct rt_req {
     uint32_t chunk_start, chunk_end;
     uint64_t chunk_answered;
     uint64_t chunk_epochs[PDM_PREFILL_MAX_RANKS];
-    double chunk_sent, chunk_until, chunk_seconds;
+    double chunk_until, chunk_seconds;
     int chunk_off;
     uint32_t chunks_done;         /* chunks computed for it */
     uint32_t chunk_reused;        /* the cached prefix its first chunk continued (Usage) */

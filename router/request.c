@@ -909,7 +909,6 @@ int rt_req_chunk(pdm_router_t *r, rt_req_t *q, int g)
     q->chunk_end = (uint32_t)end;
     q->chunk_answered = 0;
     q->chunk_seconds = 0;
-    q->chunk_sent = now;
     /* a rank that fails answers within its group timeout; this only bounds a lost answer */
     q->chunk_until = now + 60;
     gr->inflight++;
@@ -1221,10 +1220,11 @@ static void rt_prefill_task_fill(pdm_router_t *r, rt_req_t *q, Pdmesh__PrefillTa
 static void rt_send_prefill(pdm_router_t *r, rt_req_t *q)
 {
     rt_group_t *g = &r->groups[q->group];
-    if (q->solo_rank < 0 && q->cached_tokens > 0 && g->pool_reset) {
+    if (q->solo_rank < 0 && q->cached_tokens > 0 && g->pool_reset && q->attempt < 15) {
         /* A failure since the task was planned emptied the group's conversations (the ranks
          * empty theirs with this very task): the prefix it counts on is gone. Planned again,
-         * not a failed attempt, and not held against the group. */
+         * not a failed attempt, and not held against the group (while attempt numbers last:
+         * the 15th goes out and fails as any attempt would). */
         pdm_log_info("router: request %llu: the group %s was reset after its task was planned "
                      "on %u cached tokens: planned again", (unsigned long long)q->id, g->name,
                      q->cached_tokens);
