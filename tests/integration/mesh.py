@@ -4,6 +4,7 @@ nodes registering with the cluster secret from the environment (never a command 
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,6 +32,20 @@ class Checks:
 
 
 def free_port():
+    """A port free now, below Linux's ephemeral range (32768-60999): a port the kernel hands
+    out as ephemeral may be taken by any outgoing connection (UCX's, ZeroMQ's) before the
+    process it is meant for binds it (seen once: "cannot bind ...: Address already in use")."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(21000, 32000)
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            s.close()
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
